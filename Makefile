@@ -1,0 +1,40 @@
+# The commands a person runs. `make run` and `make test` do all set-up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROTOS := $(wildcard proto/kvstore/v1/*.proto)
+STUBS := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
+# Extra arguments for the daemon, e.g. `make run ARGS="--host-capacity 8GiB"`.
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: all setup stubs run test test-gpu lint clean
+
+all: setup
+
+setup: $(VENV)/.installed $(STUBS)
+
+# torch is installed first and pinned, so no requirement can pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "kvstore needs Python >= 3.11; set PYTHON=python3.11")'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@touch $@
+
+stubs: $(STUBS)
+
+kvstore/v1/%_pb2.py: proto/kvstore/v1/%.proto $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $<
+
+run: setup
+	$(PY) server.py $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-gpu: setup
+	$(PY) -m pytest -m gpu -v $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) kvstore/v1/*_pb2.py kvstore/v1/*_pb2.pyi kvstore/v1/*_pb2_grpc.py .pytest_cache

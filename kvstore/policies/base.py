@@ -1,0 +1,70 @@
+"""Eviction policy interface: a policy only orders victims.
+
+The store owns capacity accounting and the eviction loop (cachetools style). A policy
+is told about every block that becomes READY in its tier (`insert`), every hit
+(`touch`) and every removal for any reason (`remove`), and answers one question:
+which block should go next (`victim`). Pinned or leased blocks are skipped by the
+caller's `evictable` predicate, never by the policy, so the policy needs no view of
+leases.
+
+Keys are opaque `bytes` (namespace id + block hash, 32 bytes). `parent` is the key of
+the previous block in the same prefix chain, or None for the first block; prefix-aware
+policies use it, others ignore it. Time comes from the injected clock so that a trace
+replay can drive policies with the trace's timestamps.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from typing import ClassVar
+
+Clock = Callable[[], float]
+BlockKey = bytes
+
+
+class EvictionPolicy(ABC):
+    """Orders the READY blocks of one tier for eviction."""
+
+    name: ClassVar[str]
+
+    def __init__(self, clock: Clock = time.monotonic) -> None:
+        self.clock = clock
+
+    @abstractmethod
+    def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
+        """A block became READY in this tier. Inserting a present key acts as `touch`."""
+
+    @abstractmethod
+    def touch(self, key: BlockKey) -> None:
+        """A block was hit (lookup or fetch). Unknown keys are ignored."""
+
+    @abstractmethod
+    def remove(self, key: BlockKey) -> None:
+        """A block left this tier (evicted, deleted, moved). Unknown keys are ignored."""
+
+    @abstractmethod
+    def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
+        """The best block to evict among those for which `evictable` is true.
+
+        Does not remove it: the caller evicts it and then calls `remove`. Returns None
+        when no tracked block is evictable.
+        """
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    def hint(
+        self,
+        keys: Iterable[BlockKey],
+        session_id: str,
+        expect_reuse_within_s: float,
+    ) -> None:
+        """The client expects `keys` to be reused within the given time. Optional."""
+
+    def end_session(self, session_id: str) -> None:
+        """The session will not come back; release any protection it holds. Optional."""
