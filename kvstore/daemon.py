@@ -157,6 +157,7 @@ class Daemon:
         self._health: HealthServicer | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._stopping = False
         self._stopped = asyncio.Event()
         self._unix_paths: list[str] = []
 
@@ -245,9 +246,10 @@ class Daemon:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Graceful shutdown; safe to call more than once."""
-        if self._stopped.is_set():
+        if self._stopping:
+            await self._stopped.wait()
             return
-        self._stopped.set()
+        self._stopping = True
         grace = self.config.grace_s if grace_s is None else grace_s
         logger.info("shutting down: draining in-flight calls for up to %.1fs", grace)
         if self._health is not None:
@@ -261,6 +263,7 @@ class Daemon:
         if self._server is not None:
             await self._server.stop(grace)
         self._close_resources()
+        self._stopped.set()
         logger.info("kvstore stopped")
 
     def _close_resources(self) -> None:
@@ -278,6 +281,7 @@ class Daemon:
         self._unix_paths.clear()
 
     async def wait_stopped(self) -> None:
+        """Returns once `stop` has finished."""
         await self._stopped.wait()
 
 
