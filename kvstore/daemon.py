@@ -7,8 +7,10 @@ address in use (SO_REUSEPORT is turned off so a second daemon cannot silently sh
 port), a non-loopback TCP address without `allow_remote`, or a capacity larger than the
 machine can give.
 
-On SIGTERM/SIGINT: health turns NOT_SERVING, listeners stop accepting, in-flight calls
-get `grace_s` to finish, then tiers are closed and the Unix socket file is removed.
+On SIGTERM/SIGINT: health turns NOT_SERVING, event streams end, listeners stop
+accepting, in-flight calls get `grace_s` to finish, then the metrics endpoint closes,
+tiers are closed and the Unix socket file is removed. On SIGHUP the config sources are
+read again and runtime-modifiable fields are applied (see `kvstore.runtime`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import signal
 import socket
 import stat
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -29,11 +32,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from kvstore.admin_ops import OpsAdminServicer
 from kvstore.config import AUTO, Config
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.events import EventBus
 from kvstore.interceptors import ErrorInterceptor
+from kvstore.metrics import Metrics, MetricsServer
 from kvstore.policies import make_policy
-from kvstore.servicer import AdminServicer, KVStoreServicer
+from kvstore.runtime import RuntimeConfig
+from kvstore.servicer import KVStoreServicer
 from kvstore.store import Store, StoreLimits, StoreTier
 from kvstore.tiers.host import HostTier
 from kvstore.units import human_bytes
@@ -160,6 +167,17 @@ class Daemon:
         self._stopping = False
         self._stopped = asyncio.Event()
         self._unix_paths: list[str] = []
+        self.events = EventBus(config.events_queue)
+        self.runtime: RuntimeConfig | None = None
+        self.metrics = Metrics(lambda: self.store, self.events)
+        self._metrics_server: MetricsServer | None = None
+        self.metrics_address = ""  # HOST:PORT once the endpoint is up; empty when off
+        metrics_addr = None
+        if config.metrics_listen.strip().lower() != "off":
+            metrics_addr = parse_listen(config.metrics_listen, config.allow_remote)
+            if metrics_addr.kind != "tcp":
+                raise ConfigError(f"metrics_listen {config.metrics_listen!r} must be HOST:PORT or 'off'")
+        self._metrics_addr = metrics_addr
 
     @property
     def health(self) -> HealthServicer:
@@ -182,9 +200,12 @@ class Daemon:
             ),
             executor=self._executor,
         )
+        self.store.observer = self.events
+        self.runtime = RuntimeConfig(cfg, self.store, self.events)
         absent = [("hbm", "not configured in this version")]
         server = grpc.aio.server(
-            interceptors=[ErrorInterceptor()],
+            # Metrics outermost, so it sees the status the error interceptor set.
+            interceptors=[self.metrics.interceptor(), ErrorInterceptor()],
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -192,7 +213,7 @@ class Daemon:
             ],
         )
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.store, cfg.chunk_bytes), server)
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.store, cfg.as_dict(), absent), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(OpsAdminServicer(self.store, self.runtime, self.events, absent), server)
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -210,6 +231,18 @@ class Daemon:
         except BaseException:
             self._close_resources()
             raise
+        if self._metrics_addr is not None:
+            metrics_server = MetricsServer(self.metrics, self._metrics_addr.host, self._metrics_addr.port)
+            try:
+                await metrics_server.start()
+            except OSError as exc:
+                self._close_resources()
+                raise ConfigError(
+                    f"cannot serve metrics on {self._metrics_addr.grpc_target}: {exc.strerror}; "
+                    "choose another --metrics-listen or 'off'"
+                ) from None
+            self._metrics_server = metrics_server
+            self.metrics_address = metrics_server.address
         await server.start()
         self._server = server
         for name in ("", "kvstore.v1.KVStore", "kvstore.v1.Admin"):
@@ -218,7 +251,18 @@ class Daemon:
         logger.info(
             "kvstore serving on %s; host tier %s, policy %s", ", ".join(self.bound), human_bytes(host_capacity), cfg.policy
         )
+        if self.metrics_address:
+            logger.info("metrics at http://%s/metrics", self.metrics_address)
         logger.info("effective config: %s", cfg.as_dict())
+
+    def reload(self, load: Callable[[], Config]) -> None:
+        """SIGHUP: re-read the config sources and apply what may change live."""
+        if self.runtime is None or self._stopping:
+            return
+        try:
+            self.runtime.reload(load)
+        except KVStoreError as exc:
+            logger.error("reload failed, settings unchanged: %s", exc)
 
     def _bind(self, server: grpc.aio.Server, addr: ListenAddress) -> str:
         if addr.kind == "unix":
@@ -254,6 +298,8 @@ class Daemon:
         logger.info("shutting down: draining in-flight calls for up to %.1fs", grace)
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        # Event streams never end by themselves; end them so the drain is not held open.
+        self.events.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
             try:
@@ -262,6 +308,9 @@ class Daemon:
                 pass
         if self._server is not None:
             await self._server.stop(grace)
+        if self._metrics_server is not None:
+            await self._metrics_server.close()
+            self._metrics_server = None
         self._close_resources()
         self._stopped.set()
         logger.info("kvstore stopped")
@@ -285,13 +334,22 @@ class Daemon:
         await self._stopped.wait()
 
 
-async def serve(config: Config) -> None:
-    """Run a daemon until SIGTERM or SIGINT, then shut it down gracefully."""
+async def serve(config: Config, reload: Callable[[], Config] | None = None) -> None:
+    """Run a daemon until SIGTERM or SIGINT, then shut it down gracefully.
+
+    `reload` re-reads the config sources; with it, SIGHUP applies runtime fields.
+    """
     daemon = Daemon(config)
     await daemon.start()
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
-    await stop_requested.wait()
+    if reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, daemon.reload, reload)
+    try:
+        await stop_requested.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
     await daemon.stop()

@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvstore.checksum import checksum_batch
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -141,6 +142,31 @@ class TierStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class RemovalResult:
+    blocks: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockGroup:
+    """Blocks of one namespace in one tier (what a resyncing event consumer reloads)."""
+
+    namespace_id: bytes
+    tier: str
+    block_hashes: tuple[bytes, ...]
+
+
+class StoreObserver(Protocol):
+    """Told synchronously, on the loop, when blocks appear, leave or change tier; must not block."""
+
+    def blocks_stored(self, namespace_id: bytes, block_hashes: Sequence[bytes], tier: str) -> None: ...
+
+    def blocks_removed(self, namespace_id: bytes, block_hashes: Sequence[bytes], tier: str) -> None: ...
+
+    def blocks_moved(self, namespace_id: bytes, block_hashes: Sequence[bytes], from_tier: str, to_tier: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
 class StoreStatus:
     tiers: list[TierStatus]
     counters: StoreCounters
@@ -168,6 +194,8 @@ class Store:
         self._leases = LeaseTable()
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         self._tier_by_name = {t.name: t for t in self.tiers}
+        # Set by the daemon (the event bus); None in embedded and unit-test stores.
+        self.observer: StoreObserver | None = None
 
     # ----------------------------------------------------------------- namespaces
 
@@ -301,6 +329,8 @@ class Store:
             info.bytes -= entry.nbytes
         if entry.readers == 0:
             st.tier.free(entry.slot)
+        if self.observer is not None:
+            self.observer.blocks_removed(entry.key[:HASH_BYTES], [entry.key[HASH_BYTES:]], st.name)
 
     def _publish(self, entries: list[BlockEntry]) -> None:
         for entry in entries:
@@ -310,6 +340,12 @@ class Store:
             info = self._namespaces[entry.key[:HASH_BYTES]]
             info.blocks += 1
             info.bytes += entry.nbytes
+        if self.observer is not None and entries:
+            groups: dict[tuple[bytes, str], list[bytes]] = {}
+            for entry in entries:
+                groups.setdefault((entry.key[:HASH_BYTES], entry.slot.tier), []).append(entry.key[HASH_BYTES:])
+            for (ns_id, tier), hashes in groups.items():
+                self.observer.blocks_stored(ns_id, hashes, tier)
 
     # ----------------------------------------------------------------- fetch
 
@@ -382,6 +418,49 @@ class Store:
 
     def expire_leases(self) -> int:
         return self._leases.expire(self._clock())
+
+    # ----------------------------------------------------------------- operator verbs
+
+    def flush(self, namespace_id: bytes | None = None) -> RemovalResult:
+        """Remove every block (of one namespace, if given), leased or not, like `delete`."""
+        if namespace_id is not None:
+            self.namespace(namespace_id)
+        doomed = [e for e in self._index if namespace_id is None or e.key[:HASH_BYTES] == namespace_id]
+        for entry in doomed:
+            self._drop(entry)
+        self.counters.deletes += len(doomed)
+        if doomed:
+            logger.info("flushed %d blocks%s", len(doomed), f" of namespace {namespace_id.hex()}" if namespace_id else "")
+        return RemovalResult(len(doomed), sum(e.nbytes for e in doomed))
+
+    def evict_bytes(self, tier: str, nbytes: int) -> RemovalResult:
+        """Evict from `tier`, in its policy's order, until `nbytes` are freed or nothing
+        evictable is left (pinned and in-flight blocks stay)."""
+        st = self._tier_by_name.get(tier)
+        if st is None:
+            raise InvalidArgument(f"no tier named {tier!r} in this daemon; tiers: {', '.join(self._tier_by_name)}")
+        if nbytes < 0:
+            raise InvalidArgument(f"bytes to evict must be >= 0, got {nbytes}")
+        self.expire_leases()
+        blocks = freed = 0
+        while freed < nbytes:
+            victim = st.policy.victim(self._is_evictable)
+            if victim is None:
+                break
+            entry = self._index.get(victim)
+            assert entry is not None
+            freed += entry.slot.size
+            blocks += 1
+            self._evict(st, victim)
+        logger.info("operator eviction from %s: %d blocks, %d bytes", tier, blocks, freed)
+        return RemovalResult(blocks, freed)
+
+    def block_groups(self) -> list[BlockGroup]:
+        """Every READY block, grouped by namespace and tier (a point-in-time snapshot)."""
+        groups: dict[tuple[bytes, str], list[bytes]] = {}
+        for entry in self._index:
+            groups.setdefault((entry.key[:HASH_BYTES], entry.slot.tier), []).append(entry.key[HASH_BYTES:])
+        return [BlockGroup(ns, tier, tuple(hashes)) for (ns, tier), hashes in groups.items()]
 
     # ----------------------------------------------------------------- stats
 
