@@ -27,7 +27,9 @@ SMALL_LAYOUT = KVLayout(
 
 def make_config(tmp_path: Path, **overrides: Any) -> Config:
     base = load_config(
-        {"listen": f"unix:{tmp_path / 'kv.sock'},127.0.0.1:0", "host_capacity": "16MiB", "grace_s": "1"}, env={}
+        {"listen": f"unix:{tmp_path / 'kv.sock'},127.0.0.1:0", "host_capacity": "16MiB", "grace_s": "1",
+         "metrics_listen": "127.0.0.1:0"},
+        env={},
     )
     return replace(base, **overrides)
 

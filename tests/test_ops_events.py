@@ -1,0 +1,101 @@
+"""Block events: the bus under a consumer that never reads, and WatchEvents over gRPC
+with a consumer that falls behind (bounded queue, dropped count, resync marker)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+
+from kvstore.client import AsyncClient
+from kvstore.events import EventBus, EventKind
+from kvstore.store import BlockGroup
+from kvstore.v1 import admin_pb2, admin_pb2_grpc
+
+NS = b"n" * 16
+
+
+def _h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+async def test_bus_never_blocks_and_marks_resync():
+    bus = EventBus(queue_size=100)
+    slow = bus.subscribe(queue_size=4)
+    fast = bus.subscribe()
+    for i in range(10):  # a consumer that never reads: publishing still returns at once
+        bus.blocks_stored(NS, [_h(i)], "host")
+    assert bus.published == 10
+    # 10 events into 4 slots: two overflows, each discarding the backlog behind a marker.
+    slow.close()
+    got = [e async for e in slow]
+    assert got[0].kind is EventKind.RESYNC and got[0].dropped == bus.dropped == 9
+    assert all(e.kind is EventKind.STORED for e in got[1:])
+    assert [e.block_hashes[0] for e in got[1:]] == [_h(i) for i in range(10 - len(got) + 1, 10)]
+    fast.close()
+    assert [e.block_hashes for e in [e async for e in fast]] == [(_h(i),) for i in range(10)]
+
+
+async def test_bus_snapshot_and_namespace_filter():
+    bus = EventBus()
+    snap = [BlockGroup(NS, "host", (_h(1), _h(2))), BlockGroup(b"o" * 16, "host", (_h(3),))]
+    sub = bus.subscribe(NS, snapshot=snap)
+    bus.blocks_removed(b"o" * 16, [_h(3)], "host")
+    bus.blocks_moved(NS, [_h(1)], "host", "ssd")
+    sub.close()
+    got = [e async for e in sub]
+    assert [(e.kind, e.block_hashes, e.tier, e.from_tier) for e in got] == [
+        (EventKind.STORED, (_h(1), _h(2)), "host", ""),
+        (EventKind.MOVED, (_h(1),), "ssd", "host"),
+    ]
+
+
+async def test_watch_events_rpc_with_a_consumer_that_falls_behind(daemon, layout):
+    tokens = list(range(layout.block_size_tokens * 20))
+    async with AsyncClient(daemon.unix_target) as kv, grpc.aio.insecure_channel(daemon.unix_target) as channel:
+        put = await kv.put(layout, tokens[:8], [os.urandom(layout.bytes_per_block) for _ in range(2)])
+        admin = admin_pb2_grpc.AdminStub(channel)
+        call = admin.WatchEvents(admin_pb2.WatchEventsRequest(snapshot=True, queue_size=4), timeout=30)
+        stream = call.__aiter__()
+        first = await anext(stream)  # the snapshot: we are subscribed from here on
+        assert first.kind == admin_pb2.EVENT_STORED and list(first.block_hashes) == put.block_hashes
+
+        await kv.put(layout, tokens, [os.urandom(layout.bytes_per_block) for _ in range(18)], first_block=2)
+        stored = await anext(stream)
+        assert stored.kind == admin_pb2.EVENT_STORED and len(stored.block_hashes) == 18 and stored.tier == "host"
+
+        # One flush removes 20 blocks in one synchronous step, 20 events into a queue of 4:
+        # the watcher cannot keep up, the store does not wait for it.
+        flushed = await admin.Flush(admin_pb2.FlushRequest())
+        assert flushed.blocks == 20
+        kinds, dropped, removed = [], 0, []
+        while True:
+            e = await anext(stream)
+            kinds.append(e.kind)
+            if e.kind == admin_pb2.EVENT_RESYNC:
+                dropped += e.dropped
+            else:
+                removed += list(e.block_hashes)
+            if dropped + len(removed) >= 20:
+                break
+        assert admin_pb2.EVENT_RESYNC in kinds and dropped > 0
+        assert len(removed) <= 4
+        call.cancel()
+
+        stats = await admin.Info(admin_pb2.InfoRequest(section="stats"))
+        assert "blocks_stored:20" in stats.text
+    assert daemon.daemon.events.dropped == dropped
+
+
+async def test_watch_events_ends_on_shutdown(daemon, layout):
+    async with AsyncClient(daemon.unix_target) as kv, grpc.aio.insecure_channel(daemon.unix_target) as channel:
+        await kv.put(layout, list(range(layout.block_size_tokens)), [os.urandom(layout.bytes_per_block)])
+        call = admin_pb2_grpc.AdminStub(channel).WatchEvents(admin_pb2.WatchEventsRequest(snapshot=True), timeout=30)
+        stream = call.__aiter__()
+        assert (await anext(stream)).kind == admin_pb2.EVENT_STORED  # subscribed
+        stop = asyncio.create_task(daemon.daemon.stop(grace_s=5))
+        rest = [e async for e in stream]  # ends instead of holding the drain open
+        await stop
+        assert rest == []
+        assert await call.code() == grpc.StatusCode.OK

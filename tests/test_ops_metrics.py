@@ -1,0 +1,86 @@
+"""The Prometheus endpoint of a real daemon, scraped over HTTP and parsed with
+prometheus-client's own parser."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import urllib.error
+import urllib.request
+from dataclasses import replace
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstore.client import AsyncClient
+from kvstore.config import load_config
+from kvstore.daemon import Daemon
+from kvstore.errors import ConfigError
+from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+
+def _get(url: str) -> tuple[int, str, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, resp.headers.get("Content-Type", ""), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, "", exc.read().decode()
+
+
+async def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    status, ctype, body = await asyncio.to_thread(_get, f"http://{address}/metrics")
+    assert status == 200 and ctype.startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+async def test_metrics_scrape(daemon, layout):
+    address = daemon.daemon.metrics_address
+    assert address.startswith("127.0.0.1:")
+    tokens = list(range(layout.block_size_tokens * 4))
+    async with AsyncClient(daemon.unix_target) as kv:
+        await kv.put(layout, tokens, [os.urandom(layout.bytes_per_block) for _ in range(3)])
+        await kv.lookup(layout, tokens)  # 3 hits, 1 miss
+        await kv.fetch(layout, tokens)
+    async with grpc.aio.insecure_channel(daemon.unix_target) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await kvstore_pb2_grpc.KVStoreStub(channel).Lookup(kvstore_pb2.LookupRequest())  # names no namespace
+        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    m = await scrape(address)
+    assert m[("kvstore_lookup_blocks_total", (("result", "hit"),))] == 3
+    assert m[("kvstore_lookup_blocks_total", (("result", "miss"),))] == 1
+    assert m[("kvstore_tier_hits_total", (("tier", "host"),))] == 3
+    assert m[("kvstore_data_in_bytes_total", (("plane", "grpc"),))] == 3 * layout.bytes_per_block
+    assert m[("kvstore_data_out_bytes_total", (("plane", "grpc"),))] == 3 * layout.bytes_per_block
+    assert m[("kvstore_tier_used_bytes", (("tier", "host"),))] == 3 * layout.bytes_per_block
+    assert m[("kvstore_tier_capacity_bytes", (("tier", "host"),))] == 16 << 20
+    assert m[("kvstore_checksum_failures_total", (("tier", "host"),))] == 0
+    assert m[("kvstore_leases_active", ())] == 0
+    assert m[("kvstore_rpc_duration_seconds_count", (("code", "OK"), ("method", "Put")))] == 1
+    assert m[("kvstore_rpc_duration_seconds_count", (("code", "OK"), ("method", "Fetch")))] == 1
+    # The failed lookup is counted under its status code.
+    assert m[("kvstore_rpc_duration_seconds_count", (("code", "INVALID_ARGUMENT"), ("method", "Lookup")))] == 1
+
+
+async def test_metrics_serves_nothing_else(daemon):
+    address = daemon.daemon.metrics_address
+    for path in ("/env", "/", "/metrics/../env"):
+        status, _, body = await asyncio.to_thread(_get, f"http://{address}{path}")
+        assert status == 404, path
+        assert "PATH" not in body
+
+
+async def test_metrics_off_and_loopback_only(tmp_path):
+    base = load_config({"listen": f"unix:{tmp_path / 'kv.sock'}", "host_capacity": "16MiB"}, env={})
+    d = Daemon(replace(base, metrics_listen="off"))
+    await d.start()
+    try:
+        assert d.metrics_address == ""
+    finally:
+        await d.stop(grace_s=0)
+    with pytest.raises(ConfigError, match="allow-remote"):
+        Daemon(replace(base, metrics_listen="0.0.0.0:0"))
