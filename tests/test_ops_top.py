@@ -1,0 +1,73 @@
+"""`kvstore top` in a real pseudo-terminal: it refreshes, draws the tiers, and quits on `q`."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+
+from kvstore.client import Client
+
+DEADLINE_S = 30.0
+
+
+def read_until(fd: int, predicate, deadline: float) -> bytes:
+    """Read the pty until `predicate(buffer)` or the deadline; returns what was read."""
+    buf = b""
+    while not predicate(buf):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            buf += chunk
+    return buf
+
+
+def test_top_refreshes_and_quits_on_q(daemon_thread, layout):
+    tokens = list(range(layout.block_size_tokens * 3))
+    with Client(daemon_thread.tcp_target) as kv:
+        kv.put(layout, tokens, [os.urandom(layout.bytes_per_block) for _ in range(3)])
+    master, slave = os.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.cli", "top", "--target", daemon_thread.tcp_target, "--interval", "0.2"],
+        stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+        env={**os.environ, "TERM": "xterm", "COLUMNS": "120", "LINES": "40"},
+    )
+    os.close(slave)
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        out = read_until(master, lambda b: b.count(b"kvstore top - ") >= 3, deadline)
+        assert out.count(b"kvstore top - ") >= 3, out[-2000:]
+        assert b"\x1b[H\x1b[2J" in out  # redraws in place on a terminal
+        frame = out.rsplit(b"kvstore top - ", 1)[1].decode(errors="replace")
+        assert "host" in frame and "[" in frame and "3.00KiB / 16.00MiB" in frame
+        assert layout.model in frame and "block hit ratio" in frame
+        os.write(master, b"q")
+        assert proc.wait(timeout=DEADLINE_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+
+
+def test_top_without_a_terminal_prints_frames(daemon_thread):
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", "top", "--target", daemon_thread.tcp_target, "--interval", "0.1",
+         "--iterations", "2", "--json"],
+        capture_output=True, text=True, timeout=DEADLINE_S, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr
+    samples = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(samples) == 2
+    assert samples[1]["rates"]["lookups_s"] == 0.0 and samples[0]["stats"]["tiers"][0]["name"] == "host"
