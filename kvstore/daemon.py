@@ -218,7 +218,7 @@ class Daemon:
         logger.info(
             "kvstore serving on %s; host tier %s, policy %s", ", ".join(self.bound), human_bytes(host_capacity), cfg.policy
         )
-        logger.info("effective config: %s", cfg.as_dict())
+        logger.info("effective config: %s", {**cfg.as_dict(), "host_capacity": host_capacity})
 
     def _bind(self, server: grpc.aio.Server, addr: ListenAddress) -> str:
         if addr.kind == "unix":
