@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -149,6 +150,9 @@ def add_client_options(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command != "serve" and hasattr(signal, "SIGPIPE"):
+        # `kvstore stats | head` should end quietly, like any Unix filter.
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         return int(args.func(args))
     except KVStoreError as exc:

@@ -43,6 +43,7 @@ from kvstore.runtime import RuntimeConfig
 from kvstore.servicer import KVStoreServicer
 from kvstore.store import Store, StoreLimits, StoreTier
 from kvstore.tiers.host import HostTier
+from kvstore.tiers.segment import default_shm_dir, free_bytes, remove_stale_segments
 from kvstore.units import human_bytes
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
@@ -114,15 +115,24 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def resolve_host_capacity(value: int | str) -> int:
+def resolve_host_capacity(value: int | str, shm_dir: str) -> int:
+    """The host tier's size: `auto` picks min(4GiB, half of available memory, 90% of the
+    shared-memory directory's free space); an explicit size must fit both."""
     available = available_memory_bytes()
+    shm_free = free_bytes(shm_dir)
     if value == AUTO:
-        return min(AUTO_HOST_CAPACITY, available // 2)
+        return min(AUTO_HOST_CAPACITY, available // 2, shm_free * 9 // 10)
     assert isinstance(value, int)
     if value > available:
         raise ConfigError(
             f"host_capacity {human_bytes(value)} is more than this machine's available memory "
             f"({human_bytes(available)}); lower --host-capacity"
+        )
+    if value > shm_free:
+        # A tmpfs that fills up kills the daemon with SIGBUS on the next write: refuse now.
+        raise ConfigError(
+            f"host_capacity {human_bytes(value)} does not fit in {shm_dir} ({human_bytes(shm_free)} free); "
+            "lower --host-capacity, enlarge the tmpfs, or point --shm-dir at a bigger one"
         )
     return value
 
@@ -186,11 +196,13 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.config
-        host_capacity = resolve_host_capacity(cfg.host_capacity)
+        shm_dir = cfg.shm_dir or default_shm_dir()
+        remove_stale_segments(shm_dir)
+        host_capacity = resolve_host_capacity(cfg.host_capacity, shm_dir)
         self._executor = ThreadPoolExecutor(cfg.checksum_threads, thread_name_prefix="kvstore-checksum")
         policy = make_policy(cfg.policy)
         self.store = Store(
-            [StoreTier(HostTier(host_capacity), policy)],
+            [StoreTier(HostTier(host_capacity, shm_dir=shm_dir), policy)],
             limits=StoreLimits(
                 max_blocks_per_call=cfg.max_blocks_per_call,
                 max_namespaces=cfg.max_namespaces,
@@ -253,7 +265,7 @@ class Daemon:
         )
         if self.metrics_address:
             logger.info("metrics at http://%s/metrics", self.metrics_address)
-        logger.info("effective config: %s", cfg.as_dict())
+        logger.info("effective config: %s", {**cfg.as_dict(), "host_capacity": host_capacity})
 
     def reload(self, load: Callable[[], Config]) -> None:
         """SIGHUP: re-read the config sources and apply what may change live."""

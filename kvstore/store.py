@@ -116,6 +116,17 @@ class LookupResult:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """A snapshot of one READY block's metadata, for operators and diagnostics."""
+
+    tier: str
+    slot: Slot
+    nbytes: int
+    checksum: int
+    pins: int
+
+
+@dataclass(frozen=True, slots=True)
 class PutResult:
     namespace_id: bytes
     stored: int
@@ -260,12 +271,13 @@ class Store:
         c.lookup_blocks += len(keys)
         c.hit_blocks += len(hit)
         c.miss_blocks += len(keys) - len(hit)
-        tier_names = []
-        for entry in hit:
+        tier_names = [entry.slot.tier for entry in hit]
+        # Tail first, so the head of a chain is the most recently used: a recency policy
+        # then evicts chain tails before the heads every later block depends on.
+        for entry in reversed(hit):
             st = self._tier_by_name[entry.slot.tier]
             st.counters.hits += 1
             st.policy.touch(entry.key)
-            tier_names.append(entry.slot.tier)
         # A block not found (or found lower down) is a miss for every tier above it.
         missing = len(keys) - len(hit)
         for st in self.tiers:
@@ -278,6 +290,12 @@ class Store:
             block_hashes=list(hashes[: len(hit)]),
             lease_id=lease_id,
         )
+
+    def block(self, namespace_id: bytes, block_hash: bytes) -> BlockInfo | None:
+        entry = self._index.get(make_key(namespace_id, block_hash))
+        if entry is None:
+            return None
+        return BlockInfo(entry.slot.tier, entry.slot, entry.nbytes, entry.checksum, entry.pins)
 
     # ----------------------------------------------------------------- put
 
@@ -333,7 +351,8 @@ class Store:
             self.observer.blocks_removed(entry.key[:HASH_BYTES], [entry.key[HASH_BYTES:]], st.name)
 
     def _publish(self, entries: list[BlockEntry]) -> None:
-        for entry in entries:
+        # Tail first, for the same reason as in `lookup`.
+        for entry in reversed(entries):
             entry.state = BlockState.READY
             self._index.add(entry)
             self._tier_by_name[entry.slot.tier].policy.insert(entry.key, entry.parent)
