@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from kvstore.client._common import CHANNEL_OPTIONS, resolve_target, translate
+from kvstore.client._common import CHANNEL_OPTIONS, DEFAULT_CHUNK_BYTES, FetchAssembler, resolve_target, translate
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 DEFAULT_ADMIN_TIMEOUT_S = 5.0
@@ -49,6 +49,49 @@ class AdminClient:
     def list_namespaces(self) -> list[admin_pb2.NamespaceStats]:
         resp = self._call(self._admin.ListNamespaces, admin_pb2.ListNamespacesRequest())
         return list(resp.namespaces)  # type: ignore[attr-defined]
+
+    def list_blocks(self, namespace_id: bytes) -> list[admin_pb2.BlockRef]:
+        """Every block of a namespace, parents before children."""
+        try:
+            return [ref for msg in self._admin.ListBlocks(admin_pb2.ListBlocksRequest(namespace_id=namespace_id),
+                                                          timeout=self.timeout_s) for ref in msg.blocks]
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+
+    def fetch_blocks(self, namespace_id: bytes, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """Verified payloads of the longest present prefix of `block_hashes` (any blocks of
+        the namespace, not necessarily a chain)."""
+        req = kvstore_pb2.FetchRequest(
+            namespace=kvstore_pb2.Namespace(id=namespace_id),
+            keys=kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=list(block_hashes))),
+        )
+        assembler = FetchAssembler(None)
+        try:
+            for msg in self._kv.Fetch(req, timeout=self.timeout_s):
+                assembler.feed(msg)
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+        return assembler.result()
+
+    def put_chain(self, layout: kvstore_pb2.Layout, block_hashes: Sequence[bytes], parent_hash: bytes,
+                  blocks: Sequence[bytes], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> kvstore_pb2.PutResponse:
+        """Store a chain of blocks (block i's parent is block i-1; the first's is `parent_hash`)."""
+        header = kvstore_pb2.PutHeader(
+            namespace=kvstore_pb2.Namespace(layout=layout),
+            keys=kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=list(block_hashes))),
+            num_blocks=len(block_hashes), parent_hash=parent_hash,
+        )
+
+        def messages() -> Iterator[kvstore_pb2.PutRequest]:
+            yield kvstore_pb2.PutRequest(header=header)
+            for i, data in enumerate(blocks):
+                for start in range(0, len(data), chunk_bytes):
+                    yield kvstore_pb2.PutRequest(chunk=kvstore_pb2.BlockChunk(block=i, data=data[start:start + chunk_bytes]))
+
+        try:
+            return self._kv.Put(messages(), timeout=self.timeout_s)  # type: ignore[no-any-return]
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
 
     def evict(self, tier: str, nbytes: int) -> admin_pb2.RemovalResponse:
         return self._call(self._admin.Evict, admin_pb2.EvictRequest(tier=tier, bytes=nbytes))  # type: ignore[return-value]

@@ -16,10 +16,14 @@ from kvstore.errors import InvalidArgument
 from kvstore.events import EventBus, EventKind
 from kvstore.hashing import HASH_BYTES
 from kvstore.info import render_info
+from kvstore.layout import KVLayout
 from kvstore.runtime import ConfigValue, RuntimeConfig
 from kvstore.servicer import AdminServicer
 from kvstore.store import RemovalResult, Store
-from kvstore.v1 import admin_pb2
+from kvstore.v1 import admin_pb2, kvstore_pb2
+
+# Block references per ListBlocks message: 32 bytes each, far under the message cap.
+LIST_BLOCKS_BATCH = 8192
 
 EVENT_KIND = {
     EventKind.STORED: admin_pb2.EVENT_STORED,
@@ -32,6 +36,14 @@ EVENT_KIND = {
 def _field(v: ConfigValue, live: bool) -> admin_pb2.ConfigField:
     return admin_pb2.ConfigField(
         name=v.field.name, value=v.text, kind=v.field.kind, bounds=v.bounds, runtime=live, help=v.field.help
+    )
+
+
+def layout_to_proto(lay: KVLayout) -> kvstore_pb2.Layout:
+    return kvstore_pb2.Layout(
+        model=lay.model, revision=lay.revision, lora_id=lay.lora_id, dtype=lay.dtype, num_layers=lay.num_layers,
+        num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim, block_size_tokens=lay.block_size_tokens,
+        kv_layout=lay.kv_layout, tp_rank=lay.tp_rank, tp_size=lay.tp_size, block_bytes=lay.block_bytes,
     )
 
 
@@ -61,18 +73,24 @@ class OpsAdminServicer(AdminServicer):
     async def ListNamespaces(
         self, request: admin_pb2.ListNamespacesRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ListNamespacesResponse:
-        out = []
-        for ns in self.store.namespaces():
-            lay = ns.layout
-            out.append(
-                admin_pb2.NamespaceStats(
-                    namespace_id=ns.namespace_id, model=lay.model, revision=lay.revision, lora_id=lay.lora_id,
-                    dtype=lay.dtype, num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim,
-                    block_size_tokens=lay.block_size_tokens, kv_layout=lay.kv_layout, tp_rank=lay.tp_rank,
-                    tp_size=lay.tp_size, block_bytes=lay.bytes_per_block, blocks=ns.blocks, bytes=ns.bytes,
-                )
+        out = [
+            admin_pb2.NamespaceStats(
+                namespace_id=ns.namespace_id, layout=layout_to_proto(ns.layout),
+                block_bytes=ns.layout.bytes_per_block, blocks=ns.blocks, bytes=ns.bytes,
             )
+            for ns in self.store.namespaces()
+        ]
         return admin_pb2.ListNamespacesResponse(namespaces=out)
+
+    async def ListBlocks(
+        self, request: admin_pb2.ListBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admin_pb2.ListBlocksResponse]:
+        refs = self.store.namespace_blocks(request.namespace_id)
+        for start in range(0, len(refs), LIST_BLOCKS_BATCH):
+            batch = refs[start : start + LIST_BLOCKS_BATCH]
+            yield admin_pb2.ListBlocksResponse(
+                blocks=[admin_pb2.BlockRef(hash=r.block_hash, parent_hash=r.parent_hash) for r in batch]
+            )
 
     async def Evict(self, request: admin_pb2.EvictRequest, context: grpc.aio.ServicerContext) -> admin_pb2.RemovalResponse:
         if not request.tier:

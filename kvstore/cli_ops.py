@@ -134,14 +134,15 @@ def tier_rows(stats: dict[str, Any]) -> list[list[str]]:
 def namespace_rows(namespaces: Sequence[dict[str, Any]], *, detail: bool = False) -> list[list[str]]:
     rows = []
     for ns in sorted(namespaces, key=lambda n: -n["bytes"]):
-        row = [ns["namespace_id"], ns["model"] + (f"@{ns['revision']}" if ns["revision"] else ""), ns["dtype"]]
+        lay = ns["layout"]
+        row = [ns["namespace_id"], lay["model"] + (f"@{lay['revision']}" if lay["revision"] else ""), lay["dtype"]]
         if detail:
             row += [
-                f"{ns['num_layers']}x{ns['num_kv_heads']}x{ns['head_dim']}",
-                str(ns["block_size_tokens"]),
-                ns["kv_layout"],
-                f"{ns['tp_rank']}/{ns['tp_size']}",
-                ns["lora_id"] or ABSENT,
+                f"{lay['num_layers']}x{lay['num_kv_heads']}x{lay['head_dim']}",
+                str(lay["block_size_tokens"]),
+                lay["kv_layout"],
+                f"{lay['tp_rank']}/{lay['tp_size']}",
+                lay["lora_id"] or ABSENT,
             ]
         row += [human_bytes(ns["block_bytes"]), str(ns["blocks"]), human_bytes(ns["bytes"])]
         rows.append(row)
@@ -341,6 +342,83 @@ def cmd_events(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ------------------------------------------------------------------ export / import
+
+
+class _ProgressBar:
+    """A rich progress bar on stderr when it is a terminal; silent otherwise."""
+
+    def __init__(self, description: str) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        console = Console(stderr=True)
+        self._progress = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                  console=console, disable=not console.is_terminal, transient=False)
+        self._task = self._progress.add_task(description, total=None)
+
+    def __enter__(self) -> _ProgressBar:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def total(self, n: int) -> None:
+        self._progress.update(self._task, total=n)
+
+    def advance(self, n: int) -> None:
+        self._progress.advance(self._task, n)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import os
+
+    from kvstore.client.transfer import export_namespace
+
+    tmp = f"{args.file}.partial"
+    try:
+        out = open(tmp, "wb")
+    except OSError as exc:
+        print(f"kvstore export: cannot write {tmp}: {exc.strerror}", file=sys.stderr)
+        return EXIT_ERROR
+    with _admin(args) as admin, _ProgressBar("export") as bar:
+        try:
+            with out:
+                r = export_namespace(admin, args.namespace, out, bar.advance, bar.total)
+            os.replace(tmp, args.file)  # a file under the final name is always complete
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    note = f" ({r.skipped} went away during the export)" if r.skipped else ""
+    emit(args, {"file": args.file, "namespace_id": args.namespace.hex(), "blocks": r.blocks, "bytes": r.bytes,
+                "skipped": r.skipped},
+         f"exported {r.blocks} blocks, {human_bytes(r.bytes)} of namespace {args.namespace.hex()} to {args.file}{note}")
+    return EXIT_OK
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from kvstore.client.transfer import estimate_blocks, import_namespace, read_header
+
+    try:
+        src = open(args.file, "rb")
+    except OSError as exc:
+        print(f"kvstore import: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
+        return EXIT_ERROR
+    with src:
+        header = read_header(src)
+        total = estimate_blocks(args.file, header, src.tell())
+        src.seek(0)
+        with _admin(args) as admin, _ProgressBar("import") as bar:
+            bar.total(total)
+            r = import_namespace(admin, src, bar.advance)
+    emit(args, {"file": args.file, "namespace_id": header.namespace_id.hex(), "blocks": r.blocks,
+                "stored": r.stored, "existing": r.existing},
+         f"imported {r.blocks} blocks of namespace {header.namespace_id.hex()} ({header.layout.model}): "
+         f"{r.stored} stored, {r.existing} already present")
+    return EXIT_OK
+
+
 # ------------------------------------------------------------------ registration
 
 
@@ -379,6 +457,12 @@ def register(sub: Any, client_command: ClientCommand) -> None:
     events.add_argument("--snapshot", action="store_true", help="start with every block held now")
     events.add_argument("--count", type=int, default=0, help="stop after N events")
     events.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="stop after this long")
+
+    export = client_command("export", "write a namespace's blocks to a file (to warm another node)", cmd_export)
+    export.add_argument("namespace", type=namespace_arg, metavar="NAMESPACE_ID", help="namespace id in hex")
+    export.add_argument("file", help="output file (written whole or not at all)")
+    import_ = client_command("import", "load blocks from an export file into the daemon", cmd_import)
+    import_.add_argument("file")
 
     config = sub.add_parser("config", help="show, change or validate settings")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)

@@ -159,6 +159,12 @@ class RemovalResult:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockRef:
+    block_hash: bytes
+    parent_hash: bytes  # b"" for the first block of a chain
+
+
+@dataclass(frozen=True, slots=True)
 class BlockGroup:
     """Blocks of one namespace in one tier (what a resyncing event consumer reloads)."""
 
@@ -473,6 +479,28 @@ class Store:
             self._evict(st, victim)
         logger.info("operator eviction from %s: %d blocks, %d bytes", tier, blocks, freed)
         return RemovalResult(blocks, freed)
+
+    def namespace_blocks(self, namespace_id: bytes) -> list[BlockRef]:
+        """Every READY block of a namespace, parents before children, chains consecutive
+        (depth-first from each root), so the list replays as chained puts."""
+        self.namespace(namespace_id)
+        entries = [e for e in self._index if e.key[:HASH_BYTES] == namespace_id]
+        present = {e.key for e in entries}
+        children: dict[bytes, list[BlockEntry]] = {}
+        roots = []
+        for e in entries:
+            if e.parent is not None and e.parent in present:
+                children.setdefault(e.parent, []).append(e)
+            else:
+                roots.append(e)
+        out: list[BlockRef] = []
+        stack = list(reversed(roots))
+        while stack:
+            e = stack.pop()
+            parent = e.parent[HASH_BYTES:] if e.parent is not None else b""
+            out.append(BlockRef(e.key[HASH_BYTES:], parent))
+            stack.extend(reversed(children.get(e.key, ())))
+        return out
 
     def block_groups(self) -> list[BlockGroup]:
         """Every READY block, grouped by namespace and tier (a point-in-time snapshot)."""
