@@ -378,7 +378,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     tmp = f"{args.file}.partial"
     try:
-        out = open(tmp, "wb")
+        # 0600: KV blocks can reveal the prompts they were computed from.
+        out = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
     except OSError as exc:
         print(f"kvstore export: cannot write {tmp}: {exc.strerror}", file=sys.stderr)
         return EXIT_ERROR

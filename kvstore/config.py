@@ -153,7 +153,7 @@ def _convert(field: Field, raw: Any, source: str) -> Any:
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"bad value for {where}: {exc}") from None
     if field.lo is not None and value < field.lo or field.hi is not None and value > field.hi:
-        raise ConfigError(f"{where} = {raw!r} is out of bounds [{field.lo:g}, {field.hi:g}]")
+        raise ConfigError(f"{where} = {raw!r} is out of bounds {format_bounds(field)}")
     return value
 
 

@@ -265,7 +265,8 @@ class Daemon:
         )
         if self.metrics_address:
             logger.info("metrics at http://%s/metrics", self.metrics_address)
-        logger.info("effective config: %s", {**cfg.as_dict(), "host_capacity": host_capacity})
+        effective = {**cfg.as_dict(), "host_capacity": host_capacity}
+        logger.info("effective config: %s", effective, extra={"config": effective})
 
     def reload(self, load: Callable[[], Config]) -> None:
         """SIGHUP: re-read the config sources and apply what may change live."""

@@ -14,6 +14,8 @@ import time
 
 from kvstore.interceptors import RequestIdFilter
 
+# `extra=` keys a JSON line carries as structured fields (e.g. the effective config at start).
+STRUCTURED_EXTRAS = ("config",)
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
 
 
@@ -26,9 +28,12 @@ class JsonFormatter(logging.Formatter):
             "msg": record.getMessage(),
             "request_id": getattr(record, "request_id", "-"),
         }
+        for key in STRUCTURED_EXTRAS:
+            if hasattr(record, key):
+                out[key] = getattr(record, key)
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, ensure_ascii=False)
+        return json.dumps(out, ensure_ascii=False, default=str)
 
 
 def setup_logging(level: str, fmt: str = "text") -> None:

@@ -121,7 +121,7 @@ class RuntimeConfig:
         if changes:
             self._apply(replace(self.current, **changes))
         if restart:
-            logger.warning("reload: %s changed but need a restart to take effect", ", ".join(restart))
+            logger.warning("reload: %s changed in the config; restart the daemon to apply", ", ".join(restart))
         logger.info("reload: applied %s", ", ".join(applied) if applied else "nothing (no runtime setting changed)")
         return ReloadResult(tuple(applied), tuple(restart))
 

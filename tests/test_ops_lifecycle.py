@@ -155,5 +155,5 @@ def test_sighup_reload_and_sigterm_drain(tmp_path, layout):
     messages = [r["msg"] for r in records]
     assert all({"ts", "level", "logger", "msg", "request_id"} <= set(r) for r in records)
     assert any(m.startswith("effective config:") for m in messages)
-    assert any("host_capacity changed but need a restart" in m for m in messages)
+    assert any("host_capacity changed in the config; restart" in m for m in messages)
     assert any(m.startswith("shutting down") for m in messages) and messages[-1] == "kvstore stopped"
