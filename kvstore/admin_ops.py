@@ -98,7 +98,7 @@ class OpsAdminServicer(AdminServicer):
         return _removal(self.store.evict_bytes(request.tier, request.bytes))
 
     async def Flush(self, request: admin_pb2.FlushRequest, context: grpc.aio.ServicerContext) -> admin_pb2.RemovalResponse:
-        return _removal(self.store.flush(request.namespace_id or None))
+        return _removal(self.store.purge(request.namespace_id or None))
 
     async def GetConfig(
         self, request: admin_pb2.GetConfigRequest, context: grpc.aio.ServicerContext

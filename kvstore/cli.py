@@ -55,7 +55,9 @@ def message_to_dict(msg: Any) -> Any:
     out: dict[str, Any] = {}
     for field in msg.DESCRIPTOR.fields:
         value = getattr(msg, field.name)
-        if field.message_type is not None:
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            value = {k: message_to_dict(v) if hasattr(v, "DESCRIPTOR") else v for k, v in value.items()}
+        elif field.message_type is not None:
             value = [message_to_dict(v) for v in value] if _is_repeated(field) else message_to_dict(value)
         elif _is_repeated(field):
             value = list(value)

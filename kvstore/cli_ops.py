@@ -113,11 +113,37 @@ TIER_COLUMNS = (
 )
 
 
+# Fields rendered by name above, or not per-tier figures at all.
+KNOWN_TIER_FIELDS = {"name", "present", "reason", "capacity_bytes", "used_bytes", "policy", "facts"} | {
+    key for _, key in TIER_COLUMNS if key
+}
+
+
+def extra_tier_fields(stats: dict[str, Any]) -> list[str]:
+    """Scalar per-tier fields this daemon reports that the table does not name (newer
+    daemons add some); shown as extra columns so nothing reported is hidden."""
+    extra: list[str] = []
+    for t in stats["tiers"]:
+        for key, value in t.items():
+            if key not in KNOWN_TIER_FIELDS and key not in extra and isinstance(value, (int, float, str)):
+                extra.append(key)
+    return extra
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if value == "" or value is None:
+        return ABSENT
+    return str(value)
+
+
 def tier_rows(stats: dict[str, Any]) -> list[list[str]]:
     rows = []
+    extra = extra_tier_fields(stats)
     for t in stats["tiers"]:
         if not t["present"]:
-            rows.append([t["name"]] + [ABSENT] * (len(TIER_COLUMNS) - 1))
+            rows.append([t["name"]] + [ABSENT] * (len(TIER_COLUMNS) - 1 + len(extra)))
             continue
         cap, used = t["capacity_bytes"], t["used_bytes"]
         row = [t["name"], t.get("policy") or ABSENT, human_bytes(cap), human_bytes(used),
@@ -127,6 +153,7 @@ def tier_rows(stats: dict[str, Any]) -> list[list[str]]:
                 row.append(f"{100 * ratio(t['hits'], t['hits'] + t['misses']):.1f}")
             else:
                 row.append(_n(_get(t, key)) if key else ABSENT)
+        row += [_cell(t.get(key)) for key in extra]
         rows.append(row)
     return rows
 
@@ -155,7 +182,8 @@ NS_DETAIL_COLUMNS = ("NAMESPACE", "MODEL", "DTYPE", "LxHxD", "TOKENS/BLOCK", "KV
 
 
 def format_stats(stats: dict[str, Any], namespaces: Sequence[dict[str, Any]] | None = None) -> str:
-    parts = [render_table("Tiers", [h for h, _ in TIER_COLUMNS], tier_rows(stats))]
+    columns = [h for h, _ in TIER_COLUMNS] + [key.upper() for key in extra_tier_fields(stats)]
+    parts = [render_table("Tiers", columns, tier_rows(stats))]
     notes = [f"tier {t['name']} absent: {t['reason']}" for t in stats["tiers"] if not t["present"]]
     c = stats["counters"]
     parts += notes

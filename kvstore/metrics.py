@@ -150,7 +150,9 @@ class Metrics:
         return MetricsInterceptor(self.rpc_seconds)
 
 
-def _code_name(context: grpc.aio.ServicerContext, failed: bool) -> str:
+def _code_name(context: grpc.aio.ServicerContext, failed: bool, cancelled: bool = False) -> str:
+    if cancelled:
+        return grpc.StatusCode.CANCELLED.name
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return code.name
@@ -182,12 +184,16 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 start = time.perf_counter()
                 failed = True
+                cancelled = False
                 try:
                     result = await inner(request, context)
                     failed = False
                     return result
+                except asyncio.CancelledError:
+                    cancelled = True  # the client went away or the server is stopping
+                    raise
                 finally:
-                    histogram.labels(method, _code_name(context, failed)).observe(time.perf_counter() - start)
+                    histogram.labels(method, _code_name(context, failed, cancelled)).observe(time.perf_counter() - start)
 
             make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
             return make(unary, **common)
@@ -197,12 +203,16 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             start = time.perf_counter()
             failed = True
+            cancelled = False
             try:
                 async for response in inner_stream(request, context):
                     yield response
                 failed = False
+            except (asyncio.CancelledError, GeneratorExit):
+                cancelled = True
+                raise
             finally:
-                histogram.labels(method, _code_name(context, failed)).observe(time.perf_counter() - start)
+                histogram.labels(method, _code_name(context, failed, cancelled)).observe(time.perf_counter() - start)
 
         make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
         return make(stream, **common)

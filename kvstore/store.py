@@ -446,8 +446,9 @@ class Store:
 
     # ----------------------------------------------------------------- operator verbs
 
-    def flush(self, namespace_id: bytes | None = None) -> RemovalResult:
-        """Remove every block (of one namespace, if given), leased or not, like `delete`."""
+    def purge(self, namespace_id: bytes | None = None) -> RemovalResult:
+        """Remove every block (of one namespace, if given), leased or not, like `delete`.
+        The operator's `kvstore flush`."""
         if namespace_id is not None:
             self.namespace(namespace_id)
         doomed = [e for e in self._index if namespace_id is None or e.key[:HASH_BYTES] == namespace_id]
@@ -455,7 +456,7 @@ class Store:
             self._drop(entry)
         self.counters.deletes += len(doomed)
         if doomed:
-            logger.info("flushed %d blocks%s", len(doomed), f" of namespace {namespace_id.hex()}" if namespace_id else "")
+            logger.info("purged %d blocks%s", len(doomed), f" of namespace {namespace_id.hex()}" if namespace_id else "")
         return RemovalResult(len(doomed), sum(e.nbytes for e in doomed))
 
     def evict_bytes(self, tier: str, nbytes: int) -> RemovalResult:

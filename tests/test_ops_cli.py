@@ -212,3 +212,21 @@ def test_import_refuses_damaged_files(daemon_thread, layout, capsys, tmp_path):
     assert code == 1 and "truncated" in err
     code, _, err = run(capsys, "import", str(tmp_path / "missing.kvx"), "--target", t)
     assert code == 1
+
+
+def test_stats_table_shows_fields_of_newer_daemons():
+    from kvstore.cli_ops import format_stats
+
+    tier = {"name": "ssd", "present": True, "reason": "", "capacity_bytes": 1 << 30, "used_bytes": 1 << 29,
+            "blocks": 10, "hits": 3, "misses": 1, "evictions": 0, "checksum_failures": 0, "policy": "lru",
+            "promotions": 4, "demotions": 7, "drops": 2, "pending_writes": 5, "io_mode": "direct",
+            "facts": {"regions": "8"}}
+    counters = dict.fromkeys(("lookups", "lookup_blocks", "hit_blocks", "puts", "put_failures", "blocks_stored",
+                              "blocks_fetched", "bytes_in", "bytes_out", "evictions", "checksum_failures",
+                              "leases_active"), 0)
+    text = format_stats({"tiers": [tier], "counters": counters, "namespaces": 0, "uptime_s": 1.0, "version": "x"})
+    header = next(line for line in text.splitlines() if "TIER" in line)
+    assert "PENDING_WRITES" in header and "IO_MODE" in header and "FACTS" not in header
+    cells = [c.strip() for c in next(line for line in text.splitlines() if " ssd " in line).split("|")]
+    assert cells[cells.index("ssd") + 9 : cells.index("ssd") + 14] == ["4", "7", "0", "2", "0"]
+    assert cells[-3:-1] == ["5", "direct"]
