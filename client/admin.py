@@ -94,7 +94,7 @@ class AdminClient:
             raise translate(exc) from None
 
     def evict(self, tier: str, nbytes: int) -> admin_pb2.RemovalResponse:
-        return self._call(self._admin.Evict, admin_pb2.EvictRequest(tier=tier, bytes=nbytes))  # type: ignore[return-value]
+        return self._call(self._admin.Evict, admin_pb2.EvictRequest(tier=tier, target_bytes=nbytes))  # type: ignore[return-value]
 
     def flush(self, namespace_id: bytes = b"") -> admin_pb2.RemovalResponse:
         return self._call(self._admin.Flush, admin_pb2.FlushRequest(namespace_id=namespace_id))  # type: ignore[return-value]

@@ -49,7 +49,7 @@ Progress = Callable[[int], None]  # called with the number of blocks just done
 @dataclass(frozen=True, slots=True)
 class ExportResult:
     blocks: int
-    bytes: int
+    exported_bytes: int
     skipped: int  # listed but gone (evicted or deleted) before they could be read
 
 

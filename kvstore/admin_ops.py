@@ -48,7 +48,7 @@ def layout_to_proto(lay: KVLayout) -> kvstore_pb2.Layout:
 
 
 def _removal(r: RemovalResult) -> admin_pb2.RemovalResponse:
-    return admin_pb2.RemovalResponse(blocks=r.blocks, bytes=r.bytes)
+    return admin_pb2.RemovalResponse(blocks=r.blocks, removed_bytes=r.removed_bytes)
 
 
 class OpsAdminServicer(AdminServicer):
@@ -76,7 +76,7 @@ class OpsAdminServicer(AdminServicer):
         out = [
             admin_pb2.NamespaceStats(
                 namespace_id=ns.namespace_id, layout=layout_to_proto(ns.layout),
-                block_bytes=ns.layout.bytes_per_block, blocks=ns.blocks, bytes=ns.bytes,
+                block_bytes=ns.layout.bytes_per_block, blocks=ns.blocks, used_bytes=ns.bytes,
             )
             for ns in self.store.namespaces()
         ]
@@ -95,7 +95,7 @@ class OpsAdminServicer(AdminServicer):
     async def Evict(self, request: admin_pb2.EvictRequest, context: grpc.aio.ServicerContext) -> admin_pb2.RemovalResponse:
         if not request.tier:
             raise InvalidArgument("name the tier to evict from (see `kvstore stats` for tier names)")
-        return _removal(self.store.evict_bytes(request.tier, request.bytes))
+        return _removal(self.store.evict_bytes(request.tier, request.target_bytes))
 
     async def Flush(self, request: admin_pb2.FlushRequest, context: grpc.aio.ServicerContext) -> admin_pb2.RemovalResponse:
         return _removal(self.store.purge(request.namespace_id or None))

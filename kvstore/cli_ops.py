@@ -160,7 +160,7 @@ def tier_rows(stats: dict[str, Any]) -> list[list[str]]:
 
 def namespace_rows(namespaces: Sequence[dict[str, Any]], *, detail: bool = False) -> list[list[str]]:
     rows = []
-    for ns in sorted(namespaces, key=lambda n: -n["bytes"]):
+    for ns in sorted(namespaces, key=lambda n: -n["used_bytes"]):
         lay = ns["layout"]
         row = [ns["namespace_id"], lay["model"] + (f"@{lay['revision']}" if lay["revision"] else ""), lay["dtype"]]
         if detail:
@@ -171,7 +171,7 @@ def namespace_rows(namespaces: Sequence[dict[str, Any]], *, detail: bool = False
                 f"{lay['tp_rank']}/{lay['tp_size']}",
                 lay["lora_id"] or ABSENT,
             ]
-        row += [human_bytes(ns["block_bytes"]), str(ns["blocks"]), human_bytes(ns["bytes"])]
+        row += [human_bytes(ns["block_bytes"]), str(ns["blocks"]), human_bytes(ns["used_bytes"])]
         rows.append(row)
     return rows
 
@@ -228,9 +228,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_evict(args: argparse.Namespace) -> int:
     with _admin(args) as admin:
         r = admin.evict(args.tier, args.bytes)
-    data = {"tier": args.tier, "requested_bytes": args.bytes, "blocks": r.blocks, "bytes": r.bytes}
-    short = " (nothing else evictable: the rest is pinned or in use)" if r.bytes < args.bytes else ""
-    emit(args, data, f"evicted {r.blocks} blocks, {human_bytes(r.bytes)} from {args.tier}{short}")
+    data = {"tier": args.tier, "target_bytes": args.bytes, "blocks": r.blocks, "removed_bytes": r.removed_bytes}
+    short = " (nothing else evictable: the rest is pinned or in use)" if r.removed_bytes < args.bytes else ""
+    emit(args, data, f"evicted {r.blocks} blocks, {human_bytes(r.removed_bytes)} from {args.tier}{short}")
     return EXIT_OK
 
 
@@ -253,7 +253,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
                     print(f"kvstore flush: namespace {ns.hex()} is not known to the daemon; see `kvstore ls`",
                           file=sys.stderr)
                     return EXIT_ERROR
-                what = f"{known[ns].blocks} blocks ({human_bytes(known[ns].bytes)}) of namespace {ns.hex()}"
+                what = f"{known[ns].blocks} blocks ({human_bytes(known[ns].used_bytes)}) of namespace {ns.hex()}"
             else:
                 s = admin.stats()
                 what = f"every block ({sum(t.blocks for t in s.tiers)} blocks in {s.namespaces} namespaces)"
@@ -263,8 +263,8 @@ def cmd_flush(args: argparse.Namespace) -> int:
                 return EXIT_ERROR
         r = admin.flush(ns)
     scope = f"namespace {ns.hex()}" if ns else "all namespaces"
-    emit(args, {"namespace_id": ns.hex(), "blocks": r.blocks, "bytes": r.bytes},
-         f"flushed {r.blocks} blocks, {human_bytes(r.bytes)} ({scope})")
+    emit(args, {"namespace_id": ns.hex(), "blocks": r.blocks, "removed_bytes": r.removed_bytes},
+         f"flushed {r.blocks} blocks, {human_bytes(r.removed_bytes)} ({scope})")
     return EXIT_OK
 
 
@@ -420,9 +420,9 @@ def cmd_export(args: argparse.Namespace) -> int:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     note = f" ({r.skipped} went away during the export)" if r.skipped else ""
-    emit(args, {"file": args.file, "namespace_id": args.namespace.hex(), "blocks": r.blocks, "bytes": r.bytes,
+    emit(args, {"file": args.file, "namespace_id": args.namespace.hex(), "blocks": r.blocks, "exported_bytes": r.exported_bytes,
                 "skipped": r.skipped},
-         f"exported {r.blocks} blocks, {human_bytes(r.bytes)} of namespace {args.namespace.hex()} to {args.file}{note}")
+         f"exported {r.blocks} blocks, {human_bytes(r.exported_bytes)} of namespace {args.namespace.hex()} to {args.file}{note}")
     return EXIT_OK
 
 

@@ -95,8 +95,8 @@ def render(target: str, cur: Sample, r: Rates, error: str = "") -> str:
         f"top namespaces by size ({len(cur.namespaces)} in all)",
         f"{'NAMESPACE':<34}{'MODEL':<28}{'BLOCKS':>8}  {'SIZE':>10}",
     ]
-    for ns in sorted(cur.namespaces, key=lambda n: -n["bytes"])[:TOP_NAMESPACES]:
-        lines.append(f"{ns['namespace_id']:<34}{ns['layout']['model'][:27]:<28}{ns['blocks']:>8}  {human_bytes(ns['bytes']):>10}")
+    for ns in sorted(cur.namespaces, key=lambda n: -n["used_bytes"])[:TOP_NAMESPACES]:
+        lines.append(f"{ns['namespace_id']:<34}{ns['layout']['model'][:27]:<28}{ns['blocks']:>8}  {human_bytes(ns['used_bytes']):>10}")
     if error:
         lines += ["", f"last refresh failed: {error}"]
     return "\n".join(lines)

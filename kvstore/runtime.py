@@ -13,6 +13,7 @@ runtime without an applier is treated as restart-only rather than silently ignor
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -56,7 +57,7 @@ class RuntimeConfig:
         self._bus = bus
         self._appliers: dict[str, Callable[[Any], None]] = {}
         for name in ("max_blocks_per_call", "max_lease_ms", "default_pin_ms"):
-            self.register(name, lambda value, name=name: self._set_limit(name, value))
+            self.register(name, functools.partial(self._set_limit, name))
         self.register("log_level", set_level)
         if bus is not None:
             self.register("events_queue", lambda value: setattr(bus, "queue_size", value))

@@ -155,7 +155,7 @@ class TierStatus:
 @dataclass(frozen=True, slots=True)
 class RemovalResult:
     blocks: int
-    bytes: int
+    removed_bytes: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,7 @@ def test_stats_by_namespace_and_ls(loaded, layout, capsys):
     assert code == 0
     (ns,) = json.loads(out)["by_namespace"]
     assert ns["namespace_id"] == hit.namespace_id.hex()
-    assert (ns["layout"]["model"], ns["blocks"], ns["bytes"]) == (layout.model, N_BLOCKS, N_BLOCKS * layout.bytes_per_block)
+    assert (ns["layout"]["model"], ns["blocks"], ns["used_bytes"]) == (layout.model, N_BLOCKS, N_BLOCKS * layout.bytes_per_block)
 
     code, out, _ = run(capsys, "ls", "--target", d.tcp_target)
     assert code == 0
@@ -77,7 +77,7 @@ def test_evict(loaded, layout, capsys):
     code, out, _ = run(capsys, "evict", "--tier", "host", "--bytes", str(2 * layout.bytes_per_block),
                        "--target", d.tcp_target, "--json")
     assert code == 0
-    assert json.loads(out) == {"tier": "host", "requested_bytes": 2048, "blocks": 2, "bytes": 2048}
+    assert json.loads(out) == {"tier": "host", "target_bytes": 2048, "blocks": 2, "removed_bytes": 2048}
     code, _, err = run(capsys, "evict", "--tier", "ssd9", "--bytes", "1KiB", "--target", d.tcp_target)
     assert code == 1 and "no tier named 'ssd9'" in err
     with pytest.raises(SystemExit) as exc:
