@@ -25,9 +25,13 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from kvstore.errors import ResourceExhausted
 from kvstore.store import BlockGroup
 
 logger = logging.getLogger(__name__)
+
+# Each subscriber may buffer a full queue; the cap bounds the memory all of them can take.
+MAX_SUBSCRIBERS = 256
 
 
 class EventKind(enum.Enum):
@@ -124,6 +128,10 @@ class EventBus:
         Call it in the same synchronous step that took the snapshot: no event can fall
         between the two, so the consumer's view is exact.
         """
+        if len(self._subscribers) >= MAX_SUBSCRIBERS:
+            raise ResourceExhausted(
+                f"{MAX_SUBSCRIBERS} event streams are already open; close unused WatchEvents streams"
+            )
         size = min(queue_size, self.queue_size) if queue_size > 0 else self.queue_size
         sub = Subscription(self, namespace_id, size)
         initial = [

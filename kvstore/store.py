@@ -174,7 +174,11 @@ class BlockGroup:
 
 
 class StoreObserver(Protocol):
-    """Told synchronously, on the loop, when blocks appear, leave or change tier; must not block."""
+    """Told synchronously, on the loop, when blocks appear, leave or change tier; must not block.
+
+    `blocks_stored` when blocks become READY, `blocks_removed` when a block leaves the
+    daemon (its last copy), `blocks_moved` when migration moves a block between tiers.
+    """
 
     def blocks_stored(self, namespace_id: bytes, block_hashes: Sequence[bytes], tier: str) -> None: ...
 

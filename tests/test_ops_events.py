@@ -7,9 +7,11 @@ import asyncio
 import os
 
 import grpc
+import pytest
 
 from kvstore.client import AsyncClient
-from kvstore.events import EventBus, EventKind
+from kvstore.errors import ResourceExhausted
+from kvstore.events import MAX_SUBSCRIBERS, EventBus, EventKind
 from kvstore.store import BlockGroup
 from kvstore.v1 import admin_pb2, admin_pb2_grpc
 
@@ -99,3 +101,13 @@ async def test_watch_events_ends_on_shutdown(daemon, layout):
         await stop
         assert rest == []
         assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_bus_caps_subscribers():
+    bus = EventBus()
+    subs = [bus.subscribe() for _ in range(MAX_SUBSCRIBERS)]
+    with pytest.raises(ResourceExhausted, match="close unused"):
+        bus.subscribe()
+    subs[0].close()
+    bus.subscribe().close()
+    assert bus.subscribers == MAX_SUBSCRIBERS - 1
