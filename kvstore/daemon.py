@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.config import AUTO, Config
 from kvstore.errors import ConfigError
 from kvstore.interceptors import ErrorInterceptor
+from kvstore.local import LocalPuts
 from kvstore.policies import make_policy
 from kvstore.servicer import AdminServicer, KVStoreServicer
 from kvstore.store import Store, StoreLimits, StoreTier
@@ -170,6 +171,7 @@ class Daemon:
         self._stopping = False
         self._stopped = asyncio.Event()
         self._unix_paths: list[str] = []
+        self._local_puts: LocalPuts | None = None
 
     @property
     def health(self) -> HealthServicer:
@@ -203,7 +205,12 @@ class Daemon:
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
             ],
         )
-        kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.store, cfg.chunk_bytes), server)
+        host_tier = self.store.tiers[0].tier
+        assert isinstance(host_tier, HostTier)
+        self._local_puts = LocalPuts()
+        kvstore_pb2_grpc.add_KVStoreServicer_to_server(
+            KVStoreServicer(self.store, cfg.chunk_bytes, host_tier.segment, self._local_puts), server
+        )
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.store, cfg.as_dict(), absent), server)
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -253,6 +260,8 @@ class Daemon:
             await asyncio.sleep(LEASE_SWEEP_S)
             try:
                 self.store.expire_leases()
+                if self._local_puts is not None:
+                    self._local_puts.expire()
             except Exception:  # task boundary: keep sweeping
                 logger.exception("lease sweep failed")
 
@@ -279,6 +288,8 @@ class Daemon:
         logger.info("kvstore stopped")
 
     def _close_resources(self) -> None:
+        if self._local_puts is not None:
+            self._local_puts.abort_all()
         if self.store is not None:
             self.store.close()
             self.store = None
