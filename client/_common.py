@@ -179,19 +179,22 @@ def as_buffer(block: Any) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def put_requests(
+@dataclass(frozen=True, slots=True)
+class PreparedPut:
+    """A validated put: its header and a flat byte view of each block."""
+
+    header: kvstore_pb2.PutHeader
+    views: list[memoryview]
+
+
+def prepare_put(
     layout: KVLayout,
     token_ids: Sequence[int] | None,
     block_hashes: Sequence[bytes] | None,
     blocks: Sequence[Any],
     first_block: int,
-    chunk_bytes: int,
-) -> Iterator[kvstore_pb2.PutRequest]:
-    """The messages of one Put stream: a header, then each block in chunks.
-
-    Every block is converted and size-checked here, eagerly, so a bad block fails before
-    anything is sent; the messages themselves are made lazily as gRPC sends them.
-    """
+) -> PreparedPut:
+    """Convert and size-check every block before anything is sent."""
     views = [as_buffer(b) for b in blocks]
     expected = layout.bytes_per_block
     for i, v in enumerate(views):
@@ -211,14 +214,50 @@ def put_requests(
     elif first_block:
         raise InvalidArgument("first_block applies to token_ids; with block_hashes send exactly the blocks' hashes")
     header = kvstore_pb2.PutHeader(namespace=namespace_ref(layout), keys=keys, num_blocks=len(views))
+    return PreparedPut(header, views)
 
-    def messages() -> Iterator[kvstore_pb2.PutRequest]:
-        yield kvstore_pb2.PutRequest(header=header)
-        for i, v in enumerate(views):
-            for start in range(0, len(v), chunk_bytes):
-                yield kvstore_pb2.PutRequest(chunk=kvstore_pb2.BlockChunk(block=i, data=bytes(v[start : start + chunk_bytes])))
 
-    return messages()
+def put_requests(prepared: PreparedPut, chunk_bytes: int) -> Iterator[kvstore_pb2.PutRequest]:
+    """The messages of one Put stream, made lazily as gRPC sends them: a header, then
+    each block in chunks."""
+    yield kvstore_pb2.PutRequest(header=prepared.header)
+    for i, v in enumerate(prepared.views):
+        for start in range(0, len(v), chunk_bytes):
+            yield kvstore_pb2.PutRequest(chunk=kvstore_pb2.BlockChunk(block=i, data=bytes(v[start : start + chunk_bytes])))
+
+
+DATA_PLANES = ("auto", "local", "grpc")
+
+
+def check_data_plane(data_plane: str) -> str:
+    if data_plane not in DATA_PLANES:
+        raise InvalidArgument(f"data_plane must be one of {', '.join(DATA_PLANES)}, got {data_plane!r}")
+    return data_plane
+
+
+def may_be_local(target: str) -> bool:
+    """Whether `auto` should try the shared-memory plane: a Unix socket or a loopback
+    address. The segment's token check decides for sure."""
+    if target.startswith("unix:"):
+        return True
+    host = target.rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def out_buffers(out: Sequence[Any] | None, count: int, block_bytes: int) -> list[Any]:
+    """Destinations for `count` blocks: the caller's buffers, or new bytearrays."""
+    if out is None:
+        return [bytearray(block_bytes) for _ in range(count)]
+    return list(out[:count])
+
+
+def writable_view(buf: Any, index: int, block_bytes: int) -> memoryview:
+    view = as_buffer(buf)
+    if len(view) != block_bytes:
+        raise InvalidArgument(f"out[{index}] holds {len(view)} bytes; a block is {block_bytes} bytes")
+    if view.readonly:
+        raise InvalidArgument(f"out[{index}] is read-only")
+    return view
 
 
 class FetchAssembler:
@@ -253,12 +292,7 @@ class FetchAssembler:
             self.blocks.append(data)
             return
         # fetch_keys() asked for at most len(out) blocks, so there is a buffer for each.
-        dst = as_buffer(self.out[self._filled])
-        if len(dst) != len(data):
-            raise InvalidArgument(f"out[{self._filled}] holds {len(dst)} bytes; a block is {len(data)} bytes")
-        if dst.readonly:
-            raise InvalidArgument(f"out[{self._filled}] is read-only")
-        dst[:] = data
+        writable_view(self.out[self._filled], self._filled, len(data))[:] = data
         self._filled += 1
 
     def result(self) -> list[Any]:

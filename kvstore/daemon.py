@@ -37,6 +37,7 @@ from kvstore.config import AUTO, Config
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.events import EventBus
 from kvstore.interceptors import ErrorInterceptor
+from kvstore.local import LocalPuts
 from kvstore.metrics import Metrics, MetricsServer
 from kvstore.policies import make_policy
 from kvstore.runtime import RuntimeConfig
@@ -177,6 +178,7 @@ class Daemon:
         self._stopping = False
         self._stopped = asyncio.Event()
         self._unix_paths: list[str] = []
+        self._local_puts: LocalPuts | None = None
         self.events = EventBus(config.events_queue)
         self.runtime: RuntimeConfig | None = None
         self.metrics = Metrics(lambda: self.store, self.events)
@@ -224,8 +226,15 @@ class Daemon:
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
             ],
         )
-        kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.store, cfg.chunk_bytes), server)
-        admin_pb2_grpc.add_AdminServicer_to_server(OpsAdminServicer(self.store, self.runtime, self.events, absent), server)
+        host_tier = self.store.tiers[0].tier
+        assert isinstance(host_tier, HostTier)
+        self._local_puts = LocalPuts()
+        kvstore_pb2_grpc.add_KVStoreServicer_to_server(
+            KVStoreServicer(self.store, cfg.chunk_bytes, host_tier.segment, self._local_puts), server
+        )
+        admin_pb2_grpc.add_AdminServicer_to_server(
+            OpsAdminServicer(self.store, self.runtime, self.events, absent), server
+        )
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -298,6 +307,8 @@ class Daemon:
             await asyncio.sleep(LEASE_SWEEP_S)
             try:
                 self.store.expire_leases()
+                if self._local_puts is not None:
+                    self._local_puts.expire()
             except Exception:  # task boundary: keep sweeping
                 logger.exception("lease sweep failed")
 
@@ -329,6 +340,8 @@ class Daemon:
         logger.info("kvstore stopped")
 
     def _close_resources(self) -> None:
+        if self._local_puts is not None:
+            self._local_puts.abort_all()
         if self.store is not None:
             self.store.close()
             self.store = None

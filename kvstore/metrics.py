@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# gRPC bytes are the only data plane so far; shared memory and CUDA IPC add their labels.
-DATA_PLANE = "grpc"
+# Data plane labels: block bytes in gRPC messages, or copied through the shared segment.
+GRPC_PLANE, SHM_PLANE = "grpc", "shm"
 
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -78,11 +78,14 @@ class StoreCollector(Collector):
         yield counter("kvstore_blocks_fetched", "blocks sent by fetches", c.blocks_fetched)
         yield counter("kvstore_fetches", "Fetch calls", c.fetches)
         yield counter("kvstore_deletes", "blocks removed by Delete and Flush", c.deletes)
+        local_in, local_out = getattr(c, "local_bytes_in", 0), getattr(c, "local_bytes_out", 0)
         data_in = CounterMetricFamily("kvstore_data_in_bytes", "block bytes received, by data plane", labels=["plane"])
-        data_in.add_metric([DATA_PLANE], c.bytes_in)
+        data_in.add_metric([GRPC_PLANE], c.bytes_in - local_in)
+        data_in.add_metric([SHM_PLANE], local_in)
         yield data_in
         data_out = CounterMetricFamily("kvstore_data_out_bytes", "block bytes sent, by data plane", labels=["plane"])
-        data_out.add_metric([DATA_PLANE], c.bytes_out)
+        data_out.add_metric([GRPC_PLANE], c.bytes_out - local_out)
+        data_out.add_metric([SHM_PLANE], local_out)
         yield data_out
 
         hits = CounterMetricFamily("kvstore_tier_hits", "looked-up blocks found in the tier", labels=["tier"])

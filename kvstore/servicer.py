@@ -13,10 +13,12 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from kvstore import __version__
-from kvstore.errors import InvalidArgument
+from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.info import render_info
 from kvstore.layout import KVLayout
+from kvstore.local import LocalPuts
 from kvstore.store import Store, StoreStatus
+from kvstore.tiers.segment import HEADER_BYTES, Segment
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 TIER_ENUM = {
@@ -44,10 +46,17 @@ def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
     )
 
 
+LOCAL_TIER = "host"
+DEFAULT_LOCAL_LEASE_MS = 10_000
+
+
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
-    def __init__(self, store: Store, chunk_bytes: int) -> None:
+    def __init__(self, store: Store, chunk_bytes: int, segment: Segment | None = None,
+                 local_puts: LocalPuts | None = None) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
+        self.segment = segment
+        self.local_puts = local_puts or LocalPuts()
 
     # -------------------------------------------------------------- translation
 
@@ -161,6 +170,82 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def Unpin(self, request: kvstore_pb2.UnpinRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.UnpinResponse:
         return kvstore_pb2.UnpinResponse(released=self.store.unpin(request.lease_id))
+
+    async def Verify(self, request: kvstore_pb2.VerifyRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.VerifyResponse:
+        ns_id = self._namespace(request.namespace)
+        verified, dropped = await self.store.verify(ns_id, self._hashes(ns_id, request.keys))
+        return kvstore_pb2.VerifyResponse(verified=verified, dropped=dropped)
+
+    # -------------------------------------------------------------- local data plane
+
+    def _segment(self) -> Segment:
+        if self.segment is None:
+            raise FailedPrecondition("this daemon has no shared-memory segment; use Put and Fetch")
+        return self.segment
+
+    async def LocalSegment(
+        self, request: kvstore_pb2.LocalSegmentRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.LocalSegmentResponse:
+        seg = self._segment()
+        return kvstore_pb2.LocalSegmentResponse(
+            path=seg.path, token=seg.token, data_offset=HEADER_BYTES, capacity_bytes=seg.capacity
+        )
+
+    async def LocalPut(
+        self, request: kvstore_pb2.LocalPutRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.LocalPutResponse:
+        self._segment()
+        ns_id = self._namespace(request.header.namespace)
+        hashes, parent = self._put_keys(ns_id, request.header)
+        txn = self.store.begin_put(ns_id, hashes, parent, tier=LOCAL_TIER)
+        txn.reserve()
+        txn_id = self.local_puts.begin(txn)
+        return kvstore_pb2.LocalPutResponse(
+            txn_id=txn_id,
+            offsets=[-1 if slot is None else slot.offset for slot in txn.slots()],
+            block_bytes=txn.block_bytes,
+            namespace_id=ns_id,
+            block_hashes=hashes,
+            expires_in_ms=self.local_puts.ttl_ms,
+        )
+
+    async def LocalCommit(
+        self, request: kvstore_pb2.LocalCommitRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.PutResponse:
+        txn = self.local_puts.take(request.txn_id)
+        if request.abort:
+            txn.abort()
+            return kvstore_pb2.PutResponse()
+        try:
+            txn.mark_written()
+            result = await txn.commit(list(request.checksums))
+        except BaseException:
+            txn.abort()
+            raise
+        return kvstore_pb2.PutResponse(
+            stored=result.stored, existing=result.existing, namespace_id=result.namespace_id,
+            block_hashes=result.block_hashes,
+        )
+
+    async def LocalFetch(
+        self, request: kvstore_pb2.LocalFetchRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.LocalFetchResponse:
+        self._segment()
+        ns_id = self._namespace(request.namespace)
+        hashes = self._hashes(ns_id, request.keys)
+        result, infos = self.store.lease_prefix(
+            ns_id, hashes, request.lease_ms or DEFAULT_LOCAL_LEASE_MS, tier=LOCAL_TIER
+        )
+        return kvstore_pb2.LocalFetchResponse(
+            num_blocks=result.num_blocks,
+            offsets=[i.slot.offset for i in infos],
+            checksums=[i.checksum for i in infos],
+            block_bytes=self.store.namespace(ns_id).layout.bytes_per_block,
+            lease_id=result.lease_id,
+            namespace_id=ns_id,
+            block_hashes=result.block_hashes,
+            block_size_tokens=result.block_size_tokens,
+        )
 
 
 def stats_to_proto(status: StoreStatus, uptime_s: float, absent: Sequence[tuple[str, str]] = ()) -> admin_pb2.StatsResponse:

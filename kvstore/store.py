@@ -78,6 +78,10 @@ class StoreCounters:
     deletes: int = 0
     evictions: int = 0
     checksum_failures: int = 0
+    # The parts of bytes_in / bytes_out that moved through the shared-memory plane
+    # (the rest went as gRPC bytes); metrics label throughput by plane with them.
+    local_bytes_in: int = 0
+    local_bytes_out: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -212,7 +216,7 @@ class Store:
         self._executor = executor
         self._clock = clock
         self._index = BlockIndex()
-        self._leases = LeaseTable()
+        self._leases = LeaseTable(self._end_read)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         self._tier_by_name = {t.name: t for t in self.tiers}
         # Set by the daemon (the event bus); None in embedded and unit-test stores.
@@ -309,8 +313,13 @@ class Store:
 
     # ----------------------------------------------------------------- put
 
-    def begin_put(self, namespace_id: bytes, hashes: Sequence[bytes], parent_hash: bytes | None = None) -> PutTxn:
-        """Start a two-phase put of `hashes` (in chain order). Use as `async with`."""
+    def begin_put(
+        self, namespace_id: bytes, hashes: Sequence[bytes], parent_hash: bytes | None = None, tier: str | None = None
+    ) -> PutTxn:
+        """Start a two-phase put of `hashes` (in chain order). Use as `async with`.
+
+        `tier` names the tier the new blocks land in (default: the first).
+        """
         info = self.namespace(namespace_id)
         self.check_hashes(hashes)
         if parent_hash is not None and len(parent_hash) != HASH_BYTES:
@@ -318,7 +327,10 @@ class Store:
         if not hashes:
             raise InvalidArgument("a put must carry at least one block")
         self.expire_leases()
-        return PutTxn(self, info, list(hashes), parent_hash)
+        if tier is not None and tier not in self._tier_by_name:
+            raise FailedPrecondition(f"this daemon has no {tier} tier")
+        target = self._tier_by_name[tier] if tier is not None else self.tiers[0]
+        return PutTxn(self, info, list(hashes), parent_hash, target)
 
     def _allocate(self, st: StoreTier, nbytes: int) -> Slot:
         """A slot in `st`, evicting victims in policy order until one fits."""
@@ -432,10 +444,74 @@ class Store:
         lease = self._acquire_lease(entries, ttl)
         return PinResult(lease.lease_id, len(entries), min(ttl, self.limits.max_lease_ms))
 
+    def lease_prefix(
+        self, namespace_id: bytes, hashes: Sequence[bytes], ttl_ms: int, tier: str
+    ) -> tuple[LookupResult, list[BlockInfo]]:
+        """The fetch of a co-located reader: the READY prefix of `hashes`, plus a
+        bytes-holding lease on its leading run of blocks in `tier`.
+
+        The returned slots stay valid (never freed or reused) until the lease is released
+        or expires, even if the blocks are deleted meanwhile. Counted as a fetch of the
+        leased blocks, like `open_fetch`; blocks past the run are fetched separately.
+        """
+        info = self.namespace(namespace_id)
+        self.check_hashes(hashes)
+        self.expire_leases()
+        entries = self._index.longest_ready_prefix([make_key(namespace_id, h) for h in hashes])
+        local: list[BlockEntry] = []
+        for entry in entries:
+            if entry.slot.tier != tier:
+                break
+            local.append(entry)
+        lease_id = ""
+        if local:
+            lease_id = self._acquire_lease(local, ttl_ms, holds_bytes=True).lease_id
+        self.counters.fetches += 1
+        self.counters.blocks_fetched += len(local)
+        self.counters.bytes_out += sum(e.nbytes for e in local)
+        self.counters.local_bytes_out += sum(e.nbytes for e in local)
+        for entry in reversed(local):
+            self._tier_by_name[entry.slot.tier].policy.touch(entry.key)
+        result = LookupResult(
+            namespace_id=namespace_id,
+            num_blocks=len(entries),
+            block_size_tokens=info.layout.block_size_tokens,
+            tiers=[e.slot.tier for e in entries],
+            block_hashes=list(hashes[: len(entries)]),
+            lease_id=lease_id,
+        )
+        return result, [BlockInfo(e.slot.tier, e.slot, e.nbytes, e.checksum, e.pins) for e in local]
+
+    async def verify(self, namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[int, int]:
+        """Re-check the named blocks against their checksums; drop and count the bad ones.
+
+        Returns (verified, dropped). A client that saw a mismatch asks for this: the
+        daemon does not take the client's word, it looks for itself.
+        """
+        self.namespace(namespace_id)
+        self.check_hashes(hashes)
+        entries = [e for h in hashes if (e := self._index.get(make_key(namespace_id, h))) is not None]
+        for entry in entries:
+            entry.readers += 1
+        try:
+            datas = [await self._tier_by_name[e.slot.tier].tier.read(e.slot, e.nbytes) for e in entries]
+            sums = await checksum_batch(datas, self._executor)
+        finally:
+            for entry in entries:
+                self._end_read(entry)
+        verified = dropped = 0
+        for entry, got in zip(entries, sums):
+            if got == entry.checksum:
+                verified += 1
+            elif not entry.removed:
+                self._checksum_failed(entry)
+                dropped += 1
+        return verified, dropped
+
     def unpin(self, lease_id: str) -> bool:
         return self._leases.release(lease_id) is not None
 
-    def _acquire_lease(self, entries: list[BlockEntry], ttl_ms: int) -> Lease:
+    def _acquire_lease(self, entries: list[BlockEntry], ttl_ms: int, holds_bytes: bool = False) -> Lease:
         if ttl_ms < 0:
             raise InvalidArgument(f"lease time must be >= 0 ms, got {ttl_ms}")
         if len(self._leases) >= self.limits.max_leases:
@@ -443,7 +519,7 @@ class Store:
                 f"{self.limits.max_leases} leases are active; release leases (Unpin) or wait for them to expire"
             )
         ttl_ms = min(ttl_ms, self.limits.max_lease_ms)
-        return self._leases.acquire(entries, self._clock() + ttl_ms / 1000.0)
+        return self._leases.acquire(entries, self._clock() + ttl_ms / 1000.0, holds_bytes)
 
     def expire_leases(self) -> int:
         return self._leases.expire(self._clock())
@@ -608,7 +684,9 @@ class PutTxn:
     READY when the put began is accepted and discarded without being stored again.
     """
 
-    def __init__(self, store: Store, info: NamespaceInfo, hashes: list[bytes], parent_hash: bytes | None) -> None:
+    def __init__(
+        self, store: Store, info: NamespaceInfo, hashes: list[bytes], parent_hash: bytes | None, tier: StoreTier
+    ) -> None:
         self._store = store
         self._info = info
         self._hashes = hashes
@@ -623,17 +701,18 @@ class PutTxn:
         self._received = [0] * len(hashes)
         self._current = 0
         self._done = False
-        self._tier = store.tiers[0]
+        self._tier = tier
 
     async def __aenter__(self) -> PutTxn:
-        self._reserve()
+        self.reserve()
         return self
 
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
         if not self._done:
             self.abort()
 
-    def _reserve(self) -> None:
+    def reserve(self) -> None:
+        """Allocate PENDING slots for the blocks not already present (evicting as needed)."""
         st = self._tier
         index = self._store._index
         new = []
@@ -681,6 +760,15 @@ class PutTxn:
             await self._store._tier_by_name[entry.slot.tier].tier.write(entry.slot, offset, data)
         self._received[block] = offset + len(data)
 
+    def slots(self) -> list[Slot | None]:
+        """Where each block's bytes must land; None for blocks already present."""
+        return [e.slot if e is not None else None for e in self._entries]
+
+    def mark_written(self) -> None:
+        """Every byte was written into the slots by someone else (a co-located client)."""
+        self._received = [self.block_bytes] * len(self._keys)
+        self._current = len(self._keys) - 1
+
     def _check_complete(self, block: int) -> None:
         got = self._received[block]
         if got != self.block_bytes:
@@ -689,19 +777,29 @@ class PutTxn:
                 "check the layout you sent"
             )
 
-    async def commit(self) -> PutResult:
-        """Verify every block is complete, checksum, and publish. Read-your-writes holds on return."""
+    async def commit(self, checksums: Sequence[int] | None = None) -> PutResult:
+        """Verify every block is complete, checksum, and publish. Read-your-writes holds on return.
+
+        `checksums` (one per block of the put, in order) are taken as given instead of
+        hashing the slots: a co-located client hashes its source while copying it in. A
+        wrong one cannot cause a wrong block to be served: every read verifies.
+        """
         store = self._store
         for i in range(len(self._keys)):
             self._check_complete(i)
         pending = [e for e in self._entries if e is not None]
         tiers = store._tier_by_name
-        views = [tiers[e.slot.tier].tier.view(e.slot, e.nbytes) for e in pending]
-        if any(v is None for v in views):
-            datas: list[bytes | memoryview] = [await tiers[e.slot.tier].tier.read(e.slot, e.nbytes) for e in pending]
+        if checksums is not None:
+            if len(checksums) != len(self._keys):
+                raise InvalidArgument(f"{len(checksums)} checksums for a put of {len(self._keys)} blocks")
+            sums = [checksums[i] for i, e in enumerate(self._entries) if e is not None]
         else:
-            datas = [v for v in views if v is not None]
-        sums = await checksum_batch(datas, store._executor)
+            views = [tiers[e.slot.tier].tier.view(e.slot, e.nbytes) for e in pending]
+            if any(v is None for v in views):
+                datas: list[bytes | memoryview] = [await tiers[e.slot.tier].tier.read(e.slot, e.nbytes) for e in pending]
+            else:
+                datas = [v for v in views if v is not None]
+            sums = await checksum_batch(datas, store._executor)
         if self._done:  # aborted while checksumming (cancelled call)
             raise FailedPrecondition("this put was aborted")
         stored = existing = 0
@@ -726,6 +824,8 @@ class PutTxn:
         c.blocks_stored += stored
         c.blocks_existing += existing
         c.bytes_in += stored * self.block_bytes
+        if checksums is not None:  # the client wrote the bytes into the segment itself
+            c.local_bytes_in += stored * self.block_bytes
         return PutResult(self._info.namespace_id, stored, existing, list(self._hashes))
 
     def abort(self) -> None:

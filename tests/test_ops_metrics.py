@@ -42,10 +42,14 @@ async def test_metrics_scrape(daemon, layout):
     address = daemon.daemon.metrics_address
     assert address.startswith("127.0.0.1:")
     tokens = list(range(layout.block_size_tokens * 4))
-    async with AsyncClient(daemon.unix_target) as kv:
+    async with AsyncClient(daemon.tcp_target, data_plane="grpc") as kv:
         await kv.put(layout, tokens, [os.urandom(layout.bytes_per_block) for _ in range(3)])
         await kv.lookup(layout, tokens)  # 3 hits, 1 miss
         await kv.fetch(layout, tokens)
+    async with AsyncClient(daemon.unix_target, data_plane="local") as kv:  # co-located: shared memory
+        await kv.fetch(layout, tokens)
+        await kv.put(layout, tokens[:4], [os.urandom(layout.bytes_per_block)])  # present: stores nothing
+        await kv.put(layout, list(range(100, 100 + layout.block_size_tokens)), [os.urandom(layout.bytes_per_block)])
     async with grpc.aio.insecure_channel(daemon.unix_target) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             await kvstore_pb2_grpc.KVStoreStub(channel).Lookup(kvstore_pb2.LookupRequest())  # names no namespace
@@ -56,7 +60,9 @@ async def test_metrics_scrape(daemon, layout):
     assert m[("kvstore_tier_hits_total", (("tier", "host"),))] == 3
     assert m[("kvstore_data_in_bytes_total", (("plane", "grpc"),))] == 3 * layout.bytes_per_block
     assert m[("kvstore_data_out_bytes_total", (("plane", "grpc"),))] == 3 * layout.bytes_per_block
-    assert m[("kvstore_tier_used_bytes", (("tier", "host"),))] == 3 * layout.bytes_per_block
+    assert m[("kvstore_data_in_bytes_total", (("plane", "shm"),))] == layout.bytes_per_block
+    assert m[("kvstore_data_out_bytes_total", (("plane", "shm"),))] == 3 * layout.bytes_per_block
+    assert m[("kvstore_tier_used_bytes", (("tier", "host"),))] == 4 * layout.bytes_per_block
     assert m[("kvstore_tier_capacity_bytes", (("tier", "host"),))] == 16 << 20
     assert m[("kvstore_checksum_failures_total", (("tier", "host"),))] == 0
     assert m[("kvstore_leases_active", ())] == 0
