@@ -123,7 +123,9 @@ def test_config_get_set(daemon_thread, capsys):
     assert code == 0 and json.loads(out) == {"name": "max_lease_ms", "value": "5000", "previous": "600000"}
     assert run(capsys, "config", "get", "max_lease_ms", "--target", t)[1].strip() == "5000"
     code, out, _ = run(capsys, "info", "config", "--json", "--target", t)
-    assert json.loads(out)["config"]["max_lease_ms"] == "5000"
+    info = json.loads(out)["config"]
+    assert info["max_lease_ms"] == "5000"
+    assert (info["host_capacity"], info["host_capacity_human"]) == (str(16 << 20), "16.00MiB")
 
     code, _, err = run(capsys, "config", "set", "host_capacity", "1GiB", "--target", t)
     assert code == 1 and "restart" in err

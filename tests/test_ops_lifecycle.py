@@ -24,7 +24,8 @@ from grpc_health.v1 import health_pb2
 from kvstore.client import Client
 from kvstore.client._common import namespace_ref
 from kvstore.client.admin import AdminClient
-from kvstore.errors import Cancelled, KVStoreError, Unavailable
+from kvstore.config import Config
+from kvstore.errors import Cancelled, ConfigError, KVStoreError, Unavailable
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 DEADLINE_S = 30.0
@@ -63,6 +64,16 @@ async def test_stop_drains_an_in_flight_put(daemon, layout):
         response = await call
         assert response.stored == 2
         await stop
+
+
+async def test_reload_that_fails_changes_nothing(daemon, caplog):
+    def unreadable() -> Config:
+        raise ConfigError("config file kvstore.toml cannot be read: permission denied")
+
+    before = daemon.daemon.runtime.current
+    daemon.daemon.reload(unreadable)
+    assert daemon.daemon.runtime.current == before
+    assert "reload failed, settings unchanged" in caplog.text and "permission denied" in caplog.text
 
 
 def _wait_ready(target: str, proc: subprocess.Popen) -> None:
