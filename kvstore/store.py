@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from kvstore.checksum import checksum_batch
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvstore.hashing import HASH_BYTES, block_hashes
+from kvstore.hashing import HASH_BYTES, block_hashes_packed
 from kvstore.index import BlockEntry, BlockIndex, BlockState, make_key
 from kvstore.layout import KVLayout
 from kvstore.leases import Lease, LeaseTable
@@ -210,10 +210,16 @@ class Store:
     def namespaces(self) -> list[NamespaceInfo]:
         return list(self._namespaces.values())
 
-    def hashes_for_tokens(self, namespace_id: bytes, token_ids: Sequence[int]) -> list[bytes]:
+    def hashes_for_tokens(self, namespace_id: bytes, packed_tokens: bytes, max_blocks: int | None = None) -> list[bytes]:
+        """Block hashes of tokens packed as little-endian u32 (at most `max_blocks` blocks)."""
         info = self.namespace(namespace_id)
-        self._check_count(len(token_ids) // info.layout.block_size_tokens, "blocks of tokens")
-        return block_hashes(namespace_id, token_ids, info.layout.block_size_tokens)
+        step = info.layout.block_size_tokens * 4
+        n_blocks = len(packed_tokens) // step
+        if max_blocks is not None:
+            n_blocks = min(n_blocks, max_blocks)
+        self._check_count(n_blocks, "blocks of tokens")
+        return block_hashes_packed(namespace_id, memoryview(packed_tokens)[: n_blocks * step],
+                                   info.layout.block_size_tokens)
 
     def check_hashes(self, hashes: Sequence[bytes]) -> None:
         self._check_count(len(hashes), "block hashes")
