@@ -37,7 +37,7 @@ def _copy_hash(dst: np.ndarray, src: np.ndarray) -> int:
         end = min(start + CHUNK_BYTES, n)
         piece = dst[start:end]
         np.copyto(piece, src[start:end])
-        h.update(piece)
+        h.update(piece.data)
     return h.intdigest()
 
 

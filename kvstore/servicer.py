@@ -16,7 +16,7 @@ from kvstore import __version__
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import block_hashes_packed, token_bytes
 from kvstore.info import render_info
-from kvstore.layout import KVLayout
+from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
 from kvstore.local import LocalPuts
 from kvstore.store import Store, StoreStatus
 from kvstore.tiers.segment import HEADER_BYTES, Segment
@@ -40,7 +40,7 @@ def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
         num_kv_heads=msg.num_kv_heads,
         head_dim=msg.head_dim,
         block_size_tokens=msg.block_size_tokens,
-        kv_layout=msg.kv_layout or KVLayout.__dataclass_fields__["kv_layout"].default,
+        kv_layout=msg.kv_layout or DEFAULT_KV_LAYOUT,
         tp_rank=msg.tp_rank,
         tp_size=msg.tp_size or 1,
         block_bytes=msg.block_bytes,

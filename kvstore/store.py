@@ -582,7 +582,8 @@ class PutTxn:
         self.block_bytes = info.layout.bytes_per_block
         ns = info.namespace_id
         self._keys = [make_key(ns, h) for h in hashes]
-        self._parents: list[bytes | None] = [make_key(ns, parent_hash) if parent_hash else None] + self._keys[:-1]
+        first_parent = make_key(ns, parent_hash) if parent_hash else None
+        self._parents: list[bytes | None] = [first_parent, *self._keys[:-1]]
         self._entries: list[BlockEntry | None] = [None] * len(hashes)
         # Blocks already READY when the put began, held so that making room for the new
         # blocks cannot evict them (the put would otherwise report them present when not).
@@ -695,15 +696,15 @@ class PutTxn:
         publish: list[BlockEntry] = []
         for entry, csum in zip(pending, sums):
             entry.checksum = csum
-        for i, entry in enumerate(self._entries):
-            if entry is None or entry.key in store._index:
+        for i, maybe in enumerate(self._entries):
+            if maybe is None or maybe.key in store._index:
                 # Present before the put began, or published by a concurrent put since.
                 existing += 1
-                if entry is not None:
-                    tiers[entry.slot.tier].tier.free(entry.slot)
+                if maybe is not None:
+                    tiers[maybe.slot.tier].tier.free(maybe.slot)
                     self._entries[i] = None
             else:
-                publish.append(entry)
+                publish.append(maybe)
                 stored += 1
         store._publish(publish)
         self._done = True
