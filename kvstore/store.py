@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -223,9 +224,9 @@ class Store:
 
     def check_hashes(self, hashes: Sequence[bytes]) -> None:
         self._check_count(len(hashes), "block hashes")
-        for i, h in enumerate(hashes):
-            if len(h) != HASH_BYTES:
-                raise InvalidArgument(f"block hash {i} is {len(h)} bytes; every block hash is {HASH_BYTES} bytes")
+        if hashes and set(map(len, hashes)) != {HASH_BYTES}:  # one C-level pass in the common case
+            i, h = next((i, h) for i, h in enumerate(hashes) if len(h) != HASH_BYTES)
+            raise InvalidArgument(f"block hash {i} is {len(h)} bytes; every block hash is {HASH_BYTES} bytes")
 
     def _check_count(self, n: int, what: str) -> None:
         if n > self.limits.max_blocks_per_call:
@@ -250,16 +251,17 @@ class Store:
         c.hit_blocks += len(hit)
         c.miss_blocks += len(keys) - len(hit)
         tier_names = [entry.slot.tier for entry in hit]
-        # Tail first, so the head of a chain is the most recently used: a recency policy
-        # then evicts chain tails before the heads every later block depends on.
-        for entry in reversed(hit):
-            st = self._tier_by_name[entry.slot.tier]
-            st.counters.hits += 1
-            st.policy.touch(entry.key)
-        # A block not found (or found lower down) is a miss for every tier above it.
-        missing = len(keys) - len(hit)
+        per_tier = Counter(tier_names)
         for st in self.tiers:
-            st.counters.misses += missing + sum(1 for name in tier_names if name != st.name)
+            # A tier's hits are looked-up blocks it holds; its misses, those it does not.
+            held = per_tier.get(st.name, 0)
+            st.counters.hits += held
+            st.counters.misses += len(keys) - held
+            if held:
+                # Tail first, so the head of a chain is the most recently used: a recency
+                # policy then evicts chain tails before the heads later blocks depend on.
+                tail_first = reversed(hit) if held == len(hit) else (e for e in reversed(hit) if e.slot.tier == st.name)
+                st.policy.touch_many(e.key for e in tail_first)
         return LookupResult(
             namespace_id=namespace_id,
             num_blocks=len(hit),
