@@ -1,15 +1,20 @@
-"""Block events: the bus under a consumer that never reads, and WatchEvents over gRPC
-with a consumer that falls behind (bounded queue, dropped count, resync marker)."""
+"""Block events: the bus under a consumer that never reads, WatchEvents over gRPC with a
+consumer that falls behind (bounded queue, dropped count, resync marker), and the SDK's
+BlockTracker staying exact through a resync."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
+import time
 
 import grpc
 import pytest
 
-from kvstore.client import AsyncClient
+from kvstore.client import AsyncClient, Client
+from kvstore.client.admin import AdminClient
+from kvstore.client.events import BlockTracker
 from kvstore.errors import ResourceExhausted
 from kvstore.events import MAX_SUBSCRIBERS, EventBus, EventKind
 from kvstore.store import BlockGroup
@@ -111,3 +116,38 @@ async def test_bus_caps_subscribers():
     subs[0].close()
     bus.subscribe().close()
     assert bus.subscribers == MAX_SUBSCRIBERS - 1
+
+
+def test_tracker_follows_a_daemon_through_a_resync(daemon_thread, layout):
+    def eventually(predicate) -> None:
+        deadline = time.monotonic() + 30
+        while not predicate():
+            assert time.monotonic() < deadline, "the tracker did not catch up"
+            time.sleep(0.01)
+
+    tracker, stop = BlockTracker(), threading.Event()
+    with Client(daemon_thread.tcp_target, data_plane="grpc") as kv:
+        tokens = list(range(layout.block_size_tokens * 12))
+        first = kv.put(layout, tokens[:16], [os.urandom(layout.bytes_per_block) for _ in range(4)])
+        ns = kv.lookup(layout, tokens).namespace_id
+        admin = AdminClient(daemon_thread.tcp_target)
+        follower = threading.Thread(target=tracker.follow, args=(admin, stop), kwargs={"queue_size": 4})
+        follower.start()
+        try:
+            eventually(lambda: tracker.prefix_length(ns, first.block_hashes) == 4)  # from the snapshot
+            rest = kv.put(layout, tokens, [os.urandom(layout.bytes_per_block) for _ in range(8)], first_block=4)
+            chain = first.block_hashes + rest.block_hashes
+            eventually(lambda: tracker.prefix_length(ns, chain) == 12)
+            assert tracker.tier_of(ns, chain[-1]) == "host"
+
+            # 12 removals at once into a queue of 4: the tracker must resync, then be exact.
+            with AdminClient(daemon_thread.tcp_target) as other:
+                other.flush()
+            again = kv.put(layout, tokens[:8], [os.urandom(layout.bytes_per_block) for _ in range(2)])
+            eventually(lambda: tracker.resyncs >= 1 and tracker.blocks(ns) == 2)
+            assert tracker.prefix_length(ns, chain) == 2 and tracker.tier_of(ns, again.block_hashes[1]) == "host"
+        finally:
+            stop.set()
+            admin.close()  # ends the stream the follower is blocked on
+            follower.join(30)
+    assert not follower.is_alive()
