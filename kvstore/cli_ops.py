@@ -14,6 +14,7 @@ import io
 import json
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvstore.units import human_bytes, parse_size
@@ -59,15 +60,6 @@ def message_to_dict(msg: Any) -> Any:
     return out
 
 
-def _get(d: dict[str, Any], key: str) -> Any:
-    """A field that may not exist in this daemon's version: None when absent."""
-    return d.get(key)
-
-
-def _n(value: Any) -> str:
-    return ABSENT if value is None else str(value)
-
-
 def ratio(hits: int, total: int) -> float:
     return hits / total if total else 0.0
 
@@ -106,17 +98,41 @@ def _admin(args: argparse.Namespace) -> Any:
 # ------------------------------------------------------------------ stats
 
 
+@dataclass(frozen=True, slots=True)
+class TierColumn:
+    header: str
+    render: Callable[[dict[str, Any]], str]
+    fields: tuple[str, ...]  # the per-tier fields this column shows
+
+
+def _field(key: str) -> Callable[[dict[str, Any]], str]:
+    """A counter that older daemons may not report: `-` when absent."""
+    return lambda t: ABSENT if t.get(key) is None else str(t[key])
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}" if whole else "0.0"
+
+
 TIER_COLUMNS = (
-    ("TIER", None), ("POLICY", None), ("CAPACITY", None), ("USED", None), ("USE%", None), ("BLOCKS", "blocks"),
-    ("HIT%", None), ("HITS", "hits"), ("MISSES", "misses"), ("PROMOTED", "promotions"), ("DEMOTED", "demotions"),
-    ("EVICTED", "evictions"), ("DROPPED", "drops"), ("BAD_CHECKSUM", "checksum_failures"),
+    TierColumn("TIER", lambda t: t["name"], ("name",)),
+    TierColumn("POLICY", lambda t: t.get("policy") or ABSENT, ("policy",)),
+    TierColumn("CAPACITY", lambda t: human_bytes(t["capacity_bytes"]), ("capacity_bytes",)),
+    TierColumn("USED", lambda t: human_bytes(t["used_bytes"]), ("used_bytes",)),
+    TierColumn("USE%", lambda t: _percent(t["used_bytes"], t["capacity_bytes"]), ()),
+    TierColumn("BLOCKS", _field("blocks"), ("blocks",)),
+    TierColumn("HIT%", lambda t: _percent(t["hits"], t["hits"] + t["misses"]), ()),
+    TierColumn("HITS", _field("hits"), ("hits",)),
+    TierColumn("MISSES", _field("misses"), ("misses",)),
+    TierColumn("PROMOTED", _field("promotions"), ("promotions",)),
+    TierColumn("DEMOTED", _field("demotions"), ("demotions",)),
+    TierColumn("EVICTED", _field("evictions"), ("evictions",)),
+    TierColumn("DROPPED", _field("drops"), ("drops",)),
+    TierColumn("BAD_CHECKSUM", _field("checksum_failures"), ("checksum_failures",)),
 )
 
-
-# Fields rendered by name above, or not per-tier figures at all.
-KNOWN_TIER_FIELDS = {"name", "present", "reason", "capacity_bytes", "used_bytes", "policy", "facts"} | {
-    key for _, key in TIER_COLUMNS if key
-}
+# Fields shown by a column above, or not per-tier figures at all.
+KNOWN_TIER_FIELDS = {"present", "reason", "facts"} | {f for c in TIER_COLUMNS for f in c.fields}
 
 
 def extra_tier_fields(stats: dict[str, Any]) -> list[str]:
@@ -144,17 +160,8 @@ def tier_rows(stats: dict[str, Any]) -> list[list[str]]:
     for t in stats["tiers"]:
         if not t["present"]:
             rows.append([t["name"]] + [ABSENT] * (len(TIER_COLUMNS) - 1 + len(extra)))
-            continue
-        cap, used = t["capacity_bytes"], t["used_bytes"]
-        row = [t["name"], t.get("policy") or ABSENT, human_bytes(cap), human_bytes(used),
-               f"{100 * used / cap:.1f}" if cap else "0.0"]
-        for header, key in TIER_COLUMNS[5:]:
-            if header == "HIT%":
-                row.append(f"{100 * ratio(t['hits'], t['hits'] + t['misses']):.1f}")
-            else:
-                row.append(_n(_get(t, key)) if key else ABSENT)
-        row += [_cell(t.get(key)) for key in extra]
-        rows.append(row)
+        else:
+            rows.append([c.render(t) for c in TIER_COLUMNS] + [_cell(t.get(key)) for key in extra])
     return rows
 
 
@@ -182,7 +189,7 @@ NS_DETAIL_COLUMNS = ("NAMESPACE", "MODEL", "DTYPE", "LxHxD", "TOKENS/BLOCK", "KV
 
 
 def format_stats(stats: dict[str, Any], namespaces: Sequence[dict[str, Any]] | None = None) -> str:
-    columns = [h for h, _ in TIER_COLUMNS] + [key.upper() for key in extra_tier_fields(stats)]
+    columns = [c.header for c in TIER_COLUMNS] + [key.upper() for key in extra_tier_fields(stats)]
     parts = [render_table("Tiers", columns, tier_rows(stats))]
     notes = [f"tier {t['name']} absent: {t['reason']}" for t in stats["tiers"] if not t["present"]]
     c = stats["counters"]
