@@ -5,8 +5,8 @@ hit ratio (overall and over the last interval), throughput in and out, operation
 and the largest namespaces. Rates are differences between two samples, so the first
 frame shows totals and zero rates.
 
-Works in a plain terminal: ANSI "home + clear" between frames and ASCII bars, no
-full-screen library. When stdin is a terminal it is switched to cbreak mode (restored
+Works in a plain terminal: ANSI "home + clear" between frames (none with TERM=dumb)
+and ASCII bars, no full-screen library. When stdin is a terminal it is switched to cbreak mode (restored
 on exit) so a single `q` quits; Ctrl-C quits too. Without a terminal, frames are simply
 printed one after another (`--iterations` bounds them), and `--json` prints one JSON
 sample a line.
@@ -154,7 +154,8 @@ def cmd_top(args: argparse.Namespace) -> int:
     from kvstore.errors import KVStoreError
 
     interval = max(0.1, args.interval)
-    clear = sys.stdout.isatty() and not args.json
+    # A terminal that cannot move the cursor (TERM=dumb) gets frames one after another.
+    clear = sys.stdout.isatty() and not args.json and os.environ.get("TERM", "") != "dumb"
     prev: Sample | None = None
     shown = 0
     with _admin(args) as admin, KeyReader() as keys:
