@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from kvstore.errors import ResourceExhausted
+from kvstore.errors import ResourceExhausted, Unavailable
 from kvstore.store import BlockGroup
 
 logger = logging.getLogger(__name__)
@@ -115,6 +115,7 @@ class EventBus:
         self._seq = 0
         self.published = 0
         self.dropped = 0
+        self._closed = False
 
     @property
     def subscribers(self) -> int:
@@ -128,6 +129,8 @@ class EventBus:
         Call it in the same synchronous step that took the snapshot: no event can fall
         between the two, so the consumer's view is exact.
         """
+        if self._closed:
+            raise Unavailable("the daemon is shutting down; watch another daemon or retry after it restarts")
         if len(self._subscribers) >= MAX_SUBSCRIBERS:
             raise ResourceExhausted(
                 f"{MAX_SUBSCRIBERS} event streams are already open; close unused WatchEvents streams"
@@ -168,6 +171,8 @@ class EventBus:
         self.publish(EventKind.MOVED, namespace_id, block_hashes, to_tier, from_tier)
 
     def close(self) -> None:
-        """End every subscription (their iterators finish after what is buffered)."""
+        """End every subscription (their iterators finish after what is buffered) and
+        refuse new ones: a stream opened during the drain would hold it open."""
+        self._closed = True
         for sub in list(self._subscribers):
             sub.close()

@@ -15,7 +15,7 @@ import pytest
 from kvstore.client import AsyncClient, Client
 from kvstore.client.admin import AdminClient
 from kvstore.client.events import BlockTracker
-from kvstore.errors import ResourceExhausted
+from kvstore.errors import ResourceExhausted, Unavailable
 from kvstore.events import MAX_SUBSCRIBERS, EventBus, EventKind
 from kvstore.store import BlockGroup
 from kvstore.v1 import admin_pb2, admin_pb2_grpc
@@ -106,6 +106,16 @@ async def test_watch_events_ends_on_shutdown(daemon, layout):
         await stop
         assert rest == []
         assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_closed_bus_refuses_subscribers():
+    bus = EventBus()
+    sub = bus.subscribe()
+    bus.blocks_stored(NS, [_h(1)], "host")
+    bus.close()
+    assert [e.block_hashes for e in [e async for e in sub]] == [(_h(1),)]  # buffered events still arrive
+    with pytest.raises(Unavailable, match="shutting down"):
+        bus.subscribe()
 
 
 async def test_bus_caps_subscribers():
