@@ -111,6 +111,12 @@ def test_pin_and_unpin(loaded, capsys):
     assert run(capsys, "unpin", pinned["lease_id"], "--target", d.tcp_target)[0] == 0
     assert run(capsys, "unpin", pinned["lease_id"], "--target", d.tcp_target)[0] == 1  # already released
 
+    # A runtime change takes effect on the next call: pins are now capped at 5 s.
+    assert run(capsys, "config", "set", "max_lease_ms", "5000", "--target", d.tcp_target)[0] == 0
+    code, out, _ = run(capsys, "pin", hit.namespace_id.hex(), *hashes, "--ttl-ms", "60000",
+                       "--target", d.tcp_target, "--json")
+    assert code == 0 and json.loads(out)["expires_in_ms"] == 5000
+
 
 def test_config_get_set(daemon_thread, capsys):
     t = daemon_thread.tcp_target
