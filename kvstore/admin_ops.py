@@ -77,6 +77,7 @@ class OpsAdminServicer(AdminServicer):
             admin_pb2.NamespaceStats(
                 namespace_id=ns.namespace_id, layout=layout_to_proto(ns.layout),
                 block_bytes=ns.layout.bytes_per_block, blocks=ns.blocks, used_bytes=ns.bytes,
+                lookup_blocks=ns.lookup_blocks, hit_blocks=ns.hit_blocks,
             )
             for ns in self.store.namespaces()
         ]

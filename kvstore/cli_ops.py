@@ -178,14 +178,15 @@ def namespace_rows(namespaces: Sequence[dict[str, Any]], *, detail: bool = False
                 f"{lay['tp_rank']}/{lay['tp_size']}",
                 lay["lora_id"] or ABSENT,
             ]
-        row += [human_bytes(ns["block_bytes"]), str(ns["blocks"]), human_bytes(ns["used_bytes"])]
+        row += [human_bytes(ns["block_bytes"]), str(ns["blocks"]), human_bytes(ns["used_bytes"]),
+                _percent(ns.get("hit_blocks", 0), ns.get("lookup_blocks", 0)) if ns.get("lookup_blocks") else ABSENT]
         rows.append(row)
     return rows
 
 
-NS_COLUMNS = ("NAMESPACE", "MODEL", "DTYPE", "BLOCK", "BLOCKS", "SIZE")
+NS_COLUMNS = ("NAMESPACE", "MODEL", "DTYPE", "BLOCK", "BLOCKS", "SIZE", "HIT%")
 NS_DETAIL_COLUMNS = ("NAMESPACE", "MODEL", "DTYPE", "LxHxD", "TOKENS/BLOCK", "KV_LAYOUT", "TP", "LORA", "BLOCK",
-                     "BLOCKS", "SIZE")
+                     "BLOCKS", "SIZE", "HIT%")
 
 
 def format_stats(stats: dict[str, Any], namespaces: Sequence[dict[str, Any]] | None = None) -> str:

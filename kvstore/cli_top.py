@@ -93,10 +93,13 @@ def render(target: str, cur: Sample, r: Rates, error: str = "") -> str:
         f"evictions {c['evictions']}   checksum failures {c['checksum_failures']}   leases {c['leases_active']}",
         "",
         f"top namespaces by size ({len(cur.namespaces)} in all)",
-        f"{'NAMESPACE':<34}{'MODEL':<28}{'BLOCKS':>8}  {'SIZE':>10}",
+        f"{'NAMESPACE':<34}{'MODEL':<28}{'BLOCKS':>8}  {'SIZE':>10}  {'HIT%':>6}",
     ]
     for ns in sorted(cur.namespaces, key=lambda n: -n["used_bytes"])[:TOP_NAMESPACES]:
-        lines.append(f"{ns['namespace_id']:<34}{ns['layout']['model'][:27]:<28}{ns['blocks']:>8}  {human_bytes(ns['used_bytes']):>10}")
+        looked = ns.get("lookup_blocks", 0)
+        hit_pct = f"{100 * ns.get('hit_blocks', 0) / looked:.1f}" if looked else "-"
+        lines.append(f"{ns['namespace_id']:<34}{ns['layout']['model'][:27]:<28}{ns['blocks']:>8}  "
+                     f"{human_bytes(ns['used_bytes']):>10}  {hit_pct:>6}")
     if error:
         lines += ["", f"last refresh failed: {error}"]
     return "\n".join(lines)

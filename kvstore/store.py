@@ -104,6 +104,9 @@ class NamespaceInfo:
     layout: KVLayout
     blocks: int = 0
     bytes: int = 0
+    # Which engines get value from the cache: per-namespace block hit ratio for operators.
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +295,8 @@ class Store:
         c.lookup_blocks += len(keys)
         c.hit_blocks += len(hit)
         c.miss_blocks += len(keys) - len(hit)
+        info.lookup_blocks += len(keys)
+        info.hit_blocks += len(hit)
         tier_names = [entry.slot.tier for entry in hit]
         per_tier = Counter(tier_names)
         for st in self.tiers:

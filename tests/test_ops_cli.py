@@ -59,10 +59,11 @@ def test_stats_by_namespace_and_ls(loaded, layout, capsys):
     (ns,) = json.loads(out)["by_namespace"]
     assert ns["namespace_id"] == hit.namespace_id.hex()
     assert (ns["layout"]["model"], ns["blocks"], ns["used_bytes"]) == (layout.model, N_BLOCKS, N_BLOCKS * layout.bytes_per_block)
+    assert (ns["lookup_blocks"], ns["hit_blocks"]) == (N_BLOCKS + 1, N_BLOCKS)
 
     code, out, _ = run(capsys, "ls", "--target", d.tcp_target)
     assert code == 0
-    assert hit.namespace_id.hex() in out and layout.model in out and "2,L,B,H,D" in out
+    assert hit.namespace_id.hex() in out and layout.model in out and "2,L,B,H,D" in out and "85.7" in out
 
 
 def test_target_from_environment(loaded, capsys, monkeypatch):
