@@ -260,6 +260,7 @@ class Daemon:
             try:
                 await metrics_server.start()
             except OSError as exc:
+                await server.stop(0)  # releases the gRPC ports bound above
                 self._close_resources()
                 raise ConfigError(
                     f"cannot serve metrics on {self._metrics_addr.grpc_target}: {exc.strerror}; "

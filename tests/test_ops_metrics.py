@@ -90,3 +90,12 @@ async def test_metrics_off_and_loopback_only(tmp_path):
         await d.stop(grace_s=0)
     with pytest.raises(ConfigError, match="allow-remote"):
         Daemon(replace(base, metrics_listen="0.0.0.0:0"))
+
+
+async def test_metrics_port_in_use_is_refused(daemon, tmp_path):
+    taken = daemon.daemon.metrics_address
+    base = load_config({"listen": f"unix:{tmp_path / 'second.sock'}", "host_capacity": "16MiB"}, env={})
+    second = Daemon(replace(base, metrics_listen=taken))
+    with pytest.raises(ConfigError, match=f"cannot serve metrics on {taken}"):
+        await second.start()
+    assert not (tmp_path / "second.sock").exists()
