@@ -1,6 +1,6 @@
 """The deploy/ files and docs/operations.md stay in step with the code: their configs
-validate, the dashboard queries metrics the daemon exports, and the documented config
-table names every setting."""
+validate, the dashboard and alert rules query metrics the daemon exports, and the
+documented config table names every setting."""
 
 from __future__ import annotations
 
@@ -40,12 +40,14 @@ def test_operations_doc_lists_every_setting():
     assert {f.name for f in FIELDS} <= table
 
 
-async def test_dashboard_queries_exported_metrics(daemon):
+async def test_dashboard_and_alerts_query_exported_metrics(daemon):
     dashboard = json.loads((ROOT / "deploy/grafana/kvstore-dashboard.json").read_text())
     used = set()
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
             used |= set(re.findall(r"\bkvstore_\w+", target["expr"]))
+    # The rule file is YAML; its expressions are the only kvstore_* words in it.
+    used |= set(re.findall(r"\bkvstore_\w+", (ROOT / "deploy/prometheus/kvstore-alerts.yaml").read_text()))
     async with AsyncClient(daemon.unix_target) as kv:
         await kv.stats()  # labelled series (RPC latency) appear once observed
     body = await asyncio.to_thread(
