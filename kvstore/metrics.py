@@ -234,6 +234,9 @@ class MetricsServer:
         self._host = host
         self._port = port
         self._server: asyncio.Server | None = None
+        # Connection handlers, owned here: asyncio.Server does not wait for them on close
+        # (before Python 3.12), so close() cancels and awaits what is still running.
+        self._connections: set[asyncio.Task[None]] = set()
         self.port = 0
 
     @property
@@ -250,8 +253,15 @@ class MetricsServer:
             self._server.close()
             await self._server.wait_closed()
             self._server = None
+        for task in list(self._connections):
+            task.cancel()
+        if self._connections:
+            await asyncio.gather(*self._connections, return_exceptions=True)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
         try:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
@@ -274,6 +284,7 @@ class MetricsServer:
         except Exception:  # task boundary: one bad scrape must not stop the endpoint
             logger.exception("metrics scrape failed")
         finally:
+            self._connections.discard(task)
             writer.close()
 
     @staticmethod

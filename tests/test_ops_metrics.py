@@ -99,3 +99,21 @@ async def test_metrics_port_in_use_is_refused(daemon, tmp_path):
     with pytest.raises(ConfigError, match=f"cannot serve metrics on {taken}"):
         await second.start()
     assert not (tmp_path / "second.sock").exists()
+
+
+async def test_metrics_endpoint_closes_with_a_scraper_still_connected(tmp_path):
+    base = load_config({"listen": f"unix:{tmp_path / 'kv.sock'}", "host_capacity": "16MiB",
+                        "metrics_listen": "127.0.0.1:0"}, env={})
+    d = Daemon(base)
+    await d.start()
+    host, port = d.metrics_address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /metr")  # a scraper that stalls mid-request
+    await writer.drain()
+    await asyncio.sleep(0.05)  # let the endpoint accept it (the case under test either way)
+    await asyncio.wait_for(d.stop(grace_s=0), 10)  # does not wait out the 5 s read timeout
+    try:
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, no response
+    except ConnectionResetError:
+        pass  # also closed
+    writer.close()
