@@ -35,15 +35,26 @@ def render_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str
     from rich.table import Table
 
     tty = sys.stdout.isatty()
-    table = Table(title=title or None, box=box.SIMPLE_HEAD if tty else box.ASCII2, title_justify="left")
+    # In a terminal, collapsed padding keeps wide tables (ls has 12 columns) on screen; if
+    # one is still too wide, other columns are cut short, never the first (the id or tier
+    # name an operator copies into the next command). --json always has everything.
+    table = Table(title=title or None, box=box.SIMPLE_HEAD if tty else box.ASCII2, title_justify="left",
+                  collapse_padding=tty, pad_edge=not tty)
     for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
+        first = max([len(col)] + [len(r[0]) for r in rows]) if i == 0 else None
+        # Figures line up on the right, words (models, dtypes, layouts) on the left.
+        numeric = i > 0 and all(_looks_numeric(r[i]) for r in rows)
+        table.add_column(col, justify="right" if numeric else "left", no_wrap=True, min_width=first)
     for row in rows:
         table.add_row(*row)
     buf = io.StringIO()
     Console(file=buf, force_terminal=tty, no_color=not tty, width=width or (None if tty else 200),
             highlight=False).print(table)
     return "\n".join(line.rstrip() for line in buf.getvalue().rstrip("\n").splitlines())
+
+
+def _looks_numeric(cell: str) -> bool:
+    return cell == ABSENT or (cell[:1].isdigit() and not any(c.isalpha() for c in cell.rstrip("BKMGTi")))
 
 
 def emit(args: argparse.Namespace, data: Any, text: str) -> None:
