@@ -45,6 +45,16 @@ class RunningDaemon:
         return self.daemon.store
 
 
+@pytest.fixture(autouse=True, scope="session")
+def metrics_port_zero() -> Iterator[None]:
+    """Daemons started as subprocesses inherit this: never the default metrics port, which
+    a daemon from `make run` or a parallel test run may hold."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("KVSTORE_METRICS_LISTEN", "127.0.0.1:0")
+    yield
+    patch.undo()
+
+
 @pytest.fixture
 def layout() -> KVLayout:
     return SMALL_LAYOUT
