@@ -38,6 +38,12 @@ class Sample:
 
 
 @dataclass(frozen=True, slots=True)
+class TierRates:
+    promoted_s: float  # blocks copied up into the tier, per second
+    demoted_s: float  # blocks moved down out of it, per second
+
+
+@dataclass(frozen=True, slots=True)
 class Rates:
     lookups_s: float
     puts_s: float
@@ -45,11 +51,24 @@ class Rates:
     in_bytes_s: float
     out_bytes_s: float
     interval_hit_ratio: float | None  # None: no block was looked up in the interval
+    tiers: dict[str, TierRates]  # only for daemons that count migrations
+
+
+def _tier_rates(prev: Sample, cur: Sample, dt: float) -> dict[str, TierRates]:
+    before = {t["name"]: t for t in prev.stats["tiers"]}
+    out = {}
+    for t in cur.stats["tiers"]:
+        a = before.get(t["name"])
+        if a is None or "promotions" not in t or "demotions" not in t:
+            continue
+        out[t["name"]] = TierRates(max(0, t["promotions"] - a.get("promotions", 0)) / dt,
+                                   max(0, t["demotions"] - a.get("demotions", 0)) / dt)
+    return out
 
 
 def rates(prev: Sample | None, cur: Sample) -> Rates:
     if prev is None or cur.at <= prev.at:
-        return Rates(0.0, 0.0, 0.0, 0.0, 0.0, None)
+        return Rates(0.0, 0.0, 0.0, 0.0, 0.0, None, {})
     dt = cur.at - prev.at
     a, b = prev.stats["counters"], cur.stats["counters"]
 
@@ -59,7 +78,7 @@ def rates(prev: Sample | None, cur: Sample) -> Rates:
     looked = b["lookup_blocks"] - a["lookup_blocks"]
     hit = b["hit_blocks"] - a["hit_blocks"]
     return Rates(per_s("lookups"), per_s("puts"), per_s("fetches"), per_s("bytes_in"), per_s("bytes_out"),
-                 hit / looked if looked > 0 else None)
+                 hit / looked if looked > 0 else None, _tier_rates(prev, cur, dt))
 
 
 def bar(used: int, capacity: int, width: int = BAR_WIDTH) -> str:
@@ -71,8 +90,10 @@ def render(target: str, cur: Sample, r: Rates, error: str = "") -> str:
     s, c = cur.stats, cur.stats["counters"]
     lines = [f"kvstore top - {target} - up {s['uptime_s']:.0f}s - v{s['version']} - "
              f"{time.strftime('%H:%M:%S')}   (q quits)", ""]
+    # Migration columns appear only for daemons that count promotions and demotions.
+    migrating = any("promotions" in t for t in s["tiers"])
     lines.append(f"{'TIER':<8}{'FILL':<{BAR_WIDTH + 2}}{'USE%':>7}  {'USED / CAPACITY':>23}  {'BLOCKS':>8}  "
-                 f"{'HIT%':>6}")
+                 f"{'HIT%':>6}" + (f"  {'UP/s':>7}  {'DOWN/s':>7}" if migrating else ""))
     for t in s["tiers"]:
         if not t["present"]:
             lines.append(f"{t['name']:<8}absent: {t['reason']}")
@@ -81,8 +102,12 @@ def render(target: str, cur: Sample, r: Rates, error: str = "") -> str:
         lookups = t["hits"] + t["misses"]
         hit = f"{100 * t['hits'] / lookups:.1f}" if lookups else "-"
         pct = 100 * used / cap if cap else 0.0
-        lines.append(f"{t['name']:<8}{bar(used, cap):<{BAR_WIDTH + 2}}{pct:>6.1f}%  "
-                     f"{human_bytes(used) + ' / ' + human_bytes(cap):>23}  {t['blocks']:>8}  {hit:>6}")
+        line = (f"{t['name']:<8}{bar(used, cap):<{BAR_WIDTH + 2}}{pct:>6.1f}%  "
+                f"{human_bytes(used) + ' / ' + human_bytes(cap):>23}  {t['blocks']:>8}  {hit:>6}")
+        if migrating:
+            tr = r.tiers.get(t["name"])
+            line += f"  {tr.promoted_s:>7.1f}  {tr.demoted_s:>7.1f}" if tr else f"  {'-':>7}  {'-':>7}"
+        lines.append(line)
     overall = c["hit_blocks"] / c["lookup_blocks"] if c["lookup_blocks"] else 0.0
     recent = "-" if r.interval_hit_ratio is None else f"{r.interval_hit_ratio:.3f}"
     lines += [
@@ -171,7 +196,9 @@ def cmd_top(args: argparse.Namespace) -> int:
                     print(json.dumps({"stats": cur.stats, "namespaces": cur.namespaces, "rates": {
                         "lookups_s": r.lookups_s, "puts_s": r.puts_s, "fetches_s": r.fetches_s,
                         "in_bytes_s": r.in_bytes_s, "out_bytes_s": r.out_bytes_s,
-                        "interval_hit_ratio": r.interval_hit_ratio}}), flush=True)
+                        "interval_hit_ratio": r.interval_hit_ratio,
+                        "tiers": {name: {"promoted_s": tr.promoted_s, "demoted_s": tr.demoted_s}
+                                  for name, tr in r.tiers.items()}}}), flush=True)
                 else:
                     frame = render(admin.target, cur, r, error)
                     sys.stdout.write((CLEAR if clear else "") + frame + "\n" + ("" if clear else "\n"))

@@ -71,3 +71,23 @@ def test_top_without_a_terminal_prints_frames(daemon_thread):
     samples = [json.loads(line) for line in proc.stdout.splitlines()]
     assert len(samples) == 2
     assert samples[1]["rates"]["lookups_s"] == 0.0 and samples[0]["stats"]["tiers"][0]["name"] == "host"
+
+
+def test_top_shows_migration_rates_when_the_daemon_counts_them():
+    from kvstore.cli_top import Sample, rates, render
+
+    def sample(at: float, promotions: int, demotions: int) -> Sample:
+        tier = {"name": "host", "present": True, "reason": "", "capacity_bytes": 100, "used_bytes": 50, "blocks": 5,
+                "hits": 1, "misses": 1, "promotions": promotions, "demotions": demotions}
+        counters = dict.fromkeys(("lookups", "lookup_blocks", "hit_blocks", "puts", "fetches", "bytes_in", "bytes_out",
+                                  "evictions", "checksum_failures", "leases_active"), 0)
+        return Sample(at, {"tiers": [tier], "counters": counters, "uptime_s": 1.0, "version": "x"}, [])
+
+    first, second = sample(10.0, 0, 0), sample(12.0, 4, 10)
+    frame = render("t", second, rates(first, second))
+    assert "UP/s" in frame and "DOWN/s" in frame
+    host = next(line for line in frame.splitlines() if line.startswith("host"))
+    assert host.split()[-2:] == ["2.0", "5.0"]
+    for t in first.stats["tiers"]:  # a daemon that does not count migrations: no such columns
+        del t["promotions"], t["demotions"]
+    assert "UP/s" not in render("t", first, rates(None, first))
