@@ -15,12 +15,14 @@ import grpc
 from kvstore.errors import InvalidArgument
 from kvstore.events import EventBus, EventKind
 from kvstore.hashing import HASH_BYTES
-from kvstore.info import render_info
+from kvstore.info import SECTIONS, render_info
 from kvstore.layout import KVLayout
 from kvstore.runtime import ConfigValue, RuntimeConfig
 from kvstore.servicer import AdminServicer
 from kvstore.store import RemovalResult, Store
 from kvstore.v1 import admin_pb2, kvstore_pb2
+
+INFO_SECTIONS = (*SECTIONS, "events")
 
 # Block references per ListBlocks message: 32 bytes each, far under the message cap.
 LIST_BLOCKS_BATCH = 8192
@@ -64,11 +66,25 @@ class OpsAdminServicer(AdminServicer):
         self.bus = bus
 
     async def Info(self, request: admin_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> admin_pb2.InfoResponse:
+        section = request.section.strip().lower()
+        if section and section not in INFO_SECTIONS:
+            raise InvalidArgument(f"unknown info section {section!r}; choose one of: {', '.join(INFO_SECTIONS)}")
+        if section == "events":
+            return admin_pb2.InfoResponse(text=self._events_section())
         # The config section shows the settings as they are now, after SetConfig or SIGHUP.
         text = render_info(
-            self.store, time.monotonic() - self.started, self.runtime.as_dict(), self.absent_tiers, request.section
+            self.store, time.monotonic() - self.started, self.runtime.as_dict(), self.absent_tiers, section
         )
+        if not section:
+            text = text.rstrip("\n") + "\n\n" + self._events_section()
         return admin_pb2.InfoResponse(text=text)
+
+    def _events_section(self) -> str:
+        bus = self.bus
+        return "\n".join([
+            "# Events", f"event_subscribers:{bus.subscribers}", f"events_published:{bus.published}",
+            f"events_dropped:{bus.dropped}", f"events_queue:{bus.queue_size}", "",
+        ])
 
     async def ListNamespaces(
         self, request: admin_pb2.ListNamespacesRequest, context: grpc.aio.ServicerContext

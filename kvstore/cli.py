@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     health = client_command("health", "is the daemon serving? (exit 0 if so)", cmd_health)
     health.add_argument("--service", default="", help="service name to check (default: the whole server)")
     info = client_command("info", "Redis-INFO-style report", cmd_info)
-    info.add_argument("section", nargs="?", help="server, tiers, stats, namespaces or config")
+    info.add_argument("section", nargs="?", help="server, tiers, stats, namespaces, config or events")
     register_operator_commands(sub, client_command)
     return parser
 

@@ -92,6 +92,8 @@ async def test_watch_events_rpc_with_a_consumer_that_falls_behind(daemon, layout
 
         stats = await admin.Info(admin_pb2.InfoRequest(section="stats"))
         assert "blocks_stored:20" in stats.text
+        events = (await admin.Info(admin_pb2.InfoRequest(section="events"))).text
+        assert f"events_dropped:{dropped}" in events and "event_subscribers:" in events
     assert daemon.daemon.events.dropped == dropped
 
 
