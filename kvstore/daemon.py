@@ -7,8 +7,9 @@ address in use (SO_REUSEPORT is turned off so a second daemon cannot silently sh
 port), a non-loopback TCP address without `allow_remote`, or a capacity larger than the
 machine can give.
 
-On SIGTERM/SIGINT: health turns NOT_SERVING, event streams end, listeners stop
-accepting, in-flight calls get `grace_s` to finish, then the metrics endpoint closes,
+On SIGTERM/SIGINT: health turns NOT_SERVING, event streams end, local puts whose bytes
+clients are copying get to commit, listeners stop accepting, in-flight calls get the
+rest of `grace_s` to finish, then the metrics endpoint closes,
 tiers are closed and the Unix socket file is removed. On SIGHUP the config sources are
 read again and runtime-modifiable fields are applied (see `kvstore.runtime`).
 """
@@ -52,6 +53,7 @@ from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 logger = logging.getLogger(__name__)
 
 LEASE_SWEEP_S = 1.0
+LOCAL_DRAIN_POLL_S = 0.01
 AUTO_HOST_CAPACITY = 4 << 30
 
 
@@ -337,6 +339,8 @@ class Daemon:
         self._prefault_stop.set()
         if self._prefault is not None:
             await self._prefault
+        deadline = asyncio.get_running_loop().time() + grace
+        await self._drain_local_puts(deadline)
         if self._sweeper is not None:
             self._sweeper.cancel()
             try:
@@ -344,13 +348,30 @@ class Daemon:
             except asyncio.CancelledError:
                 pass
         if self._server is not None:
-            await self._server.stop(grace)
+            await self._server.stop(max(0.0, deadline - asyncio.get_running_loop().time()))
         if self._metrics_server is not None:
             await self._metrics_server.close()
             self._metrics_server = None
         self._close_resources()
         self._stopped.set()
         logger.info("kvstore stopped")
+
+    async def _drain_local_puts(self, deadline: float) -> None:
+        """Let co-located clients finish the puts whose bytes they are copying.
+
+        Their commit is a new RPC, which a stopped server would refuse, losing a put the
+        client had every reason to expect to land; so the listeners stay open (health
+        already says NOT_SERVING) until no local put is open or the grace time is spent.
+        """
+        loop = asyncio.get_running_loop()
+        if self._local_puts is None or not len(self._local_puts):
+            return
+        logger.info("waiting for %d local puts in flight to commit", len(self._local_puts))
+        while len(self._local_puts) and loop.time() < deadline:
+            await asyncio.sleep(LOCAL_DRAIN_POLL_S)
+        if len(self._local_puts):
+            logger.warning("%d local puts still open after the grace time; they are rolled back",
+                           len(self._local_puts))
 
     def _close_resources(self) -> None:
         if self._local_puts is not None:

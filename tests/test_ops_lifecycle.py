@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2
 
 from kvstore.client import Client
 from kvstore.client._common import namespace_ref
+from kvstore.client._local import LocalPlane
 from kvstore.client.admin import AdminClient
 from kvstore.config import Config
 from kvstore.errors import Cancelled, ConfigError, KVStoreError, Unavailable
@@ -64,6 +65,34 @@ async def test_stop_drains_an_in_flight_put(daemon, layout):
         response = await call
         assert response.stored == 2
         await stop
+
+
+async def test_stop_lets_a_local_put_being_copied_commit(daemon, layout):
+    """A co-located client has reserved slots and is copying when shutdown begins: its
+    commit, a new RPC, is still accepted, and the put lands."""
+    d = daemon.daemon
+    tokens = list(range(layout.block_size_tokens * 2))
+    payload = memoryview(os.urandom(layout.bytes_per_block))
+    async with grpc.aio.insecure_channel(daemon.unix_target) as channel:
+        stub = kvstore_pb2_grpc.KVStoreStub(channel)
+        plane = LocalPlane.attach(await stub.LocalSegment(kvstore_pb2.LocalSegmentRequest()))
+        try:
+            header = kvstore_pb2.PutHeader(
+                namespace=namespace_ref(layout), keys=kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(token_ids=tokens))
+            )
+            begun = await stub.LocalPut(kvstore_pb2.LocalPutRequest(header=header))
+            stop = asyncio.create_task(d.stop(grace_s=DEADLINE_S))
+            deadline = time.monotonic() + DEADLINE_S
+            while (await d.health.Check(health_pb2.HealthCheckRequest(), None)).status != \
+                    health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "health never turned NOT_SERVING"
+                await asyncio.sleep(0.01)
+            sums = plane.copy_in(begun.offsets, [payload, payload])
+            committed = await stub.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, checksums=sums))
+            assert committed.stored == 2
+            await stop
+        finally:
+            plane.close()
 
 
 async def test_reload_that_fails_changes_nothing(daemon, caplog):
