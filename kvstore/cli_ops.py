@@ -386,6 +386,8 @@ def cmd_events(args: argparse.Namespace) -> int:
                     break
         except DeadlineExceeded:
             pass  # --duration elapsed
+        except KeyboardInterrupt:
+            pass  # Ctrl-C is how a person stops watching
     return EXIT_OK
 
 
