@@ -239,3 +239,14 @@ def test_stats_table_shows_fields_of_newer_daemons():
     cells = [c.strip() for c in next(line for line in text.splitlines() if " ssd " in line).split("|")]
     assert cells[cells.index("ssd") + 9 : cells.index("ssd") + 14] == ["4", "7", "0", "2", "0"]
     assert cells[-3:-1] == ["5", "direct"]
+
+
+def test_events_command(loaded, capsys):
+    d, hit = loaded
+    code, out, _ = run(capsys, "events", "--snapshot", "--count", "1", "--target", d.tcp_target)
+    (line,) = out.splitlines()
+    event = json.loads(line)
+    assert code == 0 and event["kind"] == "stored" and event["namespace_id"] == hit.namespace_id.hex()
+    assert sorted(event["block_hashes"]) == sorted(h.hex() for h in hit.block_hashes)
+    code, out, _ = run(capsys, "events", "--duration", "0.3", "--target", d.tcp_target)  # nothing happens
+    assert (code, out) == (0, "")
