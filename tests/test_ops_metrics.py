@@ -117,3 +117,25 @@ async def test_metrics_endpoint_closes_with_a_scraper_still_connected(tmp_path):
     except ConnectionResetError:
         pass  # also closed
     writer.close()
+
+
+def test_migration_and_drop_counters_are_exported_when_the_store_has_them():
+    """A tiered store's per-tier counters (promotions, demotions, drops) appear as
+    kvstore_migrations_total and kvstore_tier_drops_total without further wiring."""
+    from types import SimpleNamespace
+
+    from kvstore.metrics import Metrics
+    from kvstore.store import StoreCounters, StoreStatus, TierStatus
+
+    counters = SimpleNamespace(hits=5, misses=1, evictions=0, checksum_failures=0, promotions=3, demotions=4, drops=2)
+    status = StoreStatus(
+        tiers=[TierStatus("host", 100, 50, 5, "lru", counters, {})],  # type: ignore[arg-type]
+        counters=StoreCounters(), namespaces=0, leases_active=0,
+    )
+    store = SimpleNamespace(stats=lambda: status)
+    body = Metrics(lambda: store).exposition().decode()  # type: ignore[arg-type, return-value]
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(body) for s in f.samples}
+    assert samples[("kvstore_migrations_total", (("direction", "promote"), ("tier", "host")))] == 3
+    assert samples[("kvstore_migrations_total", (("direction", "demote"), ("tier", "host")))] == 4
+    assert samples[("kvstore_tier_drops_total", (("tier", "host"),))] == 2
