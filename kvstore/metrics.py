@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
@@ -145,12 +145,16 @@ class Metrics:
             buckets=RPC_BUCKETS,
             registry=self.registry,
         )
+        # What a SIGTERM drain is waiting for; long-lived streams (WatchEvents) count too.
+        self.rpcs_in_flight = Gauge(
+            "kvstore_rpcs_in_flight", "RPCs being handled now, by method", ["method"], registry=self.registry
+        )
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
     def interceptor(self) -> MetricsInterceptor:
-        return MetricsInterceptor(self.rpc_seconds)
+        return MetricsInterceptor(self.rpc_seconds, self.rpcs_in_flight)
 
 
 def _code_name(context: grpc.aio.ServicerContext, failed: bool, cancelled: bool = False) -> str:
@@ -167,8 +171,9 @@ def _code_name(context: grpc.aio.ServicerContext, failed: bool, cancelled: bool 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
     """Observes each RPC's duration (for streams: until the stream ends) with its status."""
 
-    def __init__(self, histogram: Histogram) -> None:
+    def __init__(self, histogram: Histogram, in_flight: Gauge) -> None:
         self._histogram = histogram
+        self._in_flight = in_flight
 
     async def intercept_service(
         self,
@@ -180,6 +185,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
             return handler
         method = handler_call_details.method.rsplit("/", 1)[-1]
         histogram = self._histogram
+        in_flight = self._in_flight.labels(method)
         common = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
         if handler.unary_unary or handler.stream_unary:
             inner = handler.unary_unary or handler.stream_unary
@@ -188,6 +194,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                 start = time.perf_counter()
                 failed = True
                 cancelled = False
+                in_flight.inc()
                 try:
                     result = await inner(request, context)
                     failed = False
@@ -196,6 +203,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                     cancelled = True  # the client went away or the server is stopping
                     raise
                 finally:
+                    in_flight.dec()
                     histogram.labels(method, _code_name(context, failed, cancelled)).observe(time.perf_counter() - start)
 
             make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
@@ -207,6 +215,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
             start = time.perf_counter()
             failed = True
             cancelled = False
+            in_flight.inc()
             try:
                 async for response in inner_stream(request, context):
                     yield response
@@ -215,6 +224,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                 cancelled = True
                 raise
             finally:
+                in_flight.dec()
                 histogram.labels(method, _code_name(context, failed, cancelled)).observe(time.perf_counter() - start)
 
         make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler

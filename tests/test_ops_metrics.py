@@ -68,6 +68,7 @@ async def test_metrics_scrape(daemon, layout):
     assert m[("kvstore_leases_active", ())] == 0
     assert m[("kvstore_rpc_duration_seconds_count", (("code", "OK"), ("method", "Put")))] == 1
     assert m[("kvstore_rpc_duration_seconds_count", (("code", "OK"), ("method", "Fetch")))] == 1
+    assert m[("kvstore_rpcs_in_flight", (("method", "Fetch"),))] == 0  # all done
     # The failed lookup is counted under its status code.
     assert m[("kvstore_rpc_duration_seconds_count", (("code", "INVALID_ARGUMENT"), ("method", "Lookup")))] == 1
 
