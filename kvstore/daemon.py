@@ -7,9 +7,9 @@ address in use (SO_REUSEPORT is turned off so a second daemon cannot silently sh
 port), a non-loopback TCP address without `allow_remote`, or a capacity larger than the
 machine can give.
 
-On SIGTERM/SIGINT: health turns NOT_SERVING, event streams end, local puts whose bytes
-clients are copying get to commit, listeners stop accepting, in-flight calls get the
-rest of `grace_s` to finish, then the metrics endpoint closes,
+On SIGTERM/SIGINT: health turns NOT_SERVING, event streams end, new calls are refused
+(except commits of local puts whose bytes clients are copying), calls in flight and
+those puts get `grace_s` to finish, then the server stops, the metrics endpoint closes,
 tiers are closed and the Unix socket file is removed. On SIGHUP the config sources are
 read again and runtime-modifiable fields are applied (see `kvstore.runtime`).
 """
@@ -39,6 +39,7 @@ from kvstore.config import AUTO, Config
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.events import EventBus
 from kvstore.interceptors import ErrorInterceptor
+from kvstore.lifecycle import DrainGate
 from kvstore.local import LocalPuts
 from kvstore.metrics import Metrics, MetricsServer
 from kvstore.policies import make_policy
@@ -53,7 +54,6 @@ from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 logger = logging.getLogger(__name__)
 
 LEASE_SWEEP_S = 1.0
-LOCAL_DRAIN_POLL_S = 0.01
 AUTO_HOST_CAPACITY = 4 << 30
 
 
@@ -185,6 +185,7 @@ class Daemon:
         self._prefault: asyncio.Task[bool] | None = None
         self._prefault_stop = threading.Event()
         self.events = EventBus(config.events_queue)
+        self._gate = DrainGate()
         self.runtime: RuntimeConfig | None = None
         self.metrics = Metrics(lambda: self.store, self.events)
         self._metrics_server: MetricsServer | None = None
@@ -224,7 +225,8 @@ class Daemon:
         absent = [("hbm", "not configured in this version")]
         server = grpc.aio.server(
             # Metrics outermost, so it sees the status the error interceptor set.
-            interceptors=[self.metrics.interceptor(), ErrorInterceptor()],
+            # The drain gate next, so refused calls are counted too.
+            interceptors=[self.metrics.interceptor(), self._gate, ErrorInterceptor()],
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -340,7 +342,7 @@ class Daemon:
         if self._prefault is not None:
             await self._prefault
         deadline = asyncio.get_running_loop().time() + grace
-        await self._drain_local_puts(deadline)
+        await self._drain(deadline)
         if self._sweeper is not None:
             self._sweeper.cancel()
             try:
@@ -348,6 +350,9 @@ class Daemon:
             except asyncio.CancelledError:
                 pass
         if self._server is not None:
+            # Normally nothing is left and this returns at once; the rest of the grace
+            # covers calls accepted just before the gate closed (they are refused) and
+            # streams the gate does not wait for (health Watch).
             await self._server.stop(max(0.0, deadline - asyncio.get_running_loop().time()))
         if self._metrics_server is not None:
             await self._metrics_server.close()
@@ -356,22 +361,20 @@ class Daemon:
         self._stopped.set()
         logger.info("kvstore stopped")
 
-    async def _drain_local_puts(self, deadline: float) -> None:
-        """Let co-located clients finish the puts whose bytes they are copying.
+    async def _drain(self, deadline: float) -> None:
+        """Refuse new calls, then wait for calls in flight and for local puts whose bytes
+        co-located clients are copying (their commit is still accepted; see `DrainGate`)."""
+        local = self._local_puts
 
-        Their commit is a new RPC, which a stopped server would refuse, losing a put the
-        client had every reason to expect to land; so the listeners stay open (health
-        already says NOT_SERVING) until no local put is open or the grace time is spent.
-        """
-        loop = asyncio.get_running_loop()
-        if self._local_puts is None or not len(self._local_puts):
-            return
-        logger.info("waiting for %d local puts in flight to commit", len(self._local_puts))
-        while len(self._local_puts) and loop.time() < deadline:
-            await asyncio.sleep(LOCAL_DRAIN_POLL_S)
-        if len(self._local_puts):
-            logger.warning("%d local puts still open after the grace time; they are rolled back",
-                           len(self._local_puts))
+        def no_local_puts() -> bool:
+            return local is None or not len(local)
+
+        self._gate.close()
+        if self._gate.in_flight or not no_local_puts():
+            logger.info("draining %d calls and %d local puts", self._gate.in_flight, 0 if local is None else len(local))
+        if not await self._gate.wait_idle(deadline, also=no_local_puts):
+            logger.warning("the grace time is spent and %d calls and %d local puts are still open; they are "
+                           "cancelled and rolled back", self._gate.in_flight, 0 if local is None else len(local))
 
     def _close_resources(self) -> None:
         if self._local_puts is not None:

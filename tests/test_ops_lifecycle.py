@@ -68,8 +68,8 @@ async def test_stop_drains_an_in_flight_put(daemon, layout):
 
 
 async def test_stop_lets_a_local_put_being_copied_commit(daemon, layout):
-    """A co-located client has reserved slots and is copying when shutdown begins: its
-    commit, a new RPC, is still accepted, and the put lands."""
+    """A co-located client has reserved slots and is copying when shutdown begins: new
+    calls are refused, but its commit is accepted and the put lands."""
     d = daemon.daemon
     tokens = list(range(layout.block_size_tokens * 2))
     payload = memoryview(os.urandom(layout.bytes_per_block))
@@ -87,6 +87,9 @@ async def test_stop_lets_a_local_put_being_copied_commit(daemon, layout):
                     health_pb2.HealthCheckResponse.NOT_SERVING:
                 assert time.monotonic() < deadline, "health never turned NOT_SERVING"
                 await asyncio.sleep(0.01)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:  # new work is refused meanwhile
+                await stub.Lookup(kvstore_pb2.LookupRequest(namespace=namespace_ref(layout)), timeout=DEADLINE_S)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.value.details()
             sums = plane.copy_in(begun.offsets, [payload, payload])
             committed = await stub.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, checksums=sums))
             assert committed.stored == 2
@@ -196,4 +199,5 @@ def test_sighup_reload_and_sigterm_drain(tmp_path, layout):
     assert all({"ts", "level", "logger", "msg", "request_id"} <= set(r) for r in records)
     assert any(m.startswith("effective config:") for m in messages)
     assert any("host_capacity changed in the config; restart" in m for m in messages)
-    assert any(m.startswith("shutting down") for m in messages) and messages[-1] == "kvstore stopped"
+    ours = [r["msg"] for r in records if r["logger"].startswith("kvstore")]
+    assert any(m.startswith("shutting down") for m in ours) and ours[-1] == "kvstore stopped"
