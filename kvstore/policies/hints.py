@@ -1,26 +1,30 @@
 """Hint-aware protection: a client's "this session comes back within T seconds".
 
-A hint names blocks, a session and a time to live. Until the deadline, a hinted block
-that comes up as the base policy's victim is touched instead (a second chance) and the
-next candidate is taken, so the base policy evicts around protected blocks. Three limits keep
-wrong hints cheap:
+A hint names blocks, a session and a time to live. Until the deadline those blocks are
+taken out of the base policy's order ("parked"), so the base policy evicts around them
+at its usual cost; when protection ends they go back into the base order as if just
+inserted. Three limits keep wrong hints cheap:
 
 * a budget: at most `budget_fraction` of the tracked blocks are protected at once; keys
   of a hint that does not fit are simply not protected (the head of the chain first,
   since a prefix is only worth anything from its first block);
-* the deadline: a hint that expires unused leaves its blocks where the base order has
-  them (at most one second chance old), and they age out like any other block;
+* the deadline: a hint that expires unused hands its blocks back to the base order,
+  where they age out like any block inserted at that moment;
 * `end_session`: the client says the session is over and its protection goes at once.
 
 A session holds one grant; a new hint from it replaces the previous one, so a chat that
 extends its prefix every turn re-protects the longer chain without piling up grants.
-If every evictable block is protected, the base order wins: protection never makes the
-store refuse to make room.
+If every evictable block is protected, the parked blocks are evicted oldest grant first:
+protection never makes the store refuse to make room.
 
 Time comes from the injected clock (the trace's clock in a replay).
 
 Primitives: per-session grants (keys, deadline), a per-key protection count, an expiry
-heap, and a second chance (a touch in the base order) for a protected victim.
+heap, and the parked blocks (protected and tracked), kept out of the base order.
+
+Parking rather than skipping: a filter in `victim` would rescan every protected block at
+the cold end on every eviction, and a touch-on-sight second chance can cycle forever
+inside one ARC list while unprotected blocks wait in the other.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from kvstore.policies.prefix import PrefixARCPolicy, PrefixLRUPolicy, PrefixS3FI
 from kvstore.policies.s3fifo import S3FIFOPolicy
 
 DEFAULT_HINT_BUDGET_FRACTION = 0.5
+_MISSING = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +56,9 @@ class HintStats:
     keys_over_budget: int
     sessions_ended: int
     grants_expired: int
-    # Times a protected block came up as the victim and was kept.
-    second_chances: int
     protected_now: int
+    # Protected blocks that are tracked in this tier now.
+    parked_now: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +89,10 @@ class HintedPolicy(EvictionPolicy):
         self.budget_fraction = budget_fraction
         self._grants: dict[str, _Grant] = {}
         self._protected: dict[BlockKey, int] = {}
+        # Tracked blocks out of the base order while protected, with their parents.
+        self._parked: dict[BlockKey, BlockKey | None] = {}
+        # Parent of every tracked block, to hand a parked block back with its chain.
+        self._parent: dict[BlockKey, BlockKey | None] = {}
         # (deadline, seq, session): stale entries are skipped by comparing seq.
         self._expiry: list[tuple[float, int, str]] = []
         self._seq = 0
@@ -92,7 +101,6 @@ class HintedPolicy(EvictionPolicy):
         self._keys_over_budget = 0
         self._sessions_ended = 0
         self._grants_expired = 0
-        self._second_chances = 0
 
     # -- hints ---------------------------------------------------------------------
 
@@ -115,7 +123,7 @@ class HintedPolicy(EvictionPolicy):
         self._hints += 1
         wanted = list(dict.fromkeys(keys))
         self._keys_hinted += len(wanted)
-        room = int(self.budget_fraction * len(self._base)) - len(self._protected)
+        room = int(self.budget_fraction * len(self._parent)) - len(self._protected)
         granted: list[BlockKey] = []
         for key in wanted:
             if key in self._protected:
@@ -125,6 +133,9 @@ class HintedPolicy(EvictionPolicy):
                 self._protected[key] = 1
                 granted.append(key)
                 room -= 1
+                if key in self._parent:
+                    self._parked[key] = self._parent[key]
+                    self._base.remove(key)
             else:
                 self._keys_over_budget += 1
         if not granted:
@@ -151,8 +162,8 @@ class HintedPolicy(EvictionPolicy):
             keys_over_budget=self._keys_over_budget,
             sessions_ended=self._sessions_ended,
             grants_expired=self._grants_expired,
-            second_chances=self._second_chances,
             protected_now=len(self._protected),
+            parked_now=len(self._parked),
         )
 
     def _release(self, session_id: str) -> bool:
@@ -166,6 +177,8 @@ class HintedPolicy(EvictionPolicy):
                 protected[key] = left
             else:
                 del protected[key]
+                if key in self._parked:
+                    self._base.insert(key, self._parked.pop(key))
         return True
 
     def _expire(self, now: float) -> None:
@@ -180,34 +193,44 @@ class HintedPolicy(EvictionPolicy):
     # -- ordering ------------------------------------------------------------------
 
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
-        self._base.insert(key, parent)
+        if key in self._parent:
+            self.touch(key)
+            return
+        self._parent[key] = parent
+        if key in self._protected:
+            # Hinted before it became READY: protected from the start.
+            self._parked[key] = parent
+        else:
+            self._base.insert(key, parent)
 
     def touch(self, key: BlockKey) -> None:
-        self._base.touch(key)
+        if key not in self._parked:
+            self._base.touch(key)
 
     def remove(self, key: BlockKey) -> None:
-        self._base.remove(key)
+        if self._parent.pop(key, _MISSING) is _MISSING:
+            return
+        if key in self._parked:
+            del self._parked[key]
+        else:
+            self._base.remove(key)
 
     def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
         self._expire(self.clock())
-        protected = self._protected
-        # A protected block that comes up as the victim gets a second chance (a touch)
-        # instead of being skipped in place: skipping would rescan every protected block
-        # at the cold end on every eviction. Each pass moves one protected block away,
-        # so the loop is bounded; if all that is evictable is protected, base order wins.
-        for _ in range(2 * len(protected) + 1):
-            key = self._base.victim(evictable)
-            if key is None or key not in protected:
+        key = self._base.victim(evictable)
+        if key is not None:
+            return key
+        # Only protected blocks are evictable: the oldest parked one goes.
+        for key in self._parked:
+            if evictable(key):
                 return key
-            self._base.touch(key)
-            self._second_chances += 1
-        return self._base.victim(evictable)
+        return None
 
     def __len__(self) -> int:
-        return len(self._base)
+        return len(self._parent)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._base
+        return key in self._parent
 
 
 class HintedLRUPolicy(HintedPolicy):
