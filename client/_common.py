@@ -1,0 +1,321 @@
+"""What the sync and async clients share: targets, request building, payload
+conversion, fetch assembly and error translation. No I/O happens here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvstore.config import DEFAULT_TCP_LISTEN, default_unix_socket
+from kvstore.errors import InvalidArgument, KVStoreError, error_for_status
+from kvstore.hashing import HASH_BYTES
+from kvstore.layout import KVLayout
+from kvstore.v1 import kvstore_pb2
+
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_MESSAGE_BYTES = 64 << 20
+
+TIER_NAMES = {
+    kvstore_pb2.TIER_HBM: "hbm",
+    kvstore_pb2.TIER_HOST: "host",
+    kvstore_pb2.TIER_SSD: "ssd",
+    kvstore_pb2.TIER_MEMORY: "memory",
+}
+
+# Idempotent calls are retried by the channel on UNAVAILABLE; Put is not (a client stream
+# cannot be replayed without buffering every byte).
+_RETRY_METHODS = ["Lookup", "Fetch", "Delete", "Pin", "Unpin"]
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "kvstore.v1.KVStore", "method": m} for m in _RETRY_METHODS]
+                + [{"service": "kvstore.v1.Admin"}],
+                "retryPolicy": {
+                    "maxAttempts": 3,
+                    "initialBackoff": "0.05s",
+                    "maxBackoff": "0.5s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.service_config", _SERVICE_CONFIG),
+    ("grpc.enable_retries", 1),
+]
+
+
+def resolve_target(target: str | None) -> str:
+    """A gRPC target from what a person typed: unix:PATH, a socket path, or HOST:PORT.
+
+    None means `KVSTORE_TARGET`, else the default Unix socket if a daemon made one,
+    else the default TCP address.
+    """
+    if not target:
+        target = os.environ.get("KVSTORE_TARGET", "")
+    if not target:
+        sock = default_unix_socket()
+        return f"unix:{sock}" if os.path.exists(sock) else DEFAULT_TCP_LISTEN
+    if target.startswith("/") or target.startswith("./"):
+        return f"unix:{target}"
+    return target
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """How much of a prefix the daemon holds."""
+
+    num_blocks: int
+    num_tokens: int
+    tiers: list[str]
+    block_hashes: list[bytes]
+    namespace_id: bytes
+    lease_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    stored: int
+    existing: int
+    block_hashes: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class PinResult:
+    lease_id: str
+    pinned: int
+    expires_in_ms: int
+
+
+def layout_to_proto(layout: KVLayout) -> kvstore_pb2.Layout:
+    return kvstore_pb2.Layout(
+        model=layout.model,
+        revision=layout.revision,
+        lora_id=layout.lora_id,
+        dtype=layout.dtype,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size_tokens=layout.block_size_tokens,
+        kv_layout=layout.kv_layout,
+        tp_rank=layout.tp_rank,
+        tp_size=layout.tp_size,
+        block_bytes=layout.block_bytes,
+    )
+
+
+def namespace_ref(layout: KVLayout) -> kvstore_pb2.Namespace:
+    if not isinstance(layout, KVLayout):
+        raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
+    return kvstore_pb2.Namespace(layout=layout_to_proto(layout))
+
+
+def block_keys(token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None) -> kvstore_pb2.BlockKeys:
+    if (token_ids is None) == (block_hashes is None):
+        raise InvalidArgument("name the blocks by token_ids or by block_hashes (exactly one)")
+    if block_hashes is not None:
+        for i, h in enumerate(block_hashes):
+            if not isinstance(h, (bytes, bytearray)) or len(h) != HASH_BYTES:
+                raise InvalidArgument(f"block_hashes[{i}] must be {HASH_BYTES} bytes")
+        return kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=[bytes(h) for h in block_hashes]))
+    return kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(token_ids=_token_list(token_ids)))
+
+
+def fetch_keys(
+    layout: KVLayout,
+    token_ids: Sequence[int] | None,
+    block_hashes: Sequence[bytes] | None,
+    out: Sequence[Any] | None,
+) -> kvstore_pb2.BlockKeys:
+    """Keys of a fetch, cut to the number of `out` buffers when the caller gave some."""
+    if out is not None:
+        if token_ids is not None:
+            token_ids = _token_list(token_ids)[: len(out) * layout.block_size_tokens]
+        elif block_hashes is not None:
+            block_hashes = list(block_hashes)[: len(out)]
+    return block_keys(token_ids, block_hashes)
+
+
+def _token_list(token_ids: Any) -> list[int]:
+    if hasattr(token_ids, "tolist"):  # numpy arrays and torch tensors
+        token_ids = token_ids.tolist()
+    try:
+        return [int(t) for t in token_ids]
+    except (TypeError, ValueError):
+        raise InvalidArgument("token_ids must be a sequence of integers") from None
+
+
+def _is_tensor(obj: object) -> bool:
+    return type(obj).__module__.split(".", 1)[0] == "torch"
+
+
+def as_buffer(block: Any) -> memoryview:
+    """A flat byte view of a block: bytes-like, numpy array, or CPU torch tensor."""
+    if _is_tensor(block):
+        from kvstore.client.tensors import tensor_bytes
+
+        return tensor_bytes(block)
+    try:
+        view = memoryview(block)
+    except TypeError:
+        raise InvalidArgument(
+            f"a block must be bytes-like, a numpy array or a torch tensor, got {type(block).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise InvalidArgument("a block buffer must be C-contiguous; call .copy() or np.ascontiguousarray first")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPut:
+    """A validated put: its header and a flat byte view of each block."""
+
+    header: kvstore_pb2.PutHeader
+    views: list[memoryview]
+
+
+def prepare_put(
+    layout: KVLayout,
+    token_ids: Sequence[int] | None,
+    block_hashes: Sequence[bytes] | None,
+    blocks: Sequence[Any],
+    first_block: int,
+) -> PreparedPut:
+    """Convert and size-check every block before anything is sent."""
+    views = [as_buffer(b) for b in blocks]
+    expected = layout.bytes_per_block
+    for i, v in enumerate(views):
+        if len(v) != expected:
+            raise InvalidArgument(
+                f"block {i} is {len(v)} bytes but the layout says {expected} bytes per block "
+                f"({layout.num_layers} layers x {layout.block_size_tokens} tokens x {layout.num_kv_heads} heads x "
+                f"{layout.head_dim} dims x K/V in {layout.dtype})"
+            )
+    if not views:
+        raise InvalidArgument("put needs at least one block")
+    if first_block < 0:
+        raise InvalidArgument(f"first_block must be >= 0, got {first_block}")
+    keys = block_keys(token_ids, block_hashes)
+    if token_ids is not None:
+        keys.tokens.first_block = first_block
+    elif first_block:
+        raise InvalidArgument("first_block applies to token_ids; with block_hashes send exactly the blocks' hashes")
+    header = kvstore_pb2.PutHeader(namespace=namespace_ref(layout), keys=keys, num_blocks=len(views))
+    return PreparedPut(header, views)
+
+
+def put_requests(prepared: PreparedPut, chunk_bytes: int) -> Iterator[kvstore_pb2.PutRequest]:
+    """The messages of one Put stream, made lazily as gRPC sends them: a header, then
+    each block in chunks."""
+    yield kvstore_pb2.PutRequest(header=prepared.header)
+    for i, v in enumerate(prepared.views):
+        for start in range(0, len(v), chunk_bytes):
+            yield kvstore_pb2.PutRequest(chunk=kvstore_pb2.BlockChunk(block=i, data=bytes(v[start : start + chunk_bytes])))
+
+
+DATA_PLANES = ("auto", "local", "grpc")
+
+
+def check_data_plane(data_plane: str) -> str:
+    if data_plane not in DATA_PLANES:
+        raise InvalidArgument(f"data_plane must be one of {', '.join(DATA_PLANES)}, got {data_plane!r}")
+    return data_plane
+
+
+def may_be_local(target: str) -> bool:
+    """Whether `auto` should try the shared-memory plane: a Unix socket or a loopback
+    address. The segment's token check decides for sure."""
+    if target.startswith("unix:"):
+        return True
+    host = target.rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def out_buffers(out: Sequence[Any] | None, count: int, block_bytes: int) -> list[Any]:
+    """Destinations for `count` blocks: the caller's buffers, or new bytearrays."""
+    if out is None:
+        return [bytearray(block_bytes) for _ in range(count)]
+    return list(out[:count])
+
+
+def writable_view(buf: Any, index: int, block_bytes: int) -> memoryview:
+    view = as_buffer(buf)
+    if len(view) != block_bytes:
+        raise InvalidArgument(f"out[{index}] holds {len(view)} bytes; a block is {block_bytes} bytes")
+    if view.readonly:
+        raise InvalidArgument(f"out[{index}] is read-only")
+    return view
+
+
+class FetchAssembler:
+    """Collects a Fetch stream into whole blocks, optionally into caller buffers."""
+
+    def __init__(self, out: Sequence[Any] | None) -> None:
+        self.out = list(out) if out is not None else None
+        self.block_bytes = 0
+        self.blocks: list[bytes] = []
+        self._parts: list[bytes] = []
+        self._index = 0
+        self._filled = 0
+
+    def feed(self, msg: kvstore_pb2.FetchResponse) -> None:
+        if msg.WhichOneof("msg") == "header":
+            self.block_bytes = msg.header.block_bytes
+            return
+        chunk = msg.chunk
+        if chunk.block != self._index:
+            self._finish_block()
+            self._index = chunk.block
+        self._parts.append(chunk.data)
+
+    def _finish_block(self) -> None:
+        if not self._parts:
+            return
+        data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+        self._parts = []
+        if len(data) != self.block_bytes:
+            raise KVStoreError(f"fetched block {self._index} has {len(data)} bytes, expected {self.block_bytes}")
+        if self.out is None:
+            self.blocks.append(data)
+            return
+        # fetch_keys() asked for at most len(out) blocks, so there is a buffer for each.
+        writable_view(self.out[self._filled], self._filled, len(data))[:] = data
+        self._filled += 1
+
+    def result(self) -> list[Any]:
+        self._finish_block()
+        if self.out is None:
+            return self.blocks
+        return self.out[: self._filled]
+
+
+def translate(exc: grpc.RpcError) -> KVStoreError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        details = f"kvstore daemon unavailable: {details}; is it running, and is the target right?"
+    return error_for_status(code, details or "")
+
+
+def lookup_result(resp: kvstore_pb2.LookupResponse) -> LookupResult:
+    return LookupResult(
+        num_blocks=resp.num_blocks,
+        num_tokens=resp.num_tokens,
+        tiers=[TIER_NAMES.get(t, "unknown") for t in resp.tiers],
+        block_hashes=list(resp.block_hashes),
+        namespace_id=resp.namespace_id,
+        lease_id=resp.lease_id,
+    )

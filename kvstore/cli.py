@@ -1,0 +1,208 @@
+"""The `kvstore` command: `serve` runs the daemon; the rest talk to a running one.
+
+Exit codes, the same for every command: 0 success; 1 the daemon answered with an error,
+is not serving, or cannot be reached; 2 the command line is wrong (argparse).
+Every client command takes `--target` (default `KVSTORE_TARGET`, then the daemon's
+default Unix socket, then 127.0.0.1:50051) and `--json` for machine-readable output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore import __version__
+from kvstore.errors import KVStoreError
+from kvstore.units import human_bytes
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+def _setup_logging(level: str) -> None:
+    from kvstore.interceptors import RequestIdFilter
+
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvstore.config import load_config
+    from kvstore.daemon import serve
+
+    try:
+        config = load_config(vars(args))
+    except KVStoreError as exc:
+        print(f"kvstore: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    _setup_logging(config.log_level)
+    try:
+        asyncio.run(serve(config))
+    except KVStoreError as exc:
+        print(f"kvstore: cannot start: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from kvstore.client import Client
+
+    return Client(args.target, timeout_s=args.timeout)
+
+
+def message_to_dict(msg: Any) -> Any:
+    """Protobuf message -> plain dict, integers kept as integers (unlike proto3 JSON)."""
+    out: dict[str, Any] = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        if field.message_type is not None:
+            value = [message_to_dict(v) for v in value] if _is_repeated(field) else message_to_dict(value)
+        elif _is_repeated(field):
+            value = list(value)
+        out[field.name] = value
+    return out
+
+
+def _is_repeated(field: Any) -> bool:
+    repeated = getattr(field, "is_repeated", None)
+    if repeated is not None:
+        return bool(repeated)
+    return field.label == field.LABEL_REPEATED  # older protobuf
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvstore.client._common import resolve_target
+
+    target = resolve_target(args.target)
+    with grpc.insecure_channel(target) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            status = "UNREACHABLE" if exc.code() == grpc.StatusCode.UNAVAILABLE else exc.code().name
+            _emit(args, {"target": target, "status": status, "detail": exc.details()}, f"{status}: {exc.details()}")
+            return EXIT_ERROR
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    _emit(args, {"target": target, "status": status}, f"{status} ({target})")
+    return EXIT_OK if resp.status == health_pb2.HealthCheckResponse.SERVING else EXIT_ERROR
+
+
+def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, indent=2) if args.json else text)
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    header = ["TIER", "POLICY", "CAPACITY", "USED", "USE%", "BLOCKS", "HITS", "MISSES", "EVICTIONS", "BAD_CHECKSUM"]
+    rows = [header]
+    notes = []
+    for t in stats["tiers"]:
+        if not t["present"]:
+            rows.append([t["name"], "-", "-", "-", "-", "-", "-", "-", "-", "-"])
+            notes.append(f"tier {t['name']} absent: {t['reason']}")
+            continue
+        cap, used = t["capacity_bytes"], t["used_bytes"]
+        rows.append([
+            t["name"], t["policy"], human_bytes(cap), human_bytes(used), f"{100 * used / cap:.1f}" if cap else "0.0",
+            str(t["blocks"]), str(t["hits"]), str(t["misses"]), str(t["evictions"]), str(t["checksum_failures"]),
+        ])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    c = stats["counters"]
+    ratio = c["hit_blocks"] / c["lookup_blocks"] if c["lookup_blocks"] else 0.0
+    lines += notes
+    lines.append("")
+    lines.append(
+        f"lookups {c['lookups']}  block hit ratio {ratio:.3f} ({c['hit_blocks']}/{c['lookup_blocks']})  "
+        f"puts {c['puts']} (failed {c['put_failures']})  stored {c['blocks_stored']}  fetched {c['blocks_fetched']}"
+    )
+    lines.append(
+        f"in {human_bytes(c['bytes_in'])}  out {human_bytes(c['bytes_out'])}  evictions {c['evictions']}  "
+        f"checksum failures {c['checksum_failures']}  leases {c['leases_active']}  namespaces {stats['namespaces']}  "
+        f"uptime {stats['uptime_s']:.0f}s  version {stats['version']}"
+    )
+    return "\n".join(lines)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with _client(args) as kv:
+        stats = message_to_dict(kv.stats())
+    _emit(args, stats, format_stats(stats))
+    return EXIT_OK
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    with _client(args) as kv:
+        text = kv.info(args.section or "")
+    if args.json:
+        sections: dict[str, dict[str, str]] = {}
+        current: dict[str, str] = {}
+        for line in text.splitlines():
+            if line.startswith("# "):
+                current = sections.setdefault(line[2:].strip().lower(), {})
+            elif ":" in line:
+                key, _, value = line.partition(":")
+                current[key] = value
+        print(json.dumps(sections, indent=2))
+    else:
+        print(text.rstrip())
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvstore.config import add_arguments
+
+    parser = argparse.ArgumentParser(prog="kvstore", description="A tiered KV-cache store for LLM inference.")
+    parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon")
+    add_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    def client_command(name: str, help_text: str, func: Any) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--target", default=None, help="unix:PATH or HOST:PORT (default: $KVSTORE_TARGET, "
+                       "the default Unix socket, then 127.0.0.1:50051)")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per-call deadline")
+        p.set_defaults(func=func)
+        return p
+
+    health = client_command("health", "is the daemon serving? (exit 0 if so)", cmd_health)
+    health.add_argument("--service", default="", help="service name to check (default: the whole server)")
+    client_command("stats", "per-tier capacity, usage, hits and misses", cmd_stats)
+    info = client_command("info", "Redis-INFO-style report", cmd_info)
+    info.add_argument("section", nargs="?", help="server, tiers, stats, namespaces or config")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve" and hasattr(signal, "SIGPIPE"):
+        # `kvstore stats | head` should end quietly, like any Unix filter.
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    try:
+        return int(args.func(args))
+    except KVStoreError as exc:
+        print(f"kvstore {args.command}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The daemon's configuration: one declarative table, one spelling per setting.
+
+Precedence: embedded defaults < TOML file (`--config`) < `KVSTORE_*` environment <
+command-line flags. Each field appears in the TOML file as `name`, in the environment as
+`KVSTORE_NAME`, and on the command line as `--name` (underscores become dashes).
+Sizes accept "4GiB"-style text and are stored as int bytes. Bounds are checked here, so
+a bad value stops the daemon before it binds anything, with a message naming the field,
+the source and the allowed range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvstore.errors import ConfigError
+from kvstore.units import parse_size
+
+DEFAULT_TCP_LISTEN = "127.0.0.1:50051"
+AUTO = "auto"
+
+
+def runtime_dir() -> str:
+    """Where the daemon's Unix socket lives by default: $XDG_RUNTIME_DIR/kvstore, else a
+    per-user directory under the temp dir."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base:
+        return os.path.join(base, "kvstore")
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"kvstore-{os.getuid()}")
+
+
+def default_unix_socket() -> str:
+    return os.path.join(runtime_dir(), "kvstore.sock")
+
+
+def default_listen() -> list[str]:
+    return [f"unix:{default_unix_socket()}", DEFAULT_TCP_LISTEN]
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    name: str
+    kind: str  # size | int | float | str | bool | list
+    default: Any
+    help: str
+    lo: float | None = None
+    hi: float | None = None
+    choices: tuple[str, ...] = ()
+    runtime: bool = False  # may change while the daemon runs
+    metavar: str | None = None
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("listen", "list", None, "addresses to serve on: unix:PATH and/or HOST:PORT (comma-separated); "
+          f"default: a Unix socket under the runtime dir and {DEFAULT_TCP_LISTEN}", metavar="ADDR[,ADDR]"),
+    Field("host_capacity", "size", AUTO, "bytes of host memory for blocks, e.g. 4GiB; 'auto' = min(4GiB, half of "
+          "available memory)", lo=1 << 20, hi=1 << 50, metavar="SIZE"),
+    Field("shm_dir", "str", "", "tmpfs directory for the host tier's shared-memory segment (default /dev/shm)",
+          metavar="DIR"),
+    Field("policy", "str", "lru", "eviction policy of the host tier", metavar="NAME"),
+    Field("max_blocks_per_call", "int", 4096, "most blocks one request may name", lo=1, hi=1 << 20, runtime=True),
+    Field("max_message_bytes", "size", 16 << 20, "largest gRPC message accepted or sent", lo=1 << 20, hi=1 << 30,
+          metavar="SIZE"),
+    Field("chunk_bytes", "size", 1 << 20, "payload bytes per streamed message", lo=4096, hi=1 << 30, metavar="SIZE"),
+    Field("max_lease_ms", "int", 600_000, "longest lease or pin a client may take", lo=1, hi=86_400_000, runtime=True),
+    Field("default_pin_ms", "int", 30_000, "pin duration when a Pin request names none", lo=1, hi=86_400_000,
+          runtime=True),
+    Field("max_leases", "int", 65_536, "most leases active at once", lo=1, hi=1 << 24),
+    Field("max_namespaces", "int", 4096, "most namespaces (distinct layouts) held at once", lo=1, hi=1 << 20),
+    Field("checksum_threads", "int", 2, "threads hashing large batches off the event loop", lo=1, hi=64),
+    Field("grace_s", "float", 10.0, "seconds in-flight calls get to finish on SIGTERM", lo=0, hi=3600),
+    Field("log_level", "str", "info", "log level", choices=("debug", "info", "warning", "error")),
+    Field("allow_remote", "bool", False, "allow listening on non-loopback TCP addresses (no authentication yet: "
+          "only on a trusted network)"),
+)
+
+FIELD_BY_NAME = {f.name: f for f in FIELDS}
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    listen: tuple[str, ...]
+    host_capacity: int | str  # int bytes, or "auto" until the daemon resolves it
+    shm_dir: str
+    policy: str
+    max_blocks_per_call: int
+    max_message_bytes: int
+    chunk_bytes: int
+    max_lease_ms: int
+    default_pin_ms: int
+    max_leases: int
+    max_namespaces: int
+    checksum_threads: int
+    grace_s: float
+    log_level: str
+    allow_remote: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _convert(field: Field, raw: Any, source: str) -> Any:
+    where = f"{field.name} (from {source})"
+    try:
+        if field.kind == "list":
+            items = [s.strip() for s in raw.split(",")] if isinstance(raw, str) else list(raw)
+            items = [s for s in items if s]
+            if not items or not all(isinstance(s, str) for s in items):
+                raise ValueError("expected one or more addresses")
+            return tuple(items)
+        if field.kind == "size":
+            if isinstance(raw, str) and raw.strip().lower() == AUTO and field.default == AUTO:
+                return AUTO
+            value: Any = parse_size(raw)
+        elif field.kind == "int":
+            if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+                raise ValueError(f"expected an integer, got {raw!r}")
+            value = int(raw)
+        elif field.kind == "float":
+            if isinstance(raw, bool):
+                raise ValueError(f"expected a number, got {raw!r}")
+            value = float(raw)
+        elif field.kind == "bool":
+            if isinstance(raw, bool):
+                value = raw
+            elif str(raw).strip().lower() in ("1", "true", "yes", "on"):
+                value = True
+            elif str(raw).strip().lower() in ("0", "false", "no", "off"):
+                value = False
+            else:
+                raise ValueError(f"expected true or false, got {raw!r}")
+        else:
+            value = str(raw).strip()
+            if field.choices and value.lower() not in field.choices:
+                raise ValueError(f"expected one of {', '.join(field.choices)}, got {raw!r}")
+            if field.choices:
+                value = value.lower()
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"bad value for {where}: {exc}") from None
+    if field.lo is not None and value < field.lo or field.hi is not None and value > field.hi:
+        raise ConfigError(f"{where} = {raw!r} is out of bounds [{field.lo:g}, {field.hi:g}]")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One `--flag` per field; unset flags stay None so lower layers show through."""
+    parser.add_argument("--config", metavar="FILE", help="TOML file with settings (flags and env override it)")
+    for f in FIELDS:
+        flag = "--" + f.name.replace("_", "-")
+        if f.kind == "bool":
+            parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=f.help)
+        else:
+            parser.add_argument(flag, dest=f.name, default=None, metavar=f.metavar, help=f.help)
+
+
+def load_config(
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | None = None,
+    defaults: Callable[[], list[str]] = default_listen,
+) -> Config:
+    """Merge defaults < TOML < env < flags into a validated `Config`."""
+    flags = flags or {}
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {f.name: f.default for f in FIELDS}
+    values["listen"] = tuple(defaults())
+    path = flags.get("config") or env.get("KVSTORE_CONFIG") or config_file
+    if path:
+        for key, raw in read_toml(path).items():
+            values[key] = _convert(FIELD_BY_NAME[key], raw, f"file {path}")
+    for f in FIELDS:
+        raw = env.get("KVSTORE_" + f.name.upper())
+        if raw is not None and raw != "":
+            values[f.name] = _convert(f, raw, f"env KVSTORE_{f.name.upper()}")
+    for f in FIELDS:
+        raw = flags.get(f.name)
+        if raw is not None:
+            values[f.name] = _convert(f, raw, "--" + f.name.replace("_", "-"))
+    if values["chunk_bytes"] > values["max_message_bytes"] - 4096:
+        raise ConfigError(
+            f"chunk_bytes ({values['chunk_bytes']}) must leave room under max_message_bytes "
+            f"({values['max_message_bytes']}) for the message envelope"
+        )
+    return Config(**values)
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """The settings in a TOML file, checked for unknown keys."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
+    section = data.get("kvstore", data)
+    if not isinstance(section, dict):
+        raise ConfigError(f"config file {path}: [kvstore] must be a table")
+    unknown = sorted(set(section) - set(FIELD_BY_NAME))
+    if unknown:
+        known = ", ".join(sorted(FIELD_BY_NAME))
+        raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}; known: {known}")
+    return dict(section)
+
+
+def describe_fields() -> Sequence[Field]:
+    return FIELDS

@@ -1,0 +1,114 @@
+"""Namespace fingerprints and chained block hashes, byte-exact (see docs/hashing.md).
+
+H is XXH3-128 with seed 0, and a digest is its 16-byte canonical (big-endian) form.
+
+    namespace_id = H(b"kvstore.ns.v1\\0" || fields)          (field encoding in the doc)
+    h_0          = H(namespace_id || block 0)
+    h_i          = H(h_{i-1} || block i)
+    block i      = u32le(n_tokens) || u32le(token)*n_tokens || u32le(len(extra)) || extra
+
+Only full blocks are hashed: trailing tokens that do not fill a block have no key.
+Everything here is deterministic across processes, machines and languages; no seeds,
+no Python `hash()`.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from kvstore.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from kvstore.layout import KVLayout
+
+HASH_BYTES = 16
+NAMESPACE_DOMAIN = b"kvstore.ns.v1\x00"
+MAX_TOKEN_ID = (1 << 32) - 1
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_EMPTY_EXTRA = _U32.pack(0)
+_h128 = xxhash.xxh3_128_digest
+
+
+def _str_field(value: str) -> bytes:
+    raw = value.encode("utf-8")
+    return _U32.pack(len(raw)) + raw
+
+
+def namespace_bytes(layout: KVLayout) -> bytes:
+    """The exact bytes that `namespace_id` hashes (documented field by field)."""
+    return b"".join(
+        (
+            NAMESPACE_DOMAIN,
+            _str_field(layout.model),
+            _str_field(layout.revision),
+            _str_field(layout.lora_id),
+            _str_field(layout.dtype),
+            _str_field(layout.kv_layout),
+            _U64.pack(layout.num_layers),
+            _U64.pack(layout.num_kv_heads),
+            _U64.pack(layout.head_dim),
+            _U64.pack(layout.block_size_tokens),
+            _U64.pack(layout.tp_rank),
+            _U64.pack(layout.tp_size),
+            _U64.pack(layout.bytes_per_block),
+        )
+    )
+
+
+def namespace_id(layout: KVLayout) -> bytes:
+    return _h128(namespace_bytes(layout))
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    try:
+        packed = array("I", token_ids)
+    except OverflowError:
+        raise InvalidArgument(f"token ids must be integers in [0, {MAX_TOKEN_ID}]") from None
+    except TypeError:
+        raise InvalidArgument("token ids must be a sequence of integers") from None
+    if packed.itemsize != 4:  # pragma: no cover - every mainstream ABI has a 4-byte 'I'
+        raise RuntimeError("this platform has no 4-byte unsigned int array type")
+    if sys.byteorder == "big":  # pragma: no cover
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def block_hashes(
+    namespace: bytes,
+    token_ids: Sequence[int],
+    block_size_tokens: int,
+    extras: Sequence[bytes] | None = None,
+) -> list[bytes]:
+    """Chained hashes of every full block of `token_ids` under `namespace`.
+
+    `extras[i]`, if given, is mixed into block i (e.g. a multimodal input's hash).
+    """
+    if len(namespace) != HASH_BYTES:
+        raise InvalidArgument(f"namespace id must be {HASH_BYTES} bytes, got {len(namespace)}")
+    if block_size_tokens <= 0:
+        raise InvalidArgument(f"block_size_tokens must be positive, got {block_size_tokens}")
+    n_blocks = len(token_ids) // block_size_tokens
+    raw = _token_bytes(token_ids[: n_blocks * block_size_tokens])
+    if extras is not None and len(extras) < n_blocks:
+        raise InvalidArgument(f"extras has {len(extras)} entries for {n_blocks} blocks")
+    count = _U32.pack(block_size_tokens)
+    step = block_size_tokens * 4
+    out: list[bytes] = []
+    prev = namespace
+    for i in range(n_blocks):
+        chunk = raw[i * step : (i + 1) * step]
+        if extras is None or not extras[i]:
+            tail = _EMPTY_EXTRA
+        else:
+            tail = _U32.pack(len(extras[i])) + bytes(extras[i])
+        prev = _h128(b"".join((prev, count, chunk, tail)))
+        out.append(prev)
+    return out

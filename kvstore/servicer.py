@@ -1,0 +1,310 @@
+"""gRPC servicers: translate protobuf messages to store verbs and back, nothing more.
+
+Validation of shapes (namespace refs, key lists, token ranges) happens here or in the
+store; every failure is a `kvstore.errors` exception that the interceptor maps to its
+status. No servicer method touches bytes beyond handing chunks to the store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from kvstore import __version__
+from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.info import render_info
+from kvstore.layout import KVLayout
+from kvstore.local import LocalPuts
+from kvstore.store import Store, StoreStatus
+from kvstore.tiers.segment import HEADER_BYTES, Segment
+from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+
+TIER_ENUM = {
+    "hbm": kvstore_pb2.TIER_HBM,
+    "host": kvstore_pb2.TIER_HOST,
+    "ssd": kvstore_pb2.TIER_SSD,
+    "memory": kvstore_pb2.TIER_MEMORY,
+}
+
+
+def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
+    return KVLayout(
+        model=msg.model,
+        revision=msg.revision,
+        lora_id=msg.lora_id,
+        dtype=msg.dtype,
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        block_size_tokens=msg.block_size_tokens,
+        kv_layout=msg.kv_layout or KVLayout.__dataclass_fields__["kv_layout"].default,
+        tp_rank=msg.tp_rank,
+        tp_size=msg.tp_size or 1,
+        block_bytes=msg.block_bytes,
+    )
+
+
+LOCAL_TIER = "host"
+DEFAULT_LOCAL_LEASE_MS = 10_000
+
+
+class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
+    def __init__(self, store: Store, chunk_bytes: int, segment: Segment | None = None,
+                 local_puts: LocalPuts | None = None) -> None:
+        self.store = store
+        self.chunk_bytes = chunk_bytes
+        self.segment = segment
+        self.local_puts = local_puts or LocalPuts()
+
+    # -------------------------------------------------------------- translation
+
+    def _namespace(self, ref: kvstore_pb2.Namespace) -> bytes:
+        which = ref.WhichOneof("ref")
+        if which == "layout":
+            return self.store.register(layout_from_proto(ref.layout))
+        if which == "id":
+            return self.store.namespace(ref.id).namespace_id
+        raise InvalidArgument("request names no namespace: set namespace.layout (or namespace.id once registered)")
+
+    def _hashes(self, ns_id: bytes, keys: kvstore_pb2.BlockKeys) -> list[bytes]:
+        which = keys.WhichOneof("keys")
+        if which == "hashes":
+            hashes = list(keys.hashes.hashes)
+            self.store.check_hashes(hashes)
+            return hashes
+        if which == "tokens":
+            if keys.tokens.first_block:
+                raise InvalidArgument("first_block is only meaningful in a Put")
+            return self.store.hashes_for_tokens(ns_id, keys.tokens.token_ids)
+        raise InvalidArgument("request names no blocks: set keys.hashes or keys.tokens")
+
+    def _put_keys(self, ns_id: bytes, header: kvstore_pb2.PutHeader) -> tuple[list[bytes], bytes | None]:
+        which = header.keys.WhichOneof("keys")
+        if which == "hashes":
+            hashes = list(header.keys.hashes.hashes)
+            self.store.check_hashes(hashes)
+            if header.num_blocks and header.num_blocks != len(hashes):
+                raise InvalidArgument(f"num_blocks is {header.num_blocks} but {len(hashes)} hashes were sent")
+            return hashes, header.parent_hash or None
+        if which == "tokens":
+            tokens = header.keys.tokens
+            first, count = tokens.first_block, header.num_blocks
+            bst = self.store.namespace(ns_id).layout.block_size_tokens
+            full = len(tokens.token_ids) // bst
+            if count == 0:
+                count = full - first
+            if count <= 0 or first + count > full:
+                raise InvalidArgument(
+                    f"the put covers blocks [{first}, {first + max(count, 0)}) but {len(tokens.token_ids)} tokens "
+                    f"make {full} full blocks of {bst} tokens; send the whole prefix up to the last block"
+                )
+            self.store.check_hashes([b"\0" * 16] * count)  # the per-call block limit, before hashing
+            all_hashes = self.store.hashes_for_tokens(ns_id, list(tokens.token_ids[: (first + count) * bst]))
+            return all_hashes[first : first + count], all_hashes[first - 1] if first else None
+        raise InvalidArgument("put header names no blocks: set keys.hashes or keys.tokens")
+
+    # -------------------------------------------------------------- RPCs
+
+    async def Lookup(self, request: kvstore_pb2.LookupRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.LookupResponse:
+        ns_id = self._namespace(request.namespace)
+        hashes = self._hashes(ns_id, request.keys)
+        r = self.store.lookup(ns_id, hashes, request.lease_ms)
+        return kvstore_pb2.LookupResponse(
+            num_blocks=r.num_blocks,
+            num_tokens=r.num_tokens,
+            tiers=[TIER_ENUM[t] for t in r.tiers],
+            namespace_id=ns_id,
+            block_hashes=r.block_hashes,
+            lease_id=r.lease_id,
+            block_size_tokens=r.block_size_tokens,
+        )
+
+    async def Put(
+        self, request_iterator: AsyncIterator[kvstore_pb2.PutRequest], context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.PutResponse:
+        stream = request_iterator.__aiter__()
+        first = await anext(stream, None)
+        if first is None or first.WhichOneof("msg") != "header":
+            raise InvalidArgument("a Put stream must start with a header message")
+        ns_id = self._namespace(first.header.namespace)
+        hashes, parent = self._put_keys(ns_id, first.header)
+        async with self.store.begin_put(ns_id, hashes, parent) as txn:
+            async for msg in stream:
+                if msg.WhichOneof("msg") != "chunk":
+                    raise InvalidArgument("only block chunks may follow a Put header")
+                await txn.write(msg.chunk.block, msg.chunk.data)
+            result = await txn.commit()
+        return kvstore_pb2.PutResponse(
+            stored=result.stored, existing=result.existing, namespace_id=ns_id, block_hashes=result.block_hashes
+        )
+
+    async def Fetch(
+        self, request: kvstore_pb2.FetchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kvstore_pb2.FetchResponse]:
+        ns_id = self._namespace(request.namespace)
+        hashes = self._hashes(ns_id, request.keys)
+        async with self.store.open_fetch(ns_id, hashes, request.lease_id) as stream:
+            yield kvstore_pb2.FetchResponse(
+                header=kvstore_pb2.FetchHeader(
+                    num_blocks=stream.num_blocks, block_bytes=stream.block_bytes, namespace_id=ns_id
+                )
+            )
+            chunk = self.chunk_bytes
+            index = 0
+            async for data in stream:
+                for start in range(0, len(data), chunk):
+                    piece = data if start == 0 and len(data) <= chunk else data[start : start + chunk]
+                    yield kvstore_pb2.FetchResponse(chunk=kvstore_pb2.BlockChunk(block=index, data=piece))
+                index += 1
+
+    async def Delete(self, request: kvstore_pb2.DeleteRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.DeleteResponse:
+        ns_id = self._namespace(request.namespace)
+        return kvstore_pb2.DeleteResponse(deleted=self.store.delete(ns_id, self._hashes(ns_id, request.keys)))
+
+    async def Pin(self, request: kvstore_pb2.PinRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.PinResponse:
+        ns_id = self._namespace(request.namespace)
+        r = self.store.pin(ns_id, self._hashes(ns_id, request.keys), request.ttl_ms)
+        return kvstore_pb2.PinResponse(lease_id=r.lease_id, pinned=r.pinned, expires_in_ms=r.expires_in_ms)
+
+    async def Unpin(self, request: kvstore_pb2.UnpinRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.UnpinResponse:
+        return kvstore_pb2.UnpinResponse(released=self.store.unpin(request.lease_id))
+
+    async def Verify(self, request: kvstore_pb2.VerifyRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.VerifyResponse:
+        ns_id = self._namespace(request.namespace)
+        verified, dropped = await self.store.verify(ns_id, self._hashes(ns_id, request.keys))
+        return kvstore_pb2.VerifyResponse(verified=verified, dropped=dropped)
+
+    # -------------------------------------------------------------- local data plane
+
+    def _segment(self) -> Segment:
+        if self.segment is None:
+            raise FailedPrecondition("this daemon has no shared-memory segment; use Put and Fetch")
+        return self.segment
+
+    async def LocalSegment(
+        self, request: kvstore_pb2.LocalSegmentRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.LocalSegmentResponse:
+        seg = self._segment()
+        return kvstore_pb2.LocalSegmentResponse(
+            path=seg.path, token=seg.token, data_offset=HEADER_BYTES, capacity_bytes=seg.capacity
+        )
+
+    async def LocalPut(
+        self, request: kvstore_pb2.LocalPutRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.LocalPutResponse:
+        self._segment()
+        ns_id = self._namespace(request.header.namespace)
+        hashes, parent = self._put_keys(ns_id, request.header)
+        txn = self.store.begin_put(ns_id, hashes, parent, tier=LOCAL_TIER)
+        txn.reserve()
+        txn_id = self.local_puts.begin(txn)
+        return kvstore_pb2.LocalPutResponse(
+            txn_id=txn_id,
+            offsets=[-1 if slot is None else slot.offset for slot in txn.slots()],
+            block_bytes=txn.block_bytes,
+            namespace_id=ns_id,
+            block_hashes=hashes,
+            expires_in_ms=self.local_puts.ttl_ms,
+        )
+
+    async def LocalCommit(
+        self, request: kvstore_pb2.LocalCommitRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.PutResponse:
+        txn = self.local_puts.take(request.txn_id)
+        if request.abort:
+            txn.abort()
+            return kvstore_pb2.PutResponse()
+        try:
+            txn.mark_written()
+            result = await txn.commit(list(request.checksums))
+        except BaseException:
+            txn.abort()
+            raise
+        return kvstore_pb2.PutResponse(
+            stored=result.stored, existing=result.existing, namespace_id=result.namespace_id,
+            block_hashes=result.block_hashes,
+        )
+
+    async def LocalFetch(
+        self, request: kvstore_pb2.LocalFetchRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.LocalFetchResponse:
+        self._segment()
+        ns_id = self._namespace(request.namespace)
+        hashes = self._hashes(ns_id, request.keys)
+        result, infos = self.store.lease_prefix(
+            ns_id, hashes, request.lease_ms or DEFAULT_LOCAL_LEASE_MS, tier=LOCAL_TIER
+        )
+        return kvstore_pb2.LocalFetchResponse(
+            num_blocks=result.num_blocks,
+            offsets=[i.slot.offset for i in infos],
+            checksums=[i.checksum for i in infos],
+            block_bytes=self.store.namespace(ns_id).layout.bytes_per_block,
+            lease_id=result.lease_id,
+            namespace_id=ns_id,
+            block_hashes=result.block_hashes,
+            block_size_tokens=result.block_size_tokens,
+        )
+
+
+def stats_to_proto(status: StoreStatus, uptime_s: float, absent: Sequence[tuple[str, str]] = ()) -> admin_pb2.StatsResponse:
+    c = status.counters
+    tiers = [
+        admin_pb2.TierStats(
+            name=t.name,
+            present=True,
+            capacity_bytes=t.capacity_bytes,
+            used_bytes=t.used_bytes,
+            blocks=t.blocks,
+            hits=t.counters.hits,
+            misses=t.counters.misses,
+            evictions=t.counters.evictions,
+            checksum_failures=t.counters.checksum_failures,
+            policy=t.policy,
+        )
+        for t in status.tiers
+    ]
+    tiers += [admin_pb2.TierStats(name=name, present=False, reason=reason) for name, reason in absent]
+    return admin_pb2.StatsResponse(
+        tiers=tiers,
+        counters=admin_pb2.StoreCounters(
+            lookups=c.lookups,
+            lookup_blocks=c.lookup_blocks,
+            hit_blocks=c.hit_blocks,
+            miss_blocks=c.miss_blocks,
+            puts=c.puts,
+            blocks_stored=c.blocks_stored,
+            blocks_existing=c.blocks_existing,
+            bytes_in=c.bytes_in,
+            fetches=c.fetches,
+            blocks_fetched=c.blocks_fetched,
+            bytes_out=c.bytes_out,
+            deletes=c.deletes,
+            evictions=c.evictions,
+            checksum_failures=c.checksum_failures,
+            leases_active=status.leases_active,
+            put_failures=c.put_failures,
+        ),
+        namespaces=status.namespaces,
+        uptime_s=uptime_s,
+        version=__version__,
+    )
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, store: Store, config_dict: dict[str, object], absent_tiers: Sequence[tuple[str, str]] = ()) -> None:
+        self.store = store
+        self.config_dict = config_dict
+        self.absent_tiers = list(absent_tiers)
+        self.started = time.monotonic()
+
+    async def Stats(self, request: admin_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.StatsResponse:
+        return stats_to_proto(self.store.stats(), time.monotonic() - self.started, self.absent_tiers)
+
+    async def Info(self, request: admin_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> admin_pb2.InfoResponse:
+        text = render_info(
+            self.store, time.monotonic() - self.started, self.config_dict, self.absent_tiers, request.section
+        )
+        return admin_pb2.InfoResponse(text=text)
+

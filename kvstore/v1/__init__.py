@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for proto/kvstore/v1 (made by `make stubs`; never edit by hand)."""

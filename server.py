@@ -1,0 +1,9 @@
+#!/usr/bin/env python3
+"""The kvstore daemon's entry point: `python server.py [flags]` == `kvstore serve [flags]`."""
+
+import sys
+
+from kvstore.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["serve", *sys.argv[1:]]))

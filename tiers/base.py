@@ -1,0 +1,93 @@
+"""The `Tier` contract: a place that holds block bytes, with exact accounting.
+
+A tier is data plane only: it allocates, frees, writes and reads bytes at a `Slot`. It
+knows nothing of keys, leases or policies (the store's control plane does). The base
+class owns capacity accounting; an implementation provides the `_primitives`.
+
+Writes and reads are coroutines so that tiers whose bytes move off the event loop
+(SSD files, CUDA streams) share one interface with the memory-addressable ones.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where a block's bytes live inside one tier. `size` is the accounted size."""
+
+    tier: str
+    offset: int
+    size: int
+
+
+class Tier(ABC):
+    """One level of the hierarchy: capacity, accounting, and byte movement."""
+
+    #: The tier's name in config, stats and the proto enum: hbm, host, ssd, memory.
+    name: str
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._used_bytes = 0
+        self._blocks = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used_bytes
+
+    @property
+    def blocks(self) -> int:
+        return self._blocks
+
+    def allocate(self, nbytes: int) -> Slot | None:
+        """Reserve room for `nbytes`; None when no free extent fits (the caller evicts)."""
+        slot = self._allocate(nbytes)
+        if slot is not None:
+            self._used_bytes += slot.size
+            self._blocks += 1
+            assert self._used_bytes <= self.capacity_bytes, "tier accounting exceeded capacity"
+        return slot
+
+    def free(self, slot: Slot) -> None:
+        self._free(slot)
+        self._used_bytes -= slot.size
+        self._blocks -= 1
+        assert self._used_bytes >= 0 and self._blocks >= 0, "tier accounting went negative"
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a block of `nbytes` could ever fit, even with everything evicted."""
+        return self.accounted_size(nbytes) <= self.capacity_bytes
+
+    def accounted_size(self, nbytes: int) -> int:
+        """How many bytes of capacity a block of `nbytes` takes (alignment included)."""
+        return nbytes
+
+    @abstractmethod
+    def _allocate(self, nbytes: int) -> Slot | None: ...
+
+    @abstractmethod
+    def _free(self, slot: Slot) -> None: ...
+
+    @abstractmethod
+    async def write(self, slot: Slot, offset: int, data: memoryview | bytes) -> None:
+        """Copy `data` into the slot at `offset`."""
+
+    @abstractmethod
+    async def read(self, slot: Slot, nbytes: int) -> bytes:
+        """A copy of the first `nbytes` of the slot."""
+
+    def view(self, slot: Slot, nbytes: int) -> memoryview | None:
+        """A zero-copy view of the slot for memory-addressable tiers, else None."""
+        return None
+
+    def close(self) -> None:
+        """Release the tier's memory or files. The tier is unusable afterwards."""
+
+    def describe(self) -> dict[str, str]:
+        """Facts for `Info` and logs (backing, pinned, direct I/O...)."""
+        return {}

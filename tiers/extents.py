@@ -1,0 +1,81 @@
+"""Best-fit extent allocator over a byte range, with coalescing of free neighbours.
+
+The allocator owns offsets only, never bytes, so every memory-addressable tier (host
+slab, HBM slab, a shared-memory segment) can use it. Sizes are rounded up to the
+alignment; what a caller gets back is exactly what is accounted.
+
+Primitives: `allocate(n) -> offset | None`, `free(offset, n)`. Free extents are kept in
+a list sorted by (size, offset) for best fit, and in two dicts keyed by start and end so
+that a freed extent merges with both neighbours in O(1) lookups.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+
+class ExtentAllocator:
+    def __init__(self, capacity_bytes: int, alignment: int = 64) -> None:
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        self.alignment = alignment
+        # The tail that does not fill an aligned unit is never handed out.
+        self.capacity_bytes = capacity_bytes - capacity_bytes % alignment
+        self._by_size: list[tuple[int, int]] = []
+        self._by_start: dict[int, int] = {}
+        self._by_end: dict[int, int] = {}
+        self.used_bytes = 0
+        if self.capacity_bytes:
+            self._add_free(0, self.capacity_bytes)
+
+    def aligned(self, nbytes: int) -> int:
+        return (nbytes + self.alignment - 1) & ~(self.alignment - 1)
+
+    def allocate(self, nbytes: int) -> int | None:
+        """Offset of a free extent of `aligned(nbytes)` bytes, or None if none fits."""
+        size = self.aligned(max(nbytes, 1))
+        i = bisect.bisect_left(self._by_size, (size, -1))
+        if i == len(self._by_size):
+            return None
+        free_size, start = self._by_size[i]
+        self._remove_free(start, free_size, i)
+        if free_size > size:
+            self._add_free(start + size, free_size - size)
+        self.used_bytes += size
+        return start
+
+    def free(self, offset: int, nbytes: int) -> None:
+        size = self.aligned(max(nbytes, 1))
+        if offset < 0 or offset + size > self.capacity_bytes or offset % self.alignment:
+            raise ValueError(f"extent [{offset}, +{size}) is not an allocated extent")
+        self.used_bytes -= size
+        start, end = offset, offset + size
+        before = self._by_end.get(start)
+        if before is not None:
+            self._remove_free(before, start - before)
+            start = before
+        after_size = self._by_start.get(end)
+        if after_size is not None:
+            self._remove_free(end, after_size)
+            end += after_size
+        self._add_free(start, end - start)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+    @property
+    def largest_free(self) -> int:
+        return self._by_size[-1][0] if self._by_size else 0
+
+    def _add_free(self, start: int, size: int) -> None:
+        bisect.insort(self._by_size, (size, start))
+        self._by_start[start] = size
+        self._by_end[start + size] = start
+
+    def _remove_free(self, start: int, size: int, index: int | None = None) -> None:
+        if index is None:
+            index = bisect.bisect_left(self._by_size, (size, start))
+        del self._by_size[index]
+        del self._by_start[start]
+        del self._by_end[start + size]
