@@ -23,6 +23,7 @@ Primitives: `load_trace`, `derive_hints`, `replay`, `replay_opt`, and `main` (th
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import math
@@ -34,9 +35,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvstore.errors import ConfigError, InvalidArgument
+from kvstore.hashing import HASH_BYTES
+from kvstore.index import make_key
+from kvstore.layout import KVLayout
 from kvstore.policies import DEFAULT_HINT_BUDGET_FRACTION, DEFAULT_POLICY, POLICIES, make_policy
 from kvstore.policies.base import BlockKey, EvictionPolicy
 from kvstore.policies.opt import NEVER, BeladyPolicy
+from kvstore.store import Store, StoreTier
+from kvstore.tiers.base import Slot, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -166,21 +172,6 @@ def load_trace(path: str | Path, limit: int | None = None) -> Trace:
     return Trace(requests=tuple(requests), distinct_blocks=len(distinct), lookups=lookups)
 
 
-def block_keys(trace: Trace) -> list[list[BlockKey]]:
-    """Each request's block keys; one bytes object per distinct hash id."""
-    memo: dict[int, BlockKey] = {}
-    out: list[list[BlockKey]] = []
-    for req in trace.requests:
-        keys = []
-        for h in req.hash_ids:
-            key = memo.get(h)
-            if key is None:
-                key = memo[h] = h.to_bytes(16, "big", signed=True)
-            keys.append(key)
-        out.append(keys)
-    return out
-
-
 def next_uses(trace: Trace) -> list[list[float]]:
     """For each request and block position, the index of the next request using that block."""
     seen: dict[int, float] = {}
@@ -264,58 +255,109 @@ class _TraceClock:
         return self.now
 
 
-def _always(_key: BlockKey) -> bool:
-    return True
+class ReplayTier(Tier):
+    """Capacity accounting without bytes: a tier of `capacity_blocks` for replays.
+
+    Puts through the store allocate and free slots here exactly as in a byte-holding
+    tier, so the store's own eviction loop runs; writes and reads carry nothing.
+    """
+
+    name = "memory"
+
+    def __init__(self, capacity_blocks: int, block_bytes: int) -> None:
+        super().__init__(capacity_blocks * block_bytes)
+        self._next_offset = 0
+
+    def _allocate(self, nbytes: int) -> Slot | None:
+        if self.used_bytes + nbytes > self.capacity_bytes:
+            return None
+        self._next_offset += nbytes
+        return Slot(self.name, self._next_offset, nbytes)
+
+    def _free(self, slot: Slot) -> None:
+        pass
+
+    async def write(self, slot: Slot, offset: int, data: memoryview | bytes) -> None:
+        pass
+
+    async def read(self, slot: Slot, nbytes: int) -> bytes:
+        return bytes(nbytes)
 
 
-def _run(
+def _replay_layout(block_size_tokens: int) -> KVLayout:
+    # The smallest real layout: the replay needs a namespace, not bytes.
+    return KVLayout(
+        model="kvstore-trace-replay",
+        dtype="float16",
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=1,
+        block_size_tokens=block_size_tokens,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Counts:
+    hits: int
+    input_tokens: int
+    tokens_saved: int
+
+
+def _block_hash(hash_id: int) -> bytes:
+    """A trace's integer block id as a store block hash (16 bytes)."""
+    return hash_id.to_bytes(HASH_BYTES, "big", signed=True)
+
+
+async def _drive_store(
     trace: Trace,
-    keys: Sequence[Sequence[BlockKey]],
     policy: EvictionPolicy,
     clock: _TraceClock,
     capacity_blocks: int,
     hints: Sequence[Hint | None],
-    before_request: Callable[[int], None] | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> tuple[int, int, int]:
-    """(block hits, input tokens, prefill tokens saved) over the whole trace."""
-    resident: set[BlockKey] = set()
+    before_request: Callable[[int, bytes], None] | None,
+    progress: Callable[[int], None] | None,
+) -> _Counts:
+    layout = _replay_layout(trace.requests[0].block_size_tokens)
+    tier = ReplayTier(capacity_blocks, layout.bytes_per_block)
+    store = Store([StoreTier(tier, policy)], clock=clock)
+    ns = store.register(layout)
+    memo: dict[int, bytes] = {}
     hits = tokens = saved = 0
-    insert, touch, remove, victim = policy.insert, policy.touch, policy.remove, policy.victim
     for i, req in enumerate(trace.requests):
         clock.now = req.timestamp_s
         if before_request is not None:
-            before_request(i)
-        chain = keys[i]
-        hit = 0
-        for key in chain:
-            if key not in resident:
-                break
-            hit += 1
+            before_request(i, ns)
+        hashes = []
+        for hid in req.hash_ids:
+            b = memo.get(hid)
+            if b is None:
+                b = memo[hid] = _block_hash(hid)
+            hashes.append(b)
+        if not hashes:
+            continue
+        # The lookup touches the cached prefix, tail first; the put then makes room
+        # through the store's own eviction loop and publishes the new blocks tail first.
+        hit = store.lookup(ns, hashes).num_blocks
         hits += hit
         tokens += req.input_length
         saved += min(hit * req.block_size_tokens, req.input_length)
-        for pos in range(len(chain) - 1, -1, -1):
-            key = chain[pos]
-            if key in resident:
-                touch(key)
-                continue
-            insert(key, chain[pos - 1] if pos else None)
-            resident.add(key)
-            if len(resident) > capacity_blocks:
-                out = victim(_always)
-                assert out is not None, "a policy tracking blocks must name a victim"
-                remove(out)
-                resident.discard(out)
+        if hit < len(hashes):
+            # A request longer than the whole tier keeps its head: only a prefix is useful.
+            put = hashes[:capacity_blocks]
+            async with store.begin_put(ns, put) as txn:
+                txn.mark_written()
+                await txn.commit(checksums=[0] * len(put))
         h = hints[i]
         if h is not None:
             if h.expect_reuse_within_s is None:
                 policy.end_session(h.session_id)
             else:
-                policy.hint(chain[: h.blocks], h.session_id, h.expect_reuse_within_s)
-        if progress is not None and i % 1000 == 0:
+                keys = [make_key(ns, b) for b in hashes[: h.blocks]]
+                policy.hint(keys, h.session_id, h.expect_reuse_within_s)
+        if progress is not None and i % 500 == 0:
             progress(i)
-    return hits, tokens, saved
+    store.close()
+    return _Counts(hits, tokens, saved)
 
 
 def capacity_from_fraction(trace: Trace, fraction: float) -> int:
@@ -332,47 +374,44 @@ def replay(
     *,
     hint_ttl_s: float | None = None,
     hint_budget_fraction: float = DEFAULT_HINT_BUDGET_FRACTION,
-    keys: Sequence[Sequence[BlockKey]] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> ReplayResult:
-    """Replay `trace` through policy `policy_name` on a tier of `capacity_blocks` blocks."""
+    """Replay `trace` through the store with policy `policy_name` and `capacity_blocks`."""
     if capacity_blocks < 1:
         raise ConfigError(f"capacity must be at least one block, got {capacity_blocks}")
     clock = _TraceClock()
     policy = make_policy(policy_name, clock, hint_budget_fraction=hint_budget_fraction)
     hints = derive_hints(trace, hint_spec, hint_ttl_s)
-    keys = keys if keys is not None else block_keys(trace)
-    hits, tokens, saved = _run(trace, keys, policy, clock, capacity_blocks, hints, progress=progress)
-    return _result(trace, policy_name, str(hint_spec), capacity_blocks, hits, tokens, saved)
+    counts = asyncio.run(_drive_store(trace, policy, clock, capacity_blocks, hints, None, progress))
+    return _result(trace, policy_name, str(hint_spec), capacity_blocks, counts)
 
 
 def replay_opt(
     trace: Trace,
     capacity_blocks: int,
     *,
-    keys: Sequence[Sequence[BlockKey]] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> ReplayResult:
-    """Bélády's optimum on the same loop: the farthest next use is evicted first."""
-    keys = keys if keys is not None else block_keys(trace)
+    """Bélády's optimum through the same store: the farthest next use is evicted first."""
+    if capacity_blocks < 1:
+        raise ConfigError(f"capacity must be at least one block, got {capacity_blocks}")
     nxt = next_uses(trace)
     upcoming: dict[BlockKey, float] = {}
 
-    def before_request(i: int) -> None:
+    def before_request(i: int, ns: bytes) -> None:
         # Every block of request i is touched or inserted now; record its next use first.
-        for key, use in zip(keys[i], nxt[i]):
-            upcoming[key] = use
+        for hid, use in zip(trace.requests[i].hash_ids, nxt[i]):
+            upcoming[make_key(ns, _block_hash(hid))] = use
 
     clock = _TraceClock()
     policy = BeladyPolicy(upcoming.__getitem__, clock)
     hints: list[Hint | None] = [None] * len(trace.requests)
-    hits, tokens, saved = _run(trace, keys, policy, clock, capacity_blocks, hints, before_request, progress)
-    return _result(trace, "opt", "none", capacity_blocks, hits, tokens, saved)
+    counts = asyncio.run(_drive_store(trace, policy, clock, capacity_blocks, hints, before_request, progress))
+    return _result(trace, "opt", "none", capacity_blocks, counts)
 
 
-def _result(
-    trace: Trace, policy: str, hints: str, capacity: int, hits: int, tokens: int, saved: int
-) -> ReplayResult:
+def _result(trace: Trace, policy: str, hints: str, capacity: int, counts: _Counts) -> ReplayResult:
+    hits, tokens, saved = counts.hits, counts.input_tokens, counts.tokens_saved
     return ReplayResult(
         policy=policy,
         hints=hints,
@@ -548,7 +587,6 @@ def run(args: argparse.Namespace) -> int:
         default_fracs = "0.01,0.02,0.05,0.1,0.25,0.5" if plot else "0.05"
         capacities = [capacity_from_fraction(trace, f) for f in _fractions(args.capacity_fraction or default_fracs)]
     capacities = list(dict.fromkeys(capacities))
-    keys = block_keys(trace)
     with_opt = args.opt or plot
     steps = len(policies) * len(capacities) + (len(capacities) if with_opt else 0)
     bar = _ProgressBar(steps) if plot else None
@@ -562,7 +600,7 @@ def run(args: argparse.Namespace) -> int:
     opt: dict[int, ReplayResult] = {}
     if with_opt:
         for c in capacities:
-            opt[c] = replay_opt(trace, c, keys=keys, progress=progress_for(f"opt @ {c} blocks"))
+            opt[c] = replay_opt(trace, c, progress=progress_for(f"opt @ {c} blocks"))
             if bar is not None:
                 bar.step()
     results: list[ReplayResult] = []
@@ -575,7 +613,6 @@ def run(args: argparse.Namespace) -> int:
                 hints,
                 hint_ttl_s=args.hint_ttl_s,
                 hint_budget_fraction=args.hint_budget_fraction,
-                keys=keys,
                 progress=progress_for(f"{name} ({hints}) @ {c} blocks"),
             )
             if c in opt:

@@ -43,7 +43,7 @@ from kvstore.policies.lru import LRUPolicy
 from kvstore.policies.prefix import PrefixARCPolicy, PrefixLRUPolicy, PrefixS3FIFOPolicy
 from kvstore.policies.s3fifo import S3FIFOPolicy
 
-DEFAULT_HINT_BUDGET_FRACTION = 0.5
+DEFAULT_HINT_BUDGET_FRACTION = 0.8
 _MISSING = object()
 
 
