@@ -153,7 +153,11 @@ def load_trace(path: str | Path, limit: int | None = None) -> Trace:
     requests: list[TraceRequest] = []
     distinct: set[int] = set()
     lookups = 0
-    with open(path, encoding="utf-8") as f:
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read trace {path}: {exc.strerror}; pass a Mooncake JSONL file") from None
+    with f:
         for lineno, line in enumerate(f, 1):
             if limit is not None and len(requests) >= limit:
                 break
@@ -649,7 +653,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     args = parser.parse_args(None if argv is None else list(argv))
     try:
         return run(args)
-    except (ConfigError, InvalidArgument, OSError) as exc:
+    except (ConfigError, InvalidArgument) as exc:
         print(f"kvstore replay: {exc}", file=sys.stderr)
         return 2
 
