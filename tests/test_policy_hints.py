@@ -221,3 +221,43 @@ def test_empty_session_id_is_rejected() -> None:
 def test_bad_budget_is_a_config_error(budget: float) -> None:
     with pytest.raises(ConfigError, match="budget"):
         make_policy("hint-lru", FakeClock(), hint_budget_fraction=budget)
+
+
+def test_unused_hints_lose_trust_and_budget() -> None:
+    # 20 blocks, budget 100%: twenty hints that expire unused -> trust falls, and a hint
+    # on all 20 blocks then protects only a few
+    clock = FakeClock()
+    policy = filled("hint-lru", clock, n=20, budget=1.0)
+    for i in range(20):
+        policy.hint([k(1)], f"s{i}", 1.0)
+        clock.now += 2.0
+    stats = policy.hint_stats()
+    assert stats.grants_unused == 20 and stats.grants_used == 0
+    assert stats.trust < 0.4
+    policy.hint([k(i) for i in range(1, 21)], "big", 60.0)
+    assert policy.hint_stats().protected_now <= int(2 * stats.trust * 20)
+
+
+def test_used_hints_keep_trust() -> None:
+    # each hinted block is hit before its grant expires -> trust stays 1, full budget
+    clock = FakeClock()
+    policy = filled("hint-lru", clock, n=20, budget=1.0)
+    for i in range(20):
+        policy.hint([k(1)], f"s{i}", 1.0)
+        policy.touch(k(1))
+        clock.now += 2.0
+    stats = policy.hint_stats()
+    assert stats.grants_used == 20 and stats.trust == pytest.approx(1.0)
+    policy.hint([k(i) for i in range(1, 21)], "big", 60.0)
+    assert policy.hint_stats().protected_now == 20
+
+
+def test_trust_never_drops_below_the_floor() -> None:
+    clock = FakeClock()
+    policy = filled("hint-lru", clock, n=100, budget=1.0)
+    for i in range(200):
+        policy.hint([k(1)], f"s{i}", 1.0)
+        clock.now += 2.0
+    policy.hint([k(i) for i in range(1, 101)], "big", 60.0)
+    # the floor still grants a tenth of the budget, so evidence keeps coming
+    assert policy.hint_stats().protected_now == 10

@@ -10,7 +10,12 @@ inserted. Three limits keep wrong hints cheap:
   since a prefix is only worth anything from its first block);
 * the deadline: a hint that expires unused hands its blocks back to the base order,
   where they age out like any block inserted at that moment;
-* `end_session`: the client says the session is over and its protection goes at once.
+* `end_session`: the client says the session is over and its protection goes at once;
+* trust: the policy keeps a running score of how often a grant was used (its deepest
+  block hit before the grant ended). Below TRUST_FOR_FULL_BUDGET the budget shrinks
+  with it, down to a floor that
+  keeps a few grants flowing so that the score can recover. A client whose hints are
+  mostly wrong thus loses most of its protection instead of halving the tier.
 
 A session holds one grant; a new hint from it replaces the previous one, so a chat that
 extends its prefix every turn re-protects the longer chain without piling up grants.
@@ -44,6 +49,13 @@ from kvstore.policies.prefix import PrefixARCPolicy, PrefixLRUPolicy, PrefixS3FI
 from kvstore.policies.s3fifo import S3FIFOPolicy
 
 DEFAULT_HINT_BUDGET_FRACTION = 0.8
+# Trust is an exponential moving average over grant outcomes (1 used, 0 not): about the
+# last 1/ALPHA grants count. The floor keeps some grants, hence evidence, coming.
+TRUST_ALPHA = 0.05
+TRUST_FLOOR = 0.1
+# Hints used at least this often keep the whole budget: a protected block that comes
+# back half the time is worth more than the average block the base order would keep.
+TRUST_FOR_FULL_BUDGET = 0.5
 _MISSING = object()
 
 
@@ -56,6 +68,11 @@ class HintStats:
     keys_over_budget: int
     sessions_ended: int
     grants_expired: int
+    # Grants that ended (expired, ended, replaced) with or without a hit on their blocks.
+    grants_used: int
+    grants_unused: int
+    # Running share of grants used; scales the budget.
+    trust: float
     protected_now: int
     # Protected blocks that are tracked in this tier now.
     parked_now: int
@@ -101,6 +118,11 @@ class HintedPolicy(EvictionPolicy):
         self._keys_over_budget = 0
         self._sessions_ended = 0
         self._grants_expired = 0
+        self._grants_used = 0
+        self._grants_unused = 0
+        self._trust = 1.0
+        # Protected blocks hit while protected: their grants were worth it.
+        self._hit_protected: set[BlockKey] = set()
 
     # -- hints ---------------------------------------------------------------------
 
@@ -123,7 +145,9 @@ class HintedPolicy(EvictionPolicy):
         self._hints += 1
         wanted = list(dict.fromkeys(keys))
         self._keys_hinted += len(wanted)
-        room = int(self.budget_fraction * len(self._parent)) - len(self._protected)
+        scale = min(1.0, max(self._trust / TRUST_FOR_FULL_BUDGET, TRUST_FLOOR))
+        budget = self.budget_fraction * scale * len(self._parent)
+        room = int(budget) - len(self._protected)
         granted: list[BlockKey] = []
         for key in wanted:
             if key in self._protected:
@@ -162,6 +186,9 @@ class HintedPolicy(EvictionPolicy):
             keys_over_budget=self._keys_over_budget,
             sessions_ended=self._sessions_ended,
             grants_expired=self._grants_expired,
+            grants_used=self._grants_used,
+            grants_unused=self._grants_unused,
+            trust=self._trust,
             protected_now=len(self._protected),
             parked_now=len(self._parked),
         )
@@ -171,14 +198,25 @@ class HintedPolicy(EvictionPolicy):
         if grant is None:
             return False
         protected = self._protected
+        hit = self._hit_protected
+        # Used means the deepest protected block was hit: a session coming back to
+        # where it left off. Its head blocks are often shared (a system prompt) and hit
+        # by everyone, which says nothing about the hint.
+        used = grant.keys[-1] in hit
         for key in grant.keys:
             left = protected[key] - 1
             if left:
                 protected[key] = left
             else:
                 del protected[key]
+                hit.discard(key)
                 if key in self._parked:
                     self._base.insert(key, self._parked.pop(key))
+        if used:
+            self._grants_used += 1
+        else:
+            self._grants_unused += 1
+        self._trust += TRUST_ALPHA * ((1.0 if used else 0.0) - self._trust)
         return True
 
     def _expire(self, now: float) -> None:
@@ -204,6 +242,8 @@ class HintedPolicy(EvictionPolicy):
             self._base.insert(key, parent)
 
     def touch(self, key: BlockKey) -> None:
+        if key in self._protected:
+            self._hit_protected.add(key)
         if key not in self._parked:
             self._base.touch(key)
 
