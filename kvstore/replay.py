@@ -2,20 +2,24 @@
 
 Reads Mooncake-format JSONL (one request a line: `timestamp` in ms, `input_length`,
 `output_length`, `hash_ids`; optional `session_id`, `turn`, `type`, `block_size`) and
-drives the policy code the daemon runs, one tier of `capacity_blocks` blocks:
+drives the daemon's own `Store` (index, put transactions, eviction loop) and policy code
+over a `ReplayTier` that accounts `capacity_blocks` blocks and holds no bytes:
 
-* a request's hit is the longest prefix of its blocks that is cached at its arrival;
-* then every block of the request is touched (cached) or inserted (not cached), tail
-  block first, so that a chain's head is the most recently used part of it; each insert
-  into a full tier evicts the policy's victim first-come first-served;
-* time-based logic (hint deadlines) runs on the trace's clock, not the wall clock.
+* a request's hit is the longest prefix of its blocks that is cached at its arrival
+  (`Store.lookup`, which also touches that prefix, tail first);
+* then the request's missing blocks are put: the store makes room by evicting the
+  policy's victims, and publishes the new blocks tail first, so that a chain's head is
+  the most recently used part of it;
+* time-based logic (hint deadlines, leases) runs on the trace's clock, not the wall clock.
 
 Hints: ``none``; ``trace`` derives "this request's prefix is extended by a later one"
 from the trace itself (a semi-oracle: it knows whether and when the session returns),
 and sends it as a hint with that gap plus a margin as the time to live, or ends the
 session when it does not return; ``noisy:P`` flips a seeded fraction P of those.
 
-`--opt` also replays Bélády's offline optimum on the same trace and capacity.
+`--opt` also replays Bélády's offline optimum on the same trace and capacity, through
+the same store: like any demand cache it admits every block, and evicts the resident
+block whose next use is farthest away.
 
 Primitives: `load_trace`, `derive_hints`, `replay`, `replay_opt`, and `main` (the CLI).
 """
@@ -530,6 +534,9 @@ def _plot(results: Sequence[ReplayResult], opt: dict[int, ReplayResult], distinc
         caps = sorted(opt)
         ax.plot([100 * c / distinct for c in caps], [opt[c].hit_ratio for c in caps], "k--", marker="x", label="Bélády OPT")
     ax.set_xscale("log")
+    ticks = sorted({100 * r.capacity_blocks / distinct for r in results})
+    ax.set_xticks(ticks, [f"{t:.3g}%" for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("capacity (% of distinct blocks)")
     ax.set_ylabel("block hit ratio")
     ax.grid(True, which="both", alpha=0.3)
