@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import numpy as np
 
 from kvstore.config import DEFAULT_TCP_LISTEN, default_unix_socket
 from kvstore.errors import InvalidArgument, KVStoreError, error_for_status
-from kvstore.hashing import HASH_BYTES
+from kvstore.hashing import HASH_BYTES, token_bytes
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2
 
@@ -131,7 +132,20 @@ def block_keys(token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | 
             if not isinstance(h, (bytes, bytearray)) or len(h) != HASH_BYTES:
                 raise InvalidArgument(f"block_hashes[{i}] must be {HASH_BYTES} bytes")
         return kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=[bytes(h) for h in block_hashes]))
-    return kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(token_ids=_token_list(token_ids)))
+    return kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(packed_u32le=pack_tokens(token_ids)))
+
+
+def pack_tokens(token_ids: Any) -> bytes:
+    """Token ids as packed little-endian u32: a list, array, numpy array or tensor."""
+    if hasattr(token_ids, "numpy") and type(token_ids).__module__.split(".", 1)[0] == "torch":
+        token_ids = token_ids.detach().cpu().numpy()
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            raise InvalidArgument("token_ids must be a 1-D array of integers")
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() > 0xFFFFFFFF):
+            raise InvalidArgument("token ids must be integers in [0, 4294967295]")
+        return token_ids.astype("<u4", copy=False).tobytes()
+    return token_bytes(token_ids)
 
 
 def fetch_keys(
@@ -143,19 +157,10 @@ def fetch_keys(
     """Keys of a fetch, cut to the number of `out` buffers when the caller gave some."""
     if out is not None:
         if token_ids is not None:
-            token_ids = _token_list(token_ids)[: len(out) * layout.block_size_tokens]
+            token_ids = token_ids[: len(out) * layout.block_size_tokens]
         elif block_hashes is not None:
             block_hashes = list(block_hashes)[: len(out)]
     return block_keys(token_ids, block_hashes)
-
-
-def _token_list(token_ids: Any) -> list[int]:
-    if hasattr(token_ids, "tolist"):  # numpy arrays and torch tensors
-        token_ids = token_ids.tolist()
-    try:
-        return [int(t) for t in token_ids]
-    except (TypeError, ValueError):
-        raise InvalidArgument("token_ids must be a sequence of integers") from None
 
 
 def _is_tensor(obj: object) -> bool:

@@ -37,7 +37,7 @@ def _copy_hash(dst: np.ndarray, src: np.ndarray) -> int:
         end = min(start + CHUNK_BYTES, n)
         piece = dst[start:end]
         np.copyto(piece, src[start:end])
-        h.update(piece)
+        h.update(piece.data)
     return h.intdigest()
 
 
@@ -54,7 +54,9 @@ class LocalPlane:
     @classmethod
     def attach(cls, resp: kvstore_pb2.LocalSegmentResponse) -> LocalPlane:
         """Map the daemon's segment; raises OSError or ValueError when this process cannot."""
-        return cls(AttachedSegment(resp.path, resp.token))
+        segment = AttachedSegment(resp.path, resp.token)
+        segment.populate_in_background()
+        return cls(segment)
 
     def close(self) -> None:
         if self._pool is not None:

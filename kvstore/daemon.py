@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import stat
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -172,6 +173,8 @@ class Daemon:
         self._stopped = asyncio.Event()
         self._unix_paths: list[str] = []
         self._local_puts: LocalPuts | None = None
+        self._prefault: asyncio.Task[bool] | None = None
+        self._prefault_stop = threading.Event()
 
     @property
     def health(self) -> HealthServicer:
@@ -234,6 +237,12 @@ class Daemon:
         for name in ("", "kvstore.v1.KVStore", "kvstore.v1.Admin"):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.create_task(self._sweep_leases(), name="kvstore-lease-sweeper")
+        if cfg.host_prefault:
+            # In the background: the daemon serves at once, and puts get faster as the
+            # segment's pages are mapped in.
+            self._prefault = asyncio.create_task(
+                asyncio.to_thread(host_tier.segment.populate, self._prefault_stop), name="kvstore-prefault"
+            )
         logger.info(
             "kvstore serving on %s; host tier %s, policy %s", ", ".join(self.bound), human_bytes(host_capacity), cfg.policy
         )
@@ -275,6 +284,9 @@ class Daemon:
         logger.info("shutting down: draining in-flight calls for up to %.1fs", grace)
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        self._prefault_stop.set()
+        if self._prefault is not None:
+            await self._prefault
         if self._sweeper is not None:
             self._sweeper.cancel()
             try:

@@ -14,8 +14,9 @@ import grpc
 
 from kvstore import __version__
 from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.hashing import block_hashes_packed, token_bytes
 from kvstore.info import render_info
-from kvstore.layout import KVLayout
+from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
 from kvstore.local import LocalPuts
 from kvstore.store import Store, StoreStatus
 from kvstore.tiers.segment import HEADER_BYTES, Segment
@@ -39,7 +40,7 @@ def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
         num_kv_heads=msg.num_kv_heads,
         head_dim=msg.head_dim,
         block_size_tokens=msg.block_size_tokens,
-        kv_layout=msg.kv_layout or KVLayout.__dataclass_fields__["kv_layout"].default,
+        kv_layout=msg.kv_layout or DEFAULT_KV_LAYOUT,
         tp_rank=msg.tp_rank,
         tp_size=msg.tp_size or 1,
         block_bytes=msg.block_bytes,
@@ -68,6 +69,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             return self.store.namespace(ref.id).namespace_id
         raise InvalidArgument("request names no namespace: set namespace.layout (or namespace.id once registered)")
 
+    @staticmethod
+    def _packed_tokens(tokens: kvstore_pb2.TokenIds) -> bytes:
+        if tokens.packed_u32le:
+            if len(tokens.token_ids):
+                raise InvalidArgument("set token_ids or packed_u32le, not both")
+            if len(tokens.packed_u32le) % 4:
+                raise InvalidArgument(f"packed_u32le is {len(tokens.packed_u32le)} bytes, not a multiple of 4")
+            return tokens.packed_u32le
+        return token_bytes(tokens.token_ids)
+
     def _hashes(self, ns_id: bytes, keys: kvstore_pb2.BlockKeys) -> list[bytes]:
         which = keys.WhichOneof("keys")
         if which == "hashes":
@@ -77,7 +88,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         if which == "tokens":
             if keys.tokens.first_block:
                 raise InvalidArgument("first_block is only meaningful in a Put")
-            return self.store.hashes_for_tokens(ns_id, keys.tokens.token_ids)
+            return self.store.hashes_for_tokens(ns_id, self._packed_tokens(keys.tokens))
         raise InvalidArgument("request names no blocks: set keys.hashes or keys.tokens")
 
     def _put_keys(self, ns_id: bytes, header: kvstore_pb2.PutHeader) -> tuple[list[bytes], bytes | None]:
@@ -90,18 +101,22 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             return hashes, header.parent_hash or None
         if which == "tokens":
             tokens = header.keys.tokens
+            packed = self._packed_tokens(tokens)
             first, count = tokens.first_block, header.num_blocks
             bst = self.store.namespace(ns_id).layout.block_size_tokens
-            full = len(tokens.token_ids) // bst
+            n_tokens = len(packed) // 4
+            full = n_tokens // bst
             if count == 0:
                 count = full - first
             if count <= 0 or first + count > full:
                 raise InvalidArgument(
-                    f"the put covers blocks [{first}, {first + max(count, 0)}) but {len(tokens.token_ids)} tokens "
+                    f"the put covers blocks [{first}, {first + max(count, 0)}) but {n_tokens} tokens "
                     f"make {full} full blocks of {bst} tokens; send the whole prefix up to the last block"
                 )
             self.store.check_hashes([b"\0" * 16] * count)  # the per-call block limit, before hashing
-            all_hashes = self.store.hashes_for_tokens(ns_id, list(tokens.token_ids[: (first + count) * bst]))
+            # The prefix before `first` is hashed too (the chain needs it) but not bounded
+            # by the per-call block limit: it names no blocks of this put.
+            all_hashes = block_hashes_packed(ns_id, memoryview(packed)[: (first + count) * bst * 4], bst)
             return all_hashes[first : first + count], all_hashes[first - 1] if first else None
         raise InvalidArgument("put header names no blocks: set keys.hashes or keys.tokens")
 

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from kvstore.checksum import checksum_batch
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvstore.hashing import HASH_BYTES, block_hashes
+from kvstore.hashing import HASH_BYTES, block_hashes_packed
 from kvstore.index import BlockEntry, BlockIndex, BlockState, make_key
 from kvstore.layout import KVLayout
 from kvstore.leases import Lease, LeaseTable
@@ -210,16 +211,22 @@ class Store:
     def namespaces(self) -> list[NamespaceInfo]:
         return list(self._namespaces.values())
 
-    def hashes_for_tokens(self, namespace_id: bytes, token_ids: Sequence[int]) -> list[bytes]:
+    def hashes_for_tokens(self, namespace_id: bytes, packed_tokens: bytes, max_blocks: int | None = None) -> list[bytes]:
+        """Block hashes of tokens packed as little-endian u32 (at most `max_blocks` blocks)."""
         info = self.namespace(namespace_id)
-        self._check_count(len(token_ids) // info.layout.block_size_tokens, "blocks of tokens")
-        return block_hashes(namespace_id, token_ids, info.layout.block_size_tokens)
+        step = info.layout.block_size_tokens * 4
+        n_blocks = len(packed_tokens) // step
+        if max_blocks is not None:
+            n_blocks = min(n_blocks, max_blocks)
+        self._check_count(n_blocks, "blocks of tokens")
+        return block_hashes_packed(namespace_id, memoryview(packed_tokens)[: n_blocks * step],
+                                   info.layout.block_size_tokens)
 
     def check_hashes(self, hashes: Sequence[bytes]) -> None:
         self._check_count(len(hashes), "block hashes")
-        for i, h in enumerate(hashes):
-            if len(h) != HASH_BYTES:
-                raise InvalidArgument(f"block hash {i} is {len(h)} bytes; every block hash is {HASH_BYTES} bytes")
+        if hashes and set(map(len, hashes)) != {HASH_BYTES}:  # one C-level pass in the common case
+            i, h = next((i, h) for i, h in enumerate(hashes) if len(h) != HASH_BYTES)
+            raise InvalidArgument(f"block hash {i} is {len(h)} bytes; every block hash is {HASH_BYTES} bytes")
 
     def _check_count(self, n: int, what: str) -> None:
         if n > self.limits.max_blocks_per_call:
@@ -244,16 +251,17 @@ class Store:
         c.hit_blocks += len(hit)
         c.miss_blocks += len(keys) - len(hit)
         tier_names = [entry.slot.tier for entry in hit]
-        # Tail first, so the head of a chain is the most recently used: a recency policy
-        # then evicts chain tails before the heads every later block depends on.
-        for entry in reversed(hit):
-            st = self._tier_by_name[entry.slot.tier]
-            st.counters.hits += 1
-            st.policy.touch(entry.key)
-        # A block not found (or found lower down) is a miss for every tier above it.
-        missing = len(keys) - len(hit)
+        per_tier = Counter(tier_names)
         for st in self.tiers:
-            st.counters.misses += missing + sum(1 for name in tier_names if name != st.name)
+            # A tier's hits are looked-up blocks it holds; its misses, those it does not.
+            held = per_tier.get(st.name, 0)
+            st.counters.hits += held
+            st.counters.misses += len(keys) - held
+            if held:
+                # Tail first, so the head of a chain is the most recently used: a recency
+                # policy then evicts chain tails before the heads later blocks depend on.
+                tail_first = reversed(hit) if held == len(hit) else (e for e in reversed(hit) if e.slot.tier == st.name)
+                st.policy.touch_many(e.key for e in tail_first)
         return LookupResult(
             namespace_id=namespace_id,
             num_blocks=len(hit),
@@ -576,7 +584,8 @@ class PutTxn:
         self.block_bytes = info.layout.bytes_per_block
         ns = info.namespace_id
         self._keys = [make_key(ns, h) for h in hashes]
-        self._parents: list[bytes | None] = [make_key(ns, parent_hash) if parent_hash else None] + self._keys[:-1]
+        first_parent = make_key(ns, parent_hash) if parent_hash else None
+        self._parents: list[bytes | None] = [first_parent, *self._keys[:-1]]
         self._entries: list[BlockEntry | None] = [None] * len(hashes)
         # Blocks already READY when the put began, held so that making room for the new
         # blocks cannot evict them (the put would otherwise report them present when not).
@@ -689,15 +698,15 @@ class PutTxn:
         publish: list[BlockEntry] = []
         for entry, csum in zip(pending, sums):
             entry.checksum = csum
-        for i, entry in enumerate(self._entries):
-            if entry is None or entry.key in store._index:
+        for i, maybe in enumerate(self._entries):
+            if maybe is None or maybe.key in store._index:
                 # Present before the put began, or published by a concurrent put since.
                 existing += 1
-                if entry is not None:
-                    tiers[entry.slot.tier].tier.free(entry.slot)
+                if maybe is not None:
+                    tiers[maybe.slot.tier].tier.free(maybe.slot)
                     self._entries[i] = None
             else:
-                publish.append(entry)
+                publish.append(maybe)
                 stored += 1
         store._publish(publish)
         self._done = True

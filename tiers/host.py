@@ -58,5 +58,6 @@ class HostTier(Tier):
             "backing": "shared memory",
             "segment": self.segment.path,
             "pinned": "no",
+            "prefaulted": self.segment.populated,
             "alignment": str(self._extents.alignment),
         }
