@@ -230,3 +230,17 @@ def test_tier_policy_spec() -> None:
         parse_tier_policies("disk=lru")
     with pytest.raises(ConfigError, match="unknown eviction policy"):
         parse_tier_policies("host=nope")
+
+
+def test_touch_many_is_touch_in_order(policy: EvictionPolicy) -> None:
+    # insert [1,2,3,4], touch_many [2,1,9] -> the same order as touch 2 then touch 1
+    for i in (1, 2, 3, 4):
+        policy.insert(k(i))
+    policy.touch_many([k(2), k(1), k(9)])
+    assert len(policy) == 4
+    reference = make_policy(policy.name, FakeClock())
+    for i in (1, 2, 3, 4):
+        reference.insert(k(i))
+    reference.touch(k(2))
+    reference.touch(k(1))
+    assert drain(policy) == drain(reference)
