@@ -138,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     info = client_command("info", "Redis-INFO-style report", cmd_info)
     info.add_argument("section", nargs="?", help="server, tiers, stats, namespaces, config or events")
     register_operator_commands(sub, client_command)
+
+    from kvstore import replay
+
+    replay_cmd = sub.add_parser("replay", help="replay a Mooncake-format trace through the eviction policies")
+    replay.add_arguments(replay_cmd)
+    replay_cmd.set_defaults(func=replay.run)
     return parser
 
 
