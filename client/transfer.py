@@ -106,7 +106,8 @@ def export_namespace(admin: AdminClient, namespace_id: bytes, out: BinaryIO, pro
     while i < len(refs):
         batch = refs[i : i + step]
         datas = admin.fetch_blocks(namespace_id, [r.hash for r in batch])
-        for ref, data in zip(batch, datas):
+        # A fetch returns the longest present prefix: `datas` may be shorter than `batch`.
+        for ref, data in zip(batch, datas, strict=False):
             out.write(RECORD.pack(b"B", ref.hash, ref.parent_hash or NO_PARENT, checksum(data)))
             out.write(data)
         written += len(datas)
