@@ -86,10 +86,10 @@ def bar(used: int, capacity: int, width: int = BAR_WIDTH) -> str:
     return "[" + "#" * filled + "." * (width - filled) + "]"
 
 
-def render(target: str, cur: Sample, r: Rates, error: str = "") -> str:
+def render(target: str, cur: Sample, r: Rates, error: str = "", hint: str = "(q quits)") -> str:
     s, c = cur.stats, cur.stats["counters"]
     lines = [f"kvstore top - {target} - up {s['uptime_s']:.0f}s - v{s['version']} - "
-             f"{time.strftime('%H:%M:%S')}   (q quits)", ""]
+             f"{time.strftime('%H:%M:%S')}   {hint}".rstrip(), ""]
     # Migration columns appear only for daemons that count promotions and demotions.
     migrating = any("promotions" in t for t in s["tiers"])
     lines.append(f"{'TIER':<8}{'FILL':<{BAR_WIDTH + 2}}{'USE%':>7}  {'USED / CAPACITY':>23}  {'BLOCKS':>8}  "
@@ -144,6 +144,10 @@ class KeyReader:
     def __init__(self) -> None:
         self._fd = sys.stdin.fileno() if sys.stdin is not None and sys.stdin.isatty() else -1
         self._saved: Any = None
+
+    @property
+    def interactive(self) -> bool:
+        return self._fd >= 0
 
     def __enter__(self) -> KeyReader:
         if self._fd >= 0:
@@ -200,7 +204,7 @@ def cmd_top(args: argparse.Namespace) -> int:
                         "tiers": {name: {"promoted_s": tr.promoted_s, "demoted_s": tr.demoted_s}
                                   for name, tr in r.tiers.items()}}}), flush=True)
                 else:
-                    frame = render(admin.target, cur, r, error)
+                    frame = render(admin.target, cur, r, error, "(q quits)" if keys.interactive else "")
                     sys.stdout.write((CLEAR if clear else "") + frame + "\n" + ("" if clear else "\n"))
                     sys.stdout.flush()
                 shown += 1
