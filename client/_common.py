@@ -101,6 +101,15 @@ class PinResult:
     expires_in_ms: int
 
 
+def reuse_hint(session_id: str | None, expect_reuse_within_s: float | None) -> kvstore_pb2.ReuseHint | None:
+    """The hint message for a call, or None; both parts or neither."""
+    if session_id is None and expect_reuse_within_s is None:
+        return None
+    if not session_id or expect_reuse_within_s is None:
+        raise InvalidArgument("a reuse hint needs both session_id and expect_reuse_within_s")
+    return kvstore_pb2.ReuseHint(session_id=session_id, expect_reuse_within_s=float(expect_reuse_within_s))
+
+
 def layout_to_proto(layout: KVLayout) -> kvstore_pb2.Layout:
     return kvstore_pb2.Layout(
         model=layout.model,
@@ -198,6 +207,7 @@ def prepare_put(
     block_hashes: Sequence[bytes] | None,
     blocks: Sequence[Any],
     first_block: int,
+    hint: kvstore_pb2.ReuseHint | None = None,
 ) -> PreparedPut:
     """Convert and size-check every block before anything is sent."""
     views = [as_buffer(b) for b in blocks]
@@ -218,7 +228,7 @@ def prepare_put(
         keys.tokens.first_block = first_block
     elif first_block:
         raise InvalidArgument("first_block applies to token_ids; with block_hashes send exactly the blocks' hashes")
-    header = kvstore_pb2.PutHeader(namespace=namespace_ref(layout), keys=keys, num_blocks=len(views))
+    header = kvstore_pb2.PutHeader(namespace=namespace_ref(layout), keys=keys, num_blocks=len(views), hint=hint)
     return PreparedPut(header, views)
 
 

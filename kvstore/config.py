@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.policies import DEFAULT_POLICY
+from kvstore.policies.hints import DEFAULT_HINT_BUDGET_FRACTION
 from kvstore.units import human_bytes, parse_size
 
 DEFAULT_TCP_LISTEN = "127.0.0.1:50051"
@@ -65,7 +67,10 @@ FIELDS: tuple[Field, ...] = (
           metavar="DIR"),
     Field("host_prefault", "bool", True, "map the host tier's pages in at start (in the background) so puts "
           "never pay page faults; commits the memory up front"),
-    Field("policy", "str", "lru", "eviction policy of the host tier", metavar="NAME"),
+    Field("policy", "str", DEFAULT_POLICY, "eviction policy of the host tier (lru, arc, s3fifo, prefix-*, "
+          "hint-*; see docs/policies.md)", metavar="NAME"),
+    Field("hint_budget", "float", DEFAULT_HINT_BUDGET_FRACTION, "most of a tier (fraction of its blocks) that "
+          "client reuse hints may protect", lo=0.0, hi=1.0, runtime=True),
     Field("max_blocks_per_call", "int", 4096, "most blocks one request may name", lo=1, hi=1 << 20, runtime=True),
     Field("max_message_bytes", "size", 16 << 20, "largest gRPC message accepted or sent", lo=1 << 20, hi=1 << 30,
           metavar="SIZE"),
@@ -98,6 +103,7 @@ class Config:
     shm_dir: str
     host_prefault: bool
     policy: str
+    hint_budget: float
     max_blocks_per_call: int
     max_message_bytes: int
     chunk_bytes: int

@@ -208,7 +208,7 @@ class Daemon:
         remove_stale_segments(shm_dir)
         host_capacity = resolve_host_capacity(cfg.host_capacity, shm_dir)
         self._executor = ThreadPoolExecutor(cfg.checksum_threads, thread_name_prefix="kvstore-checksum")
-        policy = make_policy(cfg.policy)
+        policy = make_policy(cfg.policy, hint_budget_fraction=cfg.hint_budget)
         self.store = Store(
             [StoreTier(HostTier(host_capacity, shm_dir=shm_dir), policy)],
             limits=StoreLimits(

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore.config import FIELD_BY_NAME, FIELDS, Config, Field, format_bounds, format_value, parse_field
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError
 from kvstore.logs import set_level
+from kvstore.policies.hints import HintedPolicy
 
 if TYPE_CHECKING:
     from kvstore.events import EventBus
@@ -59,6 +60,7 @@ class RuntimeConfig:
         for name in ("max_blocks_per_call", "max_lease_ms", "default_pin_ms"):
             self.register(name, functools.partial(self._set_limit, name))
         self.register("log_level", set_level)
+        self.register("hint_budget", self._set_hint_budget)
         if bus is not None:
             self.register("events_queue", lambda value: setattr(bus, "queue_size", value))
 
@@ -73,6 +75,12 @@ class RuntimeConfig:
 
     def _set_limit(self, name: str, value: int) -> None:
         self._store.limits = replace(self._store.limits, **{name: value})
+
+    def _set_hint_budget(self, value: float) -> None:
+        # Hint-aware policies read their budget on every decision; others have none.
+        for st in self._store.tiers:
+            if isinstance(st.policy, HintedPolicy):
+                st.policy.budget_fraction = value
 
     def as_dict(self) -> dict[str, Any]:
         return self.current.as_dict()

@@ -45,6 +45,19 @@ logger = logging.getLogger(__name__)
 FETCH_BATCH_BYTES = 8 * 1024 * 1024
 
 
+MAX_SESSION_ID_CHARS = 128
+MAX_HINT_S = 86_400.0
+
+
+def check_hint(session_id: str, expect_reuse_within_s: float) -> None:
+    if not session_id or len(session_id) > MAX_SESSION_ID_CHARS:
+        raise InvalidArgument(f"session_id must be 1 to {MAX_SESSION_ID_CHARS} characters; use one per conversation")
+    if not 0 < expect_reuse_within_s <= MAX_HINT_S:  # also false for NaN
+        raise InvalidArgument(
+            f"expect_reuse_within_s must be in (0, {MAX_HINT_S:g}] seconds, got {expect_reuse_within_s!r}"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class StoreLimits:
     max_blocks_per_call: int = 4096
@@ -520,6 +533,30 @@ class Store:
                 self._checksum_failed(entry)
                 dropped += 1
         return verified, dropped
+
+    def hint(self, namespace_id: bytes, hashes: Sequence[bytes], session_id: str, expect_reuse_within_s: float) -> int:
+        """Tell each tier's policy that `session_id` will reuse the named blocks soon.
+
+        Only blocks present are hinted; returns how many. Policies without hint support
+        ignore it, so a hint never changes correctness, only what is evicted first.
+        """
+        check_hint(session_id, expect_reuse_within_s)
+        self.namespace(namespace_id)
+        self.check_hashes(hashes)
+        by_tier: dict[str, list[bytes]] = {}
+        for h in hashes:
+            entry = self._index.get(make_key(namespace_id, h))
+            if entry is not None:
+                by_tier.setdefault(entry.slot.tier, []).append(entry.key)
+        for name, keys in by_tier.items():
+            self._tier_by_name[name].policy.hint(keys, session_id, expect_reuse_within_s)
+        return sum(len(k) for k in by_tier.values())
+
+    def end_session(self, session_id: str) -> None:
+        """Release the protection every tier holds for `session_id`."""
+        check_hint(session_id, 1.0)
+        for st in self.tiers:
+            st.policy.end_session(session_id)
 
     def unpin(self, lease_id: str) -> bool:
         return self._leases.release(lease_id) is not None

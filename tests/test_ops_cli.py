@@ -250,3 +250,13 @@ def test_events_command(loaded, capsys):
     assert sorted(event["block_hashes"]) == sorted(h.hex() for h in hit.block_hashes)
     code, out, _ = run(capsys, "events", "--duration", "0.3", "--target", d.tcp_target)  # nothing happens
     assert (code, out) == (0, "")
+
+
+def test_hint_budget_changes_live(daemon_thread, capsys):
+    t = daemon_thread.tcp_target
+    code, out, _ = run(capsys, "config", "set", "hint_budget", "0.25", "--target", t, "--json")
+    assert code == 0 and json.loads(out)["value"] == "0.25"
+    policy = daemon_thread.store.tiers[0].policy
+    assert getattr(policy, "budget_fraction", 0.25) == 0.25  # hint-aware policies take it at once
+    code, _, err = run(capsys, "config", "set", "hint_budget", "1.5", "--target", t)
+    assert code == 1 and "out of bounds [0, 1]" in err
