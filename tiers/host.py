@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 
 from kvstore.tiers.base import Slot, Tier
+from kvstore.tiers.cuda import pin_host_memory
 from kvstore.tiers.extents import ExtentAllocator
 
 HOST_ALIGNMENT = 256
@@ -24,6 +25,7 @@ class HostTier(Tier):
         self._extents = ExtentAllocator(capacity_bytes, alignment)
         self._map = mmap.mmap(-1, max(capacity_bytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._mem = memoryview(self._map)
+        self._pinned = pin_host_memory(self._mem)  # page-locked for HBM DMA when CUDA exists
 
     def accounted_size(self, nbytes: int) -> int:
         return self._extents.aligned(max(nbytes, 1))
@@ -51,8 +53,10 @@ class HostTier(Tier):
         return self._mem[slot.offset : slot.offset + nbytes]
 
     def close(self) -> None:
+        if self._pinned is not None:
+            self._pinned.unpin()
         self._mem.release()
         self._map.close()
 
     def describe(self) -> dict[str, str]:
-        return {"backing": "anonymous mmap", "pinned": "no", "alignment": str(self._extents.alignment)}
+        return {"backing": "anonymous mmap", "pinned": "yes" if self._pinned is not None else "no", "alignment": str(self._extents.alignment)}
