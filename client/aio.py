@@ -14,11 +14,14 @@ from kvstore.client._common import (
     FetchAssembler,
     LookupResult,
     PinResult,
+    PrefetchResult,
     PutResult,
     block_keys,
     fetch_keys,
     lookup_result,
     namespace_ref,
+    prefetch_request,
+    prefetch_result,
     put_requests,
     resolve_target,
     translate,
@@ -118,6 +121,16 @@ class AsyncClient:
         except grpc.RpcError as exc:
             raise translate(exc) from None
         return resp.released
+
+    async def prefetch(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
+                    block_hashes: Sequence[bytes] | None = None, tier: str = "",
+                    timeout_s: float | None = None) -> PrefetchResult:
+        """Raise the named blocks into `tier` ("" = the daemon's top tier) ahead of a fetch."""
+        req = prefetch_request(layout, token_ids, block_hashes, tier)
+        try:
+            return prefetch_result(await self._kv.Prefetch(req, timeout=self._t(timeout_s)))
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
 
     async def stats(self, *, timeout_s: float | None = None) -> admin_pb2.StatsResponse:
         try:

@@ -25,6 +25,7 @@ TIER_ENUM = {
     "ssd": kvstore_pb2.TIER_SSD,
     "memory": kvstore_pb2.TIER_MEMORY,
 }
+TIER_BY_ENUM = {v: k for k, v in TIER_ENUM.items()}
 
 
 def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
@@ -162,6 +163,17 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Unpin(self, request: kvstore_pb2.UnpinRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.UnpinResponse:
         return kvstore_pb2.UnpinResponse(released=self.store.unpin(request.lease_id))
 
+    async def Prefetch(
+        self, request: kvstore_pb2.PrefetchRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.PrefetchResponse:
+        ns_id = self._namespace(request.namespace)
+        hashes = self._hashes(ns_id, request.keys)
+        tier = TIER_BY_ENUM.get(request.tier, "") if request.tier else ""
+        r = await self.store.prefetch(ns_id, hashes, tier)
+        return kvstore_pb2.PrefetchResponse(
+            tier=TIER_ENUM[r.tier], requested=r.requested, raised=r.raised, already=r.already, missing=r.missing
+        )
+
 
 def stats_to_proto(status: StoreStatus, uptime_s: float, absent: Sequence[tuple[str, str]] = ()) -> admin_pb2.StatsResponse:
     c = status.counters
@@ -177,6 +189,13 @@ def stats_to_proto(status: StoreStatus, uptime_s: float, absent: Sequence[tuple[
             evictions=t.counters.evictions,
             checksum_failures=t.counters.checksum_failures,
             policy=t.policy,
+            promotions=t.counters.promotions,
+            demotions=t.counters.demotions,
+            drops=t.counters.drops,
+            pending_writes=t.pending_writes,
+            io_mode=t.facts.get("io_mode", ""),
+            pinned=t.facts.get("pinned") == "yes",
+            facts=t.facts,
         )
         for t in status.tiers
     ]
@@ -200,6 +219,8 @@ def stats_to_proto(status: StoreStatus, uptime_s: float, absent: Sequence[tuple[
             checksum_failures=c.checksum_failures,
             leases_active=status.leases_active,
             put_failures=c.put_failures,
+            prefetches=c.prefetches,
+            ssd_write_failures=c.ssd_write_failures,
         ),
         namespaces=status.namespaces,
         uptime_s=uptime_s,
