@@ -61,6 +61,8 @@ FIELDS: tuple[Field, ...] = (
           f"default: a Unix socket under the runtime dir and {DEFAULT_TCP_LISTEN}", metavar="ADDR[,ADDR]"),
     Field("host_capacity", "size", AUTO, "bytes of host memory for blocks, e.g. 4GiB; 'auto' = min(4GiB, half of "
           "available memory)", lo=1 << 20, hi=1 << 50, metavar="SIZE"),
+    Field("shm_dir", "str", "", "tmpfs directory for the host tier's shared-memory segment (default /dev/shm)",
+          metavar="DIR"),
     Field("policy", "str", "lru", "eviction policy of every tier (one instance per tier)", metavar="NAME"),
     Field("hbm_capacity", "size", 0, "bytes of GPU memory for blocks (0: no HBM tier); needs CUDA",
           lo=0, hi=1 << 50, metavar="SIZE"),
@@ -108,6 +110,7 @@ FIELD_BY_NAME = {f.name: f for f in FIELDS}
 class Config:
     listen: tuple[str, ...]
     host_capacity: int | str  # int bytes, or "auto" until the daemon resolves it
+    shm_dir: str
     policy: str
     hbm_capacity: int
     gpu: int

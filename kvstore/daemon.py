@@ -37,6 +37,7 @@ from kvstore.servicer import AdminServicer, KVStoreServicer
 from kvstore.store import MigrationConfig, Store, StoreLimits, StoreTier, WritePolicy
 from kvstore.tiers.base import Tier
 from kvstore.tiers.host import HostTier
+from kvstore.tiers.segment import default_shm_dir, free_bytes, remove_stale_segments
 from kvstore.units import human_bytes
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
@@ -108,15 +109,24 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def resolve_host_capacity(value: int | str) -> int:
+def resolve_host_capacity(value: int | str, shm_dir: str) -> int:
+    """The host tier's size: `auto` picks min(4GiB, half of available memory, 90% of the
+    shared-memory directory's free space); an explicit size must fit both."""
     available = available_memory_bytes()
+    shm_free = free_bytes(shm_dir)
     if value == AUTO:
-        return min(AUTO_HOST_CAPACITY, available // 2)
+        return min(AUTO_HOST_CAPACITY, available // 2, shm_free * 9 // 10)
     assert isinstance(value, int)
     if value > available:
         raise ConfigError(
             f"host_capacity {human_bytes(value)} is more than this machine's available memory "
             f"({human_bytes(available)}); lower --host-capacity"
+        )
+    if value > shm_free:
+        # A tmpfs that fills up kills the daemon with SIGBUS on the next write: refuse now.
+        raise ConfigError(
+            f"host_capacity {human_bytes(value)} does not fit in {shm_dir} ({human_bytes(shm_free)} free); "
+            "lower --host-capacity, enlarge the tmpfs, or point --shm-dir at a bigger one"
         )
     return value
 
@@ -186,7 +196,7 @@ class Daemon:
         assert self._health is not None
         return self._health
 
-    def _build_tiers(self, host_capacity: int) -> tuple[list[StoreTier], list[tuple[str, str]]]:
+    def _build_tiers(self, host_capacity: int, shm_dir: str) -> tuple[list[StoreTier], list[tuple[str, str]]]:
         """The tiers, top first, and the absent ones with the reason (shown in stats)."""
         cfg = self.config
         built: list[Tier] = []
@@ -209,7 +219,7 @@ class Daemon:
                     built.append(hbm)
                     tiers.append(StoreTier(hbm, make_policy(cfg.policy), cfg.hbm_high_watermark,
                                            cfg.hbm_low_watermark))
-            host = HostTier(host_capacity)
+            host = HostTier(host_capacity, shm_dir=shm_dir)
             built.append(host)
             tiers.append(StoreTier(host, make_policy(cfg.policy), cfg.host_high_watermark, cfg.host_low_watermark))
             if cfg.ssd_path:
@@ -230,11 +240,13 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.config
-        host_capacity = resolve_host_capacity(cfg.host_capacity)
+        shm_dir = cfg.shm_dir or default_shm_dir()
+        remove_stale_segments(shm_dir)
+        host_capacity = resolve_host_capacity(cfg.host_capacity, shm_dir)
         if cfg.put_tier == "hbm" and cfg.hbm_capacity <= 0:
             raise ConfigError("put_tier is hbm but there is no HBM tier; set --hbm-capacity or --put-tier auto")
         self._executor = ThreadPoolExecutor(cfg.checksum_threads, thread_name_prefix="kvstore-checksum")
-        tiers, absent = self._build_tiers(host_capacity)
+        tiers, absent = self._build_tiers(host_capacity, shm_dir)
         put_tier = cfg.put_tier if cfg.put_tier == "auto" or any(t.name == cfg.put_tier for t in tiers) else "auto"
         self.store = Store(
             tiers,
@@ -294,7 +306,7 @@ class Daemon:
             "kvstore serving on %s; tiers %s, policy %s", ", ".join(self.bound),
             ", ".join(f"{t.name} {human_bytes(t.tier.capacity_bytes)}" for t in tiers), cfg.policy
         )
-        logger.info("effective config: %s", cfg.as_dict())
+        logger.info("effective config: %s", {**cfg.as_dict(), "host_capacity": host_capacity})
 
     def _bind(self, server: grpc.aio.Server, addr: ListenAddress) -> str:
         if addr.kind == "unix":

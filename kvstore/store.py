@@ -174,6 +174,18 @@ class LookupResult:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """A snapshot of one READY block's metadata, for operators and diagnostics."""
+
+    tier: str
+    slot: Slot
+    nbytes: int
+    checksum: int
+    pins: int
+    tiers: list[str] = field(default_factory=list)  # every tier holding a copy, top first
+
+
+@dataclass(frozen=True, slots=True)
 class PutResult:
     namespace_id: bytes
     stored: int
@@ -589,9 +601,13 @@ class Store:
         for entry in hit:
             st = self.top_tier(entry)
             assert st is not None, "an indexed block has a location"
+            tier_names.append(st.name)
+        # Tail first, so the head of a chain is the most recently used: a recency policy
+        # then evicts chain tails before the heads every later block depends on.
+        for entry, name in zip(reversed(hit), reversed(tier_names)):
+            st = self._tier_by_name[name]
             st.counters.hits += 1
             st.policy.touch(entry.key)
-            tier_names.append(st.name)
         # A block not found (or found lower down) is a miss for every tier above it.
         missing = len(keys) - len(hit)
         for st in self.tiers:
@@ -604,6 +620,15 @@ class Store:
             block_hashes=list(hashes[: len(hit)]),
             lease_id=lease_id,
         )
+
+    def block(self, namespace_id: bytes, block_hash: bytes) -> BlockInfo | None:
+        entry = self._index.get(make_key(namespace_id, block_hash))
+        if entry is None:
+            return None
+        st = self.top_tier(entry)
+        assert st is not None, "an indexed block has a location"
+        return BlockInfo(st.name, entry.locations[st.name], entry.nbytes, entry.checksum, entry.pins,
+                         sorted(entry.locations, key=self._rank.__getitem__))
 
     # ----------------------------------------------------------------- put
 
@@ -635,7 +660,8 @@ class Store:
 
     def _publish(self, entries: list[BlockEntry]) -> None:
         through = self.ssd is not None and self.migration.write_policy is WritePolicy.THROUGH
-        for entry in entries:
+        # Tail first, for the same reason as in `lookup`.
+        for entry in reversed(entries):
             entry.state = BlockState.READY
             self._index.add(entry)
             for name in entry.locations:
@@ -643,7 +669,10 @@ class Store:
             info = self._namespaces[entry.key[:HASH_BYTES]]
             info.blocks += 1
             info.bytes += entry.nbytes
-            if through:
+        if through:
+            # Head first: the SSD writer follows queue order, so a crash can cut a chain
+            # short but never leave its later blocks without its start.
+            for entry in entries:
                 entry.ssd_queued = True
                 self._ssd_queue.append(entry)
         if through and entries:
