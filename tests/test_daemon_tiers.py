@@ -15,6 +15,7 @@ from kvstore.client import AsyncClient, Client
 from kvstore.config import Config
 from kvstore.daemon import Daemon
 from kvstore.layout import KVLayout
+from kvstore.tiers.cuda import cuda_available
 from kvstore.tiers.ssd import RECORD, SNAPSHOT_NAME
 
 from conftest import make_config
@@ -141,3 +142,17 @@ def test_cli_stats_json_shows_per_tier_movement(daemon_thread, capsys) -> None: 
     assert tiers["ssd"]["io_mode"] in ("direct", "buffered")
     assert cli_main(["stats", "--target", daemon_thread.unix_target]) == 0
     assert "DEMOTED" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(cuda_available(), reason="CUDA present: the hbm tier is built")
+async def test_hbm_configured_without_cuda_is_reported_absent(tmp_path: Path) -> None:
+    d = Daemon(replace(make_config(tmp_path), hbm_capacity=64 << 20))
+    await d.start()
+    try:
+        async with AsyncClient(d.bound[0]) as kv:
+            hbm = tiers_by_name(await kv.stats())["hbm"]
+            assert not hbm.present and "CUDA not available" in hbm.reason
+            await kv.put(LAYOUT, list(range(4)), [os.urandom(LAYOUT.bytes_per_block)])
+            assert (await kv.lookup(LAYOUT, list(range(4)))).tiers == ["host"]
+    finally:
+        await d.stop(grace_s=0)

@@ -44,6 +44,7 @@ import logging
 import mmap
 import os
 import struct
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -201,6 +202,9 @@ class SsdTier(Tier):
         self._open: _Region | None = None
         self._next_seq = 1
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-ssd")
+        # One aligned buffer per I/O thread, grown on demand: mapping and faulting in a
+        # fresh buffer per record cost as much as the copy itself.
+        self._local = threading.local()
         flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_DIRECT", 0) if direct else 0)
         self._fds = [os.open(self._region_path(i), flags, 0o600) for i in range(regions)]
         self._closed = False
@@ -315,26 +319,34 @@ class SsdTier(Tier):
         self.bytes_written += slot.size
         return slot
 
+    def _buffer(self, size: int) -> mmap.mmap:
+        buf: mmap.mmap | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < size:
+            if buf is not None:
+                buf.close()
+            buf = _aligned_buffer(size)
+            self._local.buf = buf
+        return buf
+
     def _write_record(self, slot: Slot, seq: int, meta: BlockMeta, enc: Encoded) -> None:
         flags = FLAG_HAS_PARENT if meta.parent is not None else 0
         parent = meta.parent[16:] if meta.parent is not None else bytes(16)
         body = _BODY.pack(MAGIC, int(enc.codec), meta.itemsize, flags, seq, meta.key, parent, meta.checksum,
                           enc.raw_len, len(enc.payload))
-        buf = _aligned_buffer(slot.size)
+        buf = self._buffer(slot.size)
+        end = RECORD.size + len(enc.payload)
+        buf[: _BODY.size] = body
+        buf[_BODY.size : RECORD.size] = struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+        buf[RECORD.size : end] = enc.payload
+        buf[end : slot.size] = bytes(slot.size - end)  # no stale bytes in the padding
+        region, offset = divmod(slot.offset, self.region_size)
+        view = memoryview(buf)[: slot.size]
         try:
-            buf[: _BODY.size] = body
-            buf[_BODY.size : RECORD.size] = struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
-            buf[RECORD.size : RECORD.size + len(enc.payload)] = enc.payload
-            region, offset = divmod(slot.offset, self.region_size)
-            view = memoryview(buf)[: slot.size]
-            try:
-                written = os.pwrite(self._fds[region], view, offset)
-            finally:
-                view.release()
-            if written != slot.size:
-                raise OSError(errno.EIO, f"short write to ssd region {region}: {written} of {slot.size} bytes")
+            written = os.pwrite(self._fds[region], view, offset)
         finally:
-            buf.close()
+            view.release()
+        if written != slot.size:
+            raise OSError(errno.EIO, f"short write to ssd region {region}: {written} of {slot.size} bytes")
 
     async def get_block(self, slot: Slot, nbytes: int) -> bytes:
         if self._closed:
@@ -346,26 +358,23 @@ class SsdTier(Tier):
 
     def _read_record(self, slot: Slot, nbytes: int) -> bytes:
         region, offset = divmod(slot.offset, self.region_size)
-        buf = _aligned_buffer(slot.size)
+        buf = self._buffer(slot.size)
+        mem = memoryview(buf)
         try:
-            got = os.preadv(self._fds[region], [buf], offset) if self.io_mode == IoMode.DIRECT else None
-            if got is None:
-                data = os.pread(self._fds[region], slot.size, offset)
-                got = len(data)
-                buf[:got] = data
-            head = _parse_header(buf[: RECORD.size], offset, self.alignment)
+            got = os.preadv(self._fds[region], [mem[: slot.size]], offset)
+            head = _parse_header(mem[: RECORD.size], offset, self.alignment)
             if head is None or got < RECORD.size + head.payload_len:
                 raise DataLoss(f"ssd record at region {region} offset {offset} has a damaged header")
             if head.raw_len != nbytes:
                 raise DataLoss(f"ssd record at region {region} offset {offset} holds {head.raw_len} bytes, "
                                f"expected {nbytes}")
-            payload = buf[RECORD.size : RECORD.size + head.payload_len]
             try:
-                return decode(head.codec, payload, head.itemsize, head.raw_len)
+                return decode(head.codec, mem[RECORD.size : RECORD.size + head.payload_len], head.itemsize,
+                              head.raw_len)
             except ValueError as exc:
                 raise DataLoss(f"ssd record at region {region} offset {offset}: {exc}") from None
         finally:
-            buf.close()
+            mem.release()
 
     async def write(self, slot: Slot, offset: int, data: memoryview | bytes) -> None:
         raise NotImplementedError("the ssd tier stores whole blocks: use put_block")
