@@ -266,6 +266,9 @@ class Store:
         self._rank = {t.name: i for i, t in enumerate(self.tiers)}
         self._ssd_queue: deque[BlockEntry] = deque()
         self._ssd_inflight = 0
+        # Blocks being written to SSD right now, so a demotion and the write-through
+        # writer never write the same block twice.
+        self._ssd_writing: dict[bytes, asyncio.Future[None]] = {}
         self._ssd_wakeup = asyncio.Event()
         self._ssd_idle = asyncio.Event()
         self._ssd_idle.set()
@@ -542,22 +545,43 @@ class Store:
             if data is None:
                 return True
             try:
-                slot = await self._place(lower, entry, data)
+                if lower is self.ssd:
+                    landed = await self._ensure_on_ssd(entry, data)
+                else:
+                    landed = self._add_location(entry, lower, await self._place(lower, entry, data))
             except ResourceExhausted:
+                landed = False
+            if not landed and lower.name not in entry.locations:
                 # Nothing below can take it: dropping is what the last tier would do.
                 logger.debug("no room below %s for %s; dropped", st.name, entry.key.hex())
                 if st.name in entry.locations and not entry.removed:
                     self._evict_location(entry, st)
                 return True
-            if lower is self.ssd:
-                entry.ssd_queued = False
-            self._add_location(entry, lower, slot)
             if st.name in entry.locations:
                 st.counters.demotions += 1
                 self._remove_location(entry, st)
             return True
         finally:
             self._release(entry)
+
+    async def _ensure_on_ssd(self, entry: BlockEntry, data: bytes) -> bool:
+        """Write `entry` to SSD unless it is there or already being written (then wait for
+        that write). True when the block has an SSD copy afterwards. The caller holds it."""
+        assert self.ssd is not None
+        if self.ssd.name in entry.locations:
+            return True
+        pending = self._ssd_writing.get(entry.key)
+        if pending is not None:
+            await asyncio.shield(pending)
+            return self.ssd.name in entry.locations
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._ssd_writing[entry.key] = done
+        try:
+            slot = await self._place(self.ssd, entry, data)
+            return self._add_location(entry, self.ssd, slot)
+        finally:
+            del self._ssd_writing[entry.key]
+            done.set_result(None)
 
     async def _raise(self, entry: BlockEntry, target: StoreTier, data: bytes | None = None) -> bool:
         """Copy `entry` up into `target` (moving it out of a lower memory tier). Caller holds it."""
@@ -711,8 +735,7 @@ class Store:
             data = await self._read_verified(entry, src)
             if data is None:
                 return
-            slot = await self._place(self.ssd, entry, data)
-            self._add_location(entry, self.ssd, slot)
+            await self._ensure_on_ssd(entry, data)
         except asyncio.CancelledError:
             raise
         except Exception:  # task boundary: the block stays in memory, unwritten
@@ -731,8 +754,10 @@ class Store:
                 pass
             self._migrate_wakeup.clear()
             try:
+                # The last tier only evicts on demand: dropping ahead of need would lose
+                # hits for nothing, since no tier below is waiting for the room.
                 for st in self.memory_tiers:
-                    if await self.migrate_once(st) is MigrationStatus.RUNNING:
+                    if self._below(st) is not None and await self.migrate_once(st) is MigrationStatus.RUNNING:
                         self._migrate_wakeup.set()  # more to do: no need to wait a tick
             except asyncio.CancelledError:
                 raise
