@@ -50,6 +50,7 @@ from kvstore.layout import DTYPE_BYTES, KVLayout
 from kvstore.leases import Lease, LeaseTable
 from kvstore.policies import EvictionPolicy
 from kvstore.tiers.base import BlockMeta, Slot, Tier
+from kvstore.tiers.copiers import make_copier
 
 logger = logging.getLogger(__name__)
 
@@ -263,6 +264,12 @@ class Store:
         self._leases = LeaseTable()
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         self._tier_by_name = {t.name: t for t in self.tiers}
+        self._copiers = {
+            (a.name, b.name): make_copier(a.tier, b.tier)
+            for a in self.memory_tiers
+            for b in self.memory_tiers
+            if a is not b
+        }
         self._rank = {t.name: i for i, t in enumerate(self.tiers)}
         self._ssd_queue: deque[BlockEntry] = deque()
         self._ssd_inflight = 0
@@ -541,14 +548,17 @@ class Store:
             return True
         self._hold(entry)
         try:
-            data = await self._read_verified(entry, st)
-            if data is None:
-                return True
             try:
                 if lower is self.ssd:
+                    data = await self._read_verified(entry, st)
+                    if data is None:
+                        return True
                     landed = await self._ensure_on_ssd(entry, data)
                 else:
-                    landed = self._add_location(entry, lower, await self._place(lower, entry, data))
+                    slot = await self._copy_into(entry, st, lower)
+                    if slot is None:
+                        return True
+                    landed = self._add_location(entry, lower, slot)
             except ResourceExhausted:
                 landed = False
             if not landed and lower.name not in entry.locations:
@@ -583,21 +593,59 @@ class Store:
             del self._ssd_writing[entry.key]
             done.set_result(None)
 
-    async def _raise(self, entry: BlockEntry, target: StoreTier, data: bytes | None = None) -> bool:
+    async def _verify_view(self, entry: BlockEntry, st: StoreTier, slot: Slot) -> bool | None:
+        """Checksum of a host-visible copy against the entry's; None when not host-visible."""
+        view = st.tier.view(slot, entry.nbytes)
+        if view is None:
+            return None
+        return (await checksum_batch([view], self._executor))[0] == entry.checksum
+
+    async def _copy_into(self, entry: BlockEntry, src: StoreTier, dst: StoreTier) -> Slot | None:
+        """A verified copy of `entry` from `src` in a new slot of addressable tier `dst`
+        (making room there). None when the source copy failed verification (it is dropped
+        and counted). The caller holds the entry and publishes the slot."""
+        if src is self.ssd:
+            data = await self._read_verified(entry, src)
+            if data is None:
+                return None
+            slot = await self._allocate(dst, entry.nbytes)
+            try:
+                await dst.tier.write(slot, 0, data)
+            except BaseException:
+                dst.tier.free(slot)
+                raise
+            return slot
+        # Verify the source where it is host-visible, before it crosses; else the
+        # destination after it crossed (a device copy is checked once it is on the host).
+        if await self._verify_view(entry, src, entry.locations[src.name]) is False:
+            self._checksum_failed(entry, src)
+            return None
+        slot = await self._allocate(dst, entry.nbytes)
+        try:
+            if src.name not in entry.locations:  # taken away (deleted) while room was made
+                raise FailedPrecondition(f"block {entry.key.hex()} left tier {src.name} during a copy")
+            await self._copiers[src.name, dst.name].copy(src.tier, entry.locations[src.name], dst.tier, slot,
+                                                         entry.nbytes)
+            if await self._verify_view(entry, dst, slot) is False:
+                dst.tier.free(slot)
+                self._checksum_failed(entry, src)
+                return None
+        except BaseException:
+            dst.tier.free(slot)
+            raise
+        return slot
+
+    async def _raise(self, entry: BlockEntry, target: StoreTier) -> bool:
         """Copy `entry` up into `target` (moving it out of a lower memory tier). Caller holds it."""
         src = self.top_tier(entry)
         if src is None:
             return False
-        if data is None:
-            data = await self._read_verified(entry, src)
-            if data is None:
-                return False
-        slot = await self._allocate(target, entry.nbytes)
         try:
-            await target.tier.write(slot, 0, data)
-        except BaseException:
-            target.tier.free(slot)
-            raise
+            slot = await self._copy_into(entry, src, target)
+        except FailedPrecondition:
+            return False
+        if slot is None:
+            return False
         if not self._add_location(entry, target, slot):
             return False
         target.counters.promotions += 1

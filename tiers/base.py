@@ -54,6 +54,8 @@ class Tier(ABC):
     name: str
     #: Whether `allocate`/`write`/`view` work (bytes addressable at an offset).
     addressable: ClassVar[bool] = True
+    #: Whether `view` returns host memory (copiers memcpy between such tiers).
+    has_host_view: ClassVar[bool] = False
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:

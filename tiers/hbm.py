@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kvstore.tiers.base import Slot, Tier
+from kvstore.tiers.copiers import Copier
 from kvstore.tiers.cuda import wait_event
 from kvstore.tiers.extents import ExtentAllocator
 
@@ -76,6 +77,29 @@ class HbmHostCopier:
             if "event" not in locals() or event.query():
                 self._give(staging)
 
+    async def load_from_host(self, dst: torch.Tensor, view: memoryview) -> None:
+        """Copy a host view (the pinned host tier) straight into `dst`; no staging."""
+        src = torch.frombuffer(view, dtype=torch.uint8)
+        with torch.cuda.stream(self.load_stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.load_stream)
+        # The caller holds the source block until this returns: its bytes stay put
+        # while the DMA reads them.
+        await wait_event(event)
+        self.loads += 1
+
+    async def store_to_host(self, src: torch.Tensor, view: memoryview) -> None:
+        """Copy `src` straight into a host view (the pinned host tier)."""
+        dst = torch.frombuffer(view, dtype=torch.uint8)
+        with torch.cuda.stream(self.store_stream):
+            self.store_stream.wait_stream(self.load_stream)
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.store_stream)
+        await wait_event(event)
+        self.stores += 1
+
     async def store(self, src: torch.Tensor) -> bytes:
         """A host copy of device tensor `src`, returned after the copy landed."""
         n = src.numel()
@@ -93,6 +117,34 @@ class HbmHostCopier:
         finally:
             if "event" not in locals() or event.query():
                 self._give(staging)
+
+
+class HostToHbmCopier(Copier):
+    """Host view -> device slab on the load stream (a DMA when the host memory is pinned)."""
+
+    name = "host->hbm dma"
+
+    def __init__(self, hbm: HbmTier) -> None:
+        self.hbm = hbm
+
+    async def copy(self, src: Tier, src_slot: Slot, dst: Tier, dst_slot: Slot, nbytes: int) -> None:
+        view = src.view(src_slot, nbytes)
+        assert view is not None and dst is self.hbm
+        await self.hbm.copier.load_from_host(self.hbm.tensor(dst_slot, nbytes), view)
+
+
+class HbmToHostCopier(Copier):
+    """Device slab -> host view on the store stream."""
+
+    name = "hbm->host dma"
+
+    def __init__(self, hbm: HbmTier) -> None:
+        self.hbm = hbm
+
+    async def copy(self, src: Tier, src_slot: Slot, dst: Tier, dst_slot: Slot, nbytes: int) -> None:
+        view = dst.view(dst_slot, nbytes)
+        assert view is not None and src is self.hbm
+        await self.hbm.copier.store_to_host(self.hbm.tensor(src_slot, nbytes), view)
 
 
 class HbmTier(Tier):
@@ -121,6 +173,12 @@ class HbmTier(Tier):
 
     def _free(self, slot: Slot) -> None:
         self._extents.free(slot.offset, slot.size)
+
+    def copier_from_host(self, src: Tier) -> Copier | None:
+        return HostToHbmCopier(self) if src.has_host_view else None
+
+    def copier_to_host(self, dst: Tier) -> Copier | None:
+        return HbmToHostCopier(self) if dst.has_host_view else None
 
     def tensor(self, slot: Slot, nbytes: int) -> torch.Tensor:
         """The device bytes of a slot (for CUDA IPC export and device-to-device copies)."""

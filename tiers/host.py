@@ -19,6 +19,7 @@ HOST_ALIGNMENT = 256
 
 class HostTier(Tier):
     name = "host"
+    has_host_view = True
 
     def __init__(self, capacity_bytes: int, alignment: int = HOST_ALIGNMENT, shm_dir: str | None = None) -> None:
         super().__init__(capacity_bytes)

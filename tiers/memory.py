@@ -15,6 +15,7 @@ MEMORY_ALIGNMENT = 64
 
 class MemoryTier(Tier):
     name = "memory"
+    has_host_view = True
 
     def __init__(self, capacity_bytes: int, alignment: int = MEMORY_ALIGNMENT, name: str = "memory") -> None:
         super().__init__(capacity_bytes)
