@@ -32,10 +32,10 @@ def _tier(kind: str) -> Tier:
 
 
 PAIRS = [
-    pytest.param("memory", "host", "memcpy", id="memory->host memcpy"),
-    pytest.param("host", "memory", "bounce", id="host->memory bounce"),
-    pytest.param("host", "hbm", "auto", id="host->hbm dma", marks=gpu_only),
-    pytest.param("hbm", "host", "auto", id="hbm->host dma", marks=gpu_only),
+    pytest.param(("memory", "host", "memcpy"), id="memory->host memcpy"),
+    pytest.param(("host", "memory", "bounce"), id="host->memory bounce"),
+    pytest.param(("host", "hbm", "auto"), id="host->hbm dma", marks=gpu_only),
+    pytest.param(("hbm", "host", "auto"), id="hbm->host dma", marks=gpu_only),
 ]
 
 
