@@ -63,6 +63,8 @@ FIELDS: tuple[Field, ...] = (
           "available memory)", lo=1 << 20, hi=1 << 50, metavar="SIZE"),
     Field("shm_dir", "str", "", "tmpfs directory for the host tier's shared-memory segment (default /dev/shm)",
           metavar="DIR"),
+    Field("host_prefault", "bool", True, "map the host tier's pages in at start (in the background) so puts "
+          "never pay page faults; commits the memory up front"),
     Field("policy", "str", "lru", "eviction policy of every tier (one instance per tier)", metavar="NAME"),
     Field("hbm_capacity", "size", 0, "bytes of GPU memory for blocks (0: no HBM tier); needs CUDA",
           lo=0, hi=1 << 50, metavar="SIZE"),
@@ -111,6 +113,7 @@ class Config:
     listen: tuple[str, ...]
     host_capacity: int | str  # int bytes, or "auto" until the daemon resolves it
     shm_dir: str
+    host_prefault: bool
     policy: str
     hbm_capacity: int
     gpu: int

@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import stat
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.config import AUTO, Config
 from kvstore.errors import ConfigError
 from kvstore.interceptors import ErrorInterceptor
+from kvstore.local import LocalPuts
 from kvstore.policies import make_policy
 from kvstore.servicer import AdminServicer, KVStoreServicer
 from kvstore.store import MigrationConfig, Store, StoreLimits, StoreTier, WritePolicy
@@ -190,6 +192,9 @@ class Daemon:
         self._stopping = False
         self._stopped = asyncio.Event()
         self._unix_paths: list[str] = []
+        self._local_puts: LocalPuts | None = None
+        self._prefault: asyncio.Task[bool] | None = None
+        self._prefault_stop = threading.Event()
 
     @property
     def health(self) -> HealthServicer:
@@ -278,7 +283,13 @@ class Daemon:
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
             ],
         )
-        kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.store, cfg.chunk_bytes), server)
+        # The host tier is not the first one when an HBM tier sits above it.
+        host_tier = next(st.tier for st in self.store.tiers if st.name == "host")
+        assert isinstance(host_tier, HostTier)
+        self._local_puts = LocalPuts()
+        kvstore_pb2_grpc.add_KVStoreServicer_to_server(
+            KVStoreServicer(self.store, cfg.chunk_bytes, host_tier.segment, self._local_puts), server
+        )
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.store, cfg.as_dict(), absent), server)
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -302,6 +313,12 @@ class Daemon:
         for name in ("", "kvstore.v1.KVStore", "kvstore.v1.Admin"):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.create_task(self._sweep_leases(), name="kvstore-lease-sweeper")
+        if cfg.host_prefault:
+            # In the background: the daemon serves at once, and puts get faster as the
+            # segment's pages are mapped in.
+            self._prefault = asyncio.create_task(
+                asyncio.to_thread(host_tier.segment.populate, self._prefault_stop), name="kvstore-prefault"
+            )
         logger.info(
             "kvstore serving on %s; tiers %s, policy %s", ", ".join(self.bound),
             ", ".join(f"{t.name} {human_bytes(t.tier.capacity_bytes)}" for t in tiers), cfg.policy
@@ -329,6 +346,8 @@ class Daemon:
             await asyncio.sleep(LEASE_SWEEP_S)
             try:
                 self.store.expire_leases()
+                if self._local_puts is not None:
+                    self._local_puts.expire()
             except Exception:  # task boundary: keep sweeping
                 logger.exception("lease sweep failed")
 
@@ -342,6 +361,9 @@ class Daemon:
         logger.info("shutting down: draining in-flight calls for up to %.1fs", grace)
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        self._prefault_stop.set()
+        if self._prefault is not None:
+            await self._prefault
         if self._sweeper is not None:
             self._sweeper.cancel()
             try:
@@ -359,6 +381,8 @@ class Daemon:
         logger.info("kvstore stopped")
 
     def _close_resources(self) -> None:
+        if self._local_puts is not None:
+            self._local_puts.abort_all()
         if self.store is not None:
             self.store.close()
             self.store = None

@@ -42,9 +42,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-from kvstore.checksum import checksum, checksum_batch
+from kvstore.checksum import checksum_batch
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvstore.hashing import HASH_BYTES, block_hashes
+from kvstore.hashing import HASH_BYTES, block_hashes_packed
 from kvstore.index import BlockEntry, BlockIndex, BlockState, make_key
 from kvstore.layout import DTYPE_BYTES, KVLayout
 from kvstore.leases import Lease, LeaseTable
@@ -261,7 +261,7 @@ class Store:
         self._executor = executor
         self._clock = clock
         self._index = BlockIndex()
-        self._leases = LeaseTable()
+        self._leases = LeaseTable(self._release)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         self._tier_by_name = {t.name: t for t in self.tiers}
         self._copiers = {
@@ -382,10 +382,16 @@ class Store:
     def namespaces(self) -> list[NamespaceInfo]:
         return list(self._namespaces.values())
 
-    def hashes_for_tokens(self, namespace_id: bytes, token_ids: Sequence[int]) -> list[bytes]:
+    def hashes_for_tokens(self, namespace_id: bytes, packed_tokens: bytes, max_blocks: int | None = None) -> list[bytes]:
+        """Block hashes of tokens packed as little-endian u32 (at most `max_blocks` blocks)."""
         info = self.namespace(namespace_id)
-        self._check_count(len(token_ids) // info.layout.block_size_tokens, "blocks of tokens")
-        return block_hashes(namespace_id, token_ids, info.layout.block_size_tokens)
+        step = info.layout.block_size_tokens * 4
+        n_blocks = len(packed_tokens) // step
+        if max_blocks is not None:
+            n_blocks = min(n_blocks, max_blocks)
+        self._check_count(n_blocks, "blocks of tokens")
+        return block_hashes_packed(namespace_id, memoryview(packed_tokens)[: n_blocks * step],
+                                   info.layout.block_size_tokens)
 
     def check_hashes(self, hashes: Sequence[bytes]) -> None:
         self._check_count(len(hashes), "block hashes")
@@ -400,6 +406,16 @@ class Store:
             )
 
     # ----------------------------------------------------------------- locations
+
+    def _top_name(self, entry: BlockEntry) -> str:
+        st = self.top_tier(entry)
+        assert st is not None, "an indexed block has a location"
+        return st.name
+
+    def _block_info(self, entry: BlockEntry) -> BlockInfo:
+        top = self._top_name(entry)
+        return BlockInfo(top, entry.locations[top], entry.nbytes, entry.checksum, entry.pins,
+                         sorted(entry.locations, key=self._rank.__getitem__))
 
     def top_tier(self, entry: BlockEntry) -> StoreTier | None:
         """The highest tier holding a copy of `entry` (where reads are served from)."""
@@ -697,15 +713,17 @@ class Store:
         entry = self._index.get(make_key(namespace_id, block_hash))
         if entry is None:
             return None
-        st = self.top_tier(entry)
-        assert st is not None, "an indexed block has a location"
-        return BlockInfo(st.name, entry.locations[st.name], entry.nbytes, entry.checksum, entry.pins,
-                         sorted(entry.locations, key=self._rank.__getitem__))
+        return self._block_info(entry)
 
     # ----------------------------------------------------------------- put
 
-    def begin_put(self, namespace_id: bytes, hashes: Sequence[bytes], parent_hash: bytes | None = None) -> PutTxn:
-        """Start a two-phase put of `hashes` (in chain order). Use as `async with`."""
+    def begin_put(
+        self, namespace_id: bytes, hashes: Sequence[bytes], parent_hash: bytes | None = None, tier: str | None = None
+    ) -> PutTxn:
+        """Start a two-phase put of `hashes` (in chain order). Use as `async with`.
+
+        `tier` names the memory tier the new blocks land in (default: `put_tier`).
+        """
         info = self.namespace(namespace_id)
         self.check_hashes(hashes)
         if parent_hash is not None and len(parent_hash) != HASH_BYTES:
@@ -713,17 +731,19 @@ class Store:
         if not hashes:
             raise InvalidArgument("a put must carry at least one block")
         self.expire_leases()
-        return PutTxn(self, info, list(hashes), parent_hash)
+        target = self._tier_by_name.get(tier) if tier is not None else None
+        if tier is not None and (target is None or not target.tier.addressable):
+            raise FailedPrecondition(f"this daemon has no {tier} memory tier")
+        return PutTxn(self, info, list(hashes), parent_hash, target)
 
     def _landing_tiers(self) -> list[StoreTier]:
         if self.migration.put_tier == "auto":
             return self.memory_tiers
         return [self._tier_by_name[self.migration.put_tier]]
 
-    async def _allocate_put(self, nbytes: int) -> Slot:
+    async def _allocate_put(self, nbytes: int, landing: list[StoreTier]) -> Slot:
         """A PENDING slot for a new block: the highest landing tier with room, else make room
         in the first one."""
-        landing = self._landing_tiers()
         for st in landing:
             slot = st.tier.allocate(nbytes)
             if slot is not None:
@@ -936,10 +956,79 @@ class Store:
         lease = self._acquire_lease(entries, ttl)
         return PinResult(lease.lease_id, len(entries), min(ttl, self.limits.max_lease_ms))
 
+    def lease_prefix(
+        self, namespace_id: bytes, hashes: Sequence[bytes], ttl_ms: int, tier: str
+    ) -> tuple[LookupResult, list[BlockInfo]]:
+        """The fetch of a co-located reader: the READY prefix of `hashes`, plus a
+        bytes-holding lease on its leading run of blocks in `tier`.
+
+        The returned slots stay valid (never freed or reused) until the lease is released
+        or expires, even if the blocks are deleted meanwhile. Counted as a fetch of the
+        leased blocks, like `open_fetch`; blocks past the run are fetched separately.
+        """
+        info = self.namespace(namespace_id)
+        self.check_hashes(hashes)
+        self.expire_leases()
+        entries = self._index.longest_ready_prefix([make_key(namespace_id, h) for h in hashes])
+        tops = [self._top_name(e) for e in entries]
+        local: list[BlockEntry] = []
+        for entry, top in zip(entries, tops):
+            if top != tier:
+                break
+            local.append(entry)
+        lease_id = ""
+        if local:
+            lease_id = self._acquire_lease(local, ttl_ms, holds_bytes=True).lease_id
+        self.counters.fetches += 1
+        self.counters.blocks_fetched += len(local)
+        self.counters.bytes_out += sum(e.nbytes for e in local)
+        for entry in reversed(local):
+            self._tier_by_name[tier].policy.touch(entry.key)
+        result = LookupResult(
+            namespace_id=namespace_id,
+            num_blocks=len(entries),
+            block_size_tokens=info.layout.block_size_tokens,
+            tiers=tops,
+            block_hashes=list(hashes[: len(entries)]),
+            lease_id=lease_id,
+        )
+        return result, [self._block_info(e) for e in local]
+
+    async def verify(self, namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[int, int]:
+        """Re-check the named blocks against their checksums; drop and count the bad ones.
+
+        Returns (verified, dropped). A client that saw a mismatch asks for this: the
+        daemon does not take the client's word, it looks for itself.
+        """
+        self.namespace(namespace_id)
+        self.check_hashes(hashes)
+        entries = [e for h in hashes if (e := self._index.get(make_key(namespace_id, h))) is not None]
+        verified = dropped = 0
+        for entry in entries:
+            self._hold(entry)
+        try:
+            # Every copy, not only the one served first: a bad SSD copy would be served
+            # once the memory copy is gone.
+            for entry in entries:
+                bad = False
+                for st in [t for t in self.tiers if t.name in entry.locations]:
+                    if entry.removed:
+                        break
+                    if await self._read_verified(entry, st) is None:
+                        bad = True
+                if bad:
+                    dropped += 1
+                elif not entry.removed:
+                    verified += 1
+        finally:
+            for entry in entries:
+                self._release(entry)
+        return verified, dropped
+
     def unpin(self, lease_id: str) -> bool:
         return self._leases.release(lease_id) is not None
 
-    def _acquire_lease(self, entries: list[BlockEntry], ttl_ms: int) -> Lease:
+    def _acquire_lease(self, entries: list[BlockEntry], ttl_ms: int, holds_bytes: bool = False) -> Lease:
         if ttl_ms < 0:
             raise InvalidArgument(f"lease time must be >= 0 ms, got {ttl_ms}")
         if len(self._leases) >= self.limits.max_leases:
@@ -947,7 +1036,7 @@ class Store:
                 f"{self.limits.max_leases} leases are active; release leases (Unpin) or wait for them to expire"
             )
         ttl_ms = min(ttl_ms, self.limits.max_lease_ms)
-        return self._leases.acquire(entries, self._clock() + ttl_ms / 1000.0)
+        return self._leases.acquire(entries, self._clock() + ttl_ms / 1000.0, holds_bytes)
 
     def expire_leases(self) -> int:
         return self._leases.expire(self._clock())
@@ -1066,7 +1155,9 @@ class PutTxn:
     READY when the put began is accepted and discarded without being stored again.
     """
 
-    def __init__(self, store: Store, info: NamespaceInfo, hashes: list[bytes], parent_hash: bytes | None) -> None:
+    def __init__(
+        self, store: Store, info: NamespaceInfo, hashes: list[bytes], parent_hash: bytes | None, tier: StoreTier | None
+    ) -> None:
         self._store = store
         self._info = info
         self._hashes = hashes
@@ -1074,7 +1165,8 @@ class PutTxn:
         self._itemsize = DTYPE_BYTES.get(info.layout.dtype, 1)
         ns = info.namespace_id
         self._keys = [make_key(ns, h) for h in hashes]
-        self._parents: list[bytes | None] = [make_key(ns, parent_hash) if parent_hash else None] + self._keys[:-1]
+        first_parent = make_key(ns, parent_hash) if parent_hash else None
+        self._parents: list[bytes | None] = [first_parent, *self._keys[:-1]]
         self._entries: list[BlockEntry | None] = [None] * len(hashes)
         # Blocks already READY when the put began, held so that making room for the new
         # blocks cannot evict them (the put would otherwise report them present when not).
@@ -1082,16 +1174,18 @@ class PutTxn:
         self._received = [0] * len(hashes)
         self._current = 0
         self._done = False
+        self._tier = tier
 
     async def __aenter__(self) -> PutTxn:
-        await self._reserve()
+        await self.reserve()
         return self
 
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
         if not self._done:
             self.abort()
 
-    async def _reserve(self) -> None:
+    async def reserve(self) -> None:
+        """Allocate PENDING slots for the blocks not already present (making room as needed)."""
         store = self._store
         index = store._index
         new = []
@@ -1102,7 +1196,7 @@ class PutTxn:
             else:
                 store._hold(present)
                 self._held.append(present)
-        landing = store._landing_tiers()
+        landing = [self._tier] if self._tier is not None else store._landing_tiers()
         room = sum(st.tier.capacity_bytes for st in landing)
         need = sum(landing[0].tier.accounted_size(self.block_bytes) for _ in new)
         if need > room:
@@ -1112,7 +1206,7 @@ class PutTxn:
             )
         try:
             for i in new:
-                slot = await store._allocate_put(self.block_bytes)
+                slot = await store._allocate_put(self.block_bytes, landing)
                 if self._done:  # aborted while making room
                     store._tier_by_name[slot.tier].tier.free(slot)
                     raise FailedPrecondition("this put was aborted")
@@ -1150,6 +1244,15 @@ class PutTxn:
             await self._store._tier_by_name[slot.tier].tier.write(slot, offset, data)
         self._received[block] = offset + len(data)
 
+    def slots(self) -> list[Slot | None]:
+        """Where each block's bytes must land; None for blocks already present."""
+        return [self._slot(e) if e is not None else None for e in self._entries]
+
+    def mark_written(self) -> None:
+        """Every byte was written into the slots by someone else (a co-located client)."""
+        self._received = [self.block_bytes] * len(self._keys)
+        self._current = len(self._keys) - 1
+
     def _check_complete(self, block: int) -> None:
         got = self._received[block]
         if got != self.block_bytes:
@@ -1158,38 +1261,50 @@ class PutTxn:
                 "check the layout you sent"
             )
 
-    async def commit(self) -> PutResult:
-        """Verify every block is complete, checksum, and publish. Read-your-writes holds on return."""
+    async def commit(self, checksums: Sequence[int] | None = None) -> PutResult:
+        """Verify every block is complete, checksum, and publish. Read-your-writes holds on return.
+
+        `checksums` (one per block of the put, in order) are taken as given instead of
+        hashing the slots: a co-located client hashes its source while copying it in. A
+        wrong one cannot cause a wrong block to be served: every read verifies.
+        """
         store = self._store
         for i in range(len(self._keys)):
             self._check_complete(i)
         pending = [e for e in self._entries if e is not None]
         tiers = store._tier_by_name
-        slots = [self._slot(e) for e in pending]
-        views = [tiers[s.tier].tier.view(s, e.nbytes) for s, e in zip(slots, pending)]
-        if any(v is None for v in views):
-            # Not memory-addressable on the host (HBM): the tier's read completes only after
-            # the device copy has, so the checksum covers bytes that have landed.
-            datas: list[bytes | memoryview] = [await tiers[s.tier].tier.read(s, e.nbytes) for s, e in zip(slots, pending)]
+        if checksums is not None:
+            if len(checksums) != len(self._keys):
+                raise InvalidArgument(f"{len(checksums)} checksums for a put of {len(self._keys)} blocks")
+            sums = [checksums[i] for i, e in enumerate(self._entries) if e is not None]
         else:
-            datas = [v for v in views if v is not None]
-        sums = await checksum_batch(datas, store._executor)
+            slots = [self._slot(e) for e in pending]
+            views = [tiers[s.tier].tier.view(s, e.nbytes) for s, e in zip(slots, pending)]
+            if any(v is None for v in views):
+                # Not host-visible (HBM): the tier's read completes only after the device
+                # copy has, so the checksum covers bytes that have landed.
+                datas: list[bytes | memoryview] = [
+                    await tiers[s.tier].tier.read(s, e.nbytes) for s, e in zip(slots, pending)
+                ]
+            else:
+                datas = [v for v in views if v is not None]
+            sums = await checksum_batch(datas, store._executor)
         if self._done:  # aborted while checksumming (cancelled call)
             raise FailedPrecondition("this put was aborted")
         stored = existing = 0
         publish: list[BlockEntry] = []
         for entry, csum in zip(pending, sums):
             entry.checksum = csum
-        for i, entry in enumerate(self._entries):
-            if entry is None or entry.key in store._index:
+        for i, maybe in enumerate(self._entries):
+            if maybe is None or maybe.key in store._index:
                 # Present before the put began, or published by a concurrent put since.
                 existing += 1
-                if entry is not None:
-                    slot = self._slot(entry)
+                if maybe is not None:
+                    slot = self._slot(maybe)
                     tiers[slot.tier].tier.free(slot)
                     self._entries[i] = None
             else:
-                publish.append(entry)
+                publish.append(maybe)
                 stored += 1
         store._publish(publish)
         self._done = True

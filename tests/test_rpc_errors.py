@@ -221,3 +221,19 @@ async def test_unknown_info_section(seeded):
 async def test_unpin_of_unknown_lease_is_not_an_error(seeded):
     stub, _, _, _, _ = seeded
     assert (await stub.Unpin(kvstore_pb2.UnpinRequest(lease_id="nope"))).released is False
+
+
+async def test_packed_token_ids(seeded, layout):
+    import struct
+
+    stub, admin, kv, tokens, _ = seeded
+    packed = struct.pack(f"<{len(tokens)}I", *tokens)
+    keys = kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(packed_u32le=packed))
+    resp = await stub.Lookup(kvstore_pb2.LookupRequest(namespace=ns(layout), keys=keys))
+    assert resp.num_blocks == 3  # the same blocks as the repeated form named
+    both = kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(packed_u32le=packed, token_ids=tokens))
+    await expect_status(grpc.StatusCode.INVALID_ARGUMENT,
+                        stub.Lookup(kvstore_pb2.LookupRequest(namespace=ns(layout), keys=both)), "not both")
+    odd = kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(packed_u32le=packed[:-1]))
+    await expect_status(grpc.StatusCode.INVALID_ARGUMENT,
+                        stub.Lookup(kvstore_pb2.LookupRequest(namespace=ns(layout), keys=odd)), "multiple of 4")

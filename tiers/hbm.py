@@ -63,6 +63,7 @@ class HbmHostCopier:
         """Copy host bytes `data` into device tensor `dst`; returns after the copy landed."""
         n = dst.numel()
         staging = self._take(n)
+        event: torch.cuda.Event | None = None
         try:
             staging.numpy()[:] = np.frombuffer(data, dtype=np.uint8, count=n)
             with torch.cuda.stream(self.load_stream):
@@ -74,7 +75,7 @@ class HbmHostCopier:
         finally:
             # Only after the event (or on cancellation before the copy was queued): a
             # staging buffer still being read by the DMA must not be refilled.
-            if "event" not in locals() or event.query():
+            if event is None or event.query():
                 self._give(staging)
 
     async def load_from_host(self, dst: torch.Tensor, view: memoryview) -> None:
@@ -104,6 +105,7 @@ class HbmHostCopier:
         """A host copy of device tensor `src`, returned after the copy landed."""
         n = src.numel()
         staging = self._take(n)
+        event: torch.cuda.Event | None = None
         try:
             with torch.cuda.stream(self.store_stream):
                 # The copy must see every write queued before it on the load stream.
@@ -115,7 +117,7 @@ class HbmHostCopier:
             self.stores += 1
             return staging.numpy().tobytes()
         finally:
-            if "event" not in locals() or event.query():
+            if event is None or event.query():
                 self._give(staging)
 
 

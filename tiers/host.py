@@ -63,5 +63,6 @@ class HostTier(Tier):
             "backing": "shared memory",
             "segment": self.segment.path,
             "pinned": "yes" if self._pinned is not None else "no",
+            "prefaulted": self.segment.populated,
             "alignment": str(self._extents.alignment),
         }

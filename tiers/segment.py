@@ -28,10 +28,16 @@ import re
 import secrets
 import struct
 import tempfile
+import threading
 import weakref
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
+
+# madvise(MADV_POPULATE_WRITE), Linux >= 5.14: fault pages in writable without touching
+# their contents. Not exported by Python 3.11's mmap module.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+POPULATE_CHUNK_BYTES = 64 << 20
 
 MAGIC = b"KVSTSEG1"
 HEADER_BYTES = 4096
@@ -98,7 +104,39 @@ def remove_stale_segments(directory: str) -> int:
     return removed
 
 
-class Segment:
+class _Mapped:
+    """A mapping of a segment file, owned or attached; can fault its pages in."""
+
+    _map: mmap.mmap
+    path: str
+    #: "no" until populate() runs, then "running", "yes", "stopped" or "unsupported".
+    populated: str = "no"
+
+    def populate(self, stop: threading.Event | None = None) -> bool:
+        """Fault every page in now, so puts do not pay a page fault per 4 KiB later
+        (measured: fresh tmpfs pages take writes at a tenth of the speed of mapped ones).
+
+        Safe while blocks are being written: it never touches contents. Runs in chunks so
+        a shutdown (`stop`) interrupts it promptly. Returns False where the kernel lacks
+        MADV_POPULATE_WRITE (pages then fault in on first use, as before).
+        """
+        size = len(self._map)
+        self.populated = "running"
+        for start in range(0, size, POPULATE_CHUNK_BYTES):
+            if stop is not None and stop.is_set():
+                self.populated = "stopped"
+                return False
+            try:
+                self._map.madvise(MADV_POPULATE_WRITE, start, min(POPULATE_CHUNK_BYTES, size - start))
+            except (OSError, ValueError) as exc:
+                logger.info("cannot prefault segment %s (%s); pages fault in on first use", self.path, exc)
+                self.populated = "unsupported"
+                return False
+        self.populated = "yes"
+        return True
+
+
+class Segment(_Mapped):
     """A created (owned) segment: mapped read-write, unlinked on close."""
 
     def __init__(self, capacity_bytes: int, directory: str | None = None) -> None:
@@ -131,11 +169,18 @@ class Segment:
         self._unlink()
 
 
-class AttachedSegment:
+class AttachedSegment(_Mapped):
     """Another process's segment, mapped by path; read-write so a client can fill slots
-    it was handed. Checks the magic and the token the owner announced."""
+    it was handed. Checks the magic and the token the owner announced.
+
+    Each process maps pages into its own page tables on first touch, so an attached
+    mapping is slow until populated too; `populate_in_background` does that without
+    delaying the caller."""
 
     def __init__(self, path: str, token: bytes) -> None:
+        self.path = path
+        self._stop = threading.Event()
+        self._populator: threading.Thread | None = None
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
@@ -150,7 +195,15 @@ class AttachedSegment:
         self.data = self._view[header.data_offset : header.data_offset + header.capacity]
         self.capacity = header.capacity
 
+    def populate_in_background(self) -> None:
+        self._populator = threading.Thread(target=self.populate, args=(self._stop,), name="kvstore-populate",
+                                           daemon=True)
+        self._populator.start()
+
     def close(self) -> None:
+        self._stop.set()
+        if self._populator is not None:
+            self._populator.join()
         if hasattr(self, "data"):
             self.data.release()
         self._view.release()
