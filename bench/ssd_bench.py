@@ -3,7 +3,7 @@
 Both run in the same invocation on the same directory, alternating for a few rounds
 (medians reported, each round kept in the JSON): `dd` (write with oflag=direct, read
 back with iflag=direct), then the SSD tier's `put_block` and
-`get_block` with 8 blocks in flight (what the daemon's SSD writer keeps in flight).
+`get_block` with 4 blocks in flight (the daemon's default `ssd_io_threads`).
 The tier's figures include its record headers, alignment and per-block checksum-free
 framing; the codec is off for the raw I/O comparison (random bytes would be stored raw
 anyway) and measured separately on bf16 data for its CPU cost.
@@ -34,7 +34,7 @@ from kvstore.tiers.ssd import SsdTier
 BLOCK = 1 << 20
 MIB = int(os.environ.get("KVSTORE_BENCH_MIB", "512"))
 ROUNDS = int(os.environ.get("KVSTORE_BENCH_ROUNDS", "3"))
-IN_FLIGHT = int(os.environ.get("KVSTORE_BENCH_IN_FLIGHT", "8"))
+IN_FLIGHT = int(os.environ.get("KVSTORE_BENCH_IN_FLIGHT", "4"))  # the daemon's default ssd_io_threads
 
 
 def dd(args: list[str]) -> float:
