@@ -37,7 +37,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -395,9 +395,9 @@ class Store:
 
     def check_hashes(self, hashes: Sequence[bytes]) -> None:
         self._check_count(len(hashes), "block hashes")
-        for i, h in enumerate(hashes):
-            if len(h) != HASH_BYTES:
-                raise InvalidArgument(f"block hash {i} is {len(h)} bytes; every block hash is {HASH_BYTES} bytes")
+        if hashes and set(map(len, hashes)) != {HASH_BYTES}:  # one C-level pass in the common case
+            i, h = next((i, h) for i, h in enumerate(hashes) if len(h) != HASH_BYTES)
+            raise InvalidArgument(f"block hash {i} is {len(h)} bytes; every block hash is {HASH_BYTES} bytes")
 
     def _check_count(self, n: int, what: str) -> None:
         if n > self.limits.max_blocks_per_call:
@@ -408,6 +408,8 @@ class Store:
     # ----------------------------------------------------------------- locations
 
     def _top_name(self, entry: BlockEntry) -> str:
+        if len(entry.locations) == 1:  # the common case, on the lookup hot path
+            return next(iter(entry.locations))
         st = self.top_tier(entry)
         assert st is not None, "an indexed block has a location"
         return st.name
@@ -685,21 +687,22 @@ class Store:
         c.lookup_blocks += len(keys)
         c.hit_blocks += len(hit)
         c.miss_blocks += len(keys) - len(hit)
-        tier_names = []
-        for entry in hit:
-            st = self.top_tier(entry)
-            assert st is not None, "an indexed block has a location"
-            tier_names.append(st.name)
-        # Tail first, so the head of a chain is the most recently used: a recency policy
-        # then evicts chain tails before the heads every later block depends on.
-        for entry, name in zip(reversed(hit), reversed(tier_names)):
-            st = self._tier_by_name[name]
-            st.counters.hits += 1
-            st.policy.touch(entry.key)
-        # A block not found (or found lower down) is a miss for every tier above it.
-        missing = len(keys) - len(hit)
+        tier_names = [self._top_name(entry) for entry in hit]  # where each block is served from
+        per_tier = Counter(tier_names)
         for st in self.tiers:
-            st.counters.misses += missing + sum(1 for name in tier_names if self._rank[name] > self._rank[st.name])
+            # A tier's hits are looked-up blocks served from it; its misses, the others.
+            held = per_tier.get(st.name, 0)
+            st.counters.hits += held
+            st.counters.misses += len(keys) - held
+            if held:
+                # Tail first, so the head of a chain is the most recently used: a recency
+                # policy then evicts chain tails before the heads later blocks depend on.
+                tail_first = (
+                    reversed(hit)
+                    if held == len(hit)
+                    else (e for e, name in zip(reversed(hit), reversed(tier_names)) if name == st.name)
+                )
+                st.policy.touch_many(e.key for e in tail_first)
         return LookupResult(
             namespace_id=namespace_id,
             num_blocks=len(hit),
