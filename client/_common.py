@@ -110,6 +110,7 @@ class PrefetchResult:
     raised: int
     already: int
     missing: int
+    skipped: int  # no room could be made in the target tier
 
 
 TIER_BY_NAME = {name: value for value, name in TIER_NAMES.items()}
@@ -126,7 +127,7 @@ def prefetch_request(
 
 def prefetch_result(resp: kvstore_pb2.PrefetchResponse) -> PrefetchResult:
     return PrefetchResult(TIER_NAMES.get(resp.tier, "unknown"), resp.requested, resp.raised, resp.already,
-                          resp.missing)
+                          resp.missing, resp.skipped)
 
 
 def layout_to_proto(layout: KVLayout) -> kvstore_pb2.Layout:

@@ -195,7 +195,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         tier = TIER_BY_ENUM.get(request.tier, "") if request.tier else ""
         r = await self.store.prefetch(ns_id, hashes, tier)
         return kvstore_pb2.PrefetchResponse(
-            tier=TIER_ENUM[r.tier], requested=r.requested, raised=r.raised, already=r.already, missing=r.missing
+            tier=TIER_ENUM[r.tier], requested=r.requested, raised=r.raised, already=r.already, missing=r.missing,
+            skipped=r.skipped,
         )
 
     async def Verify(self, request: kvstore_pb2.VerifyRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.VerifyResponse:

@@ -208,6 +208,7 @@ class PrefetchResult:
     raised: int  # copied or moved up into the tier by this call
     already: int  # were in the tier (or above it) already
     missing: int  # not in the store, or failed verification on the way up
+    skipped: int = 0  # no room in the target: everything there pinned, held or PENDING
 
 
 @dataclass(frozen=True, slots=True)
@@ -751,7 +752,14 @@ class Store:
             slot = st.tier.allocate(nbytes)
             if slot is not None:
                 return slot
-        return await self._allocate(landing[0], nbytes)
+        # Make room in the first tier that can: the top one may be full of PENDING slots
+        # of concurrent puts, which nothing can evict.
+        for st in landing[:-1]:
+            try:
+                return await self._allocate(st, nbytes)
+            except ResourceExhausted:
+                continue
+        return await self._allocate(landing[-1], nbytes)
 
     def _publish(self, entries: list[BlockEntry]) -> None:
         through = self.ssd is not None and self.migration.write_policy is WritePolicy.THROUGH
@@ -909,7 +917,7 @@ class Store:
             names = ", ".join(t.name for t in self.memory_tiers)
             raise InvalidArgument(f"prefetch target tier {tier!r} is not a memory tier of this daemon; use one of {names}")
         self.counters.prefetches += 1
-        raised = already = missing = 0
+        raised = already = missing = skipped = 0
         for h in hashes:
             entry = self._index.get(make_key(namespace_id, h))
             src = self.top_tier(entry) if entry is not None else None
@@ -928,9 +936,14 @@ class Store:
                     already += 1
                 else:
                     missing += 1
+            except ResourceExhausted:
+                # A prefetch is advice: with no room to make, the block stays where it
+                # is (still served from there) and the rest are not worth trying.
+                skipped = len(hashes) - raised - already - missing
+                break
             finally:
                 self._release(entry)
-        return PrefetchResult(target.name, len(hashes), raised, already, missing)
+        return PrefetchResult(target.name, len(hashes), raised, already, missing, skipped)
 
     # ----------------------------------------------------------------- delete, pins
 
