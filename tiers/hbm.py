@@ -198,7 +198,9 @@ class HbmTier(Tier):
         return await self.copier.store(self._slab[slot.offset : slot.offset + nbytes])
 
     def close(self) -> None:
-        del self._slab
+        if self._slab is None:
+            return
+        self._slab = None  # type: ignore[assignment]
         torch.cuda.empty_cache()
 
     def describe(self) -> dict[str, str]:
