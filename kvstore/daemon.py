@@ -251,7 +251,11 @@ class Daemon:
         if cfg.put_tier == "hbm" and cfg.hbm_capacity <= 0:
             raise ConfigError("put_tier is hbm but there is no HBM tier; set --hbm-capacity or --put-tier auto")
         self._executor = ThreadPoolExecutor(cfg.checksum_threads, thread_name_prefix="kvstore-checksum")
-        tiers, absent = self._build_tiers(host_capacity, shm_dir)
+        try:
+            tiers, absent = self._build_tiers(host_capacity, shm_dir)
+        except BaseException:
+            self._close_resources()
+            raise
         put_tier = cfg.put_tier if cfg.put_tier == "auto" or any(t.name == cfg.put_tier for t in tiers) else "auto"
         self.store = Store(
             tiers,

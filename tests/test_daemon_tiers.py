@@ -156,3 +156,23 @@ async def test_hbm_configured_without_cuda_is_reported_absent(tmp_path: Path) ->
             assert (await kv.lookup(LAYOUT, list(range(4)))).tiers == ["host"]
     finally:
         await d.stop(grace_s=0)
+
+
+def test_tier_settings_are_checked_before_start(tmp_path: Path) -> None:
+    from kvstore.config import load_config
+    from kvstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="host_low_watermark"):
+        load_config({"host_low_watermark": "0.9", "host_high_watermark": "0.5"}, env={})
+    with pytest.raises(ConfigError, match="ssd_write_policy"):
+        load_config({"ssd_write_policy": "sometimes"}, env={})
+    cfg = load_config({"ssd_path": str(tmp_path / "s"), "ssd_capacity": "2GiB", "put_tier": "host"}, env={})
+    assert (cfg.ssd_path, cfg.ssd_capacity, cfg.ssd_write_policy) == (str(tmp_path / "s"), 2 << 30, "through")
+
+
+async def test_ssd_capacity_beyond_the_disk_refuses_to_start(tmp_path: Path) -> None:
+    from kvstore.errors import ConfigError
+
+    d = Daemon(replace(ssd_config(tmp_path), ssd_capacity=1 << 56))
+    with pytest.raises(ConfigError, match="ssd_capacity"):
+        await d.start()
