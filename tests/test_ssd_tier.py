@@ -148,3 +148,23 @@ def test_codec_keeps_compression_only_when_it_pays() -> None:
     assert decode(enc.codec, enc.payload, 2, len(kv)) == kv
     with pytest.raises(ValueError):
         decode(Codec.SHUFFLE_LZ4, b"\xff" * 40, 2, len(kv))
+
+
+async def test_codec_stops_trying_on_a_namespace_that_never_compresses(tmp_path: Path) -> None:
+    tier = make(tmp_path, capacity=2 << 20)
+    try:
+        for i in range(40):  # random bytes: lz4 never saves 5%
+            data = os.urandom(BLOCK)
+            assert await tier.put_block(meta(i, data), data) is not None
+        attempts = int(tier.describe()["codec_attempts"])
+        assert 8 <= attempts < 40
+        # A namespace that compresses is tried on every block, and keeps compressing.
+        for i in range(10):
+            data = kv_like(BLOCK, i)
+            m = BlockMeta(b"\x01" * 16 + i.to_bytes(16, "big"), None, checksum(data), 2)
+            slot = await tier.put_block(m, data)
+            assert slot is not None and await tier.get_block(slot, BLOCK) == data
+        assert int(tier.describe()["codec_attempts"]) == attempts + 10
+        assert int(tier.describe()["compressed_blocks"]) > 0
+    finally:
+        tier.close()

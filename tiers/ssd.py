@@ -69,6 +69,11 @@ SNAPSHOT_NAME = "index.snapshot"
 SNAPSHOT_VERSION = 1
 # Encoding blocks smaller than this inline costs less than the thread hand-off.
 INLINE_CODEC_BYTES = 64 * 1024
+# After this many blocks of a namespace in a row did not compress, only every
+# CODEC_PROBE_EVERY-th block of it is tried: fp16 KV never pays, and trying costs as much
+# CPU as the write itself. One success resets the count.
+CODEC_GIVE_UP_AFTER = 8
+CODEC_PROBE_EVERY = 16
 
 
 class IoMode:
@@ -211,6 +216,8 @@ class SsdTier(Tier):
         self.bytes_written = 0
         self.bytes_read = 0
         self.compressed_blocks = 0
+        self.codec_attempts = 0
+        self._codec_misses: dict[bytes, int] = {}  # namespace id -> blocks in a row not compressed
         logger.info("ssd tier at %s: %d regions of %d bytes, %s I/O", path, regions, region_size, self.io_mode)
 
     def _region_path(self, index: int) -> str:
@@ -293,12 +300,19 @@ class SsdTier(Tier):
         if self._closed:
             raise DataLoss("the ssd tier is closed")
         loop = asyncio.get_running_loop()
-        if not self.compress:
+        ns = meta.key[:16]
+        misses = self._codec_misses.get(ns, 0)
+        if not self.compress or (misses >= CODEC_GIVE_UP_AFTER and misses % CODEC_PROBE_EVERY):
             enc = Encoded(Codec.RAW, data, len(data))
-        elif len(data) > INLINE_CODEC_BYTES:
-            enc = await loop.run_in_executor(self._executor, encode, data, meta.itemsize)
+            if self.compress:
+                self._codec_misses[ns] = misses + 1
         else:
-            enc = encode(data, meta.itemsize)
+            self.codec_attempts += 1
+            if len(data) > INLINE_CODEC_BYTES:
+                enc = await loop.run_in_executor(self._executor, encode, data, meta.itemsize)
+            else:
+                enc = encode(data, meta.itemsize)
+            self._codec_misses[ns] = 0 if enc.codec != Codec.RAW else misses + 1
         slot = self.allocate(RECORD.size + len(enc.payload))
         if slot is None:
             return None
@@ -547,6 +561,7 @@ class SsdTier(Tier):
             "dead_bytes": str(self.dead_bytes),
             "occupied_bytes": str(self.occupied_bytes),
             "compressed_blocks": str(self.compressed_blocks),
+            "codec_attempts": str(self.codec_attempts),
             "bytes_written": str(self.bytes_written),
             "bytes_read": str(self.bytes_read),
         }
