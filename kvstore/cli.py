@@ -193,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     client_command("stats", "per-tier capacity, usage, hits and misses", cmd_stats)
     info = client_command("info", "Redis-INFO-style report", cmd_info)
     info.add_argument("section", nargs="?", help="server, tiers, stats, namespaces or config")
+
+    from kvstore import replay
+
+    replay_cmd = sub.add_parser("replay", help="replay a Mooncake-format trace through the eviction policies")
+    replay.add_arguments(replay_cmd)
+    replay_cmd.set_defaults(func=replay.run)
     return parser
 
 
