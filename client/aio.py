@@ -17,6 +17,7 @@ from kvstore.client._common import (
     FetchAssembler,
     LookupResult,
     PinResult,
+    PrefetchResult,
     PutResult,
     block_keys,
     check_data_plane,
@@ -25,6 +26,8 @@ from kvstore.client._common import (
     may_be_local,
     namespace_ref,
     out_buffers,
+    prefetch_request,
+    prefetch_result,
     prepare_put,
     put_requests,
     resolve_target,
@@ -228,6 +231,16 @@ class AsyncClient:
         except grpc.RpcError as exc:
             raise translate(exc) from None
         return resp.released
+
+    async def prefetch(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
+                    block_hashes: Sequence[bytes] | None = None, tier: str = "",
+                    timeout_s: float | None = None) -> PrefetchResult:
+        """Raise the named blocks into `tier` ("" = the daemon's top tier) ahead of a fetch."""
+        req = prefetch_request(layout, token_ids, block_hashes, tier)
+        try:
+            return prefetch_result(await self._kv.Prefetch(req, timeout=self._t(timeout_s)))
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
 
     async def verify(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
                block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:

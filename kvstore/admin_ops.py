@@ -112,7 +112,7 @@ class OpsAdminServicer(AdminServicer):
     async def Evict(self, request: admin_pb2.EvictRequest, context: grpc.aio.ServicerContext) -> admin_pb2.RemovalResponse:
         if not request.tier:
             raise InvalidArgument("name the tier to evict from (see `kvstore stats` for tier names)")
-        return _removal(self.store.evict_bytes(request.tier, request.target_bytes))
+        return _removal(await self.store.evict_bytes(request.tier, request.target_bytes))
 
     async def Flush(self, request: admin_pb2.FlushRequest, context: grpc.aio.ServicerContext) -> admin_pb2.RemovalResponse:
         return _removal(self.store.purge(request.namespace_id or None))

@@ -28,6 +28,7 @@ TIER_ENUM = {
     "ssd": kvstore_pb2.TIER_SSD,
     "memory": kvstore_pb2.TIER_MEMORY,
 }
+TIER_BY_ENUM = {v: k for k, v in TIER_ENUM.items()}
 
 
 def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
@@ -212,6 +213,18 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self.store.end_session(request.session_id)
         return kvstore_pb2.EndSessionResponse()
 
+    async def Prefetch(
+        self, request: kvstore_pb2.PrefetchRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.PrefetchResponse:
+        ns_id = self._namespace(request.namespace)
+        hashes = self._hashes(ns_id, request.keys)
+        tier = TIER_BY_ENUM.get(request.tier, "") if request.tier else ""
+        r = await self.store.prefetch(ns_id, hashes, tier)
+        return kvstore_pb2.PrefetchResponse(
+            tier=TIER_ENUM[r.tier], requested=r.requested, raised=r.raised, already=r.already, missing=r.missing,
+            skipped=r.skipped,
+        )
+
     async def Verify(self, request: kvstore_pb2.VerifyRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.VerifyResponse:
         ns_id = self._namespace(request.namespace)
         verified, dropped = await self.store.verify(ns_id, self._hashes(ns_id, request.keys))
@@ -241,7 +254,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         if request.header.HasField("hint"):
             check_hint(request.header.hint.session_id, request.header.hint.expect_reuse_within_s)
         txn = self.store.begin_put(ns_id, hashes, parent, tier=LOCAL_TIER)
-        txn.reserve()
+        await txn.reserve()
         txn_id = self.local_puts.begin(txn, request.header)
         return kvstore_pb2.LocalPutResponse(
             txn_id=txn_id,
@@ -308,6 +321,13 @@ def stats_to_proto(status: StoreStatus, uptime_s: float, absent: Sequence[tuple[
             evictions=t.counters.evictions,
             checksum_failures=t.counters.checksum_failures,
             policy=t.policy,
+            promotions=t.counters.promotions,
+            demotions=t.counters.demotions,
+            drops=t.counters.drops,
+            pending_writes=t.pending_writes,
+            io_mode=t.facts.get("io_mode", ""),
+            pinned=t.facts.get("pinned") == "yes",
+            facts=t.facts,
         )
         for t in status.tiers
     ]
@@ -331,6 +351,8 @@ def stats_to_proto(status: StoreStatus, uptime_s: float, absent: Sequence[tuple[
             checksum_failures=c.checksum_failures,
             leases_active=status.leases_active,
             put_failures=c.put_failures,
+            prefetches=c.prefetches,
+            ssd_write_failures=c.ssd_write_failures,
         ),
         namespaces=status.namespaces,
         uptime_s=uptime_s,
