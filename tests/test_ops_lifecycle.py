@@ -1,8 +1,9 @@
-"""Lifecycle: graceful drain of in-flight RPCs, SIGHUP reload, SIGTERM exit 0, JSON logs.
+"""Lifecycle: graceful drain of in-flight RPCs, SIGHUP reload, SIGTERM exit 0, JSON logs,
+and durability across a restart on the SSD tier.
 
-The SSD tier (which makes puts survive a restart) is not part of this daemon yet, so the
-drain is checked without a restart: a put that is in flight when shutdown begins still
-completes OK, and the daemon exits 0 once every call has finished.
+A put that is in flight when shutdown begins still completes OK; the daemon exits 0
+once every call has finished and pending SSD writes have landed; after a restart on
+the same SSD directory, every put that returned OK is readable.
 """
 
 from __future__ import annotations
@@ -126,6 +127,9 @@ def _write_config(path: Path, sock: Path, max_lease_ms: int, capacity: str) -> N
         "[kvstore]\n"
         f'listen = "unix:{sock}"\n'
         f'host_capacity = "{capacity}"\n'
+        f'ssd_path = "{path.parent / "ssd"}"\n'
+        'ssd_capacity = "64MiB"\n'
+        'ssd_region_size = "1MiB"\n'
         'metrics_listen = "off"\n'
         'log_format = "json"\n'
         "grace_s = 20\n"
@@ -133,14 +137,20 @@ def _write_config(path: Path, sock: Path, max_lease_ms: int, capacity: str) -> N
     )
 
 
+def _start(cfg: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--config", str(cfg)],
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KVSTORE_TARGET": ""})
+
+
 @pytest.mark.e2e
-def test_sighup_reload_and_sigterm_drain(tmp_path, layout):
+def test_sighup_reload_and_sigterm_drain_then_restart(tmp_path, layout):
+    """SIGHUP applies a live setting; SIGTERM with puts in flight exits 0; after a
+    restart on the same SSD directory every put that returned OK is there."""
     sock, cfg = tmp_path / "kv.sock", tmp_path / "kvstore.toml"
     _write_config(cfg, sock, 1000, "16MiB")
     target = f"unix:{sock}"
-    with open(tmp_path / "daemon.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--config", str(cfg)],
-                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KVSTORE_TARGET": ""})
+    proc = _start(cfg, tmp_path / "daemon.log")
     try:
         _wait_ready(target, proc)
 
@@ -155,7 +165,7 @@ def test_sighup_reload_and_sigterm_drain(tmp_path, layout):
             assert admin.get_config("host_capacity")[0].value == str(16 << 20)
 
         # Puts keep arriving from several clients while SIGTERM lands.
-        ok: list[int] = []
+        ok: list[list[int]] = []
         refused: list[BaseException] = []
         stop = threading.Event()
 
@@ -170,7 +180,7 @@ def test_sighup_reload_and_sigterm_drain(tmp_path, layout):
                     except (Unavailable, Cancelled) as exc:  # arrived after the listeners closed
                         refused.append(exc)
                         return
-                    ok.append(worker)
+                    ok.append(tokens)
 
         threads = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
         for t in threads:
@@ -187,13 +197,24 @@ def test_sighup_reload_and_sigterm_drain(tmp_path, layout):
             assert not t.is_alive()
         assert all(isinstance(e, (Unavailable, Cancelled)) for e in refused)
         assert not sock.exists()
+        first_run = (tmp_path / "daemon.log").read_text()
+
+        # Restart on the same SSD directory: every put that returned OK is readable.
+        proc = _start(cfg, tmp_path / "restart.log")
+        _wait_ready(target, proc)
+        with Client(target, timeout_s=DEADLINE_S) as kv:
+            missing = [tokens[:2] for tokens in ok if kv.lookup(layout, tokens).num_blocks != 2]
+            assert not missing, f"{len(missing)} of {len(ok)} acknowledged puts lost: {missing[:5]}"
+            assert len(kv.fetch(layout, ok[-1])) == 2  # and they verify on the way out
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=DEADLINE_S) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
     # gRPC's C core may add its own plain lines on stderr; every Python log line is JSON.
-    lines = (tmp_path / "daemon.log").read_text().splitlines()
+    lines = first_run.splitlines()
     records = [json.loads(line) for line in lines if line.startswith("{")]
     messages = [r["msg"] for r in records]
     assert all({"ts", "level", "logger", "msg", "request_id"} <= set(r) for r in records)
