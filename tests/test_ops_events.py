@@ -163,3 +163,32 @@ def test_tracker_follows_a_daemon_through_a_resync(daemon_thread, layout):
             admin.close()  # ends the stream the follower is blocked on
             follower.join(30)
     assert not follower.is_alive()
+
+
+async def test_demotion_to_ssd_is_a_moved_event(tmp_path, layout):
+    from kvstore.daemon import Daemon
+    from tests.conftest import make_config
+
+    d = Daemon(make_config(tmp_path, ssd_path=str(tmp_path / "ssd"), ssd_capacity=64 << 20, ssd_region_size=1 << 20))
+    await d.start()
+    sub = d.events.subscribe()
+    try:
+        tokens = list(range(layout.block_size_tokens * 4))
+        async with AsyncClient(d.bound[0], data_plane="grpc") as kv, grpc.aio.insecure_channel(d.bound[0]) as ch:
+            put = await kv.put(layout, tokens, [os.urandom(layout.bytes_per_block) for _ in range(4)])
+            assert await d.store.flush(30)  # the write-through copies are on SSD
+            freed = await admin_pb2_grpc.AdminStub(ch).Evict(admin_pb2.EvictRequest(tier="host", target_bytes=1 << 20))
+            assert freed.blocks == 4
+            assert (await kv.lookup(layout, tokens)).tiers == ["ssd"] * 4
+        events = []
+        stream = sub.__aiter__()
+        while sum(len(e.block_hashes) for e in events if e.kind is EventKind.MOVED) < 4:
+            events.append(await asyncio.wait_for(anext(stream), 30))
+        stored = [e for e in events if e.kind is EventKind.STORED]
+        assert [(e.tier, set(e.block_hashes)) for e in stored] == [("host", set(put.block_hashes))]
+        moved = [e for e in events if e.kind is EventKind.MOVED]
+        assert {(e.from_tier, e.tier) for e in moved} == {("host", "ssd")}
+        assert {h for e in moved for h in e.block_hashes} == set(put.block_hashes)
+    finally:
+        sub.close()
+        await d.stop(grace_s=0)
