@@ -42,7 +42,11 @@ RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 
 # Optional per-tier counters, by (tier counter attribute, direction label).
 MIGRATION_COUNTERS = (("promotions", "promote"), ("demotions", "demote"))
-OPTIONAL_TIER_COUNTERS = (("drops", "kvstore_tier_drops", "blocks dropped from the last tier"),)
+OPTIONAL_TIER_COUNTERS = (("drops", "kvstore_tier_drops", "blocks whose last copy left the store from the tier"),)
+OPTIONAL_STORE_COUNTERS = (
+    ("prefetches", "kvstore_prefetches", "Prefetch calls"),
+    ("ssd_write_failures", "kvstore_ssd_write_failures", "SSD writes that failed (the block stayed in memory only)"),
+)
 
 
 class StoreCollector(Collector):
@@ -78,6 +82,10 @@ class StoreCollector(Collector):
         yield counter("kvstore_blocks_fetched", "blocks sent by fetches", c.blocks_fetched)
         yield counter("kvstore_fetches", "Fetch calls", c.fetches)
         yield counter("kvstore_deletes", "blocks removed by Delete and Flush", c.deletes)
+        for attr, name, doc in OPTIONAL_STORE_COUNTERS:
+            value = getattr(c, attr, None)
+            if value is not None:
+                yield counter(name, doc, value)
         local_in, local_out = getattr(c, "local_bytes_in", 0), getattr(c, "local_bytes_out", 0)
         data_in = CounterMetricFamily("kvstore_data_in_bytes", "block bytes received, by data plane", labels=["plane"])
         data_in.add_metric([GRPC_PLANE], c.bytes_in - local_in)
