@@ -216,6 +216,13 @@ def format_stats(stats: dict[str, Any], namespaces: Sequence[dict[str, Any]] | N
         f"checksum failures {c['checksum_failures']}  leases {c['leases_active']}  namespaces {stats['namespaces']}  "
         f"uptime {stats['uptime_s']:.0f}s  version {stats['version']}"
     )
+    # Store-wide counters the summary does not name (newer daemons add some).
+    named = {"lookups", "lookup_blocks", "hit_blocks", "miss_blocks", "puts", "put_failures", "blocks_stored",
+             "blocks_existing", "blocks_fetched", "bytes_in", "bytes_out", "evictions", "checksum_failures",
+             "leases_active"}
+    extra = [f"{key.replace('_', ' ')} {value}" for key, value in c.items() if key not in named]
+    if extra:
+        parts.append("  ".join(extra))
     if namespaces is not None:
         parts.append("")
         parts.append(render_table("Namespaces", NS_COLUMNS, namespace_rows(namespaces)))
