@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import signal
 import sys
 from collections.abc import Sequence
@@ -37,6 +38,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve(config, reload=lambda: load_config(vars(args))))
     except KVStoreError as exc:
+        print(f"kvstore: cannot start: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as exc:  # a path or device the settings name is unusable
+        logging.getLogger("kvstore").debug("daemon failed", exc_info=True)
         print(f"kvstore: cannot start: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:

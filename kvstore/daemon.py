@@ -124,7 +124,10 @@ def resolve_host_capacity(value: int | str, shm_dir: str) -> int:
     """The host tier's size: `auto` picks min(4GiB, half of available memory, 90% of the
     shared-memory directory's free space); an explicit size must fit both."""
     available = available_memory_bytes()
-    shm_free = free_bytes(shm_dir)
+    try:
+        shm_free = free_bytes(shm_dir)
+    except OSError as exc:
+        raise ConfigError(f"cannot use shm_dir {shm_dir}: {exc.strerror}; point --shm-dir at a tmpfs directory") from None
     if value == AUTO:
         return min(AUTO_HOST_CAPACITY, available // 2, shm_free * 9 // 10)
     assert isinstance(value, int)
@@ -144,11 +147,15 @@ def resolve_host_capacity(value: int | str, shm_dir: str) -> int:
 
 def check_disk_capacity(path: str, capacity: int) -> None:
     """Refuse an SSD capacity the filesystem cannot hold (existing region files count as held)."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.statvfs(path)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.statvfs(path)
+        names = os.listdir(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot use ssd_path {path}: {exc.strerror}; choose a writable directory") from None
     free = st.f_bavail * st.f_frsize
     held = 0
-    for name in os.listdir(path):
+    for name in names:
         if name.startswith("region-"):
             try:
                 held += os.stat(os.path.join(path, name)).st_blocks * 512

@@ -132,3 +132,10 @@ async def test_refuses_a_live_unix_socket_and_replaces_a_stale_one(daemon, confi
 async def test_refuses_more_capacity_than_the_machine_has(config):
     with pytest.raises(ConfigError, match="more than this machine's available memory"):
         await Daemon(replace(config, host_capacity=1 << 50)).start()
+
+
+@pytest.mark.parametrize("field, value, match", [("ssd_path", "/proc/kvstore-ssd", "cannot use ssd_path"),
+                                                 ("shm_dir", "/nonexistent-shm-dir", "cannot use shm_dir")])
+async def test_unusable_paths_are_refused_with_the_setting_named(config, field, value, match):
+    with pytest.raises(ConfigError, match=match):
+        await Daemon(replace(config, **{field: value})).start()
