@@ -5,9 +5,9 @@ block bytes with one copy, hashing each block while it is hot in cache.
 its header token (proving it is this daemon's segment on this host). `copy_in` copies
 caller blocks into slots and returns their XXH3-64 checksums; `copy_out` copies slots
 into caller buffers and verifies each copy against the checksum the daemon recorded at
-put time, stopping at the first mismatch. Copies run in chunks sized for the L2 cache so
-the hash reads what the copy just wrote; numpy's copy releases the GIL, so large batches
-are split over a small thread pool.
+put time, stopping at the first mismatch. The hash always reads the copy, so what is
+verified is exactly what the caller gets. numpy's copy and xxhash release the GIL, so
+large batches are split over a small thread pool.
 """
 
 from __future__ import annotations
@@ -24,21 +24,17 @@ from kvstore.v1 import kvstore_pb2
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 256 * 1024
 # Below this many bytes per call, threads cost more than they save.
 PARALLEL_MIN_BYTES = 4 << 20
 THREADS = 2
 
 
 def _copy_hash(dst: np.ndarray, src: np.ndarray) -> int:
-    h = xxhash.xxh3_64()
-    n = len(src)
-    for start in range(0, n, CHUNK_BYTES):
-        end = min(start + CHUNK_BYTES, n)
-        piece = dst[start:end]
-        np.copyto(piece, src[start:end])
-        h.update(piece.data)
-    return h.intdigest()
+    # One whole-block copy, then one hash of the copy. Copying in cache-sized chunks and
+    # hashing each while hot was measured slower: chunked copies out of the shared
+    # mapping ran at a third of the speed of whole-block ones.
+    np.copyto(dst, src)
+    return xxhash.xxh3_64_intdigest(dst.data)
 
 
 def _as_array(buf: memoryview) -> np.ndarray:
