@@ -191,7 +191,7 @@ def bench_kvstore(system: str, target: str, plane: str, block_bytes: int, batch:
     src = [np.random.randint(0, 255, block_bytes, dtype=np.uint8) for _ in range(batch)]
     out = [np.empty(block_bytes, dtype=np.uint8) for _ in range(batch)]
     with Client(target, data_plane=plane) as kv:
-        assert kv.data_plane_in_use == plane, f"{system} wanted the {plane} plane"
+        assert kv.warm_up() == plane, f"{system} wanted the {plane} plane"
 
         def put(_: int) -> None:
             kv.put(layout, None, src, block_hashes=[os.urandom(16) for _ in range(batch)])

@@ -54,6 +54,10 @@ class LocalPlane:
         segment.populate_in_background()
         return cls(segment)
 
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Wait until this process's mapping of the segment is faulted in."""
+        return self.segment.wait_populated(timeout_s)
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)

@@ -87,6 +87,15 @@ class Client:
         self._local()
         return "local" if self._plane is not None else "grpc"
 
+    def warm_up(self, timeout_s: float = 60.0) -> str:
+        """Attach the data plane now and wait until the shared segment is mapped in, so
+        the first puts and fetches run at full speed; returns the plane in use. Optional:
+        without it the mapping is faulted in in the background after the first call."""
+        plane = self._local()
+        if plane is not None:
+            plane.wait_ready(timeout_s)
+        return "local" if plane is not None else "grpc"
+
     def _local(self) -> LocalPlane | None:
         if self._plane_tried:
             return self._plane

@@ -195,6 +195,13 @@ class AttachedSegment(_Mapped):
         self.data = self._view[header.data_offset : header.data_offset + header.capacity]
         self.capacity = header.capacity
 
+    def wait_populated(self, timeout_s: float | None = None) -> bool:
+        """Block until a background populate has finished; True if it did in time."""
+        if self._populator is None:
+            return True
+        self._populator.join(timeout_s)
+        return not self._populator.is_alive()
+
     def populate_in_background(self) -> None:
         self._populator = threading.Thread(target=self.populate, args=(self._stop,), name="kvstore-populate",
                                            daemon=True)
