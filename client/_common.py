@@ -18,6 +18,7 @@ from kvstore.errors import InvalidArgument, KVStoreError, error_for_status
 from kvstore.hashing import HASH_BYTES, token_bytes
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2
+from kvstore.wire import RawChunk, encode_chunk
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -261,13 +262,13 @@ def prepare_put(
     return PreparedPut(header, views)
 
 
-def put_requests(prepared: PreparedPut, chunk_bytes: int) -> Iterator[kvstore_pb2.PutRequest]:
+def put_requests(prepared: PreparedPut, chunk_bytes: int) -> Iterator[kvstore_pb2.PutRequest | bytes]:
     """The messages of one Put stream, made lazily as gRPC sends them: a header, then
-    each block in chunks."""
+    each block in chunks, encoded straight from the caller's buffer (see kvstore.wire)."""
     yield kvstore_pb2.PutRequest(header=prepared.header)
     for i, v in enumerate(prepared.views):
         for start in range(0, len(v), chunk_bytes):
-            yield kvstore_pb2.PutRequest(chunk=kvstore_pb2.BlockChunk(block=i, data=bytes(v[start : start + chunk_bytes])))
+            yield encode_chunk(i, v[start : start + chunk_bytes])
 
 
 DATA_PLANES = ("auto", "local", "grpc")
@@ -311,29 +312,32 @@ class FetchAssembler:
         self.out = list(out) if out is not None else None
         self.block_bytes = 0
         self.blocks: list[bytes] = []
-        self._parts: list[bytes] = []
+        self._parts: list[memoryview] = []
         self._index = 0
         self._filled = 0
 
-    def feed(self, msg: kvstore_pb2.FetchResponse) -> None:
-        if msg.WhichOneof("msg") == "header":
+    def feed(self, msg: kvstore_pb2.FetchResponse | RawChunk) -> None:
+        if isinstance(msg, RawChunk):
+            block, data = msg.block, msg.data
+        elif msg.WhichOneof("msg") == "header":
             self.block_bytes = msg.header.block_bytes
             return
-        chunk = msg.chunk
-        if chunk.block != self._index:
+        else:
+            block, data = msg.chunk.block, memoryview(msg.chunk.data)
+        if block != self._index:
             self._finish_block()
-            self._index = chunk.block
-        self._parts.append(chunk.data)
+            self._index = block
+        self._parts.append(data)
 
     def _finish_block(self) -> None:
         if not self._parts:
             return
-        data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+        data = self._parts[0] if len(self._parts) == 1 else memoryview(b"".join(self._parts))
         self._parts = []
         if len(data) != self.block_bytes:
             raise KVStoreError(f"fetched block {self._index} has {len(data)} bytes, expected {self.block_bytes}")
         if self.out is None:
-            self.blocks.append(data)
+            self.blocks.append(bytes(data))
             return
         # fetch_keys() asked for at most len(out) blocks, so there is a buffer for each.
         writable_view(self.out[self._filled], self._filled, len(data))[:] = data

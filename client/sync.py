@@ -36,6 +36,7 @@ from kvstore.client._common import (
 from kvstore.client._local import LocalPlane
 from kvstore.errors import FailedPrecondition
 from kvstore.layout import KVLayout
+from kvstore.wire import FETCH_METHOD, PUT_METHOD, fetch_response_deserializer, put_request_serializer
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,12 @@ class Client:
         self._plane_tried = data_plane == "grpc" or (data_plane == "auto" and not may_be_local(self.target))
         self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._kv = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        # Put and Fetch carry block payloads: use the copy-saving chunk codec (kvstore.wire).
+        self._put = self._channel.stream_unary(PUT_METHOD, request_serializer=put_request_serializer,
+                                               response_deserializer=kvstore_pb2.PutResponse.FromString)
+        self._fetch = self._channel.unary_stream(FETCH_METHOD,
+                                                 request_serializer=kvstore_pb2.FetchRequest.SerializeToString,
+                                                 response_deserializer=fetch_response_deserializer)
         self._admin = admin_pb2_grpc.AdminStub(self._channel)
 
     def __enter__(self) -> Client:
@@ -134,7 +141,7 @@ class Client:
         try:
             plane = self._local()
             if plane is None:
-                resp = self._kv.Put(put_requests(prepared, self.chunk_bytes), timeout=timeout)
+                resp = self._put(put_requests(prepared, self.chunk_bytes), timeout=timeout)
                 return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
             begun = self._kv.LocalPut(kvstore_pb2.LocalPutRequest(header=prepared.header), timeout=timeout)
             try:
@@ -191,7 +198,7 @@ class Client:
                     lease_id: str, timeout: float) -> list[Any]:
         req = kvstore_pb2.FetchRequest(namespace=namespace_ref(layout), keys=keys, lease_id=lease_id)
         assembler = FetchAssembler(out)
-        for msg in self._kv.Fetch(req, timeout=timeout):
+        for msg in self._fetch(req, timeout=timeout):
             assembler.feed(msg)
         return assembler.result()
 

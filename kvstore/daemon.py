@@ -38,6 +38,7 @@ from kvstore.admin_ops import OpsAdminServicer
 from kvstore.config import AUTO, Config
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.events import EventBus
+from kvstore.wire import add_kvstore_servicer
 from kvstore.interceptors import ErrorInterceptor
 from kvstore.lifecycle import DrainGate
 from kvstore.local import LocalPuts
@@ -329,9 +330,7 @@ class Daemon:
         host_tier = next(st.tier for st in self.store.tiers if st.name == "host")
         assert isinstance(host_tier, HostTier)
         self._local_puts = LocalPuts()
-        kvstore_pb2_grpc.add_KVStoreServicer_to_server(
-            KVStoreServicer(self.store, cfg.chunk_bytes, host_tier.segment, self._local_puts), server
-        )
+        add_kvstore_servicer(KVStoreServicer(self.store, cfg.chunk_bytes, host_tier.segment, self._local_puts), server)
         admin_pb2_grpc.add_AdminServicer_to_server(
             OpsAdminServicer(self.store, self.runtime, self.events, absent), server
         )

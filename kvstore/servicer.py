@@ -19,6 +19,7 @@ from kvstore.info import render_info
 from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
 from kvstore.local import LocalPuts
 from kvstore.store import Store, StoreStatus, check_hint
+from kvstore.wire import RawChunk, encode_chunk
 from kvstore.tiers.segment import HEADER_BYTES, Segment
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
@@ -144,11 +145,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         )
 
     async def Put(
-        self, request_iterator: AsyncIterator[kvstore_pb2.PutRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[kvstore_pb2.PutRequest | RawChunk], context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.PutResponse:
         stream = request_iterator.__aiter__()
         first = await anext(stream, None)
-        if first is None or first.WhichOneof("msg") != "header":
+        if first is None or isinstance(first, RawChunk) or first.WhichOneof("msg") != "header":
             raise InvalidArgument("a Put stream must start with a header message")
         header = first.header
         ns_id = self._namespace(header.namespace)
@@ -157,6 +158,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             check_hint(header.hint.session_id, header.hint.expect_reuse_within_s)
         async with self.store.begin_put(ns_id, hashes, parent) as txn:
             async for msg in stream:
+                if isinstance(msg, RawChunk):  # the fast path: a view into the received message
+                    await txn.write(msg.block, msg.data)
+                    continue
                 if msg.WhichOneof("msg") != "chunk":
                     raise InvalidArgument("only block chunks may follow a Put header")
                 await txn.write(msg.chunk.block, msg.chunk.data)
@@ -168,7 +172,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def Fetch(
         self, request: kvstore_pb2.FetchRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[kvstore_pb2.FetchResponse]:
+    ) -> AsyncIterator[kvstore_pb2.FetchResponse | bytes]:
         ns_id = self._namespace(request.namespace)
         hashes = self._hashes(ns_id, request.keys)
         async with self.store.open_fetch(ns_id, hashes, request.lease_id) as stream:
@@ -180,9 +184,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             chunk = self.chunk_bytes
             index = 0
             async for data in stream:
+                view = memoryview(data)
                 for start in range(0, len(data), chunk):
-                    piece = data if start == 0 and len(data) <= chunk else data[start : start + chunk]
-                    yield kvstore_pb2.FetchResponse(chunk=kvstore_pb2.BlockChunk(block=index, data=piece))
+                    # Wire bytes made straight from the verified copy (see kvstore.wire).
+                    yield encode_chunk(index, view[start : start + chunk])
                 index += 1
 
     async def Delete(self, request: kvstore_pb2.DeleteRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.DeleteResponse:
