@@ -29,7 +29,7 @@ import torch
 from kvstore.tiers.base import Slot, Tier
 from kvstore.tiers.copiers import Copier
 from kvstore.tiers.cuda import wait_event
-from kvstore.tiers.extents import ExtentAllocator
+from kvstore.tiers.slab import SlabTier
 
 logger = logging.getLogger(__name__)
 
@@ -149,32 +149,16 @@ class HbmToHostCopier(Copier):
         await self.hbm.copier.store_to_host(self.hbm.tensor(src_slot, nbytes), view)
 
 
-class HbmTier(Tier):
+class HbmTier(SlabTier):
     name = "hbm"
 
     def __init__(self, capacity_bytes: int, device: int = 0, alignment: int = HBM_ALIGNMENT) -> None:
-        super().__init__(capacity_bytes)
+        super().__init__(capacity_bytes, alignment)
         self.device = torch.device("cuda", device)
-        self._extents = ExtentAllocator(capacity_bytes, alignment)
         self._slab = torch.empty(max(self._extents.capacity_bytes, 1), dtype=torch.uint8, device=self.device)
         self.copier = HbmHostCopier(self.device)
         logger.info("hbm tier: %d bytes on %s (%s)", capacity_bytes, self.device,
                     torch.cuda.get_device_name(self.device))
-
-    def accounted_size(self, nbytes: int) -> int:
-        return self._extents.aligned(max(nbytes, 1))
-
-    def has_room(self, nbytes: int) -> bool:
-        return self._extents.largest_free >= self.accounted_size(nbytes)
-
-    def _allocate(self, nbytes: int) -> Slot | None:
-        offset = self._extents.allocate(nbytes)
-        if offset is None:
-            return None
-        return Slot(self.name, offset, self._extents.aligned(max(nbytes, 1)))
-
-    def _free(self, slot: Slot) -> None:
-        self._extents.free(slot.offset, slot.size)
 
     def copier_from_host(self, src: Tier) -> Copier | None:
         return HostToHbmCopier(self) if src.has_host_view else None
