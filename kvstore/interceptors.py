@@ -45,6 +45,27 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseExcept
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the daemon's log")
 
 
+UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+StreamBehavior = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+
+
+def wrap_handler(
+    handler: grpc.RpcMethodHandler,
+    wrap_unary: Callable[[UnaryBehavior], UnaryBehavior],
+    wrap_stream: Callable[[StreamBehavior], StreamBehavior],
+) -> grpc.RpcMethodHandler:
+    """The same handler with its behavior wrapped: `wrap_unary` for methods that answer
+    once, `wrap_stream` for methods that answer with a stream. Serializers are kept."""
+    common = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), **common)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), **common)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), **common)
+    return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), **common)
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(
         self,
@@ -55,14 +76,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
-        common = dict(
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-        if handler.unary_unary or handler.stream_unary:
-            inner = handler.unary_unary or handler.stream_unary
 
-            async def unary_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        def unary(inner: UnaryBehavior) -> UnaryBehavior:
+            async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 request_id.set(_request_id(context))
                 try:
                     return await inner(request, context)
@@ -71,20 +87,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                         raise
                     await _abort(context, method, exc)
 
-            make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
-            return make(unary_response, **common)
+            return behavior
 
-        inner_stream = handler.unary_stream or handler.stream_stream
+        def stream(inner: StreamBehavior) -> StreamBehavior:
+            async def behavior(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                request_id.set(_request_id(context))
+                try:
+                    async for response in inner(request, context):
+                        yield response
+                except Exception as exc:  # task boundary: map, log, answer
+                    if isinstance(exc, grpc.aio.AbortError):
+                        raise
+                    await _abort(context, method, exc)
 
-        async def stream_response(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            request_id.set(_request_id(context))
-            try:
-                async for response in inner_stream(request, context):
-                    yield response
-            except Exception as exc:  # task boundary: map, log, answer
-                if isinstance(exc, grpc.aio.AbortError):
-                    raise
-                await _abort(context, method, exc)
+            return behavior
 
-        make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
-        return make(stream_response, **common)
+        return wrap_handler(handler, unary, stream)

@@ -19,6 +19,8 @@ from typing import Any
 
 import grpc
 
+from kvstore.interceptors import StreamBehavior, UnaryBehavior, wrap_handler
+
 # Calls that complete work begun before shutdown.
 ALLOWED_WHILE_DRAINING = frozenset({"/kvstore.v1.KVStore/LocalCommit"})
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -73,11 +75,9 @@ class DrainGate(grpc.aio.ServerInterceptor):
             # client, and probes must read NOT_SERVING during the drain.
             return handler
         refuse = self.closed and method not in ALLOWED_WHILE_DRAINING
-        common = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-        if handler.unary_unary or handler.stream_unary:
-            inner = handler.unary_unary or handler.stream_unary
 
-            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        def unary(inner: UnaryBehavior) -> UnaryBehavior:
+            async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 if refuse:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, REFUSAL)
                 self._enter()
@@ -86,20 +86,19 @@ class DrainGate(grpc.aio.ServerInterceptor):
                 finally:
                     self._leave()
 
-            make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
-            return make(unary, **common)
+            return behavior
 
-        inner_stream = handler.unary_stream or handler.stream_stream
+        def stream(inner: StreamBehavior) -> StreamBehavior:
+            async def behavior(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                if refuse:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, REFUSAL)
+                self._enter()
+                try:
+                    async for response in inner(request, context):
+                        yield response
+                finally:
+                    self._leave()
 
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            if refuse:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, REFUSAL)
-            self._enter()
-            try:
-                async for response in inner_stream(request, context):
-                    yield response
-            finally:
-                self._leave()
+            return behavior
 
-        make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
-        return make(stream, **common)
+        return wrap_handler(handler, unary, stream)

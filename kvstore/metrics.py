@@ -28,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from kvstore import __version__
+from kvstore.interceptors import StreamBehavior, UnaryBehavior, wrap_handler
 
 if TYPE_CHECKING:
     from kvstore.events import EventBus
@@ -194,11 +195,8 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method.rsplit("/", 1)[-1]
         histogram = self._histogram
         in_flight = self._in_flight.labels(method)
-        common = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-        if handler.unary_unary or handler.stream_unary:
-            inner = handler.unary_unary or handler.stream_unary
-
-            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        def unary(inner: UnaryBehavior) -> UnaryBehavior:
+            async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 start = time.perf_counter()
                 failed = True
                 cancelled = False
@@ -214,29 +212,28 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                     in_flight.dec()
                     histogram.labels(method, _code_name(context, failed, cancelled)).observe(time.perf_counter() - start)
 
-            make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
-            return make(unary, **common)
+            return behavior
 
-        inner_stream = handler.unary_stream or handler.stream_stream
+        def stream(inner: StreamBehavior) -> StreamBehavior:
+            async def behavior(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                start = time.perf_counter()
+                failed = True
+                cancelled = False
+                in_flight.inc()
+                try:
+                    async for response in inner(request, context):
+                        yield response
+                    failed = False
+                except (asyncio.CancelledError, GeneratorExit):
+                    cancelled = True
+                    raise
+                finally:
+                    in_flight.dec()
+                    histogram.labels(method, _code_name(context, failed, cancelled)).observe(time.perf_counter() - start)
 
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            start = time.perf_counter()
-            failed = True
-            cancelled = False
-            in_flight.inc()
-            try:
-                async for response in inner_stream(request, context):
-                    yield response
-                failed = False
-            except (asyncio.CancelledError, GeneratorExit):
-                cancelled = True
-                raise
-            finally:
-                in_flight.dec()
-                histogram.labels(method, _code_name(context, failed, cancelled)).observe(time.perf_counter() - start)
+            return behavior
 
-        make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
-        return make(stream, **common)
+        return wrap_handler(handler, unary, stream)
 
 
 # A scrape request is one short line plus a few headers; anything larger is not a scraper.
