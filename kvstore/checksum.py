@@ -35,3 +35,26 @@ async def checksum_batch(buffers: Sequence[Buffer], executor: Executor | None) -
         return checksum_many(buffers)
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(executor, checksum_many, buffers)
+
+
+def checksum_pieced(blocks: Sequence[Sequence[Buffer]]) -> list[int]:
+    """Checksum of each block given as consecutive pieces (equal to hashing the joined bytes)."""
+    out = []
+    for pieces in blocks:
+        if len(pieces) == 1:
+            out.append(xxhash.xxh3_64_intdigest(pieces[0]))
+            continue
+        h = xxhash.xxh3_64()
+        for piece in pieces:
+            h.update(piece)
+        out.append(h.intdigest())
+    return out
+
+
+async def checksum_pieces(blocks: Sequence[Sequence[Buffer]], executor: Executor | None) -> list[int]:
+    """`checksum_pieced`, off the loop when the batch is large."""
+    total = sum(len(p) for pieces in blocks for p in pieces)
+    if executor is None or total <= INLINE_LIMIT_BYTES:
+        return checksum_pieced(blocks)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(executor, checksum_pieced, blocks)

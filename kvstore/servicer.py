@@ -18,7 +18,7 @@ from kvstore.hashing import block_hashes_packed, token_bytes
 from kvstore.info import render_info
 from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
 from kvstore.local import LocalPuts
-from kvstore.store import Store, StoreStatus, check_hint
+from kvstore.store import Framed, Store, StoreStatus, check_hint
 from kvstore.wire import RawChunk, encode_chunk
 from kvstore.tiers.segment import HEADER_BYTES, Segment
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
@@ -181,14 +181,21 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                     num_blocks=stream.num_blocks, block_bytes=stream.block_bytes, namespace_id=ns_id
                 )
             )
-            chunk = self.chunk_bytes
-            index = 0
-            async for data in stream:
-                view = memoryview(data)
-                for start in range(0, len(data), chunk):
-                    # Wire bytes made straight from the verified copy (see kvstore.wire).
-                    yield encode_chunk(index, view[start : start + chunk])
-                index += 1
+            # Each block goes out as wire messages made by one copy out of its tier, and the
+            # checksum is taken over the payload inside those messages (kvstore.wire).
+            async for framed in stream.frames(self._frame):
+                for message in framed.messages:
+                    yield message
+
+    def _frame(self, index: int, data: memoryview) -> Framed:
+        messages: list[bytes] = []
+        payload: list[memoryview] = []
+        for start in range(0, len(data), self.chunk_bytes):
+            piece = data[start : start + self.chunk_bytes]
+            message = encode_chunk(index, piece)
+            messages.append(message)
+            payload.append(memoryview(message)[len(message) - len(piece) :])
+        return Framed(messages, payload)
 
     async def Delete(self, request: kvstore_pb2.DeleteRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.DeleteResponse:
         ns_id = self._namespace(request.namespace)

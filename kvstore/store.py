@@ -43,7 +43,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvstore.checksum import checksum_batch
+from kvstore.checksum import checksum_batch, checksum_pieces
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstore.hashing import HASH_BYTES, block_hashes_packed
 from kvstore.index import BlockEntry, BlockIndex, BlockState, make_key
@@ -1304,23 +1304,41 @@ class FetchStream:
         if self._lease_id:
             self._store._leases.release(self._lease_id)
 
-    async def _read(self, entry: BlockEntry) -> tuple[StoreTier | None, bytes | None]:
+    async def _read(self, entry: BlockEntry) -> tuple[StoreTier | None, bytes | memoryview | None]:
+        """The block's bytes in its top tier: a view of a memory tier (the framing step
+        copies it, and the copy is what gets verified), or a copy read from SSD."""
         store = self._store
         st = store.top_tier(entry)
         if st is None or entry.removed:
             return None, None
+        slot = entry.locations[st.name]
+        view = st.tier.view(slot, entry.nbytes)
+        if view is not None:
+            return st, view
         try:
-            return st, await st.tier.get_block(entry.locations[st.name], entry.nbytes)
+            return st, await st.tier.get_block(slot, entry.nbytes)
         except DataLoss as exc:
             logger.warning("block %s in tier %s: %s", entry.key.hex(), st.name, exc)
             store._checksum_failed(entry, st)
             return st, None
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        """Each block as one verified copy."""
+        async for framed in self.frames(copy_frame):
+            yield framed.messages[0]
+
+    async def frames(self, frame: Callable[[int, memoryview], Framed]) -> AsyncIterator[Framed]:
+        """Each block as the messages `frame` makes of it (e.g. wire messages), verified.
+
+        `frame` copies the block's bytes into its messages; the checksum is then taken over
+        the payload inside those messages, so what is verified is exactly what is sent,
+        with a single copy out of the tier.
+        """
         store = self._store
         entries = self._entries
         promote = store.migration.promote_on_hit and store.ssd is not None
         i = 0
+        index = 0
         while i < len(entries) and not self._closed:
             batch: list[BlockEntry] = []
             batch_bytes = 0
@@ -1329,13 +1347,13 @@ class FetchStream:
                 batch_bytes += entries[i].nbytes
                 i += 1
             reads = await asyncio.gather(*(self._read(e) for e in batch))
-            good = []
-            for r in reads:
-                if r[1] is None:
+            framed: list[Framed] = []
+            for _, data in reads:
+                if data is None:
                     break
-                good.append(r[1])
-            sums = await checksum_batch(good, store._executor)
-            for entry, (st, data), got in zip(batch, reads, sums):
+                framed.append(frame(index + len(framed), memoryview(data)))
+            sums = await checksum_pieces([f.payload for f in framed], store._executor)
+            for entry, (st, data), got, f in zip(batch, reads, sums, framed):
                 assert st is not None and data is not None
                 if entry.removed:
                     return  # deleted while we read it: it no longer exists
@@ -1344,12 +1362,27 @@ class FetchStream:
                     return
                 st.policy.touch(entry.key)
                 store.counters.blocks_fetched += 1
-                store.counters.bytes_out += len(data)
+                store.counters.bytes_out += entry.nbytes
                 if promote and st is store.ssd:
-                    await store._promote_on_hit(entry, data)
-                yield data
-            if len(good) < len(batch):
+                    await store._promote_on_hit(entry, bytes(data))  # SSD reads are bytes already: no copy
+                index += 1
+                yield f
+            if len(framed) < len(batch):
                 return
+
+
+@dataclass(frozen=True, slots=True)
+class Framed:
+    """A block made into messages; `payload` views, in order, cover exactly its bytes."""
+
+    messages: list[bytes]
+    payload: list[memoryview]
+
+
+def copy_frame(index: int, data: memoryview) -> Framed:
+    """One message: a plain copy of the block."""
+    copy = bytes(data)
+    return Framed([copy], [memoryview(copy)])
 
 
 class PutTxn:
