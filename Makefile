@@ -55,7 +55,7 @@ $(ENGINES_VENV)/.installed: pyproject.toml
 	$(EPY) -m pip install $(PIP_QUIET) -c $(ENGINES_VENV)/constraints.txt -e '.[dev]'
 	@touch $@
 
-# The stubs are generated files shared by both venvs; only make them if missing.
+# The stubs are generated files shared by both venvs (same protobuf): made when the protos change.
 $(ENGINES_VENV)/.stubs: $(ENGINES_VENV)/.installed $(PROTOS)
 	$(EPY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 	@touch $@
