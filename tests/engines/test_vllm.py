@@ -36,13 +36,17 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model: Path, prompts: dict[str, list[int]], workdir: Path) -> dict[str, list[int]]:
-    """Greedy tokens of a plain engine, no connector, for every prompt the tests use."""
+def reference_run(tiny_model: Path, prompts: dict[str, list[int]], workdir: Path) -> EngineRun:
+    """A plain engine, no connector, over every prompt the tests use."""
     p = prompts
-    named = {"P1": p["P1"], "P2": p["P2"], "P1+S": p["P1"] + p["S"], "P3": p["P3"], "P2+S": p["P2"] + p["S"]}
-    run = run_engine(workdir, "reference", {"model": str(tiny_model), "target": None,
-                                            "steps": [{"generate": list(named.values())}]})
-    return dict(zip(named, tokens(run, 0), strict=True))
+    return run_engine(workdir, "reference", {"model": str(tiny_model), "target": None, "steps": [
+        {"generate": [p["P1"], p["P2"], p["P1"] + p["S"], p["P3"], p["P2"] + p["S"]]}]})
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run: EngineRun) -> dict[str, list[int]]:
+    """Greedy tokens of the plain engine, by prompt name."""
+    return dict(zip(["P1", "P2", "P1+S", "P3", "P2+S"], tokens(reference_run, 0), strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +119,8 @@ def test_hits_survive_a_daemon_restart_on_the_ssd_tier():
     """Engine A stores into a daemon with an SSD tier; the daemon restarts; engine B still hits."""
 
 
-def test_daemon_killed_mid_run_engine_recomputes_with_one_warning(tiny_model, prompts, reference, workdir,
-                                                                  tmp_path):
+def test_daemon_killed_mid_run_engine_recomputes_with_one_warning(tiny_model, prompts, reference, reference_run,
+                                                                  workdir, tmp_path):
     daemon = start_daemon(tmp_path / "doomed")
     try:
         p = prompts
@@ -132,5 +136,7 @@ def test_daemon_killed_mid_run_engine_recomputes_with_one_warning(tiny_model, pr
     assert tokens(run, 3) == [reference["P1+S"], reference["P3"], reference["P2+S"]]
     assert [loaded(o) for o in run.outputs(3)] == [0, 0, 0]
     warnings = [line for line in run.log.splitlines() if "kvstore daemon at" in line and "failed during" in line]
-    assert len(warnings) == 1, run.log[-4000:]
-    assert "Traceback" not in run.log
+    assert len(warnings) == 1, "\n".join(warnings) or run.log[-4000:]
+    # vLLM logs a traceback of its own when run without a tokenizer; the connector adds none.
+    assert run.log.count("Traceback") == reference_run.log.count("Traceback")
+    assert "kvstore/errors.py" not in run.log and "client/vllm.py" not in run.log
