@@ -8,7 +8,7 @@ STUBS := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: all setup stubs run test test-gpu lint clean setup-engines test-engines
+.PHONY: all setup stubs run test test-gpu bench bench-deps lint clean setup-engines test-engines
 
 all: setup
 
@@ -32,6 +32,18 @@ run: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Benchmarks: our figures next to ceilings and peers measured in the same run.
+# QUICK=1 runs the reduced matrix (1 MiB blocks only).
+bench: setup bench-deps
+	$(PY) bench/dataplane.py $(if $(QUICK),--quick,)
+
+# Redis (the peer) comes from Debian; the Python clients from the bench extra.
+bench-deps: $(VENV)/.bench
+$(VENV)/.bench: pyproject.toml $(VENV)/.installed
+	@command -v redis-server >/dev/null || bash bench/install-redis.sh
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	@touch $@
 
 test-gpu: setup
 	$(PY) -m pytest -m gpu -v $(PYTEST_ARGS)

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import numpy as np
 
 from kvstore.config import DEFAULT_TCP_LISTEN, default_unix_socket
 from kvstore.errors import InvalidArgument, KVStoreError, error_for_status
-from kvstore.hashing import HASH_BYTES
+from kvstore.hashing import HASH_BYTES, token_bytes
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2
 
@@ -131,7 +132,20 @@ def block_keys(token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | 
             if not isinstance(h, (bytes, bytearray)) or len(h) != HASH_BYTES:
                 raise InvalidArgument(f"block_hashes[{i}] must be {HASH_BYTES} bytes")
         return kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=[bytes(h) for h in block_hashes]))
-    return kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(token_ids=_token_list(token_ids)))
+    return kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(packed_u32le=pack_tokens(token_ids)))
+
+
+def pack_tokens(token_ids: Any) -> bytes:
+    """Token ids as packed little-endian u32: a list, array, numpy array or tensor."""
+    if hasattr(token_ids, "numpy") and type(token_ids).__module__.split(".", 1)[0] == "torch":
+        token_ids = token_ids.detach().cpu().numpy()
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            raise InvalidArgument("token_ids must be a 1-D array of integers")
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() > 0xFFFFFFFF):
+            raise InvalidArgument("token ids must be integers in [0, 4294967295]")
+        return token_ids.astype("<u4", copy=False).tobytes()
+    return token_bytes(token_ids)
 
 
 def fetch_keys(
@@ -143,19 +157,10 @@ def fetch_keys(
     """Keys of a fetch, cut to the number of `out` buffers when the caller gave some."""
     if out is not None:
         if token_ids is not None:
-            token_ids = _token_list(token_ids)[: len(out) * layout.block_size_tokens]
+            token_ids = token_ids[: len(out) * layout.block_size_tokens]
         elif block_hashes is not None:
             block_hashes = list(block_hashes)[: len(out)]
     return block_keys(token_ids, block_hashes)
-
-
-def _token_list(token_ids: Any) -> list[int]:
-    if hasattr(token_ids, "tolist"):  # numpy arrays and torch tensors
-        token_ids = token_ids.tolist()
-    try:
-        return [int(t) for t in token_ids]
-    except (TypeError, ValueError):
-        raise InvalidArgument("token_ids must be a sequence of integers") from None
 
 
 def _is_tensor(obj: object) -> bool:
@@ -179,19 +184,22 @@ def as_buffer(block: Any) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def put_requests(
+@dataclass(frozen=True, slots=True)
+class PreparedPut:
+    """A validated put: its header and a flat byte view of each block."""
+
+    header: kvstore_pb2.PutHeader
+    views: list[memoryview]
+
+
+def prepare_put(
     layout: KVLayout,
     token_ids: Sequence[int] | None,
     block_hashes: Sequence[bytes] | None,
     blocks: Sequence[Any],
     first_block: int,
-    chunk_bytes: int,
-) -> Iterator[kvstore_pb2.PutRequest]:
-    """The messages of one Put stream: a header, then each block in chunks.
-
-    Every block is converted and size-checked here, eagerly, so a bad block fails before
-    anything is sent; the messages themselves are made lazily as gRPC sends them.
-    """
+) -> PreparedPut:
+    """Convert and size-check every block before anything is sent."""
     views = [as_buffer(b) for b in blocks]
     expected = layout.bytes_per_block
     for i, v in enumerate(views):
@@ -211,14 +219,50 @@ def put_requests(
     elif first_block:
         raise InvalidArgument("first_block applies to token_ids; with block_hashes send exactly the blocks' hashes")
     header = kvstore_pb2.PutHeader(namespace=namespace_ref(layout), keys=keys, num_blocks=len(views))
+    return PreparedPut(header, views)
 
-    def messages() -> Iterator[kvstore_pb2.PutRequest]:
-        yield kvstore_pb2.PutRequest(header=header)
-        for i, v in enumerate(views):
-            for start in range(0, len(v), chunk_bytes):
-                yield kvstore_pb2.PutRequest(chunk=kvstore_pb2.BlockChunk(block=i, data=bytes(v[start : start + chunk_bytes])))
 
-    return messages()
+def put_requests(prepared: PreparedPut, chunk_bytes: int) -> Iterator[kvstore_pb2.PutRequest]:
+    """The messages of one Put stream, made lazily as gRPC sends them: a header, then
+    each block in chunks."""
+    yield kvstore_pb2.PutRequest(header=prepared.header)
+    for i, v in enumerate(prepared.views):
+        for start in range(0, len(v), chunk_bytes):
+            yield kvstore_pb2.PutRequest(chunk=kvstore_pb2.BlockChunk(block=i, data=bytes(v[start : start + chunk_bytes])))
+
+
+DATA_PLANES = ("auto", "local", "grpc")
+
+
+def check_data_plane(data_plane: str) -> str:
+    if data_plane not in DATA_PLANES:
+        raise InvalidArgument(f"data_plane must be one of {', '.join(DATA_PLANES)}, got {data_plane!r}")
+    return data_plane
+
+
+def may_be_local(target: str) -> bool:
+    """Whether `auto` should try the shared-memory plane: a Unix socket or a loopback
+    address. The segment's token check decides for sure."""
+    if target.startswith("unix:"):
+        return True
+    host = target.rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def out_buffers(out: Sequence[Any] | None, count: int, block_bytes: int) -> list[Any]:
+    """Destinations for `count` blocks: the caller's buffers, or new bytearrays."""
+    if out is None:
+        return [bytearray(block_bytes) for _ in range(count)]
+    return list(out[:count])
+
+
+def writable_view(buf: Any, index: int, block_bytes: int) -> memoryview:
+    view = as_buffer(buf)
+    if len(view) != block_bytes:
+        raise InvalidArgument(f"out[{index}] holds {len(view)} bytes; a block is {block_bytes} bytes")
+    if view.readonly:
+        raise InvalidArgument(f"out[{index}] is read-only")
+    return view
 
 
 class FetchAssembler:
@@ -253,12 +297,7 @@ class FetchAssembler:
             self.blocks.append(data)
             return
         # fetch_keys() asked for at most len(out) blocks, so there is a buffer for each.
-        dst = as_buffer(self.out[self._filled])
-        if len(dst) != len(data):
-            raise InvalidArgument(f"out[{self._filled}] holds {len(dst)} bytes; a block is {len(data)} bytes")
-        if dst.readonly:
-            raise InvalidArgument(f"out[{self._filled}] is read-only")
-        dst[:] = data
+        writable_view(self.out[self._filled], self._filled, len(data))[:] = data
         self._filled += 1
 
     def result(self) -> list[Any]:

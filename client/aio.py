@@ -1,7 +1,10 @@
-"""`AsyncClient`: the asyncio SDK. Same methods as `Client`, awaited."""
+"""`AsyncClient`: the asyncio SDK. Same methods as `Client`, awaited. Shared-memory
+copies run in a worker thread so they never stall the event loop."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,15 +19,24 @@ from kvstore.client._common import (
     PinResult,
     PutResult,
     block_keys,
+    check_data_plane,
     fetch_keys,
     lookup_result,
+    may_be_local,
     namespace_ref,
+    out_buffers,
+    prepare_put,
     put_requests,
     resolve_target,
     translate,
+    writable_view,
 )
+from kvstore.client._local import LocalPlane
+from kvstore.errors import FailedPrecondition
 from kvstore.layout import KVLayout
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+
+logger = logging.getLogger(__name__)
 
 
 class AsyncClient:
@@ -34,13 +46,21 @@ class AsyncClient:
     and then falls back to the daemon's default socket or 127.0.0.1:50051. Every call
     takes `timeout_s` (default `DEFAULT_TIMEOUT_S`); idempotent calls are retried on
     UNAVAILABLE. Failures raise `kvstore.errors` exceptions.
+
+    `data_plane`: `auto` moves block bytes through the daemon's shared-memory segment
+    when this process can map it (same host, same user) and through gRPC messages
+    otherwise; `local` insists on shared memory; `grpc` never uses it. Both give
+    byte-identical results. `data_plane_in_use` tells which one is active.
     """
 
     def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_plane: str = "auto") -> None:
         self.target = resolve_target(target)
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
+        self.data_plane = check_data_plane(data_plane)
+        self._plane: LocalPlane | None = None
+        self._plane_tried = data_plane == "grpc" or (data_plane == "auto" and not may_be_local(self.target))
         self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._kv = kvstore_pb2_grpc.KVStoreStub(self._channel)
         self._admin = admin_pb2_grpc.AdminStub(self._channel)
@@ -52,14 +72,35 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._plane is not None:
+            self._plane.close()
+            self._plane = None
         await self._channel.close()
 
     def _t(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else timeout_s
 
+    async def data_plane_in_use(self) -> str:
+        await self._local()
+        return "local" if self._plane is not None else "grpc"
+
+    async def _local(self) -> LocalPlane | None:
+        if self._plane_tried:
+            return self._plane
+        self._plane_tried = True
+        try:
+            resp = await self._kv.LocalSegment(kvstore_pb2.LocalSegmentRequest(), timeout=self.timeout_s)
+            self._plane = LocalPlane.attach(resp)
+        except (grpc.RpcError, OSError, ValueError) as exc:
+            reason = translate(exc) if isinstance(exc, grpc.RpcError) else exc
+            if self.data_plane == "local":
+                raise FailedPrecondition(f"cannot use the shared-memory data plane: {reason}") from None
+            logger.info("shared-memory data plane unavailable (%s); block bytes go through gRPC", reason)
+        return self._plane
+
     async def lookup(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-                     block_hashes: Sequence[bytes] | None = None, lease_ms: int = 0,
-                     timeout_s: float | None = None) -> LookupResult:
+               block_hashes: Sequence[bytes] | None = None, lease_ms: int = 0,
+               timeout_s: float | None = None) -> LookupResult:
         """Longest prefix of the blocks the daemon holds. `lease_ms` pins the hit until a fetch."""
         req = kvstore_pb2.LookupRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes),
                                         lease_ms=lease_ms)
@@ -69,32 +110,77 @@ class AsyncClient:
             raise translate(exc) from None
 
     async def put(self, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any], *,
-                  first_block: int = 0, block_hashes: Sequence[bytes] | None = None,
-                  timeout_s: float | None = None) -> PutResult:
+            first_block: int = 0, block_hashes: Sequence[bytes] | None = None,
+            timeout_s: float | None = None) -> PutResult:
         """Store `blocks` (all or nothing). With token_ids, block i is block first_block + i of the prefix."""
-        requests = put_requests(layout, token_ids, block_hashes, blocks, first_block, self.chunk_bytes)
+        prepared = prepare_put(layout, token_ids, block_hashes, blocks, first_block)
+        timeout = self._t(timeout_s)
         try:
-            resp = await self._kv.Put(requests, timeout=self._t(timeout_s))
+            plane = await self._local()
+            if plane is None:
+                resp = await self._kv.Put(put_requests(prepared, self.chunk_bytes), timeout=timeout)
+                return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
+            begun = await self._kv.LocalPut(kvstore_pb2.LocalPutRequest(header=prepared.header), timeout=timeout)
+            try:
+                sums = await asyncio.to_thread(plane.copy_in, begun.offsets, prepared.views)
+            except BaseException:
+                await self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout=timeout)
+                raise
+            resp = await self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, checksums=sums),
+                                        timeout=timeout)
+            return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
         except grpc.RpcError as exc:
             raise translate(exc) from None
-        return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
 
     async def fetch(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-                    block_hashes: Sequence[bytes] | None = None, out: Sequence[Any] | None = None,
-                    lease_id: str = "", timeout_s: float | None = None) -> list[Any]:
-        """Verified blocks of the longest held prefix, in order; fills `out` buffers if given."""
-        req = kvstore_pb2.FetchRequest(namespace=namespace_ref(layout),
-                                       keys=fetch_keys(layout, token_ids, block_hashes, out), lease_id=lease_id)
-        assembler = FetchAssembler(out)
+              block_hashes: Sequence[bytes] | None = None, out: Sequence[Any] | None = None,
+              lease_id: str = "", timeout_s: float | None = None) -> list[Any]:
+        """Verified blocks of the longest held prefix, in order; fills `out` buffers if given.
+
+        Without `out`, blocks come back as `bytes` over gRPC and as `bytearray` over shared
+        memory (equal content either way).
+        """
+        keys = fetch_keys(layout, token_ids, block_hashes, out)
+        timeout = self._t(timeout_s)
         try:
-            async for msg in self._kv.Fetch(req, timeout=self._t(timeout_s)):
-                assembler.feed(msg)
+            plane = await self._local()
+            if plane is None:
+                return await self._fetch_grpc(layout, keys, out, lease_id, timeout)
+            resp = await self._kv.LocalFetch(kvstore_pb2.LocalFetchRequest(namespace=namespace_ref(layout), keys=keys),
+                                       timeout=timeout)
+            n_local = len(resp.offsets)
+            dsts = out_buffers(out, resp.num_blocks, resp.block_bytes)
+            try:
+                views = [writable_view(d, i, resp.block_bytes) for i, d in enumerate(dsts[:n_local])]
+                good = await asyncio.to_thread(plane.copy_out, resp.offsets, resp.checksums, resp.block_bytes, views)
+            finally:
+                if resp.lease_id:
+                    await self._kv.Unpin(kvstore_pb2.UnpinRequest(lease_id=resp.lease_id), timeout=timeout)
+            if lease_id:
+                await self._kv.Unpin(kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=timeout)
+            if good < n_local:
+                await self._kv.Verify(kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout),
+                                                          keys=block_keys(None, resp.block_hashes[good:n_local])),
+                                timeout=timeout)
+                return dsts[:good]
+            if resp.num_blocks > n_local:  # the rest sits in another tier: fetch it as bytes
+                rest = await self._fetch_grpc(layout, block_keys(None, resp.block_hashes[n_local:]),
+                                        dsts[n_local:] if out is not None else None, "", timeout)
+                return dsts[:n_local] + rest
+            return dsts[:n_local]
         except grpc.RpcError as exc:
             raise translate(exc) from None
+
+    async def _fetch_grpc(self, layout: KVLayout, keys: kvstore_pb2.BlockKeys, out: Sequence[Any] | None,
+                    lease_id: str, timeout: float) -> list[Any]:
+        req = kvstore_pb2.FetchRequest(namespace=namespace_ref(layout), keys=keys, lease_id=lease_id)
+        assembler = FetchAssembler(out)
+        async for msg in self._kv.Fetch(req, timeout=timeout):
+            assembler.feed(msg)
         return assembler.result()
 
     async def delete(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-                     block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:
+               block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:
         req = kvstore_pb2.DeleteRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes))
         try:
             return (await self._kv.Delete(req, timeout=self._t(timeout_s))).deleted
@@ -102,8 +188,8 @@ class AsyncClient:
             raise translate(exc) from None
 
     async def pin(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-                  block_hashes: Sequence[bytes] | None = None, ttl_ms: int = 0,
-                  timeout_s: float | None = None) -> PinResult:
+            block_hashes: Sequence[bytes] | None = None, ttl_ms: int = 0,
+            timeout_s: float | None = None) -> PinResult:
         req = kvstore_pb2.PinRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes),
                                      ttl_ms=ttl_ms)
         try:
@@ -118,6 +204,15 @@ class AsyncClient:
         except grpc.RpcError as exc:
             raise translate(exc) from None
         return resp.released
+
+    async def verify(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
+               block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:
+        """Ask the daemon to re-check the named blocks; returns how many it dropped."""
+        req = kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes))
+        try:
+            return (await self._kv.Verify(req, timeout=self._t(timeout_s))).dropped
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
 
     async def stats(self, *, timeout_s: float | None = None) -> admin_pb2.StatsResponse:
         try:

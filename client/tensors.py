@@ -21,4 +21,4 @@ def tensor_bytes(tensor: Any) -> memoryview:
     if not tensor.is_contiguous():
         raise InvalidArgument("tensor is not contiguous; call .contiguous() first so the block is one byte range")
     flat = tensor.detach().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -193,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command != "serve" and hasattr(signal, "SIGPIPE"):
+        # `kvstore stats | head` should end quietly, like any Unix filter.
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         return int(args.func(args))
     except KVStoreError as exc:

@@ -61,6 +61,10 @@ FIELDS: tuple[Field, ...] = (
           f"default: a Unix socket under the runtime dir and {DEFAULT_TCP_LISTEN}", metavar="ADDR[,ADDR]"),
     Field("host_capacity", "size", AUTO, "bytes of host memory for blocks, e.g. 4GiB; 'auto' = min(4GiB, half of "
           "available memory)", lo=1 << 20, hi=1 << 50, metavar="SIZE"),
+    Field("shm_dir", "str", "", "tmpfs directory for the host tier's shared-memory segment (default /dev/shm)",
+          metavar="DIR"),
+    Field("host_prefault", "bool", True, "map the host tier's pages in at start (in the background) so puts "
+          "never pay page faults; commits the memory up front"),
     Field("policy", "str", "lru", "eviction policy of the host tier", metavar="NAME"),
     Field("max_blocks_per_call", "int", 4096, "most blocks one request may name", lo=1, hi=1 << 20, runtime=True),
     Field("max_message_bytes", "size", 16 << 20, "largest gRPC message accepted or sent", lo=1 << 20, hi=1 << 30,
@@ -85,6 +89,8 @@ FIELD_BY_NAME = {f.name: f for f in FIELDS}
 class Config:
     listen: tuple[str, ...]
     host_capacity: int | str  # int bytes, or "auto" until the daemon resolves it
+    shm_dir: str
+    host_prefault: bool
     policy: str
     max_blocks_per_call: int
     max_message_bytes: int

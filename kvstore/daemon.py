@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import stat
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -32,10 +33,12 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.config import AUTO, Config
 from kvstore.errors import ConfigError
 from kvstore.interceptors import ErrorInterceptor
+from kvstore.local import LocalPuts
 from kvstore.policies import make_policy
 from kvstore.servicer import AdminServicer, KVStoreServicer
 from kvstore.store import Store, StoreLimits, StoreTier
 from kvstore.tiers.host import HostTier
+from kvstore.tiers.segment import default_shm_dir, free_bytes, remove_stale_segments
 from kvstore.units import human_bytes
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
@@ -107,15 +110,24 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def resolve_host_capacity(value: int | str) -> int:
+def resolve_host_capacity(value: int | str, shm_dir: str) -> int:
+    """The host tier's size: `auto` picks min(4GiB, half of available memory, 90% of the
+    shared-memory directory's free space); an explicit size must fit both."""
     available = available_memory_bytes()
+    shm_free = free_bytes(shm_dir)
     if value == AUTO:
-        return min(AUTO_HOST_CAPACITY, available // 2)
+        return min(AUTO_HOST_CAPACITY, available // 2, shm_free * 9 // 10)
     assert isinstance(value, int)
     if value > available:
         raise ConfigError(
             f"host_capacity {human_bytes(value)} is more than this machine's available memory "
             f"({human_bytes(available)}); lower --host-capacity"
+        )
+    if value > shm_free:
+        # A tmpfs that fills up kills the daemon with SIGBUS on the next write: refuse now.
+        raise ConfigError(
+            f"host_capacity {human_bytes(value)} does not fit in {shm_dir} ({human_bytes(shm_free)} free); "
+            "lower --host-capacity, enlarge the tmpfs, or point --shm-dir at a bigger one"
         )
     return value
 
@@ -160,6 +172,9 @@ class Daemon:
         self._stopping = False
         self._stopped = asyncio.Event()
         self._unix_paths: list[str] = []
+        self._local_puts: LocalPuts | None = None
+        self._prefault: asyncio.Task[bool] | None = None
+        self._prefault_stop = threading.Event()
 
     @property
     def health(self) -> HealthServicer:
@@ -168,11 +183,13 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.config
-        host_capacity = resolve_host_capacity(cfg.host_capacity)
+        shm_dir = cfg.shm_dir or default_shm_dir()
+        remove_stale_segments(shm_dir)
+        host_capacity = resolve_host_capacity(cfg.host_capacity, shm_dir)
         self._executor = ThreadPoolExecutor(cfg.checksum_threads, thread_name_prefix="kvstore-checksum")
         policy = make_policy(cfg.policy)
         self.store = Store(
-            [StoreTier(HostTier(host_capacity), policy)],
+            [StoreTier(HostTier(host_capacity, shm_dir=shm_dir), policy)],
             limits=StoreLimits(
                 max_blocks_per_call=cfg.max_blocks_per_call,
                 max_namespaces=cfg.max_namespaces,
@@ -191,7 +208,12 @@ class Daemon:
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
             ],
         )
-        kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.store, cfg.chunk_bytes), server)
+        host_tier = self.store.tiers[0].tier
+        assert isinstance(host_tier, HostTier)
+        self._local_puts = LocalPuts()
+        kvstore_pb2_grpc.add_KVStoreServicer_to_server(
+            KVStoreServicer(self.store, cfg.chunk_bytes, host_tier.segment, self._local_puts), server
+        )
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.store, cfg.as_dict(), absent), server)
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -215,10 +237,16 @@ class Daemon:
         for name in ("", "kvstore.v1.KVStore", "kvstore.v1.Admin"):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.create_task(self._sweep_leases(), name="kvstore-lease-sweeper")
+        if cfg.host_prefault:
+            # In the background: the daemon serves at once, and puts get faster as the
+            # segment's pages are mapped in.
+            self._prefault = asyncio.create_task(
+                asyncio.to_thread(host_tier.segment.populate, self._prefault_stop), name="kvstore-prefault"
+            )
         logger.info(
             "kvstore serving on %s; host tier %s, policy %s", ", ".join(self.bound), human_bytes(host_capacity), cfg.policy
         )
-        logger.info("effective config: %s", cfg.as_dict())
+        logger.info("effective config: %s", {**cfg.as_dict(), "host_capacity": host_capacity})
 
     def _bind(self, server: grpc.aio.Server, addr: ListenAddress) -> str:
         if addr.kind == "unix":
@@ -241,6 +269,8 @@ class Daemon:
             await asyncio.sleep(LEASE_SWEEP_S)
             try:
                 self.store.expire_leases()
+                if self._local_puts is not None:
+                    self._local_puts.expire()
             except Exception:  # task boundary: keep sweeping
                 logger.exception("lease sweep failed")
 
@@ -254,6 +284,9 @@ class Daemon:
         logger.info("shutting down: draining in-flight calls for up to %.1fs", grace)
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        self._prefault_stop.set()
+        if self._prefault is not None:
+            await self._prefault
         if self._sweeper is not None:
             self._sweeper.cancel()
             try:
@@ -267,6 +300,8 @@ class Daemon:
         logger.info("kvstore stopped")
 
     def _close_resources(self) -> None:
+        if self._local_puts is not None:
+            self._local_puts.abort_all()
         if self.store is not None:
             self.store.close()
             self.store = None

@@ -33,7 +33,6 @@ MAX_TOKEN_ID = (1 << 32) - 1
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-_EMPTY_EXTRA = _U32.pack(0)
 _h128 = xxhash.xxh3_128_digest
 
 
@@ -67,7 +66,10 @@ def namespace_id(layout: KVLayout) -> bytes:
     return _h128(namespace_bytes(layout))
 
 
-def _token_bytes(token_ids: Sequence[int]) -> bytes:
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as packed little-endian u32 (the encoding the hash reads)."""
+    if isinstance(token_ids, (bytes, bytearray, memoryview)):
+        raise InvalidArgument("token ids must be integers; pass packed bytes to block_hashes_packed")
     try:
         packed = array("I", token_ids)
     except OverflowError:
@@ -91,24 +93,50 @@ def block_hashes(
 
     `extras[i]`, if given, is mixed into block i (e.g. a multimodal input's hash).
     """
+    if block_size_tokens <= 0:
+        raise InvalidArgument(f"block_size_tokens must be positive, got {block_size_tokens}")
+    n_blocks = len(token_ids) // block_size_tokens
+    return block_hashes_packed(namespace, token_bytes(token_ids[: n_blocks * block_size_tokens]),
+                               block_size_tokens, extras)
+
+
+def block_hashes_packed(
+    namespace: bytes,
+    packed: bytes | memoryview,
+    block_size_tokens: int,
+    extras: Sequence[bytes] | None = None,
+) -> list[bytes]:
+    """`block_hashes` over tokens already packed as little-endian u32."""
     if len(namespace) != HASH_BYTES:
         raise InvalidArgument(f"namespace id must be {HASH_BYTES} bytes, got {len(namespace)}")
     if block_size_tokens <= 0:
         raise InvalidArgument(f"block_size_tokens must be positive, got {block_size_tokens}")
-    n_blocks = len(token_ids) // block_size_tokens
-    raw = _token_bytes(token_ids[: n_blocks * block_size_tokens])
+    if len(packed) % 4:
+        raise InvalidArgument(f"packed token ids are {len(packed)} bytes, not a multiple of 4")
+    step = block_size_tokens * 4
+    n_blocks = len(packed) // step
     if extras is not None and len(extras) < n_blocks:
         raise InvalidArgument(f"extras has {len(extras)} entries for {n_blocks} blocks")
-    count = _U32.pack(block_size_tokens)
-    step = block_size_tokens * 4
+    raw = memoryview(packed)
     out: list[bytes] = []
+    if extras is None:
+        # One reusable buffer [prev | count | tokens | empty extra]: no allocation per block
+        # beyond the digest itself, which matters for 1,000-block lookups.
+        buf = bytearray(HASH_BYTES + 4 + step + 4)
+        view = memoryview(buf)
+        view[HASH_BYTES : HASH_BYTES + 4] = _U32.pack(block_size_tokens)
+        view[:HASH_BYTES] = namespace
+        end = HASH_BYTES + 4 + step
+        for i in range(n_blocks):
+            view[HASH_BYTES + 4 : end] = raw[i * step : (i + 1) * step]
+            digest = _h128(buf)
+            out.append(digest)
+            view[:HASH_BYTES] = digest
+        return out
+    count = _U32.pack(block_size_tokens)
     prev = namespace
     for i in range(n_blocks):
-        chunk = raw[i * step : (i + 1) * step]
-        if extras is None or not extras[i]:
-            tail = _EMPTY_EXTRA
-        else:
-            tail = _U32.pack(len(extras[i])) + bytes(extras[i])
-        prev = _h128(b"".join((prev, count, chunk, tail)))
+        extra = bytes(extras[i]) if extras[i] else b""
+        prev = _h128(b"".join((prev, count, raw[i * step : (i + 1) * step], _U32.pack(len(extra)), extra)))
         out.append(prev)
     return out

@@ -7,13 +7,16 @@ by a periodic sweep) through a heap ordered by deadline; a released lease leaves
 heap item that the sweep skips.
 
 A lease never blocks a delete: an explicit delete wins, and releasing a lease over a
-deleted block is a no-op.
+deleted block is a no-op. A lease that `holds_bytes` (handed to a client that reads the
+block's slot directly through shared memory) also counts as a reader, so a deleted
+block's slot is not reused until that lease ends.
 """
 
 from __future__ import annotations
 
 import heapq
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.index import BlockEntry
@@ -24,21 +27,27 @@ class Lease:
     lease_id: str
     entries: list[BlockEntry]
     expires_at: float
+    holds_bytes: bool = False
     released: bool = field(default=False)
 
 
 class LeaseTable:
-    def __init__(self) -> None:
+    def __init__(self, end_read: Callable[[BlockEntry], None]) -> None:
+        # Called for each block of a bytes-holding lease when it ends; frees the slot of a
+        # block deleted meanwhile once its last reader is gone.
+        self._end_read = end_read
         self._leases: dict[str, Lease] = {}
         self._deadlines: list[tuple[float, str]] = []
 
     def __len__(self) -> int:
         return len(self._leases)
 
-    def acquire(self, entries: list[BlockEntry], expires_at: float) -> Lease:
-        lease = Lease(secrets.token_hex(12), entries, expires_at)
+    def acquire(self, entries: list[BlockEntry], expires_at: float, holds_bytes: bool = False) -> Lease:
+        lease = Lease(secrets.token_hex(12), entries, expires_at, holds_bytes)
         for entry in entries:
             entry.pins += 1
+            if holds_bytes:
+                entry.readers += 1
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._deadlines, (expires_at, lease.lease_id))
         return lease
@@ -50,6 +59,8 @@ class LeaseTable:
         lease.released = True
         for entry in lease.entries:
             entry.pins -= 1
+            if lease.holds_bytes:
+                self._end_read(entry)
         return lease
 
     def expire(self, now: float) -> int:

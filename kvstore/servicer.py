@@ -13,10 +13,13 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from kvstore import __version__
-from kvstore.errors import InvalidArgument
+from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.hashing import block_hashes_packed, token_bytes
 from kvstore.info import render_info
-from kvstore.layout import KVLayout
+from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
+from kvstore.local import LocalPuts
 from kvstore.store import Store, StoreStatus
+from kvstore.tiers.segment import HEADER_BYTES, Segment
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 TIER_ENUM = {
@@ -37,17 +40,24 @@ def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
         num_kv_heads=msg.num_kv_heads,
         head_dim=msg.head_dim,
         block_size_tokens=msg.block_size_tokens,
-        kv_layout=msg.kv_layout or KVLayout.__dataclass_fields__["kv_layout"].default,
+        kv_layout=msg.kv_layout or DEFAULT_KV_LAYOUT,
         tp_rank=msg.tp_rank,
         tp_size=msg.tp_size or 1,
         block_bytes=msg.block_bytes,
     )
 
 
+LOCAL_TIER = "host"
+DEFAULT_LOCAL_LEASE_MS = 10_000
+
+
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
-    def __init__(self, store: Store, chunk_bytes: int) -> None:
+    def __init__(self, store: Store, chunk_bytes: int, segment: Segment | None = None,
+                 local_puts: LocalPuts | None = None) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
+        self.segment = segment
+        self.local_puts = local_puts or LocalPuts()
 
     # -------------------------------------------------------------- translation
 
@@ -59,6 +69,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             return self.store.namespace(ref.id).namespace_id
         raise InvalidArgument("request names no namespace: set namespace.layout (or namespace.id once registered)")
 
+    @staticmethod
+    def _packed_tokens(tokens: kvstore_pb2.TokenIds) -> bytes:
+        if tokens.packed_u32le:
+            if len(tokens.token_ids):
+                raise InvalidArgument("set token_ids or packed_u32le, not both")
+            if len(tokens.packed_u32le) % 4:
+                raise InvalidArgument(f"packed_u32le is {len(tokens.packed_u32le)} bytes, not a multiple of 4")
+            return tokens.packed_u32le
+        return token_bytes(tokens.token_ids)
+
     def _hashes(self, ns_id: bytes, keys: kvstore_pb2.BlockKeys) -> list[bytes]:
         which = keys.WhichOneof("keys")
         if which == "hashes":
@@ -68,7 +88,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         if which == "tokens":
             if keys.tokens.first_block:
                 raise InvalidArgument("first_block is only meaningful in a Put")
-            return self.store.hashes_for_tokens(ns_id, keys.tokens.token_ids)
+            return self.store.hashes_for_tokens(ns_id, self._packed_tokens(keys.tokens))
         raise InvalidArgument("request names no blocks: set keys.hashes or keys.tokens")
 
     def _put_keys(self, ns_id: bytes, header: kvstore_pb2.PutHeader) -> tuple[list[bytes], bytes | None]:
@@ -81,18 +101,22 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             return hashes, header.parent_hash or None
         if which == "tokens":
             tokens = header.keys.tokens
+            packed = self._packed_tokens(tokens)
             first, count = tokens.first_block, header.num_blocks
             bst = self.store.namespace(ns_id).layout.block_size_tokens
-            full = len(tokens.token_ids) // bst
+            n_tokens = len(packed) // 4
+            full = n_tokens // bst
             if count == 0:
                 count = full - first
             if count <= 0 or first + count > full:
                 raise InvalidArgument(
-                    f"the put covers blocks [{first}, {first + max(count, 0)}) but {len(tokens.token_ids)} tokens "
+                    f"the put covers blocks [{first}, {first + max(count, 0)}) but {n_tokens} tokens "
                     f"make {full} full blocks of {bst} tokens; send the whole prefix up to the last block"
                 )
             self.store.check_hashes([b"\0" * 16] * count)  # the per-call block limit, before hashing
-            all_hashes = self.store.hashes_for_tokens(ns_id, list(tokens.token_ids[: (first + count) * bst]))
+            # The prefix before `first` is hashed too (the chain needs it) but not bounded
+            # by the per-call block limit: it names no blocks of this put.
+            all_hashes = block_hashes_packed(ns_id, memoryview(packed)[: (first + count) * bst * 4], bst)
             return all_hashes[first : first + count], all_hashes[first - 1] if first else None
         raise InvalidArgument("put header names no blocks: set keys.hashes or keys.tokens")
 
@@ -161,6 +185,82 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def Unpin(self, request: kvstore_pb2.UnpinRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.UnpinResponse:
         return kvstore_pb2.UnpinResponse(released=self.store.unpin(request.lease_id))
+
+    async def Verify(self, request: kvstore_pb2.VerifyRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.VerifyResponse:
+        ns_id = self._namespace(request.namespace)
+        verified, dropped = await self.store.verify(ns_id, self._hashes(ns_id, request.keys))
+        return kvstore_pb2.VerifyResponse(verified=verified, dropped=dropped)
+
+    # -------------------------------------------------------------- local data plane
+
+    def _segment(self) -> Segment:
+        if self.segment is None:
+            raise FailedPrecondition("this daemon has no shared-memory segment; use Put and Fetch")
+        return self.segment
+
+    async def LocalSegment(
+        self, request: kvstore_pb2.LocalSegmentRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.LocalSegmentResponse:
+        seg = self._segment()
+        return kvstore_pb2.LocalSegmentResponse(
+            path=seg.path, token=seg.token, data_offset=HEADER_BYTES, capacity_bytes=seg.capacity
+        )
+
+    async def LocalPut(
+        self, request: kvstore_pb2.LocalPutRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.LocalPutResponse:
+        self._segment()
+        ns_id = self._namespace(request.header.namespace)
+        hashes, parent = self._put_keys(ns_id, request.header)
+        txn = self.store.begin_put(ns_id, hashes, parent, tier=LOCAL_TIER)
+        txn.reserve()
+        txn_id = self.local_puts.begin(txn)
+        return kvstore_pb2.LocalPutResponse(
+            txn_id=txn_id,
+            offsets=[-1 if slot is None else slot.offset for slot in txn.slots()],
+            block_bytes=txn.block_bytes,
+            namespace_id=ns_id,
+            block_hashes=hashes,
+            expires_in_ms=self.local_puts.ttl_ms,
+        )
+
+    async def LocalCommit(
+        self, request: kvstore_pb2.LocalCommitRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.PutResponse:
+        txn = self.local_puts.take(request.txn_id)
+        if request.abort:
+            txn.abort()
+            return kvstore_pb2.PutResponse()
+        try:
+            txn.mark_written()
+            result = await txn.commit(list(request.checksums))
+        except BaseException:
+            txn.abort()
+            raise
+        return kvstore_pb2.PutResponse(
+            stored=result.stored, existing=result.existing, namespace_id=result.namespace_id,
+            block_hashes=result.block_hashes,
+        )
+
+    async def LocalFetch(
+        self, request: kvstore_pb2.LocalFetchRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.LocalFetchResponse:
+        self._segment()
+        ns_id = self._namespace(request.namespace)
+        hashes = self._hashes(ns_id, request.keys)
+        result, infos = self.store.lease_prefix(
+            ns_id, hashes, request.lease_ms or DEFAULT_LOCAL_LEASE_MS, tier=LOCAL_TIER
+        )
+        return kvstore_pb2.LocalFetchResponse(
+            num_blocks=result.num_blocks,
+            offsets=[i.slot.offset for i in infos],
+            checksums=[i.checksum for i in infos],
+            block_bytes=self.store.namespace(ns_id).layout.bytes_per_block,
+            lease_id=result.lease_id,
+            namespace_id=ns_id,
+            block_hashes=result.block_hashes,
+            block_size_tokens=result.block_size_tokens,
+        )
 
 
 def stats_to_proto(status: StoreStatus, uptime_s: float, absent: Sequence[tuple[str, str]] = ()) -> admin_pb2.StatsResponse:

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from kvstore.checksum import checksum_batch
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvstore.hashing import HASH_BYTES, block_hashes
+from kvstore.hashing import HASH_BYTES, block_hashes_packed
 from kvstore.index import BlockEntry, BlockIndex, BlockState, make_key
 from kvstore.layout import KVLayout
 from kvstore.leases import Lease, LeaseTable
@@ -115,6 +116,17 @@ class LookupResult:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """A snapshot of one READY block's metadata, for operators and diagnostics."""
+
+    tier: str
+    slot: Slot
+    nbytes: int
+    checksum: int
+    pins: int
+
+
+@dataclass(frozen=True, slots=True)
 class PutResult:
     namespace_id: bytes
     stored: int
@@ -165,7 +177,7 @@ class Store:
         self._executor = executor
         self._clock = clock
         self._index = BlockIndex()
-        self._leases = LeaseTable()
+        self._leases = LeaseTable(self._end_read)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         self._tier_by_name = {t.name: t for t in self.tiers}
 
@@ -199,16 +211,22 @@ class Store:
     def namespaces(self) -> list[NamespaceInfo]:
         return list(self._namespaces.values())
 
-    def hashes_for_tokens(self, namespace_id: bytes, token_ids: Sequence[int]) -> list[bytes]:
+    def hashes_for_tokens(self, namespace_id: bytes, packed_tokens: bytes, max_blocks: int | None = None) -> list[bytes]:
+        """Block hashes of tokens packed as little-endian u32 (at most `max_blocks` blocks)."""
         info = self.namespace(namespace_id)
-        self._check_count(len(token_ids) // info.layout.block_size_tokens, "blocks of tokens")
-        return block_hashes(namespace_id, token_ids, info.layout.block_size_tokens)
+        step = info.layout.block_size_tokens * 4
+        n_blocks = len(packed_tokens) // step
+        if max_blocks is not None:
+            n_blocks = min(n_blocks, max_blocks)
+        self._check_count(n_blocks, "blocks of tokens")
+        return block_hashes_packed(namespace_id, memoryview(packed_tokens)[: n_blocks * step],
+                                   info.layout.block_size_tokens)
 
     def check_hashes(self, hashes: Sequence[bytes]) -> None:
         self._check_count(len(hashes), "block hashes")
-        for i, h in enumerate(hashes):
-            if len(h) != HASH_BYTES:
-                raise InvalidArgument(f"block hash {i} is {len(h)} bytes; every block hash is {HASH_BYTES} bytes")
+        if hashes and set(map(len, hashes)) != {HASH_BYTES}:  # one C-level pass in the common case
+            i, h = next((i, h) for i, h in enumerate(hashes) if len(h) != HASH_BYTES)
+            raise InvalidArgument(f"block hash {i} is {len(h)} bytes; every block hash is {HASH_BYTES} bytes")
 
     def _check_count(self, n: int, what: str) -> None:
         if n > self.limits.max_blocks_per_call:
@@ -232,16 +250,18 @@ class Store:
         c.lookup_blocks += len(keys)
         c.hit_blocks += len(hit)
         c.miss_blocks += len(keys) - len(hit)
-        tier_names = []
-        for entry in hit:
-            st = self._tier_by_name[entry.slot.tier]
-            st.counters.hits += 1
-            st.policy.touch(entry.key)
-            tier_names.append(entry.slot.tier)
-        # A block not found (or found lower down) is a miss for every tier above it.
-        missing = len(keys) - len(hit)
+        tier_names = [entry.slot.tier for entry in hit]
+        per_tier = Counter(tier_names)
         for st in self.tiers:
-            st.counters.misses += missing + sum(1 for name in tier_names if name != st.name)
+            # A tier's hits are looked-up blocks it holds; its misses, those it does not.
+            held = per_tier.get(st.name, 0)
+            st.counters.hits += held
+            st.counters.misses += len(keys) - held
+            if held:
+                # Tail first, so the head of a chain is the most recently used: a recency
+                # policy then evicts chain tails before the heads later blocks depend on.
+                tail_first = reversed(hit) if held == len(hit) else (e for e in reversed(hit) if e.slot.tier == st.name)
+                st.policy.touch_many(e.key for e in tail_first)
         return LookupResult(
             namespace_id=namespace_id,
             num_blocks=len(hit),
@@ -251,10 +271,21 @@ class Store:
             lease_id=lease_id,
         )
 
+    def block(self, namespace_id: bytes, block_hash: bytes) -> BlockInfo | None:
+        entry = self._index.get(make_key(namespace_id, block_hash))
+        if entry is None:
+            return None
+        return BlockInfo(entry.slot.tier, entry.slot, entry.nbytes, entry.checksum, entry.pins)
+
     # ----------------------------------------------------------------- put
 
-    def begin_put(self, namespace_id: bytes, hashes: Sequence[bytes], parent_hash: bytes | None = None) -> PutTxn:
-        """Start a two-phase put of `hashes` (in chain order). Use as `async with`."""
+    def begin_put(
+        self, namespace_id: bytes, hashes: Sequence[bytes], parent_hash: bytes | None = None, tier: str | None = None
+    ) -> PutTxn:
+        """Start a two-phase put of `hashes` (in chain order). Use as `async with`.
+
+        `tier` names the tier the new blocks land in (default: the first).
+        """
         info = self.namespace(namespace_id)
         self.check_hashes(hashes)
         if parent_hash is not None and len(parent_hash) != HASH_BYTES:
@@ -262,7 +293,10 @@ class Store:
         if not hashes:
             raise InvalidArgument("a put must carry at least one block")
         self.expire_leases()
-        return PutTxn(self, info, list(hashes), parent_hash)
+        if tier is not None and tier not in self._tier_by_name:
+            raise FailedPrecondition(f"this daemon has no {tier} tier")
+        target = self._tier_by_name[tier] if tier is not None else self.tiers[0]
+        return PutTxn(self, info, list(hashes), parent_hash, target)
 
     def _allocate(self, st: StoreTier, nbytes: int) -> Slot:
         """A slot in `st`, evicting victims in policy order until one fits."""
@@ -303,7 +337,8 @@ class Store:
             st.tier.free(entry.slot)
 
     def _publish(self, entries: list[BlockEntry]) -> None:
-        for entry in entries:
+        # Tail first, for the same reason as in `lookup`.
+        for entry in reversed(entries):
             entry.state = BlockState.READY
             self._index.add(entry)
             self._tier_by_name[entry.slot.tier].policy.insert(entry.key, entry.parent)
@@ -367,10 +402,73 @@ class Store:
         lease = self._acquire_lease(entries, ttl)
         return PinResult(lease.lease_id, len(entries), min(ttl, self.limits.max_lease_ms))
 
+    def lease_prefix(
+        self, namespace_id: bytes, hashes: Sequence[bytes], ttl_ms: int, tier: str
+    ) -> tuple[LookupResult, list[BlockInfo]]:
+        """The fetch of a co-located reader: the READY prefix of `hashes`, plus a
+        bytes-holding lease on its leading run of blocks in `tier`.
+
+        The returned slots stay valid (never freed or reused) until the lease is released
+        or expires, even if the blocks are deleted meanwhile. Counted as a fetch of the
+        leased blocks, like `open_fetch`; blocks past the run are fetched separately.
+        """
+        info = self.namespace(namespace_id)
+        self.check_hashes(hashes)
+        self.expire_leases()
+        entries = self._index.longest_ready_prefix([make_key(namespace_id, h) for h in hashes])
+        local: list[BlockEntry] = []
+        for entry in entries:
+            if entry.slot.tier != tier:
+                break
+            local.append(entry)
+        lease_id = ""
+        if local:
+            lease_id = self._acquire_lease(local, ttl_ms, holds_bytes=True).lease_id
+        self.counters.fetches += 1
+        self.counters.blocks_fetched += len(local)
+        self.counters.bytes_out += sum(e.nbytes for e in local)
+        for entry in reversed(local):
+            self._tier_by_name[entry.slot.tier].policy.touch(entry.key)
+        result = LookupResult(
+            namespace_id=namespace_id,
+            num_blocks=len(entries),
+            block_size_tokens=info.layout.block_size_tokens,
+            tiers=[e.slot.tier for e in entries],
+            block_hashes=list(hashes[: len(entries)]),
+            lease_id=lease_id,
+        )
+        return result, [BlockInfo(e.slot.tier, e.slot, e.nbytes, e.checksum, e.pins) for e in local]
+
+    async def verify(self, namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[int, int]:
+        """Re-check the named blocks against their checksums; drop and count the bad ones.
+
+        Returns (verified, dropped). A client that saw a mismatch asks for this: the
+        daemon does not take the client's word, it looks for itself.
+        """
+        self.namespace(namespace_id)
+        self.check_hashes(hashes)
+        entries = [e for h in hashes if (e := self._index.get(make_key(namespace_id, h))) is not None]
+        for entry in entries:
+            entry.readers += 1
+        try:
+            datas = [await self._tier_by_name[e.slot.tier].tier.read(e.slot, e.nbytes) for e in entries]
+            sums = await checksum_batch(datas, self._executor)
+        finally:
+            for entry in entries:
+                self._end_read(entry)
+        verified = dropped = 0
+        for entry, got in zip(entries, sums):
+            if got == entry.checksum:
+                verified += 1
+            elif not entry.removed:
+                self._checksum_failed(entry)
+                dropped += 1
+        return verified, dropped
+
     def unpin(self, lease_id: str) -> bool:
         return self._leases.release(lease_id) is not None
 
-    def _acquire_lease(self, entries: list[BlockEntry], ttl_ms: int) -> Lease:
+    def _acquire_lease(self, entries: list[BlockEntry], ttl_ms: int, holds_bytes: bool = False) -> Lease:
         if ttl_ms < 0:
             raise InvalidArgument(f"lease time must be >= 0 ms, got {ttl_ms}")
         if len(self._leases) >= self.limits.max_leases:
@@ -378,7 +476,7 @@ class Store:
                 f"{self.limits.max_leases} leases are active; release leases (Unpin) or wait for them to expire"
             )
         ttl_ms = min(ttl_ms, self.limits.max_lease_ms)
-        return self._leases.acquire(entries, self._clock() + ttl_ms / 1000.0)
+        return self._leases.acquire(entries, self._clock() + ttl_ms / 1000.0, holds_bytes)
 
     def expire_leases(self) -> int:
         return self._leases.expire(self._clock())
@@ -477,14 +575,17 @@ class PutTxn:
     READY when the put began is accepted and discarded without being stored again.
     """
 
-    def __init__(self, store: Store, info: NamespaceInfo, hashes: list[bytes], parent_hash: bytes | None) -> None:
+    def __init__(
+        self, store: Store, info: NamespaceInfo, hashes: list[bytes], parent_hash: bytes | None, tier: StoreTier
+    ) -> None:
         self._store = store
         self._info = info
         self._hashes = hashes
         self.block_bytes = info.layout.bytes_per_block
         ns = info.namespace_id
         self._keys = [make_key(ns, h) for h in hashes]
-        self._parents: list[bytes | None] = [make_key(ns, parent_hash) if parent_hash else None] + self._keys[:-1]
+        first_parent = make_key(ns, parent_hash) if parent_hash else None
+        self._parents: list[bytes | None] = [first_parent, *self._keys[:-1]]
         self._entries: list[BlockEntry | None] = [None] * len(hashes)
         # Blocks already READY when the put began, held so that making room for the new
         # blocks cannot evict them (the put would otherwise report them present when not).
@@ -492,17 +593,18 @@ class PutTxn:
         self._received = [0] * len(hashes)
         self._current = 0
         self._done = False
-        self._tier = store.tiers[0]
+        self._tier = tier
 
     async def __aenter__(self) -> PutTxn:
-        self._reserve()
+        self.reserve()
         return self
 
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
         if not self._done:
             self.abort()
 
-    def _reserve(self) -> None:
+    def reserve(self) -> None:
+        """Allocate PENDING slots for the blocks not already present (evicting as needed)."""
         st = self._tier
         index = self._store._index
         new = []
@@ -550,6 +652,15 @@ class PutTxn:
             await self._store._tier_by_name[entry.slot.tier].tier.write(entry.slot, offset, data)
         self._received[block] = offset + len(data)
 
+    def slots(self) -> list[Slot | None]:
+        """Where each block's bytes must land; None for blocks already present."""
+        return [e.slot if e is not None else None for e in self._entries]
+
+    def mark_written(self) -> None:
+        """Every byte was written into the slots by someone else (a co-located client)."""
+        self._received = [self.block_bytes] * len(self._keys)
+        self._current = len(self._keys) - 1
+
     def _check_complete(self, block: int) -> None:
         got = self._received[block]
         if got != self.block_bytes:
@@ -558,34 +669,44 @@ class PutTxn:
                 "check the layout you sent"
             )
 
-    async def commit(self) -> PutResult:
-        """Verify every block is complete, checksum, and publish. Read-your-writes holds on return."""
+    async def commit(self, checksums: Sequence[int] | None = None) -> PutResult:
+        """Verify every block is complete, checksum, and publish. Read-your-writes holds on return.
+
+        `checksums` (one per block of the put, in order) are taken as given instead of
+        hashing the slots: a co-located client hashes its source while copying it in. A
+        wrong one cannot cause a wrong block to be served: every read verifies.
+        """
         store = self._store
         for i in range(len(self._keys)):
             self._check_complete(i)
         pending = [e for e in self._entries if e is not None]
         tiers = store._tier_by_name
-        views = [tiers[e.slot.tier].tier.view(e.slot, e.nbytes) for e in pending]
-        if any(v is None for v in views):
-            datas: list[bytes | memoryview] = [await tiers[e.slot.tier].tier.read(e.slot, e.nbytes) for e in pending]
+        if checksums is not None:
+            if len(checksums) != len(self._keys):
+                raise InvalidArgument(f"{len(checksums)} checksums for a put of {len(self._keys)} blocks")
+            sums = [checksums[i] for i, e in enumerate(self._entries) if e is not None]
         else:
-            datas = [v for v in views if v is not None]
-        sums = await checksum_batch(datas, store._executor)
+            views = [tiers[e.slot.tier].tier.view(e.slot, e.nbytes) for e in pending]
+            if any(v is None for v in views):
+                datas: list[bytes | memoryview] = [await tiers[e.slot.tier].tier.read(e.slot, e.nbytes) for e in pending]
+            else:
+                datas = [v for v in views if v is not None]
+            sums = await checksum_batch(datas, store._executor)
         if self._done:  # aborted while checksumming (cancelled call)
             raise FailedPrecondition("this put was aborted")
         stored = existing = 0
         publish: list[BlockEntry] = []
         for entry, csum in zip(pending, sums):
             entry.checksum = csum
-        for i, entry in enumerate(self._entries):
-            if entry is None or entry.key in store._index:
+        for i, maybe in enumerate(self._entries):
+            if maybe is None or maybe.key in store._index:
                 # Present before the put began, or published by a concurrent put since.
                 existing += 1
-                if entry is not None:
-                    tiers[entry.slot.tier].tier.free(entry.slot)
+                if maybe is not None:
+                    tiers[maybe.slot.tier].tier.free(maybe.slot)
                     self._entries[i] = None
             else:
-                publish.append(entry)
+                publish.append(maybe)
                 stored += 1
         store._publish(publish)
         self._done = True

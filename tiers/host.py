@@ -1,17 +1,17 @@
 """The host tier: one slab of host memory holding blocks at aligned offsets.
 
-The slab is an anonymous private mapping, so the kernel commits pages only as blocks
-land in them. Offsets come from a best-fit `ExtentAllocator`. Moving bytes in and out
-is a memcpy on the event loop: for host memory a memcpy of a block is cheaper than the
+The slab lives in a shared-memory `Segment` (0600), so co-located clients can map it and
+move bytes with one memcpy; the kernel commits pages only as blocks land in them.
+Offsets come from a best-fit `ExtentAllocator`. Moving bytes in and out over RPC is a
+memcpy on the event loop: for host memory a memcpy of a block is cheaper than the
 hand-off to a thread, and the loop owns the slab, so no lock is needed.
 """
 
 from __future__ import annotations
 
-import mmap
-
 from kvstore.tiers.base import Slot, Tier
 from kvstore.tiers.extents import ExtentAllocator
+from kvstore.tiers.segment import Segment
 
 HOST_ALIGNMENT = 256
 
@@ -19,11 +19,11 @@ HOST_ALIGNMENT = 256
 class HostTier(Tier):
     name = "host"
 
-    def __init__(self, capacity_bytes: int, alignment: int = HOST_ALIGNMENT) -> None:
+    def __init__(self, capacity_bytes: int, alignment: int = HOST_ALIGNMENT, shm_dir: str | None = None) -> None:
         super().__init__(capacity_bytes)
         self._extents = ExtentAllocator(capacity_bytes, alignment)
-        self._map = mmap.mmap(-1, max(capacity_bytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self._mem = memoryview(self._map)
+        self.segment = Segment(capacity_bytes, shm_dir)
+        self._mem = self.segment.data
 
     def accounted_size(self, nbytes: int) -> int:
         return self._extents.aligned(max(nbytes, 1))
@@ -51,8 +51,13 @@ class HostTier(Tier):
         return self._mem[slot.offset : slot.offset + nbytes]
 
     def close(self) -> None:
-        self._mem.release()
-        self._map.close()
+        self.segment.close()
 
     def describe(self) -> dict[str, str]:
-        return {"backing": "anonymous mmap", "pinned": "no", "alignment": str(self._extents.alignment)}
+        return {
+            "backing": "shared memory",
+            "segment": self.segment.path,
+            "pinned": "no",
+            "prefaulted": self.segment.populated,
+            "alignment": str(self._extents.alignment),
+        }

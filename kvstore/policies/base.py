@@ -40,6 +40,11 @@ class EvictionPolicy(ABC):
     def touch(self, key: BlockKey) -> None:
         """A block was hit (lookup or fetch). Unknown keys are ignored."""
 
+    def touch_many(self, keys: Iterable[BlockKey]) -> None:
+        """`touch` each key in order (a lookup's hits, tail first). Override to go faster."""
+        for key in keys:
+            self.touch(key)
+
     @abstractmethod
     def remove(self, key: BlockKey) -> None:
         """A block left this tier (evicted, deleted, moved). Unknown keys are ignored."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvstore.policies.base import BlockKey, Clock, EvictionPolicy
 
@@ -26,6 +26,13 @@ class LRUPolicy(EvictionPolicy):
     def touch(self, key: BlockKey) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def touch_many(self, keys: Iterable[BlockKey]) -> None:
+        order = self._order
+        move = order.move_to_end
+        for key in keys:
+            if key in order:
+                move(key)
 
     def remove(self, key: BlockKey) -> None:
         self._order.pop(key, None)

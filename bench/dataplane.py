@@ -1,0 +1,442 @@
+"""Data-plane benchmark: kvstore's shared-memory and gRPC paths next to their ceilings
+(memcpy, a raw grpc-python echo) and a peer (Redis), all measured in one run.
+
+For each block size (256 KiB, 1 MiB, 4 MiB; 1 MiB only with --quick) and batch 32:
+put and fetch throughput (GB/s, blocks/s, per-call p50/p99); and the latency of a
+lookup of a 1,000-block chain. Every system moves the same payloads into and out of
+caller-owned buffers. Writes results as JSON (the schema in README "Benchmarks") and a
+readable report with ratios, plus a bar chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvstore.client import Client, KVLayout  # noqa: E402
+
+GB = 1e9
+MIB = 1 << 20
+
+
+@dataclass
+class Result:
+    system: str
+    op: str
+    block_bytes: int
+    batch: int
+    gbps: float | None
+    ops_per_s: float
+    p50_us: float
+    p99_us: float
+    calls: int
+    note: str = ""
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def measure(fn: Callable[[int], None], seconds: float, min_calls: int = 5) -> list[float]:
+    """Call fn(i) repeatedly for about `seconds` after one warm-up; per-call seconds."""
+    fn(-1)
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    i = 0
+    while i < min_calls or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+        i += 1
+    return times
+
+
+def result(system: str, op: str, block_bytes: int, batch: int, times: list[float], note: str = "") -> Result:
+    total = sum(times)
+    blocks = batch * len(times)
+    return Result(system, op, block_bytes, batch, blocks * block_bytes / total / GB if block_bytes else None,
+                  blocks / total, percentile(times, 50) * 1e6, percentile(times, 99) * 1e6, len(times), note)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not come up")
+        time.sleep(0.1)
+
+
+# ----------------------------------------------------------------------- servers
+
+
+class Services:
+    """The daemon, the echo server and Redis, each a subprocess on loopback only."""
+
+    def __init__(self, workdir: Path, host_capacity: str) -> None:
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.sock = workdir / "kv.sock"
+        self.kv_port = free_port()
+        log = open(workdir / "daemon.log", "wb")
+        self.procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "server.py"), "--listen", f"unix:{self.sock},127.0.0.1:{self.kv_port}",
+             "--host-capacity", host_capacity, "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT))
+        echo = subprocess.Popen([sys.executable, str(ROOT / "bench" / "echo_server.py")], stdout=subprocess.PIPE)
+        self.procs.append(echo)
+        assert echo.stdout is not None
+        self.echo_port = int(echo.stdout.readline())
+        self.redis_port: int | None = None
+        redis_server = shutil.which("redis-server")
+        if redis_server:
+            self.redis_port = free_port()
+            self.procs.append(subprocess.Popen(
+                [redis_server, "--bind", "127.0.0.1", "--port", str(self.redis_port), "--save", "", "--appendonly",
+                 "no", "--protected-mode", "yes", "--dir", str(workdir)], stdout=subprocess.DEVNULL))
+        wait_for(self.sock.exists, "kvstore daemon")
+        wait_for(lambda: _health(f"unix:{self.sock}"), "kvstore daemon health")
+        # Measure the steady state: the host segment's pages mapped in (the daemon does
+        # this in the background after it starts serving).
+        wait_for(lambda: _prefaulted(f"unix:{self.sock}"), "host tier prefault", timeout=300)
+        if self.redis_port is not None:
+            import redis
+
+            wait_for(lambda: _redis_ping(redis, self.redis_port), "redis-server")
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _health(target: str) -> bool:
+    try:
+        with Client(target, timeout_s=1) as kv:
+            kv.stats()
+        return True
+    except Exception:
+        return False
+
+
+def _prefaulted(target: str) -> bool:
+    with Client(target, timeout_s=5) as kv:
+        text = kv.info("tiers")
+    return "tier_host_prefaulted:no" not in text and "tier_host_prefaulted:running" not in text
+
+
+def _redis_ping(redis_mod, port: int) -> bool:  # type: ignore[no-untyped-def]
+    try:
+        return bool(redis_mod.Redis(host="127.0.0.1", port=port).ping())
+    except Exception:
+        return False
+
+
+# ----------------------------------------------------------------------- systems
+
+
+def layout_for(block_bytes: int) -> KVLayout:
+    return KVLayout(model=f"bench-{block_bytes}", dtype="uint8", num_layers=1, num_kv_heads=1,
+                    head_dim=block_bytes // 32, block_size_tokens=16)  # 2*1*16*1*D = block_bytes
+
+
+def bench_memcpy(block_bytes: int, batch: int, seconds: float, pool: ThreadPoolExecutor) -> list[Result]:
+    src = [np.random.randint(0, 255, block_bytes, dtype=np.uint8) for _ in range(batch)]
+    dst = [np.empty(block_bytes, dtype=np.uint8) for _ in range(batch)]
+
+    def copy_parallel(_: int) -> None:
+        list(pool.map(np.copyto, dst, src))
+
+    def copy_serial(_: int) -> None:
+        for d, s in zip(dst, src):
+            np.copyto(d, s)
+
+    par = measure(copy_parallel, seconds)
+    ser = measure(copy_serial, seconds)
+    note = f"{pool._max_workers} threads, as the shm client"  # noqa: SLF001
+    return [result("memcpy", op, block_bytes, batch, par, note) for op in ("put", "fetch")] + [
+        result("memcpy-1thread", op, block_bytes, batch, ser, "numpy copyto, one thread") for op in ("put", "fetch")]
+
+
+def bench_kvstore(system: str, target: str, plane: str, block_bytes: int, batch: int, seconds: float) -> list[Result]:
+    layout = layout_for(block_bytes)
+    assert layout.bytes_per_block == block_bytes
+    src = [np.random.randint(0, 255, block_bytes, dtype=np.uint8) for _ in range(batch)]
+    out = [np.empty(block_bytes, dtype=np.uint8) for _ in range(batch)]
+    with Client(target, data_plane=plane) as kv:
+        assert kv.data_plane_in_use == plane, f"{system} wanted the {plane} plane"
+
+        def put(_: int) -> None:
+            kv.put(layout, None, src, block_hashes=[os.urandom(16) for _ in range(batch)])
+
+        puts = measure(put, seconds)
+        hashes = [os.urandom(16) for _ in range(batch)]
+        kv.put(layout, None, src, block_hashes=hashes)
+
+        def fetch(_: int) -> None:
+            got = kv.fetch(layout, block_hashes=hashes, out=out)
+            if len(got) != batch:
+                raise RuntimeError(f"{system} fetched {len(got)} of {batch} blocks")
+
+        fetches = measure(fetch, seconds)
+        for o, s in zip(out, src):
+            if not np.array_equal(o, s):
+                raise RuntimeError(f"{system} returned different bytes")
+    return [result(system, "put", block_bytes, batch, puts), result(system, "fetch", block_bytes, batch, fetches)]
+
+
+def bench_echo(port: int, block_bytes: int, batch: int, seconds: float, chunk: int = MIB) -> list[Result]:
+    import grpc
+
+    ident = lambda b: b  # noqa: E731
+    src = [np.random.randint(0, 255, block_bytes, dtype=np.uint8) for _ in range(batch)]
+    out = [np.empty(block_bytes, dtype=np.uint8) for _ in range(batch)]
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
+        put_call = ch.stream_unary("/bench.Echo/Put", request_serializer=ident, response_deserializer=ident)
+        fetch_call = ch.unary_stream("/bench.Echo/Fetch", request_serializer=ident, response_deserializer=ident)
+
+        def chunks():  # type: ignore[no-untyped-def]
+            for s in src:
+                v = memoryview(s)
+                for start in range(0, block_bytes, chunk):
+                    yield bytes(v[start : start + chunk])
+
+        def put(_: int) -> None:
+            put_call(chunks())
+
+        n_chunks = batch * max(1, block_bytes // chunk)
+        step = min(chunk, block_bytes)
+
+        def fetch(_: int) -> None:
+            req = n_chunks.to_bytes(8, "little") + step.to_bytes(8, "little")
+            i = 0
+            for piece in fetch_call(req):
+                block, off = divmod(i * step, block_bytes)
+                memoryview(out[block])[off : off + len(piece)] = piece
+                i += 1
+
+        return [result("grpc-echo", "put", block_bytes, batch, measure(put, seconds)),
+                result("grpc-echo", "fetch", block_bytes, batch, measure(fetch, seconds))]
+
+
+def bench_redis(port: int, block_bytes: int, batch: int, seconds: float) -> list[Result]:
+    import redis
+
+    r = redis.Redis(host="127.0.0.1", port=port)
+    r.flushall()
+    payloads = [np.random.randint(0, 255, block_bytes, dtype=np.uint8).tobytes() for _ in range(batch)]
+    out = [np.empty(block_bytes, dtype=np.uint8) for _ in range(batch)]
+    counter = [0]
+
+    def put(_: int) -> None:
+        pipe = r.pipeline(transaction=False)
+        base = counter[0]
+        counter[0] += batch
+        for j, p in enumerate(payloads):
+            pipe.set(f"k{base + j}", p)
+        pipe.execute()
+        if counter[0] > 4 * batch:  # keep memory bounded, like the daemon's eviction
+            r.flushall()
+            counter[0] = 0
+
+    puts = measure(put, seconds)
+    keys = [f"fixed{j}" for j in range(batch)]
+    r.mset(dict(zip(keys, payloads)))
+
+    def fetch(_: int) -> None:
+        for o, v in zip(out, r.mget(keys)):
+            memoryview(o)[:] = v
+
+    fetches = measure(fetch, seconds)
+    r.flushall()
+    return [result("redis", "put", block_bytes, batch, puts, "redis-py pipeline of SET"),
+            result("redis", "fetch", block_bytes, batch, fetches, "MGET")]
+
+
+def bench_lookup(services: Services, redis_port: int | None, chain: int, seconds: float) -> list[Result]:
+    layout = KVLayout(model="bench-lookup", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=8,
+                      block_size_tokens=16)
+    tokens = list(range(chain * layout.block_size_tokens))
+    blocks = [bytes(layout.bytes_per_block)] * 256
+    out: list[Result] = []
+    for system, target in (("kvstore-shm", f"unix:{services.sock}"), ("kvstore-grpc", f"127.0.0.1:{services.kv_port}")):
+        with Client(target) as kv:
+            for first in range(0, chain, 256):
+                kv.put(layout, tokens, blocks[: min(256, chain - first)], first_block=first)
+
+            def lookup(_: int) -> None:
+                if kv.lookup(layout, tokens).num_blocks != chain:
+                    raise RuntimeError("lookup missed blocks of the chain")
+
+            note = "token ids hashed by the daemon; " + ("Unix socket" if system == "kvstore-shm" else "TCP loopback")
+            out.append(result(system, "lookup", 0, chain, measure(lookup, seconds, min_calls=50), note))
+    if redis_port is not None:
+        import redis
+
+        r = redis.Redis(host="127.0.0.1", port=redis_port)
+        keys = [f"chain{i}" for i in range(chain)]
+        r.mset({k: b"1" for k in keys})
+
+        def exists(_: int) -> None:
+            if r.exists(*keys) != chain:
+                raise RuntimeError("redis lost keys")
+
+        out.append(result("redis", "lookup", 0, chain, measure(exists, seconds, min_calls=50), "EXISTS of 1000 keys"))
+        r.flushall()
+    return out
+
+
+# ----------------------------------------------------------------------- report
+
+
+def machine_info() -> dict[str, object]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import grpc
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+            "grpcio": grpc.__version__, "numpy": np.__version__,
+            "mem_bytes": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def find(results: list[Result], system: str, op: str, size: int) -> Result | None:
+    return next((r for r in results if r.system == system and r.op == op and r.block_bytes == size), None)
+
+
+def ratio_rows(results: list[Result]) -> list[tuple[str, str, float]]:
+    rows = []
+    sizes = sorted({r.block_bytes for r in results if r.block_bytes})
+    pairs = [("kvstore-shm", "memcpy", "of memcpy (target >= 0.5)"),
+             ("kvstore-shm", "redis", "x Redis (target >= 4)"),
+             ("kvstore-shm", "mooncake", "x Mooncake co-located (target >= 1.0)"),
+             ("kvstore-grpc", "grpc-echo", "of the raw gRPC echo (target >= 0.9)"),
+             ("kvstore-grpc", "redis", "x Redis")]
+    for size in sizes:
+        for op in ("put", "fetch"):
+            for ours, theirs, label in pairs:
+                a, b = find(results, ours, op, size), find(results, theirs, op, size)
+                if a and b and a.gbps and b.gbps:
+                    rows.append((f"{size // 1024} KiB {op}", f"{ours} {label}", a.gbps / b.gbps))
+    return rows
+
+
+def write_report(results: list[Result], machine: dict[str, object], out_dir: Path, elapsed: float) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"machine": machine, "elapsed_s": round(elapsed, 1), "results": [asdict(r) for r in results]}
+    (out_dir / "latest.json").write_text(json.dumps(data, indent=2))
+    lines = ["# kvstore data-plane benchmark", "",
+             f"{machine['cpu']}, {machine['cores']} cores, Python {machine['python']}, {machine['time']}; "
+             f"run took {elapsed:.0f} s. Same run, same machine, loopback only.", "",
+             "## Throughput (batch of 32 blocks per call)", "",
+             "| block | op | system | GB/s | blocks/s | p50 us | p99 us |", "|---|---|---|---|---|---|---|"]
+    for r in sorted((r for r in results if r.op != "lookup"), key=lambda r: (r.block_bytes, r.op, -(r.gbps or 0))):
+        lines.append(f"| {r.block_bytes // 1024} KiB | {r.op} | {r.system} | {r.gbps:.2f} | {r.ops_per_s:,.0f} | "
+                     f"{r.p50_us:,.0f} | {r.p99_us:,.0f} |")
+    lines += ["", "## Lookup of a 1,000-block chain", "", "| system | p50 us | p99 us | note |", "|---|---|---|---|"]
+    for r in (r for r in results if r.op == "lookup"):
+        lines.append(f"| {r.system} | {r.p50_us:,.0f} | {r.p99_us:,.0f} | {r.note} |")
+    lines += ["", "## Ratios", "", "| case | comparison | ratio |", "|---|---|---|"]
+    lines += [f"| {case} | {label} | {value:.2f} |" for case, label, value in ratio_rows(results)]
+    (out_dir / "latest.md").write_text("\n".join(lines) + "\n")
+    try:
+        plot(results, out_dir / "latest.png")
+    except ImportError:
+        print("matplotlib is not installed; skipped the chart", file=sys.stderr)
+
+
+def plot(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r.block_bytes for r in results if r.block_bytes})
+    systems = [s for s in ("memcpy", "kvstore-shm", "mooncake", "lmcache", "redis", "grpc-echo", "kvstore-grpc")
+               if any(r.system == s for r in results)]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    width = 0.8 / len(systems)
+    for ax, op in zip(axes, ("put", "fetch")):
+        for i, system in enumerate(systems):
+            vals = [(find(results, system, op, s) or Result(system, op, s, 0, 0.0, 0, 0, 0, 0)).gbps or 0 for s in sizes]
+            ax.bar([x + i * width for x in range(len(sizes))], vals, width, label=system)
+        ax.set_xticks([x + width * (len(systems) - 1) / 2 for x in range(len(sizes))])
+        ax.set_xticklabels([f"{s // 1024} KiB" for s in sizes])
+        ax.set_title(f"{op}, batch 32")
+        ax.set_ylabel("GB/s")
+        ax.grid(axis="y", alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="1 MiB blocks only, shorter cells")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--seconds", type=float, default=None, help="time per cell")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--peers", default="", help="JSON file of peer results (same schema) to merge in")
+    args = parser.parse_args(argv)
+    sizes = [MIB] if args.quick else [256 * 1024, MIB, 4 * MIB]
+    seconds = args.seconds or (1.0 if args.quick else 2.0)
+    started = time.perf_counter()
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
+        services = Services(Path(tmp), "2GiB")
+        pool = ThreadPoolExecutor(2)
+        try:
+            for size in sizes:
+                print(f"block {size // 1024} KiB ...", flush=True)
+                results += bench_memcpy(size, args.batch, seconds, pool)
+                results += bench_kvstore("kvstore-shm", f"unix:{services.sock}", "local", size, args.batch, seconds)
+                results += bench_kvstore("kvstore-grpc", f"127.0.0.1:{services.kv_port}", "grpc", size, args.batch,
+                                         seconds)
+                results += bench_echo(services.echo_port, size, args.batch, seconds)
+                if services.redis_port is not None:
+                    results += bench_redis(services.redis_port, size, args.batch, seconds)
+            print("lookup ...", flush=True)
+            results += bench_lookup(services, services.redis_port, 1000, seconds)
+        finally:
+            pool.shutdown()
+            services.close()
+    if args.peers and Path(args.peers).exists():
+        results += [Result(**r) for r in json.loads(Path(args.peers).read_text())["results"]]
+    elapsed = time.perf_counter() - started
+    write_report(results, machine_info(), Path(args.out), elapsed)
+    print((Path(args.out) / "latest.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The local data plane's server side: puts in flight whose bytes a co-located client
+copies straight into PENDING slots of the host tier's shared-memory segment.
+
+Primitives: `begin(txn) -> txn_id`, `take(txn_id)`, `expire(now)`. A begun put holds its
+slots until it is committed, aborted, or its deadline passes; a client that vanishes
+mid-put therefore never leaks capacity (the daemon's sweep rolls it back).
+"""
+
+from __future__ import annotations
+
+import heapq
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvstore.errors import FailedPrecondition, ResourceExhausted
+from kvstore.store import PutTxn
+
+DEFAULT_PUT_TTL_MS = 30_000
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    txn: PutTxn
+    expires_at: float
+
+
+class LocalPuts:
+    def __init__(self, max_pending: int = 1024, ttl_ms: int = DEFAULT_PUT_TTL_MS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_pending = max_pending
+        self.ttl_ms = ttl_ms
+        self._clock = clock
+        self._pending: dict[str, _Pending] = {}
+        self._deadlines: list[tuple[float, str]] = []
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def begin(self, txn: PutTxn) -> str:
+        self.expire()
+        if len(self._pending) >= self.max_pending:
+            txn.abort()
+            raise ResourceExhausted(
+                f"{self.max_pending} local puts are open; commit or abort them before beginning more"
+            )
+        txn_id = secrets.token_hex(12)
+        expires_at = self._clock() + self.ttl_ms / 1000.0
+        self._pending[txn_id] = _Pending(txn, expires_at)
+        heapq.heappush(self._deadlines, (expires_at, txn_id))
+        return txn_id
+
+    def take(self, txn_id: str) -> PutTxn:
+        """The open put `txn_id`, removed from the table (the caller commits or aborts it)."""
+        self.expire()
+        pending = self._pending.pop(txn_id, None)
+        if pending is None:
+            raise FailedPrecondition(
+                f"local put {txn_id!r} is not open: it was committed, aborted, or rolled back after "
+                f"{self.ttl_ms} ms; begin the put again"
+            )
+        return pending.txn
+
+    def expire(self) -> int:
+        now = self._clock()
+        expired = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, txn_id = heapq.heappop(self._deadlines)
+            pending = self._pending.pop(txn_id, None)
+            if pending is not None:
+                pending.txn.abort()
+                expired += 1
+        return expired
+
+    def abort_all(self) -> None:
+        for pending in self._pending.values():
+            pending.txn.abort()
+        self._pending.clear()
+        self._deadlines.clear()

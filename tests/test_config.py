@@ -1,0 +1,134 @@
+"""Config precedence, sizes, bounds, and the daemon's refusals to start."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import replace
+
+import pytest
+
+from kvstore.config import load_config
+from kvstore.daemon import Daemon, parse_listen
+from kvstore.errors import ConfigError
+from kvstore.units import human_bytes, parse_size
+
+
+def test_sizes():
+    assert parse_size("4GiB") == 4 << 30
+    assert parse_size("512 MiB") == 512 << 20
+    assert parse_size("1.5GiB") == 3 << 29
+    assert parse_size("10kb") == 10_000
+    assert parse_size(123) == 123
+    for bad in ("", "GiB", "4 GiBs", "-1", "1e9", True):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    assert human_bytes(1536) == "1.50KiB"
+
+
+def test_precedence_defaults_file_env_flags(tmp_path):
+    path = tmp_path / "kv.toml"
+    path.write_text('host_capacity = "1GiB"\nmax_blocks_per_call = 100\npolicy = "lru"\n')
+    cfg = load_config({"config": str(path)}, env={})
+    assert cfg.host_capacity == 1 << 30 and cfg.max_blocks_per_call == 100
+    cfg = load_config({"config": str(path)}, env={"KVSTORE_HOST_CAPACITY": "2GiB"})
+    assert cfg.host_capacity == 2 << 30 and cfg.max_blocks_per_call == 100
+    cfg = load_config({"config": str(path), "host_capacity": "3GiB"}, env={"KVSTORE_HOST_CAPACITY": "2GiB"})
+    assert cfg.host_capacity == 3 << 30
+    assert load_config({}, env={}).host_capacity == "auto"
+
+
+def test_listen_list_from_env_and_section_table(tmp_path):
+    path = tmp_path / "kv.toml"
+    path.write_text('[kvstore]\nlisten = ["unix:/run/x.sock", "127.0.0.1:7000"]\n')
+    assert load_config({"config": str(path)}, env={}).listen == ("unix:/run/x.sock", "127.0.0.1:7000")
+    assert load_config({}, env={"KVSTORE_LISTEN": "127.0.0.1:1, 127.0.0.1:2"}).listen == ("127.0.0.1:1", "127.0.0.1:2")
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        ({"host_capacity": "lots"}, "not a size"),
+        ({"host_capacity": "10KiB"}, "out of bounds"),
+        ({"max_blocks_per_call": "0"}, "out of bounds"),
+        ({"max_blocks_per_call": "many"}, "bad value"),
+        ({"log_level": "loud"}, "expected one of"),
+        ({"chunk_bytes": "16MiB"}, "must leave room"),
+        ({"policy": "nope"}, None),
+    ],
+)
+def test_bad_values_name_the_field(flags, match, tmp_path):
+    if match is None:  # an unknown policy is caught when the daemon builds the store
+        cfg = load_config({**flags, "listen": f"unix:{tmp_path}/s.sock"}, env={})
+        with pytest.raises(ConfigError, match="unknown eviction policy 'nope'"):
+            import asyncio
+
+            asyncio.run(Daemon(cfg).start())
+        return
+    with pytest.raises(ConfigError, match=match):
+        load_config(flags, env={})
+
+
+def test_bad_config_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config({"config": str(tmp_path / "missing.toml")}, env={})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("host_capacity = \n")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config({"config": str(bad)}, env={})
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("host_capacty = 5\n")
+    with pytest.raises(ConfigError, match="unknown setting.*host_capacty"):
+        load_config({"config": str(unknown)}, env={})
+
+
+@pytest.mark.parametrize(
+    "addr, match",
+    [
+        ("0.0.0.0:50051", "not loopback"),
+        ("10.1.2.3:50051", "allow-remote"),
+        ("localhost", "neither"),
+        ("127.0.0.1:http", "not a number"),
+        ("127.0.0.1:70000", "65535"),
+        ("unix:", "no socket path"),
+    ],
+)
+def test_bad_listen_addresses(addr, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_listen(addr)
+
+
+def test_remote_listen_needs_opt_in():
+    assert parse_listen("0.0.0.0:1", allow_remote=True).host == "0.0.0.0"
+    assert parse_listen("[::1]:5").host == "::1"
+    assert parse_listen("unix:///tmp/x.sock").path == "/tmp/x.sock"
+
+
+async def test_refuses_a_port_in_use(config):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        with pytest.raises(ConfigError, match="in use"):
+            await Daemon(replace(config, listen=(f"127.0.0.1:{port}",))).start()
+    finally:
+        holder.close()
+
+
+async def test_refuses_a_live_unix_socket_and_replaces_a_stale_one(daemon, config, tmp_path):
+    with pytest.raises(ConfigError, match="in use by another running daemon"):
+        await Daemon(replace(config, listen=(daemon.unix_target,))).start()
+    stale = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(stale))
+    s.close()  # bound but nobody listens: what a killed daemon leaves behind
+    d = Daemon(replace(config, listen=(f"unix:{stale}",)))
+    await d.start()
+    assert (stale.stat().st_mode & 0o777) == 0o600
+    await d.stop(grace_s=0)
+    assert not stale.exists()
+
+
+async def test_refuses_more_capacity_than_the_machine_has(config):
+    with pytest.raises(ConfigError, match="more than this machine's available memory"):
+        await Daemon(replace(config, host_capacity=1 << 50)).start()

@@ -1,0 +1,231 @@
+"""The shared-memory data plane against the real daemon: identical bytes to the gRPC
+path, slots never reused while leased, verification of what was copied, rollback of
+abandoned puts, and fallback when the segment cannot be mapped."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from kvstore.client import AsyncClient, Client
+from kvstore.client._common import layout_to_proto
+from kvstore.errors import FailedPrecondition
+from kvstore.tiers.segment import AttachedSegment
+from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+
+
+def blocks_for(layout, n):
+    return [os.urandom(layout.bytes_per_block) for _ in range(n)]
+
+
+def test_local_and_grpc_paths_give_identical_bytes(daemon_thread, layout):
+    with Client(daemon_thread.unix_target, data_plane="local") as local, \
+         Client(daemon_thread.unix_target, data_plane="grpc") as remote:
+        assert local.data_plane_in_use == "local" and remote.data_plane_in_use == "grpc"
+        a_tokens, b_tokens = list(range(12)), list(range(100, 112))
+        a, b = blocks_for(layout, 3), blocks_for(layout, 3)
+        assert local.put(layout, a_tokens, a).stored == 3
+        assert remote.put(layout, b_tokens, b).stored == 3
+        for kv in (local, remote):
+            assert [bytes(x) for x in kv.fetch(layout, a_tokens)] == a
+            assert [bytes(x) for x in kv.fetch(layout, b_tokens)] == b
+        # Re-put through the other plane is a no-op; partial puts compose across planes.
+        assert local.put(layout, b_tokens, b).existing == 3
+        c_tokens = list(range(200, 212))
+        c = blocks_for(layout, 3)
+        local.put(layout, c_tokens, c[:1])
+        remote.put(layout, c_tokens, c[1:], first_block=1)
+        assert [bytes(x) for x in local.fetch(layout, c_tokens)] == c
+
+
+def test_auto_picks_local_for_unix_and_loopback(daemon_thread):
+    with Client(daemon_thread.unix_target) as kv:
+        assert kv.data_plane_in_use == "local"
+    with Client(daemon_thread.tcp_target) as kv:
+        assert kv.data_plane_in_use == "local"
+
+
+def test_fetch_into_caller_buffers_over_shared_memory(daemon_thread, layout):
+    import torch
+
+    tokens = list(range(16))
+    shape = (2, layout.num_layers, layout.block_size_tokens, layout.num_kv_heads, layout.head_dim)
+    src = [torch.randn(shape, dtype=torch.float16) for _ in range(4)]
+    out = [torch.empty(shape, dtype=torch.float16) for _ in range(4)]
+    with Client(daemon_thread.unix_target, data_plane="local") as kv:
+        kv.put(layout, tokens, src)
+        got = kv.fetch(layout, tokens, out=out[:3])  # three buffers: three blocks
+        assert len(got) == 3 and all(torch.equal(s, o) for s, o in zip(src[:3], out[:3]))
+
+
+def _raw(daemon):
+    channel = grpc.insecure_channel(daemon.unix_target)
+    return channel, kvstore_pb2_grpc.KVStoreStub(channel), admin_pb2_grpc.AdminStub(channel)
+
+
+def _ns(layout):
+    return kvstore_pb2.Namespace(layout=layout_to_proto(layout))
+
+
+def _tokens(tokens):
+    return kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(token_ids=tokens))
+
+
+def test_a_leased_slot_is_never_reused(tmp_path, layout):
+    from tests.conftest import make_config
+
+    # Room for exactly 4 blocks (1 KiB each, 256-byte aligned).
+    cfg = replace(make_config(tmp_path), host_capacity=4 * layout.bytes_per_block)
+    from kvstore.daemon import Daemon
+
+    loop = asyncio.new_event_loop()
+    daemon = Daemon(cfg)
+    loop.run_until_complete(daemon.start())
+    import threading
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        target = daemon.bound[0]
+        with Client(target, data_plane="local") as kv, grpc.insecure_channel(target) as channel:
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
+            held_tokens = list(range(8))
+            held = blocks_for(layout, 2)
+            kv.put(layout, held_tokens, held)
+            leased = stub.LocalFetch(kvstore_pb2.LocalFetchRequest(namespace=_ns(layout), keys=_tokens(held_tokens),
+                                                                   lease_ms=60_000))
+            assert len(leased.offsets) == 2 and leased.lease_id
+            # Delete the leased blocks, then churn the tier: the two free slots fill, and
+            # the next put must evict those rather than reuse the leased slots.
+            assert kv.delete(layout, held_tokens) == 2
+            kv.put(layout, list(range(100, 108)), blocks_for(layout, 2))
+            kv.put(layout, list(range(200, 208)), blocks_for(layout, 2))
+            assert kv.lookup(layout, list(range(100, 108))).num_blocks == 0  # evicted instead
+            host = next(t for t in kv.stats().tiers if t.name == "host")
+            assert host.used_bytes == 4 * layout.bytes_per_block  # 2 live + 2 held by the lease
+            seg = stub.LocalSegment(kvstore_pb2.LocalSegmentRequest())
+            mapped = AttachedSegment(seg.path, seg.token)
+            try:
+                for off, want in zip(leased.offsets, held):
+                    assert bytes(mapped.data[off : off + layout.bytes_per_block]) == want
+            finally:
+                mapped.close()
+            # Once released, the slots are free again: no eviction is needed for two more.
+            assert stub.Unpin(kvstore_pb2.UnpinRequest(lease_id=leased.lease_id)).released
+            host = next(t for t in kv.stats().tiers if t.name == "host")
+            assert host.used_bytes == 2 * layout.bytes_per_block
+            assert kv.put(layout, list(range(300, 308)), blocks_for(layout, 2)).stored == 2
+            assert kv.lookup(layout, list(range(200, 208))).num_blocks == 2
+    finally:
+        asyncio.run_coroutine_threadsafe(daemon.stop(grace_s=0), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+def test_a_corrupted_slot_is_never_returned_and_is_dropped(daemon_thread, layout):
+    tokens = list(range(12))
+    blocks = blocks_for(layout, 3)
+    channel, stub, admin = _raw(daemon_thread)
+    with channel, Client(daemon_thread.unix_target, data_plane="local") as kv:
+        kv.put(layout, tokens, blocks)
+        leased = stub.LocalFetch(kvstore_pb2.LocalFetchRequest(namespace=_ns(layout), keys=_tokens(tokens)))
+        stub.Unpin(kvstore_pb2.UnpinRequest(lease_id=leased.lease_id))
+        seg = stub.LocalSegment(kvstore_pb2.LocalSegmentRequest())
+        mapped = AttachedSegment(seg.path, seg.token)
+        try:
+            mapped.data[leased.offsets[1] + 5] ^= 0x01  # a stray write into block 1
+        finally:
+            mapped.close()
+        got = kv.fetch(layout, tokens)
+        assert [bytes(g) for g in got] == blocks[:1]
+        stats = admin.Stats(admin_pb2.StatsRequest())
+        assert stats.counters.checksum_failures == 1
+        assert kv.lookup(layout, tokens).num_blocks == 1  # the daemon re-checked and dropped it
+
+
+def test_wrong_client_checksums_are_caught_on_read(daemon_thread, layout):
+    tokens = list(range(4))
+    block = os.urandom(layout.bytes_per_block)
+    channel, stub, admin = _raw(daemon_thread)
+    with channel:
+        header = kvstore_pb2.PutHeader(namespace=_ns(layout), keys=_tokens(tokens), num_blocks=1)
+        begun = stub.LocalPut(kvstore_pb2.LocalPutRequest(header=header))
+        seg = stub.LocalSegment(kvstore_pb2.LocalSegmentRequest())
+        mapped = AttachedSegment(seg.path, seg.token)
+        try:
+            mapped.data[begun.offsets[0] : begun.offsets[0] + len(block)] = block
+        finally:
+            mapped.close()
+        stub.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, checksums=[12345]))
+    with Client(daemon_thread.unix_target, data_plane="grpc") as kv:
+        assert kv.fetch(layout, tokens) == []
+        assert kv.stats().counters.checksum_failures == 1
+
+
+def test_abandoned_local_put_is_invisible_and_rolled_back(daemon_thread, layout):
+    tokens = list(range(8))
+    channel, stub, admin = _raw(daemon_thread)
+    with channel:
+        header = kvstore_pb2.PutHeader(namespace=_ns(layout), keys=_tokens(tokens), num_blocks=2)
+        begun = stub.LocalPut(kvstore_pb2.LocalPutRequest(header=header))
+        used = next(t for t in admin.Stats(admin_pb2.StatsRequest()).tiers if t.name == "host").used_bytes
+        assert used == 2 * layout.bytes_per_block  # reserved, PENDING
+        with Client(daemon_thread.unix_target) as kv:
+            assert kv.lookup(layout, tokens).num_blocks == 0
+        stub.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True))
+        used = next(t for t in admin.Stats(admin_pb2.StatsRequest()).tiers if t.name == "host").used_bytes
+        assert used == 0
+        with pytest.raises(grpc.RpcError) as info:
+            stub.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, checksums=[0, 0]))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_local_puts_expire_on_their_own(layout):
+    from kvstore.local import LocalPuts
+    from kvstore.policies import LRUPolicy
+    from kvstore.store import Store, StoreTier
+    from kvstore.tiers.host import HostTier
+
+    now = [0.0]
+    store = Store([StoreTier(HostTier(1 << 20), LRUPolicy())])
+    puts = LocalPuts(ttl_ms=1000, clock=lambda: now[0])
+    ns = store.register(layout)
+    from kvstore.hashing import block_hashes
+
+    txn = store.begin_put(ns, block_hashes(ns, list(range(8)), 4), tier="host")
+    txn.reserve()
+    txn_id = puts.begin(txn)
+    assert store.tiers[0].tier.used_bytes > 0
+    now[0] = 1.5
+    assert puts.expire() == 1
+    assert store.tiers[0].tier.used_bytes == 0
+    with pytest.raises(FailedPrecondition, match="rolled back"):
+        puts.take(txn_id)
+    store.close()
+
+
+def test_unmappable_segment_falls_back_to_grpc(daemon_thread, layout):
+    seg_path = daemon_thread.store.tiers[0].tier.segment.path
+    os.unlink(seg_path)  # the daemon keeps its mapping; nobody else can open it now
+    with Client(daemon_thread.unix_target) as kv:
+        assert kv.data_plane_in_use == "grpc"
+        kv.put(layout, list(range(4)), blocks_for(layout, 1))
+        assert kv.lookup(layout, list(range(4))).num_blocks == 1
+    with Client(daemon_thread.unix_target, data_plane="local") as kv:
+        with pytest.raises(FailedPrecondition, match="shared-memory"):
+            kv.put(layout, list(range(4)), blocks_for(layout, 1))
+
+
+async def test_async_client_over_shared_memory(daemon, layout):
+    async with AsyncClient(daemon.unix_target, data_plane="local") as kv:
+        assert await kv.data_plane_in_use() == "local"
+        prompts = [list(range(i * 100, i * 100 + 12)) for i in range(6)]
+        payloads = [blocks_for(layout, 3) for _ in prompts]
+        await asyncio.gather(*(kv.put(layout, p, b) for p, b in zip(prompts, payloads)))
+        got = await asyncio.gather(*(kv.fetch(layout, p) for p in prompts))
+        assert [[bytes(x) for x in g] for g in got] == payloads
