@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kvstore.client._common import LookupResult, PutResult
+from kvstore.client._common import PutResult
 from kvstore.errors import InvalidArgument
 from kvstore.layout import KVLayout
 
@@ -154,13 +154,16 @@ def _new_cache(config: Any) -> Any:
 def unpack_blocks(blocks: Sequence[Any], layout: KVLayout, config: Any = None,
                   device: torch.device | str | None = None) -> Any:
     """A fresh cache (the installed transformers' `DynamicCache`) holding `blocks` in order."""
-    dtype = getattr(torch, layout.dtype)
-    shape = (layout.num_layers, 2, layout.num_kv_heads, layout.block_size_tokens, layout.head_dim)
-    tensors = [torch.frombuffer(bytearray(b), dtype=dtype).view(shape) for b in blocks]
-    whole = torch.cat(tensors, dim=3)  # [L, 2, H, n*B, D]
+    cache = _new_cache(config)
+    if not blocks:
+        return cache
+    n, bst = len(blocks), layout.block_size_tokens
+    # One copy out of the received buffers, then a view: [n, L, 2, H, B, D] -> [L, 2, H, n*B, D].
+    flat = torch.frombuffer(bytearray().join(blocks), dtype=getattr(torch, layout.dtype))
+    whole = (flat.view(n, layout.num_layers, 2, layout.num_kv_heads, bst, layout.head_dim)
+             .permute(1, 2, 3, 0, 4, 5).reshape(layout.num_layers, 2, layout.num_kv_heads, n * bst, layout.head_dim))
     if device is not None:
         whole = whole.to(device)
-    cache = _new_cache(config)
     for layer in range(layout.num_layers):
         # unsqueeze adds the batch axis: [1, H, seq, D]
         cache.update(whole[layer, 0].unsqueeze(0), whole[layer, 1].unsqueeze(0), layer)
@@ -168,18 +171,18 @@ def unpack_blocks(blocks: Sequence[Any], layout: KVLayout, config: Any = None,
 
 
 def store_prefix(client: Any, layout: KVLayout, token_ids: Sequence[int], cache: Any, *,
-                 known: LookupResult | None = None) -> PutResult | None:
+                 held_blocks: int | None = None) -> PutResult | None:
     """Store every full block of `token_ids` that `cache` covers and the daemon lacks.
 
-    `known` is a lookup already made for these tokens (saves one round trip). Returns
-    None when there is nothing new to store.
+    `held_blocks` is how many leading blocks the daemon is known to hold (e.g. just
+    restored from it); None asks it with a lookup. Returns None when nothing is new.
     """
     tokens = [int(t) for t in token_ids]
     held = _check_cache(cache, layout)
     n_blocks = min(len(tokens), held) // layout.block_size_tokens
-    if known is None:
-        known = client.lookup(layout, tokens[: n_blocks * layout.block_size_tokens])
-    first = min(known.num_blocks, n_blocks)
+    if held_blocks is None:
+        held_blocks = client.lookup(layout, tokens[: n_blocks * layout.block_size_tokens]).num_blocks
+    first = min(held_blocks, n_blocks)
     if first >= n_blocks:
         return None
     blocks = pack_blocks(cache, layout, first, n_blocks - first)
@@ -223,12 +226,7 @@ def prefill(model: Any, client: Any, layout: KVLayout, input_ids: torch.Tensor) 
     n = restored.num_tokens
     cache_position = torch.arange(n, len(tokens), device=device)
     out = model(input_ids[:, n:], past_key_values=restored.cache, cache_position=cache_position, use_cache=True)
+    # The restored blocks are held by the daemon: storing starts after them.
     result = store_prefix(client, layout, tokens, out.past_key_values,
-                          known=None if n == 0 else _known(n, layout))
+                          held_blocks=n // layout.block_size_tokens if n else None)
     return PrefillResult(out.logits, out.past_key_values, n, result.stored if result else 0)
-
-
-def _known(num_tokens: int, layout: KVLayout) -> LookupResult:
-    # The restored blocks are held by the daemon: start storing after them.
-    blocks = num_tokens // layout.block_size_tokens
-    return LookupResult(blocks, num_tokens, [], [], b"", "")

@@ -484,7 +484,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             logger.debug("request %s: fetched %d of %d blocks (evicted since lookup)", spec.req_id, n,
                          len(spec.block_ids))
         layer_bytes = self._kv_caches[0][0].numel() * self._kv_caches[0].element_size()
-        data = torch.frombuffer(bytearray(b"".join(blocks[:n])), dtype=torch.uint8).view(n, len(self._kv_caches),
+        data = torch.frombuffer(bytearray().join(blocks[:n]), dtype=torch.uint8).view(n, len(self._kv_caches),
                                                                                        layer_bytes)
         for layer, kv in enumerate(self._kv_caches):
             ids = torch.tensor(spec.block_ids[:n], dtype=torch.long, device=kv.device)
