@@ -72,18 +72,22 @@ def test_engine_b_gets_its_prefill_from_the_daemon_and_matches_a(engine_a, refer
     before = daemon.stats().counters
     p1, p2, s = prompts["P1"], prompts["P2"], prompts["S"]
     run = run_engine(workdir, "B", {"model": str(tiny_model), "target": daemon.target, "steps": [
-        {"generate": [p1, p2]},
+        # A salted request's KV must not be shared through kvstore: neither loaded nor stored.
+        {"generate": [p1, p2, {"prompt_token_ids": p2, "cache_salt": "tenant-b"}]},
         # P1 + S must come from the daemon, not from the P1 blocks B itself just computed.
         {"reset_prefix_cache": True},
         {"generate": [p1 + s]},
     ]})
     after = daemon.stats().counters
-    out_p1, out_p2 = run.outputs(0)
+    out_p1, out_p2, out_salted = run.outputs(0)
     (out_p1s,) = run.outputs(2)
 
     assert out_p1["token_ids"] == tokens(engine_a, 0)[0] == reference["P1"]
     assert out_p2["token_ids"] == tokens(engine_a, 0)[1] == reference["P2"]
     assert out_p1s["token_ids"] == reference["P1+S"]
+    assert out_salted["token_ids"] == reference["P2"]
+    assert out_salted["kv_transfer_params"]["kvstore_loaded_tokens"] == 0
+    assert out_salted["kv_transfer_params"]["kvstore_stored_blocks"] == 0
 
     # B's connector loaded every full block A stored (the suffix's blocks were never stored).
     assert loaded(out_p1) == held_tokens(p1) > 0

@@ -8,7 +8,7 @@ different connector settings do not share a process cleanly.
 
 SPEC: {"model": DIR, "dtype": "float32", "block_size": 32, "max_tokens": 16,
        "target": "unix:..." or null (no connector), "steps": [STEP, ...]}
-STEP: {"generate": [[token ids], ...]} | {"reset_prefix_cache": true} | {"kill": PID}
+STEP: {"generate": [[token ids] or {"prompt_token_ids": [...], "cache_salt": "..."}, ...]} | {"reset_prefix_cache": true} | {"kill": PID}
 OUT:  {"steps": [{"outputs": [{"token_ids", "num_cached_tokens", "kv_transfer_params"}]}, ...]}
 """
 
@@ -69,7 +69,8 @@ def main(spec_path: str, out_path: str) -> None:
     steps: list[dict[str, Any]] = []
     for step in spec["steps"]:
         if "generate" in step:
-            outputs = llm.generate([{"prompt_token_ids": p} for p in step["generate"]], params, use_tqdm=False)
+            prompts = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in step["generate"]]
+            outputs = llm.generate(prompts, params, use_tqdm=False)
             steps.append({"outputs": [
                 {
                     "token_ids": list(o.outputs[0].token_ids),
