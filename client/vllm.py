@@ -41,7 +41,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,6 +83,47 @@ _KV_CACHE_DTYPES = {
     "fp8_e4m3": "float8_e4m3fn",
     "fp8_e5m2": "float8_e5m2",
 }
+
+
+# ------------------------------------------------------------------ configuration
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """`kv_connector_extra_config`, checked: unknown keys and bad values stop the engine
+    at start-up with a message, instead of being ignored."""
+
+    target: str | None = None
+    model_id: str | None = None
+    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
+    timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
+    lease_ms: int = DEFAULT_LEASE_MS
+    retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise InvalidArgument(f"kv_connector_extra_config has unknown keys {unknown}; "
+                                  f"the kvstore connector takes {sorted(known)}")
+        values: dict[str, Any] = {}
+        for name, value in extra.items():
+            if name in ("target", "model_id"):
+                if value is not None and not isinstance(value, str):
+                    raise InvalidArgument(f"kv_connector_extra_config.{name} must be a string, got {value!r}")
+                values[name] = value or None
+                continue
+            kind = int if name == "lease_ms" else float
+            try:
+                number = kind(value)
+            except (TypeError, ValueError):
+                raise InvalidArgument(f"kv_connector_extra_config.{name} must be a number, got {value!r}") from None
+            if number < 0 or (number == 0 and name != "lease_ms"):
+                raise InvalidArgument(f"kv_connector_extra_config.{name} must be positive, got {value!r}")
+            values[name] = number
+        return cls(**values)
 
 
 # ------------------------------------------------------------------ namespace
@@ -277,14 +319,9 @@ class KVStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self._target = extra.get("target")
-        self._model_id = extra.get("model_id")
-        self._lookup_timeout_s = float(extra.get("lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S))
-        self._lease_ms = int(extra.get("lease_ms", DEFAULT_LEASE_MS))
-        self._client = Client(self._target, timeout_s=float(extra.get("timeout_s", DEFAULT_TRANSFER_TIMEOUT_S)))
-        self._health = _DaemonHealth.for_target(
-            self._client.target, float(extra.get("retry_interval_s", DEFAULT_RETRY_INTERVAL_S)))
+        self._config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        self._client = Client(self._config.target, timeout_s=self._config.timeout_s)
+        self._health = _DaemonHealth.for_target(self._client.target, self._config.retry_interval_s)
         self._block_size = vllm_config.cache_config.block_size
         self._tp_rank = 0
         if role == KVConnectorRole.WORKER:
@@ -312,7 +349,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         layout = self._layouts.get(lora_id)
         if layout is None:
             layout = self._layouts[lora_id] = layout_from_vllm_config(
-                self._vllm_config, tp_rank=self._tp_rank, lora_id=lora_id, model_id=self._model_id)
+                self._vllm_config, tp_rank=self._tp_rank, lora_id=lora_id, model_id=self._config.model_id)
         return layout
 
     @staticmethod
@@ -339,8 +376,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         if limit > 0 and self._cacheable(request) and self._health.usable():
             try:
                 hit = self._client.lookup(self._layout(self._lora_id(request)), prompt[:limit],
-                                          lease_ms=self._lease_ms if limit > num_computed_tokens else 0,
-                                          timeout_s=self._lookup_timeout_s)
+                                          lease_ms=self._config.lease_ms if limit > num_computed_tokens else 0,
+                                          timeout_s=self._config.lookup_timeout_s)
                 self._health.ok()
             except KVStoreError as exc:
                 self._health.failed("lookup", exc)
