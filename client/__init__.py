@@ -11,10 +11,10 @@
 Importing this package does not import torch; tensors are handled lazily.
 """
 
-from kvstore.client._common import LookupResult, PinResult, PutResult
+from kvstore.client._common import LookupResult, PinResult, PrefetchResult, PutResult
 from kvstore.client.aio import AsyncClient
 from kvstore.client.sync import Client
 from kvstore.hashing import block_hashes
 from kvstore.layout import KVLayout
 
-__all__ = ["AsyncClient", "Client", "KVLayout", "LookupResult", "PinResult", "PutResult", "block_hashes"]
+__all__ = ["AsyncClient", "Client", "KVLayout", "LookupResult", "PinResult", "PrefetchResult", "PutResult", "block_hashes"]

@@ -32,7 +32,7 @@ TIER_NAMES = {
 
 # Idempotent calls are retried by the channel on UNAVAILABLE; Put is not (a client stream
 # cannot be replayed without buffering every byte).
-_RETRY_METHODS = ["Lookup", "Fetch", "Delete", "Pin", "Unpin"]
+_RETRY_METHODS = ["Lookup", "Fetch", "Delete", "Pin", "Unpin", "Prefetch"]
 _SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
@@ -99,6 +99,44 @@ class PinResult:
     lease_id: str
     pinned: int
     expires_in_ms: int
+
+
+def reuse_hint(session_id: str | None, expect_reuse_within_s: float | None) -> kvstore_pb2.ReuseHint | None:
+    """The hint message for a call, or None; both parts or neither."""
+    if session_id is None and expect_reuse_within_s is None:
+        return None
+    if not session_id or expect_reuse_within_s is None:
+        raise InvalidArgument("a reuse hint needs both session_id and expect_reuse_within_s")
+    return kvstore_pb2.ReuseHint(session_id=session_id, expect_reuse_within_s=float(expect_reuse_within_s))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    """What a prefetch did: blocks raised into `tier`, already there, or missing."""
+
+    tier: str
+    requested: int
+    raised: int
+    already: int
+    missing: int
+    skipped: int  # no room could be made in the target tier
+
+
+TIER_BY_NAME = {name: value for value, name in TIER_NAMES.items()}
+
+
+def prefetch_request(
+    layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None, tier: str
+) -> kvstore_pb2.PrefetchRequest:
+    if tier and tier not in TIER_BY_NAME:
+        raise InvalidArgument(f"unknown tier {tier!r}; use one of {', '.join(TIER_BY_NAME)} or '' for the top tier")
+    return kvstore_pb2.PrefetchRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes),
+                                       tier=TIER_BY_NAME.get(tier, kvstore_pb2.TIER_UNSPECIFIED))
+
+
+def prefetch_result(resp: kvstore_pb2.PrefetchResponse) -> PrefetchResult:
+    return PrefetchResult(TIER_NAMES.get(resp.tier, "unknown"), resp.requested, resp.raised, resp.already,
+                          resp.missing, resp.skipped)
 
 
 def layout_to_proto(layout: KVLayout) -> kvstore_pb2.Layout:
@@ -198,6 +236,7 @@ def prepare_put(
     block_hashes: Sequence[bytes] | None,
     blocks: Sequence[Any],
     first_block: int,
+    hint: kvstore_pb2.ReuseHint | None = None,
 ) -> PreparedPut:
     """Convert and size-check every block before anything is sent."""
     views = [as_buffer(b) for b in blocks]
@@ -218,7 +257,7 @@ def prepare_put(
         keys.tokens.first_block = first_block
     elif first_block:
         raise InvalidArgument("first_block applies to token_ids; with block_hashes send exactly the blocks' hashes")
-    header = kvstore_pb2.PutHeader(namespace=namespace_ref(layout), keys=keys, num_blocks=len(views))
+    header = kvstore_pb2.PutHeader(namespace=namespace_ref(layout), keys=keys, num_blocks=len(views), hint=hint)
     return PreparedPut(header, views)
 
 

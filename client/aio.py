@@ -17,6 +17,7 @@ from kvstore.client._common import (
     FetchAssembler,
     LookupResult,
     PinResult,
+    PrefetchResult,
     PutResult,
     block_keys,
     check_data_plane,
@@ -25,9 +26,12 @@ from kvstore.client._common import (
     may_be_local,
     namespace_ref,
     out_buffers,
+    prefetch_request,
+    prefetch_result,
     prepare_put,
     put_requests,
     resolve_target,
+    reuse_hint,
     translate,
     writable_view,
 )
@@ -100,10 +104,12 @@ class AsyncClient:
 
     async def lookup(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
                block_hashes: Sequence[bytes] | None = None, lease_ms: int = 0,
+               session_id: str | None = None, expect_reuse_within_s: float | None = None,
                timeout_s: float | None = None) -> LookupResult:
-        """Longest prefix of the blocks the daemon holds. `lease_ms` pins the hit until a fetch."""
+        """Longest prefix of the blocks the daemon holds. `lease_ms` pins the hit until a fetch;
+        `session_id` + `expect_reuse_within_s` hint that the session will be back for it."""
         req = kvstore_pb2.LookupRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes),
-                                        lease_ms=lease_ms)
+                                        lease_ms=lease_ms, hint=reuse_hint(session_id, expect_reuse_within_s))
         try:
             return lookup_result(await self._kv.Lookup(req, timeout=self._t(timeout_s)))
         except grpc.RpcError as exc:
@@ -111,9 +117,11 @@ class AsyncClient:
 
     async def put(self, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any], *,
             first_block: int = 0, block_hashes: Sequence[bytes] | None = None,
+            session_id: str | None = None, expect_reuse_within_s: float | None = None,
             timeout_s: float | None = None) -> PutResult:
         """Store `blocks` (all or nothing). With token_ids, block i is block first_block + i of the prefix."""
-        prepared = prepare_put(layout, token_ids, block_hashes, blocks, first_block)
+        prepared = prepare_put(layout, token_ids, block_hashes, blocks, first_block,
+                               reuse_hint(session_id, expect_reuse_within_s))
         timeout = self._t(timeout_s)
         try:
             plane = await self._local()
@@ -198,12 +206,41 @@ class AsyncClient:
             raise translate(exc) from None
         return PinResult(resp.lease_id, resp.pinned, resp.expires_in_ms)
 
+    async def hint(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
+             block_hashes: Sequence[bytes] | None = None, session_id: str, expect_reuse_within_s: float,
+             timeout_s: float | None = None) -> int:
+        """Protect the named blocks for `session_id` for about `expect_reuse_within_s`; returns
+        how many were present. See docs/policies.md for when hints pay off."""
+        req = kvstore_pb2.HintRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes),
+                                      hint=reuse_hint(session_id, expect_reuse_within_s))
+        try:
+            return (await self._kv.Hint(req, timeout=self._t(timeout_s))).hinted
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+
+    async def end_session(self, session_id: str, *, timeout_s: float | None = None) -> None:
+        """The session is over: release whatever its hints protect."""
+        try:
+            await self._kv.EndSession(kvstore_pb2.EndSessionRequest(session_id=session_id), timeout=self._t(timeout_s))
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+
     async def unpin(self, lease_id: str, *, timeout_s: float | None = None) -> bool:
         try:
             resp = await self._kv.Unpin(kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=self._t(timeout_s))
         except grpc.RpcError as exc:
             raise translate(exc) from None
         return resp.released
+
+    async def prefetch(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
+                    block_hashes: Sequence[bytes] | None = None, tier: str = "",
+                    timeout_s: float | None = None) -> PrefetchResult:
+        """Raise the named blocks into `tier` ("" = the daemon's top tier) ahead of a fetch."""
+        req = prefetch_request(layout, token_ids, block_hashes, tier)
+        try:
+            return prefetch_result(await self._kv.Prefetch(req, timeout=self._t(timeout_s)))
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
 
     async def verify(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
                block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:

@@ -66,7 +66,9 @@ def message_to_dict(msg: Any) -> Any:
     out: dict[str, Any] = {}
     for field in msg.DESCRIPTOR.fields:
         value = getattr(msg, field.name)
-        if field.message_type is not None:
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            value = dict(value)
+        elif field.message_type is not None:
             value = [message_to_dict(v) for v in value] if _is_repeated(field) else message_to_dict(value)
         elif _is_repeated(field):
             value = list(value)
@@ -107,18 +109,21 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
 
 
 def format_stats(stats: dict[str, Any]) -> str:
-    header = ["TIER", "POLICY", "CAPACITY", "USED", "USE%", "BLOCKS", "HITS", "MISSES", "EVICTIONS", "BAD_CHECKSUM"]
+    header = ["TIER", "POLICY", "CAPACITY", "USED", "USE%", "BLOCKS", "HITS", "MISSES", "EVICTIONS", "BAD_CHECKSUM",
+              "PROMOTED", "DEMOTED", "DROPPED", "PENDING", "IO"]
     rows = [header]
     notes = []
     for t in stats["tiers"]:
         if not t["present"]:
-            rows.append([t["name"], "-", "-", "-", "-", "-", "-", "-", "-", "-"])
+            rows.append([t["name"]] + ["-"] * (len(header) - 1))
             notes.append(f"tier {t['name']} absent: {t['reason']}")
             continue
         cap, used = t["capacity_bytes"], t["used_bytes"]
         rows.append([
             t["name"], t["policy"], human_bytes(cap), human_bytes(used), f"{100 * used / cap:.1f}" if cap else "0.0",
             str(t["blocks"]), str(t["hits"]), str(t["misses"]), str(t["evictions"]), str(t["checksum_failures"]),
+            str(t.get("promotions", 0)), str(t.get("demotions", 0)), str(t.get("drops", 0)),
+            str(t.get("pending_writes", 0)), t.get("io_mode") or ("pinned" if t.get("pinned") else "-"),
         ])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
@@ -188,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     client_command("stats", "per-tier capacity, usage, hits and misses", cmd_stats)
     info = client_command("info", "Redis-INFO-style report", cmd_info)
     info.add_argument("section", nargs="?", help="server, tiers, stats, namespaces or config")
+
+    from kvstore import replay
+
+    replay_cmd = sub.add_parser("replay", help="replay a Mooncake-format trace through the eviction policies")
+    replay.add_arguments(replay_cmd)
+    replay_cmd.set_defaults(func=replay.run)
     return parser
 
 

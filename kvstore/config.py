@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.policies import DEFAULT_POLICY
+from kvstore.policies.hints import DEFAULT_HINT_BUDGET_FRACTION
 from kvstore.units import parse_size
 
 DEFAULT_TCP_LISTEN = "127.0.0.1:50051"
@@ -65,7 +67,33 @@ FIELDS: tuple[Field, ...] = (
           metavar="DIR"),
     Field("host_prefault", "bool", True, "map the host tier's pages in at start (in the background) so puts "
           "never pay page faults; commits the memory up front"),
-    Field("policy", "str", "lru", "eviction policy of the host tier", metavar="NAME"),
+    Field("policy", "str", DEFAULT_POLICY, "eviction policy: one name for every tier, or per tier as "
+          "host=arc,ssd=lru (lru, arc, s3fifo, prefix-*, hint-*; see docs/policies.md)", metavar="SPEC"),
+    Field("hint_budget", "float", DEFAULT_HINT_BUDGET_FRACTION, "most of a tier (fraction of its blocks) that "
+          "client reuse hints may protect", lo=0.0, hi=1.0, runtime=True),
+    Field("hbm_capacity", "size", 0, "bytes of GPU memory for blocks (0: no HBM tier); needs CUDA",
+          lo=0, hi=1 << 50, metavar="SIZE"),
+    Field("gpu", "int", 0, "CUDA device index of the HBM tier", lo=0, hi=1023),
+    Field("ssd_path", "str", "", "directory of the SSD tier's region log (empty: no SSD tier)", metavar="DIR"),
+    Field("ssd_capacity", "size", 16 << 30, "bytes of SSD for blocks (whole regions)", lo=1 << 20, hi=1 << 56,
+          metavar="SIZE"),
+    Field("ssd_region_size", "size", 64 << 20, "size of one SSD log region (the unit of reclaim)",
+          lo=64 << 10, hi=1 << 34, metavar="SIZE"),
+    Field("ssd_write_policy", "str", "through", "through: every put is also written to SSD in the background; "
+          "back: blocks reach SSD only when demoted", choices=("through", "back")),
+    Field("ssd_io", "str", "auto", "SSD file I/O: auto (O_DIRECT where supported), direct, buffered",
+          choices=("auto", "direct", "buffered")),
+    Field("ssd_io_threads", "int", 4, "threads doing SSD file I/O and codec work", lo=1, hi=64),
+    Field("ssd_compress", "bool", True, "byte-plane shuffle + lz4 on SSD records (kept only when it saves >= 5%)"),
+    Field("put_tier", "str", "auto", "where puts land: auto (the highest memory tier with room), hbm, host",
+          choices=("auto", "hbm", "host")),
+    Field("promote_on_hit", "bool", True, "copy a block served from SSD into the top memory tier if it has headroom"),
+    Field("hbm_high_watermark", "float", 0.95, "HBM use fraction that starts demotion to host", lo=0.01, hi=1.0),
+    Field("hbm_low_watermark", "float", 0.85, "HBM use fraction where demotion stops", lo=0.01, hi=1.0),
+    Field("host_high_watermark", "float", 0.95, "host use fraction that starts demotion to SSD (or drops)",
+          lo=0.01, hi=1.0),
+    Field("host_low_watermark", "float", 0.85, "host use fraction where demotion stops", lo=0.01, hi=1.0),
+    Field("migration_batch_blocks", "int", 64, "most blocks one migration step moves", lo=1, hi=1 << 20),
     Field("max_blocks_per_call", "int", 4096, "most blocks one request may name", lo=1, hi=1 << 20, runtime=True),
     Field("max_message_bytes", "size", 16 << 20, "largest gRPC message accepted or sent", lo=1 << 20, hi=1 << 30,
           metavar="SIZE"),
@@ -92,6 +120,23 @@ class Config:
     shm_dir: str
     host_prefault: bool
     policy: str
+    hint_budget: float
+    hbm_capacity: int
+    gpu: int
+    ssd_path: str
+    ssd_capacity: int
+    ssd_region_size: int
+    ssd_write_policy: str
+    ssd_io: str
+    ssd_io_threads: int
+    ssd_compress: bool
+    put_tier: str
+    promote_on_hit: bool
+    hbm_high_watermark: float
+    hbm_low_watermark: float
+    host_high_watermark: float
+    host_low_watermark: float
+    migration_batch_blocks: int
     max_blocks_per_call: int
     max_message_bytes: int
     chunk_bytes: int
@@ -190,6 +235,10 @@ def load_config(
             f"chunk_bytes ({values['chunk_bytes']}) must leave room under max_message_bytes "
             f"({values['max_message_bytes']}) for the message envelope"
         )
+    for tier in ("hbm", "host"):
+        lo, hi = values[f"{tier}_low_watermark"], values[f"{tier}_high_watermark"]
+        if lo > hi:
+            raise ConfigError(f"{tier}_low_watermark ({lo}) must not exceed {tier}_high_watermark ({hi})")
     return Config(**values)
 
 

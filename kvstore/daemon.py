@@ -34,9 +34,10 @@ from kvstore.config import AUTO, Config
 from kvstore.errors import ConfigError
 from kvstore.interceptors import ErrorInterceptor
 from kvstore.local import LocalPuts
-from kvstore.policies import make_policy
+from kvstore.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, parse_tier_policies
 from kvstore.servicer import AdminServicer, KVStoreServicer
-from kvstore.store import Store, StoreLimits, StoreTier
+from kvstore.store import MigrationConfig, Store, StoreLimits, StoreTier, WritePolicy
+from kvstore.tiers.base import Tier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.segment import default_shm_dir, free_bytes, remove_stale_segments
 from kvstore.units import human_bytes
@@ -132,6 +133,25 @@ def resolve_host_capacity(value: int | str, shm_dir: str) -> int:
     return value
 
 
+def check_disk_capacity(path: str, capacity: int) -> None:
+    """Refuse an SSD capacity the filesystem cannot hold (existing region files count as held)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    held = 0
+    for name in os.listdir(path):
+        if name.startswith("region-"):
+            try:
+                held += os.stat(os.path.join(path, name)).st_blocks * 512
+            except OSError:
+                pass
+    if capacity > free + held:
+        raise ConfigError(
+            f"ssd_capacity {human_bytes(capacity)} is more than the filesystem of {path} can hold "
+            f"({human_bytes(free + held)} free or already ours); lower --ssd-capacity or choose another --ssd-path"
+        )
+
+
 def _prepare_unix_path(path: str) -> None:
     """Create the socket's directory (0700) and clear a stale socket, refusing a live one."""
     directory = os.path.dirname(path)
@@ -181,15 +201,76 @@ class Daemon:
         assert self._health is not None
         return self._health
 
+    def _policy(self, tier: str) -> EvictionPolicy:
+        """The policy for `tier` from `--policy` (a name for every tier, or host=arc,ssd=lru)."""
+        specs = parse_tier_policies(self.config.policy)
+        name = specs.get(tier, specs.get("*", DEFAULT_POLICY))
+        return make_policy(name, hint_budget_fraction=self.config.hint_budget)
+
+    def _build_tiers(self, host_capacity: int, shm_dir: str) -> tuple[list[StoreTier], list[tuple[str, str]]]:
+        """The tiers, top first, and the absent ones with the reason (shown in stats)."""
+        cfg = self.config
+        built: list[Tier] = []
+        tiers: list[StoreTier] = []
+        absent: list[tuple[str, str]] = []
+        try:
+            if cfg.hbm_capacity <= 0:
+                absent.append(("hbm", "not configured (--hbm-capacity 0)"))
+            else:
+                from kvstore.tiers.cuda import cuda_unavailable_reason
+
+                reason = cuda_unavailable_reason(cfg.gpu)
+                if reason:
+                    absent.append(("hbm", reason))
+                    logger.warning("hbm tier absent: %s", reason)
+                else:
+                    from kvstore.tiers.hbm import HbmTier
+
+                    hbm = HbmTier(cfg.hbm_capacity, device=cfg.gpu)
+                    built.append(hbm)
+                    tiers.append(StoreTier(hbm, self._policy("hbm"), cfg.hbm_high_watermark,
+                                           cfg.hbm_low_watermark))
+            host = HostTier(host_capacity, shm_dir=shm_dir)
+            built.append(host)
+            tiers.append(StoreTier(host, self._policy("host"), cfg.host_high_watermark, cfg.host_low_watermark))
+            if cfg.ssd_path:
+                from kvstore.tiers.ssd import SsdTier
+
+                check_disk_capacity(cfg.ssd_path, cfg.ssd_capacity)
+                ssd = SsdTier(cfg.ssd_path, cfg.ssd_capacity, region_size=cfg.ssd_region_size, io_mode=cfg.ssd_io,
+                              io_threads=cfg.ssd_io_threads, compress=cfg.ssd_compress)
+                built.append(ssd)
+                tiers.append(StoreTier(ssd, self._policy("ssd")))
+            else:
+                absent.append(("ssd", "not configured (--ssd-path)"))
+        except BaseException:
+            for tier in built:
+                tier.close()
+            raise
+        return tiers, absent
+
     async def start(self) -> None:
         cfg = self.config
         shm_dir = cfg.shm_dir or default_shm_dir()
         remove_stale_segments(shm_dir)
         host_capacity = resolve_host_capacity(cfg.host_capacity, shm_dir)
+        if cfg.put_tier == "hbm" and cfg.hbm_capacity <= 0:
+            raise ConfigError("put_tier is hbm but there is no HBM tier; set --hbm-capacity or --put-tier auto")
         self._executor = ThreadPoolExecutor(cfg.checksum_threads, thread_name_prefix="kvstore-checksum")
-        policy = make_policy(cfg.policy)
+        try:
+            tiers, absent = self._build_tiers(host_capacity, shm_dir)
+        except BaseException:
+            self._close_resources()
+            raise
+        put_tier = cfg.put_tier if cfg.put_tier == "auto" or any(t.name == cfg.put_tier for t in tiers) else "auto"
         self.store = Store(
-            [StoreTier(HostTier(host_capacity, shm_dir=shm_dir), policy)],
+            tiers,
+            migration=MigrationConfig(
+                write_policy=WritePolicy(cfg.ssd_write_policy),
+                put_tier=put_tier,
+                promote_on_hit=cfg.promote_on_hit,
+                batch_blocks=cfg.migration_batch_blocks,
+            ),
             limits=StoreLimits(
                 max_blocks_per_call=cfg.max_blocks_per_call,
                 max_namespaces=cfg.max_namespaces,
@@ -199,7 +280,11 @@ class Daemon:
             ),
             executor=self._executor,
         )
-        absent = [("hbm", "not configured in this version")]
+        try:
+            await self.store.start()
+        except BaseException:
+            self._close_resources()
+            raise
         server = grpc.aio.server(
             interceptors=[ErrorInterceptor()],
             options=[
@@ -208,7 +293,8 @@ class Daemon:
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
             ],
         )
-        host_tier = self.store.tiers[0].tier
+        # The host tier is not the first one when an HBM tier sits above it.
+        host_tier = next(st.tier for st in self.store.tiers if st.name == "host")
         assert isinstance(host_tier, HostTier)
         self._local_puts = LocalPuts()
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(
@@ -244,7 +330,8 @@ class Daemon:
                 asyncio.to_thread(host_tier.segment.populate, self._prefault_stop), name="kvstore-prefault"
             )
         logger.info(
-            "kvstore serving on %s; host tier %s, policy %s", ", ".join(self.bound), human_bytes(host_capacity), cfg.policy
+            "kvstore serving on %s; tiers %s, policy %s", ", ".join(self.bound),
+            ", ".join(f"{t.name} {human_bytes(t.tier.capacity_bytes)}" for t in tiers), cfg.policy
         )
         logger.info("effective config: %s", {**cfg.as_dict(), "host_capacity": host_capacity})
 
@@ -295,6 +382,10 @@ class Daemon:
                 pass
         if self._server is not None:
             await self._server.stop(grace)
+        if self.store is not None:
+            # Pending SSD writes are flushed before the tiers close (and the SSD tier
+            # writes its snapshot for a fast next start).
+            await self.store.aclose()
         self._close_resources()
         self._stopped.set()
         logger.info("kvstore stopped")

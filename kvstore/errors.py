@@ -84,6 +84,12 @@ class ConfigError(KVStoreError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class DataLoss(KVStoreError):
+    """Stored bytes failed verification (checksum, header, codec); the block is dropped."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
 _BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
     cls.code: cls
     for cls in (
@@ -97,6 +103,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
         Unauthenticated,
         Cancelled,
         Internal,
+        DataLoss,
     )
 }
 

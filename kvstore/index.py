@@ -5,6 +5,17 @@ namespace id followed by the 16-byte block hash. Only READY blocks are in the in
 a block being put is PENDING inside its put transaction and is invisible until the
 whole transaction commits (publish after the data lands).
 
+Per-tier presence: an entry has one `Slot` per tier that holds a copy (`locations`,
+keyed by tier name). The memory tiers (HBM, host, memory) are exclusive among
+themselves: a move adds the new location and only then removes the old one, so a block
+is readable somewhere at every instant. The SSD tier is inclusive: its copy stays
+next to a memory copy until the SSD tier itself evicts it. The entry leaves the index
+when its last location goes. Reads are served from the highest location (the store
+knows the tier order).
+
+A location removed while readers still hold the entry is `retired`: its bytes are freed
+when the last reader lets go, never under a read in flight.
+
 Primitives: `get`, `add`, `remove`, `longest_ready_prefix`.
 """
 
@@ -12,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.tiers.base import Slot
 
@@ -28,15 +39,21 @@ class BlockEntry:
 
     key: bytes
     parent: bytes | None
-    slot: Slot
     nbytes: int
     checksum: int
+    locations: dict[str, Slot] = field(default_factory=dict)
     state: BlockState = BlockState.PENDING
+    # Element size of the namespace's dtype: the SSD codec shuffles byte planes by it.
+    itemsize: int = 2
     # Leases (lookup pins and explicit pins) holding this block in place.
     pins: int = 0
     # Reads in flight; a removed block's slot is freed only when the last one ends.
     readers: int = 0
     removed: bool = False
+    # Locations taken away while readers held the entry; freed when the last one ends.
+    retired: list[Slot] = field(default_factory=list)
+    # Waiting in the SSD write-through queue.
+    ssd_queued: bool = False
 
     @property
     def evictable(self) -> bool:

@@ -47,7 +47,9 @@ def render_info(
             out += _bytes_line(f"{p}_capacity_bytes", t.capacity_bytes)
             out += _bytes_line(f"{p}_used_bytes", t.used_bytes)
             out += [f"{p}_blocks:{t.blocks}", f"{p}_hits:{t.counters.hits}", f"{p}_misses:{t.counters.misses}",
-                    f"{p}_evictions:{t.counters.evictions}", f"{p}_checksum_failures:{t.counters.checksum_failures}"]
+                    f"{p}_evictions:{t.counters.evictions}", f"{p}_checksum_failures:{t.counters.checksum_failures}",
+                    f"{p}_promotions:{t.counters.promotions}", f"{p}_demotions:{t.counters.demotions}",
+                    f"{p}_drops:{t.counters.drops}", f"{p}_pending_writes:{t.pending_writes}"]
             out += [f"{p}_{k}:{v}" for k, v in sorted(t.facts.items())]
         for name, reason in absent_tiers:
             out += [f"tier_{name}_present:0", f"tier_{name}_reason:{reason}"]

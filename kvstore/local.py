@@ -16,13 +16,15 @@ from dataclasses import dataclass
 
 from kvstore.errors import FailedPrecondition, ResourceExhausted
 from kvstore.store import PutTxn
+from kvstore.v1 import kvstore_pb2
 
 DEFAULT_PUT_TTL_MS = 30_000
 
 
 @dataclass(slots=True, eq=False)
-class _Pending:
+class OpenPut:
     txn: PutTxn
+    header: kvstore_pb2.PutHeader | None  # what applies at commit (hints)
     expires_at: float
 
 
@@ -32,13 +34,13 @@ class LocalPuts:
         self.max_pending = max_pending
         self.ttl_ms = ttl_ms
         self._clock = clock
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, OpenPut] = {}
         self._deadlines: list[tuple[float, str]] = []
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def begin(self, txn: PutTxn) -> str:
+    def begin(self, txn: PutTxn, header: kvstore_pb2.PutHeader | None = None) -> str:
         self.expire()
         if len(self._pending) >= self.max_pending:
             txn.abort()
@@ -47,11 +49,11 @@ class LocalPuts:
             )
         txn_id = secrets.token_hex(12)
         expires_at = self._clock() + self.ttl_ms / 1000.0
-        self._pending[txn_id] = _Pending(txn, expires_at)
+        self._pending[txn_id] = OpenPut(txn, header, expires_at)
         heapq.heappush(self._deadlines, (expires_at, txn_id))
         return txn_id
 
-    def take(self, txn_id: str) -> PutTxn:
+    def take(self, txn_id: str) -> OpenPut:
         """The open put `txn_id`, removed from the table (the caller commits or aborts it)."""
         self.expire()
         pending = self._pending.pop(txn_id, None)
@@ -60,7 +62,7 @@ class LocalPuts:
                 f"local put {txn_id!r} is not open: it was committed, aborted, or rolled back after "
                 f"{self.ttl_ms} ms; begin the put again"
             )
-        return pending.txn
+        return pending
 
     def expire(self) -> int:
         now = self._clock()

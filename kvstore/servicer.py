@@ -18,7 +18,7 @@ from kvstore.hashing import block_hashes_packed, token_bytes
 from kvstore.info import render_info
 from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
 from kvstore.local import LocalPuts
-from kvstore.store import Store, StoreStatus
+from kvstore.store import Store, StoreStatus, check_hint
 from kvstore.tiers.segment import HEADER_BYTES, Segment
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
@@ -28,6 +28,7 @@ TIER_ENUM = {
     "ssd": kvstore_pb2.TIER_SSD,
     "memory": kvstore_pb2.TIER_MEMORY,
 }
+TIER_BY_ENUM = {v: k for k, v in TIER_ENUM.items()}
 
 
 def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
@@ -125,7 +126,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Lookup(self, request: kvstore_pb2.LookupRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.LookupResponse:
         ns_id = self._namespace(request.namespace)
         hashes = self._hashes(ns_id, request.keys)
+        if request.HasField("hint"):
+            check_hint(request.hint.session_id, request.hint.expect_reuse_within_s)
         r = self.store.lookup(ns_id, hashes, request.lease_ms)
+        if request.HasField("hint") and r.num_blocks:
+            self.store.hint(ns_id, r.block_hashes, request.hint.session_id, request.hint.expect_reuse_within_s)
         return kvstore_pb2.LookupResponse(
             num_blocks=r.num_blocks,
             num_tokens=r.num_tokens,
@@ -143,14 +148,18 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         first = await anext(stream, None)
         if first is None or first.WhichOneof("msg") != "header":
             raise InvalidArgument("a Put stream must start with a header message")
-        ns_id = self._namespace(first.header.namespace)
-        hashes, parent = self._put_keys(ns_id, first.header)
+        header = first.header
+        ns_id = self._namespace(header.namespace)
+        hashes, parent = self._put_keys(ns_id, header)
+        if header.HasField("hint"):
+            check_hint(header.hint.session_id, header.hint.expect_reuse_within_s)
         async with self.store.begin_put(ns_id, hashes, parent) as txn:
             async for msg in stream:
                 if msg.WhichOneof("msg") != "chunk":
                     raise InvalidArgument("only block chunks may follow a Put header")
                 await txn.write(msg.chunk.block, msg.chunk.data)
             result = await txn.commit()
+        self._apply_put_hint(header, ns_id, hashes)
         return kvstore_pb2.PutResponse(
             stored=result.stored, existing=result.existing, namespace_id=ns_id, block_hashes=result.block_hashes
         )
@@ -186,6 +195,34 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Unpin(self, request: kvstore_pb2.UnpinRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.UnpinResponse:
         return kvstore_pb2.UnpinResponse(released=self.store.unpin(request.lease_id))
 
+    def _apply_put_hint(self, header: kvstore_pb2.PutHeader, ns_id: bytes, hashes: list[bytes]) -> None:
+        if header.HasField("hint"):
+            self.store.hint(ns_id, hashes, header.hint.session_id, header.hint.expect_reuse_within_s)
+
+    async def Hint(self, request: kvstore_pb2.HintRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.HintResponse:
+        ns_id = self._namespace(request.namespace)
+        hinted = self.store.hint(ns_id, self._hashes(ns_id, request.keys), request.hint.session_id,
+                                 request.hint.expect_reuse_within_s)
+        return kvstore_pb2.HintResponse(hinted=hinted)
+
+    async def EndSession(
+        self, request: kvstore_pb2.EndSessionRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.EndSessionResponse:
+        self.store.end_session(request.session_id)
+        return kvstore_pb2.EndSessionResponse()
+
+    async def Prefetch(
+        self, request: kvstore_pb2.PrefetchRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.PrefetchResponse:
+        ns_id = self._namespace(request.namespace)
+        hashes = self._hashes(ns_id, request.keys)
+        tier = TIER_BY_ENUM.get(request.tier, "") if request.tier else ""
+        r = await self.store.prefetch(ns_id, hashes, tier)
+        return kvstore_pb2.PrefetchResponse(
+            tier=TIER_ENUM[r.tier], requested=r.requested, raised=r.raised, already=r.already, missing=r.missing,
+            skipped=r.skipped,
+        )
+
     async def Verify(self, request: kvstore_pb2.VerifyRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.VerifyResponse:
         ns_id = self._namespace(request.namespace)
         verified, dropped = await self.store.verify(ns_id, self._hashes(ns_id, request.keys))
@@ -212,9 +249,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self._segment()
         ns_id = self._namespace(request.header.namespace)
         hashes, parent = self._put_keys(ns_id, request.header)
+        if request.header.HasField("hint"):
+            check_hint(request.header.hint.session_id, request.header.hint.expect_reuse_within_s)
         txn = self.store.begin_put(ns_id, hashes, parent, tier=LOCAL_TIER)
-        txn.reserve()
-        txn_id = self.local_puts.begin(txn)
+        await txn.reserve()
+        txn_id = self.local_puts.begin(txn, request.header)
         return kvstore_pb2.LocalPutResponse(
             txn_id=txn_id,
             offsets=[-1 if slot is None else slot.offset for slot in txn.slots()],
@@ -227,7 +266,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def LocalCommit(
         self, request: kvstore_pb2.LocalCommitRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.PutResponse:
-        txn = self.local_puts.take(request.txn_id)
+        open_put = self.local_puts.take(request.txn_id)
+        txn = open_put.txn
         if request.abort:
             txn.abort()
             return kvstore_pb2.PutResponse()
@@ -237,6 +277,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         except BaseException:
             txn.abort()
             raise
+        if open_put.header is not None:
+            self._apply_put_hint(open_put.header, result.namespace_id, result.block_hashes)
         return kvstore_pb2.PutResponse(
             stored=result.stored, existing=result.existing, namespace_id=result.namespace_id,
             block_hashes=result.block_hashes,
@@ -277,6 +319,13 @@ def stats_to_proto(status: StoreStatus, uptime_s: float, absent: Sequence[tuple[
             evictions=t.counters.evictions,
             checksum_failures=t.counters.checksum_failures,
             policy=t.policy,
+            promotions=t.counters.promotions,
+            demotions=t.counters.demotions,
+            drops=t.counters.drops,
+            pending_writes=t.pending_writes,
+            io_mode=t.facts.get("io_mode", ""),
+            pinned=t.facts.get("pinned") == "yes",
+            facts=t.facts,
         )
         for t in status.tiers
     ]
@@ -300,6 +349,8 @@ def stats_to_proto(status: StoreStatus, uptime_s: float, absent: Sequence[tuple[
             checksum_failures=c.checksum_failures,
             leases_active=status.leases_active,
             put_failures=c.put_failures,
+            prefetches=c.prefetches,
+            ssd_write_failures=c.ssd_write_failures,
         ),
         namespaces=status.namespaces,
         uptime_s=uptime_s,

@@ -1,47 +1,88 @@
-"""The store: index, namespaces, leases, tiers and policies behind engine verbs.
+"""The store: index, namespaces, leases, tiers, policies and migration behind engine verbs.
 
 Control plane on one event loop, no locks: every method either runs to completion
 without awaiting (metadata) or holds the blocks it touches (pins for leases, `readers`
-for reads in flight) across its awaits, so eviction and deletion cannot pull bytes out
-from under it.
+for reads and copies in flight) across its awaits, so eviction, migration and deletion
+cannot pull bytes out from under it.
 
-Verbs: `lookup`, `put` (a two-phase `PutTxn`), `fetch`, `delete`, `pin`/`unpin`, `stats`.
+Verbs: `lookup`, `put` (a two-phase `PutTxn`), `fetch`, `prefetch`, `delete`,
+`pin`/`unpin`, `stats`; `start`/`aclose` own the background tasks (migrator, SSD writer).
 
-Ordering decisions that matter:
+Tiers are ordered top (fastest) to bottom. The addressable tiers (HBM, host, memory)
+hold a block exclusively among themselves; an SSD tier, if any, is last and inclusive
+(see kvstore.index). Ordering decisions that matter:
 - Publish after the data lands. A put allocates PENDING slots, receives every byte,
   checksums them, and only then adds all its blocks to the index in one synchronous
   step. A failed or cancelled put frees its slots; nothing was ever visible.
-- Read-your-writes. `PutTxn.commit` returns only after the index holds the blocks, so a
-  lookup from any client that starts after the put returned sees them.
-- Never serve a wrong block. Fetch copies a block out of its tier, then verifies the copy
-  against the checksum taken at put time; a mismatch drops the block, counts it, and ends
-  the fetch there (prefix semantics: nothing after a missing block is useful).
-- Re-putting a READY block is a no-op that accounts nothing twice.
+- Read-your-writes. `PutTxn.commit` returns only after the index holds the blocks.
+- Never serve a wrong block. Every read that leaves the daemon or crosses a tier is
+  verified against the checksum taken at put time; a mismatch (or an SSD record that
+  does not decode) drops that copy, counts it, and ends the fetch there.
+- Never lose a block while it moves. A copy adds the destination location only after
+  the bytes landed and verified, and removes the source location after that; a source
+  slot that readers still hold is retired, not freed.
+- Write-through to SSD (the default) queues every published block for the SSD writer,
+  which writes in put order, so a crash loses at most the queue and never the start of
+  a prefix chain while keeping its later blocks. `write_policy="back"` writes a block to
+  SSD only when it is demoted.
+- Migration: when a tier passes its high watermark the migrator demotes its policy's
+  victims to the next tier down in bounded batches until it is under the low watermark
+  (OK / RUNNING / FAIL per batch). A block already on SSD is demoted by dropping its
+  memory copy; the last tier drops blocks. A put that finds no room demotes in line.
 """
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from kvstore.checksum import checksum_batch
-from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstore.hashing import HASH_BYTES, block_hashes_packed
 from kvstore.index import BlockEntry, BlockIndex, BlockState, make_key
-from kvstore.layout import KVLayout
+from kvstore.layout import DTYPE_BYTES, KVLayout
 from kvstore.leases import Lease, LeaseTable
 from kvstore.policies import EvictionPolicy
-from kvstore.tiers.base import Slot, Tier
+from kvstore.tiers.base import BlockMeta, Slot, Tier
+from kvstore.tiers.copiers import make_copier
 
 logger = logging.getLogger(__name__)
 
 # Fetch reads and verifies blocks in batches of about this many bytes: large enough to
 # amortize the thread hand-off of checksumming, small enough to bound memory per call.
 FETCH_BATCH_BYTES = 8 * 1024 * 1024
+# How many blocks the SSD writer has in flight at once (its I/O pool does the work).
+SSD_WRITE_CONCURRENCY = 8
+
+
+class WritePolicy(enum.Enum):
+    THROUGH = "through"  # every published block is also written to SSD, in the background
+    BACK = "back"  # a block reaches SSD only when it is demoted
+
+
+class MigrationStatus(enum.Enum):
+    OK = "ok"  # the tier is under its low watermark (or was never over the high one)
+    RUNNING = "running"  # a batch moved blocks; more remain above the low watermark
+    FAIL = "fail"  # over the watermark but nothing is evictable (all pinned or moving)
+
+
+MAX_SESSION_ID_CHARS = 128
+MAX_HINT_S = 86_400.0
+
+
+def check_hint(session_id: str, expect_reuse_within_s: float) -> None:
+    if not session_id or len(session_id) > MAX_SESSION_ID_CHARS:
+        raise InvalidArgument(f"session_id must be 1 to {MAX_SESSION_ID_CHARS} characters; use one per conversation")
+    if not 0 < expect_reuse_within_s <= MAX_HINT_S:  # also false for NaN
+        raise InvalidArgument(
+            f"expect_reuse_within_s must be in (0, {MAX_HINT_S:g}] seconds, got {expect_reuse_within_s!r}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +94,27 @@ class StoreLimits:
     default_pin_ms: int = 30_000
 
 
+@dataclass(frozen=True, slots=True)
+class MigrationConfig:
+    """How blocks move between tiers."""
+
+    write_policy: WritePolicy = WritePolicy.THROUGH
+    # Where puts land: "auto" = the highest addressable tier with room, else a tier name.
+    put_tier: str = "auto"
+    promote_on_hit: bool = True
+    batch_blocks: int = 64
+    tick_s: float = 0.05
+
+
 @dataclass(slots=True)
 class TierCounters:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
     checksum_failures: int = 0
+    promotions: int = 0  # blocks copied into this tier from a lower one
+    demotions: int = 0  # blocks moved from this tier to a lower one
+    drops: int = 0  # blocks that left the store from this tier (their last copy)
 
 
 @dataclass(slots=True)
@@ -78,15 +134,31 @@ class StoreCounters:
     deletes: int = 0
     evictions: int = 0
     checksum_failures: int = 0
+    prefetches: int = 0
+    ssd_write_failures: int = 0
 
 
 @dataclass(slots=True, eq=False)
 class StoreTier:
-    """A tier as the control plane sees it: bytes (`tier`), order (`policy`), counters."""
+    """A tier as the control plane sees it: bytes (`tier`), order (`policy`), counters.
+
+    Watermarks are fractions of capacity: over `high_watermark` the migrator demotes
+    until the tier is at or under `low_watermark`.
+    """
 
     tier: Tier
     policy: EvictionPolicy
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
     counters: TierCounters = field(default_factory=TierCounters)
+    draining: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+            raise ValueError(
+                f"tier {self.tier.name}: watermarks must satisfy 0 < low <= high <= 1, "
+                f"got low={self.low_watermark} high={self.high_watermark}"
+            )
 
     @property
     def name(self) -> str:
@@ -124,6 +196,7 @@ class BlockInfo:
     nbytes: int
     checksum: int
     pins: int
+    tiers: list[str] = field(default_factory=list)  # every tier holding a copy, top first
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +215,16 @@ class PinResult:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    tier: str
+    requested: int
+    raised: int  # copied or moved up into the tier by this call
+    already: int  # were in the tier (or above it) already
+    missing: int  # not in the store, or failed verification on the way up
+    skipped: int = 0  # no room in the target: everything there pinned, held or PENDING
+
+
+@dataclass(frozen=True, slots=True)
 class TierStatus:
     name: str
     capacity_bytes: int
@@ -150,6 +233,7 @@ class TierStatus:
     policy: str
     counters: TierCounters
     facts: dict[str, str]
+    pending_writes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,18 +252,111 @@ class Store:
         limits: StoreLimits | None = None,
         executor: Executor | None = None,
         clock: Callable[[], float] = time.monotonic,
+        migration: MigrationConfig | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.tiers = list(tiers)
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be distinct, got {names}")
+        inclusive = [t for t in self.tiers if not t.tier.addressable]
+        if len(inclusive) > 1 or (inclusive and inclusive[0] is not self.tiers[-1]):
+            raise ValueError("at most one non-addressable (SSD) tier, and it must be the last")
+        self.memory_tiers = [t for t in self.tiers if t.tier.addressable]
+        if not self.memory_tiers:
+            raise ValueError("a store needs at least one addressable tier for puts to land in")
+        self.ssd: StoreTier | None = inclusive[0] if inclusive else None
+        self.migration = migration or MigrationConfig()
+        if self.migration.put_tier != "auto" and self.migration.put_tier not in {t.name for t in self.memory_tiers}:
+            raise ValueError(f"put tier {self.migration.put_tier!r} is not one of this store's memory tiers")
         self.limits = limits or StoreLimits()
         self.counters = StoreCounters()
         self._executor = executor
         self._clock = clock
         self._index = BlockIndex()
-        self._leases = LeaseTable(self._end_read)
+        self._leases = LeaseTable(self._release)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         self._tier_by_name = {t.name: t for t in self.tiers}
+        self._copiers = {
+            (a.name, b.name): make_copier(a.tier, b.tier)
+            for a in self.memory_tiers
+            for b in self.memory_tiers
+            if a is not b
+        }
+        self._rank = {t.name: i for i, t in enumerate(self.tiers)}
+        self._ssd_queue: deque[BlockEntry] = deque()
+        self._ssd_inflight = 0
+        # Blocks being written to SSD right now, so a demotion and the write-through
+        # writer never write the same block twice.
+        self._ssd_writing: dict[bytes, asyncio.Future[None]] = {}
+        self._ssd_wakeup = asyncio.Event()
+        self._ssd_idle = asyncio.Event()
+        self._ssd_idle.set()
+        self._migrate_wakeup = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._recovered = False
+        self._closed = False
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Recover the SSD tier's blocks, then start the migrator and the SSD writer."""
+        if self.ssd is not None:
+            recover = getattr(self.ssd.tier, "recover", None)
+            if recover is not None:
+                report = await recover()
+                for block in report.blocks:
+                    entry = BlockEntry(block.key, block.parent, block.nbytes, block.checksum,
+                                       {self.ssd.name: block.slot}, BlockState.READY, itemsize=block.itemsize)
+                    self._index.add(entry)
+                    self.ssd.policy.insert(entry.key, entry.parent)
+                self._recovered = bool(report.blocks)
+                self.ssd.counters.checksum_failures += report.checksum_failures
+                self.counters.checksum_failures += report.checksum_failures
+            self._tasks.append(asyncio.create_task(self._ssd_writer(), name="kvstore-ssd-writer"))
+        if len(self.tiers) > 1:
+            self._tasks.append(asyncio.create_task(self._migrator(), name="kvstore-migrator"))
+
+    async def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued SSD write has landed; False if `timeout_s` passed first."""
+        if self.ssd is None:
+            return True
+        try:
+            await asyncio.wait_for(self._ssd_idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    @property
+    def pending_ssd_writes(self) -> int:
+        return len(self._ssd_queue) + self._ssd_inflight
+
+    async def aclose(self, flush_timeout_s: float | None = 30.0) -> None:
+        """Graceful stop: flush pending SSD writes, stop background tasks, close tiers."""
+        if self._closed:
+            return
+        if self._tasks and not await self.flush(flush_timeout_s):
+            logger.warning("shutdown: %d SSD writes still pending after %.1fs; they are lost",
+                           self.pending_ssd_writes, flush_timeout_s or 0.0)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._tasks.clear()
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        for st in self.tiers:
+            st.tier.close()
 
     # ----------------------------------------------------------------- namespaces
 
@@ -192,7 +369,15 @@ class Store:
                     f"the daemon already holds {self.limits.max_namespaces} namespaces; "
                     "flush unused ones or raise max_namespaces"
                 )
-            self._namespaces[ns_id] = NamespaceInfo(ns_id, layout)
+            info = NamespaceInfo(ns_id, layout)
+            if self._recovered:
+                # Blocks recovered from SSD carry their namespace id but not its layout;
+                # the first request that sends the layout adopts them.
+                for entry in self._index:
+                    if entry.key[:HASH_BYTES] == ns_id:
+                        info.blocks += 1
+                        info.bytes += entry.nbytes
+            self._namespaces[ns_id] = info
             logger.info("namespace %s registered: model=%s dtype=%s block=%d tokens / %d bytes",
                         ns_id.hex(), layout.model, layout.dtype, layout.block_size_tokens, layout.bytes_per_block)
         return ns_id
@@ -234,6 +419,272 @@ class Store:
                 f"{n} {what} in one call; the limit is {self.limits.max_blocks_per_call}: split the request"
             )
 
+    # ----------------------------------------------------------------- locations
+
+    def _top_name(self, entry: BlockEntry) -> str:
+        if len(entry.locations) == 1:  # the common case, on the lookup hot path
+            return next(iter(entry.locations))
+        st = self.top_tier(entry)
+        assert st is not None, "an indexed block has a location"
+        return st.name
+
+    def _block_info(self, entry: BlockEntry) -> BlockInfo:
+        top = self._top_name(entry)
+        return BlockInfo(top, entry.locations[top], entry.nbytes, entry.checksum, entry.pins,
+                         sorted(entry.locations, key=self._rank.__getitem__))
+
+    def top_tier(self, entry: BlockEntry) -> StoreTier | None:
+        """The highest tier holding a copy of `entry` (where reads are served from)."""
+        for st in self.tiers:
+            if st.name in entry.locations:
+                return st
+        return None
+
+    def _below(self, st: StoreTier) -> StoreTier | None:
+        i = self._rank[st.name] + 1
+        return self.tiers[i] if i < len(self.tiers) else None
+
+    def _hold(self, entry: BlockEntry) -> None:
+        entry.readers += 1
+
+    def _release(self, entry: BlockEntry) -> None:
+        entry.readers -= 1
+        if entry.readers == 0:
+            for slot in entry.retired:
+                self._tier_by_name[slot.tier].tier.free(slot)
+            entry.retired.clear()
+            if entry.removed:
+                for slot in entry.locations.values():
+                    self._tier_by_name[slot.tier].tier.free(slot)
+                entry.locations.clear()
+
+    def _add_location(self, entry: BlockEntry, st: StoreTier, slot: Slot) -> bool:
+        """Record a landed, verified copy; False (and the slot freed) if it is not needed."""
+        if entry.removed or st.name in entry.locations:
+            st.tier.free(slot)
+            return False
+        entry.locations[st.name] = slot
+        st.policy.insert(entry.key, entry.parent)
+        return True
+
+    def _remove_location(self, entry: BlockEntry, st: StoreTier) -> None:
+        """Take one copy away; the entry leaves the index with its last copy."""
+        slot = entry.locations.pop(st.name)
+        st.policy.remove(entry.key)
+        if entry.readers:
+            entry.retired.append(slot)
+        else:
+            st.tier.free(slot)
+        if not entry.locations and not entry.removed:
+            self._index.remove(entry.key)
+            st.counters.drops += 1
+            self._forget(entry)
+
+    def _forget(self, entry: BlockEntry) -> None:
+        info = self._namespaces.get(entry.key[:HASH_BYTES])
+        if info is not None:
+            info.blocks -= 1
+            info.bytes -= entry.nbytes
+
+    def _drop(self, entry: BlockEntry) -> None:
+        """Remove a block from the index and every tier; bytes go when no reader holds them."""
+        self._index.remove(entry.key)
+        for name in entry.locations:
+            self._tier_by_name[name].policy.remove(entry.key)
+        self._forget(entry)
+        if entry.readers == 0:
+            for slot in entry.locations.values():
+                self._tier_by_name[slot.tier].tier.free(slot)
+            entry.locations.clear()
+
+    def _evictable(self, key: bytes) -> bool:
+        entry = self._index.get(key)
+        return entry is not None and entry.evictable
+
+    # ----------------------------------------------------------------- moving bytes
+
+    async def _read_verified(self, entry: BlockEntry, st: StoreTier) -> bytes | None:
+        """The bytes of `entry`'s copy in `st`, verified; None (copy dropped, counted) if bad.
+
+        The caller holds the entry.
+        """
+        slot = entry.locations[st.name]
+        try:
+            data = await st.tier.get_block(slot, entry.nbytes)
+        except DataLoss as exc:
+            logger.warning("block %s in tier %s: %s", entry.key.hex(), st.name, exc)
+            self._checksum_failed(entry, st)
+            return None
+        got = (await checksum_batch([data], self._executor))[0]
+        if got != entry.checksum:
+            self._checksum_failed(entry, st)
+            return None
+        return data
+
+    async def _place(self, st: StoreTier, entry: BlockEntry, data: bytes | memoryview) -> Slot:
+        """Store `data` as `entry` in `st`, demoting (or dropping) victims until it fits."""
+        meta = BlockMeta(entry.key, entry.parent, entry.checksum, entry.itemsize)
+        while True:
+            slot = await st.tier.put_block(meta, data)
+            if slot is not None:
+                return slot
+            await self._evict_one(st, entry.nbytes)
+
+    async def _allocate(self, st: StoreTier, nbytes: int) -> Slot:
+        """An empty slot in addressable tier `st`, demoting victims until one fits."""
+        while True:
+            slot = st.tier.allocate(nbytes)
+            if slot is not None:
+                return slot
+            await self._evict_one(st, nbytes)
+
+    async def _evict_one(self, st: StoreTier, nbytes: int) -> None:
+        """Make progress towards room in `st`: demote one victim, or empty one SSD region."""
+        key = st.policy.victim(self._evictable)
+        if key is None:
+            raise ResourceExhausted(
+                f"tier {st.name} is full ({st.tier.used_bytes} of {st.tier.capacity_bytes} bytes) and every "
+                "block in it is pinned or being moved; retry later, release leases, or add capacity"
+            )
+        entry = self._index.get(key)
+        assert entry is not None
+        if st is self.ssd:
+            # Region-level reclaim: a region frees only when all its records are dead,
+            # so evict the victim's whole region (what of it is evictable) at once.
+            region_keys = getattr(st.tier, "region_keys", None)
+            keys = region_keys(entry.locations[st.name]) if region_keys is not None else [key]
+            for k in keys:
+                e = self._index.get(k)
+                if e is not None and e.evictable and st.name in e.locations:
+                    self._evict_location(e, st)
+            return
+        await self._demote(entry, st)
+
+    def _evict_location(self, entry: BlockEntry, st: StoreTier) -> None:
+        st.counters.evictions += 1
+        self.counters.evictions += 1
+        self._remove_location(entry, st)
+
+    async def _demote(self, entry: BlockEntry, st: StoreTier) -> bool:
+        """Move `entry` out of `st` to the next tier down; the last tier drops it.
+
+        True when `st` no longer holds the block.
+        """
+        lower = self._below(st)
+        if lower is None:
+            self._evict_location(entry, st)
+            return True
+        if lower.name in entry.locations:  # already below (the inclusive SSD copy)
+            st.counters.demotions += 1
+            self._remove_location(entry, st)
+            return True
+        self._hold(entry)
+        try:
+            try:
+                if lower is self.ssd:
+                    data = await self._read_verified(entry, st)
+                    if data is None:
+                        return True
+                    landed = await self._ensure_on_ssd(entry, data)
+                else:
+                    slot = await self._copy_into(entry, st, lower)
+                    if slot is None:
+                        return True
+                    landed = self._add_location(entry, lower, slot)
+            except ResourceExhausted:
+                landed = False
+            if not landed and lower.name not in entry.locations:
+                # Nothing below can take it: dropping is what the last tier would do.
+                logger.debug("no room below %s for %s; dropped", st.name, entry.key.hex())
+                if st.name in entry.locations and not entry.removed:
+                    self._evict_location(entry, st)
+                return True
+            if st.name in entry.locations:
+                st.counters.demotions += 1
+                self._remove_location(entry, st)
+            return True
+        finally:
+            self._release(entry)
+
+    async def _ensure_on_ssd(self, entry: BlockEntry, data: bytes) -> bool:
+        """Write `entry` to SSD unless it is there or already being written (then wait for
+        that write). True when the block has an SSD copy afterwards. The caller holds it."""
+        assert self.ssd is not None
+        if self.ssd.name in entry.locations:
+            return True
+        pending = self._ssd_writing.get(entry.key)
+        if pending is not None:
+            await asyncio.shield(pending)
+            return self.ssd.name in entry.locations
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._ssd_writing[entry.key] = done
+        try:
+            slot = await self._place(self.ssd, entry, data)
+            return self._add_location(entry, self.ssd, slot)
+        finally:
+            del self._ssd_writing[entry.key]
+            done.set_result(None)
+
+    async def _verify_view(self, entry: BlockEntry, st: StoreTier, slot: Slot) -> bool | None:
+        """Checksum of a host-visible copy against the entry's; None when not host-visible."""
+        view = st.tier.view(slot, entry.nbytes)
+        if view is None:
+            return None
+        return (await checksum_batch([view], self._executor))[0] == entry.checksum
+
+    async def _copy_into(self, entry: BlockEntry, src: StoreTier, dst: StoreTier) -> Slot | None:
+        """A verified copy of `entry` from `src` in a new slot of addressable tier `dst`
+        (making room there). None when the source copy failed verification (it is dropped
+        and counted). The caller holds the entry and publishes the slot."""
+        if src is self.ssd:
+            data = await self._read_verified(entry, src)
+            if data is None:
+                return None
+            slot = await self._allocate(dst, entry.nbytes)
+            try:
+                await dst.tier.write(slot, 0, data)
+            except BaseException:
+                dst.tier.free(slot)
+                raise
+            return slot
+        # Verify the source where it is host-visible, before it crosses; else the
+        # destination after it crossed (a device copy is checked once it is on the host).
+        if await self._verify_view(entry, src, entry.locations[src.name]) is False:
+            self._checksum_failed(entry, src)
+            return None
+        slot = await self._allocate(dst, entry.nbytes)
+        try:
+            if src.name not in entry.locations:  # taken away (deleted) while room was made
+                raise FailedPrecondition(f"block {entry.key.hex()} left tier {src.name} during a copy")
+            await self._copiers[src.name, dst.name].copy(src.tier, entry.locations[src.name], dst.tier, slot,
+                                                         entry.nbytes)
+            if await self._verify_view(entry, dst, slot) is False:
+                dst.tier.free(slot)
+                self._checksum_failed(entry, src)
+                return None
+        except BaseException:
+            dst.tier.free(slot)
+            raise
+        return slot
+
+    async def _raise(self, entry: BlockEntry, target: StoreTier) -> bool:
+        """Copy `entry` up into `target` (moving it out of a lower memory tier). Caller holds it."""
+        src = self.top_tier(entry)
+        if src is None:
+            return False
+        try:
+            slot = await self._copy_into(entry, src, target)
+        except FailedPrecondition:
+            return False
+        if slot is None:
+            return False
+        if not self._add_location(entry, target, slot):
+            return False
+        target.counters.promotions += 1
+        if src is not self.ssd and src.name in entry.locations:
+            self._remove_location(entry, src)  # memory tiers are exclusive: a move
+        return True
+
     # ----------------------------------------------------------------- lookup
 
     def lookup(self, namespace_id: bytes, hashes: Sequence[bytes], lease_ms: int = 0) -> LookupResult:
@@ -250,17 +701,21 @@ class Store:
         c.lookup_blocks += len(keys)
         c.hit_blocks += len(hit)
         c.miss_blocks += len(keys) - len(hit)
-        tier_names = [entry.slot.tier for entry in hit]
+        tier_names = [self._top_name(entry) for entry in hit]  # where each block is served from
         per_tier = Counter(tier_names)
         for st in self.tiers:
-            # A tier's hits are looked-up blocks it holds; its misses, those it does not.
+            # A tier's hits are looked-up blocks served from it; its misses, the others.
             held = per_tier.get(st.name, 0)
             st.counters.hits += held
             st.counters.misses += len(keys) - held
             if held:
                 # Tail first, so the head of a chain is the most recently used: a recency
                 # policy then evicts chain tails before the heads later blocks depend on.
-                tail_first = reversed(hit) if held == len(hit) else (e for e in reversed(hit) if e.slot.tier == st.name)
+                tail_first = (
+                    reversed(hit)
+                    if held == len(hit)
+                    else (e for e, name in zip(reversed(hit), reversed(tier_names)) if name == st.name)
+                )
                 st.policy.touch_many(e.key for e in tail_first)
         return LookupResult(
             namespace_id=namespace_id,
@@ -275,7 +730,7 @@ class Store:
         entry = self._index.get(make_key(namespace_id, block_hash))
         if entry is None:
             return None
-        return BlockInfo(entry.slot.tier, entry.slot, entry.nbytes, entry.checksum, entry.pins)
+        return self._block_info(entry)
 
     # ----------------------------------------------------------------- put
 
@@ -284,7 +739,7 @@ class Store:
     ) -> PutTxn:
         """Start a two-phase put of `hashes` (in chain order). Use as `async with`.
 
-        `tier` names the tier the new blocks land in (default: the first).
+        `tier` names the memory tier the new blocks land in (default: `put_tier`).
         """
         info = self.namespace(namespace_id)
         self.check_hashes(hashes)
@@ -293,67 +748,144 @@ class Store:
         if not hashes:
             raise InvalidArgument("a put must carry at least one block")
         self.expire_leases()
-        if tier is not None and tier not in self._tier_by_name:
-            raise FailedPrecondition(f"this daemon has no {tier} tier")
-        target = self._tier_by_name[tier] if tier is not None else self.tiers[0]
+        target = self._tier_by_name.get(tier) if tier is not None else None
+        if tier is not None and (target is None or not target.tier.addressable):
+            raise FailedPrecondition(f"this daemon has no {tier} memory tier")
         return PutTxn(self, info, list(hashes), parent_hash, target)
 
-    def _allocate(self, st: StoreTier, nbytes: int) -> Slot:
-        """A slot in `st`, evicting victims in policy order until one fits."""
-        while True:
+    def _landing_tiers(self) -> list[StoreTier]:
+        if self.migration.put_tier == "auto":
+            return self.memory_tiers
+        return [self._tier_by_name[self.migration.put_tier]]
+
+    async def _allocate_put(self, nbytes: int, landing: list[StoreTier]) -> Slot:
+        """A PENDING slot for a new block: the highest landing tier with room, else make room
+        in the first one."""
+        for st in landing:
             slot = st.tier.allocate(nbytes)
             if slot is not None:
                 return slot
-            victim = st.policy.victim(self._is_evictable)
-            if victim is None:
-                raise ResourceExhausted(
-                    f"tier {st.name} is full ({st.tier.used_bytes} of {st.tier.capacity_bytes} bytes) and every "
-                    "block in it is pinned or being written; retry later, release leases, or add capacity"
-                )
-            self._evict(st, victim)
-
-    def _is_evictable(self, key: bytes) -> bool:
-        entry = self._index.get(key)
-        return entry is not None and entry.evictable
-
-    def _evict(self, st: StoreTier, key: bytes) -> None:
-        entry = self._index.get(key)
-        assert entry is not None and entry.evictable
-        self._drop(entry)
-        st.counters.evictions += 1
-        self.counters.evictions += 1
-        logger.debug("evicted %s from %s", key.hex(), st.name)
-
-    def _drop(self, entry: BlockEntry) -> None:
-        """Remove a block from the index and its policy; free its bytes when no reader holds them."""
-        self._index.remove(entry.key)
-        st = self._tier_by_name[entry.slot.tier]
-        st.policy.remove(entry.key)
-        info = self._namespaces.get(entry.key[:HASH_BYTES])
-        if info is not None:
-            info.blocks -= 1
-            info.bytes -= entry.nbytes
-        if entry.readers == 0:
-            st.tier.free(entry.slot)
+        # Make room in the first tier that can: the top one may be full of PENDING slots
+        # of concurrent puts, which nothing can evict.
+        for st in landing[:-1]:
+            try:
+                return await self._allocate(st, nbytes)
+            except ResourceExhausted:
+                continue
+        return await self._allocate(landing[-1], nbytes)
 
     def _publish(self, entries: list[BlockEntry]) -> None:
+        through = self.ssd is not None and self.migration.write_policy is WritePolicy.THROUGH
         # Tail first, for the same reason as in `lookup`.
         for entry in reversed(entries):
             entry.state = BlockState.READY
             self._index.add(entry)
-            self._tier_by_name[entry.slot.tier].policy.insert(entry.key, entry.parent)
+            for name in entry.locations:
+                self._tier_by_name[name].policy.insert(entry.key, entry.parent)
             info = self._namespaces[entry.key[:HASH_BYTES]]
             info.blocks += 1
             info.bytes += entry.nbytes
+        if through:
+            # Head first: the SSD writer follows queue order, so a crash can cut a chain
+            # short but never leave its later blocks without its start.
+            for entry in entries:
+                entry.ssd_queued = True
+                self._ssd_queue.append(entry)
+        if through and entries:
+            self._ssd_idle.clear()
+            self._ssd_wakeup.set()
+        self._migrate_wakeup.set()
+
+    # ----------------------------------------------------------------- background work
+
+    async def _ssd_writer(self) -> None:
+        """Drain the write-through queue in put order, a few blocks in flight at a time."""
+        while True:
+            if not self._ssd_queue and self._ssd_inflight == 0:
+                self._ssd_idle.set()
+                self._ssd_wakeup.clear()
+                await self._ssd_wakeup.wait()
+                continue
+            batch: list[BlockEntry] = []
+            while self._ssd_queue and len(batch) < SSD_WRITE_CONCURRENCY:
+                batch.append(self._ssd_queue.popleft())
+            self._ssd_inflight += len(batch)
+            try:
+                await asyncio.gather(*(self._write_through(e) for e in batch))
+            finally:
+                self._ssd_inflight -= len(batch)
+
+    async def _write_through(self, entry: BlockEntry) -> None:
+        assert self.ssd is not None
+        if not entry.ssd_queued or entry.removed or self.ssd.name in entry.locations:
+            return
+        src = self.top_tier(entry)
+        if src is None:
+            return
+        self._hold(entry)
+        try:
+            data = await self._read_verified(entry, src)
+            if data is None:
+                return
+            await self._ensure_on_ssd(entry, data)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # task boundary: the block stays in memory, unwritten
+            self.counters.ssd_write_failures += 1
+            logger.exception("ssd write of block %s failed", entry.key.hex())
+        finally:
+            entry.ssd_queued = False
+            self._release(entry)
+
+    async def _migrator(self) -> None:
+        """The periodic driver: one bounded batch per over-watermark tier per tick."""
+        while True:
+            try:
+                await asyncio.wait_for(self._migrate_wakeup.wait(), self.migration.tick_s)
+            except TimeoutError:
+                pass
+            self._migrate_wakeup.clear()
+            try:
+                # The last tier only evicts on demand: dropping ahead of need would lose
+                # hits for nothing, since no tier below is waiting for the room.
+                for st in self.memory_tiers:
+                    if self._below(st) is not None and await self.migrate_once(st) is MigrationStatus.RUNNING:
+                        self._migrate_wakeup.set()  # more to do: no need to wait a tick
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # task boundary: keep migrating next tick
+                logger.exception("migration batch failed")
+
+    async def migrate_once(self, st: StoreTier) -> MigrationStatus:
+        """Demote at most `batch_blocks` victims of `st` if it is over its high watermark."""
+        cap = st.tier.capacity_bytes
+        if not st.draining:
+            if st.tier.used_bytes <= st.high_watermark * cap:
+                return MigrationStatus.OK
+            st.draining = True
+        target = st.low_watermark * cap
+        moved = 0
+        while st.tier.used_bytes > target and moved < self.migration.batch_blocks:
+            key = st.policy.victim(self._evictable)
+            if key is None:
+                return MigrationStatus.FAIL
+            entry = self._index.get(key)
+            assert entry is not None
+            await self._demote(entry, st)
+            moved += 1
+        if st.tier.used_bytes > target:
+            return MigrationStatus.RUNNING
+        st.draining = False
+        return MigrationStatus.OK
 
     # ----------------------------------------------------------------- fetch
 
     def open_fetch(self, namespace_id: bytes, hashes: Sequence[bytes], lease_id: str = "") -> FetchStream:
         """Plan a fetch of the longest present prefix of `hashes`; use as `async with`.
 
-        The planned blocks are held (as readers) until the stream closes, so eviction and
-        deletion cannot free their bytes mid-read. `lease_id`, if given, is released when
-        the stream closes: the lease's job (bridging lookup and fetch) is done.
+        The planned blocks are held (as readers) until the stream closes, so eviction,
+        migration and deletion cannot free their bytes mid-read. `lease_id`, if given, is
+        released when the stream closes: the lease's job (bridging lookup and fetch) is done.
         """
         info = self.namespace(namespace_id)
         self.check_hashes(hashes)
@@ -362,18 +894,69 @@ class Store:
         self.counters.fetches += 1
         return FetchStream(self, entries, info.layout.bytes_per_block, lease_id)
 
-    def _end_read(self, entry: BlockEntry) -> None:
-        entry.readers -= 1
-        if entry.removed and entry.readers == 0:
-            self._tier_by_name[entry.slot.tier].tier.free(entry.slot)
-
-    def _checksum_failed(self, entry: BlockEntry) -> None:
-        st = self._tier_by_name[entry.slot.tier]
+    def _checksum_failed(self, entry: BlockEntry, st: StoreTier) -> None:
         st.counters.checksum_failures += 1
         self.counters.checksum_failures += 1
-        logger.warning("block %s in tier %s failed its checksum; dropped", entry.key.hex(), st.name)
-        if not entry.removed:
-            self._drop(entry)
+        logger.warning("block %s in tier %s failed verification; that copy is dropped", entry.key.hex(), st.name)
+        if st.name in entry.locations and not entry.removed:
+            self._remove_location(entry, st)
+
+    async def _promote_on_hit(self, entry: BlockEntry, data: bytes) -> None:
+        """After a verified read from SSD: keep a memory copy if the top tier has headroom."""
+        top = self.memory_tiers[0]
+        if entry.removed or top.name in entry.locations:
+            return
+        if top.tier.used_bytes + top.tier.accounted_size(entry.nbytes) > top.high_watermark * top.tier.capacity_bytes:
+            return
+        slot = top.tier.allocate(entry.nbytes)
+        if slot is None:
+            return
+        try:
+            await top.tier.write(slot, 0, data)
+        except BaseException:
+            top.tier.free(slot)
+            raise
+        if self._add_location(entry, top, slot):
+            top.counters.promotions += 1
+
+    # ----------------------------------------------------------------- prefetch
+
+    async def prefetch(self, namespace_id: bytes, hashes: Sequence[bytes], tier: str = "") -> PrefetchResult:
+        """Raise the named blocks that are present into `tier` (default: the top tier)."""
+        self.namespace(namespace_id)
+        self.check_hashes(hashes)
+        target = self._tier_by_name.get(tier) if tier else self.memory_tiers[0]
+        if target is None or not target.tier.addressable:
+            names = ", ".join(t.name for t in self.memory_tiers)
+            raise InvalidArgument(f"prefetch target tier {tier!r} is not a memory tier of this daemon; use one of {names}")
+        self.counters.prefetches += 1
+        raised = already = missing = skipped = 0
+        for h in hashes:
+            entry = self._index.get(make_key(namespace_id, h))
+            src = self.top_tier(entry) if entry is not None else None
+            if entry is None or src is None:
+                missing += 1
+                continue
+            if self._rank[src.name] <= self._rank[target.name]:
+                already += 1
+                target.policy.touch(entry.key)
+                continue
+            self._hold(entry)
+            try:
+                if await self._raise(entry, target):
+                    raised += 1
+                elif target.name in entry.locations:
+                    already += 1
+                else:
+                    missing += 1
+            except ResourceExhausted:
+                # A prefetch is advice: with no room to make, the block stays where it
+                # is (still served from there) and the rest are not worth trying.
+                skipped = len(hashes) - raised - already - missing
+                break
+            finally:
+                self._release(entry)
+        return PrefetchResult(target.name, len(hashes), raised, already, missing, skipped)
 
     # ----------------------------------------------------------------- delete, pins
 
@@ -416,9 +999,10 @@ class Store:
         self.check_hashes(hashes)
         self.expire_leases()
         entries = self._index.longest_ready_prefix([make_key(namespace_id, h) for h in hashes])
+        tops = [self._top_name(e) for e in entries]
         local: list[BlockEntry] = []
-        for entry in entries:
-            if entry.slot.tier != tier:
+        for entry, top in zip(entries, tops):
+            if top != tier:
                 break
             local.append(entry)
         lease_id = ""
@@ -428,16 +1012,16 @@ class Store:
         self.counters.blocks_fetched += len(local)
         self.counters.bytes_out += sum(e.nbytes for e in local)
         for entry in reversed(local):
-            self._tier_by_name[entry.slot.tier].policy.touch(entry.key)
+            self._tier_by_name[tier].policy.touch(entry.key)
         result = LookupResult(
             namespace_id=namespace_id,
             num_blocks=len(entries),
             block_size_tokens=info.layout.block_size_tokens,
-            tiers=[e.slot.tier for e in entries],
+            tiers=tops,
             block_hashes=list(hashes[: len(entries)]),
             lease_id=lease_id,
         )
-        return result, [BlockInfo(e.slot.tier, e.slot, e.nbytes, e.checksum, e.pins) for e in local]
+        return result, [self._block_info(e) for e in local]
 
     async def verify(self, namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[int, int]:
         """Re-check the named blocks against their checksums; drop and count the bad ones.
@@ -448,22 +1032,54 @@ class Store:
         self.namespace(namespace_id)
         self.check_hashes(hashes)
         entries = [e for h in hashes if (e := self._index.get(make_key(namespace_id, h))) is not None]
+        verified = dropped = 0
         for entry in entries:
-            entry.readers += 1
+            self._hold(entry)
         try:
-            datas = [await self._tier_by_name[e.slot.tier].tier.read(e.slot, e.nbytes) for e in entries]
-            sums = await checksum_batch(datas, self._executor)
+            # Every copy, not only the one served first: a bad SSD copy would be served
+            # once the memory copy is gone.
+            for entry in entries:
+                bad = False
+                for st in [t for t in self.tiers if t.name in entry.locations]:
+                    if entry.removed:
+                        break
+                    if await self._read_verified(entry, st) is None:
+                        bad = True
+                if bad:
+                    dropped += 1
+                elif not entry.removed:
+                    verified += 1
         finally:
             for entry in entries:
-                self._end_read(entry)
-        verified = dropped = 0
-        for entry, got in zip(entries, sums):
-            if got == entry.checksum:
-                verified += 1
-            elif not entry.removed:
-                self._checksum_failed(entry)
-                dropped += 1
+                self._release(entry)
         return verified, dropped
+
+    def hint(self, namespace_id: bytes, hashes: Sequence[bytes], session_id: str, expect_reuse_within_s: float) -> int:
+        """Tell each tier's policy that `session_id` will reuse the named blocks soon.
+
+        Only blocks present are hinted; returns how many. Policies without hint support
+        ignore it, so a hint never changes correctness, only what is evicted first.
+        """
+        check_hint(session_id, expect_reuse_within_s)
+        self.namespace(namespace_id)
+        self.check_hashes(hashes)
+        by_tier: dict[str, list[bytes]] = {}
+        present = 0
+        for h in hashes:
+            entry = self._index.get(make_key(namespace_id, h))
+            if entry is not None:
+                present += 1
+                for name in entry.locations:  # every copy is protected where it lives
+                    by_tier.setdefault(name, []).append(entry.key)
+        for name, keys in by_tier.items():
+            self._tier_by_name[name].policy.hint(keys, session_id, expect_reuse_within_s)
+        return present
+
+    def end_session(self, session_id: str) -> None:
+        """Release the protection every tier holds for `session_id`."""
+        check_hint(session_id, 1.0)
+        for st in self.tiers:
+            st.policy.end_session(session_id)
 
     def unpin(self, lease_id: str) -> bool:
         return self._leases.release(lease_id) is not None
@@ -495,6 +1111,7 @@ class Store:
                     policy=st.policy.name,
                     counters=TierCounters(**{k: getattr(st.counters, k) for k in TierCounters.__slots__}),
                     facts=st.tier.describe(),
+                    pending_writes=self.pending_ssd_writes if st is self.ssd else 0,
                 )
                 for st in self.tiers
             ],
@@ -503,18 +1120,15 @@ class Store:
             leases_active=len(self._leases),
         )
 
-    def close(self) -> None:
-        for st in self.tiers:
-            st.tier.close()
-
 
 class FetchStream:
     """Verified bytes of planned blocks, in order, as an async iterator.
 
-    Blocks are copied out of their tier in batches, then the copies are verified against
-    the checksums taken at put time: what leaves the daemon is exactly what was checked.
-    A block that fails is dropped and counted, and the stream ends there. The stream may
-    therefore yield fewer than `num_blocks` blocks.
+    Blocks are copied out of their highest tier in batches, then the copies are verified
+    against the checksums taken at put time: what leaves the daemon is exactly what was
+    checked. A block that fails is dropped from that tier and counted, and the stream
+    ends there. The stream may therefore yield fewer than `num_blocks` blocks. A block
+    served from SSD may be promoted into the top memory tier on the way out.
     """
 
     def __init__(self, store: Store, entries: list[BlockEntry], block_bytes: int, lease_id: str) -> None:
@@ -525,7 +1139,7 @@ class FetchStream:
         self.block_bytes = block_bytes
         self._closed = False
         for entry in entries:
-            entry.readers += 1
+            store._hold(entry)
 
     async def __aenter__(self) -> FetchStream:
         return self
@@ -538,14 +1152,26 @@ class FetchStream:
             return
         self._closed = True
         for entry in self._entries:
-            self._store._end_read(entry)
+            self._store._release(entry)
         if self._lease_id:
             self._store._leases.release(self._lease_id)
 
+    async def _read(self, entry: BlockEntry) -> tuple[StoreTier | None, bytes | None]:
+        store = self._store
+        st = store.top_tier(entry)
+        if st is None or entry.removed:
+            return None, None
+        try:
+            return st, await st.tier.get_block(entry.locations[st.name], entry.nbytes)
+        except DataLoss as exc:
+            logger.warning("block %s in tier %s: %s", entry.key.hex(), st.name, exc)
+            store._checksum_failed(entry, st)
+            return st, None
+
     async def __aiter__(self) -> AsyncIterator[bytes]:
         store = self._store
-        tiers = store._tier_by_name
         entries = self._entries
+        promote = store.migration.promote_on_hit and store.ssd is not None
         i = 0
         while i < len(entries) and not self._closed:
             batch: list[BlockEntry] = []
@@ -554,18 +1180,28 @@ class FetchStream:
                 batch.append(entries[i])
                 batch_bytes += entries[i].nbytes
                 i += 1
-            datas = [await tiers[e.slot.tier].tier.read(e.slot, e.nbytes) for e in batch]
-            sums = await checksum_batch(datas, store._executor)
-            for entry, data, got in zip(batch, datas, sums):
+            reads = await asyncio.gather(*(self._read(e) for e in batch))
+            good = []
+            for r in reads:
+                if r[1] is None:
+                    break
+                good.append(r[1])
+            sums = await checksum_batch(good, store._executor)
+            for entry, (st, data), got in zip(batch, reads, sums):
+                assert st is not None and data is not None
                 if entry.removed:
                     return  # deleted while we read it: it no longer exists
                 if got != entry.checksum:
-                    store._checksum_failed(entry)
+                    store._checksum_failed(entry, st)
                     return
-                tiers[entry.slot.tier].policy.touch(entry.key)
+                st.policy.touch(entry.key)
                 store.counters.blocks_fetched += 1
                 store.counters.bytes_out += len(data)
+                if promote and st is store.ssd:
+                    await store._promote_on_hit(entry, data)
                 yield data
+            if len(good) < len(batch):
+                return
 
 
 class PutTxn:
@@ -576,12 +1212,13 @@ class PutTxn:
     """
 
     def __init__(
-        self, store: Store, info: NamespaceInfo, hashes: list[bytes], parent_hash: bytes | None, tier: StoreTier
+        self, store: Store, info: NamespaceInfo, hashes: list[bytes], parent_hash: bytes | None, tier: StoreTier | None
     ) -> None:
         self._store = store
         self._info = info
         self._hashes = hashes
         self.block_bytes = info.layout.bytes_per_block
+        self._itemsize = DTYPE_BYTES.get(info.layout.dtype, 1)
         ns = info.namespace_id
         self._keys = [make_key(ns, h) for h in hashes]
         first_parent = make_key(ns, parent_hash) if parent_hash else None
@@ -596,38 +1233,48 @@ class PutTxn:
         self._tier = tier
 
     async def __aenter__(self) -> PutTxn:
-        self.reserve()
+        await self.reserve()
         return self
 
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
         if not self._done:
             self.abort()
 
-    def reserve(self) -> None:
-        """Allocate PENDING slots for the blocks not already present (evicting as needed)."""
-        st = self._tier
-        index = self._store._index
+    async def reserve(self) -> None:
+        """Allocate PENDING slots for the blocks not already present (making room as needed)."""
+        store = self._store
+        index = store._index
         new = []
         for i, key in enumerate(self._keys):
             present = index.get(key)
             if present is None:
                 new.append(i)
             else:
-                present.readers += 1
+                store._hold(present)
                 self._held.append(present)
-        need = len(new) * st.tier.accounted_size(self.block_bytes)
-        if need > st.tier.capacity_bytes:
+        landing = [self._tier] if self._tier is not None else store._landing_tiers()
+        room = sum(st.tier.capacity_bytes for st in landing)
+        need = sum(landing[0].tier.accounted_size(self.block_bytes) for _ in new)
+        if need > room:
             raise ResourceExhausted(
-                f"this put needs {need} bytes but tier {st.name} holds {st.tier.capacity_bytes}; "
-                "put fewer blocks per call or raise the tier's capacity"
+                f"this put needs {need} bytes but the tiers puts land in ({', '.join(t.name for t in landing)}) "
+                f"hold {room}; put fewer blocks per call or raise their capacity"
             )
         try:
             for i in new:
-                slot = self._store._allocate(st, self.block_bytes)
-                self._entries[i] = BlockEntry(self._keys[i], self._parents[i], slot, self.block_bytes, 0)
+                slot = await store._allocate_put(self.block_bytes, landing)
+                if self._done:  # aborted while making room
+                    store._tier_by_name[slot.tier].tier.free(slot)
+                    raise FailedPrecondition("this put was aborted")
+                self._entries[i] = BlockEntry(self._keys[i], self._parents[i], self.block_bytes, 0,
+                                              {slot.tier: slot}, itemsize=self._itemsize)
         except BaseException:
             self.abort()
             raise
+
+    def _slot(self, entry: BlockEntry) -> Slot:
+        (slot,) = entry.locations.values()
+        return slot
 
     async def write(self, block: int, data: bytes | memoryview) -> None:
         """Append `data` to block `block`'s payload."""
@@ -649,12 +1296,13 @@ class PutTxn:
             )
         entry = self._entries[block]
         if entry is not None:
-            await self._store._tier_by_name[entry.slot.tier].tier.write(entry.slot, offset, data)
+            slot = self._slot(entry)
+            await self._store._tier_by_name[slot.tier].tier.write(slot, offset, data)
         self._received[block] = offset + len(data)
 
     def slots(self) -> list[Slot | None]:
         """Where each block's bytes must land; None for blocks already present."""
-        return [e.slot if e is not None else None for e in self._entries]
+        return [self._slot(e) if e is not None else None for e in self._entries]
 
     def mark_written(self) -> None:
         """Every byte was written into the slots by someone else (a co-located client)."""
@@ -686,9 +1334,14 @@ class PutTxn:
                 raise InvalidArgument(f"{len(checksums)} checksums for a put of {len(self._keys)} blocks")
             sums = [checksums[i] for i, e in enumerate(self._entries) if e is not None]
         else:
-            views = [tiers[e.slot.tier].tier.view(e.slot, e.nbytes) for e in pending]
+            slots = [self._slot(e) for e in pending]
+            views = [tiers[s.tier].tier.view(s, e.nbytes) for s, e in zip(slots, pending)]
             if any(v is None for v in views):
-                datas: list[bytes | memoryview] = [await tiers[e.slot.tier].tier.read(e.slot, e.nbytes) for e in pending]
+                # Not host-visible (HBM): the tier's read completes only after the device
+                # copy has, so the checksum covers bytes that have landed.
+                datas: list[bytes | memoryview] = [
+                    await tiers[s.tier].tier.read(s, e.nbytes) for s, e in zip(slots, pending)
+                ]
             else:
                 datas = [v for v in views if v is not None]
             sums = await checksum_batch(datas, store._executor)
@@ -703,7 +1356,8 @@ class PutTxn:
                 # Present before the put began, or published by a concurrent put since.
                 existing += 1
                 if maybe is not None:
-                    tiers[maybe.slot.tier].tier.free(maybe.slot)
+                    slot = self._slot(maybe)
+                    tiers[slot.tier].tier.free(slot)
                     self._entries[i] = None
             else:
                 publish.append(maybe)
@@ -727,10 +1381,11 @@ class PutTxn:
         self._store.counters.put_failures += 1
         for i, entry in enumerate(self._entries):
             if entry is not None:
-                self._store._tier_by_name[entry.slot.tier].tier.free(entry.slot)
+                slot = self._slot(entry)
+                self._store._tier_by_name[slot.tier].tier.free(slot)
                 self._entries[i] = None
 
     def _release_held(self) -> None:
         for entry in self._held:
-            self._store._end_read(entry)
+            self._store._release(entry)
         self._held.clear()

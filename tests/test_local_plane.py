@@ -185,7 +185,7 @@ def test_abandoned_local_put_is_invisible_and_rolled_back(daemon_thread, layout)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_local_puts_expire_on_their_own(layout):
+async def test_local_puts_expire_on_their_own(layout):
     from kvstore.local import LocalPuts
     from kvstore.policies import LRUPolicy
     from kvstore.store import Store, StoreTier
@@ -198,7 +198,7 @@ def test_local_puts_expire_on_their_own(layout):
     from kvstore.hashing import block_hashes
 
     txn = store.begin_put(ns, block_hashes(ns, list(range(8)), 4), tier="host")
-    txn.reserve()
+    await txn.reserve()  # may make room by demoting, which awaits copies
     txn_id = puts.begin(txn)
     assert store.tiers[0].tier.used_bytes > 0
     now[0] = 1.5

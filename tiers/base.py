@@ -1,8 +1,16 @@
 """The `Tier` contract: a place that holds block bytes, with exact accounting.
 
-A tier is data plane only: it allocates, frees, writes and reads bytes at a `Slot`. It
-knows nothing of keys, leases or policies (the store's control plane does). The base
-class owns capacity accounting; an implementation provides the `_primitives`.
+A tier is data plane only: it stores, loads and frees whole blocks at a `Slot`, and
+knows nothing of leases, policies or other tiers (the store's control plane does). The
+base class owns capacity accounting; an implementation provides the `_primitives`.
+
+Two levels of the contract:
+- Every tier: `has_room`, `put_block` (store a whole block, None when there is no room),
+  `get_block` (a copy of its bytes), `free`, `close`, `describe`. This is what the
+  store uses to move blocks between tiers, and what the contract suite checks.
+- Addressable tiers (`addressable = True`: memory, host, HBM) also let a caller
+  `allocate` a slot and `write` chunks into it as they arrive (the streaming put path),
+  and may hand out a zero-copy `view`.
 
 Writes and reads are coroutines so that tiers whose bytes move off the event loop
 (SSD files, CUDA streams) share one interface with the memory-addressable ones.
@@ -12,6 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,11 +32,30 @@ class Slot:
     size: int
 
 
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    """What a tier may record next to a block's bytes (the SSD log writes it to disk).
+
+    `key` is namespace id + block hash (32 bytes); `parent` the previous block's key in
+    its chain, if any; `checksum` the XXH3-64 of the uncompressed bytes; `itemsize` the
+    element size of the KV dtype, which the SSD codec's byte-plane shuffle uses.
+    """
+
+    key: bytes
+    parent: bytes | None
+    checksum: int
+    itemsize: int = 2
+
+
 class Tier(ABC):
     """One level of the hierarchy: capacity, accounting, and byte movement."""
 
     #: The tier's name in config, stats and the proto enum: hbm, host, ssd, memory.
     name: str
+    #: Whether `allocate`/`write`/`view` work (bytes addressable at an offset).
+    addressable: ClassVar[bool] = True
+    #: Whether `view` returns host memory (copiers memcpy between such tiers).
+    has_host_view: ClassVar[bool] = False
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
@@ -48,10 +76,13 @@ class Tier(ABC):
         """Reserve room for `nbytes`; None when no free extent fits (the caller evicts)."""
         slot = self._allocate(nbytes)
         if slot is not None:
-            self._used_bytes += slot.size
-            self._blocks += 1
-            assert self._used_bytes <= self.capacity_bytes, "tier accounting exceeded capacity"
+            self._account(slot)
         return slot
+
+    def _account(self, slot: Slot) -> None:
+        self._used_bytes += slot.size
+        self._blocks += 1
+        assert self._used_bytes <= self.capacity_bytes, "tier accounting exceeded capacity"
 
     def free(self, slot: Slot) -> None:
         self._free(slot)
@@ -66,6 +97,26 @@ class Tier(ABC):
     def accounted_size(self, nbytes: int) -> int:
         """How many bytes of capacity a block of `nbytes` takes (alignment included)."""
         return nbytes
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether `put_block`/`allocate` of `nbytes` would succeed now without evicting."""
+        return self.capacity_bytes - self._used_bytes >= self.accounted_size(nbytes)
+
+    async def put_block(self, meta: BlockMeta, data: bytes | memoryview) -> Slot | None:
+        """Store a whole block; None when there is no room (the caller evicts and retries)."""
+        slot = self.allocate(len(data))
+        if slot is None:
+            return None
+        try:
+            await self.write(slot, 0, data)
+        except BaseException:
+            self.free(slot)
+            raise
+        return slot
+
+    async def get_block(self, slot: Slot, nbytes: int) -> bytes:
+        """A copy of the block's `nbytes` uncompressed bytes (the caller verifies them)."""
+        return await self.read(slot, nbytes)
 
     @abstractmethod
     def _allocate(self, nbytes: int) -> Slot | None: ...

@@ -10,6 +10,7 @@ hand-off to a thread, and the loop owns the slab, so no lock is needed.
 from __future__ import annotations
 
 from kvstore.tiers.base import Slot, Tier
+from kvstore.tiers.cuda import pin_host_memory
 from kvstore.tiers.extents import ExtentAllocator
 from kvstore.tiers.segment import Segment
 
@@ -18,12 +19,14 @@ HOST_ALIGNMENT = 256
 
 class HostTier(Tier):
     name = "host"
+    has_host_view = True
 
     def __init__(self, capacity_bytes: int, alignment: int = HOST_ALIGNMENT, shm_dir: str | None = None) -> None:
         super().__init__(capacity_bytes)
         self._extents = ExtentAllocator(capacity_bytes, alignment)
         self.segment = Segment(capacity_bytes, shm_dir)
         self._mem = self.segment.data
+        self._pinned = pin_host_memory(self._mem)  # page-locked for HBM DMA when CUDA exists
 
     def accounted_size(self, nbytes: int) -> int:
         return self._extents.aligned(max(nbytes, 1))
@@ -51,13 +54,15 @@ class HostTier(Tier):
         return self._mem[slot.offset : slot.offset + nbytes]
 
     def close(self) -> None:
+        if self._pinned is not None:
+            self._pinned.unpin()
         self.segment.close()
 
     def describe(self) -> dict[str, str]:
         return {
             "backing": "shared memory",
             "segment": self.segment.path,
-            "pinned": "no",
+            "pinned": "yes" if self._pinned is not None else "no",
             "prefaulted": self.segment.populated,
             "alignment": str(self._extents.alignment),
         }

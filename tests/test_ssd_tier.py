@@ -1,0 +1,170 @@
+"""The SSD region log: recovery from the log and from the snapshot, damage counted, reclaim."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.checksum import checksum
+from kvstore.errors import DataLoss
+from kvstore.tiers.base import BlockMeta, Slot
+from kvstore.tiers.codec import Codec, decode, encode
+from kvstore.tiers.ssd import RECORD, SNAPSHOT_NAME, SsdTier
+
+BLOCK = 8192
+REGION = 64 * 1024
+
+
+def make(path: Path, capacity: int = 512 * 1024) -> SsdTier:
+    return SsdTier(str(path), capacity, region_size=REGION, io_threads=2)
+
+
+def meta(i: int, data: bytes, parent: int | None = None) -> BlockMeta:
+    key = bytes(16) + i.to_bytes(16, "big")
+    pkey = bytes(16) + parent.to_bytes(16, "big") if parent is not None else None
+    return BlockMeta(key, pkey, checksum(data), 2)
+
+
+def kv_like(n: int, seed: int) -> bytes:
+    """bf16 values with KV-like magnitudes: the exponent plane compresses after the shuffle."""
+    rng = np.random.default_rng(seed)
+    f32 = rng.normal(0, 0.5, n // 2).astype(np.float32)
+    return (f32.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+
+async def put_many(tier: SsdTier, n: int) -> dict[bytes, tuple[Slot, bytes]]:
+    out = {}
+    for i in range(n):
+        data = kv_like(BLOCK, i) if i % 2 else os.urandom(BLOCK)
+        m = meta(i, data, i - 1 if i else None)
+        slot = await tier.put_block(m, data)
+        assert slot is not None
+        out[m.key] = (slot, data)
+    return out
+
+
+async def test_scan_recovers_every_block_after_a_crash(tmp_path: Path) -> None:
+    tier = make(tmp_path)
+    written = await put_many(tier, 20)
+    tier._executor.shutdown(wait=True)  # simulate a crash: no close, no snapshot
+    again = make(tmp_path)
+    try:
+        report = await again.recover()
+        assert not report.from_snapshot and report.checksum_failures == 0
+        assert {b.key for b in report.blocks} == set(written)
+        for b in report.blocks:
+            assert await again.get_block(b.slot, b.nbytes) == written[b.key][1]
+            i = int.from_bytes(b.key[16:], "big")
+            assert b.parent == (meta(i - 1, b"").key if i else None)
+        assert again.used_bytes == sum(s.size for s, _ in written.values())
+    finally:
+        again.close()
+
+
+async def test_clean_close_writes_a_snapshot_used_once(tmp_path: Path) -> None:
+    tier = make(tmp_path)
+    written = await put_many(tier, 10)
+    tier.close()
+    assert (tmp_path / SNAPSHOT_NAME).exists()
+    again = make(tmp_path)
+    report = await again.recover()
+    assert report.from_snapshot and {b.key for b in report.blocks} == set(written)
+    assert not (tmp_path / SNAPSHOT_NAME).exists(), "a snapshot must not outlive the start that read it"
+    for b in report.blocks:
+        assert await again.get_block(b.slot, b.nbytes) == written[b.key][1]
+    again.close()
+
+
+async def test_flipped_payload_byte_is_counted_and_dropped_at_scan(tmp_path: Path) -> None:
+    tier = make(tmp_path)
+    written = await put_many(tier, 6)
+    tier.close()
+    os.unlink(tmp_path / SNAPSHOT_NAME)  # force the scan
+    victim_key, (slot, _) = next(iter(written.items()))
+    region, off = divmod(slot.offset, REGION)
+    path = tmp_path / f"region-{region:05d}.kvr"
+    raw = bytearray(path.read_bytes())
+    raw[off + RECORD.size + 10] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    again = make(tmp_path)
+    report = await again.recover()
+    assert report.checksum_failures == 1
+    assert {b.key for b in report.blocks} == set(written) - {victim_key}
+    again.close()
+
+
+async def test_damaged_header_does_not_hide_the_rest_of_the_region(tmp_path: Path) -> None:
+    tier = make(tmp_path)
+    written = await put_many(tier, 6)
+    tier.close()
+    os.unlink(tmp_path / SNAPSHOT_NAME)
+    victim_key, (slot, _) = next(iter(written.items()))
+    region, off = divmod(slot.offset, REGION)
+    path = tmp_path / f"region-{region:05d}.kvr"
+    raw = bytearray(path.read_bytes())
+    raw[off + 20] ^= 0x01  # inside the header: its own checksum catches it
+    path.write_bytes(bytes(raw))
+    again = make(tmp_path)
+    report = await again.recover()
+    assert {b.key for b in report.blocks} == set(written) - {victim_key}
+    again.close()
+
+
+async def test_read_of_a_damaged_record_raises_data_loss(tmp_path: Path) -> None:
+    tier = make(tmp_path)
+    data = os.urandom(BLOCK)
+    slot = await tier.put_block(meta(1, data), data)
+    assert slot is not None
+    with open(tmp_path / "region-00000.kvr", "r+b") as fh:
+        fh.seek(slot.offset + 4)
+        fh.write(b"\xee")
+    with pytest.raises(DataLoss):
+        await tier.get_block(slot, BLOCK)
+    tier.close()
+
+
+async def test_region_reclaim_frees_whole_regions(tmp_path: Path) -> None:
+    tier = make(tmp_path, capacity=4 * REGION)
+    written = await put_many(tier, 14)  # more than one region's worth
+    slots = [s for s, _ in written.values()]
+    first_region = [s for s in slots if s.offset // REGION == 0]
+    keys = tier.region_keys(first_region[0])
+    assert len(keys) == len(first_region)
+    free_before = int(tier.describe()["regions_free"])
+    for s in first_region:
+        tier.free(s)
+    assert int(tier.describe()["regions_free"]) == free_before + 1
+
+
+def test_codec_keeps_compression_only_when_it_pays() -> None:
+    noise = os.urandom(BLOCK)
+    assert encode(noise, 2).codec is Codec.RAW
+    kv = kv_like(BLOCK, 7)
+    enc = encode(kv, 2)
+    assert enc.codec is Codec.SHUFFLE_LZ4 and len(enc.payload) <= 0.95 * len(kv)
+    assert decode(enc.codec, enc.payload, 2, len(kv)) == kv
+    with pytest.raises(ValueError):
+        decode(Codec.SHUFFLE_LZ4, b"\xff" * 40, 2, len(kv))
+
+
+async def test_codec_stops_trying_on_a_namespace_that_never_compresses(tmp_path: Path) -> None:
+    tier = make(tmp_path, capacity=2 << 20)
+    try:
+        for i in range(40):  # random bytes: lz4 never saves 5%
+            data = os.urandom(BLOCK)
+            assert await tier.put_block(meta(i, data), data) is not None
+        attempts = int(tier.describe()["codec_attempts"])
+        assert 8 <= attempts < 40
+        # A namespace that compresses is tried on every block, and keeps compressing.
+        for i in range(10):
+            data = kv_like(BLOCK, i)
+            m = BlockMeta(b"\x01" * 16 + i.to_bytes(16, "big"), None, checksum(data), 2)
+            slot = await tier.put_block(m, data)
+            assert slot is not None and await tier.get_block(slot, BLOCK) == data
+        assert int(tier.describe()["codec_attempts"]) == attempts + 10
+        assert int(tier.describe()["compressed_blocks"]) > 0
+    finally:
+        tier.close()

@@ -1,0 +1,63 @@
+"""Copiers: how one block's bytes move between two addressable tiers.
+
+One copier per (source tier, destination tier) pair, chosen once when the store is
+built (`make_copier`), after vLLM's per-medium transfer handlers:
+
+- `MemcpyCopier`: both tiers expose host views (host segment, memory): one memcpy.
+- `HostToHbmCopier` / `HbmToHostCopier` (in kvstore.tiers.hbm): DMA straight between the
+  host view and the device slab on the HBM tier's FIFO streams, completion observed
+  through CUDA events; no bounce through a Python bytes object.
+- `BounceCopier`: anything else: `read` into bytes, then `write`.
+
+The SSD tier is not addressable and has no copier: blocks reach it through its own
+`put_block` (encode, append) and leave it through `get_block` (read, decode).
+
+A copier moves bytes only; the store verifies checksums on either side and publishes
+the new location after `copy` returned (for CUDA copies: after the event completed).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from kvstore.tiers.base import Slot, Tier
+
+
+class Copier(ABC):
+    """Moves `nbytes` from `src_slot` of `src` into the start of `dst_slot` of `dst`."""
+
+    name: str = "copier"
+
+    @abstractmethod
+    async def copy(self, src: Tier, src_slot: Slot, dst: Tier, dst_slot: Slot, nbytes: int) -> None: ...
+
+
+class MemcpyCopier(Copier):
+    name = "memcpy"
+
+    async def copy(self, src: Tier, src_slot: Slot, dst: Tier, dst_slot: Slot, nbytes: int) -> None:
+        sv = src.view(src_slot, nbytes)
+        dv = dst.view(dst_slot, nbytes)
+        if sv is None or dv is None:
+            raise TypeError(f"memcpy needs host views of both {src.name} and {dst.name}")
+        dv[:] = sv
+
+
+class BounceCopier(Copier):
+    name = "bounce"
+
+    async def copy(self, src: Tier, src_slot: Slot, dst: Tier, dst_slot: Slot, nbytes: int) -> None:
+        await dst.write(dst_slot, 0, await src.read(src_slot, nbytes))
+
+
+def make_copier(src: Tier, dst: Tier) -> Copier:
+    """The copier for moving blocks from `src` to `dst` (both addressable)."""
+    to_device = getattr(dst, "copier_from_host", None)
+    if to_device is not None and (copier := to_device(src)) is not None:
+        return copier
+    from_device = getattr(src, "copier_to_host", None)
+    if from_device is not None and (copier := from_device(dst)) is not None:
+        return copier
+    if src.has_host_view and dst.has_host_view:
+        return MemcpyCopier()
+    return BounceCopier()

@@ -1,0 +1,567 @@
+"""The SSD tier: a log of large regions on a directory (CacheLib Navy style).
+
+Layout. The directory holds `regions` files `region-NNNNN.kvr`, each at most
+`region_size` bytes. Blocks are appended to the open region as records, each aligned to
+the I/O alignment:
+
+    header (RECORD.size bytes, little-endian): magic "KVR1", codec, itemsize, flags,
+    sequence number, key (namespace id + block hash), parent hash, checksum of the
+    uncompressed bytes, uncompressed length, payload length, header checksum
+    payload (payload length bytes, codec applied), then zero padding to the alignment.
+
+Primitives: `put_block` (encode, reserve the next aligned range of the open region on the
+event loop, write it off the loop), `get_block` (read, check the header, decode; the
+caller verifies the checksum), `free` (a record becomes dead; a sealed region whose
+records are all dead returns to the free list: reclaim is region-level), `recover`
+(rebuild the index from the log), `region_keys` (the live keys sharing a victim's
+region, so the store can empty a region at once).
+
+Capacity is exact: `regions * region_size` bytes of files at most; `used_bytes` counts
+live records (their padded on-disk size), `describe()` also shows dead and occupied bytes.
+
+Crash safety. A record is indexed only after its write returned, so nothing half-written
+is ever served. At start the log is scanned: a header that does not verify is skipped by
+probing the next aligned offsets (so one damaged record does not hide the rest of its
+region), a payload that fails its checksum or does not decode is dropped and counted,
+and a record whose sequence number is not above its predecessor's in the same region is
+left over from the region's previous fill and is ignored. For the same key the highest
+sequence number wins. A clean `close` writes `index.snapshot`; the next start loads it
+instead of scanning and deletes it before writing anything, so a snapshot never
+describes a log it has not seen (payloads are still verified on every read).
+
+I/O. O_DIRECT with page-aligned buffers (anonymous mmaps) where the filesystem accepts
+it, detected by a probe write at start; buffered I/O otherwise. The mode is logged and
+shown in `describe()`. All file work runs in the tier's own bounded thread pool; the
+event loop only reserves offsets and keeps the tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import mmap
+import os
+import struct
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import xxhash
+
+from kvstore.errors import ConfigError, DataLoss
+from kvstore.tiers.base import BlockMeta, Slot, Tier
+from kvstore.tiers.codec import Codec, Encoded, decode, encode
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"KVR1"
+# magic, codec, itemsize, flags, seq, key, parent hash, checksum, raw_len, payload_len
+_BODY = struct.Struct("<4sBBHQ32s16sQII")
+RECORD = struct.Struct("<4sBBHQ32s16sQIIQ")  # _BODY + header checksum
+FLAG_HAS_PARENT = 1
+DIRECT_ALIGNMENT = 4096
+BUFFERED_ALIGNMENT = 512
+DEFAULT_REGION_SIZE = 64 << 20
+SNAPSHOT_NAME = "index.snapshot"
+SNAPSHOT_VERSION = 1
+# Encoding blocks smaller than this inline costs less than the thread hand-off.
+INLINE_CODEC_BYTES = 64 * 1024
+# After this many blocks of a namespace in a row did not compress, only every
+# CODEC_PROBE_EVERY-th block of it is tried: fp16 KV never pays, and trying costs as much
+# CPU as the write itself. One success resets the count.
+CODEC_GIVE_UP_AFTER = 8
+CODEC_PROBE_EVERY = 16
+
+
+class IoMode:
+    DIRECT = "direct"
+    BUFFERED = "buffered"
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveredBlock:
+    """A block found in the log at start: what the store needs to index it again."""
+
+    key: bytes
+    parent: bytes | None
+    checksum: int
+    nbytes: int
+    itemsize: int
+    slot: Slot
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryReport:
+    blocks: list[RecoveredBlock]
+    checksum_failures: int
+    from_snapshot: bool
+
+
+@dataclass(slots=True)
+class _Region:
+    index: int
+    write_pos: int = 0
+    live_count: int = 0
+    live_bytes: int = 0
+    sealed: bool = False
+    records: dict[int, _Parsed] = field(default_factory=dict)  # live records by offset in region
+
+
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    offset: int
+    size: int
+    seq: int
+    codec: int
+    itemsize: int
+    key: bytes
+    parent: bytes | None
+    checksum: int
+    raw_len: int
+    payload_len: int
+
+
+def _aligned_buffer(n: int) -> mmap.mmap:
+    """A page-aligned, zero-filled buffer of `n` bytes (O_DIRECT needs aligned memory)."""
+    return mmap.mmap(-1, max(n, mmap.PAGESIZE))
+
+
+def _parse_header(buf: bytes | memoryview, offset: int, alignment: int) -> _Parsed | None:
+    if len(buf) < RECORD.size:
+        return None
+    fields = RECORD.unpack_from(buf, 0)
+    magic, codec, itemsize, flags, seq, key, parent, csum, raw_len, payload_len, hcsum = fields
+    if magic != MAGIC or xxhash.xxh3_64_intdigest(bytes(buf[: _BODY.size])) != hcsum:
+        return None
+    size = _align(RECORD.size + payload_len, alignment)
+    parent_key = key[:16] + parent if flags & FLAG_HAS_PARENT else None
+    return _Parsed(offset, size, seq, codec, itemsize, key, parent_key, csum, raw_len, payload_len)
+
+
+def _align(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def probe_direct_io(directory: str) -> bool:
+    """Whether files in `directory` accept O_DIRECT writes of aligned buffers."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    path = os.path.join(directory, ".direct-probe")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | flag, 0o600)
+    except OSError:
+        return False
+    buf = _aligned_buffer(DIRECT_ALIGNMENT)
+    try:
+        os.pwrite(fd, buf, 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        buf.close()
+        os.close(fd)
+        os.unlink(path)
+
+
+class SsdTier(Tier):
+    name = "ssd"
+    addressable = False
+
+    def __init__(
+        self,
+        path: str,
+        capacity_bytes: int,
+        *,
+        region_size: int = DEFAULT_REGION_SIZE,
+        io_mode: str = "auto",
+        io_threads: int = 4,
+        compress: bool = True,
+    ) -> None:
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create SSD directory {path}: {exc.strerror}; fix --ssd-path") from None
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"SSD directory {path} is not writable; fix --ssd-path or its permissions")
+        if io_mode not in ("auto", IoMode.DIRECT, IoMode.BUFFERED):
+            raise ConfigError(f"ssd io mode must be auto, direct or buffered, got {io_mode!r}")
+        direct = probe_direct_io(path) if io_mode != IoMode.BUFFERED else False
+        if io_mode == IoMode.DIRECT and not direct:
+            raise ConfigError(f"the filesystem of {path} does not support O_DIRECT; use --ssd-io auto or buffered")
+        self.io_mode = IoMode.DIRECT if direct else IoMode.BUFFERED
+        self.alignment = DIRECT_ALIGNMENT if direct else BUFFERED_ALIGNMENT
+        region_size = min(region_size, capacity_bytes) // self.alignment * self.alignment
+        if region_size < self.alignment:
+            raise ConfigError(f"ssd capacity {capacity_bytes} is too small for one region; raise --ssd-capacity")
+        regions = capacity_bytes // region_size
+        super().__init__(regions * region_size)
+        self.path = path
+        self.region_size = region_size
+        self.compress = compress
+        self._regions = [_Region(i) for i in range(regions)]
+        self._free_regions: deque[int] = deque(range(regions))
+        self._open: _Region | None = None
+        self._next_seq = 1
+        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-ssd")
+        # One aligned buffer per I/O thread, grown on demand: mapping and faulting in a
+        # fresh buffer per record cost as much as the copy itself.
+        self._local = threading.local()
+        flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_DIRECT", 0) if direct else 0)
+        self._fds = [os.open(self._region_path(i), flags, 0o600) for i in range(regions)]
+        self._closed = False
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self.compressed_blocks = 0
+        self.codec_attempts = 0
+        self._codec_misses: dict[bytes, int] = {}  # namespace id -> blocks in a row not compressed
+        logger.info("ssd tier at %s: %d regions of %d bytes, %s I/O", path, regions, region_size, self.io_mode)
+
+    def _region_path(self, index: int) -> str:
+        return os.path.join(self.path, f"region-{index:05d}.kvr")
+
+    # ------------------------------------------------------------- accounting
+
+    def accounted_size(self, nbytes: int) -> int:
+        """Upper bound of a record's size: compression only ever makes it smaller."""
+        return _align(RECORD.size + nbytes, self.alignment)
+
+    def fits(self, nbytes: int) -> bool:
+        return self.accounted_size(nbytes) <= self.region_size
+
+    def has_room(self, nbytes: int) -> bool:
+        size = self.accounted_size(nbytes)
+        if self._open is not None and self._open.write_pos + size <= self.region_size:
+            return True
+        return bool(self._free_regions)
+
+    @property
+    def dead_bytes(self) -> int:
+        return sum(r.write_pos - r.live_bytes for r in self._regions)
+
+    @property
+    def occupied_bytes(self) -> int:
+        return sum(r.write_pos for r in self._regions)
+
+    def _allocate(self, nbytes: int) -> Slot | None:
+        size = _align(nbytes, self.alignment)
+        if size > self.region_size:
+            return None
+        region = self._open
+        if region is None or region.write_pos + size > self.region_size:
+            if region is not None:
+                self._seal(region)
+            if not self._free_regions:
+                self._open = None
+                return None
+            region = self._regions[self._free_regions.popleft()]
+            region.write_pos = 0
+            region.sealed = False
+            self._open = region
+        offset = region.write_pos
+        region.write_pos += size
+        region.live_count += 1
+        region.live_bytes += size
+        return Slot(self.name, region.index * self.region_size + offset, size)
+
+    def _seal(self, region: _Region) -> None:
+        region.sealed = True
+        if region.live_count == 0:
+            self._reclaim(region)
+
+    def _reclaim(self, region: _Region) -> None:
+        # The old records stay on disk until overwritten; their sequence numbers are
+        # lower than anything written after reuse, so a scan ignores them.
+        region.write_pos = 0
+        region.sealed = False
+        region.records.clear()
+        self._free_regions.append(region.index)
+        logger.debug("ssd region %d reclaimed", region.index)
+
+    def _free(self, slot: Slot) -> None:
+        region = self._regions[slot.offset // self.region_size]
+        region.records.pop(slot.offset % self.region_size, None)
+        region.live_count -= 1
+        region.live_bytes -= slot.size
+        if region.sealed and region.live_count == 0:
+            self._reclaim(region)
+
+    def region_keys(self, slot: Slot) -> list[bytes]:
+        """Keys of the live records in `slot`'s region, oldest first."""
+        region = self._regions[slot.offset // self.region_size]
+        return [region.records[o].key for o in sorted(region.records)]
+
+    # ------------------------------------------------------------- byte movement
+
+    async def put_block(self, meta: BlockMeta, data: bytes | memoryview) -> Slot | None:
+        if self._closed:
+            raise DataLoss("the ssd tier is closed")
+        loop = asyncio.get_running_loop()
+        ns = meta.key[:16]
+        misses = self._codec_misses.get(ns, 0)
+        if not self.compress or (misses >= CODEC_GIVE_UP_AFTER and misses % CODEC_PROBE_EVERY):
+            enc = Encoded(Codec.RAW, data, len(data))
+            if self.compress:
+                self._codec_misses[ns] = misses + 1
+        else:
+            self.codec_attempts += 1
+            if len(data) > INLINE_CODEC_BYTES:
+                enc = await loop.run_in_executor(self._executor, encode, data, meta.itemsize)
+            else:
+                enc = encode(data, meta.itemsize)
+            self._codec_misses[ns] = 0 if enc.codec != Codec.RAW else misses + 1
+        slot = self.allocate(RECORD.size + len(enc.payload))
+        if slot is None:
+            return None
+        seq = self._next_seq
+        self._next_seq += 1
+        try:
+            await loop.run_in_executor(self._executor, self._write_record, slot, seq, meta, enc)
+        except BaseException:
+            self.free(slot)
+            raise
+        # Only now is the record known to the tier: a crash before this point leaves a
+        # record that the store never indexed.
+        self._regions[slot.offset // self.region_size].records[slot.offset % self.region_size] = _Parsed(
+            slot.offset, slot.size, seq, int(enc.codec), meta.itemsize, meta.key, meta.parent, meta.checksum,
+            enc.raw_len, len(enc.payload))
+        if enc.codec != Codec.RAW:
+            self.compressed_blocks += 1
+        self.bytes_written += slot.size
+        return slot
+
+    def _buffer(self, size: int) -> mmap.mmap:
+        buf: mmap.mmap | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < size:
+            if buf is not None:
+                buf.close()
+            buf = _aligned_buffer(size)
+            self._local.buf = buf
+        return buf
+
+    def _write_record(self, slot: Slot, seq: int, meta: BlockMeta, enc: Encoded) -> None:
+        flags = FLAG_HAS_PARENT if meta.parent is not None else 0
+        parent = meta.parent[16:] if meta.parent is not None else bytes(16)
+        body = _BODY.pack(MAGIC, int(enc.codec), meta.itemsize, flags, seq, meta.key, parent, meta.checksum,
+                          enc.raw_len, len(enc.payload))
+        buf = self._buffer(slot.size)
+        end = RECORD.size + len(enc.payload)
+        buf[: _BODY.size] = body
+        buf[_BODY.size : RECORD.size] = struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+        buf[RECORD.size : end] = enc.payload
+        buf[end : slot.size] = bytes(slot.size - end)  # no stale bytes in the padding
+        region, offset = divmod(slot.offset, self.region_size)
+        view = memoryview(buf)[: slot.size]
+        try:
+            written = os.pwrite(self._fds[region], view, offset)
+        finally:
+            view.release()
+        if written != slot.size:
+            raise OSError(errno.EIO, f"short write to ssd region {region}: {written} of {slot.size} bytes")
+
+    async def get_block(self, slot: Slot, nbytes: int) -> bytes:
+        if self._closed:
+            raise DataLoss("the ssd tier is closed")
+        loop = asyncio.get_running_loop()
+        data = await loop.run_in_executor(self._executor, self._read_record, slot, nbytes)
+        self.bytes_read += slot.size
+        return data
+
+    def _read_record(self, slot: Slot, nbytes: int) -> bytes:
+        region, offset = divmod(slot.offset, self.region_size)
+        buf = self._buffer(slot.size)
+        mem = memoryview(buf)
+        try:
+            got = os.preadv(self._fds[region], [mem[: slot.size]], offset)
+            head = _parse_header(mem[: RECORD.size], offset, self.alignment)
+            if head is None or got < RECORD.size + head.payload_len:
+                raise DataLoss(f"ssd record at region {region} offset {offset} has a damaged header")
+            if head.raw_len != nbytes:
+                raise DataLoss(f"ssd record at region {region} offset {offset} holds {head.raw_len} bytes, "
+                               f"expected {nbytes}")
+            try:
+                return decode(head.codec, mem[RECORD.size : RECORD.size + head.payload_len], head.itemsize,
+                              head.raw_len)
+            except ValueError as exc:
+                raise DataLoss(f"ssd record at region {region} offset {offset}: {exc}") from None
+        finally:
+            mem.release()
+
+    async def write(self, slot: Slot, offset: int, data: memoryview | bytes) -> None:
+        raise NotImplementedError("the ssd tier stores whole blocks: use put_block")
+
+    async def read(self, slot: Slot, nbytes: int) -> bytes:
+        return await self.get_block(slot, nbytes)
+
+    # ------------------------------------------------------------- recovery
+
+    async def recover(self) -> RecoveryReport:
+        """Rebuild the tier's tables from the snapshot, else from a scan of the log."""
+        loop = asyncio.get_running_loop()
+        snap = await loop.run_in_executor(self._executor, self._load_snapshot)
+        if snap is not None:
+            parsed, from_snapshot, failures = snap, True, 0
+        else:
+            results = await asyncio.gather(
+                *(loop.run_in_executor(self._executor, self._scan_region, i) for i in range(len(self._regions)))
+            )
+            parsed = [p for ps, _ in results for p in ps]
+            failures = sum(f for _, f in results)
+            from_snapshot = False
+        best: dict[bytes, _Parsed] = {}
+        for p in parsed:
+            old = best.get(p.key)
+            if old is None or p.seq > old.seq:
+                best[p.key] = p
+        winners = set(id(p) for p in best.values())
+        blocks = []
+        max_seq = 0
+        for p in parsed:
+            max_seq = max(max_seq, p.seq)
+            region = self._regions[p.offset // self.region_size]
+            off = p.offset % self.region_size
+            region.write_pos = max(region.write_pos, off + p.size)
+            if id(p) not in winners:
+                continue
+            region.live_count += 1
+            region.live_bytes += p.size
+            region.records[off] = p
+            slot = Slot(self.name, p.offset, p.size)
+            self._account(slot)
+            blocks.append(RecoveredBlock(p.key, p.parent, p.checksum, p.raw_len, p.itemsize, slot))
+        self._next_seq = max_seq + 1
+        self._free_regions.clear()
+        for region in self._regions:
+            if region.live_count == 0:
+                region.write_pos = 0
+                self._free_regions.append(region.index)
+            else:
+                region.sealed = True  # appends go to fresh regions; this one drains by eviction
+        blocks.sort(key=lambda b: b.slot.offset)
+        logger.info("ssd tier recovered %d blocks (%s), %d failed verification, %d regions free",
+                    len(blocks), "snapshot" if from_snapshot else "log scan", failures, len(self._free_regions))
+        return RecoveryReport(blocks, failures, from_snapshot)
+
+    def _scan_region(self, index: int) -> tuple[list[_Parsed], int]:
+        """Records of one region file that verify, and how many did not."""
+        path = self._region_path(index)
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except FileNotFoundError:
+            return [], 0
+        out: list[_Parsed] = []
+        failures = 0
+        base = index * self.region_size
+        pos, last_seq, step = 0, 0, self.alignment
+        while pos + RECORD.size <= len(data):
+            head = _parse_header(memoryview(data)[pos : pos + RECORD.size], base + pos, self.alignment)
+            if head is None:
+                if any(data[pos : pos + RECORD.size]):
+                    # Not a header: a damaged header, or stale or torn bytes. Probe the
+                    # next aligned offset rather than give up on the rest of the region.
+                    pass
+                pos += step
+                continue
+            if head.seq <= last_seq:
+                pos += step  # left over from this region's previous fill
+                continue
+            end = pos + RECORD.size + head.payload_len
+            ok = end <= len(data) and head.raw_len < (1 << 31)
+            if ok:
+                try:
+                    raw = decode(head.codec, memoryview(data)[pos + RECORD.size : end], head.itemsize, head.raw_len)
+                    ok = xxhash.xxh3_64_intdigest(raw) == head.checksum
+                except ValueError:
+                    ok = False
+            if ok:
+                out.append(head)
+            else:
+                failures += 1
+                logger.warning("ssd region %d offset %d: record failed verification; dropped", index, pos)
+            last_seq = head.seq
+            pos += head.size
+        return out, failures
+
+    def _snapshot_path(self) -> str:
+        return os.path.join(self.path, SNAPSHOT_NAME)
+
+    def _load_snapshot(self) -> list[_Parsed] | None:
+        path = self._snapshot_path()
+        try:
+            with open(path, encoding="utf-8") as fh:
+                doc = json.load(fh)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            logger.warning("ssd snapshot %s unreadable (%s); scanning the log instead", path, exc)
+            os.unlink(path)
+            return None
+        # From here on the log changes; a stale snapshot must never be read again.
+        os.unlink(path)
+        try:
+            if doc["version"] != SNAPSHOT_VERSION or doc["region_size"] != self.region_size or \
+                    doc["alignment"] != self.alignment or doc["regions"] != len(self._regions):
+                logger.info("ssd snapshot was written with another geometry; scanning the log instead")
+                return None
+            return [
+                _Parsed(r[0], r[1], r[2], 0, r[3], bytes.fromhex(r[4]), bytes.fromhex(r[5]) if r[5] else None,
+                        r[6], r[7], 0)
+                for r in doc["records"]
+            ]
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            logger.warning("ssd snapshot %s malformed (%s); scanning the log instead", path, exc)
+            return None
+
+    def _write_snapshot(self) -> None:
+        """Describe the live records for a fast start; written last on a clean close."""
+        records = [
+            [p.offset, p.size, p.seq, p.itemsize, p.key.hex(), p.parent.hex() if p.parent else "", p.checksum,
+             p.raw_len]
+            for region in self._regions
+            for p in region.records.values()
+        ]
+        doc = {"version": SNAPSHOT_VERSION, "region_size": self.region_size, "alignment": self.alignment,
+               "regions": len(self._regions), "records": records}
+        tmp = self._snapshot_path() + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self._snapshot_path())
+
+    # ------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=True)
+        for fd in self._fds:
+            try:
+                os.fsync(fd)
+            except OSError:
+                pass
+            os.close(fd)
+        self._fds = []
+        try:
+            self._write_snapshot()
+        except OSError as exc:
+            logger.warning("ssd snapshot not written (%s); the next start scans the log", exc)
+
+    def describe(self) -> dict[str, str]:
+        return {
+            "backing": f"region log, {len(self._regions)} x {self.region_size} bytes",
+            "io_mode": self.io_mode,
+            "regions_free": str(len(self._free_regions)),
+            "dead_bytes": str(self.dead_bytes),
+            "occupied_bytes": str(self.occupied_bytes),
+            "compressed_blocks": str(self.compressed_blocks),
+            "codec_attempts": str(self.codec_attempts),
+            "bytes_written": str(self.bytes_written),
+            "bytes_read": str(self.bytes_read),
+        }
