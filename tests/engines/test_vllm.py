@@ -117,10 +117,31 @@ def test_a_differently_configured_engine_gets_no_hits(engine_a, reference, daemo
     assert after.namespaces == before.namespaces + 1
 
 
-@pytest.mark.skip(reason="the SSD tier has not landed on main yet: a daemon restart loses the host tier, "
-                         "so there is nothing to hit after it")
-def test_hits_survive_a_daemon_restart_on_the_ssd_tier():
-    """Engine A stores into a daemon with an SSD tier; the daemon restarts; engine B still hits."""
+def test_hits_survive_a_daemon_restart_on_the_ssd_tier(tiny_model, prompts, reference, workdir, tmp_path):
+    """Engine A stores into a daemon with an SSD tier; the daemon restarts (its memory
+    tiers come back empty); engine B still gets its prefill, now from the SSD."""
+    home = tmp_path / "ssd-daemon"
+    ssd_args = ("--ssd-path", str(home / "ssd"), "--ssd-capacity", "64MiB", "--ssd-region-size", "4MiB")
+    p1, p2 = prompts["P1"], prompts["P2"]
+    first = start_daemon(home, *ssd_args)
+    try:
+        run_engine(workdir, "A-ssd", {"model": str(tiny_model), "target": first.target,
+                                      "steps": [{"generate": [p1, p2]}]})
+    finally:
+        first.stop()  # SIGTERM: a graceful stop flushes pending SSD writes
+    second = start_daemon(home, *ssd_args)
+    try:
+        assert second.stats().counters.blocks_stored == 0  # a new process: nothing put into it
+        run = run_engine(workdir, "B-ssd", {"model": str(tiny_model), "target": second.target,
+                                            "steps": [{"generate": [p1, p2]}]})
+        stats = second.stats()
+    finally:
+        second.stop()
+    out_p1, out_p2 = run.outputs(0)
+    assert [out_p1["token_ids"], out_p2["token_ids"]] == [reference["P1"], reference["P2"]]
+    assert (loaded(out_p1), loaded(out_p2)) == (held_tokens(p1), held_tokens(p2))
+    ssd = next(t for t in stats.tiers if t.name == "ssd")
+    assert ssd.present and ssd.hits == (held_tokens(p1) + held_tokens(p2)) // BLOCK
 
 
 def test_daemon_killed_mid_run_engine_recomputes_with_one_warning(tiny_model, prompts, reference, reference_run,
