@@ -144,6 +144,51 @@ def test_hits_survive_a_daemon_restart_on_the_ssd_tier(tiny_model, prompts, refe
     assert ssd.present and ssd.hits == (held_tokens(p1) + held_tokens(p2)) // BLOCK
 
 
+def corrupt_payloads(ssd_dir: Path) -> int:
+    """Flip bytes in the middle of every 4 KiB page of the SSD tier's region files, as a
+    failing disk would: record headers sit at page starts and stay intact, so the daemon
+    still lists the blocks, and only reading them reveals the damage."""
+    damaged = 0
+    for region in sorted(ssd_dir.glob("region-*.kvr")):
+        data = bytearray(region.read_bytes())
+        for offset in range(2048, len(data), 4096):
+            data[offset:offset + 64] = bytes(b ^ 0xFF for b in data[offset:offset + 64])
+            damaged += 1
+        region.write_bytes(bytes(data))
+    return damaged
+
+
+def test_blocks_that_fail_to_load_are_recomputed(tiny_model, prompts, reference, workdir, tmp_path):
+    """The daemon promises blocks at lookup and then cannot deliver them (their SSD copies
+    fail verification): the connector reports them, vLLM recomputes, the tokens stay exact."""
+    home = tmp_path / "damaged-daemon"
+    ssd_args = ("--ssd-path", str(home / "ssd"), "--ssd-capacity", "64MiB", "--ssd-region-size", "4MiB",
+                "--no-ssd-compress")
+    p1, p2 = prompts["P1"], prompts["P2"]
+    first = start_daemon(home, *ssd_args)
+    try:
+        run_engine(workdir, "A-damaged", {"model": str(tiny_model), "target": first.target,
+                                          "steps": [{"generate": [p1, p2]}]})
+    finally:
+        first.stop()
+    assert corrupt_payloads(home / "ssd") > 0
+    second = start_daemon(home, *ssd_args)
+    try:
+        run = run_engine(workdir, "B-damaged", {"model": str(tiny_model), "target": second.target,
+                                                "steps": [{"generate": [p1, p2]}]})
+        stats = second.stats()
+    finally:
+        second.stop()
+    out_p1, out_p2 = run.outputs(0)
+    assert [out_p1["token_ids"], out_p2["token_ids"]] == [reference["P1"], reference["P2"]]
+    assert stats.counters.hit_blocks > 0  # the lookups promised blocks...
+    assert stats.counters.checksum_failures > 0  # ...whose bytes did not verify
+    for out in (out_p1, out_p2):
+        assert out["kv_transfer_params"]["kvstore_load_failed"]
+        assert loaded(out) == 0
+    assert "client/vllm.py" not in run.log
+
+
 def test_daemon_killed_mid_run_engine_recomputes_with_one_warning(tiny_model, prompts, reference, reference_run,
                                                                   workdir, tmp_path):
     daemon = start_daemon(tmp_path / "doomed")
