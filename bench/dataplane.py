@@ -104,7 +104,8 @@ class Services:
         log = open(workdir / "daemon.log", "wb")
         self.procs.append(subprocess.Popen(
             [sys.executable, str(ROOT / "server.py"), "--listen", f"unix:{self.sock},127.0.0.1:{self.kv_port}",
-             "--host-capacity", host_capacity, "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT))
+             "--host-capacity", host_capacity, "--log-level", "warning", "--metrics-listen", "off"],
+            stdout=log, stderr=subprocess.STDOUT))
         echo = subprocess.Popen([sys.executable, str(ROOT / "bench" / "echo_server.py")], stdout=subprocess.PIPE)
         self.procs.append(echo)
         assert echo.stdout is not None

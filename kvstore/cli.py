@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import signal
 import sys
 from collections.abc import Sequence
@@ -19,20 +18,8 @@ from typing import Any
 
 from kvstore import __version__
 from kvstore.errors import KVStoreError
-from kvstore.units import human_bytes
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
-
-
-def _setup_logging(level: str) -> None:
-    from kvstore.interceptors import RequestIdFilter
-
-    handler = logging.StreamHandler()
-    handler.addFilter(RequestIdFilter())
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -44,9 +31,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KVStoreError as exc:
         print(f"kvstore: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    _setup_logging(config.log_level)
+    from kvstore.logs import setup_logging
+
+    setup_logging(config.log_level, config.log_format)
     try:
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, reload=lambda: load_config(vars(args))))
     except KVStoreError as exc:
         print(f"kvstore: cannot start: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -67,7 +56,7 @@ def message_to_dict(msg: Any) -> Any:
     for field in msg.DESCRIPTOR.fields:
         value = getattr(msg, field.name)
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
-            value = dict(value)
+            value = {k: message_to_dict(v) if hasattr(v, "DESCRIPTOR") else v for k, v in value.items()}
         elif field.message_type is not None:
             value = [message_to_dict(v) for v in value] if _is_repeated(field) else message_to_dict(value)
         elif _is_repeated(field):
@@ -108,48 +97,6 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, indent=2) if args.json else text)
 
 
-def format_stats(stats: dict[str, Any]) -> str:
-    header = ["TIER", "POLICY", "CAPACITY", "USED", "USE%", "BLOCKS", "HITS", "MISSES", "EVICTIONS", "BAD_CHECKSUM",
-              "PROMOTED", "DEMOTED", "DROPPED", "PENDING", "IO"]
-    rows = [header]
-    notes = []
-    for t in stats["tiers"]:
-        if not t["present"]:
-            rows.append([t["name"]] + ["-"] * (len(header) - 1))
-            notes.append(f"tier {t['name']} absent: {t['reason']}")
-            continue
-        cap, used = t["capacity_bytes"], t["used_bytes"]
-        rows.append([
-            t["name"], t["policy"], human_bytes(cap), human_bytes(used), f"{100 * used / cap:.1f}" if cap else "0.0",
-            str(t["blocks"]), str(t["hits"]), str(t["misses"]), str(t["evictions"]), str(t["checksum_failures"]),
-            str(t.get("promotions", 0)), str(t.get("demotions", 0)), str(t.get("drops", 0)),
-            str(t.get("pending_writes", 0)), t.get("io_mode") or ("pinned" if t.get("pinned") else "-"),
-        ])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-    c = stats["counters"]
-    ratio = c["hit_blocks"] / c["lookup_blocks"] if c["lookup_blocks"] else 0.0
-    lines += notes
-    lines.append("")
-    lines.append(
-        f"lookups {c['lookups']}  block hit ratio {ratio:.3f} ({c['hit_blocks']}/{c['lookup_blocks']})  "
-        f"puts {c['puts']} (failed {c['put_failures']})  stored {c['blocks_stored']}  fetched {c['blocks_fetched']}"
-    )
-    lines.append(
-        f"in {human_bytes(c['bytes_in'])}  out {human_bytes(c['bytes_out'])}  evictions {c['evictions']}  "
-        f"checksum failures {c['checksum_failures']}  leases {c['leases_active']}  namespaces {stats['namespaces']}  "
-        f"uptime {stats['uptime_s']:.0f}s  version {stats['version']}"
-    )
-    return "\n".join(lines)
-
-
-def cmd_stats(args: argparse.Namespace) -> int:
-    with _client(args) as kv:
-        stats = message_to_dict(kv.stats())
-    _emit(args, stats, format_stats(stats))
-    return EXIT_OK
-
-
 def cmd_info(args: argparse.Namespace) -> int:
     with _client(args) as kv:
         text = kv.info(args.section or "")
@@ -169,6 +116,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvstore.cli_ops import register as register_operator_commands
     from kvstore.config import add_arguments
 
     parser = argparse.ArgumentParser(prog="kvstore", description="A tiered KV-cache store for LLM inference.")
@@ -181,18 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     def client_command(name: str, help_text: str, func: Any) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--target", default=None, help="unix:PATH or HOST:PORT (default: $KVSTORE_TARGET, "
-                       "the default Unix socket, then 127.0.0.1:50051)")
-        p.add_argument("--json", action="store_true", help="machine-readable output")
-        p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per-call deadline")
+        add_client_options(p)
         p.set_defaults(func=func)
         return p
 
     health = client_command("health", "is the daemon serving? (exit 0 if so)", cmd_health)
     health.add_argument("--service", default="", help="service name to check (default: the whole server)")
-    client_command("stats", "per-tier capacity, usage, hits and misses", cmd_stats)
     info = client_command("info", "Redis-INFO-style report", cmd_info)
-    info.add_argument("section", nargs="?", help="server, tiers, stats, namespaces or config")
+    info.add_argument("section", nargs="?", help="server, tiers, stats, namespaces, config or events")
+    register_operator_commands(sub, client_command)
 
     from kvstore import replay
 
@@ -200,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_arguments(replay_cmd)
     replay_cmd.set_defaults(func=replay.run)
     return parser
+
+
+def add_client_options(p: argparse.ArgumentParser) -> None:
+    """--target, --json and --timeout: the same on every command that talks to a daemon."""
+    p.add_argument("--target", default=None, help="unix:PATH or HOST:PORT (default: $KVSTORE_TARGET, "
+                   "the default Unix socket, then 127.0.0.1:50051)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per-call deadline")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

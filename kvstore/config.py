@@ -20,7 +20,7 @@ from typing import Any
 from kvstore.errors import ConfigError
 from kvstore.policies import DEFAULT_POLICY
 from kvstore.policies.hints import DEFAULT_HINT_BUDGET_FRACTION
-from kvstore.units import parse_size
+from kvstore.units import human_bytes, parse_size
 
 DEFAULT_TCP_LISTEN = "127.0.0.1:50051"
 AUTO = "auto"
@@ -105,7 +105,13 @@ FIELDS: tuple[Field, ...] = (
     Field("max_namespaces", "int", 4096, "most namespaces (distinct layouts) held at once", lo=1, hi=1 << 20),
     Field("checksum_threads", "int", 2, "threads hashing large batches off the event loop", lo=1, hi=64),
     Field("grace_s", "float", 10.0, "seconds in-flight calls get to finish on SIGTERM", lo=0, hi=3600),
-    Field("log_level", "str", "info", "log level", choices=("debug", "info", "warning", "error")),
+    Field("log_level", "str", "info", "log level", choices=("debug", "info", "warning", "error"), runtime=True),
+    Field("log_format", "str", "text", "log line format: text for people, json for log collectors (one object a "
+          "line)", choices=("text", "json")),
+    Field("metrics_listen", "str", "127.0.0.1:9464", "HOST:PORT of the Prometheus /metrics endpoint, or 'off'; "
+          "non-loopback needs allow_remote", metavar="HOST:PORT|off"),
+    Field("events_queue", "int", 4096, "events buffered per WatchEvents subscriber before it is marked for "
+          "resync (a slow consumer never blocks the store)", lo=1, hi=1 << 20, runtime=True),
     Field("allow_remote", "bool", False, "allow listening on non-loopback TCP addresses (no authentication yet: "
           "only on a trusted network)"),
 )
@@ -147,6 +153,9 @@ class Config:
     checksum_threads: int
     grace_s: float
     log_level: str
+    log_format: str
+    metrics_listen: str
+    events_queue: int
     allow_remote: bool
 
     def as_dict(self) -> dict[str, Any]:
@@ -192,7 +201,7 @@ def _convert(field: Field, raw: Any, source: str) -> Any:
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"bad value for {where}: {exc}") from None
     if field.lo is not None and value < field.lo or field.hi is not None and value > field.hi:
-        raise ConfigError(f"{where} = {raw!r} is out of bounds [{field.lo:g}, {field.hi:g}]")
+        raise ConfigError(f"{where} = {raw!r} is out of bounds {format_bounds(field)}")
     return value
 
 
@@ -263,3 +272,36 @@ def read_toml(path: str) -> dict[str, Any]:
 
 def describe_fields() -> Sequence[Field]:
     return FIELDS
+
+
+def parse_field(name: str, raw: Any, source: str) -> Any:
+    """One field's value from text, converted and bounds-checked like the other sources."""
+    field = FIELD_BY_NAME.get(name)
+    if field is None:
+        raise ConfigError(f"unknown setting {name!r}; known: {', '.join(sorted(FIELD_BY_NAME))}")
+    return _convert(field, raw, source)
+
+
+def format_value(value: Any) -> str:
+    """A field's value as a person writes it (lists comma-joined, bools lower-case)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def format_bounds(field: Field) -> str:
+    if field.choices:
+        return "|".join(field.choices)
+    if field.lo is None and field.hi is None:
+        return ""
+
+    def show(v: float | None) -> str:
+        if v is None:
+            return ""
+        if field.kind == "size":
+            return human_bytes(int(v))
+        return str(int(v)) if field.kind == "int" or float(v).is_integer() else f"{v:g}"
+
+    return f"[{show(field.lo)}, {show(field.hi)}]"

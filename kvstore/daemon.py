@@ -7,8 +7,11 @@ address in use (SO_REUSEPORT is turned off so a second daemon cannot silently sh
 port), a non-loopback TCP address without `allow_remote`, or a capacity larger than the
 machine can give.
 
-On SIGTERM/SIGINT: health turns NOT_SERVING, listeners stop accepting, in-flight calls
-get `grace_s` to finish, then tiers are closed and the Unix socket file is removed.
+On SIGTERM/SIGINT: health turns NOT_SERVING, event streams end, new calls are refused
+(except commits of local puts whose bytes clients are copying), calls in flight and
+those puts get `grace_s` to finish, then the server stops, the metrics endpoint closes,
+tiers are closed and the Unix socket file is removed. On SIGHUP the config sources are
+read again and runtime-modifiable fields are applied (see `kvstore.runtime`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import socket
 import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -30,12 +34,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from kvstore.admin_ops import OpsAdminServicer
 from kvstore.config import AUTO, Config
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.events import EventBus
 from kvstore.interceptors import ErrorInterceptor
+from kvstore.lifecycle import DrainGate
 from kvstore.local import LocalPuts
+from kvstore.metrics import Metrics, MetricsServer
 from kvstore.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, parse_tier_policies
-from kvstore.servicer import AdminServicer, KVStoreServicer
+from kvstore.runtime import RuntimeConfig
+from kvstore.servicer import KVStoreServicer
 from kvstore.store import MigrationConfig, Store, StoreLimits, StoreTier, WritePolicy
 from kvstore.tiers.base import Tier
 from kvstore.tiers.host import HostTier
@@ -195,6 +204,18 @@ class Daemon:
         self._local_puts: LocalPuts | None = None
         self._prefault: asyncio.Task[bool] | None = None
         self._prefault_stop = threading.Event()
+        self.events = EventBus(config.events_queue)
+        self._gate = DrainGate()
+        self.runtime: RuntimeConfig | None = None
+        self.metrics = Metrics(lambda: self.store, self.events)
+        self._metrics_server: MetricsServer | None = None
+        self.metrics_address = ""  # HOST:PORT once the endpoint is up; empty when off
+        metrics_addr = None
+        if config.metrics_listen.strip().lower() != "off":
+            metrics_addr = parse_listen(config.metrics_listen, config.allow_remote)
+            if metrics_addr.kind != "tcp":
+                raise ConfigError(f"metrics_listen {config.metrics_listen!r} must be HOST:PORT or 'off'")
+        self._metrics_addr = metrics_addr
 
     @property
     def health(self) -> HealthServicer:
@@ -285,8 +306,12 @@ class Daemon:
         except BaseException:
             self._close_resources()
             raise
+        self.store.observer = self.events
+        self.runtime = RuntimeConfig(cfg, self.store, self.events)
         server = grpc.aio.server(
-            interceptors=[ErrorInterceptor()],
+            # Metrics outermost, so it sees the status the error interceptor set.
+            # The drain gate next, so refused calls are counted too.
+            interceptors=[self.metrics.interceptor(), self._gate, ErrorInterceptor()],
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -300,7 +325,9 @@ class Daemon:
         kvstore_pb2_grpc.add_KVStoreServicer_to_server(
             KVStoreServicer(self.store, cfg.chunk_bytes, host_tier.segment, self._local_puts), server
         )
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.store, cfg.as_dict(), absent), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(
+            OpsAdminServicer(self.store, self.runtime, self.events, absent), server
+        )
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -318,6 +345,19 @@ class Daemon:
         except BaseException:
             self._close_resources()
             raise
+        if self._metrics_addr is not None:
+            metrics_server = MetricsServer(self.metrics, self._metrics_addr.host, self._metrics_addr.port)
+            try:
+                await metrics_server.start()
+            except OSError as exc:
+                await server.stop(0)  # releases the gRPC ports bound above
+                self._close_resources()
+                raise ConfigError(
+                    f"cannot serve metrics on {self._metrics_addr.grpc_target}: {exc.strerror}; "
+                    "choose another --metrics-listen or 'off'"
+                ) from None
+            self._metrics_server = metrics_server
+            self.metrics_address = metrics_server.address
         await server.start()
         self._server = server
         for name in ("", "kvstore.v1.KVStore", "kvstore.v1.Admin"):
@@ -333,7 +373,19 @@ class Daemon:
             "kvstore serving on %s; tiers %s, policy %s", ", ".join(self.bound),
             ", ".join(f"{t.name} {human_bytes(t.tier.capacity_bytes)}" for t in tiers), cfg.policy
         )
-        logger.info("effective config: %s", {**cfg.as_dict(), "host_capacity": host_capacity})
+        if self.metrics_address:
+            logger.info("metrics at http://%s/metrics", self.metrics_address)
+        effective = {**cfg.as_dict(), "host_capacity": host_capacity}
+        logger.info("effective config: %s", effective, extra={"config": effective})
+
+    def reload(self, load: Callable[[], Config]) -> None:
+        """SIGHUP: re-read the config sources and apply what may change live."""
+        if self.runtime is None or self._stopping:
+            return
+        try:
+            self.runtime.reload(load)
+        except KVStoreError as exc:
+            logger.error("reload failed, settings unchanged: %s", exc)
 
     def _bind(self, server: grpc.aio.Server, addr: ListenAddress) -> str:
         if addr.kind == "unix":
@@ -371,9 +423,13 @@ class Daemon:
         logger.info("shutting down: draining in-flight calls for up to %.1fs", grace)
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        # Event streams never end by themselves; end them so the drain is not held open.
+        self.events.close()
         self._prefault_stop.set()
         if self._prefault is not None:
             await self._prefault
+        deadline = asyncio.get_running_loop().time() + grace
+        await self._drain(deadline)
         if self._sweeper is not None:
             self._sweeper.cancel()
             try:
@@ -381,7 +437,13 @@ class Daemon:
             except asyncio.CancelledError:
                 pass
         if self._server is not None:
-            await self._server.stop(grace)
+            # Normally nothing is left and this returns at once; the rest of the grace
+            # covers calls accepted just before the gate closed (they are refused) and
+            # streams the gate does not wait for (health Watch).
+            await self._server.stop(max(0.0, deadline - asyncio.get_running_loop().time()))
+        if self._metrics_server is not None:
+            await self._metrics_server.close()
+            self._metrics_server = None
         if self.store is not None:
             # Pending SSD writes are flushed before the tiers close (and the SSD tier
             # writes its snapshot for a fast next start).
@@ -389,6 +451,21 @@ class Daemon:
         self._close_resources()
         self._stopped.set()
         logger.info("kvstore stopped")
+
+    async def _drain(self, deadline: float) -> None:
+        """Refuse new calls, then wait for calls in flight and for local puts whose bytes
+        co-located clients are copying (their commit is still accepted; see `DrainGate`)."""
+        local = self._local_puts
+
+        def no_local_puts() -> bool:
+            return local is None or not len(local)
+
+        self._gate.close()
+        if self._gate.in_flight or not no_local_puts():
+            logger.info("draining %d calls and %d local puts", self._gate.in_flight, 0 if local is None else len(local))
+        if not await self._gate.wait_idle(deadline, also=no_local_puts):
+            logger.warning("the grace time is spent and %d calls and %d local puts are still open; they are "
+                           "cancelled and rolled back", self._gate.in_flight, 0 if local is None else len(local))
 
     def _close_resources(self) -> None:
         if self._local_puts is not None:
@@ -411,13 +488,22 @@ class Daemon:
         await self._stopped.wait()
 
 
-async def serve(config: Config) -> None:
-    """Run a daemon until SIGTERM or SIGINT, then shut it down gracefully."""
+async def serve(config: Config, reload: Callable[[], Config] | None = None) -> None:
+    """Run a daemon until SIGTERM or SIGINT, then shut it down gracefully.
+
+    `reload` re-reads the config sources; with it, SIGHUP applies runtime fields.
+    """
     daemon = Daemon(config)
     await daemon.start()
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
-    await stop_requested.wait()
+    if reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, daemon.reload, reload)
+    try:
+        await stop_requested.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
     await daemon.stop()

@@ -80,8 +80,13 @@ def render_info(
         out.append("")
     if section in ("", "config"):
         out.append("# Config")
+        from kvstore.config import FIELD_BY_NAME
+
         for key, value in config.items():
             shown = ",".join(value) if isinstance(value, (list, tuple)) else value
             out.append(f"{key}:{shown}")
+            field = FIELD_BY_NAME.get(key)
+            if field is not None and field.kind == "size" and isinstance(value, int):
+                out.append(f"{key}_human:{human_bytes(value)}")
         out.append("")
     return "\n".join(out)

@@ -58,7 +58,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self.store = store
         self.chunk_bytes = chunk_bytes
         self.segment = segment
-        self.local_puts = local_puts or LocalPuts()
+        # `is None`, not `or`: an empty table is falsy (it has a length), and the daemon's
+        # own table must be the one used, or its sweep and shutdown never see these puts.
+        self.local_puts = local_puts if local_puts is not None else LocalPuts()
 
     # -------------------------------------------------------------- translation
 

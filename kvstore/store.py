@@ -41,6 +41,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvstore.checksum import checksum_batch
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -136,6 +137,10 @@ class StoreCounters:
     checksum_failures: int = 0
     prefetches: int = 0
     ssd_write_failures: int = 0
+    # The parts of bytes_in / bytes_out that moved through the shared-memory plane
+    # (the rest went as gRPC bytes); metrics label throughput by plane with them.
+    local_bytes_in: int = 0
+    local_bytes_out: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -171,6 +176,9 @@ class NamespaceInfo:
     layout: KVLayout
     blocks: int = 0
     bytes: int = 0
+    # Which engines get value from the cache: per-namespace block hit ratio for operators.
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +245,43 @@ class TierStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class RemovalResult:
+    blocks: int
+    removed_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRef:
+    block_hash: bytes
+    parent_hash: bytes  # b"" for the first block of a chain
+
+
+@dataclass(frozen=True, slots=True)
+class BlockGroup:
+    """Blocks of one namespace in one tier (what a resyncing event consumer reloads)."""
+
+    namespace_id: bytes
+    tier: str
+    block_hashes: tuple[bytes, ...]
+
+
+class StoreObserver(Protocol):
+    """Told synchronously, on the loop, when blocks appear, leave or change tier; must not block.
+
+    `blocks_stored` when blocks become READY, `blocks_removed` when a block leaves the
+    daemon (its last copy), `blocks_moved` when migration moves a block between tiers.
+    """
+
+    def blocks_stored(self, namespace_id: bytes, block_hashes: Sequence[bytes], tier: str) -> None: ...
+
+    def blocks_removed(self, namespace_id: bytes, block_hashes: Sequence[bytes], tier: str) -> None: ...
+
+    def blocks_moved(self, namespace_id: bytes, block_hashes: Sequence[bytes], from_tier: str, to_tier: str) -> None: ...
+
+
+
+
+@dataclass(frozen=True, slots=True)
 class StoreStatus:
     tiers: list[TierStatus]
     counters: StoreCounters
@@ -278,6 +323,8 @@ class Store:
         self._leases = LeaseTable(self._release)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         self._tier_by_name = {t.name: t for t in self.tiers}
+        # Set by the daemon (the event bus); None in embedded and unit-test stores.
+        self.observer: StoreObserver | None = None
         self._copiers = {
             (a.name, b.name): make_copier(a.tier, b.tier)
             for a in self.memory_tiers
@@ -463,12 +510,16 @@ class Store:
         if entry.removed or st.name in entry.locations:
             st.tier.free(slot)
             return False
+        was_top = self._top_name(entry) if entry.locations else ""
         entry.locations[st.name] = slot
         st.policy.insert(entry.key, entry.parent)
+        if was_top and self._rank[st.name] < self._rank[was_top]:
+            self._moved(entry, was_top, st.name)  # promoted: now served from higher up
         return True
 
     def _remove_location(self, entry: BlockEntry, st: StoreTier) -> None:
         """Take one copy away; the entry leaves the index with its last copy."""
+        was_top = self._top_name(entry)
         slot = entry.locations.pop(st.name)
         st.policy.remove(entry.key)
         if entry.readers:
@@ -479,6 +530,20 @@ class Store:
             self._index.remove(entry.key)
             st.counters.drops += 1
             self._forget(entry)
+            self._removed(entry, st.name)
+        elif entry.locations and was_top == st.name:
+            self._moved(entry, st.name, self._top_name(entry))  # demoted (or its top copy dropped)
+
+    # Events for the observer (the daemon's event bus). Only READY blocks are reported:
+    # what a router may have heard of.
+
+    def _moved(self, entry: BlockEntry, from_tier: str, to_tier: str) -> None:
+        if self.observer is not None and entry.state is BlockState.READY:
+            self.observer.blocks_moved(entry.key[:HASH_BYTES], [entry.key[HASH_BYTES:]], from_tier, to_tier)
+
+    def _removed(self, entry: BlockEntry, tier: str) -> None:
+        if self.observer is not None and entry.state is BlockState.READY:
+            self.observer.blocks_removed(entry.key[:HASH_BYTES], [entry.key[HASH_BYTES:]], tier)
 
     def _forget(self, entry: BlockEntry) -> None:
         info = self._namespaces.get(entry.key[:HASH_BYTES])
@@ -488,6 +553,8 @@ class Store:
 
     def _drop(self, entry: BlockEntry) -> None:
         """Remove a block from the index and every tier; bytes go when no reader holds them."""
+        if entry.locations:
+            self._removed(entry, self._top_name(entry))
         self._index.remove(entry.key)
         for name in entry.locations:
             self._tier_by_name[name].policy.remove(entry.key)
@@ -698,6 +765,8 @@ class Store:
             lease_id = self._acquire_lease(hit, lease_ms).lease_id
         c = self.counters
         c.lookups += 1
+        info.lookup_blocks += len(keys)
+        info.hit_blocks += len(hit)
         c.lookup_blocks += len(keys)
         c.hit_blocks += len(hit)
         c.miss_blocks += len(keys) - len(hit)
@@ -785,6 +854,12 @@ class Store:
             info = self._namespaces[entry.key[:HASH_BYTES]]
             info.blocks += 1
             info.bytes += entry.nbytes
+        if self.observer is not None and entries:
+            groups: dict[tuple[bytes, str], list[bytes]] = {}
+            for entry in entries:
+                groups.setdefault((entry.key[:HASH_BYTES], self._top_name(entry)), []).append(entry.key[HASH_BYTES:])
+            for (ns_id, tier), hashes in groups.items():
+                self.observer.blocks_stored(ns_id, hashes, tier)
         if through:
             # Head first: the SSD writer follows queue order, so a crash can cut a chain
             # short but never leave its later blocks without its start.
@@ -1011,6 +1086,7 @@ class Store:
         self.counters.fetches += 1
         self.counters.blocks_fetched += len(local)
         self.counters.bytes_out += sum(e.nbytes for e in local)
+        self.counters.local_bytes_out += sum(e.nbytes for e in local)
         for entry in reversed(local):
             self._tier_by_name[tier].policy.touch(entry.key)
         result = LookupResult(
@@ -1096,6 +1172,78 @@ class Store:
 
     def expire_leases(self) -> int:
         return self._leases.expire(self._clock())
+
+    # ----------------------------------------------------------------- operator verbs
+
+    def purge(self, namespace_id: bytes | None = None) -> RemovalResult:
+        """Remove every block (of one namespace, if given), leased or not, like `delete`.
+        The operator's `kvstore flush`."""
+        if namespace_id is not None:
+            self.namespace(namespace_id)
+        doomed = [e for e in self._index if namespace_id is None or e.key[:HASH_BYTES] == namespace_id]
+        for entry in doomed:
+            self._drop(entry)
+        self.counters.deletes += len(doomed)
+        if doomed:
+            logger.info("purged %d blocks%s", len(doomed), f" of namespace {namespace_id.hex()}" if namespace_id else "")
+        return RemovalResult(len(doomed), sum(e.nbytes for e in doomed))
+
+    async def evict_bytes(self, tier: str, nbytes: int) -> RemovalResult:
+        """Make room in `tier`, in its policy's order, until `nbytes` are freed or nothing
+        evictable is left: memory tiers demote their victims (the last tier drops them),
+        the SSD tier reclaims whole regions. Pinned and in-use blocks stay."""
+        st = self._tier_by_name.get(tier)
+        if st is None:
+            raise InvalidArgument(f"no tier named {tier!r} in this daemon; tiers: {', '.join(self._tier_by_name)}")
+        if nbytes < 0:
+            raise InvalidArgument(f"bytes to evict must be >= 0, got {nbytes}")
+        self.expire_leases()
+        freed = 0
+        c = st.counters
+        moved_before = c.evictions + c.demotions
+        while freed < nbytes:
+            used = st.tier.used_bytes
+            progress = c.evictions + c.demotions
+            try:
+                await self._evict_one(st, 0)
+            except ResourceExhausted:
+                break  # everything left is pinned or in use
+            freed += max(0, used - st.tier.used_bytes)
+            if st.tier.used_bytes == used and c.evictions + c.demotions == progress:
+                break  # no progress (the victim was busy): stop rather than spin
+        blocks = c.evictions + c.demotions - moved_before
+        logger.info("operator eviction from %s: %d blocks, %d bytes", tier, blocks, freed)
+        return RemovalResult(blocks, freed)
+
+    def namespace_blocks(self, namespace_id: bytes) -> list[BlockRef]:
+        """Every READY block of a namespace, parents before children, chains consecutive
+        (depth-first from each root), so the list replays as chained puts."""
+        self.namespace(namespace_id)
+        entries = [e for e in self._index if e.key[:HASH_BYTES] == namespace_id]
+        present = {e.key for e in entries}
+        children: dict[bytes, list[BlockEntry]] = {}
+        roots = []
+        for e in entries:
+            if e.parent is not None and e.parent in present:
+                children.setdefault(e.parent, []).append(e)
+            else:
+                roots.append(e)
+        out: list[BlockRef] = []
+        stack = list(reversed(roots))
+        while stack:
+            e = stack.pop()
+            parent = e.parent[HASH_BYTES:] if e.parent is not None else b""
+            out.append(BlockRef(e.key[HASH_BYTES:], parent))
+            stack.extend(reversed(children.get(e.key, ())))
+        return out
+
+    def block_groups(self) -> list[BlockGroup]:
+        """Every READY block, grouped by namespace and the tier it is served from (a
+        point-in-time snapshot)."""
+        groups: dict[tuple[bytes, str], list[bytes]] = {}
+        for entry in self._index:
+            groups.setdefault((entry.key[:HASH_BYTES], self._top_name(entry)), []).append(entry.key[HASH_BYTES:])
+        return [BlockGroup(ns, tier, tuple(hashes)) for (ns, tier), hashes in groups.items()]
 
     # ----------------------------------------------------------------- stats
 
@@ -1370,6 +1518,8 @@ class PutTxn:
         c.blocks_stored += stored
         c.blocks_existing += existing
         c.bytes_in += stored * self.block_bytes
+        if checksums is not None:  # the client wrote the bytes into the segment itself
+            c.local_bytes_in += stored * self.block_bytes
         return PutResult(self._info.namespace_id, stored, existing, list(self._hashes))
 
     def abort(self) -> None:

@@ -27,7 +27,9 @@ SMALL_LAYOUT = KVLayout(
 
 def make_config(tmp_path: Path, **overrides: Any) -> Config:
     base = load_config(
-        {"listen": f"unix:{tmp_path / 'kv.sock'},127.0.0.1:0", "host_capacity": "16MiB", "grace_s": "1"}, env={}
+        {"listen": f"unix:{tmp_path / 'kv.sock'},127.0.0.1:0", "host_capacity": "16MiB", "grace_s": "1",
+         "metrics_listen": "127.0.0.1:0"},
+        env={},
     )
     return replace(base, **overrides)
 
@@ -41,6 +43,16 @@ class RunningDaemon:
     @property
     def store(self) -> Any:
         return self.daemon.store
+
+
+@pytest.fixture(autouse=True, scope="session")
+def metrics_port_zero() -> Iterator[None]:
+    """Daemons started as subprocesses inherit this: never the default metrics port, which
+    a daemon from `make run` or a parallel test run may hold."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("KVSTORE_METRICS_LISTEN", "127.0.0.1:0")
+    yield
+    patch.undo()
 
 
 @pytest.fixture

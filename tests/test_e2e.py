@@ -40,7 +40,9 @@ def server(tmp_path):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, str(ROOT / "server.py"), "--listen", f"unix:{sock},127.0.0.1:{port}",
-             "--host-capacity", "32MiB", "--grace-s", "2"],
+             "--host-capacity", "32MiB", "--grace-s", "2",
+             # port 0: a daemon from `make run` (or another test run) may hold the default 9464
+             "--metrics-listen", "127.0.0.1:0"],
             stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
         )
     deadline = time.monotonic() + 30
