@@ -45,7 +45,7 @@ bench: setup bench-deps
 # from a transformers Llama forward pass (needs transformers: pip install transformers).
 SSD_BENCH_DIR ?=
 bench-tiers: setup
-	$(PY) bench/ssd_bench.py $(SSD_BENCH_DIR)
+	$(if $(QUICK),KVSTORE_BENCH_ROUNDS=1 ,)$(PY) bench/ssd_bench.py $(SSD_BENCH_DIR)
 	@$(PY) -c 'import transformers' 2>/dev/null && $(PY) bench/codec_ratio.py \
 		|| echo "codec ratio skipped: pip install transformers into $(VENV) to measure it"
 
