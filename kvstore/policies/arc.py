@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvstore.policies.base import BlockKey, Clock, EvictionPolicy
 
@@ -63,6 +63,15 @@ class ARCPolicy(EvictionPolicy):
             self._t2[key] = None
         elif key in self._t2:
             self._t2.move_to_end(key)
+
+    def touch_many(self, keys: Iterable[BlockKey]) -> None:
+        t1, t2 = self._t1, self._t2
+        for key in keys:
+            if key in t1:
+                del t1[key]
+                t2[key] = None
+            elif key in t2:
+                t2.move_to_end(key)
 
     def remove(self, key: BlockKey) -> None:
         if key in self._t1:

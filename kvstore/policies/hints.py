@@ -247,6 +247,18 @@ class HintedPolicy(EvictionPolicy):
         if key not in self._parked:
             self._base.touch(key)
 
+    def touch_many(self, keys: Iterable[BlockKey]) -> None:
+        if not self._protected and not self._parked:  # no live hints: straight to the base
+            self._base.touch_many(keys)
+            return
+        passthrough = []
+        for key in keys:
+            if key in self._protected:
+                self._hit_protected.add(key)
+            if key not in self._parked:
+                passthrough.append(key)
+        self._base.touch_many(passthrough)
+
     def remove(self, key: BlockKey) -> None:
         if self._parent.pop(key, _MISSING) is _MISSING:
             return
