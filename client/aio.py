@@ -65,6 +65,9 @@ class AsyncClient:
         self.chunk_bytes = chunk_bytes
         self.data_plane = check_data_plane(data_plane)
         self._plane: LocalPlane | None = None
+        # Leases of finished shared-memory fetches, ended by the next local call instead
+        # of an Unpin each (they also expire on their own).
+        self._releases: list[str] = []
         self._plane_tried = data_plane == "grpc" or (data_plane == "auto" and not may_be_local(self.target))
         self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._kv = kvstore_pb2_grpc.KVStoreStub(self._channel)
@@ -83,10 +86,19 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        for lease_id in self._take_releases():
+            try:
+                await self._kv.Unpin(kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=self.timeout_s)
+            except grpc.RpcError:
+                pass  # the lease expires by itself
         if self._plane is not None:
             self._plane.close()
             self._plane = None
         await self._channel.close()
+
+    def _take_releases(self) -> list[str]:
+        taken, self._releases = self._releases, []
+        return taken
 
     def _t(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else timeout_s
@@ -144,7 +156,10 @@ class AsyncClient:
             if plane is None:
                 resp = await self._put(put_requests(prepared, self.chunk_bytes), timeout=timeout)
                 return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
-            begun = await self._kv.LocalPut(kvstore_pb2.LocalPutRequest(header=prepared.header), timeout=timeout)
+            begun = await self._kv.LocalPut(
+                kvstore_pb2.LocalPutRequest(header=prepared.header, release_lease_ids=self._take_releases()),
+                timeout=timeout,
+            )
             try:
                 sums = await asyncio.to_thread(plane.copy_in, begun.offsets, prepared.views)
             except BaseException:
@@ -170,8 +185,12 @@ class AsyncClient:
             plane = await self._local()
             if plane is None:
                 return await self._fetch_grpc(layout, keys, out, lease_id, timeout)
-            resp = await self._kv.LocalFetch(kvstore_pb2.LocalFetchRequest(namespace=namespace_ref(layout), keys=keys),
-                                       timeout=timeout)
+            resp = await self._kv.LocalFetch(
+                # The lookup lease (if any) ends here: this call takes its own on the slots.
+                kvstore_pb2.LocalFetchRequest(namespace=namespace_ref(layout), keys=keys,
+                                              release_lease_ids=self._take_releases() + ([lease_id] if lease_id else [])),
+                timeout=timeout,
+            )
             n_local = len(resp.offsets)
             dsts = out_buffers(out, resp.num_blocks, resp.block_bytes)
             try:
@@ -179,9 +198,7 @@ class AsyncClient:
                 good = await asyncio.to_thread(plane.copy_out, resp.offsets, resp.checksums, resp.block_bytes, views)
             finally:
                 if resp.lease_id:
-                    await self._kv.Unpin(kvstore_pb2.UnpinRequest(lease_id=resp.lease_id), timeout=timeout)
-            if lease_id:
-                await self._kv.Unpin(kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=timeout)
+                    self._releases.append(resp.lease_id)
             if good < n_local:
                 await self._kv.Verify(kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout),
                                                           keys=block_keys(None, resp.block_hashes[good:n_local])),

@@ -63,6 +63,9 @@ class Client:
         self.chunk_bytes = chunk_bytes
         self.data_plane = check_data_plane(data_plane)
         self._plane: LocalPlane | None = None
+        # Leases of finished shared-memory fetches, ended by the next local call instead
+        # of an Unpin each (they also expire on their own).
+        self._releases: list[str] = []
         self._plane_tried = data_plane == "grpc" or (data_plane == "auto" and not may_be_local(self.target))
         self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._kv = kvstore_pb2_grpc.KVStoreStub(self._channel)
@@ -81,10 +84,19 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        for lease_id in self._take_releases():
+            try:
+                self._kv.Unpin(kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=self.timeout_s)
+            except grpc.RpcError:
+                pass  # the lease expires by itself
         if self._plane is not None:
             self._plane.close()
             self._plane = None
         self._channel.close()
+
+    def _take_releases(self) -> list[str]:
+        taken, self._releases = self._releases, []
+        return taken
 
     def _t(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else timeout_s
@@ -143,7 +155,10 @@ class Client:
             if plane is None:
                 resp = self._put(put_requests(prepared, self.chunk_bytes), timeout=timeout)
                 return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
-            begun = self._kv.LocalPut(kvstore_pb2.LocalPutRequest(header=prepared.header), timeout=timeout)
+            begun = self._kv.LocalPut(
+                kvstore_pb2.LocalPutRequest(header=prepared.header, release_lease_ids=self._take_releases()),
+                timeout=timeout,
+            )
             try:
                 sums = plane.copy_in(begun.offsets, prepared.views)
             except BaseException:
@@ -169,8 +184,12 @@ class Client:
             plane = self._local()
             if plane is None:
                 return self._fetch_grpc(layout, keys, out, lease_id, timeout)
-            resp = self._kv.LocalFetch(kvstore_pb2.LocalFetchRequest(namespace=namespace_ref(layout), keys=keys),
-                                       timeout=timeout)
+            resp = self._kv.LocalFetch(
+                # The lookup lease (if any) ends here: this call takes its own on the slots.
+                kvstore_pb2.LocalFetchRequest(namespace=namespace_ref(layout), keys=keys,
+                                              release_lease_ids=self._take_releases() + ([lease_id] if lease_id else [])),
+                timeout=timeout,
+            )
             n_local = len(resp.offsets)
             dsts = out_buffers(out, resp.num_blocks, resp.block_bytes)
             try:
@@ -178,9 +197,7 @@ class Client:
                 good = plane.copy_out(resp.offsets, resp.checksums, resp.block_bytes, views)
             finally:
                 if resp.lease_id:
-                    self._kv.Unpin(kvstore_pb2.UnpinRequest(lease_id=resp.lease_id), timeout=timeout)
-            if lease_id:
-                self._kv.Unpin(kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=timeout)
+                    self._releases.append(resp.lease_id)
             if good < n_local:
                 self._kv.Verify(kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout),
                                                           keys=block_keys(None, resp.block_hashes[good:n_local])),

@@ -50,6 +50,8 @@ def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
 
 
 LOCAL_TIER = "host"
+# Leases a local call may end on the side (clients batch the releases of their fetches).
+MAX_PIGGYBACK_RELEASES = 64
 DEFAULT_LOCAL_LEASE_MS = 10_000
 
 
@@ -257,10 +259,19 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             path=seg.path, token=seg.token, data_offset=HEADER_BYTES, capacity_bytes=seg.capacity
         )
 
+    def _release_leases(self, lease_ids: Sequence[str]) -> None:
+        if len(lease_ids) > MAX_PIGGYBACK_RELEASES:
+            raise InvalidArgument(
+                f"{len(lease_ids)} leases to release in one call; at most {MAX_PIGGYBACK_RELEASES} (use Unpin)"
+            )
+        for lease_id in lease_ids:
+            self.store.unpin(lease_id)
+
     async def LocalPut(
         self, request: kvstore_pb2.LocalPutRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.LocalPutResponse:
         self._segment()
+        self._release_leases(request.release_lease_ids)
         ns_id = self._namespace(request.header.namespace)
         hashes, parent = self._put_keys(ns_id, request.header)
         if request.header.HasField("hint"):
@@ -302,6 +313,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self, request: kvstore_pb2.LocalFetchRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.LocalFetchResponse:
         self._segment()
+        self._release_leases(request.release_lease_ids)
         ns_id = self._namespace(request.namespace)
         hashes = self._hashes(ns_id, request.keys)
         result, infos = self.store.lease_prefix(

@@ -229,3 +229,17 @@ async def test_async_client_over_shared_memory(daemon, layout):
         await asyncio.gather(*(kv.put(layout, p, b) for p, b in zip(prompts, payloads)))
         got = await asyncio.gather(*(kv.fetch(layout, p) for p in prompts))
         assert [[bytes(x) for x in g] for g in got] == payloads
+
+
+def test_fetch_leases_end_with_the_next_local_call_or_close(daemon_thread, layout):
+    tokens = list(range(8))
+    with Client(daemon_thread.tcp_target, data_plane="grpc") as admin, \
+         Client(daemon_thread.unix_target, data_plane="local") as kv:
+        kv.put(layout, tokens, blocks_for(layout, 2))
+        kv.fetch(layout, tokens)
+        assert admin.stats().counters.leases_active == 1  # the slots stay held until the next call
+        kv.put(layout, list(range(100, 104)), blocks_for(layout, 1))
+        assert admin.stats().counters.leases_active == 0
+        kv.fetch(layout, tokens)
+        kv.close()
+        assert admin.stats().counters.leases_active == 0
