@@ -86,7 +86,7 @@ class Client:
     def close(self) -> None:
         for lease_id in self._take_releases():
             try:
-                self._kv.Unpin(kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=self.timeout_s)
+                self._kv.Unpin(kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=min(1.0, self.timeout_s))
             except grpc.RpcError:
                 pass  # the lease expires by itself
         if self._plane is not None:
