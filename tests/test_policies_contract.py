@@ -12,27 +12,14 @@ from hypothesis import strategies as st
 
 from kvstore.errors import ConfigError
 from kvstore.policies import DEFAULT_POLICY, POLICIES, EvictionPolicy, PrefixAwarePolicy, make_policy, parse_tier_policies
+from tests.fakes import ManualClock, always, key as k
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def k(i: int) -> bytes:
-    return i.to_bytes(4, "big")
-
-
-def always(_key: bytes) -> bool:
-    return True
 
 
 @pytest.fixture(params=sorted(POLICIES))
 def policy(request: pytest.FixtureRequest) -> EvictionPolicy:
-    return make_policy(request.param, FakeClock())
+    return make_policy(request.param, ManualClock())
 
 
 def drain(policy: EvictionPolicy) -> list[bytes]:
@@ -165,7 +152,7 @@ ops = st.lists(
 @given(script=ops)
 def test_random_operations_keep_the_contract(name: str, script: list[tuple[str, int]]) -> None:
     """Against a plain set: same membership, and every victim is tracked and evictable."""
-    policy = make_policy(name, FakeClock())
+    policy = make_policy(name, ManualClock())
     model: set[bytes] = set()
     for op, i in script:
         key = k(i)
@@ -199,7 +186,7 @@ PREFIX_POLICIES = sorted(n for n in POLICIES if issubclass(POLICIES[n], PrefixAw
 @pytest.mark.parametrize("name", PREFIX_POLICIES)
 def test_prefix_policy_never_evicts_an_ancestor_first(name: str) -> None:
     # chain 1 <- 2 <- 3 inserted head first, touched head first -> victims 3, 2, 1
-    policy = make_policy(name, FakeClock())
+    policy = make_policy(name, ManualClock())
     policy.insert(k(1), None)
     policy.insert(k(2), k(1))
     policy.insert(k(3), k(2))
@@ -209,7 +196,7 @@ def test_prefix_policy_never_evicts_an_ancestor_first(name: str) -> None:
 @pytest.mark.parametrize("name", PREFIX_POLICIES)
 def test_prefix_policy_evicts_an_inner_block_if_its_descendants_are_pinned(name: str) -> None:
     # chain 1 <- 2, 2 pinned -> victim 1 rather than nothing
-    policy = make_policy(name, FakeClock())
+    policy = make_policy(name, ManualClock())
     policy.insert(k(1), None)
     policy.insert(k(2), k(1))
     assert policy.victim(lambda key: key != k(2)) == k(1)
@@ -238,7 +225,7 @@ def test_touch_many_is_touch_in_order(policy: EvictionPolicy) -> None:
         policy.insert(k(i))
     policy.touch_many([k(2), k(1), k(9)])
     assert len(policy) == 4
-    reference = make_policy(policy.name, FakeClock())
+    reference = make_policy(policy.name, ManualClock())
     for i in (1, 2, 3, 4):
         reference.insert(k(i))
     reference.touch(k(2))

@@ -8,27 +8,14 @@ import pytest
 
 from kvstore.errors import ConfigError, InvalidArgument
 from kvstore.policies import POLICIES, HintedPolicy, make_policy
+from tests.fakes import ManualClock, always, key as k
 
 HINTED = sorted(n for n in POLICIES if issubclass(POLICIES[n], HintedPolicy))
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
-def k(i: int) -> bytes:
-    return i.to_bytes(4, "big")
-
-
-def always(_key: bytes) -> bool:
-    return True
-
-
-def filled(name: str, clock: FakeClock, n: int = 4, budget: float = 0.5) -> HintedPolicy:
+def filled(name: str, clock: ManualClock, n: int = 4, budget: float = 0.5) -> HintedPolicy:
     policy = make_policy(name, clock, hint_budget_fraction=budget)
     assert isinstance(policy, HintedPolicy)
     for i in range(1, n + 1):
@@ -43,7 +30,7 @@ def test_every_base_has_a_hinted_variant() -> None:
 @pytest.mark.parametrize("name", HINTED)
 def test_hinted_block_is_protected_until_its_deadline(name: str) -> None:
     # insert [1,2,3,4], hint 1 for 10 s -> victim 2; 10 s later -> victim 1 again
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     policy = filled(name, clock)
     policy.hint([k(1)], "s", 10.0)
     assert policy.is_protected(k(1))
@@ -59,7 +46,7 @@ def test_hinted_block_is_protected_until_its_deadline(name: str) -> None:
 @pytest.mark.parametrize("name", HINTED)
 def test_end_session_releases_protection(name: str) -> None:
     # insert [1,2,3,4], hint 1, end the session -> 1 is no longer protected
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     policy = filled(name, clock)
     policy.hint([k(1)], "s", 60.0)
     policy.end_session("s")
@@ -71,7 +58,7 @@ def test_end_session_releases_protection(name: str) -> None:
 def test_expired_hint_falls_back_to_base_order() -> None:
     # LRU base: insert [1,2,3,4], hint 1 for 5 s, 5 s pass -> 1 is back in the LRU order,
     # as if inserted at expiry: victims 2, 3, 4, 1
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     policy = filled("hint-lru", clock)
     policy.hint([k(1)], "s", 5.0)
     clock.now += 5.0
@@ -86,7 +73,7 @@ def test_expired_hint_falls_back_to_base_order() -> None:
 
 def test_protected_blocks_go_last_when_nothing_else_is_evictable() -> None:
     # hint 1 and 2, pin 3 and 4 -> victim 1 (oldest grant), not None
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     policy = filled("hint-lru", clock, budget=1.0)
     policy.hint([k(1), k(2)], "s", 60.0)
     assert policy.victim(lambda key: key in (k(1), k(2))) == k(1)
@@ -95,7 +82,7 @@ def test_protected_blocks_go_last_when_nothing_else_is_evictable() -> None:
 
 def test_hint_before_insert_protects_the_block_when_it_arrives() -> None:
     # hint 9 (not yet tracked), insert 9 -> 9 is protected, victim 1
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     policy = filled("hint-lru", clock, budget=1.0)
     policy.hint([k(9)], "s", 60.0)
     policy.insert(k(9))
@@ -105,7 +92,7 @@ def test_hint_before_insert_protects_the_block_when_it_arrives() -> None:
 
 
 def test_without_hints_the_order_is_the_base_order() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     hinted = filled("hint-arc", clock, n=6)
     plain = make_policy("arc", clock)
     for i in range(1, 7):
@@ -127,7 +114,7 @@ def test_without_hints_the_order_is_the_base_order() -> None:
 
 def test_budget_caps_protection_head_of_chain_first() -> None:
     # 4 blocks, budget 50% -> a hint on [1,2,3,4] protects 1 and 2 only
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     policy = filled("hint-lru", clock, n=4, budget=0.5)
     policy.hint([k(1), k(2), k(3), k(4)], "s", 60.0)
     assert [policy.is_protected(k(i)) for i in (1, 2, 3, 4)] == [True, True, False, False]
@@ -138,7 +125,7 @@ def test_budget_caps_protection_head_of_chain_first() -> None:
 
 def test_budget_is_shared_between_sessions() -> None:
     # 4 blocks, budget 50%: session a takes 1 and 2, session b gets nothing for 3
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     policy = filled("hint-lru", clock, n=4, budget=0.5)
     policy.hint([k(1), k(2)], "a", 60.0)
     policy.hint([k(3)], "b", 60.0)
@@ -150,7 +137,7 @@ def test_budget_is_shared_between_sessions() -> None:
 
 
 def test_zero_budget_disables_protection() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     policy = filled("hint-lru", clock, budget=0.0)
     policy.hint([k(1)], "s", 60.0)
     assert policy.victim(always) == k(1)
@@ -159,7 +146,7 @@ def test_zero_budget_disables_protection() -> None:
 def test_a_new_hint_replaces_the_sessions_previous_one() -> None:
     # hint 1 then hint 2 from the same session -> only 2 is protected; 1 went back into
     # the LRU order as newest on release -> victim 3
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     policy = filled("hint-lru", clock)
     policy.hint([k(1)], "s", 60.0)
     policy.hint([k(2)], "s", 60.0)
@@ -168,7 +155,7 @@ def test_a_new_hint_replaces_the_sessions_previous_one() -> None:
 
 
 def test_shared_block_stays_protected_while_any_session_holds_it() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     policy = filled("hint-lru", clock, budget=1.0)
     policy.hint([k(1), k(2)], "a", 60.0)
     policy.hint([k(1), k(3)], "b", 60.0)
@@ -180,7 +167,7 @@ def test_shared_block_stays_protected_while_any_session_holds_it() -> None:
 
 def test_when_everything_is_protected_the_base_order_still_evicts() -> None:
     # budget 100%, all four hinted -> the store can still make room: victim 1
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     policy = filled("hint-lru", clock, budget=1.0)
     policy.hint([k(i) for i in (1, 2, 3, 4)], "s", 60.0)
     assert policy.victim(always) is not None
@@ -188,7 +175,7 @@ def test_when_everything_is_protected_the_base_order_still_evicts() -> None:
 
 def test_protection_respects_the_evictable_predicate() -> None:
     # 1 hinted, 2 pinned -> victim 3
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     policy = filled("hint-lru", clock)
     policy.hint([k(1)], "s", 60.0)
     assert policy.victim(lambda key: key != k(2)) == k(3)
@@ -196,7 +183,7 @@ def test_protection_respects_the_evictable_predicate() -> None:
 
 def test_expired_grant_does_not_release_a_newer_one() -> None:
     # hint 1 for 5 s, then re-hint 1 for 60 s -> still protected after 10 s
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     policy = filled("hint-lru", clock)
     policy.hint([k(1)], "s", 5.0)
     policy.hint([k(1)], "s", 60.0)
@@ -206,13 +193,13 @@ def test_expired_grant_does_not_release_a_newer_one() -> None:
 
 @pytest.mark.parametrize("ttl", [0.0, -1.0, math.nan, math.inf])
 def test_bad_time_to_live_is_rejected(ttl: float) -> None:
-    policy = filled("hint-lru", FakeClock())
+    policy = filled("hint-lru", ManualClock(100.0))
     with pytest.raises(InvalidArgument, match="expect_reuse_within_s"):
         policy.hint([k(1)], "s", ttl)
 
 
 def test_empty_session_id_is_rejected() -> None:
-    policy = filled("hint-lru", FakeClock())
+    policy = filled("hint-lru", ManualClock(100.0))
     with pytest.raises(InvalidArgument, match="session_id"):
         policy.hint([k(1)], "", 10.0)
 
@@ -220,13 +207,13 @@ def test_empty_session_id_is_rejected() -> None:
 @pytest.mark.parametrize("budget", [-0.1, 1.5])
 def test_bad_budget_is_a_config_error(budget: float) -> None:
     with pytest.raises(ConfigError, match="budget"):
-        make_policy("hint-lru", FakeClock(), hint_budget_fraction=budget)
+        make_policy("hint-lru", ManualClock(100.0), hint_budget_fraction=budget)
 
 
 def test_unused_hints_lose_trust_and_budget() -> None:
     # 20 blocks, budget 100%: twenty hints that expire unused -> trust falls, and a hint
     # on all 20 blocks then protects only a few
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     policy = filled("hint-lru", clock, n=20, budget=1.0)
     for i in range(20):
         policy.hint([k(1)], f"s{i}", 1.0)
@@ -240,7 +227,7 @@ def test_unused_hints_lose_trust_and_budget() -> None:
 
 def test_used_hints_keep_trust() -> None:
     # each hinted block is hit before its grant expires -> trust stays 1, full budget
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     policy = filled("hint-lru", clock, n=20, budget=1.0)
     for i in range(20):
         policy.hint([k(1)], f"s{i}", 1.0)
@@ -253,7 +240,7 @@ def test_used_hints_keep_trust() -> None:
 
 
 def test_trust_never_drops_below_the_floor() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     policy = filled("hint-lru", clock, n=100, budget=1.0)
     for i in range(200):
         policy.hint([k(1)], f"s{i}", 1.0)

@@ -14,22 +14,15 @@ from kvstore.layout import KVLayout
 from kvstore.policies import LRUPolicy
 from kvstore.store import Store, StoreLimits, StoreTier
 from kvstore.tiers.host import HostTier
+from tests.fakes import ManualClock
 
 LAYOUT = KVLayout(model="unit", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=64, block_size_tokens=4)
 BLOCK = LAYOUT.bytes_per_block  # 2 * 1 * 4 * 1 * 64 * 2 = 1024
 
 
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make_store(blocks_capacity: int = 8, clock: ManualClock | None = None, **limits: int) -> Store:
     tier = HostTier(blocks_capacity * BLOCK)
-    return Store([StoreTier(tier, LRUPolicy())], limits=StoreLimits(**limits), clock=clock or ManualClock())
+    return Store([StoreTier(tier, LRUPolicy())], limits=StoreLimits(**limits), clock=clock or ManualClock(1000.0))
 
 
 def chain(n: int, start: int = 0) -> list[bytes]:
@@ -167,7 +160,7 @@ async def test_lru_eviction_keeps_capacity_exact():
 
 
 async def test_leased_blocks_are_not_evicted_and_leases_expire():
-    clock = ManualClock()
+    clock = ManualClock(1000.0)
     store = make_store(blocks_capacity=2, clock=clock)
     held = chain(2)
     await put(store, held)
@@ -193,7 +186,7 @@ async def test_fetch_with_lease_releases_it():
 
 
 async def test_pin_and_unpin():
-    clock = ManualClock()
+    clock = ManualClock(1000.0)
     store = make_store(blocks_capacity=2, clock=clock, max_lease_ms=10_000)
     hashes = chain(2)
     await put(store, hashes)
