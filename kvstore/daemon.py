@@ -51,7 +51,7 @@ from kvstore.tiers.base import Tier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.segment import default_shm_dir, free_bytes, remove_stale_segments
 from kvstore.units import human_bytes
-from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 
 logger = logging.getLogger(__name__)
 

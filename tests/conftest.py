@@ -8,6 +8,7 @@ runs the daemon on a loop in a background thread, for tests that use the blockin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
@@ -78,6 +79,13 @@ async def daemon(config: Config) -> AsyncIterator[RunningDaemon]:
 @pytest.fixture
 def daemon_thread(config: Config) -> Iterator[RunningDaemon]:
     """A daemon on its own loop in a thread, for blocking clients."""
+    with daemon_in_thread(config) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def daemon_in_thread(config: Config) -> Iterator[RunningDaemon]:
+    """Run a daemon with `config` on its own loop in a thread; stop it on exit."""
     loop = asyncio.new_event_loop()
     started = threading.Event()
     box: dict[str, Any] = {}

@@ -76,21 +76,12 @@ def _tokens(tokens):
 
 
 def test_a_leased_slot_is_never_reused(tmp_path, layout):
-    from tests.conftest import make_config
+    from tests.conftest import daemon_in_thread, make_config
 
     # Room for exactly 4 blocks (1 KiB each, 256-byte aligned).
     cfg = replace(make_config(tmp_path), host_capacity=4 * layout.bytes_per_block)
-    from kvstore.daemon import Daemon
-
-    loop = asyncio.new_event_loop()
-    daemon = Daemon(cfg)
-    loop.run_until_complete(daemon.start())
-    import threading
-
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        target = daemon.bound[0]
+    with daemon_in_thread(cfg) as daemon:
+        target = daemon.unix_target
         with Client(target, data_plane="local") as kv, grpc.insecure_channel(target) as channel:
             stub = kvstore_pb2_grpc.KVStoreStub(channel)
             held_tokens = list(range(8))
@@ -120,11 +111,6 @@ def test_a_leased_slot_is_never_reused(tmp_path, layout):
             assert host.used_bytes == 2 * layout.bytes_per_block
             assert kv.put(layout, list(range(300, 308)), blocks_for(layout, 2)).stored == 2
             assert kv.lookup(layout, list(range(200, 208))).num_blocks == 2
-    finally:
-        asyncio.run_coroutine_threadsafe(daemon.stop(grace_s=0), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        loop.close()
 
 
 def test_a_corrupted_slot_is_never_returned_and_is_dropped(daemon_thread, layout):

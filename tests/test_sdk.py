@@ -134,33 +134,19 @@ async def test_async_client_concurrent_puts_and_reads(daemon, layout):
 
 
 def test_blocks_larger_than_a_chunk_come_back_whole_over_grpc(tmp_path):
-    import asyncio
-    import threading
     from dataclasses import replace
 
     from kvstore.client import KVLayout
-    from kvstore.daemon import Daemon
-    from tests.conftest import make_config
+    from tests.conftest import daemon_in_thread, make_config
 
     cfg = replace(make_config(tmp_path), chunk_bytes=4096)  # a 64 KiB block is 16 messages
     layout = KVLayout(model="chunks", dtype="float16", num_layers=2, num_kv_heads=2, head_dim=64,
                       block_size_tokens=64)
-    loop = asyncio.new_event_loop()
-    daemon = Daemon(cfg)
-    loop.run_until_complete(daemon.start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        tokens = list(range(64 * 3))
-        blocks = [os.urandom(layout.bytes_per_block) for _ in range(3)]
-        with Client(daemon.bound[1], data_plane="grpc") as kv:
-            kv.put(layout, tokens, blocks)
-            assert kv.fetch(layout, tokens) == blocks
-            out = [bytearray(layout.bytes_per_block) for _ in range(3)]
-            kv.fetch(layout, tokens, out=out)
-            assert [bytes(o) for o in out] == blocks
-    finally:
-        asyncio.run_coroutine_threadsafe(daemon.stop(grace_s=0), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        loop.close()
+    tokens = list(range(64 * 3))
+    blocks = [os.urandom(layout.bytes_per_block) for _ in range(3)]
+    with daemon_in_thread(cfg) as daemon, Client(daemon.tcp_target, data_plane="grpc") as kv:
+        kv.put(layout, tokens, blocks)
+        assert kv.fetch(layout, tokens) == blocks
+        out = [bytearray(layout.bytes_per_block) for _ in range(3)]
+        kv.fetch(layout, tokens, out=out)
+        assert [bytes(o) for o in out] == blocks
