@@ -469,8 +469,9 @@ class Store:
     # ----------------------------------------------------------------- locations
 
     def _top_name(self, entry: BlockEntry) -> str:
-        if len(entry.locations) == 1:  # the common case, on the lookup hot path
-            return next(iter(entry.locations))
+        name = entry.only_tier()
+        if name is not None:  # one copy: the common case, on the lookup hot path
+            return name
         st = self.top_tier(entry)
         assert st is not None, "an indexed block has a location"
         return st.name
@@ -483,7 +484,7 @@ class Store:
     def top_tier(self, entry: BlockEntry) -> StoreTier | None:
         """The highest tier holding a copy of `entry` (where reads are served from)."""
         for st in self.tiers:
-            if st.name in entry.locations:
+            if entry.slot_in(st.name) is not None:
                 return st
         return None
 
@@ -497,21 +498,22 @@ class Store:
     def _release(self, entry: BlockEntry) -> None:
         entry.readers -= 1
         if entry.readers == 0:
-            for slot in entry.retired:
-                self._tier_by_name[slot.tier].tier.free(slot)
-            entry.retired.clear()
-            if entry.removed:
-                for slot in entry.locations.values():
+            if entry.retired is not None:
+                for slot in entry.retired:
                     self._tier_by_name[slot.tier].tier.free(slot)
-                entry.locations.clear()
+                entry.retired = None
+            if entry.removed:
+                for slot in entry.slots():
+                    self._tier_by_name[slot.tier].tier.free(slot)
+                entry.clear_slots()
 
     def _add_location(self, entry: BlockEntry, st: StoreTier, slot: Slot) -> bool:
         """Record a landed, verified copy; False (and the slot freed) if it is not needed."""
-        if entry.removed or st.name in entry.locations:
+        if entry.removed or entry.slot_in(st.name) is not None:
             st.tier.free(slot)
             return False
-        was_top = self._top_name(entry) if entry.locations else ""
-        entry.locations[st.name] = slot
+        was_top = self._top_name(entry) if entry.slots() else ""
+        entry.add_slot(slot)
         st.policy.insert(entry.key, entry.parent)
         if was_top and self._rank[st.name] < self._rank[was_top]:
             self._moved(entry, was_top, st.name)  # promoted: now served from higher up
@@ -520,18 +522,18 @@ class Store:
     def _remove_location(self, entry: BlockEntry, st: StoreTier) -> None:
         """Take one copy away; the entry leaves the index with its last copy."""
         was_top = self._top_name(entry)
-        slot = entry.locations.pop(st.name)
+        slot = entry.pop_slot(st.name)
         st.policy.remove(entry.key)
         if entry.readers:
-            entry.retired.append(slot)
+            entry.retire(slot)
         else:
             st.tier.free(slot)
-        if not entry.locations and not entry.removed:
+        if not entry.slots() and not entry.removed:
             self._index.remove(entry.key)
             st.counters.drops += 1
             self._forget(entry)
             self._removed(entry, st.name)
-        elif entry.locations and was_top == st.name:
+        elif entry.slots() and was_top == st.name:
             self._moved(entry, st.name, self._top_name(entry))  # demoted (or its top copy dropped)
 
     # Events for the observer (the daemon's event bus). Only READY blocks are reported:
@@ -560,9 +562,9 @@ class Store:
             self._tier_by_name[name].policy.remove(entry.key)
         self._forget(entry)
         if entry.readers == 0:
-            for slot in entry.locations.values():
+            for slot in entry.slots():
                 self._tier_by_name[slot.tier].tier.free(slot)
-            entry.locations.clear()
+            entry.clear_slots()
 
     def _evictable(self, key: bytes) -> bool:
         entry = self._index.get(key)
@@ -622,7 +624,7 @@ class Store:
             keys = region_keys(entry.locations[st.name]) if region_keys is not None else [key]
             for k in keys:
                 e = self._index.get(k)
-                if e is not None and e.evictable and st.name in e.locations:
+                if e is not None and e.evictable and e.slot_in(st.name) is not None:
                     self._evict_location(e, st)
             return
         await self._demote(entry, st)
@@ -641,7 +643,7 @@ class Store:
         if lower is None:
             self._evict_location(entry, st)
             return True
-        if lower.name in entry.locations:  # already below (the inclusive SSD copy)
+        if entry.slot_in(lower.name) is not None:  # already below (the inclusive SSD copy)
             st.counters.demotions += 1
             self._remove_location(entry, st)
             return True
@@ -771,7 +773,7 @@ class Store:
         c.hit_blocks += len(hit)
         c.miss_blocks += len(keys) - len(hit)
         # Where each block is served from; one location is the common case, inlined.
-        tier_names = [next(iter(e.locations)) if len(e.locations) == 1 else self._top_name(e) for e in hit]
+        tier_names = [e.only_tier() or self._top_name(e) for e in hit]
         per_tier = Counter(tier_names)
         for st in self.tiers:
             # A tier's hits are looked-up blocks served from it; its misses, the others.
@@ -850,8 +852,8 @@ class Store:
         for entry in reversed(entries):
             entry.state = BlockState.READY
             self._index.add(entry)
-            for name in entry.locations:
-                self._tier_by_name[name].policy.insert(entry.key, entry.parent)
+            for slot in entry.slots():
+                self._tier_by_name[slot.tier].policy.insert(entry.key, entry.parent)
             info = self._namespaces[entry.key[:HASH_BYTES]]
             info.blocks += 1
             info.bytes += entry.nbytes
@@ -1455,7 +1457,7 @@ class PutTxn:
             raise
 
     def _slot(self, entry: BlockEntry) -> Slot:
-        (slot,) = entry.locations.values()
+        (slot,) = entry.slots()
         return slot
 
     async def write(self, block: int, data: bytes | memoryview) -> None:
