@@ -57,6 +57,11 @@ class EvictionPolicy(ABC):
         when no tracked block is evictable.
         """
 
+    def parent_of(self, key: BlockKey) -> BlockKey | None:
+        """The parent this policy keeps for `key`; None where it does not keep parents
+        (a policy that ignores them needs none back on a later `insert`)."""
+        return None
+
     @abstractmethod
     def __len__(self) -> int: ...
 
