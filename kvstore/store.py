@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import operator
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -54,6 +55,10 @@ from kvstore.tiers.base import BlockMeta, Slot, Tier
 from kvstore.tiers.copiers import make_copier
 
 logger = logging.getLogger(__name__)
+
+_ENTRY_KEY = operator.attrgetter("key")
+_ENTRY_LOCS = operator.attrgetter("_locs")
+_SLOT_TIER = operator.attrgetter("tier")
 
 # Fetch reads and verifies blocks in batches of about this many bytes: large enough to
 # amortize the thread hand-off of checksumming, small enough to bound memory per call.
@@ -760,7 +765,7 @@ class Store:
         info = self.namespace(namespace_id)
         self.check_hashes(hashes)
         self.expire_leases()
-        keys = [namespace_id + h for h in hashes]  # make_key, inline on the hot path
+        keys = list(map(namespace_id.__add__, hashes))  # make_key, without a Python step per block
         hit = self._index.longest_ready_prefix(keys)
         lease_id = ""
         if hit and lease_ms > 0:
@@ -773,7 +778,11 @@ class Store:
         c.hit_blocks += len(hit)
         c.miss_blocks += len(keys) - len(hit)
         # Where each block is served from; one location is the common case, inlined.
-        tier_names = [e.only_tier() or self._top_name(e) for e in hit]
+        try:
+            # Every hit in one tier (a single Slot each): attribute gets in C, no Python step.
+            tier_names = list(map(_SLOT_TIER, map(_ENTRY_LOCS, hit)))
+        except AttributeError:  # some block has copies in several tiers
+            tier_names = [e.only_tier() or self._top_name(e) for e in hit]
         per_tier = Counter(tier_names)
         for st in self.tiers:
             # A tier's hits are looked-up blocks served from it; its misses, the others.
@@ -783,12 +792,11 @@ class Store:
             if held:
                 # Tail first, so the head of a chain is the most recently used: a recency
                 # policy then evicts chain tails before the heads later blocks depend on.
-                tail_first = (
-                    reversed(hit)
-                    if held == len(hit)
-                    else (e for e, name in zip(reversed(hit), reversed(tier_names)) if name == st.name)
-                )
-                st.policy.touch_many(e.key for e in tail_first)
+                if held == len(hit):
+                    st.policy.touch_many(list(map(_ENTRY_KEY, reversed(hit))))
+                else:
+                    st.policy.touch_many(
+                        [e.key for e, name in zip(reversed(hit), reversed(tier_names)) if name == st.name])
         return LookupResult(
             namespace_id=namespace_id,
             num_blocks=len(hit),

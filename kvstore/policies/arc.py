@@ -16,7 +16,7 @@ Primitives: the four ordered lists, `p`, and the REPLACE rule in `victim`.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
 from kvstore.policies.base import BlockKey, Clock, EvictionPolicy
@@ -66,6 +66,19 @@ class ARCPolicy(EvictionPolicy):
 
     def touch_many(self, keys: Iterable[BlockKey]) -> None:
         t1, t2 = self._t1, self._t2
+        keys = keys if isinstance(keys, list) else list(keys)
+        # Fast paths without a Python step per key (a lookup touches up to thousands):
+        # every key already in T2 (a chain hit again), or every key in T1 (hit once before).
+        if t1.keys().isdisjoint(keys):
+            try:
+                deque(map(t2.move_to_end, keys), 0)
+                return
+            except KeyError:
+                pass  # some key is in neither list: the exact loop (moving again keeps order)
+        elif t2.keys().isdisjoint(keys) and len(unique := set(keys)) == len(keys) and unique <= t1.keys():
+            deque(map(t1.__delitem__, keys), 0)
+            t2.update(dict.fromkeys(keys))
+            return
         for key in keys:
             if key in t1:
                 del t1[key]
