@@ -126,6 +126,9 @@ class BlockEntry:
 
     def add_slot(self, slot: Slot) -> None:
         """Record a copy; replaces the copy in the same tier, if any."""
+        if self._locs is None:
+            self._locs = slot
+            return
         rest = [s for s in self.slots() if s.tier != slot.tier]
         self._set([*rest, slot])
 
@@ -208,6 +211,14 @@ class BlockIndex:
         assert entry.state is BlockState.READY, "only READY blocks enter the index"
         assert entry.key not in self._entries, "a key is published at most once"
         self._entries[entry.key] = entry
+
+    def add_many(self, entries: Sequence[BlockEntry]) -> None:
+        """`add` each entry (a rebuild or a put's blocks), checked, then inserted in one step."""
+        fresh = {e.key: e for e in entries}
+        assert len(fresh) == len(entries) and self._entries.keys().isdisjoint(fresh), \
+            "a key is published at most once"
+        assert all(e.state is BlockState.READY for e in entries), "only READY blocks enter the index"
+        self._entries.update(fresh)
 
     def remove(self, key: bytes) -> BlockEntry | None:
         entry = self._entries.pop(key, None)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import gc
 import logging
 import operator
 import time
@@ -42,7 +43,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvstore.checksum import checksum_batch, checksum_pieces
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -357,18 +358,39 @@ class Store:
         if self.ssd is not None:
             recover = getattr(self.ssd.tier, "recover", None)
             if recover is not None:
-                report = await recover()
-                for block in report.blocks:
-                    entry = BlockEntry(block.key, block.parent, block.nbytes, block.checksum,
-                                       {self.ssd.name: block.slot}, BlockState.READY, itemsize=block.itemsize)
-                    self._index.add(entry)
-                    self.ssd.policy.insert(entry.key, entry.parent)
+                # A rebuild allocates an object or two per block, all long-lived: the cyclic
+                # collector would rescan the growing index again and again (most of a rebuild's
+                # time at a million blocks). Paused while it runs; afterwards the rebuilt index
+                # is frozen out of the collector's reach, since it holds no cycles to collect.
+                collecting = gc.isenabled()
+                gc.disable()
+                try:
+                    report = await recover()
+                    self._index_recovered(report.blocks)
+                finally:
+                    if collecting:
+                        gc.enable()
+                if report.blocks:
+                    gc.freeze()
                 self._recovered = bool(report.blocks)
                 self.ssd.counters.checksum_failures += report.checksum_failures
                 self.counters.checksum_failures += report.checksum_failures
             self._tasks.append(asyncio.create_task(self._ssd_writer(), name="kvstore-ssd-writer"))
         if len(self.tiers) > 1:
             self._tasks.append(asyncio.create_task(self._migrator(), name="kvstore-migrator"))
+
+    def _index_recovered(self, blocks: Sequence[Any]) -> None:
+        """Index the SSD tier's recovered blocks (`kvstore.tiers.ssd.RecoveredBlock`s)."""
+        assert self.ssd is not None
+        entries = []
+        ready = BlockState.READY
+        for block in blocks:
+            entry = BlockEntry(block.key, block.parent, block.nbytes, block.checksum, None, ready,
+                               itemsize=block.itemsize)
+            entry.add_slot(block.slot)
+            entries.append(entry)
+        self._index.add_many(entries)
+        self.ssd.policy.insert_many([e.key for e in entries], [e.parent for e in entries])
 
     async def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued SSD write has landed; False if `timeout_s` passed first."""
@@ -1458,8 +1480,9 @@ class PutTxn:
                 if self._done:  # aborted while making room
                     store._tier_by_name[slot.tier].tier.free(slot)
                     raise FailedPrecondition("this put was aborted")
-                self._entries[i] = BlockEntry(self._keys[i], self._parents[i], self.block_bytes, 0,
-                                              {slot.tier: slot}, itemsize=self._itemsize)
+                entry = BlockEntry(self._keys[i], self._parents[i], self.block_bytes, 0, itemsize=self._itemsize)
+                entry.add_slot(slot)
+                self._entries[i] = entry
         except BaseException:
             self.abort()
             raise

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.policies.base import BlockKey, Clock, EvictionPolicy
 
@@ -56,6 +56,13 @@ class ARCPolicy(EvictionPolicy):
             self._t2[key] = None
         else:
             self._t1[key] = None
+
+    def insert_many(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
+        fresh = dict.fromkeys(keys)
+        if len(fresh) == len(keys) and all(d.keys().isdisjoint(fresh) for d in (self._t1, self._t2, self._b1, self._b2)):
+            self._t1.update(fresh)  # all new (a put, a rebuild): into T1 in order, no Python step per key
+            return
+        super().insert_many(keys, parents)
 
     def touch(self, key: BlockKey) -> None:
         if key in self._t1:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -239,6 +239,12 @@ class HintedPolicy(EvictionPolicy):
             self._parked[key] = parent
         else:
             self._base.insert(key, parent)
+
+    def insert_many(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
+        if not self._protected and not self._parked:  # no live hints: straight to the base
+            self._base.insert_many(keys, parents)
+            return
+        super().insert_many(keys, parents)
 
     def touch(self, key: BlockKey) -> None:
         if key in self._protected:
