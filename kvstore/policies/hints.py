@@ -279,6 +279,11 @@ class HintedPolicy(EvictionPolicy):
                 return key
         return None
 
+    def parent_of(self, key: BlockKey) -> BlockKey | None:
+        if key in self._parked:
+            return self._parked[key]
+        return self._base.parent_of(key)
+
     def __len__(self) -> int:
         return len(self._base) + len(self._parked)
 
