@@ -879,14 +879,18 @@ class Store:
     def _publish(self, entries: list[BlockEntry]) -> None:
         through = self.ssd is not None and self.migration.write_policy is WritePolicy.THROUGH
         # Tail first, for the same reason as in `lookup`.
-        for entry in reversed(entries):
+        tail_first = entries[::-1]
+        by_tier: dict[str, list[BlockEntry]] = {}
+        for entry in tail_first:
             entry.state = BlockState.READY
-            self._index.add(entry)
             for slot in entry.slots():
-                self._tier_by_name[slot.tier].policy.insert(entry.key, entry.parent)
+                by_tier.setdefault(slot.tier, []).append(entry)
             info = self._namespaces[entry.key[:HASH_BYTES]]
             info.blocks += 1
             info.bytes += entry.nbytes
+        self._index.add_many(tail_first)
+        for name, group in by_tier.items():  # one batch per tier: C-level inserts where the policy can
+            self._tier_by_name[name].policy.insert_many([e.key for e in group], [e.parent for e in group])
         if self.observer is not None and entries:
             groups: dict[tuple[bytes, str], list[bytes]] = {}
             for entry in entries:
@@ -1468,19 +1472,23 @@ class PutTxn:
                 self._held.append(present)
         landing = [self._tier] if self._tier is not None else store._landing_tiers()
         room = sum(st.tier.capacity_bytes for st in landing)
-        need = sum(landing[0].tier.accounted_size(self.block_bytes) for _ in new)
+        need = len(new) * landing[0].tier.accounted_size(self.block_bytes)
         if need > room:
             raise ResourceExhausted(
                 f"this put needs {need} bytes but the tiers puts land in ({', '.join(t.name for t in landing)}) "
                 f"hold {room}; put fewer blocks per call or raise their capacity"
             )
         try:
+            nbytes = self.block_bytes
             for i in new:
-                slot = await store._allocate_put(self.block_bytes, landing)
-                if self._done:  # aborted while making room
-                    store._tier_by_name[slot.tier].tier.free(slot)
-                    raise FailedPrecondition("this put was aborted")
-                entry = BlockEntry(self._keys[i], self._parents[i], self.block_bytes, 0, itemsize=self._itemsize)
+                # Where a landing tier has room, no await (and no coroutine) per block.
+                slot = next((s for st in landing if (s := st.tier.allocate(nbytes)) is not None), None)
+                if slot is None:
+                    slot = await store._allocate_put(nbytes, landing)
+                    if self._done:  # aborted while making room
+                        store._tier_by_name[slot.tier].tier.free(slot)
+                        raise FailedPrecondition("this put was aborted")
+                entry = BlockEntry(self._keys[i], self._parents[i], nbytes, 0, itemsize=self._itemsize)
                 entry.add_slot(slot)
                 self._entries[i] = entry
         except BaseException:
