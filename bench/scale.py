@@ -8,9 +8,13 @@ Per N (default 1M and 10M blocks), on a real daemon process (bench/scale_daemon.
 * rss_bytes_per_block: (VmRSS after the fill - VmRSS before) / N, from /proc/PID/status;
 * lookup_p50_us / lookup_p99_us: `Client.lookup` of an existing 1,000-block chain over
   the Unix socket with the real SDK (gRPC bytes plane);
-* put_us_per_block: the filler's time per block over the last 5% of the fill;
+* lookup_1block_p50_us: the same RPC naming one block (the fixed cost of a call), and
+  store_lookup_*: `Store.lookup` of the chains inside the daemon (the server's share);
+* put_us_per_block: daemon CPU time per block over the last 5% of the fill (wall time
+  next to it as put_wall_us_per_block: on a shared machine wall time also counts waits);
 * evict_us_per_block: with the tier full, more blocks are put; each needs one eviction
-  (policy victim, demote/drop, index removal), timed around the store's eviction step.
+  (policy victim, demote/drop, index removal), timed (CPU, and wall) around the store's
+  eviction step.
 
 Then, in this process, the SSD tier's index rebuild at restart for `--ssd-records`
 records (default 1M, tiny payloads, buffered I/O in a temporary directory): the time of
@@ -129,7 +133,14 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
         chains = n // CHAIN
         rng = random.Random(7)
         times: list[float] = []
+        floor: list[float] = []
         try:
+            one = [block_hash(0)]
+            for k in range(lookups // 4 + 50):  # the fixed cost of one Lookup RPC (1 block)
+                t = time.perf_counter()
+                client.lookup(layout, block_hashes=one)
+                if k >= 50:
+                    floor.append(time.perf_counter() - t)
             for k in range(lookups + 100):
                 c = rng.randrange(chains)
                 hashes = [block_hash(j) for j in range(c * CHAIN, (c + 1) * CHAIN)]
@@ -142,6 +153,7 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
                     times.append(dt)
         finally:
             client.close()
+        server = daemon.command(f"lookups {n} {CHAIN} {lookups // 4}")
         evicted = daemon.command(f"fill {n} {evict_blocks} {CHAIN}")
         if evicted["evictions"] < evict_blocks:
             raise RuntimeError(f"expected {evict_blocks} evictions under pressure, saw {evicted['evictions']}")
@@ -154,11 +166,17 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
             "lookup_p99_us": percentile(times, 0.99) * 1e6,
             "lookup_mean_us": statistics.fmean(times) * 1e6,
             "lookups": len(times),
-            "put_us_per_block": filled["tail_us_per_block"],
+            "lookup_1block_p50_us": percentile(floor, 0.50) * 1e6,
+            **server,
+            # CPU time of the daemon process: what the metadata costs, undisturbed by other
+            # processes on a shared machine. The wall-clock figures are kept next to them.
+            "put_us_per_block": filled["tail_cpu_us_per_block"],
+            "put_wall_us_per_block": filled["tail_us_per_block"],
             "fill_seconds": filled["seconds"],
-            "evict_us_per_block": evicted["evict_seconds"] / evicted["evictions"] * 1e6,
+            "evict_us_per_block": evicted["evict_cpu_seconds"] / evicted["evictions"] * 1e6,
+            "evict_wall_us_per_block": evicted["evict_seconds"] / evicted["evictions"] * 1e6,
             "evictions": evicted["evictions"],
-            "put_under_pressure_us_per_block": evicted["seconds"] / evict_blocks * 1e6,
+            "put_under_pressure_us_per_block": evicted["cpu_seconds"] / evict_blocks * 1e6,
         }
     finally:
         daemon.close()
@@ -258,7 +276,10 @@ def plot(rows: list[dict[str, Any]], ssd: dict[str, Any], path: str) -> None:
     ns = [r["n_blocks"] for r in rows]
     fig, axes = plt.subplots(2, 3, figsize=(14, 8))
     for ax, (key, title, target) in zip(axes.flat, figures):
-        ax.plot(ns, [r[key] for r in rows], "o-")
+        ax.plot(ns, [r[key] for r in rows], "o-", label="SDK over the socket" if key.startswith("lookup") else None)
+        if key.startswith("lookup_p"):
+            ax.plot(ns, [r["store_" + key] for r in rows], "s--", label="Store.lookup in the daemon")
+            ax.legend(fontsize=8)
         if target is not None:
             ax.axhline(target, color="r", ls="--", lw=1, label=f"target {target}")
             ax.legend()
@@ -315,11 +336,15 @@ def main() -> None:
     with open(args.out, "w") as fh:
         json.dump(doc, fh, indent=2)
     plot(rows, ssd, os.path.splitext(args.out)[0] + ".png")
-    header = f"{'N':>11} {'RSS B/blk':>10} {'lookup p50':>11} {'p99 us':>9} {'put us/blk':>11} {'evict us/blk':>13}"
+    header = (f"{'N':>11} {'RSS B/blk':>10} {'Lookup p50':>11} {'p99 us':>8} {'1-blk p50':>10} "
+              f"{'store p50':>10} {'p99 us':>8} {'put us/blk':>11} {'evict us/blk':>13}")
     print(header)
     for r in rows:
         print(f"{r['n_blocks']:>11,} {r['rss_bytes_per_block']:>10.0f} {r['lookup_p50_us']:>11.0f} "
-              f"{r['lookup_p99_us']:>9.0f} {r['put_us_per_block']:>11.2f} {r['evict_us_per_block']:>13.2f}")
+              f"{r['lookup_p99_us']:>8.0f} {r['lookup_1block_p50_us']:>10.0f} {r['store_lookup_p50_us']:>10.0f} "
+              f"{r['store_lookup_p99_us']:>8.0f} {r['put_us_per_block']:>11.2f} {r['evict_us_per_block']:>13.2f}")
+    print("Lookup: SDK over the Unix socket, 1000-block chain; 1-blk: the same RPC for one block; "
+          "store: Store.lookup in the daemon. put/evict: daemon CPU time per block.")
     if ssd:
         print(f"SSD rebuild of {ssd['ssd_records']:,} records: {ssd['rebuild_s_log']:.2f}s from the log, "
               f"{ssd['rebuild_s_snapshot']:.2f}s from the snapshot")

@@ -22,6 +22,8 @@ Protocol (one JSON object per line on stdout):
   `fill FIRST COUNT CHAIN` -> fills blocks FIRST..FIRST+COUNT-1 in chains of CHAIN blocks
         (each chain one put) and answers {"filled", "seconds", "tail_us_per_block",
         "evictions", "evict_seconds"}
+  `lookups NBLOCKS CHAIN COUNT` -> times COUNT `Store.lookup` calls of existing chains
+        in the daemon process (the server's share of a Lookup, without gRPC)
   `quit` -> stops the daemon gracefully.
 Block i's hash is `block_hash(i)`, so the driver can look up chains that exist.
 """
@@ -128,7 +130,8 @@ async def fill(daemon: BenchDaemon, ns: bytes, first: int, count: int, chain: in
     store = daemon.store
     assert store is not None
     t0 = time.perf_counter()
-    evict0, evict_s0 = timer["n"], timer["s"]
+    c0 = time.process_time()
+    evict0, evict_s0, evict_c0 = timer["n"], timer["s"], timer["cpu"]
     tail_from = first + count - max(chain, count // 20)  # the last 5%: the cost at this size
     tail_t = t0
     i = first
@@ -137,6 +140,7 @@ async def fill(daemon: BenchDaemon, ns: bytes, first: int, count: int, chain: in
         n = min(chain, end - i)
         if i <= tail_from < i + n or (i == first and tail_from <= first):
             tail_t = time.perf_counter()
+            tail_c = time.process_time()
             tail_first = i
         hashes = [block_hash(j) for j in range(i, i + n)]
         txn = store.begin_put(ns, hashes, None, tier=TIER_NAME)
@@ -146,13 +150,40 @@ async def fill(daemon: BenchDaemon, ns: bytes, first: int, count: int, chain: in
         await txn.commit([int.from_bytes(h[:8], "little") for h in hashes])
         i += n
     t1 = time.perf_counter()
+    c1 = time.process_time()
     return {
         "filled": count,
         "seconds": t1 - t0,
+        "cpu_seconds": c1 - c0,
         "tail_us_per_block": (t1 - tail_t) / max(1, end - tail_first) * 1e6,
+        "tail_cpu_us_per_block": (c1 - tail_c) / max(1, end - tail_first) * 1e6,
         "evictions": int(timer["n"] - evict0),
         "evict_seconds": timer["s"] - evict_s0,
+        "evict_cpu_seconds": timer["cpu"] - evict_c0,
     }
+
+
+def time_lookups(daemon: BenchDaemon, ns: bytes, n_blocks: int, chain: int, count: int) -> dict[str, Any]:
+    """`Store.lookup` of existing chains in the daemon process: the server's own share of a
+    Lookup, without gRPC (wall and CPU time, per call)."""
+    import random
+
+    store = daemon.store
+    assert store is not None
+    rng = random.Random(11)
+    wall, cpu = [], []
+    for _ in range(count):
+        c = rng.randrange(n_blocks // chain)
+        hashes = [block_hash(j) for j in range(c * chain, (c + 1) * chain)]
+        t, p = time.perf_counter(), time.process_time()
+        r = store.lookup(ns, hashes)
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - p)
+        assert r.num_blocks == chain
+    wall.sort()
+    cpu.sort()
+    return {"store_lookup_p50_us": wall[len(wall) // 2] * 1e6, "store_lookup_p99_us": wall[int(len(wall) * 0.99)] * 1e6,
+            "store_lookup_cpu_p50_us": cpu[len(cpu) // 2] * 1e6}
 
 
 async def main() -> None:
@@ -170,15 +201,16 @@ async def main() -> None:
     assert store is not None
     ns = store.register(bench_layout(args.block_bytes))
     # Time every eviction made to find room (the production `_evict_one`, unchanged).
-    timer = {"n": 0.0, "s": 0.0}
+    timer = {"n": 0.0, "s": 0.0, "cpu": 0.0}
     evict_one = store._evict_one
     meta_tier = store._tier_by_name[TIER_NAME]
 
     async def timed_evict_one(st: Any, nbytes: int) -> None:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         before = meta_tier.counters.evictions
         await evict_one(st, nbytes)
         timer["s"] += time.perf_counter() - t
+        timer["cpu"] += time.process_time() - c
         timer["n"] += meta_tier.counters.evictions - before
 
     store._evict_one = timed_evict_one  # type: ignore[method-assign]
@@ -192,6 +224,9 @@ async def main() -> None:
         if words[0] == "fill":
             first, count, chain = map(int, words[1:4])
             emit(await fill(daemon, ns, first, count, chain, timer))
+        elif words[0] == "lookups":
+            n_blocks, chain, count = map(int, words[1:4])
+            emit(time_lookups(daemon, ns, n_blocks, chain, count))
         else:
             emit({"error": f"unknown command {words[0]!r}"})
     await daemon.stop()

@@ -76,13 +76,12 @@ class ARCPolicy(EvictionPolicy):
         keys = keys if isinstance(keys, list) else list(keys)
         # Fast paths without a Python step per key (a lookup touches up to thousands):
         # every key already in T2 (a chain hit again), or every key in T1 (hit once before).
-        if t1.keys().isdisjoint(keys):
-            try:
-                deque(map(t2.move_to_end, keys), 0)
-                return
-            except KeyError:
-                pass  # some key is in neither list: the exact loop (moving again keeps order)
-        elif t2.keys().isdisjoint(keys) and len(unique := set(keys)) == len(keys) and unique <= t1.keys():
+        try:
+            deque(map(t2.move_to_end, keys), 0)
+            return
+        except KeyError:
+            pass  # some key is not in T2: below (moving a key again keeps the order exact)
+        if t2.keys().isdisjoint(keys) and len(unique := set(keys)) == len(keys) and unique <= t1.keys():
             deque(map(t1.__delitem__, keys), 0)
             t2.update(dict.fromkeys(keys))
             return
