@@ -229,6 +229,7 @@ class SsdTier(Tier):
         self.compressed_blocks = 0
         self.codec_attempts = 0
         self._codec_misses: dict[bytes, int] = {}  # namespace id -> blocks in a row not compressed
+        self._sizes: dict[int, int] = {}  # see _allocate
         logger.info("ssd tier at %s: %d regions of %d bytes, %s I/O", path, regions, region_size, self.io_mode)
 
     def _region_path(self, index: int) -> str:
@@ -276,7 +277,8 @@ class SsdTier(Tier):
         region.write_pos += size
         region.live_count += 1
         region.live_bytes += size
-        return Slot(self.name, region.index * self.region_size + offset, size)
+        # Aligned sizes are few: one shared int object each, not one per record.
+        return Slot(self.name, region.index * self.region_size + offset, self._sizes.setdefault(size, size))
 
     def _seal(self, region: _Region) -> None:
         region.sealed = True
@@ -442,7 +444,7 @@ class SsdTier(Tier):
             region.records[p.offset % region_size] = p
             used += p.size
             blocks.append(RecoveredBlock(p.key, p.parent, p.checksum, p.raw_len, p.itemsize,
-                                         Slot(name, p.offset, p.size)))
+                                         Slot(name, p.offset, self._sizes.setdefault(p.size, p.size))))
         self._used_bytes += used
         self._blocks += len(blocks)
         assert self._used_bytes <= self.capacity_bytes, "tier accounting exceeded capacity"
