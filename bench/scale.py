@@ -10,6 +10,8 @@ Per N (default 1M and 10M blocks), on a real daemon process (bench/scale_daemon.
   the Unix socket with the real SDK (gRPC bytes plane);
 * lookup_1block_p50_us: the same RPC naming one block (the fixed cost of a call), and
   store_lookup_*: `Store.lookup` of the chains inside the daemon (the server's share);
+* gc_full_ms: one full collection of Python's cyclic GC in the daemon after the fill
+  (the stall an automatic one would cause; the daemon freezes the index out of it);
 * put_us_per_block: daemon CPU time per block over the last 5% of the fill (wall time
   next to it as put_wall_us_per_block: on a shared machine wall time also counts waits);
 * evict_us_per_block: with the tier full, more blocks are put; each needs one eviction
@@ -154,6 +156,7 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
         finally:
             client.close()
         server = daemon.command(f"lookups {n} {CHAIN} {lookups // 4}")
+        collector = daemon.command("gc")
         evicted = daemon.command(f"fill {n} {evict_blocks} {CHAIN}")
         if evicted["evictions"] < evict_blocks:
             raise RuntimeError(f"expected {evict_blocks} evictions under pressure, saw {evicted['evictions']}")
@@ -168,6 +171,7 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
             "lookups": len(times),
             "lookup_1block_p50_us": percentile(floor, 0.50) * 1e6,
             **server,
+            **collector,
             # CPU time of the daemon process: what the metadata costs, undisturbed by other
             # processes on a shared machine. The wall-clock figures are kept next to them.
             "put_us_per_block": filled["tail_cpu_us_per_block"],
@@ -343,6 +347,9 @@ def main() -> None:
         print(f"{r['n_blocks']:>11,} {r['rss_bytes_per_block']:>10.0f} {r['lookup_p50_us']:>11.0f} "
               f"{r['lookup_p99_us']:>8.0f} {r['lookup_1block_p50_us']:>10.0f} {r['store_lookup_p50_us']:>10.0f} "
               f"{r['store_lookup_p99_us']:>8.0f} {r['put_us_per_block']:>11.2f} {r['evict_us_per_block']:>13.2f}")
+    for r in rows:
+        print(f"N={r['n_blocks']:,}: full GC {r['gc_full_ms']:.0f} ms wall, {r['gc_full_cpu_ms']:.0f} ms CPU, "
+              f"{r['gc_tracked_objects']:,} objects tracked, {r['gc_frozen_objects']:,} frozen")
     print("Lookup: SDK over the Unix socket, 1000-block chain; 1-blk: the same RPC for one block; "
           "store: Store.lookup in the daemon. put/evict: daemon CPU time per block.")
     if ssd:

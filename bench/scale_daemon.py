@@ -24,6 +24,7 @@ Protocol (one JSON object per line on stdout):
         "evictions", "evict_seconds"}
   `lookups NBLOCKS CHAIN COUNT` -> times COUNT `Store.lookup` calls of existing chains
         in the daemon process (the server's share of a Lookup, without gRPC)
+  `gc` -> times one full collection of the cyclic GC in the daemon
   `quit` -> stops the daemon gracefully.
 Block i's hash is `block_hash(i)`, so the driver can look up chains that exist.
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hashlib
 import json
 import os
@@ -149,6 +151,7 @@ async def fill(daemon: BenchDaemon, ns: bytes, first: int, count: int, chain: in
         # Distinct 64-bit checksums, as real blocks have (their ints cost memory too).
         await txn.commit([int.from_bytes(h[:8], "little") for h in hashes])
         i += n
+        await asyncio.sleep(0)  # let the loop run its other work between puts, as it would
     t1 = time.perf_counter()
     c1 = time.process_time()
     return {
@@ -224,6 +227,14 @@ async def main() -> None:
         if words[0] == "fill":
             first, count, chain = map(int, words[1:4])
             emit(await fill(daemon, ns, first, count, chain, timer))
+        elif words[0] == "gc":
+            # What a full collection of the cyclic GC costs now: the stall the event loop
+            # would see (after the daemon's periodic sweep has had a chance to run).
+            await asyncio.sleep(1.5)
+            t, c = time.perf_counter(), time.process_time()
+            gc.collect()
+            emit({"gc_full_ms": (time.perf_counter() - t) * 1e3, "gc_full_cpu_ms": (time.process_time() - c) * 1e3,
+                  "gc_frozen_objects": gc.get_freeze_count(), "gc_tracked_objects": len(gc.get_objects())})
         elif words[0] == "lookups":
             n_blocks, chain, count = map(int, words[1:4])
             emit(time_lookups(daemon, ns, n_blocks, chain, count))

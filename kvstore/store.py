@@ -403,6 +403,11 @@ class Store:
         return True
 
     @property
+    def indexed_blocks(self) -> int:
+        """READY blocks in the index (each counted once, whatever tiers hold it)."""
+        return len(self._index)
+
+    @property
     def pending_ssd_writes(self) -> int:
         return len(self._ssd_queue) + self._ssd_inflight
 

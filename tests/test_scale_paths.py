@@ -153,3 +153,34 @@ async def test_snapshot_round_trip_keeps_parents_and_accounting(tmp_path: Path) 
             assert b.slot == written[b.key][0]
     finally:
         again.close()
+
+
+def test_gc_freezer_freezes_after_enough_new_blocks() -> None:
+    import gc
+
+    from kvstore.daemon import GcFreezer
+
+    gc.unfreeze()
+    freezer = GcFreezer(min_blocks=100, growth=0.25)
+    try:
+        assert not freezer.maybe_freeze(99, 99)  # too few new blocks
+        held = [[i] for i in range(1000)]  # long-lived containers, like index entries
+        assert freezer.maybe_freeze(1000, 1000)
+        assert gc.get_freeze_count() >= len(held) and freezer.freezes == 1
+        assert not freezer.maybe_freeze(1150, 1150)  # 150 new: under a quarter of the index
+        assert freezer.maybe_freeze(1300, 1200)  # 300 new, a quarter of 1200
+        freezer.frozen_at(5000)
+        assert not freezer.maybe_freeze(5050, 5050)
+        # Frozen objects still go when their last reference does.
+        import weakref
+
+        class Entry:
+            pass
+
+        e = Entry()
+        ref = weakref.ref(e)
+        assert freezer.maybe_freeze(7000, 4000)
+        del e
+        assert ref() is None
+    finally:
+        gc.unfreeze()
