@@ -349,13 +349,10 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     try:
         set_keys = set(read_toml(args.file))
         cfg = load_config({"config": args.file}, env={})
-        from kvstore.daemon import parse_listen
+        from kvstore.daemon import check_exposure
 
-        # Addresses are checked the way the daemon checks them (loopback unless allow_remote).
-        for addr in cfg.listen:
-            parse_listen(addr, cfg.allow_remote)
-        if cfg.metrics_listen.strip().lower() != "off":
-            parse_listen(cfg.metrics_listen, cfg.allow_remote)
+        # Addresses are checked the way the daemon checks them (loopback unless auth is set up).
+        check_exposure(cfg)
     except KVStoreError as exc:
         emit(args, {"file": args.file, "valid": False, "error": str(exc)}, f"{args.file}: invalid: {exc}")
         return EXIT_ERROR

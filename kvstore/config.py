@@ -109,12 +109,36 @@ FIELDS: tuple[Field, ...] = (
     Field("log_format", "str", "text", "log line format: text for people, json for log collectors (one object a "
           "line)", choices=("text", "json")),
     Field("metrics_listen", "str", "127.0.0.1:9464", "HOST:PORT of the Prometheus /metrics endpoint, or 'off'; "
-          "non-loopback needs allow_remote", metavar="HOST:PORT|off"),
+          "non-loopback needs metrics_remote", metavar="HOST:PORT|off"),
     Field("events_queue", "int", 4096, "events buffered per WatchEvents subscriber before it is marked for "
           "resync (a slow consumer never blocks the store)", lo=1, hi=1 << 20, runtime=True),
-    Field("allow_remote", "bool", False, "allow listening on non-loopback TCP addresses (no authentication yet: "
-          "only on a trusted network)"),
+    Field("auth_token_file", "str", "", "token file (TOML, mode 0600) mapping bearer tokens to tenants and roles; "
+          "required to listen on a non-loopback address; reloaded on SIGHUP (see SECURITY.md)", metavar="FILE"),
+    Field("tls_cert", "str", "", "PEM certificate chain for TCP listeners (with tls_key: TCP is served over TLS)",
+          metavar="FILE"),
+    Field("tls_key", "str", "", "PEM private key for tls_cert", metavar="FILE"),
+    Field("tls_client_ca", "str", "", "PEM CA bundle: TCP clients must present a certificate it signed (mTLS)",
+          metavar="FILE"),
+    Field("insecure_remote", "bool", False, "allow a non-loopback TCP listener without TLS (tokens then cross the "
+          "network in clear text; only on a trusted network)"),
+    Field("metrics_remote", "bool", False, "allow metrics_listen on a non-loopback address (the endpoint has no "
+          "authentication; it shows counters and tier usage, no keys, tenants or data)"),
+    Field("max_calls_per_tenant", "int", 1024, "most calls (streams included) one tenant may have in flight",
+          lo=1, hi=1 << 20),
+    Field("max_streams_per_connection", "int", 256, "most concurrent HTTP/2 streams one client connection may "
+          "open (further calls wait in the client)", lo=1, hi=1 << 20),
+    Field("max_tokens_per_call", "int", 1 << 20, "most token ids one request may carry", lo=1, hi=1 << 28,
+          runtime=True),
+    Field("max_block_bytes", "size", 256 << 20, "largest block payload a layout may describe", lo=1 << 10,
+          hi=1 << 31, metavar="SIZE"),
 )
+
+# Settings that were replaced, with what to use instead.
+RETIRED = {
+    "allow_remote": "allow_remote was replaced: a non-loopback listener needs auth_token_file (and TLS via "
+                    "tls_cert/tls_key, or insecure_remote = true); a non-loopback metrics_listen needs "
+                    "metrics_remote = true. See SECURITY.md",
+}
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 
@@ -156,7 +180,16 @@ class Config:
     log_format: str
     metrics_listen: str
     events_queue: int
-    allow_remote: bool
+    auth_token_file: str
+    tls_cert: str
+    tls_key: str
+    tls_client_ca: str
+    insecure_remote: bool
+    metrics_remote: bool
+    max_calls_per_tenant: int
+    max_streams_per_connection: int
+    max_tokens_per_call: int
+    max_block_bytes: int
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -231,6 +264,9 @@ def load_config(
     if path:
         for key, raw in read_toml(path).items():
             values[key] = _convert(FIELD_BY_NAME[key], raw, f"file {path}")
+    for key, message in RETIRED.items():
+        if env.get("KVSTORE_" + key.upper()):
+            raise ConfigError(f"env KVSTORE_{key.upper()}: {message}")
     for f in FIELDS:
         raw = env.get("KVSTORE_" + f.name.upper())
         if raw is not None and raw != "":
@@ -248,6 +284,10 @@ def load_config(
         lo, hi = values[f"{tier}_low_watermark"], values[f"{tier}_high_watermark"]
         if lo > hi:
             raise ConfigError(f"{tier}_low_watermark ({lo}) must not exceed {tier}_high_watermark ({hi})")
+    if bool(values["tls_cert"]) != bool(values["tls_key"]):
+        raise ConfigError("tls_cert and tls_key go together: set both (TLS) or neither")
+    if values["tls_client_ca"] and not values["tls_cert"]:
+        raise ConfigError("tls_client_ca (mTLS) needs tls_cert and tls_key too")
     return Config(**values)
 
 
@@ -264,6 +304,9 @@ def read_toml(path: str) -> dict[str, Any]:
     if not isinstance(section, dict):
         raise ConfigError(f"config file {path}: [kvstore] must be a table")
     unknown = sorted(set(section) - set(FIELD_BY_NAME))
+    for key in unknown:
+        if key in RETIRED:
+            raise ConfigError(f"config file {path}: {RETIRED[key]}")
     if unknown:
         known = ", ".join(sorted(FIELD_BY_NAME))
         raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}; known: {known}")

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from kvstore import __version__
-from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.auth import current_identity
+from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvstore.hashing import block_hashes_packed, token_bytes
 from kvstore.info import render_info
 from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
@@ -57,8 +58,11 @@ DEFAULT_LOCAL_LEASE_MS = 10_000
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: Store, chunk_bytes: int, segment: Segment | None = None,
-                 local_puts: LocalPuts | None = None) -> None:
+                 local_puts: LocalPuts | None = None, *, max_tokens_per_call: int = 1 << 20,
+                 max_block_bytes: int = 256 << 20) -> None:
         self.store = store
+        self.max_tokens_per_call = max_tokens_per_call
+        self.max_block_bytes = max_block_bytes
         self.chunk_bytes = chunk_bytes
         self.segment = segment
         # `is None`, not `or`: an empty table is falsy (it has a length), and the daemon's
@@ -68,15 +72,36 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     # -------------------------------------------------------------- translation
 
     def _namespace(self, ref: kvstore_pb2.Namespace) -> bytes:
+        """The caller's namespace: a layout is filed under the caller's tenant (salted id);
+        an id must name a namespace of the caller's tenant (admins may name any)."""
+        who = current_identity()
         which = ref.WhichOneof("ref")
         if which == "layout":
-            return self.store.register(layout_from_proto(ref.layout))
+            layout = layout_from_proto(ref.layout)
+            if layout.bytes_per_block > self.max_block_bytes:
+                raise InvalidArgument(
+                    f"the layout describes {layout.bytes_per_block} bytes per block, more than max_block_bytes "
+                    f"({self.max_block_bytes}); use smaller blocks (fewer tokens per block)"
+                )
+            return self.store.register(layout, who.tenant, who.salt)
         if which == "id":
-            return self.store.namespace(ref.id).namespace_id
+            info = self.store.namespace(ref.id)
+            if info.tenant != who.tenant and not who.is_admin:
+                # The same answer as for an unknown id: another tenant's ids are not confirmed.
+                raise NotFound(
+                    f"namespace {ref.id.hex()} is not known to this daemon; "
+                    "send the full layout instead of its id (the daemon forgets namespaces on restart)"
+                )
+            return info.namespace_id
         raise InvalidArgument("request names no namespace: set namespace.layout (or namespace.id once registered)")
 
-    @staticmethod
-    def _packed_tokens(tokens: kvstore_pb2.TokenIds) -> bytes:
+    def _packed_tokens(self, tokens: kvstore_pb2.TokenIds) -> bytes:
+        n = len(tokens.packed_u32le) // 4 + len(tokens.token_ids)
+        if n > self.max_tokens_per_call:
+            raise InvalidArgument(
+                f"{n} token ids in one call; the limit is max_tokens_per_call = {self.max_tokens_per_call}: "
+                "send fewer tokens (a lookup needs only the prefix it asks about)"
+            )
         if tokens.packed_u32le:
             if len(tokens.token_ids):
                 raise InvalidArgument("set token_ids or packed_u32le, not both")
@@ -109,7 +134,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             tokens = header.keys.tokens
             packed = self._packed_tokens(tokens)
             first, count = tokens.first_block, header.num_blocks
-            bst = self.store.namespace(ns_id).layout.block_size_tokens
+            info = self.store.namespace(ns_id)
+            bst = info.layout.block_size_tokens
             n_tokens = len(packed) // 4
             full = n_tokens // bst
             if count == 0:
@@ -122,7 +148,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             self.store.check_hashes([b"\0" * 16] * count)  # the per-call block limit, before hashing
             # The prefix before `first` is hashed too (the chain needs it) but not bounded
             # by the per-call block limit: it names no blocks of this put.
-            all_hashes = block_hashes_packed(ns_id, memoryview(packed)[: (first + count) * bst * 4], bst)
+            all_hashes = block_hashes_packed(info.chain_seed or ns_id, memoryview(packed)[: (first + count) * bst * 4],
+                                             bst)
             return all_hashes[first : first + count], all_hashes[first - 1] if first else None
         raise InvalidArgument("put header names no blocks: set keys.hashes or keys.tokens")
 
@@ -278,7 +305,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             check_hint(request.header.hint.session_id, request.header.hint.expect_reuse_within_s)
         txn = self.store.begin_put(ns_id, hashes, parent, tier=LOCAL_TIER)
         await txn.reserve()
-        txn_id = self.local_puts.begin(txn, request.header)
+        txn_id = self.local_puts.begin(txn, request.header, current_identity().tenant)
         return kvstore_pb2.LocalPutResponse(
             txn_id=txn_id,
             offsets=[-1 if slot is None else slot.offset for slot in txn.slots()],
@@ -291,7 +318,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def LocalCommit(
         self, request: kvstore_pb2.LocalCommitRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.PutResponse:
-        open_put = self.local_puts.take(request.txn_id)
+        open_put = self.local_puts.take(request.txn_id, current_identity().tenant)
         txn = open_put.txn
         if request.abort:
             txn.abort()

@@ -45,7 +45,7 @@ from typing import Protocol
 
 from kvstore.checksum import checksum_batch, checksum_pieces
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvstore.hashing import HASH_BYTES, block_hashes_packed
+from kvstore.hashing import HASH_BYTES, block_hashes_packed, tenant_namespace_id
 from kvstore.index import BlockEntry, BlockIndex, BlockState, make_key
 from kvstore.layout import DTYPE_BYTES, KVLayout
 from kvstore.leases import Lease, LeaseTable
@@ -174,6 +174,10 @@ class StoreTier:
 class NamespaceInfo:
     namespace_id: bytes
     layout: KVLayout
+    # The owner, and the public id that starts its hash chains (the namespace id itself
+    # for the default tenant; see kvstore.hashing.tenant_namespace_id).
+    tenant: str = "default"
+    chain_seed: bytes = b""
     blocks: int = 0
     bytes: int = 0
     # Which engines get value from the cache: per-namespace block hit ratio for operators.
@@ -322,6 +326,11 @@ class Store:
         self._index = BlockIndex()
         self._leases = LeaseTable(self._release)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
+        # Tenancy: payload bytes each tenant holds per tier (exact: added when a copy is
+        # published or lands, taken away when it goes), and quotas in bytes per tier that
+        # the daemon sets from its token file.
+        self.tenant_quotas: dict[str, dict[str, int]] = {}
+        self._tenant_bytes: dict[str, Counter[str]] = {}
         self._tier_by_name = {t.name: t for t in self.tiers}
         # Set by the daemon (the event bus); None in embedded and unit-test stores.
         self.observer: StoreObserver | None = None
@@ -407,23 +416,27 @@ class Store:
 
     # ----------------------------------------------------------------- namespaces
 
-    def register(self, layout: KVLayout) -> bytes:
-        """Record a layout; returns its namespace id. Idempotent."""
-        ns_id = layout.namespace_id
+    def register(self, layout: KVLayout, tenant: str = "default", salt: bytes = b"") -> bytes:
+        """Record a layout for `tenant`; returns its namespace id (salted by `salt`). Idempotent."""
+        public_id = layout.namespace_id
+        ns_id = tenant_namespace_id(public_id, salt)
         if ns_id not in self._namespaces:
             if len(self._namespaces) >= self.limits.max_namespaces:
                 raise ResourceExhausted(
                     f"the daemon already holds {self.limits.max_namespaces} namespaces; "
                     "flush unused ones or raise max_namespaces"
                 )
-            info = NamespaceInfo(ns_id, layout)
+            info = NamespaceInfo(ns_id, layout, tenant=tenant, chain_seed=public_id)
             if self._recovered:
                 # Blocks recovered from SSD carry their namespace id but not its layout;
                 # the first request that sends the layout adopts them.
+                usage = self._tenant_bytes.setdefault(tenant, Counter())
                 for entry in self._index:
                     if entry.key[:HASH_BYTES] == ns_id:
                         info.blocks += 1
                         info.bytes += entry.nbytes
+                        for name in entry.locations:
+                            usage[name] += entry.nbytes
             self._namespaces[ns_id] = info
             logger.info("namespace %s registered: model=%s dtype=%s block=%d tokens / %d bytes",
                         ns_id.hex(), layout.model, layout.dtype, layout.block_size_tokens, layout.bytes_per_block)
@@ -451,7 +464,7 @@ class Store:
         if max_blocks is not None:
             n_blocks = min(n_blocks, max_blocks)
         self._check_count(n_blocks, "blocks of tokens")
-        return block_hashes_packed(namespace_id, memoryview(packed_tokens)[: n_blocks * step],
+        return block_hashes_packed(info.chain_seed or namespace_id, memoryview(packed_tokens)[: n_blocks * step],
                                    info.layout.block_size_tokens)
 
     def check_hashes(self, hashes: Sequence[bytes]) -> None:
@@ -512,6 +525,7 @@ class Store:
             return False
         was_top = self._top_name(entry) if entry.locations else ""
         entry.locations[st.name] = slot
+        self._account(entry, st.name, entry.nbytes)
         st.policy.insert(entry.key, entry.parent)
         if was_top and self._rank[st.name] < self._rank[was_top]:
             self._moved(entry, was_top, st.name)  # promoted: now served from higher up
@@ -521,6 +535,7 @@ class Store:
         """Take one copy away; the entry leaves the index with its last copy."""
         was_top = self._top_name(entry)
         slot = entry.locations.pop(st.name)
+        self._account(entry, st.name, -entry.nbytes)
         st.policy.remove(entry.key)
         if entry.readers:
             entry.retired.append(slot)
@@ -545,6 +560,69 @@ class Store:
         if self.observer is not None and entry.state is BlockState.READY:
             self.observer.blocks_removed(entry.key[:HASH_BYTES], [entry.key[HASH_BYTES:]], tier)
 
+    # Tenancy: usage and quotas. A READY copy counts against its namespace's tenant in the
+    # tier that holds it; copies of namespaces not registered yet (recovered from SSD)
+    # count from the moment a request registers them.
+
+    def _account(self, entry: BlockEntry, tier: str, nbytes: int) -> None:
+        info = self._namespaces.get(entry.key[:HASH_BYTES])
+        if info is not None and entry.state is BlockState.READY:
+            self._tenant_bytes.setdefault(info.tenant, Counter())[tier] += nbytes
+
+    def tenant_usage(self, tenant: str) -> dict[str, int]:
+        """Payload bytes `tenant` holds in each tier (zero tiers left out)."""
+        return {tier: n for tier, n in self._tenant_bytes.get(tenant, Counter()).items() if n}
+
+    def tenants(self) -> list[str]:
+        return sorted({i.tenant for i in self._namespaces.values()} | set(self.tenant_quotas))
+
+    def _quota_exceeded(self, entry: BlockEntry, st: StoreTier, extra: int = 0) -> str:
+        """Why one more copy of `entry` (plus `extra` bytes) in `st` would exceed its
+        tenant's quota there; empty when it would not."""
+        if not self.tenant_quotas:
+            return ""
+        info = self._namespaces.get(entry.key[:HASH_BYTES])
+        if info is None:
+            return ""
+        quota = self.tenant_quotas.get(info.tenant, {}).get(st.name)
+        if quota is None:
+            return ""
+        used = self._tenant_bytes.get(info.tenant, Counter())[st.name]
+        if used + extra + entry.nbytes <= quota:
+            return ""
+        return (f"tenant {info.tenant!r} is at its {st.name} quota: {used} of {quota} bytes used, "
+                f"{extra + entry.nbytes} more needed")
+
+    async def _quota_room(self, info: NamespaceInfo, st: StoreTier, need: int) -> None:
+        """Make `need` more bytes of `info.tenant`'s quota in `st` free by evicting the
+        tenant's own evictable blocks there (cache semantics); ResourceExhausted if its
+        blocks there are pinned, leased or in flight."""
+        quota = self.tenant_quotas.get(info.tenant, {}).get(st.name)
+        if quota is None:
+            return
+        usage = self._tenant_bytes.setdefault(info.tenant, Counter())
+        if need > quota:
+            raise ResourceExhausted(
+                f"tenant {info.tenant!r}: this put needs {need} bytes in tier {st.name}, more than the tenant's "
+                f"whole {st.name} quota of {quota} bytes; put fewer blocks per call or raise the quota"
+            )
+        owned = {i.namespace_id for i in self._namespaces.values() if i.tenant == info.tenant}
+
+        def own(key: bytes) -> bool:
+            return key[:HASH_BYTES] in owned and self._evictable(key)
+
+        while usage[st.name] + need > quota:
+            key = st.policy.victim(own)
+            if key is None:
+                raise ResourceExhausted(
+                    f"tenant {info.tenant!r} is at its {st.name} quota: {usage[st.name]} of {quota} bytes used, "
+                    f"{need} more needed, and its blocks there are pinned or in use; release leases, delete "
+                    "blocks, or raise the quota in the token file"
+                )
+            entry = self._index.get(key)
+            assert entry is not None
+            await self._demote(entry, st)
+
     def _forget(self, entry: BlockEntry) -> None:
         info = self._namespaces.get(entry.key[:HASH_BYTES])
         if info is not None:
@@ -558,6 +636,7 @@ class Store:
         self._index.remove(entry.key)
         for name in entry.locations:
             self._tier_by_name[name].policy.remove(entry.key)
+            self._account(entry, name, -entry.nbytes)
         self._forget(entry)
         if entry.readers == 0:
             for slot in entry.locations.values():
@@ -679,6 +758,8 @@ class Store:
         assert self.ssd is not None
         if self.ssd.name in entry.locations:
             return True
+        if self._quota_exceeded(entry, self.ssd):
+            return False  # over the tenant's SSD quota: the block stays (or ends) in memory only
         pending = self._ssd_writing.get(entry.key)
         if pending is not None:
             await asyncio.shield(pending)
@@ -703,6 +784,9 @@ class Store:
         """A verified copy of `entry` from `src` in a new slot of addressable tier `dst`
         (making room there). None when the source copy failed verification (it is dropped
         and counted). The caller holds the entry and publishes the slot."""
+        over = self._quota_exceeded(entry, dst)
+        if over:
+            raise ResourceExhausted(over)
         if src is self.ssd:
             data = await self._read_verified(entry, src)
             if data is None:
@@ -852,6 +936,7 @@ class Store:
             self._index.add(entry)
             for name in entry.locations:
                 self._tier_by_name[name].policy.insert(entry.key, entry.parent)
+                self._account(entry, name, entry.nbytes)
             info = self._namespaces[entry.key[:HASH_BYTES]]
             info.blocks += 1
             info.bytes += entry.nbytes
@@ -980,7 +1065,7 @@ class Store:
     async def _promote_on_hit(self, entry: BlockEntry, data: bytes) -> None:
         """After a verified read from SSD: keep a memory copy if the top tier has headroom."""
         top = self.memory_tiers[0]
-        if entry.removed or top.name in entry.locations:
+        if entry.removed or top.name in entry.locations or self._quota_exceeded(entry, top):
             return
         if top.tier.used_bytes + top.tier.accounted_size(entry.nbytes) > top.high_watermark * top.tier.capacity_bytes:
             return
@@ -1443,6 +1528,10 @@ class PutTxn:
                 f"hold {room}; put fewer blocks per call or raise their capacity"
             )
         try:
+            if store.tenant_quotas.get(self._info.tenant) and new:
+                # The put must fit the tenant's quota in every tier it may land in.
+                for st in landing:
+                    await store._quota_room(self._info, st, len(new) * self.block_bytes)
             for i in new:
                 slot = await store._allocate_put(self.block_bytes, landing)
                 if self._done:  # aborted while making room
