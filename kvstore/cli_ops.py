@@ -103,7 +103,8 @@ def size_arg(text: str) -> int:
 def _admin(args: argparse.Namespace) -> Any:
     from kvstore.client.admin import AdminClient
 
-    return AdminClient(args.target, timeout_s=args.timeout)
+    return AdminClient(args.target, timeout_s=args.timeout, token_file=args.token_file, tls_ca=args.tls_ca,
+                       tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
 # ------------------------------------------------------------------ stats
