@@ -183,6 +183,7 @@ def namespace_rows(namespaces: Sequence[dict[str, Any]], *, detail: bool = False
         lay = ns["layout"]
         row = [ns["namespace_id"], lay["model"] + (f"@{lay['revision']}" if lay["revision"] else ""), lay["dtype"]]
         if detail:
+            row.insert(1, ns.get("tenant") or ABSENT)
             row += [
                 f"{lay['num_layers']}x{lay['num_kv_heads']}x{lay['head_dim']}",
                 str(lay["block_size_tokens"]),
@@ -197,7 +198,7 @@ def namespace_rows(namespaces: Sequence[dict[str, Any]], *, detail: bool = False
 
 
 NS_COLUMNS = ("NAMESPACE", "MODEL", "DTYPE", "BLOCK", "BLOCKS", "SIZE", "HIT%")
-NS_DETAIL_COLUMNS = ("NAMESPACE", "MODEL", "DTYPE", "LxHxD", "TOKENS/BLOCK", "KV_LAYOUT", "TP", "LORA", "BLOCK",
+NS_DETAIL_COLUMNS = ("NAMESPACE", "TENANT", "MODEL", "DTYPE", "LxHxD", "TOKENS/BLOCK", "KV_LAYOUT", "TP", "LORA", "BLOCK",
                      "BLOCKS", "SIZE", "HIT%")
 
 
