@@ -331,6 +331,9 @@ class Store:
         # the daemon sets from its token file.
         self.tenant_quotas: dict[str, dict[str, int]] = {}
         self._tenant_bytes: dict[str, Counter[str]] = {}
+        # Bytes of copies on their way into a tier (checked against quota, not landed yet),
+        # so concurrent moves cannot all pass the same check.
+        self._tenant_incoming: Counter[tuple[str, str]] = Counter()
         self._tier_by_name = {t.name: t for t in self.tiers}
         # Set by the daemon (the event bus); None in embedded and unit-test stores.
         self.observer: StoreObserver | None = None
@@ -576,9 +579,9 @@ class Store:
     def tenants(self) -> list[str]:
         return sorted({i.tenant for i in self._namespaces.values()} | set(self.tenant_quotas))
 
-    def _quota_exceeded(self, entry: BlockEntry, st: StoreTier, extra: int = 0) -> str:
-        """Why one more copy of `entry` (plus `extra` bytes) in `st` would exceed its
-        tenant's quota there; empty when it would not."""
+    def _quota_exceeded(self, entry: BlockEntry, st: StoreTier) -> str:
+        """Why one more copy of `entry` in `st` would exceed its tenant's quota there
+        (counting copies already on their way in); empty when it would not."""
         if not self.tenant_quotas:
             return ""
         info = self._namespaces.get(entry.key[:HASH_BYTES])
@@ -588,10 +591,20 @@ class Store:
         if quota is None:
             return ""
         used = self._tenant_bytes.get(info.tenant, Counter())[st.name]
-        if used + extra + entry.nbytes <= quota:
+        incoming = self._tenant_incoming[info.tenant, st.name]
+        if used + incoming + entry.nbytes <= quota:
             return ""
         return (f"tenant {info.tenant!r} is at its {st.name} quota: {used} of {quota} bytes used, "
-                f"{extra + entry.nbytes} more needed")
+                f"{incoming + entry.nbytes} more needed")
+
+    def _quota_incoming(self, entry: BlockEntry, st: StoreTier, nbytes: int) -> None:
+        """Count (or, with a negative `nbytes`, stop counting) a copy on its way into `st`."""
+        info = self._namespaces.get(entry.key[:HASH_BYTES])
+        if info is not None and self.tenant_quotas:
+            key = (info.tenant, st.name)
+            self._tenant_incoming[key] += nbytes
+            if self._tenant_incoming[key] <= 0:
+                del self._tenant_incoming[key]
 
     async def _quota_room(self, info: NamespaceInfo, st: StoreTier, need: int) -> None:
         """Make `need` more bytes of `info.tenant`'s quota in `st` free by evicting the
@@ -611,12 +624,14 @@ class Store:
         def own(key: bytes) -> bool:
             return key[:HASH_BYTES] in owned and self._evictable(key)
 
-        while usage[st.name] + need > quota:
+        while usage[st.name] + self._tenant_incoming[info.tenant, st.name] + need > quota:
             key = st.policy.victim(own)
             if key is None:
+                incoming = self._tenant_incoming[info.tenant, st.name]
                 raise ResourceExhausted(
-                    f"tenant {info.tenant!r} is at its {st.name} quota: {usage[st.name]} of {quota} bytes used, "
-                    f"{need} more needed, and its blocks there are pinned or in use; release leases, delete "
+                    f"tenant {info.tenant!r} is at its {st.name} quota: {usage[st.name]} of {quota} bytes used"
+                    + (f" and {incoming} on their way in" if incoming else "")
+                    + f", {need} more needed, and its blocks there are pinned or in use; release leases, delete "
                     "blocks, or raise the quota in the token file"
                 )
             entry = self._index.get(key)
@@ -766,10 +781,12 @@ class Store:
             return self.ssd.name in entry.locations
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._ssd_writing[entry.key] = done
+        self._quota_incoming(entry, self.ssd, entry.nbytes)
         try:
             slot = await self._place(self.ssd, entry, data)
             return self._add_location(entry, self.ssd, slot)
         finally:
+            self._quota_incoming(entry, self.ssd, -entry.nbytes)
             del self._ssd_writing[entry.key]
             done.set_result(None)
 
@@ -787,6 +804,15 @@ class Store:
         over = self._quota_exceeded(entry, dst)
         if over:
             raise ResourceExhausted(over)
+        # Counted as incoming until this returns: the caller adds the location without
+        # awaiting in between.
+        self._quota_incoming(entry, dst, entry.nbytes)
+        try:
+            return await self._copy_into_counted(entry, src, dst)
+        finally:
+            self._quota_incoming(entry, dst, -entry.nbytes)
+
+    async def _copy_into_counted(self, entry: BlockEntry, src: StoreTier, dst: StoreTier) -> Slot | None:
         if src is self.ssd:
             data = await self._read_verified(entry, src)
             if data is None:
@@ -1498,6 +1524,9 @@ class PutTxn:
         self._current = 0
         self._done = False
         self._tier = tier
+        # Quota bytes this put holds as incoming in each tier it may land in, until it ends.
+        self._quota_held: list[tuple[str, str]] = []
+        self._quota_bytes = 0
 
     async def __aenter__(self) -> PutTxn:
         await self.reserve()
@@ -1532,6 +1561,12 @@ class PutTxn:
                 # The put must fit the tenant's quota in every tier it may land in.
                 for st in landing:
                     await store._quota_room(self._info, st, len(new) * self.block_bytes)
+                self._quota_bytes = len(new) * self.block_bytes
+                for st in landing:
+                    if st.name in store.tenant_quotas[self._info.tenant]:
+                        held = (self._info.tenant, st.name)
+                        store._tenant_incoming[held] += self._quota_bytes
+                        self._quota_held.append(held)
             for i in new:
                 slot = await store._allocate_put(self.block_bytes, landing)
                 if self._done:  # aborted while making room
@@ -1659,6 +1694,12 @@ class PutTxn:
                 self._entries[i] = None
 
     def _release_held(self) -> None:
+        incoming = self._store._tenant_incoming
+        for key in self._quota_held:
+            incoming[key] -= self._quota_bytes
+            if incoming[key] <= 0:
+                del incoming[key]
+        self._quota_held.clear()
         for entry in self._held:
             self._store._release(entry)
         self._held.clear()

@@ -428,3 +428,61 @@ def test_no_pickle_or_eval_in_the_package():
                     offenders.append(f"{path.relative_to(root)}: {needle}")
     assert offenders == []
 
+
+
+def test_export_by_an_admin_imports_under_the_importing_tenant(auth_daemon, layout, tenants, tmp_path):
+    import io
+
+    from kvstore.client.transfer import export_namespace, import_namespace
+
+    target = auth_daemon.unix_target
+    tokens = list(range(12))
+    data = blocks_for(layout, 3, seed=9)
+    with Client(target, token=tenants.tokens["alpha"], data_plane="grpc") as alpha:
+        alpha.put(layout, tokens, data)
+        ns = alpha.lookup(layout, tokens).namespace_id
+    buf = io.BytesIO()
+    with AdminClient(target, token=tenants.tokens["ops"]) as admin:
+        assert export_namespace(admin, ns, buf).blocks == 3
+    buf.seek(0)
+    with AdminClient(target, token=tenants.tokens["beta"]) as beta_admin_client:
+        assert import_namespace(beta_admin_client, buf).stored == 3
+    with Client(target, token=tenants.tokens["beta"], data_plane="grpc") as beta:
+        assert [bytes(x) for x in beta.fetch(layout, tokens)] == data
+        assert beta.lookup(layout, tokens).namespace_id not in (ns, layout.namespace_id)
+
+
+def _wait(condition, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_ssd_quota_and_usage_across_write_through_delete_and_restart(tmp_path, layout, tenants):
+    tenants.add("disk", extra='quota = { ssd = "2KiB" }\n')
+    cfg = make_config(tmp_path, auth_token_file=str(tenants.path), ssd_path=str(tmp_path / "ssd"),
+                      ssd_capacity=8 << 20, ssd_region_size=1 << 20, ssd_io="buffered")
+    first, second = list(range(16)), list(range(100, 108))
+    with daemon_in_thread(cfg) as running:
+        store = running.store
+        with Client(running.unix_target, token=tenants.tokens["disk"], data_plane="grpc") as disk:
+            assert disk.put(layout, first, blocks_for(layout, 4)).stored == 4
+            _wait(lambda: store.pending_ssd_writes == 0, "SSD writes did not finish")
+            # Write-through stops at the tenant's SSD quota; the rest stays in memory only.
+            assert store.tenant_usage("disk") == {"host": 4096, "ssd": 2048}
+            assert disk.delete(layout, first) == 4
+            assert store.tenant_usage("disk") == {}
+            assert disk.put(layout, second, blocks_for(layout, 2, seed=3)).stored == 2
+            _wait(lambda: store.pending_ssd_writes == 0, "SSD writes did not finish")
+            assert store.tenant_usage("disk") == {"host": 2048, "ssd": 2048}
+    # After a restart the recovered SSD blocks count again once the tenant names its layout.
+    with daemon_in_thread(cfg) as running:
+        with Client(running.unix_target, token=tenants.tokens["disk"], data_plane="grpc") as disk:
+            assert disk.lookup(layout, second).num_blocks == 2
+            usage = running.store.tenant_usage("disk")
+            assert usage.get("ssd") == 2048
+            assert disk.delete(layout, second) == 2
+            assert running.store.tenant_usage("disk") == {}
