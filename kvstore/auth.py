@@ -265,25 +265,31 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     `table` None means auth is off: every caller is `DEFAULT_IDENTITY` (still counted
     against the in-flight cap)."""
 
-    def __init__(self, table: TokenTable | None, max_calls_per_tenant: int) -> None:
+    def __init__(self, table: TokenTable | None, max_calls_per_tenant: int, unix_socket_tenant: str = "") -> None:
         self.table = table
         self.max_calls_per_tenant = max_calls_per_tenant
+        self.unix_socket_tenant = unix_socket_tenant
         self.in_flight: dict[str, int] = {}
 
-    def _identify(self, method: str, metadata: Any) -> Identity:
-        if self.table is None:
-            identity = DEFAULT_IDENTITY
-        else:
-            token = bearer_token(metadata)
-            if token is None:
-                raise Unauthenticated(
-                    "this daemon requires a token: send metadata 'authorization: Bearer <token>' "
-                    "(SDK: token=..., CLI: --token-file or KVSTORE_TOKEN)"
-                )
-            found = self.table.authenticate(token) if token else None
-            if found is None:
-                raise Unauthenticated("the bearer token is not valid for this daemon; ask its operator for one")
-            identity = found
+    def _authenticate(self, table: TokenTable, context: grpc.aio.ServicerContext) -> Identity:
+        token = bearer_token(context.invocation_metadata())
+        if token is None:
+            if self.unix_socket_tenant and context.peer().startswith("unix:"):
+                # The socket is 0600: whoever connected runs as the daemon's uid.
+                unix_identity = table.identities.get(self.unix_socket_tenant)
+                if unix_identity is not None:
+                    return unix_identity
+            raise Unauthenticated(
+                "this daemon requires a token: send metadata 'authorization: Bearer <token>' "
+                "(SDK: token=..., CLI: --token-file or KVSTORE_TOKEN)"
+            )
+        found = table.authenticate(token) if token else None
+        if found is None:
+            raise Unauthenticated("the bearer token is not valid for this daemon; ask its operator for one")
+        return found
+
+    def _identify(self, method: str, context: grpc.aio.ServicerContext) -> Identity:
+        identity = DEFAULT_IDENTITY if self.table is None else self._authenticate(self.table, context)
         if method.startswith(ADMIN_SERVICE) and not identity.is_admin:
             raise PermissionDenied(f"{method} needs the admin role; tenant {identity.tenant!r} has role {identity.role}")
         if not identity.local_plane and method.rsplit("/", 1)[-1] in LOCAL_METHODS:
@@ -323,7 +329,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         def unary(inner: UnaryBehavior) -> UnaryBehavior:
             async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
-                    identity = identify(method, context.invocation_metadata())
+                    identity = identify(method, context)
                     self._enter(identity)
                 except KVStoreError as exc:
                     await context.abort(exc.code, str(exc))
@@ -338,7 +344,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         def stream(inner: StreamBehavior) -> StreamBehavior:
             async def behavior(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
-                    identity = identify(method, context.invocation_metadata())
+                    identity = identify(method, context)
                     self._enter(identity)
                 except KVStoreError as exc:
                     await context.abort(exc.code, str(exc))

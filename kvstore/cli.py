@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     health = client_command("health", "is the daemon serving? (exit 0 if so)", cmd_health)
     health.add_argument("--service", default="", help="service name to check (default: the whole server)")
     info = client_command("info", "Redis-INFO-style report", cmd_info)
-    info.add_argument("section", nargs="?", help="server, tiers, stats, namespaces, config or events")
+    info.add_argument("section", nargs="?", help="server, tiers, stats, namespaces, config, events or tenants")
     register_operator_commands(sub, client_command)
 
     token = sub.add_parser("token", help="make bearer tokens for the daemon's token file")

@@ -353,8 +353,13 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
         cfg = load_config({"config": args.file}, env={})
         from kvstore.daemon import check_exposure
 
-        # Addresses are checked the way the daemon checks them (loopback unless auth is set up).
+        # Addresses are checked the way the daemon checks them (loopback unless auth is set up),
+        # and so is the token file.
         check_exposure(cfg)
+        if cfg.auth_token_file:
+            from kvstore.auth import parse_token_file
+
+            parse_token_file(cfg.auth_token_file)
     except KVStoreError as exc:
         emit(args, {"file": args.file, "valid": False, "error": str(exc)}, f"{args.file}: invalid: {exc}")
         return EXIT_ERROR

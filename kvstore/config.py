@@ -114,6 +114,9 @@ FIELDS: tuple[Field, ...] = (
           "resync (a slow consumer never blocks the store)", lo=1, hi=1 << 20, runtime=True),
     Field("auth_token_file", "str", "", "token file (TOML, mode 0600) mapping bearer tokens to tenants and roles; "
           "required to listen on a non-loopback address; reloaded on SIGHUP (see SECURITY.md)", metavar="FILE"),
+    Field("unix_socket_tenant", "str", "", "with a token file: the tenant that calls arriving on the Unix socket "
+          "without a token act as (the socket is 0600: only the daemon's uid can connect); empty: they need a token",
+          metavar="TENANT"),
     Field("tls_cert", "str", "", "PEM certificate chain for TCP listeners (with tls_key: TCP is served over TLS)",
           metavar="FILE"),
     Field("tls_key", "str", "", "PEM private key for tls_cert", metavar="FILE"),
@@ -181,6 +184,7 @@ class Config:
     metrics_listen: str
     events_queue: int
     auth_token_file: str
+    unix_socket_tenant: str
     tls_cert: str
     tls_key: str
     tls_client_ca: str
@@ -284,6 +288,8 @@ def load_config(
         lo, hi = values[f"{tier}_low_watermark"], values[f"{tier}_high_watermark"]
         if lo > hi:
             raise ConfigError(f"{tier}_low_watermark ({lo}) must not exceed {tier}_high_watermark ({hi})")
+    if values["unix_socket_tenant"] and not values["auth_token_file"]:
+        raise ConfigError("unix_socket_tenant names a tenant of the token file: set auth_token_file too")
     if bool(values["tls_cert"]) != bool(values["tls_key"]):
         raise ConfigError("tls_cert and tls_key go together: set both (TLS) or neither")
     if values["tls_client_ca"] and not values["tls_cert"]:

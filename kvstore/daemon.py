@@ -130,6 +130,13 @@ def check_exposure(config: Config) -> tuple[list[ListenAddress], ListenAddress |
     return addresses, metrics_addr
 
 
+def _check_unix_tenant(table: TokenTable, tenant: str, path: str) -> None:
+    if tenant not in table.identities:
+        raise ConfigError(
+            f"unix_socket_tenant {tenant!r} is not a tenant of {path}; known: {', '.join(sorted(table.identities))}"
+        )
+
+
 def _read_pem(path: str, what: str) -> bytes:
     try:
         with open(path, "rb") as fh:
@@ -247,7 +254,9 @@ class Daemon:
                 root_certificates=client_ca,
                 require_client_auth=client_ca is not None,
             )
-        self.auth = AuthInterceptor(self.tokens, config.max_calls_per_tenant)
+        if self.tokens is not None and config.unix_socket_tenant:
+            _check_unix_tenant(self.tokens, config.unix_socket_tenant, config.auth_token_file)
+        self.auth = AuthInterceptor(self.tokens, config.max_calls_per_tenant, config.unix_socket_tenant)
         self.bound: list[str] = []
         self.store: Store | None = None
         self._server: grpc.aio.Server | None = None
@@ -431,6 +440,12 @@ class Daemon:
         )
         if self.metrics_address:
             logger.info("metrics at http://%s/metrics", self.metrics_address)
+        if self.tokens is not None:
+            logger.info("auth on: %d tenants from %s; TCP %s", len(self.tokens), cfg.auth_token_file,
+                        "with TLS" + (" and client certificates" if cfg.tls_client_ca else "") if self._tls else
+                        "without TLS")
+        else:
+            logger.info("auth off: one tenant (default, admin role); listening on this host only")
         effective = {**cfg.as_dict(), "host_capacity": host_capacity}
         logger.info("effective config: %s", effective, extra={"config": effective})
 
@@ -450,6 +465,8 @@ class Daemon:
             return False
         try:
             table = parse_token_file(self.config.auth_token_file)
+            if self.config.unix_socket_tenant:
+                _check_unix_tenant(table, self.config.unix_socket_tenant, self.config.auth_token_file)
         except KVStoreError as exc:
             logger.error("token file reload failed, the previous %d tenants stay in force: %s", len(self.tokens), exc)
             return False

@@ -486,3 +486,26 @@ def test_ssd_quota_and_usage_across_write_through_delete_and_restart(tmp_path, l
             assert usage.get("ssd") == 2048
             assert disk.delete(layout, second) == 2
             assert running.store.tenant_usage("disk") == {}
+
+
+def test_unix_socket_peers_may_act_as_a_named_tenant(tmp_path, layout, tenants):
+    cfg = make_config(tmp_path, auth_token_file=str(tenants.path), unix_socket_tenant="alpha")
+    with daemon_in_thread(cfg) as running:
+        data = blocks_for(layout, 2, seed=4)
+        with Client(running.unix_target, data_plane="grpc") as local:  # no token
+            assert local.put(layout, list(range(8)), data).stored == 2
+        with Client(running.tcp_target, data_plane="grpc") as tcp_anon:
+            with pytest.raises(Unauthenticated):
+                tcp_anon.lookup(layout, list(range(8)))
+        with Client(running.tcp_target, token=tenants.tokens["alpha"], data_plane="grpc") as alpha:
+            assert [bytes(x) for x in alpha.fetch(layout, list(range(8)))] == data
+        # A token on the socket still decides: beta sees none of alpha's blocks.
+        with Client(running.unix_target, token=tenants.tokens["beta"], data_plane="grpc") as beta:
+            assert beta.lookup(layout, list(range(8))).num_blocks == 0
+        with AdminClient(running.unix_target) as admin_anon:
+            with pytest.raises(PermissionDenied):  # alpha is a client
+                admin_anon.stats()
+    with pytest.raises(ConfigError, match="not a tenant"):
+        Daemon(make_config(tmp_path, auth_token_file=str(tenants.path), unix_socket_tenant="nobody"))
+    with pytest.raises(ConfigError, match="set auth_token_file"):
+        load_config({"unix_socket_tenant": "alpha"}, env={})
