@@ -1557,13 +1557,14 @@ class PutTxn:
                 f"hold {room}; put fewer blocks per call or raise their capacity"
             )
         try:
-            if store.tenant_quotas.get(self._info.tenant) and new:
-                # The put must fit the tenant's quota in every tier it may land in.
-                for st in landing:
-                    await store._quota_room(self._info, st, len(new) * self.block_bytes)
+            quotas = store.tenant_quotas.get(self._info.tenant)
+            if quotas and new:
+                # The put must fit the tenant's quota in every tier it may land in; its
+                # bytes count there from when room is made until it commits or aborts.
                 self._quota_bytes = len(new) * self.block_bytes
                 for st in landing:
-                    if st.name in store.tenant_quotas[self._info.tenant]:
+                    if st.name in quotas:
+                        await store._quota_room(self._info, st, self._quota_bytes)
                         held = (self._info.tenant, st.name)
                         store._tenant_incoming[held] += self._quota_bytes
                         self._quota_held.append(held)
