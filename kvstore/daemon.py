@@ -23,6 +23,7 @@ import errno
 import ipaddress
 import logging
 import os
+import secrets
 import signal
 import socket
 import stat
@@ -387,7 +388,8 @@ class Daemon:
         assert isinstance(host_tier, HostTier)
         self._local_puts = LocalPuts()
         servicer = KVStoreServicer(self.store, cfg.chunk_bytes, host_tier.segment, self._local_puts,
-                                   max_tokens_per_call=cfg.max_tokens_per_call, max_block_bytes=cfg.max_block_bytes)
+                                   max_tokens_per_call=cfg.max_tokens_per_call, max_block_bytes=cfg.max_block_bytes,
+                                   lease_key=secrets.token_bytes(32) if self.tokens is not None else None)
         self.runtime.register("max_tokens_per_call", lambda value: setattr(servicer, "max_tokens_per_call", value))
         add_kvstore_servicer(servicer, server)
         admin_pb2_grpc.add_AdminServicer_to_server(

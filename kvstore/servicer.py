@@ -7,6 +7,8 @@ status. No servicer method touches bytes beyond handing chunks to the store.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -59,8 +61,11 @@ DEFAULT_LOCAL_LEASE_MS = 10_000
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: Store, chunk_bytes: int, segment: Segment | None = None,
                  local_puts: LocalPuts | None = None, *, max_tokens_per_call: int = 1 << 20,
-                 max_block_bytes: int = 256 << 20) -> None:
+                 max_block_bytes: int = 256 << 20, lease_key: bytes | None = None) -> None:
         self.store = store
+        # With auth on, lease ids leave tagged with a MAC of the caller's tenant, so one
+        # tenant cannot end another's leases even with a leaked id (admins may end any).
+        self.lease_key = lease_key
         self.max_tokens_per_call = max_tokens_per_call
         self.max_block_bytes = max_block_bytes
         self.chunk_bytes = chunk_bytes
@@ -70,6 +75,29 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self.local_puts = local_puts if local_puts is not None else LocalPuts()
 
     # -------------------------------------------------------------- translation
+
+    def _lease_tag(self, tenant: str, lease_id: str) -> str:
+        assert self.lease_key is not None
+        msg = tenant.encode() + b"\0" + lease_id.encode()
+        return hmac.new(self.lease_key, msg, hashlib.sha256).hexdigest()[:16]
+
+    def _lease_out(self, lease_id: str) -> str:
+        if not lease_id or self.lease_key is None:
+            return lease_id
+        return f"{lease_id}.{self._lease_tag(current_identity().tenant, lease_id)}"
+
+    def _lease_in(self, tagged: str) -> str:
+        """The store's lease id behind `tagged`; empty (no lease) when the tag is not the
+        caller's tenant's."""
+        if not tagged or self.lease_key is None:
+            return tagged
+        lease_id, _, tag = tagged.rpartition(".")
+        who = current_identity()
+        if who.is_admin and lease_id:
+            return lease_id
+        if not lease_id or not hmac.compare_digest(tag.encode(), self._lease_tag(who.tenant, lease_id).encode()):
+            return ""
+        return lease_id
 
     def _namespace(self, ref: kvstore_pb2.Namespace) -> bytes:
         """The caller's namespace: a layout is filed under the caller's tenant (salted id);
@@ -169,7 +197,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             tiers=[TIER_ENUM[t] for t in r.tiers],
             namespace_id=ns_id,
             block_hashes=r.block_hashes,
-            lease_id=r.lease_id,
+            lease_id=self._lease_out(r.lease_id),
             block_size_tokens=r.block_size_tokens,
         )
 
@@ -204,7 +232,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     ) -> AsyncIterator[kvstore_pb2.FetchResponse | bytes]:
         ns_id = self._namespace(request.namespace)
         hashes = self._hashes(ns_id, request.keys)
-        async with self.store.open_fetch(ns_id, hashes, request.lease_id) as stream:
+        async with self.store.open_fetch(ns_id, hashes, self._lease_in(request.lease_id)) as stream:
             yield kvstore_pb2.FetchResponse(
                 header=kvstore_pb2.FetchHeader(
                     num_blocks=stream.num_blocks, block_bytes=stream.block_bytes, namespace_id=ns_id
@@ -233,10 +261,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Pin(self, request: kvstore_pb2.PinRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.PinResponse:
         ns_id = self._namespace(request.namespace)
         r = self.store.pin(ns_id, self._hashes(ns_id, request.keys), request.ttl_ms)
-        return kvstore_pb2.PinResponse(lease_id=r.lease_id, pinned=r.pinned, expires_in_ms=r.expires_in_ms)
+        return kvstore_pb2.PinResponse(lease_id=self._lease_out(r.lease_id), pinned=r.pinned,
+                                       expires_in_ms=r.expires_in_ms)
 
     async def Unpin(self, request: kvstore_pb2.UnpinRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.UnpinResponse:
-        return kvstore_pb2.UnpinResponse(released=self.store.unpin(request.lease_id))
+        lease_id = self._lease_in(request.lease_id)
+        return kvstore_pb2.UnpinResponse(released=bool(lease_id) and self.store.unpin(lease_id))
 
     def _apply_put_hint(self, header: kvstore_pb2.PutHeader, ns_id: bytes, hashes: list[bytes]) -> None:
         if header.HasField("hint"):
@@ -291,8 +321,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             raise InvalidArgument(
                 f"{len(lease_ids)} leases to release in one call; at most {MAX_PIGGYBACK_RELEASES} (use Unpin)"
             )
-        for lease_id in lease_ids:
-            self.store.unpin(lease_id)
+        for tagged in lease_ids:
+            lease_id = self._lease_in(tagged)
+            if lease_id:
+                self.store.unpin(lease_id)
 
     async def LocalPut(
         self, request: kvstore_pb2.LocalPutRequest, context: grpc.aio.ServicerContext
@@ -351,7 +383,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             offsets=[i.slot.offset for i in infos],
             checksums=[i.checksum for i in infos],
             block_bytes=self.store.namespace(ns_id).layout.bytes_per_block,
-            lease_id=result.lease_id,
+            lease_id=self._lease_out(result.lease_id),
             namespace_id=ns_id,
             block_hashes=result.block_hashes,
             block_size_tokens=result.block_size_tokens,

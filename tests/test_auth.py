@@ -509,3 +509,22 @@ def test_unix_socket_peers_may_act_as_a_named_tenant(tmp_path, layout, tenants):
         Daemon(make_config(tmp_path, auth_token_file=str(tenants.path), unix_socket_tenant="nobody"))
     with pytest.raises(ConfigError, match="set auth_token_file"):
         load_config({"unix_socket_tenant": "alpha"}, env={})
+
+
+def test_a_tenant_cannot_end_another_tenants_lease(auth_daemon, layout, tenants):
+    target = auth_daemon.unix_target
+    tokens = list(range(8))
+    with Client(target, token=tenants.tokens["alpha"], data_plane="grpc") as alpha, \
+         Client(target, token=tenants.tokens["beta"], data_plane="grpc") as beta:
+        alpha.put(layout, tokens, blocks_for(layout, 2))
+        pin = alpha.pin(layout, tokens, ttl_ms=60_000)
+        assert pin.pinned == 2
+        assert not beta.unpin(pin.lease_id)
+        assert not beta.unpin(pin.lease_id.rpartition(".")[0] + ".é")  # a malformed tag is just not a lease
+        assert auth_daemon.store.stats().leases_active == 1  # still held
+        assert alpha.unpin(pin.lease_id)
+        assert auth_daemon.store.stats().leases_active == 0
+        # Admins may end any lease (kvstore unpin).
+        pin = alpha.pin(layout, tokens, ttl_ms=60_000)
+    with AdminClient(target, token=tenants.tokens["ops"]) as admin:
+        assert admin.unpin(pin.lease_id)
