@@ -103,6 +103,8 @@ FIELDS: tuple[Field, ...] = (
           runtime=True),
     Field("max_leases", "int", 65_536, "most leases active at once", lo=1, hi=1 << 24),
     Field("max_namespaces", "int", 4096, "most namespaces (distinct layouts) held at once", lo=1, hi=1 << 20),
+    Field("max_namespaces_per_tenant", "int", 1024, "with a token file: most namespaces one tenant may hold",
+          lo=1, hi=1 << 20),
     Field("checksum_threads", "int", 2, "threads hashing large batches off the event loop", lo=1, hi=64),
     Field("grace_s", "float", 10.0, "seconds in-flight calls get to finish on SIGTERM", lo=0, hi=3600),
     Field("log_level", "str", "info", "log level", choices=("debug", "info", "warning", "error"), runtime=True),
@@ -177,6 +179,7 @@ class Config:
     default_pin_ms: int
     max_leases: int
     max_namespaces: int
+    max_namespaces_per_tenant: int
     checksum_threads: int
     grace_s: float
     log_level: str

@@ -387,9 +387,11 @@ class Daemon:
         host_tier = next(st.tier for st in self.store.tiers if st.name == "host")
         assert isinstance(host_tier, HostTier)
         self._local_puts = LocalPuts()
+        auth_on = self.tokens is not None
         servicer = KVStoreServicer(self.store, cfg.chunk_bytes, host_tier.segment, self._local_puts,
                                    max_tokens_per_call=cfg.max_tokens_per_call, max_block_bytes=cfg.max_block_bytes,
-                                   lease_key=secrets.token_bytes(32) if self.tokens is not None else None)
+                                   lease_key=secrets.token_bytes(32) if auth_on else None,
+                                   max_namespaces_per_tenant=cfg.max_namespaces_per_tenant if auth_on else None)
         self.runtime.register("max_tokens_per_call", lambda value: setattr(servicer, "max_tokens_per_call", value))
         add_kvstore_servicer(servicer, server)
         admin_pb2_grpc.add_AdminServicer_to_server(

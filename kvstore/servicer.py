@@ -16,8 +16,8 @@ import grpc
 
 from kvstore import __version__
 from kvstore.auth import current_identity
-from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
-from kvstore.hashing import block_hashes_packed, token_bytes
+from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvstore.hashing import block_hashes_packed, tenant_namespace_id, token_bytes
 from kvstore.info import render_info
 from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
 from kvstore.local import LocalPuts
@@ -61,8 +61,10 @@ DEFAULT_LOCAL_LEASE_MS = 10_000
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: Store, chunk_bytes: int, segment: Segment | None = None,
                  local_puts: LocalPuts | None = None, *, max_tokens_per_call: int = 1 << 20,
-                 max_block_bytes: int = 256 << 20, lease_key: bytes | None = None) -> None:
+                 max_block_bytes: int = 256 << 20, lease_key: bytes | None = None,
+                 max_namespaces_per_tenant: int | None = None) -> None:
         self.store = store
+        self.max_namespaces_per_tenant = max_namespaces_per_tenant
         # With auth on, lease ids leave tagged with a MAC of the caller's tenant, so one
         # tenant cannot end another's leases even with a leaked id (admins may end any).
         self.lease_key = lease_key
@@ -111,6 +113,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                     f"the layout describes {layout.bytes_per_block} bytes per block, more than max_block_bytes "
                     f"({self.max_block_bytes}); use smaller blocks (fewer tokens per block)"
                 )
+            if self.max_namespaces_per_tenant is not None:
+                self._check_tenant_namespaces(layout, who.tenant, who.salt)
             return self.store.register(layout, who.tenant, who.salt)
         if which == "id":
             info = self.store.namespace(ref.id)
@@ -122,6 +126,23 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 )
             return info.namespace_id
         raise InvalidArgument("request names no namespace: set namespace.layout (or namespace.id once registered)")
+
+    def _check_tenant_namespaces(self, layout: KVLayout, tenant: str, salt: bytes) -> None:
+        """Refuse a tenant's new namespace past `max_namespaces_per_tenant` (counted only
+        when the namespace is new, so the common path is one dictionary lookup)."""
+        try:
+            self.store.namespace(tenant_namespace_id(layout.namespace_id, salt))
+            return
+        except NotFound:
+            pass
+        limit = self.max_namespaces_per_tenant
+        assert limit is not None
+        held = sum(1 for ns in self.store.namespaces() if ns.tenant == tenant)
+        if held >= limit:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} already holds {held} namespaces, the most max_namespaces_per_tenant allows; "
+                "ask an operator to flush unused ones"
+            )
 
     def _packed_tokens(self, tokens: kvstore_pb2.TokenIds) -> bytes:
         n = len(tokens.packed_u32le) // 4 + len(tokens.token_ids)

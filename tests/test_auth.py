@@ -528,3 +528,19 @@ def test_a_tenant_cannot_end_another_tenants_lease(auth_daemon, layout, tenants)
         pin = alpha.pin(layout, tokens, ttl_ms=60_000)
     with AdminClient(target, token=tenants.tokens["ops"]) as admin:
         assert admin.unpin(pin.lease_id)
+
+
+def test_namespaces_per_tenant_are_capped(tmp_path, layout, tenants):
+    cfg = make_config(tmp_path, auth_token_file=str(tenants.path), max_namespaces_per_tenant=2)
+    layouts = [replace(layout, model=f"test/m{i}") for i in range(3)]
+    with daemon_in_thread(cfg) as running:
+        with Client(running.unix_target, token=tenants.tokens["alpha"], data_plane="grpc") as alpha, \
+             Client(running.unix_target, token=tenants.tokens["beta"], data_plane="grpc") as beta:
+            for lay in layouts[:2]:
+                assert alpha.lookup(lay, list(range(4))).num_blocks == 0
+            before = len(running.store.namespaces())
+            with pytest.raises(ResourceExhausted, match="tenant 'alpha' already holds 2 namespaces"):
+                alpha.lookup(layouts[2], list(range(4)))
+            assert len(running.store.namespaces()) == before
+            assert alpha.lookup(layouts[0], list(range(4))).num_blocks == 0  # known ones still work
+            assert beta.lookup(layouts[2], list(range(4))).num_blocks == 0  # others are not affected
