@@ -524,6 +524,13 @@ def test_a_tenant_cannot_end_another_tenants_lease(auth_daemon, layout, tenants)
         assert auth_daemon.store.stats().leases_active == 1  # still held
         assert alpha.unpin(pin.lease_id)
         assert auth_daemon.store.stats().leases_active == 0
+        # A fetch ends the lease its lookup took, and only the caller's own.
+        leased = alpha.lookup(layout, tokens, lease_ms=60_000)
+        assert auth_daemon.store.stats().leases_active == 1
+        beta.fetch(layout, tokens, lease_id=leased.lease_id)
+        assert auth_daemon.store.stats().leases_active == 1
+        alpha.fetch(layout, tokens, lease_id=leased.lease_id)
+        assert auth_daemon.store.stats().leases_active == 0
         # Admins may end any lease (kvstore unpin).
         pin = alpha.pin(layout, tokens, ttl_ms=60_000)
     with AdminClient(target, token=tenants.tokens["ops"]) as admin:
@@ -544,3 +551,24 @@ def test_namespaces_per_tenant_are_capped(tmp_path, layout, tenants):
             assert len(running.store.namespaces()) == before
             assert alpha.lookup(layouts[0], list(range(4))).num_blocks == 0  # known ones still work
             assert beta.lookup(layouts[2], list(range(4))).num_blocks == 0  # others are not affected
+
+
+async def test_async_client_sends_its_token(tmp_path, layout, tenants):
+    from kvstore.client import AsyncClient
+
+    d = Daemon(make_config(tmp_path, auth_token_file=str(tenants.path)))
+    await d.start()
+    try:
+        data = blocks_for(layout, 3, seed=11)
+        async with AsyncClient(d.bound[0], token=tenants.tokens["alpha"]) as alpha:
+            assert (await alpha.put(layout, list(range(12)), data)).stored == 3
+            hit = await alpha.lookup(layout, list(range(12)), lease_ms=5_000)
+            assert hit.num_blocks == 3
+            assert [bytes(x) for x in await alpha.fetch(layout, list(range(12)))] == data
+        async with AsyncClient(d.bound[1], token=tenants.tokens["beta"], data_plane="grpc") as beta:
+            assert (await beta.lookup(layout, list(range(12)))).num_blocks == 0
+        async with AsyncClient(d.bound[1], data_plane="grpc") as anon:
+            with pytest.raises(Unauthenticated):
+                await anon.lookup(layout, list(range(12)))
+    finally:
+        await d.stop(grace_s=0)
