@@ -254,6 +254,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=f.help)
         else:
             parser.add_argument(flag, dest=f.name, default=None, metavar=f.metavar, help=f.help)
+    for name in RETIRED:  # accepted only to say what replaced them
+        parser.add_argument("--" + name.replace("_", "-"), dest="retired_" + name, action="store_true",
+                            help=argparse.SUPPRESS)
 
 
 def load_config(
@@ -272,6 +275,8 @@ def load_config(
         for key, raw in read_toml(path).items():
             values[key] = _convert(FIELD_BY_NAME[key], raw, f"file {path}")
     for key, message in RETIRED.items():
+        if flags.get("retired_" + key):
+            raise ConfigError(f"--{key.replace('_', '-')}: {message}")
         if env.get("KVSTORE_" + key.upper()):
             raise ConfigError(f"env KVSTORE_{key.upper()}: {message}")
     for f in FIELDS:

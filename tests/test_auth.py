@@ -162,6 +162,13 @@ def test_allow_remote_is_refused_with_what_replaced_it(tmp_path):
         load_config({}, env={"KVSTORE_ALLOW_REMOTE": "1"})
 
 
+def test_allow_remote_flag_says_what_replaced_it(capsys):
+    from kvstore.cli import main
+
+    assert main(["serve", "--allow-remote"]) == 2
+    assert "allow_remote was replaced" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ authentication and roles
 
 
