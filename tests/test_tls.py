@@ -55,6 +55,9 @@ def test_tls_listener_serves_clients_that_trust_its_ca(tmp_path, pki, layout):
         with Client(running.tcp_target, tls_ca=str(pki / "other.pem"), data_plane="grpc", timeout_s=3) as wrong:
             with pytest.raises(KVStoreError):
                 wrong.lookup(layout, list(range(8)))
+        from kvstore.cli import main
+
+        assert main(["health", "--target", running.tcp_target, "--tls-ca", str(pki / "ca.pem")]) == 0
         # The Unix socket stays plain (its file mode is its boundary).
         with Client(running.unix_target, data_plane="grpc") as local:
             assert local.lookup(layout, list(range(8))).num_blocks == 2
