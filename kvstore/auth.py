@@ -332,6 +332,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                     identity = identify(method, context)
                     self._enter(identity)
                 except KVStoreError as exc:
+                    logger.debug("%s refused for %s: %s: %s", method, context.peer(), exc.code.name, exc)
                     await context.abort(exc.code, str(exc))
                 _identity.set(identity)
                 try:
@@ -347,6 +348,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                     identity = identify(method, context)
                     self._enter(identity)
                 except KVStoreError as exc:
+                    logger.debug("%s refused for %s: %s: %s", method, context.peer(), exc.code.name, exc)
                     await context.abort(exc.code, str(exc))
                 _identity.set(identity)
                 try:

@@ -182,6 +182,13 @@ def test_calls_need_a_valid_token(auth_daemon, layout, tenants):
                 wrong.lookup(layout, list(range(8)))
         with Client(target, token=tenants.tokens["alpha"], data_plane="grpc") as ok:
             assert ok.lookup(layout, list(range(8))).num_blocks == 0
+    # Refused calls are counted by status in the metrics (no tenant names there).
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{auth_daemon.daemon.metrics_address}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'kvstore_rpc_duration_seconds_count{code="UNAUTHENTICATED",method="Lookup"}' in text
+    assert "alpha" not in text and "beta" not in text
 
 
 def test_health_needs_no_token(auth_daemon, capsys):
