@@ -565,11 +565,14 @@ class Store:
 
     # Tenancy: usage and quotas. A READY copy counts against its namespace's tenant in the
     # tier that holds it; copies of namespaces not registered yet (recovered from SSD)
-    # count from the moment a request registers them.
+    # count from the moment a request registers them. A removed entry counts for nothing
+    # (its copies stopped counting when it was dropped, though readers may still hold them).
 
     def _account(self, entry: BlockEntry, tier: str, nbytes: int) -> None:
+        if entry.removed or entry.state is not BlockState.READY:
+            return
         info = self._namespaces.get(entry.key[:HASH_BYTES])
-        if info is not None and entry.state is BlockState.READY:
+        if info is not None:
             self._tenant_bytes.setdefault(info.tenant, Counter())[tier] += nbytes
 
     def tenant_usage(self, tenant: str) -> dict[str, int]:
@@ -648,10 +651,11 @@ class Store:
         """Remove a block from the index and every tier; bytes go when no reader holds them."""
         if entry.locations:
             self._removed(entry, self._top_name(entry))
+        for name in entry.locations:
+            self._account(entry, name, -entry.nbytes)  # before the index marks it removed
         self._index.remove(entry.key)
         for name in entry.locations:
             self._tier_by_name[name].policy.remove(entry.key)
-            self._account(entry, name, -entry.nbytes)
         self._forget(entry)
         if entry.readers == 0:
             for slot in entry.locations.values():

@@ -79,3 +79,83 @@ async def test_other_tenants_and_the_default_tenant_are_not_limited():
     assert store.tenant_usage("default") == {"host": 8 * BLOCK}
     store.purge()
     assert store.tenant_usage("u") == {} and store.tenant_usage("default") == {}
+
+
+async def test_usage_matches_the_index_through_random_moves(tmp_path):
+    """Puts, deletes, prefetches, fetches with promotion, migration, evictions and SSD
+    write-through for two tenants (one with quotas), some of them concurrent: after every
+    step each tenant's usage equals what the index holds for it, tier by tier."""
+    import asyncio
+    import random
+
+    from kvstore.policies import make_policy
+    from kvstore.store import MigrationConfig
+    from kvstore.tiers.memory import MemoryTier
+    from kvstore.tiers.ssd import SsdTier
+
+    tiers = [
+        StoreTier(MemoryTier(6 * BLOCK, name="hbm"), make_policy("lru"), 0.9, 0.5),
+        StoreTier(MemoryTier(10 * BLOCK, name="host"), make_policy("lru"), 0.9, 0.5),
+        StoreTier(SsdTier(str(tmp_path / "ssd"), 1 << 20, region_size=64 << 10, io_threads=2), make_policy("lru")),
+    ]
+    store = Store(tiers, migration=MigrationConfig(tick_s=3600))
+    store.tenant_quotas = {"q": {"hbm": 3 * BLOCK, "host": 5 * BLOCK, "ssd": 8 * BLOCK}}
+    await store.start()
+    rng = random.Random(7)
+    namespaces = {"q": store.register(LAYOUT, "q", b"q"), "free": store.register(LAYOUT, "free", b"free")}
+    chains: dict[str, list[list[bytes]]] = {"q": [], "free": []}
+
+    def expected(tenant: str) -> dict[str, int]:
+        ns = namespaces[tenant]
+        out: dict[str, int] = {}
+        for ref in store.namespace_blocks(ns):
+            info = store.block(ns, ref.block_hash)
+            assert info is not None
+            for tier in info.tiers:
+                out[tier] = out.get(tier, 0) + BLOCK
+        return out
+
+    async def put(tenant: str) -> None:
+        hs = chain(rng.randint(1, 2), rng.randrange(10_000) * 8)
+        txn = store.begin_put(namespaces[tenant], hs)
+        try:
+            await txn.reserve()
+        except ResourceExhausted:
+            return  # everything of the tenant held: refused, nothing changed
+        for i in range(len(hs)):
+            await txn.write(i, bytes([i]) * BLOCK)
+        await txn.commit()
+        chains[tenant].append(hs)
+
+    async def step() -> None:
+        tenant = rng.choice(["q", "free"])
+        op = rng.random()
+        known = chains[tenant]
+        if op < 0.45 or not known:
+            await put(tenant)
+        elif op < 0.6:
+            store.delete(namespaces[tenant], known.pop(rng.randrange(len(known))))
+        elif op < 0.75:
+            await store.prefetch(namespaces[tenant], rng.choice(known), rng.choice(["hbm", "host", ""]))
+        elif op < 0.85:
+            async with store.open_fetch(namespaces[tenant], rng.choice(known)) as stream:
+                [b async for b in stream]
+        elif op < 0.95:
+            for st in store.tiers[:2]:
+                await store.migrate_once(st)
+        else:
+            await store.evict_bytes(rng.choice(["hbm", "host", "ssd"]), 2 * BLOCK)
+
+    try:
+        for _ in range(60):
+            await asyncio.gather(*(step() for _ in range(3)))
+            await store.flush()
+            for tenant in ("q", "free"):
+                assert store.tenant_usage(tenant) == expected(tenant)
+            quota = store.tenant_quotas["q"]
+            usage = store.tenant_usage("q")
+            assert all(usage.get(tier, 0) <= limit for tier, limit in quota.items()), usage
+        store.purge()
+        assert store.tenant_usage("q") == {} and store.tenant_usage("free") == {}
+    finally:
+        await store.aclose()
