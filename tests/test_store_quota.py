@@ -159,3 +159,39 @@ async def test_usage_matches_the_index_through_random_moves(tmp_path):
         assert store.tenant_usage("q") == {} and store.tenant_usage("free") == {}
     finally:
         await store.aclose()
+
+
+async def test_a_block_deleted_while_it_is_demoted_is_not_subtracted_twice(tmp_path):
+    import asyncio
+
+    from kvstore.policies import make_policy
+    from kvstore.store import MigrationConfig, WritePolicy
+    from kvstore.tiers.memory import MemoryTier
+    from kvstore.tiers.ssd import SsdTier
+
+    host = StoreTier(MemoryTier(4 * BLOCK, name="host"), make_policy("lru"), 0.5, 0.25)
+    ssd = StoreTier(SsdTier(str(tmp_path / "ssd"), 1 << 20, region_size=64 << 10, io_threads=1), make_policy("lru"))
+    store = Store([host, ssd], migration=MigrationConfig(write_policy=WritePolicy.BACK, tick_s=3600))
+    await store.start()
+    try:
+        ns = store.register(LAYOUT, "t", b"t")
+        hs = chain(3, 0)
+        txn = store.begin_put(ns, hs)
+        await txn.reserve()
+        for i in range(3):
+            await txn.write(i, bytes([i]) * BLOCK)
+        await txn.commit()
+        assert store.tenant_usage("t") == {"host": 3 * BLOCK}
+        # Over the high watermark: the migrator demotes the LRU victim to SSD; the block is
+        # deleted while its SSD write is in flight (the demotion holds it as a reader).
+        task = asyncio.create_task(store.migrate_once(host))
+        await asyncio.sleep(0)  # the demotion runs up to its first wait (the SSD write)
+        assert not task.done()
+        assert store.delete(ns, hs) == 3
+        assert store.tenant_usage("t") == {}
+        await task
+        await store.flush()
+        assert all(store.block(ns, h) is None for h in hs)
+        assert store.tenant_usage("t") == {}
+    finally:
+        await store.aclose()
