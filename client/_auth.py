@@ -10,6 +10,8 @@ token is set, so the default (no token) path has no interceptor at all.
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +20,8 @@ from typing import Any, NamedTuple
 import grpc
 
 from kvstore.errors import InvalidArgument
+
+logger = logging.getLogger(__name__)
 
 
 def _read(path: str, what: str) -> bytes:
@@ -137,7 +141,26 @@ class _AioStreamStream(grpc.aio.StreamStreamClientInterceptor):
         return await continuation(_aio_details(details, self._pair), request_iterator)
 
 
+def _is_local(target: str) -> bool:
+    if target.startswith("unix:"):
+        return True
+    host = target.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _warn_plaintext(target: str, security: Security) -> None:
+    if security.token and not security.tls and not _is_local(target):
+        logger.warning("sending a bearer token to %s without TLS: anyone on the network path can read it; "
+                       "pass tls_ca (or KVSTORE_TLS_CA) for a TLS listener", target)
+
+
 def sync_channel(target: str, security: Security, options: Sequence[tuple[str, Any]]) -> grpc.Channel:
+    _warn_plaintext(target, security)
     if security.tls:
         channel = grpc.secure_channel(target, security.credentials(), options=list(options))
     else:
@@ -148,6 +171,7 @@ def sync_channel(target: str, security: Security, options: Sequence[tuple[str, A
 
 
 def aio_channel(target: str, security: Security, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
+    _warn_plaintext(target, security)
     interceptors: list[grpc.aio.ClientInterceptor] | None = None
     if security.token:
         pair = ("authorization", f"Bearer {security.token}")
