@@ -586,3 +586,15 @@ async def test_async_client_sends_its_token(tmp_path, layout, tenants):
                 await anon.lookup(layout, list(range(12)))
     finally:
         await d.stop(grace_s=0)
+
+
+def test_a_token_over_plain_tcp_to_another_host_is_warned_about(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="kvstore.client._auth"):
+        Client("192.0.2.1:50051", token="kvs_example").close()  # TEST-NET-1: nothing is contacted
+        assert "without TLS" in caplog.text
+        caplog.clear()
+        Client("127.0.0.1:50051", token="kvs_example").close()
+        Client("unix:/nonexistent/kv.sock", token="kvs_example").close()
+        assert "without TLS" not in caplog.text

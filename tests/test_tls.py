@@ -105,14 +105,3 @@ def test_unreadable_certificate_stops_the_daemon(tmp_path):
     with pytest.raises(ConfigError, match="cannot read tls_key"):
         Daemon(make_config(tmp_path, tls_cert=str(tmp_path / "none.pem"), tls_key=str(tmp_path / "none.key")))
 
-
-def test_a_token_over_plain_tcp_to_another_host_is_warned_about(caplog):
-    import logging
-
-    with caplog.at_level(logging.WARNING, logger="kvstore.client._auth"):
-        Client("192.0.2.1:50051", token="kvs_example").close()  # TEST-NET-1: nothing is contacted
-        assert "without TLS" in caplog.text
-        caplog.clear()
-        Client("127.0.0.1:50051", token="kvs_example").close()
-        Client("unix:/nonexistent/kv.sock", token="kvs_example").close()
-        assert "without TLS" not in caplog.text
