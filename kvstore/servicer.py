@@ -88,6 +88,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             return lease_id
         return f"{lease_id}.{self._lease_tag(current_identity().tenant, lease_id)}"
 
+    def _session(self, session_id: str, expect_reuse_within_s: float = 1.0) -> str:
+        """The policies' key for a client's session id: the id itself with auth off; with
+        auth on, a digest of tenant and id, so tenants choosing the same id (or ending
+        another's) never touch each other's hints."""
+        check_hint(session_id, expect_reuse_within_s)
+        if self.lease_key is None:
+            return session_id
+        tenant = current_identity().tenant
+        return "t:" + hashlib.sha256(tenant.encode() + b"\0" + session_id.encode()).hexdigest()[:32]
+
     def _lease_in(self, tagged: str) -> str:
         """The store's lease id behind `tagged`; empty (no lease) when the tag is not the
         caller's tenant's."""
@@ -207,11 +217,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Lookup(self, request: kvstore_pb2.LookupRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.LookupResponse:
         ns_id = self._namespace(request.namespace)
         hashes = self._hashes(ns_id, request.keys)
-        if request.HasField("hint"):
-            check_hint(request.hint.session_id, request.hint.expect_reuse_within_s)
+        session = self._session(request.hint.session_id, request.hint.expect_reuse_within_s) \
+            if request.HasField("hint") else ""
         r = self.store.lookup(ns_id, hashes, request.lease_ms)
-        if request.HasField("hint") and r.num_blocks:
-            self.store.hint(ns_id, r.block_hashes, request.hint.session_id, request.hint.expect_reuse_within_s)
+        if session and r.num_blocks:
+            self.store.hint(ns_id, r.block_hashes, session, request.hint.expect_reuse_within_s)
         return kvstore_pb2.LookupResponse(
             num_blocks=r.num_blocks,
             num_tokens=r.num_tokens,
@@ -291,18 +301,19 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     def _apply_put_hint(self, header: kvstore_pb2.PutHeader, ns_id: bytes, hashes: list[bytes]) -> None:
         if header.HasField("hint"):
-            self.store.hint(ns_id, hashes, header.hint.session_id, header.hint.expect_reuse_within_s)
+            self.store.hint(ns_id, hashes, self._session(header.hint.session_id, header.hint.expect_reuse_within_s),
+                            header.hint.expect_reuse_within_s)
 
     async def Hint(self, request: kvstore_pb2.HintRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.HintResponse:
         ns_id = self._namespace(request.namespace)
-        hinted = self.store.hint(ns_id, self._hashes(ns_id, request.keys), request.hint.session_id,
-                                 request.hint.expect_reuse_within_s)
+        session = self._session(request.hint.session_id, request.hint.expect_reuse_within_s)
+        hinted = self.store.hint(ns_id, self._hashes(ns_id, request.keys), session, request.hint.expect_reuse_within_s)
         return kvstore_pb2.HintResponse(hinted=hinted)
 
     async def EndSession(
         self, request: kvstore_pb2.EndSessionRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.EndSessionResponse:
-        self.store.end_session(request.session_id)
+        self.store.end_session(self._session(request.session_id))
         return kvstore_pb2.EndSessionResponse()
 
     async def Prefetch(

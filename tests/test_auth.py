@@ -598,3 +598,21 @@ def test_a_token_over_plain_tcp_to_another_host_is_warned_about(caplog):
         Client("127.0.0.1:50051", token="kvs_example").close()
         Client("unix:/nonexistent/kv.sock", token="kvs_example").close()
         assert "without TLS" not in caplog.text
+
+
+def test_session_ids_are_per_tenant(tmp_path, layout, tenants):
+    cfg = make_config(tmp_path, auth_token_file=str(tenants.path), host_capacity=8 * layout.bytes_per_block,
+                      host_prefault=False, policy="hint-lru", hint_budget=1.0)
+    hinted = list(range(8))  # 2 blocks
+    with daemon_in_thread(cfg) as running, \
+            Client(running.unix_target, token=tenants.tokens["alpha"], data_plane="grpc") as alpha, \
+            Client(running.unix_target, token=tenants.tokens["beta"], data_plane="grpc") as beta:
+        alpha.put(layout, hinted, blocks_for(layout, 2), session_id="conv-1", expect_reuse_within_s=600)
+        beta.end_session("conv-1")  # the same id from another tenant is another session
+        for i in range(6):  # 12 of beta's blocks through an 8-block tier
+            beta.put(layout, list(range(1000 * (i + 1), 1000 * (i + 1) + 8)), blocks_for(layout, 2, seed=i))
+        assert alpha.lookup(layout, hinted).num_blocks == 2
+        alpha.end_session("conv-1")
+        for i in range(6):
+            beta.put(layout, list(range(50_000 * (i + 1), 50_000 * (i + 1) + 8)), blocks_for(layout, 2, seed=i))
+        assert alpha.lookup(layout, hinted).num_blocks == 0
