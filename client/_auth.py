@@ -3,7 +3,8 @@
 `Security.resolve(...)` takes what a caller passed and fills the rest from the
 environment: `KVSTORE_TOKEN` (or `KVSTORE_TOKEN_FILE`, a file holding the token),
 `KVSTORE_TLS_CA` (PEM roots; setting it turns TLS on), `KVSTORE_TLS_CERT` and
-`KVSTORE_TLS_KEY` (a client certificate for mTLS). The token travels as metadata
+`KVSTORE_TLS_KEY` (a client certificate for mTLS); TLS settings apply to TCP targets
+only (the daemon serves Unix sockets plain). The token travels as metadata
 `authorization: Bearer <token>` on every call, added by a client interceptor only when a
 token is set, so the default (no token) path has no interceptor at all.
 """
@@ -161,7 +162,7 @@ def _warn_plaintext(target: str, security: Security) -> None:
 
 def sync_channel(target: str, security: Security, options: Sequence[tuple[str, Any]]) -> grpc.Channel:
     _warn_plaintext(target, security)
-    if security.tls:
+    if security.tls and not target.startswith("unix:"):  # the daemon's sockets are plain
         channel = grpc.secure_channel(target, security.credentials(), options=list(options))
     else:
         channel = grpc.insecure_channel(target, options=list(options))
@@ -176,7 +177,7 @@ def aio_channel(target: str, security: Security, options: Sequence[tuple[str, An
     if security.token:
         pair = ("authorization", f"Bearer {security.token}")
         interceptors = [_AioUnaryUnary(pair), _AioUnaryStream(pair), _AioStreamUnary(pair), _AioStreamStream(pair)]
-    if security.tls:
+    if security.tls and not target.startswith("unix:"):  # the daemon's sockets are plain
         return grpc.aio.secure_channel(target, security.credentials(), options=list(options),
                                        interceptors=interceptors)
     return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)

@@ -58,9 +58,12 @@ def test_tls_listener_serves_clients_that_trust_its_ca(tmp_path, pki, layout):
         from kvstore.cli import main
 
         assert main(["health", "--target", running.tcp_target, "--tls-ca", str(pki / "ca.pem")]) == 0
-        # The Unix socket stays plain (its file mode is its boundary).
-        with Client(running.unix_target, data_plane="grpc") as local:
+        # The Unix socket stays plain (its file mode is its boundary); TLS settings given
+        # for it (say, from KVSTORE_TLS_CA) do not get in the way.
+        with Client(running.unix_target, data_plane="grpc") as local, \
+             Client(running.unix_target, tls_ca=str(pki / "ca.pem"), data_plane="grpc") as also_local:
             assert local.lookup(layout, list(range(8))).num_blocks == 2
+            assert also_local.lookup(layout, list(range(8))).num_blocks == 2
 
 
 def test_mtls_needs_a_client_certificate(tmp_path, pki, layout):
