@@ -84,6 +84,18 @@ def test_token_file_round_trip(tenants):
     assert all(tok not in text for tok in tenants.tokens.values())
 
 
+def test_a_tenant_may_have_several_tokens_for_rotation(tmp_path):
+    (old, old_hash), (new, new_hash) = new_token(), new_token()
+    path = tmp_path / "t.toml"
+    path.write_text(f'[[tenant]]\nname = "a"\ntokens = ["{old_hash}", "{new_hash}"]\n')
+    os.chmod(path, 0o600)
+    table = parse_token_file(str(path))
+    assert table.authenticate(old).tenant == table.authenticate(new).tenant == "a"
+    path.write_text(f'[[tenant]]\nname = "a"\ntokens = ["{new_hash}"]\n')  # the old one retired
+    table = parse_token_file(str(path))
+    assert table.authenticate(old) is None and table.authenticate(new).tenant == "a"
+
+
 def test_token_hash_is_salted():
     a, b = hash_token("same"), hash_token("same")
     assert a != b and a.startswith("sha256:")
