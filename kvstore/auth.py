@@ -165,19 +165,22 @@ class TokenTable:
 
 
 def check_file_mode(path: str) -> None:
-    """Refuse a token file that other users may read or write (hashes are not secrets to
-    leak, but a writable file is a way in)."""
+    """Refuse a token file that any user may read or write, or its group may write (a
+    writable file is a way in); warn when its group may read it (what Kubernetes makes
+    of a Secret mounted with fsGroup)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
         raise ConfigError(f"auth_token_file {path} does not exist; create it with `kvstore token new`") from None
     except OSError as exc:
         raise ConfigError(f"cannot read auth_token_file {path}: {exc.strerror}") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & (stat.S_IRWXO | stat.S_IWGRP):
         raise ConfigError(
-            f"auth_token_file {path} is accessible to other users (mode {stat.S_IMODE(st.st_mode):04o}); "
-            f"run `chmod 600 {path}`"
+            f"auth_token_file {path} is accessible to other users (mode {mode:04o}); run `chmod 600 {path}`"
         )
+    if mode & stat.S_IRGRP:
+        logger.warning("auth_token_file %s is readable by its group (mode %04o); 0600 or 0400 is safer", path, mode)
 
 
 def parse_token_file(path: str) -> TokenTable:

@@ -123,10 +123,17 @@ def test_bad_token_files_are_refused(tmp_path, body, match):
         parse_token_file(str(path))
 
 
-def test_token_file_readable_by_others_is_refused(tenants):
-    os.chmod(tenants.path, 0o644)
+@pytest.mark.parametrize("mode", [0o644, 0o604, 0o620, 0o606])
+def test_token_file_open_to_other_users_is_refused(tenants, mode):
+    os.chmod(tenants.path, mode)
     with pytest.raises(ConfigError, match="chmod 600"):
         parse_token_file(str(tenants.path))
+
+
+def test_token_file_readable_by_its_group_is_warned_about(tenants, caplog):
+    os.chmod(tenants.path, 0o440)  # a Kubernetes Secret mounted with fsGroup
+    assert parse_token_file(str(tenants.path)).authenticate(tenants.tokens["alpha"]) is not None
+    assert "readable by its group" in caplog.text
 
 
 def test_token_new_cli_prints_a_working_entry(tmp_path, capsys):
@@ -160,7 +167,7 @@ def test_non_loopback_listen_needs_a_token_file_and_tls(tmp_path, tenants):
 
 
 def test_a_daemon_with_a_bad_token_file_does_not_start(tmp_path, tenants):
-    os.chmod(tenants.path, 0o640)
+    os.chmod(tenants.path, 0o604)
     with pytest.raises(ConfigError, match="accessible to other users"):
         Daemon(make_config(tmp_path, auth_token_file=str(tenants.path)))
 
