@@ -97,9 +97,10 @@ class OpsAdminServicer(AdminServicer):
         for ns in self.store.namespaces():
             per_tenant[ns.tenant] = per_tenant.get(ns.tenant, 0) + 1
         lines = ["# Tenants"]
-        for tenant in sorted(set(self.store.tenants()) | set(calls)):
-            usage = self.store.tenant_usage(tenant)
-            quota = self.store.tenant_quotas.get(tenant, {})
+        ledger = self.store.tenancy
+        for tenant in sorted(set(per_tenant) | ledger.tenants() | set(calls)):
+            usage = ledger.usage(tenant)
+            quota = ledger.quotas.get(tenant, {})
             parts = [f"namespaces={per_tenant.get(tenant, 0)}", f"calls_in_flight={calls.get(tenant, 0)}"]
             parts += [f"{tier}_bytes={usage.get(tier, 0)}" for tier in sorted(set(usage) | set(quota))]
             parts += [f"{tier}_quota={q}" for tier, q in sorted(quota.items())]

@@ -369,7 +369,7 @@ class Daemon:
             raise
         self.store.observer = self.events
         if self.tokens is not None:
-            self.store.tenant_quotas = self.tokens.quotas()
+            self.store.tenancy.quotas = self.tokens.quotas()
         self.runtime = RuntimeConfig(cfg, self.store, self.events)
         server = grpc.aio.server(
             # Metrics outermost, so it sees the status the error interceptor set.
@@ -476,7 +476,7 @@ class Daemon:
             return False
         self.tokens = table
         self.auth.table = table
-        self.store.tenant_quotas = table.quotas()
+        self.store.tenancy.quotas = table.quotas()
         logger.info("token file reloaded: %d tenants", len(table))
         return True
 

@@ -50,6 +50,7 @@ from kvstore.index import BlockEntry, BlockIndex, BlockState, make_key
 from kvstore.layout import DTYPE_BYTES, KVLayout
 from kvstore.leases import Lease, LeaseTable
 from kvstore.policies import EvictionPolicy
+from kvstore.tenancy import TenantLedger
 from kvstore.tiers.base import BlockMeta, Slot, Tier
 from kvstore.tiers.copiers import make_copier
 
@@ -326,14 +327,8 @@ class Store:
         self._index = BlockIndex()
         self._leases = LeaseTable(self._release)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
-        # Tenancy: payload bytes each tenant holds per tier (exact: added when a copy is
-        # published or lands, taken away when it goes), and quotas in bytes per tier that
-        # the daemon sets from its token file.
-        self.tenant_quotas: dict[str, dict[str, int]] = {}
-        self._tenant_bytes: dict[str, Counter[str]] = {}
-        # Bytes of copies on their way into a tier (checked against quota, not landed yet),
-        # so concurrent moves cannot all pass the same check.
-        self._tenant_incoming: Counter[tuple[str, str]] = Counter()
+        # Payload bytes per tenant and tier, and quotas (set by the daemon from its token file).
+        self.tenancy = TenantLedger()
         self._tier_by_name = {t.name: t for t in self.tiers}
         # Set by the daemon (the event bus); None in embedded and unit-test stores.
         self.observer: StoreObserver | None = None
@@ -433,13 +428,12 @@ class Store:
             if self._recovered:
                 # Blocks recovered from SSD carry their namespace id but not its layout;
                 # the first request that sends the layout adopts them.
-                usage = self._tenant_bytes.setdefault(tenant, Counter())
                 for entry in self._index:
                     if entry.key[:HASH_BYTES] == ns_id:
                         info.blocks += 1
                         info.bytes += entry.nbytes
                         for name in entry.locations:
-                            usage[name] += entry.nbytes
+                            self.tenancy.add(tenant, name, entry.nbytes)
             self._namespaces[ns_id] = info
             logger.info("namespace %s registered: model=%s dtype=%s block=%d tokens / %d bytes",
                         ns_id.hex(), layout.model, layout.dtype, layout.block_size_tokens, layout.bytes_per_block)
@@ -573,50 +567,30 @@ class Store:
             return
         info = self._namespaces.get(entry.key[:HASH_BYTES])
         if info is not None:
-            self._tenant_bytes.setdefault(info.tenant, Counter())[tier] += nbytes
-
-    def tenant_usage(self, tenant: str) -> dict[str, int]:
-        """Payload bytes `tenant` holds in each tier (zero tiers left out)."""
-        return {tier: n for tier, n in self._tenant_bytes.get(tenant, Counter()).items() if n}
-
-    def tenants(self) -> list[str]:
-        return sorted({i.tenant for i in self._namespaces.values()} | set(self.tenant_quotas))
+            self.tenancy.add(info.tenant, tier, nbytes)
 
     def _quota_exceeded(self, entry: BlockEntry, st: StoreTier) -> str:
-        """Why one more copy of `entry` in `st` would exceed its tenant's quota there
-        (counting copies already on their way in); empty when it would not."""
-        if not self.tenant_quotas:
-            return ""
-        info = self._namespaces.get(entry.key[:HASH_BYTES])
-        if info is None:
-            return ""
-        quota = self.tenant_quotas.get(info.tenant, {}).get(st.name)
-        if quota is None:
-            return ""
-        used = self._tenant_bytes.get(info.tenant, Counter())[st.name]
-        incoming = self._tenant_incoming[info.tenant, st.name]
-        if used + incoming + entry.nbytes <= quota:
-            return ""
-        return (f"tenant {info.tenant!r} is at its {st.name} quota: {used} of {quota} bytes used, "
-                f"{incoming + entry.nbytes} more needed")
+        """Why one more copy of `entry` in `st` would take its tenant over quota; empty if not."""
+        info = self._namespaces.get(entry.key[:HASH_BYTES]) if self.tenancy.quotas else None
+        return self.tenancy.exceeded(info.tenant, st.name, entry.nbytes) if info is not None else ""
 
     def _quota_incoming(self, entry: BlockEntry, st: StoreTier, nbytes: int) -> None:
         """Count (or, with a negative `nbytes`, stop counting) a copy on its way into `st`."""
         info = self._namespaces.get(entry.key[:HASH_BYTES])
-        if info is not None and self.tenant_quotas:
-            key = (info.tenant, st.name)
-            self._tenant_incoming[key] += nbytes
-            if self._tenant_incoming[key] <= 0:
-                del self._tenant_incoming[key]
+        if info is not None:
+            if nbytes > 0:
+                self.tenancy.hold(info.tenant, st.name, nbytes)
+            else:
+                self.tenancy.release(info.tenant, st.name, -nbytes)
 
     async def _quota_room(self, info: NamespaceInfo, st: StoreTier, need: int) -> None:
         """Make `need` more bytes of `info.tenant`'s quota in `st` free by evicting the
         tenant's own evictable blocks there (cache semantics); ResourceExhausted if its
         blocks there are pinned, leased or in flight."""
-        quota = self.tenant_quotas.get(info.tenant, {}).get(st.name)
+        ledger = self.tenancy
+        quota = ledger.quota(info.tenant, st.name)
         if quota is None:
             return
-        usage = self._tenant_bytes.setdefault(info.tenant, Counter())
         if need > quota:
             raise ResourceExhausted(
                 f"tenant {info.tenant!r}: this put needs {need} bytes in tier {st.name}, more than the tenant's "
@@ -627,15 +601,12 @@ class Store:
         def own(key: bytes) -> bool:
             return key[:HASH_BYTES] in owned and self._evictable(key)
 
-        while usage[st.name] + self._tenant_incoming[info.tenant, st.name] + need > quota:
+        while over := ledger.exceeded(info.tenant, st.name, need):
             key = st.policy.victim(own)
             if key is None:
-                incoming = self._tenant_incoming[info.tenant, st.name]
                 raise ResourceExhausted(
-                    f"tenant {info.tenant!r} is at its {st.name} quota: {usage[st.name]} of {quota} bytes used"
-                    + (f" and {incoming} on their way in" if incoming else "")
-                    + f", {need} more needed, and its blocks there are pinned or in use; release leases, delete "
-                    "blocks, or raise the quota in the token file"
+                    f"{over}, and its blocks there are pinned or in use; release leases, delete blocks, "
+                    "or raise the quota in the token file"
                 )
             entry = self._index.get(key)
             assert entry is not None
@@ -1528,8 +1499,8 @@ class PutTxn:
         self._current = 0
         self._done = False
         self._tier = tier
-        # Quota bytes this put holds as incoming in each tier it may land in, until it ends.
-        self._quota_held: list[tuple[str, str]] = []
+        # Tiers where this put holds its bytes against the tenant's quota, until it ends.
+        self._quota_held: list[str] = []
         self._quota_bytes = 0
 
     async def __aenter__(self) -> PutTxn:
@@ -1561,7 +1532,7 @@ class PutTxn:
                 f"hold {room}; put fewer blocks per call or raise their capacity"
             )
         try:
-            quotas = store.tenant_quotas.get(self._info.tenant)
+            quotas = store.tenancy.quotas.get(self._info.tenant)
             if quotas and new:
                 # The put must fit the tenant's quota in every tier it may land in; its
                 # bytes count there from when room is made until it commits or aborts.
@@ -1569,9 +1540,8 @@ class PutTxn:
                 for st in landing:
                     if st.name in quotas:
                         await store._quota_room(self._info, st, self._quota_bytes)
-                        held = (self._info.tenant, st.name)
-                        store._tenant_incoming[held] += self._quota_bytes
-                        self._quota_held.append(held)
+                        store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
+                        self._quota_held.append(st.name)
             for i in new:
                 slot = await store._allocate_put(self.block_bytes, landing)
                 if self._done:  # aborted while making room
@@ -1699,11 +1669,8 @@ class PutTxn:
                 self._entries[i] = None
 
     def _release_held(self) -> None:
-        incoming = self._store._tenant_incoming
-        for key in self._quota_held:
-            incoming[key] -= self._quota_bytes
-            if incoming[key] <= 0:
-                del incoming[key]
+        for tier in self._quota_held:
+            self._store.tenancy.release(self._info.tenant, tier, self._quota_bytes)
         self._quota_held.clear()
         for entry in self._held:
             self._store._release(entry)

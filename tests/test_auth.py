@@ -345,10 +345,10 @@ def test_quota_evicts_the_tenants_own_blocks_then_refuses(auth_daemon, layout, t
         assert beta.put(layout, beta_tokens, blocks_for(layout, 6)).stored == 6
         first, second = list(range(12)), list(range(100, 112))
         assert small.put(layout, first, blocks_for(layout, 3)).stored == 3
-        assert store.tenant_usage("small") == {"host": 3 * 1024}
+        assert store.tenancy.usage("small") == {"host": 3 * 1024}
         # 3 more blocks would make 6 KiB against a 4 KiB quota: two of its own older blocks go.
         assert small.put(layout, second, blocks_for(layout, 3, seed=50)).stored == 3
-        assert store.tenant_usage("small") == {"host": 4 * 1024}
+        assert store.tenancy.usage("small") == {"host": 4 * 1024}
         assert small.lookup(layout, second).num_blocks == 3
         assert small.lookup(layout, first).num_blocks < 3
         # Nobody else paid for it.
@@ -357,11 +357,11 @@ def test_quota_evicts_the_tenants_own_blocks_then_refuses(auth_daemon, layout, t
         kept = [t for t in (first, second) if small.lookup(layout, t).num_blocks]
         for t in kept:
             small.pin(layout, t, ttl_ms=60_000)
-        before = store.tenant_usage("small")
+        before = store.tenancy.usage("small")
         with pytest.raises(ResourceExhausted, match=r"tenant 'small' is at its host quota: 4096 of 4096 bytes"):
             small.put(layout, list(range(200, 204)), blocks_for(layout, 1))
         assert small.lookup(layout, list(range(200, 204))).num_blocks == 0
-        assert store.tenant_usage("small") == before
+        assert store.tenancy.usage("small") == before
         # A put larger than the whole quota says so.
         with pytest.raises(ResourceExhausted, match="more than the tenant's whole host quota"):
             small.put(layout, list(range(300, 320)), blocks_for(layout, 5))
@@ -371,14 +371,14 @@ def test_usage_returns_to_zero_after_delete_and_flush(auth_daemon, layout, tenan
     store = auth_daemon.store
     with Client(auth_daemon.unix_target, token=tenants.tokens["alpha"], data_plane="grpc") as alpha:
         alpha.put(layout, list(range(16)), blocks_for(layout, 4))
-        assert store.tenant_usage("alpha") == {"host": 4 * 1024}
+        assert store.tenancy.usage("alpha") == {"host": 4 * 1024}
         assert alpha.delete(layout, list(range(16))) == 4
-        assert store.tenant_usage("alpha") == {}
+        assert store.tenancy.usage("alpha") == {}
         alpha.put(layout, list(range(16)), blocks_for(layout, 4))
         ns = alpha.lookup(layout, list(range(4))).namespace_id
     with AdminClient(auth_daemon.unix_target, token=tenants.tokens["ops"]) as admin:
         assert admin.flush(ns).blocks == 4
-    assert store.tenant_usage("alpha") == {}
+    assert store.tenancy.usage("alpha") == {}
 
 
 # ------------------------------------------------------------------ reload
@@ -505,20 +505,20 @@ def test_ssd_quota_and_usage_across_write_through_delete_and_restart(tmp_path, l
             assert disk.put(layout, first, blocks_for(layout, 4)).stored == 4
             _wait(lambda: store.pending_ssd_writes == 0, "SSD writes did not finish")
             # Write-through stops at the tenant's SSD quota; the rest stays in memory only.
-            assert store.tenant_usage("disk") == {"host": 4096, "ssd": 2048}
+            assert store.tenancy.usage("disk") == {"host": 4096, "ssd": 2048}
             assert disk.delete(layout, first) == 4
-            assert store.tenant_usage("disk") == {}
+            assert store.tenancy.usage("disk") == {}
             assert disk.put(layout, second, blocks_for(layout, 2, seed=3)).stored == 2
             _wait(lambda: store.pending_ssd_writes == 0, "SSD writes did not finish")
-            assert store.tenant_usage("disk") == {"host": 2048, "ssd": 2048}
+            assert store.tenancy.usage("disk") == {"host": 2048, "ssd": 2048}
     # After a restart the recovered SSD blocks count again once the tenant names its layout.
     with daemon_in_thread(cfg) as running:
         with Client(running.unix_target, token=tenants.tokens["disk"], data_plane="grpc") as disk:
             assert disk.lookup(layout, second).num_blocks == 2
-            usage = running.store.tenant_usage("disk")
+            usage = running.store.tenancy.usage("disk")
             assert usage.get("ssd") == 2048
             assert disk.delete(layout, second) == 2
-            assert running.store.tenant_usage("disk") == {}
+            assert running.store.tenancy.usage("disk") == {}
 
 
 def test_unix_socket_peers_may_act_as_a_named_tenant(tmp_path, layout, tenants):

@@ -18,7 +18,7 @@ BLOCK = LAYOUT.bytes_per_block  # 1024
 
 def make_store() -> Store:
     store = Store([StoreTier(HostTier(32 * BLOCK), LRUPolicy())])
-    store.tenant_quotas = {"t": {"host": 4 * BLOCK}}
+    store.tenancy.quotas = {"t": {"host": 4 * BLOCK}}
     return store
 
 
@@ -40,13 +40,13 @@ async def test_concurrent_puts_cannot_overshoot_the_quota():
     for txn in (first, second):
         txn.mark_written()
         await txn.commit([0, 0])
-    assert store.tenant_usage("t") == {"host": 4 * BLOCK}
+    assert store.tenancy.usage("t") == {"host": 4 * BLOCK}
     # Now a put makes room by evicting the tenant's own oldest block.
     fourth = store.begin_put(ns, chain(1, 300))
     await fourth.reserve()
     fourth.mark_written()
     await fourth.commit([0])
-    assert store.tenant_usage("t") == {"host": 4 * BLOCK}
+    assert store.tenancy.usage("t") == {"host": 4 * BLOCK}
     # One block of the earlier puts went (the policy's victim); the new one is held.
     held = sum(store.block(ns, h) is not None for h in chain(2, 0) + chain(2, 100))
     assert held == 3 and store.lookup(ns, chain(1, 300)).num_blocks == 1
@@ -62,7 +62,7 @@ async def test_an_aborted_put_gives_its_quota_back():
     await again.reserve()
     again.mark_written()
     await again.commit([0] * 4)
-    assert store.tenant_usage("t") == {"host": 4 * BLOCK}
+    assert store.tenancy.usage("t") == {"host": 4 * BLOCK}
 
 
 async def test_other_tenants_and_the_default_tenant_are_not_limited():
@@ -75,10 +75,10 @@ async def test_other_tenants_and_the_default_tenant_are_not_limited():
         await txn.reserve()
         txn.mark_written()
         await txn.commit([0] * 8)
-    assert store.tenant_usage("u") == {"host": 8 * BLOCK}
-    assert store.tenant_usage("default") == {"host": 8 * BLOCK}
+    assert store.tenancy.usage("u") == {"host": 8 * BLOCK}
+    assert store.tenancy.usage("default") == {"host": 8 * BLOCK}
     store.purge()
-    assert store.tenant_usage("u") == {} and store.tenant_usage("default") == {}
+    assert store.tenancy.usage("u") == {} and store.tenancy.usage("default") == {}
 
 
 async def test_usage_matches_the_index_through_random_moves(tmp_path):
@@ -99,7 +99,7 @@ async def test_usage_matches_the_index_through_random_moves(tmp_path):
         StoreTier(SsdTier(str(tmp_path / "ssd"), 1 << 20, region_size=64 << 10, io_threads=2), make_policy("lru")),
     ]
     store = Store(tiers, migration=MigrationConfig(tick_s=3600))
-    store.tenant_quotas = {"q": {"hbm": 3 * BLOCK, "host": 5 * BLOCK, "ssd": 8 * BLOCK}}
+    store.tenancy.quotas = {"q": {"hbm": 3 * BLOCK, "host": 5 * BLOCK, "ssd": 8 * BLOCK}}
     await store.start()
     rng = random.Random(7)
     namespaces = {"q": store.register(LAYOUT, "q", b"q"), "free": store.register(LAYOUT, "free", b"free")}
@@ -151,12 +151,12 @@ async def test_usage_matches_the_index_through_random_moves(tmp_path):
             await asyncio.gather(*(step() for _ in range(3)))
             await store.flush()
             for tenant in ("q", "free"):
-                assert store.tenant_usage(tenant) == expected(tenant)
-            quota = store.tenant_quotas["q"]
-            usage = store.tenant_usage("q")
+                assert store.tenancy.usage(tenant) == expected(tenant)
+            quota = store.tenancy.quotas["q"]
+            usage = store.tenancy.usage("q")
             assert all(usage.get(tier, 0) <= limit for tier, limit in quota.items()), usage
         store.purge()
-        assert store.tenant_usage("q") == {} and store.tenant_usage("free") == {}
+        assert store.tenancy.usage("q") == {} and store.tenancy.usage("free") == {}
     finally:
         await store.aclose()
 
@@ -181,17 +181,35 @@ async def test_a_block_deleted_while_it_is_demoted_is_not_subtracted_twice(tmp_p
         for i in range(3):
             await txn.write(i, bytes([i]) * BLOCK)
         await txn.commit()
-        assert store.tenant_usage("t") == {"host": 3 * BLOCK}
+        assert store.tenancy.usage("t") == {"host": 3 * BLOCK}
         # Over the high watermark: the migrator demotes the LRU victim to SSD; the block is
         # deleted while its SSD write is in flight (the demotion holds it as a reader).
         task = asyncio.create_task(store.migrate_once(host))
         await asyncio.sleep(0)  # the demotion runs up to its first wait (the SSD write)
         assert not task.done()
         assert store.delete(ns, hs) == 3
-        assert store.tenant_usage("t") == {}
+        assert store.tenancy.usage("t") == {}
         await task
         await store.flush()
         assert all(store.block(ns, h) is None for h in hs)
-        assert store.tenant_usage("t") == {}
+        assert store.tenancy.usage("t") == {}
     finally:
         await store.aclose()
+
+
+def test_ledger_counts_held_bytes_against_quotas_only():
+    from kvstore.tenancy import TenantLedger
+
+    ledger = TenantLedger()
+    ledger.quotas = {"t": {"host": 100}}
+    ledger.add("t", "host", 60)
+    assert ledger.exceeded("t", "host", 40) == ""
+    ledger.hold("t", "host", 30)
+    assert ledger.usage("t") == {"host": 60}  # held bytes are not usage
+    assert ledger.exceeded("t", "host", 40) == (
+        "tenant 't' is at its host quota: 60 of 100 bytes used and 30 on their way in, 40 more needed")
+    ledger.release("t", "host", 30)
+    assert ledger.incoming("t", "host") == 0 and ledger.exceeded("t", "host", 40) == ""
+    assert ledger.exceeded("t", "ssd", 10**9) == "" and ledger.exceeded("u", "host", 10**9) == ""  # no quota
+    ledger.add("t", "host", -60)
+    assert ledger.usage("t") == {} and ledger.tenants() == {"t"}  # still listed: it has a quota
