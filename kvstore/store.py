@@ -29,6 +29,9 @@ hold a block exclusively among themselves; an SSD tier, if any, is last and incl
   victims to the next tier down in bounded batches until it is under the low watermark
   (OK / RUNNING / FAIL per batch). A block already on SSD is demoted by dropping its
   memory copy; the last tier drops blocks. A put that finds no room demotes in line.
+- Tenancy: each namespace has a tenant; copies count per tenant and tier in a
+  `TenantLedger` (kvstore.tenancy). A put over its tenant's quota first demotes that
+  tenant's own victims; promotions, demotions and SSD writes never take a tenant over.
 """
 
 from __future__ import annotations
