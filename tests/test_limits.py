@@ -110,3 +110,15 @@ async def test_calls_in_flight_per_tenant_are_capped(tmp_path, layout):
     finally:
         await d.stop(grace_s=0)
 
+
+
+def test_max_tokens_per_call_changes_live(tmp_path, layout):
+    from kvstore.client.admin import AdminClient
+    from kvstore.errors import InvalidArgument
+
+    with daemon_in_thread(make_config(tmp_path)) as running, \
+            Client(running.unix_target, data_plane="grpc") as kv, AdminClient(running.unix_target) as admin:
+        assert kv.lookup(layout, list(range(64))).num_blocks == 0
+        admin.set_config("max_tokens_per_call", "32")
+        with pytest.raises(InvalidArgument, match="max_tokens_per_call = 32"):
+            kv.lookup(layout, list(range(64)))
