@@ -250,10 +250,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML file with settings (flags and env override it)")
     for f in FIELDS:
         flag = "--" + f.name.replace("_", "-")
+        text = f.help.replace("%", "%%")  # argparse %-formats help text
         if f.kind == "bool":
-            parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=f.help)
+            parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=text)
         else:
-            parser.add_argument(flag, dest=f.name, default=None, metavar=f.metavar, help=f.help)
+            parser.add_argument(flag, dest=f.name, default=None, metavar=f.metavar, help=text)
     for name in RETIRED:  # accepted only to say what replaced them
         parser.add_argument("--" + name.replace("_", "-"), dest="retired_" + name, action="store_true",
                             help=argparse.SUPPRESS)

@@ -635,3 +635,16 @@ def test_session_ids_are_per_tenant(tmp_path, layout, tenants):
         for i in range(6):
             beta.put(layout, list(range(50_000 * (i + 1), 50_000 * (i + 1) + 8)), blocks_for(layout, 2, seed=i))
         assert alpha.lookup(layout, hinted).num_blocks == 0
+
+
+def test_serve_help_lists_the_security_flags(capsys):
+    from kvstore.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--auth-token-file", "--tls-cert", "--tls-client-ca", "--insecure-remote", "--metrics-remote",
+                 "--unix-socket-tenant", "--max-calls-per-tenant", "--max-tokens-per-call"):
+        assert flag in out
+    assert "saves >= 5%" in out and "--allow-remote" not in out
