@@ -126,7 +126,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_token_new(args: argparse.Namespace) -> int:
-    from kvstore.auth import _valid_name, entry_text, new_token
+    import os
+
+    from kvstore.auth import _valid_name, entry_text, new_token, parse_token_file
 
     if not _valid_name(args.tenant):
         print(f"kvstore token new: tenant name {args.tenant!r} must be 1-64 letters, digits, '-', '_' or '.'",
@@ -134,13 +136,25 @@ def cmd_token_new(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     token, token_hash = new_token()
     entry = entry_text(args.tenant, args.role, token_hash)
+    if args.file:
+        if os.path.exists(args.file):
+            # The file must be one the daemon would accept, and the tenant new to it.
+            if args.tenant in parse_token_file(args.file).identities:
+                raise KVStoreError(f"tenant {args.tenant!r} is already in {args.file}; add this hash to its "
+                                   f"tokens list by hand: {token_hash}")
+        fd = os.open(args.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a") as fh:
+            fh.write("\n" + entry)
     if args.json:
         print(json.dumps({"tenant": args.tenant, "role": args.role, "token": token, "hash": token_hash,
                           "entry": entry}, indent=2))
         return EXIT_OK
     print(f"token (shown once; give it to the client, e.g. as KVSTORE_TOKEN):\n{token}\n")
-    print("add to the token file (an existing tenant: append the hash to its tokens list), then send the "
-          "daemon SIGHUP:\n")
+    if args.file:
+        print(f"appended to {args.file}; send the daemon SIGHUP (systemctl reload kvstore) to use it:\n")
+    else:
+        print("add to the token file (an existing tenant: append the hash to its tokens list), then send the "
+              "daemon SIGHUP:\n")
     print(entry, end="")
     return EXIT_OK
 
@@ -174,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     new = token_sub.add_parser("new", help="print a new random token once, and the entry to add to the token file")
     new.add_argument("--tenant", required=True, help="tenant name (letters, digits, '-', '_', '.')")
     new.add_argument("--role", choices=("client", "admin"), default="client", help="client (default) or admin")
+    new.add_argument("--file", metavar="TOKEN_FILE", help="also append the entry to this token file (created "
+                     "0600 if missing; the tenant must not be in it yet); then send the daemon SIGHUP")
     new.add_argument("--json", action="store_true", help="machine-readable output")
     new.set_defaults(func=cmd_token_new)
 

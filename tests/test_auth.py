@@ -648,3 +648,21 @@ def test_serve_help_lists_the_security_flags(capsys):
                  "--unix-socket-tenant", "--max-calls-per-tenant", "--max-tokens-per-call"):
         assert flag in out
     assert "saves >= 5%" in out and "--allow-remote" not in out
+
+
+def test_token_new_can_append_to_the_token_file(tmp_path, capsys):
+    import json
+
+    from kvstore.cli import main
+
+    path = tmp_path / "tokens.toml"
+    assert main(["token", "new", "--tenant", "a", "--file", str(path), "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)["token"]
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert main(["token", "new", "--tenant", "b", "--role", "admin", "--file", str(path), "--json"]) == 0
+    second = json.loads(capsys.readouterr().out)["token"]
+    table = parse_token_file(str(path))
+    assert table.authenticate(first).tenant == "a" and table.authenticate(second).role == "admin"
+    before = path.read_text()
+    assert main(["token", "new", "--tenant", "a", "--file", str(path)]) == 1
+    assert "already in" in capsys.readouterr().err and path.read_text() == before
