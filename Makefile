@@ -44,11 +44,11 @@ bench: setup bench-deps
 # Scale: daemon RSS per block, Lookup p50/p99 of a 1000-block chain, put and eviction
 # cost per block at each N, and the SSD index rebuild time (log scan and snapshot).
 # Blocks are metadata only (a benchmark tier that accounts capacity but stores no
-# bytes); see docs/scale.md. `make bench` runs it at a small N (QUICK=1: smaller still).
+# bytes); see docs/scale.md. `make bench` runs it at N = 200k (QUICK=1: 50k).
 SCALE_N ?= 1M,10M
 SCALE_SSD_RECORDS ?= 1M
-BENCH_SCALE_N ?= $(if $(QUICK),100k,1M)
-BENCH_SCALE_SSD_RECORDS ?= $(if $(QUICK),100k,1M)
+BENCH_SCALE_N ?= $(if $(QUICK),50k,200k)
+BENCH_SCALE_SSD_RECORDS ?= $(if $(QUICK),20k,100k)
 bench-scale: setup
 	$(PY) bench/scale.py --n $(SCALE_N) --ssd-records $(SCALE_SSD_RECORDS)
 
