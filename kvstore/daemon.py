@@ -71,7 +71,7 @@ class GcFreezer:
     """Keeps the cyclic garbage collector off the block index.
 
     Index entries are long-lived and hold no reference cycles, yet every full collection
-    walks all of them: about half a second of CPU per million blocks on a 2-core machine,
+    walks all of them: 0.5 to 1.2 s of CPU per million blocks on a 2-core machine,
     a stall of the event loop that grows with the index (at ten million blocks, seconds).
     Once at least `GC_FREEZE_MIN_BLOCKS` blocks were stored since the last time, and at
     least a `GC_FREEZE_GROWTH` share of the index, the young generations are collected
