@@ -660,6 +660,12 @@ class Store:
                     landed = self._add_location(entry, lower, slot)
             except ResourceExhausted:
                 landed = False
+            except OSError as exc:
+                # The SSD refused the write (disk full, I/O error): as if there were no room
+                # below. The put that needs this slot must not fail for it.
+                self.counters.ssd_write_failures += 1
+                logger.warning("ssd write of block %s failed (%s); not demoted", entry.key.hex(), exc)
+                landed = False
             if not landed and lower.name not in entry.locations:
                 # Nothing below can take it: dropping is what the last tier would do.
                 logger.debug("no room below %s for %s; dropped", st.name, entry.key.hex())
@@ -906,6 +912,9 @@ class Store:
             await self._ensure_on_ssd(entry, data)
         except asyncio.CancelledError:
             raise
+        except OSError as exc:  # disk full or failing: expected, and one line per block is enough
+            self.counters.ssd_write_failures += 1
+            logger.warning("ssd write of block %s failed (%s); it stays in memory only", entry.key.hex(), exc)
         except Exception:  # task boundary: the block stays in memory, unwritten
             self.counters.ssd_write_failures += 1
             logger.exception("ssd write of block %s failed", entry.key.hex())
