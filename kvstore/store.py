@@ -823,6 +823,14 @@ class Store:
             raise InvalidArgument(f"parent hash must be {HASH_BYTES} bytes, got {len(parent_hash)}")
         if not hashes:
             raise InvalidArgument("a put must carry at least one block")
+        if len(set(hashes)) != len(hashes):
+            # Two PENDING entries for one key would both be published: refuse up front.
+            seen: dict[bytes, int] = {}
+            for i, h in enumerate(hashes):
+                if h in seen:
+                    raise InvalidArgument(f"block hash {i} names the same block as block hash {seen[h]}; "
+                                          "a put names each block only once")
+                seen[h] = i
         self.expire_leases()
         target = self._tier_by_name.get(tier) if tier is not None else None
         if tier is not None and (target is None or not target.tier.addressable):
