@@ -194,7 +194,7 @@ def put_and_stop(tmp_path: Path, n_chains: int, per: int) -> list[tuple[list[int
     return chains
 
 
-def test_torn_region_tail_is_counted_and_never_served(tmp_path: Path) -> None:
+def test_torn_tail_and_damaged_header_are_counted_and_never_served(tmp_path: Path) -> None:
     chains = put_and_stop(tmp_path, 4, 6)
     (tmp_path / "ssd" / SNAPSHOT_NAME).unlink()  # as after a crash: the log is scanned
     # The last block of the last chain is the last record written: cut it in half.
@@ -203,14 +203,20 @@ def test_torn_region_tail_is_counted_and_never_served(tmp_path: Path) -> None:
     assert region.stat().st_size > at + RECORD.size + BLOCK // 2
     with open(region, "r+b") as fh:
         fh.truncate(at + RECORD.size + BLOCK // 2)
+    # And a damaged header in the middle of chain 0: the scan skips to the next record.
+    h_region, h_at = record_offset(tmp_path / "ssd", chains[0][0], 2)
+    flip(h_region, h_at + 30)
 
     proc = start(tmp_path, host="4MiB")
     try:
         with Client(proc.target, data_plane="grpc") as kv:
-            assert tier(kv, "ssd").checksum_failures == 1
+            assert tier(kv, "ssd").checksum_failures == 2
             assert kv.lookup(LAYOUT, tokens).num_blocks == len(blocks) - 1
             assert kv.fetch(LAYOUT, tokens) == blocks[:-1]
-            for t, b in chains[:-1]:
+            assert kv.fetch(LAYOUT, chains[0][0]) == chains[0][1][:2]
+            hashes = block_hashes(LAYOUT.namespace_id, chains[0][0], LAYOUT.block_size_tokens)
+            assert kv.fetch(LAYOUT, block_hashes=hashes[3:]) == chains[0][1][3:]
+            for t, b in chains[1:-1]:
                 assert kv.fetch(LAYOUT, t) == b
             # The same tokens under a changed layout never match the recovered blocks.
             for change in ({"dtype": "float16"}, {"block_size_tokens": 8}, {"num_kv_heads": 1, "head_dim": 256}):
