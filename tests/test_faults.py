@@ -27,6 +27,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -219,16 +220,12 @@ def test_torn_tail_and_damaged_header_are_counted_and_never_served(tmp_path: Pat
             for t, b in chains[1:-1]:
                 assert kv.fetch(LAYOUT, t) == b
             # The same tokens under a changed layout never match the recovered blocks.
-            for change in ({"dtype": "float16"}, {"block_size_tokens": 8}, {"num_kv_heads": 1, "head_dim": 256}):
-                other = KVLayout(**{**_fields(LAYOUT), **change})
+            for other in (replace(LAYOUT, dtype="float16"), replace(LAYOUT, block_size_tokens=8),
+                          replace(LAYOUT, num_kv_heads=1, head_dim=256)):
                 assert kv.lookup(other, chains[0][0]).num_blocks == 0
                 assert kv.fetch(other, chains[0][0]) == []
     finally:
         assert proc.stop() == 0
-
-
-def _fields(layout: KVLayout) -> dict[str, object]:
-    return {k: getattr(layout, k) for k in KVLayout.__dataclass_fields__ if not k.startswith("_")}
 
 
 def test_damage_behind_a_snapshot_is_caught_on_read(tmp_path: Path) -> None:
