@@ -322,7 +322,11 @@ class StoreMachine(RuleBasedStateMachine):
     def matches_the_model(self) -> None:
         held = [h for hs in self.model.hashes for h in hs if self.held(h)]
         assert set(held) == set(self.model.content)
+        # Sweep as the daemon does every second: then exactly the model's leases are left.
+        self.store.expire_leases()
+        self.model.expire(self.clock.now)
         status = self.store.stats()
+        assert status.leases_active == len(self.model.leases)
         (tier,) = status.tiers
         assert tier.blocks == len(held) and tier.used_bytes == len(held) * BLOCK <= tier.capacity_bytes
         assert self.store.namespace(NS).blocks == len(held)
