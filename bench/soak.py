@@ -56,7 +56,7 @@ LAYOUT = KVLayout(model="bench/soak", dtype="bfloat16", num_layers=4, num_kv_hea
                   block_size_tokens=16)  # 2 * 4 * 16 * 4 * 64 * 2 = 64 KiB blocks
 BLOCK = LAYOUT.bytes_per_block
 CHAIN_BLOCKS = 8
-EXPECTED = {"ResourceExhausted", "NotFound", "FailedPrecondition"}
+EXPECTED = {"RESOURCE_EXHAUSTED", "NOT_FOUND", "FAILED_PRECONDITION"}
 RSS_GROWTH_BYTES = 64 << 20
 WARM_UP_FRACTION = 0.2
 OP_TIMEOUT_S = 60.0
@@ -131,7 +131,7 @@ def run_client(target: str, plane: str, chains: int, deadline: float, seed: int,
                     hashes = block_hashes(LAYOUT.namespace_id, tokens, LAYOUT.block_size_tokens)
                     kv.delete(LAYOUT, block_hashes=hashes[rng.randrange(CHAIN_BLOCKS):])
             except KVStoreError as exc:
-                name = type(exc).__name__
+                name = exc.code.name  # the gRPC status, e.g. RESOURCE_EXHAUSTED
                 st.errors[name] += 1
                 st.error_examples.setdefault(name, str(exc)[:300])
                 continue
