@@ -427,6 +427,16 @@ class DaemonMachine(RuleBasedStateMachine):
         with pytest.raises(InvalidArgument):
             self.kv(plane).put(self.layout, None, [payload(c, 0, 5)] * 2, block_hashes=[h, h])
 
+    @rule(plane=planes)
+    def empty_batches(self, plane: str) -> None:
+        kv = self.kv(plane)
+        with pytest.raises(InvalidArgument):
+            kv.put(self.layout, [], [])
+        assert kv.lookup(self.layout, []).num_blocks == 0
+        assert kv.fetch(self.layout, []) == []
+        assert kv.delete(self.layout, []) == 0
+        assert kv.pin(self.layout, []).pinned == 0
+
     @rule(ns=st.binary(min_size=HASH_BYTES, max_size=HASH_BYTES))
     def unknown_namespace(self, ns: bytes) -> None:
         DaemonMachine.steps += 1
