@@ -251,12 +251,14 @@ def test_damage_under_a_running_daemon_is_never_served(tmp_path: Path) -> None:
     proc = start(tmp_path, "--no-promote-on-hit", host="1MiB")
     try:
         with Client(proc.target, data_plane="grpc") as kv:
-            chains = [chain(8, s) for s in range(24)]  # 1.5 MiB: the early chains end up on SSD only
+            chains = [chain(8, s) for s in range(24)]  # 1.5 MiB: over the host tier
             for tokens, blocks in chains:
                 kv.put(LAYOUT, tokens, blocks)
             wait_for(lambda: tier(kv, "ssd").pending_writes == 0, "the SSD queue to drain")
+            with AdminClient(proc.target) as admin:
+                admin.evict("host", 1 << 30)  # every block is on SSD: this leaves it there only
             tokens, blocks = chains[0]
-            wait_for(lambda: kv.lookup(LAYOUT, tokens).tiers == ["ssd"] * len(blocks), "chain 0 to leave host")
+            assert kv.lookup(LAYOUT, tokens).tiers == ["ssd"] * len(blocks)
             for i, where in ((2, RECORD.size + 100), (5, 20)):  # a payload byte; a header byte
                 region, at = record_offset(tmp_path / "ssd", tokens, i)
                 flip(region, at + where)
