@@ -61,7 +61,7 @@ soak: setup
 # Property tests (tests/test_fuzz.py) with a larger budget than `make test`: FUZZ_EXAMPLES
 # state-machine runs against the in-process store, a tenth of that through the SDK
 # against a daemon. Prints how many ran.
-FUZZ_EXAMPLES ?= 2000
+FUZZ_EXAMPLES ?= 1000
 fuzz: setup
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/test_fuzz.py -s -q $(PYTEST_ARGS)
 
