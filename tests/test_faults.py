@@ -402,11 +402,11 @@ def test_disk_full_under_the_ssd_tier(tmp_path: Path) -> None:
 
 
 VANISHING_CLIENT = """
-import os, sys
+import os, sys, threading
 from kvstore.client import Client
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2
-from kvstore.client._common import block_keys, namespace_ref
+from kvstore.client._common import block_keys, namespace_ref, prepare_put, put_requests
 
 target, plane = sys.argv[1], sys.argv[2]
 layout = KVLayout(model="test/faults", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=128,
@@ -422,6 +422,17 @@ if plane == "local":
 else:
     stream = kv._fetch(kvstore_pb2.FetchRequest(namespace=namespace_ref(layout), keys=block_keys(tokens, None)))
     next(stream)  # the first chunk only: the stream stays open on the daemon
+# A put stream that stops after a few chunks of its first block: PENDING slots on the daemon.
+prepared = prepare_put(layout, list(range(5000, 5000 + 4 * 4)), None, [os.urandom(8192)] * 4, 0)
+sent = threading.Event()
+def requests():
+    for n, msg in enumerate(put_requests(prepared, 2048)):
+        if n == 3:
+            sent.set()
+            threading.Event().wait()
+        yield msg
+threading.Thread(target=lambda: kv._put(requests()), daemon=True).start()
+sent.wait()
 print("holding", flush=True)
 sys.stdin.read()  # until killed
 """
@@ -429,6 +440,8 @@ sys.stdin.read()  # until killed
 
 @pytest.mark.parametrize("plane", ["grpc", "local"])
 def test_a_vanished_client_releases_its_leases_and_pins(tmp_path: Path, plane: str) -> None:
+    """A client killed while holding a lookup lease, a pin, a fetch (an open gRPC stream,
+    or a shared-memory fetch lease) and a half-sent put: everything it held ends."""
     proc = procs.start(procs.daemon_args(tmp_path / "kv.sock", "--host-capacity", "1MiB", "--max-lease-ms", "1500",
                                          "--chunk-bytes", "4096"),
                        tmp_path / "kv.sock", tmp_path / "daemon.log")
@@ -443,6 +456,7 @@ def test_a_vanished_client_releases_its_leases_and_pins(tmp_path: Path, plane: s
             assert client.stdout is not None
             assert client.stdout.readline() == b"holding\n", "the client did not take its holds"
             assert kv.stats().counters.leases_active >= 2
+            wait_for(lambda: tier(kv, "host").used_bytes > 8 * BLOCK, "the half-sent put to reserve its slots")
             with AdminClient(proc.target) as admin:
                 # While held, nothing of the chain can be evicted.
                 assert admin.evict("host", 1 << 30).blocks == 0
@@ -453,8 +467,10 @@ def test_a_vanished_client_releases_its_leases_and_pins(tmp_path: Path, plane: s
                 wait_for(lambda: admin.evict("host", 1 << 30).blocks > 0 or tier(kv, "host").blocks == 0,
                          "the chain to become evictable")
             assert kv.lookup(LAYOUT, tokens).num_blocks == 0
+            assert kv.lookup(LAYOUT, list(range(5000, 5000 + 4 * 4))).num_blocks == 0  # the cut-off put
             host = tier(kv, "host")
-            assert host.blocks == 0 and host.used_bytes == 0
+            assert host.blocks == 0 and host.used_bytes == 0  # its PENDING slots were freed too
+            assert kv.stats().counters.put_failures >= 1
     finally:
         if client is not None:
             if client.poll() is None:
