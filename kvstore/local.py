@@ -26,6 +26,7 @@ class OpenPut:
     txn: PutTxn
     header: kvstore_pb2.PutHeader | None  # what applies at commit (hints)
     expires_at: float
+    tenant: str = ""  # only the tenant that began a put may commit or abort it
 
 
 class LocalPuts:
@@ -40,7 +41,7 @@ class LocalPuts:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def begin(self, txn: PutTxn, header: kvstore_pb2.PutHeader | None = None) -> str:
+    def begin(self, txn: PutTxn, header: kvstore_pb2.PutHeader | None = None, tenant: str = "") -> str:
         self.expire()
         if len(self._pending) >= self.max_pending:
             txn.abort()
@@ -49,14 +50,19 @@ class LocalPuts:
             )
         txn_id = secrets.token_hex(12)
         expires_at = self._clock() + self.ttl_ms / 1000.0
-        self._pending[txn_id] = OpenPut(txn, header, expires_at)
+        self._pending[txn_id] = OpenPut(txn, header, expires_at, tenant)
         heapq.heappush(self._deadlines, (expires_at, txn_id))
         return txn_id
 
-    def take(self, txn_id: str) -> OpenPut:
-        """The open put `txn_id`, removed from the table (the caller commits or aborts it)."""
+    def take(self, txn_id: str, tenant: str = "") -> OpenPut:
+        """The open put `txn_id` of `tenant`, removed from the table (the caller commits or
+        aborts it). Another tenant's id is answered as if it were not open."""
         self.expire()
-        pending = self._pending.pop(txn_id, None)
+        pending = self._pending.get(txn_id)
+        if pending is not None and pending.tenant == tenant:
+            del self._pending[txn_id]
+        else:
+            pending = None
         if pending is None:
             raise FailedPrecondition(
                 f"local put {txn_id!r} is not open: it was committed, aborted, or rolled back after "
