@@ -7,8 +7,10 @@ status. No servicer method touches bytes beyond handing chunks to the store.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -50,6 +52,8 @@ def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
 
 
 LOCAL_TIER = "host"
+# The tier the device (CUDA IPC) plane serves from and puts into.
+DEVICE_TIER = "hbm"
 # Leases a local call may end on the side (clients batch the releases of their fetches).
 MAX_PIGGYBACK_RELEASES = 64
 DEFAULT_LOCAL_LEASE_MS = 10_000
@@ -271,12 +275,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self, request: kvstore_pb2.LocalPutRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.LocalPutResponse:
         self._segment()
+        return await self._begin_put(request, LOCAL_TIER)
+
+    async def _begin_put(self, request: kvstore_pb2.LocalPutRequest, tier: str) -> kvstore_pb2.LocalPutResponse:
+        """Reserve PENDING slots in `tier` for a co-located client to copy into."""
         self._release_leases(request.release_lease_ids)
         ns_id = self._namespace(request.header.namespace)
         hashes, parent = self._put_keys(ns_id, request.header)
         if request.header.HasField("hint"):
             check_hint(request.header.hint.session_id, request.header.hint.expect_reuse_within_s)
-        txn = self.store.begin_put(ns_id, hashes, parent, tier=LOCAL_TIER)
+        txn = self.store.begin_put(ns_id, hashes, parent, tier=tier)
         await txn.reserve()
         txn_id = self.local_puts.begin(txn, request.header)
         return kvstore_pb2.LocalPutResponse(
@@ -313,11 +321,15 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self, request: kvstore_pb2.LocalFetchRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.LocalFetchResponse:
         self._segment()
+        return self._lease_blocks(request, LOCAL_TIER)
+
+    def _lease_blocks(self, request: kvstore_pb2.LocalFetchRequest, tier: str) -> kvstore_pb2.LocalFetchResponse:
+        """The leading blocks of the held prefix that sit in `tier`, by offset, under a lease."""
         self._release_leases(request.release_lease_ids)
         ns_id = self._namespace(request.namespace)
         hashes = self._hashes(ns_id, request.keys)
         result, infos = self.store.lease_prefix(
-            ns_id, hashes, request.lease_ms or DEFAULT_LOCAL_LEASE_MS, tier=LOCAL_TIER
+            ns_id, hashes, request.lease_ms or DEFAULT_LOCAL_LEASE_MS, tier=tier
         )
         return kvstore_pb2.LocalFetchResponse(
             num_blocks=result.num_blocks,
@@ -329,6 +341,41 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             block_hashes=result.block_hashes,
             block_size_tokens=result.block_size_tokens,
         )
+
+    # -------------------------------------------------------------- device data plane
+
+    def _hbm(self) -> Any:
+        """The HBM tier (a `kvstore.tiers.hbm.HbmTier`; not imported here: it imports torch)."""
+        tier = next((st.tier for st in self.store.tiers if st.name == DEVICE_TIER), None)
+        if tier is None:
+            raise FailedPrecondition("this daemon has no HBM tier; use the shared-memory plane (LocalFetch)")
+        return tier
+
+    async def DeviceSegment(
+        self, request: kvstore_pb2.DeviceSegmentRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.DeviceSegmentResponse:
+        seg = self._segment()
+        hbm = self._hbm()
+        export = hbm.ipc_export()
+        return kvstore_pb2.DeviceSegmentResponse(
+            device_uuid=export.device_uuid, ipc_handle=export.ipc_handle, storage_bytes=export.storage_bytes,
+            storage_offset=export.storage_offset, ref_counter_handle=export.ref_counter_handle,
+            ref_counter_offset=export.ref_counter_offset, event_handle=export.event_handle,
+            event_sync_required=export.event_sync_required, pid=os.getpid(), token=seg.token,
+            capacity_bytes=hbm.capacity_bytes,
+        )
+
+    async def DeviceFetch(
+        self, request: kvstore_pb2.LocalFetchRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.LocalFetchResponse:
+        self._hbm()
+        return self._lease_blocks(request, DEVICE_TIER)
+
+    async def DevicePut(
+        self, request: kvstore_pb2.LocalPutRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.LocalPutResponse:
+        self._hbm()
+        return await self._begin_put(request, DEVICE_TIER)
 
 
 def stats_to_proto(status: StoreStatus, uptime_s: float, absent: Sequence[tuple[str, str]] = ()) -> admin_pb2.StatsResponse:
