@@ -21,7 +21,9 @@ from kvstore.client._common import (
     PutResult,
     block_keys,
     check_data_plane,
+    device_put_header,
     fetch_keys,
+    host_blocks,
     lookup_result,
     may_be_local,
     namespace_ref,
@@ -33,6 +35,7 @@ from kvstore.client._common import (
     resolve_target,
     reuse_hint,
     translate,
+    upload_blocks,
     writable_view,
 )
 from kvstore.client._local import LocalPlane
@@ -65,6 +68,9 @@ class AsyncClient:
         self.chunk_bytes = chunk_bytes
         self.data_plane = check_data_plane(data_plane)
         self._plane: LocalPlane | None = None
+        # The device (CUDA IPC) plane: opened on the first put or fetch of CUDA tensors.
+        self._device: Any = None
+        self._device_tried = False
         # Leases of finished shared-memory fetches, ended by the next local call instead
         # of an Unpin each (they also expire on their own).
         self._releases: list[str] = []
@@ -91,6 +97,9 @@ class AsyncClient:
                 await self._kv.Unpin(kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=min(1.0, self.timeout_s))
             except grpc.RpcError:
                 pass  # the lease expires by itself
+        if self._device is not None:
+            self._device.close()
+            self._device = None
         if self._plane is not None:
             self._plane.close()
             self._plane = None
@@ -130,6 +139,79 @@ class AsyncClient:
             logger.info("shared-memory data plane unavailable (%s); block bytes go through gRPC", reason)
         return self._plane
 
+    async def _device_plane(self, blocks: Sequence[Any] | None) -> Any:
+        """The device plane when `blocks` are CUDA tensors and the daemon's HBM tier can be
+        opened from this process (same host, same GPU, another process); else None."""
+        if not blocks or not all(getattr(b, "is_cuda", False) for b in blocks):
+            return None
+        if self._device_tried:
+            return self._device
+        plane = await self._local()
+        self._device_tried = True
+        if plane is None:
+            return None
+        from kvstore.client._device import DevicePlane
+
+        try:
+            resp = await self._kv.DeviceSegment(kvstore_pb2.DeviceSegmentRequest(), timeout=self.timeout_s)
+            self._device = DevicePlane.attach(resp, plane.token)
+        except (grpc.RpcError, ValueError) as exc:
+            reason = translate(exc) if isinstance(exc, grpc.RpcError) else exc
+            logger.info("device data plane unavailable (%s); CUDA blocks go through host memory", reason)
+        return self._device
+
+    @property
+    def device_plane_in_use(self) -> bool:
+        """Whether puts and fetches of CUDA tensors copy device-to-device (CUDA IPC); known
+        after the first such call."""
+        return self._device is not None
+
+    async def _put_device(self, device: Any, layout: KVLayout, token_ids: Sequence[int] | None,
+                          blocks: Sequence[Any], first_block: int, block_hashes: Sequence[bytes] | None,
+                          hint: kvstore_pb2.ReuseHint | None, timeout: float) -> PutResult:
+        header = device_put_header(layout, token_ids, block_hashes, blocks, first_block, hint)
+        try:
+            begun = await self._kv.DevicePut(
+                kvstore_pb2.LocalPutRequest(header=header, release_lease_ids=self._take_releases()), timeout=timeout)
+            try:
+                sums = await asyncio.to_thread(device.copy_in, begun.offsets, blocks, begun.block_bytes)
+            except BaseException:
+                await self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True),
+                                           timeout=timeout)
+                raise
+            resp = await self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, checksums=sums),
+                                              timeout=timeout)
+            return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+
+    async def _fetch_device(self, device: Any, layout: KVLayout, keys: kvstore_pb2.BlockKeys, out: Sequence[Any],
+                            lease_id: str, timeout: float) -> list[Any]:
+        resp = await self._kv.DeviceFetch(
+            kvstore_pb2.LocalFetchRequest(namespace=namespace_ref(layout), keys=keys,
+                                          release_lease_ids=self._take_releases() + ([lease_id] if lease_id else [])),
+            timeout=timeout,
+        )
+        n_dev = len(resp.offsets)
+        dsts = list(out[: resp.num_blocks])
+        try:
+            good = await asyncio.to_thread(device.copy_out, resp.offsets, resp.checksums, resp.block_bytes,
+                                           dsts[:n_dev])
+        finally:
+            if resp.lease_id:
+                self._releases.append(resp.lease_id)
+        if good < n_dev:
+            await self._kv.Verify(kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout),
+                                                            keys=block_keys(None, resp.block_hashes[good:n_dev])),
+                                  timeout=timeout)
+            return dsts[:good]
+        if resp.num_blocks > n_dev:
+            # The rest sits in host memory or on SSD: fetch it as host bytes, then upload.
+            rest = await self.fetch(layout, block_hashes=list(resp.block_hashes[n_dev:]), timeout_s=timeout)
+            upload_blocks(rest, dsts[n_dev:])
+            return dsts[: n_dev + len(rest)]
+        return dsts[:n_dev]
+
     async def lookup(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
                block_hashes: Sequence[bytes] | None = None, lease_ms: int = 0,
                session_id: str | None = None, expect_reuse_within_s: float | None = None,
@@ -148,6 +230,11 @@ class AsyncClient:
             session_id: str | None = None, expect_reuse_within_s: float | None = None,
             timeout_s: float | None = None) -> PutResult:
         """Store `blocks` (all or nothing). With token_ids, block i is block first_block + i of the prefix."""
+        device = await self._device_plane(blocks)
+        if device is not None:
+            return await self._put_device(device, layout, token_ids, blocks, first_block, block_hashes,
+                                          reuse_hint(session_id, expect_reuse_within_s), self._t(timeout_s))
+        blocks = host_blocks(blocks)
         prepared = prepare_put(layout, token_ids, block_hashes, blocks, first_block,
                                reuse_hint(session_id, expect_reuse_within_s))
         timeout = self._t(timeout_s)
@@ -181,7 +268,18 @@ class AsyncClient:
         """
         keys = fetch_keys(layout, token_ids, block_hashes, out)
         timeout = self._t(timeout_s)
+        device = await self._device_plane(out)
         try:
+            if device is not None:
+                assert out is not None
+                return await self._fetch_device(device, layout, keys, out, lease_id, timeout)
+            if out is not None and any(getattr(o, "is_cuda", False) for o in out):
+                # No device plane: stage through host buffers, then upload.
+                staged = [bytearray(layout.bytes_per_block) for _ in out]
+                got = await self.fetch(layout, token_ids, block_hashes=block_hashes, out=staged, lease_id=lease_id,
+                                       timeout_s=timeout)
+                upload_blocks(got, out)
+                return list(out[: len(got)])
             plane = await self._local()
             if plane is None:
                 return await self._fetch_grpc(layout, keys, out, lease_id, timeout)
