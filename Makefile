@@ -8,7 +8,7 @@ STUBS := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: all setup stubs run test test-gpu bench bench-deps bench-tiers lint clean
+.PHONY: all setup stubs run test test-gpu bench bench-deps bench-peers bench-tiers lint clean
 
 all: setup
 
@@ -39,6 +39,18 @@ test: setup
 bench: setup bench-deps
 	$(PY) bench/dataplane.py $(if $(QUICK),--quick,)
 	$(MAKE) --no-print-directory bench-tiers
+
+# `make bench` plus the peers measured in the same run: Mooncake Store (co-located
+# client, batched zero-copy) and LMCache (multiprocess server), from a venv of their own
+# (bench/install-peers.sh: LMCache pins packages the development venv must not get).
+# Each peer runs on 127.0.0.1 inside a loopback-only network namespace (`unshare -n`:
+# needs root), because their listeners bind all interfaces. Not part of `make test`.
+PEERS_VENV ?= .venv-peers
+bench-peers: setup bench-deps $(PEERS_VENV)/.installed
+	$(PY) bench/dataplane.py $(if $(QUICK),--quick,) --peer-python $(PEERS_VENV)/bin/python
+
+$(PEERS_VENV)/.installed: bench/install-peers.sh
+	VENV=$(PEERS_VENV) PYTHON=$(PYTHON) bash bench/install-peers.sh
 
 # The tiers' benchmarks: SSD tier vs dd O_DIRECT on the same directory
 # (SSD_BENCH_DIR, default: under the current one), then the SSD codec's ratio on KV
@@ -94,4 +106,4 @@ test-engines: setup-engines
 	$(EPY) -m pytest tests/engines -v $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(ENGINES_VENV) kvstore/v1/*_pb2.py kvstore/v1/*_pb2.pyi kvstore/v1/*_pb2_grpc.py .pytest_cache
+	rm -rf $(VENV) $(ENGINES_VENV) $(PEERS_VENV) kvstore/v1/*_pb2.py kvstore/v1/*_pb2.pyi kvstore/v1/*_pb2_grpc.py .pytest_cache

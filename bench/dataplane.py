@@ -1,11 +1,17 @@
 """Data-plane benchmark: kvstore's shared-memory and gRPC paths next to their ceilings
-(memcpy, a raw grpc-python echo) and a peer (Redis), all measured in one run.
+(memcpy, a raw grpc-python echo) and peers (Redis; with --peer-python, Mooncake Store
+and LMCache too), all measured in one run.
 
 For each block size (256 KiB, 1 MiB, 4 MiB; 1 MiB only with --quick) and batch 32:
 put and fetch throughput (GB/s, blocks/s, per-call p50/p99); and the latency of a
 lookup of a 1,000-block chain. Every system moves the same payloads into and out of
 caller-owned buffers. Writes results as JSON (the schema in README "Benchmarks") and a
 readable report with ratios, plus a bar chart.
+
+The Mooncake and LMCache drivers (bench/peers/*_peer.py) run in a venv of their own
+(bench/install-peers.sh, `make bench-peers`): each is started with that interpreter
+after kvstore's cells, with the same block sizes, batch and time per cell, and its rows
+are merged into the same results.
 """
 
 from __future__ import annotations
@@ -340,7 +346,8 @@ def ratio_rows(results: list[Result]) -> list[tuple[str, str, float]]:
     sizes = sorted({r.block_bytes for r in results if r.block_bytes})
     pairs = [("kvstore-shm", "memcpy", "of memcpy (target >= 0.5)"),
              ("kvstore-shm", "redis", "x Redis (target >= 4)"),
-             ("kvstore-shm", "mooncake", "x Mooncake co-located (target >= 1.0)"),
+             ("kvstore-shm", "mooncake", "x Mooncake co-located batched zero-copy (target >= 1.0)"),
+             ("kvstore-shm", "lmcache", "x LMCache multiprocess server"),
              ("kvstore-grpc", "grpc-echo", "of the raw gRPC echo (target >= 0.9)"),
              ("kvstore-grpc", "redis", "x Redis")]
     for size in sizes:
@@ -364,6 +371,9 @@ def write_report(results: list[Result], machine: dict[str, object], out_dir: Pat
     for r in sorted((r for r in results if r.op != "lookup"), key=lambda r: (r.block_bytes, r.op, -(r.gbps or 0))):
         lines.append(f"| {r.block_bytes // 1024} KiB | {r.op} | {r.system} | {r.gbps:.2f} | {r.ops_per_s:,.0f} | "
                      f"{r.p50_us:,.0f} | {r.p99_us:,.0f} |")
+    notes = {r.system: r.note for r in results if r.op != "lookup" and r.note}
+    if notes:
+        lines += ["", "How each system was driven:", ""] + [f"- {system}: {note}" for system, note in notes.items()]
     lines += ["", "## Lookup of a 1,000-block chain", "", "| system | p50 us | p99 us | note |", "|---|---|---|---|"]
     for r in (r for r in results if r.op == "lookup"):
         lines.append(f"| {r.system} | {r.p50_us:,.0f} | {r.p99_us:,.0f} | {r.note} |")
@@ -401,6 +411,28 @@ def plot(results: list[Result], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+PEERS_DIR = ROOT / "bench" / "peers"
+
+
+def run_peers(python: str, sizes: list[int], batch: int, seconds: float, workdir: Path) -> tuple[list[Result], list[str]]:
+    """Run every peer driver with the peers' interpreter; their rows, and what failed."""
+    results: list[Result] = []
+    failed: list[str] = []
+    for driver in sorted(PEERS_DIR.glob("*_peer.py")):
+        name = driver.stem.removesuffix("_peer")
+        out = workdir / f"{name}.json"
+        print(f"peer {name} ...", flush=True)
+        proc = subprocess.run([python, str(driver), "--sizes", ",".join(map(str, sizes)), "--batch", str(batch),
+                               "--seconds", str(seconds), "--out", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
+        if proc.returncode != 0 or not out.exists():
+            print(proc.stdout[-4000:], file=sys.stderr)
+            failed.append(f"{name} (exit status {proc.returncode})")
+            continue
+        results += [Result(**r) for r in json.loads(out.read_text())["results"]]
+    return results, failed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="1 MiB blocks only, shorter cells")
@@ -408,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=None, help="time per cell")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--peers", default="", help="JSON file of peer results (same schema) to merge in")
+    parser.add_argument("--peer-python", default="",
+                        help="interpreter of the peers' venv (bench/install-peers.sh): also measure Mooncake and LMCache")
     args = parser.parse_args(argv)
     sizes = [MIB] if args.quick else [256 * 1024, MIB, 4 * MIB]
     seconds = args.seconds or (1.0 if args.quick else 2.0)
@@ -431,11 +465,19 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             pool.shutdown()
             services.close()
+        # After the daemon stopped: the peers get the machine kvstore had.
+        failed: list[str] = []
+        if args.peer_python:
+            peer_results, failed = run_peers(args.peer_python, sizes, args.batch, seconds, Path(tmp))
+            results += peer_results
     if args.peers and Path(args.peers).exists():
         results += [Result(**r) for r in json.loads(Path(args.peers).read_text())["results"]]
     elapsed = time.perf_counter() - started
     write_report(results, machine_info(), Path(args.out), elapsed)
     print((Path(args.out) / "latest.md").read_text())
+    if failed:
+        print(f"peers that failed (not in the report): {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
