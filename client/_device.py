@@ -82,7 +82,7 @@ class DevicePlane:
         try:
             storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
                 ordinal, resp.ipc_handle, resp.storage_bytes, resp.storage_offset, resp.ref_counter_handle,
-                resp.ref_counter_offset, resp.event_handle or None, resp.event_sync_required,
+                resp.ref_counter_offset, resp.event_handle, resp.event_sync_required,
             )
         except RuntimeError as exc:
             raise ValueError(f"cannot open the HBM slab's IPC handle: {exc}") from None

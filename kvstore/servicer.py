@@ -362,7 +362,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             storage_offset=export.storage_offset, ref_counter_handle=export.ref_counter_handle,
             ref_counter_offset=export.ref_counter_offset, event_handle=export.event_handle,
             event_sync_required=export.event_sync_required, pid=os.getpid(), token=seg.token,
-            capacity_bytes=hbm.capacity_bytes,
+            # The slab itself: the allocator's capacity rounds the configured one down.
+            capacity_bytes=export.storage_bytes,
         )
 
     async def DeviceFetch(

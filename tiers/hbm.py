@@ -198,7 +198,11 @@ class HbmTier(SlabTier):
 
     def ipc_export(self) -> DeviceExport:
         """The slab's IPC handle, made on first use and then reused: torch registers one
-        reference counter per share, and the slab outlives every client anyway."""
+        reference counter per share, and the slab outlives every client anyway.
+
+        Sharing swaps the storage's data pointer for a reference-counted one at the same
+        address (torch keeps the memory until importers let go), so slot tensors taken
+        before and after stay valid."""
         if self._export is None:
             storage = self._slab.untyped_storage()
             (_device, handle, size, offset, rc_handle, rc_offset, event_handle,
@@ -206,7 +210,7 @@ class HbmTier(SlabTier):
             self._export = DeviceExport(
                 device_uuid=device_uuid(self.device), ipc_handle=bytes(handle), storage_bytes=int(size),
                 storage_offset=int(offset), ref_counter_handle=bytes(rc_handle), ref_counter_offset=int(rc_offset),
-                event_handle=bytes(event_handle) if event_handle else b"", event_sync_required=bool(event_sync),
+                event_handle=bytes(event_handle), event_sync_required=bool(event_sync),
             )
             logger.info("hbm tier: slab exported for CUDA IPC (%d bytes)", int(size))
         return self._export
