@@ -191,18 +191,22 @@ def bench_memcpy(block_bytes: int, batch: int, seconds: float, pool: ThreadPoolE
         result("memcpy-1thread", op, block_bytes, batch, ser, "numpy copyto, one thread") for op in ("put", "fetch")]
 
 
-def bench_kvstore(system: str, target: str, plane: str, block_bytes: int, batch: int, seconds: float) -> list[Result]:
+def bench_kvstore(system: str, target: str, plane: str, block_bytes: int, batch: int, seconds: float,
+                  reserve_ahead: int = 0, put_only: bool = False) -> list[Result]:
     layout = layout_for(block_bytes)
     assert layout.bytes_per_block == block_bytes
     src = [np.random.randint(0, 255, block_bytes, dtype=np.uint8) for _ in range(batch)]
     out = [np.empty(block_bytes, dtype=np.uint8) for _ in range(batch)]
-    with Client(target, data_plane=plane) as kv:
+    note = f"reserve_ahead={reserve_ahead}: one round trip per put" if reserve_ahead else ""
+    with Client(target, data_plane=plane, reserve_ahead=reserve_ahead) as kv:
         assert kv.warm_up() == plane, f"{system} wanted the {plane} plane"
 
         def put(_: int) -> None:
             kv.put(layout, None, src, block_hashes=[os.urandom(16) for _ in range(batch)])
 
         puts = measure(put, seconds)
+        if put_only:
+            return [result(system, "put", block_bytes, batch, puts, "two round trips per put (LocalPut, LocalCommit)")]
         hashes = [os.urandom(16) for _ in range(batch)]
         kv.put(layout, None, src, block_hashes=hashes)
 
@@ -215,7 +219,7 @@ def bench_kvstore(system: str, target: str, plane: str, block_bytes: int, batch:
         for o, s in zip(out, src):
             if not np.array_equal(o, s):
                 raise RuntimeError(f"{system} returned different bytes")
-    return [result(system, "put", block_bytes, batch, puts), result(system, "fetch", block_bytes, batch, fetches)]
+    return [result(system, "put", block_bytes, batch, puts, note), result(system, "fetch", block_bytes, batch, fetches)]
 
 
 def bench_echo(port: int, block_bytes: int, batch: int, seconds: float, chunk: int = MIB) -> list[Result]:
@@ -348,6 +352,7 @@ def ratio_rows(results: list[Result]) -> list[tuple[str, str, float]]:
              ("kvstore-shm", "redis", "x Redis (target >= 4)"),
              ("kvstore-shm", "mooncake", "x Mooncake co-located batched zero-copy (target >= 1.0)"),
              ("kvstore-shm", "lmcache", "x LMCache multiprocess server"),
+             ("kvstore-shm", "kvstore-shm-2trip", "one-trip put x two-trip put"),
              ("kvstore-grpc", "grpc-echo", "of the raw gRPC echo (target >= 0.9)"),
              ("kvstore-grpc", "redis", "x Redis")]
     for size in sizes:
@@ -454,7 +459,11 @@ def main(argv: list[str] | None = None) -> int:
             for size in sizes:
                 print(f"block {size // 1024} KiB ...", flush=True)
                 results += bench_memcpy(size, args.batch, seconds, pool)
-                results += bench_kvstore("kvstore-shm", f"unix:{services.sock}", "local", size, args.batch, seconds)
+                # As an engine saving its KV each step would run it: one round trip per put.
+                results += bench_kvstore("kvstore-shm", f"unix:{services.sock}", "local", size, args.batch, seconds,
+                                         reserve_ahead=args.batch)
+                results += bench_kvstore("kvstore-shm-2trip", f"unix:{services.sock}", "local", size, args.batch,
+                                         seconds, put_only=True)
                 results += bench_kvstore("kvstore-grpc", f"127.0.0.1:{services.kv_port}", "grpc", size, args.batch,
                                          seconds)
                 results += bench_echo(services.echo_port, size, args.batch, seconds)

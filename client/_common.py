@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -319,6 +320,45 @@ def put_requests(prepared: PreparedPut, chunk_bytes: int) -> Iterator[kvstore_pb
     for i, v in enumerate(prepared.views):
         for start in range(0, len(v), chunk_bytes):
             yield encode_chunk(i, v[start : start + chunk_bytes])
+
+
+# One-trip puts: the most empty slots a client asks the daemon to hold for its next put.
+MAX_RESERVE_AHEAD = 1024
+
+
+@dataclass(slots=True)
+class HeldSlots:
+    """A daemon-side reservation of empty host slots for this client's next put."""
+
+    reservation_id: str
+    offsets: list[int]
+    usable_until: float  # monotonic; half the reservation's lifetime, so it never expires mid-copy
+
+
+def check_reserve_ahead(count: int) -> int:
+    if not 0 <= count <= MAX_RESERVE_AHEAD:
+        raise InvalidArgument(f"reserve_ahead must be in [0, {MAX_RESERVE_AHEAD}], got {count}")
+    return count
+
+
+def keep_held(held: dict[int, HeldSlots], reservation: kvstore_pb2.SlotReservation) -> None:
+    """Remember a reservation the daemon returned (replacing any for that block size)."""
+    if reservation.reservation_id:
+        held[reservation.block_bytes] = HeldSlots(
+            reservation.reservation_id, list(reservation.offsets),
+            time.monotonic() + reservation.expires_in_ms / 2000.0)
+
+
+def take_held(held: dict[int, HeldSlots], block_bytes: int, num_blocks: int) -> tuple[HeldSlots | None, str]:
+    """(the reservation to put `num_blocks` blocks in one round trip, if one fits; else
+    the id of the one that does not, for the two-trip put to hand back). A reservation
+    serves one put either way."""
+    slots = held.pop(block_bytes, None)
+    if slots is None:
+        return None, ""
+    if len(slots.offsets) < num_blocks or time.monotonic() >= slots.usable_until:
+        return None, slots.reservation_id
+    return slots, ""
 
 
 DATA_PLANES = ("auto", "local", "grpc")

@@ -13,9 +13,11 @@ from kvstore.client._common import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_TIMEOUT_S,
     FetchAssembler,
+    HeldSlots,
     LookupResult,
     PinResult,
     PrefetchResult,
+    PreparedPut,
     PutResult,
     block_keys,
     check_data_plane,
@@ -30,6 +32,9 @@ from kvstore.client._common import (
     prefetch_result,
     prepare_put,
     put_requests,
+    keep_held,
+    check_reserve_ahead,
+    take_held,
     resolve_target,
     reuse_hint,
     translate,
@@ -57,15 +62,26 @@ class Client:
     when this process can map it (same host, same user) and through gRPC messages
     otherwise; `local` insists on shared memory; `grpc` never uses it. Both give
     byte-identical results. `data_plane_in_use` tells which one is active.
+
+    `reserve_ahead` (shared-memory plane only): after each put, the daemon holds up to
+    this many empty slots for this client's next put of the same block size, which then
+    takes one round trip instead of two. The slots hold host-tier capacity while they
+    wait (at most 30 s), so it is off (0) by default; a steady writer such as an engine
+    saving its KV each step gains from `reserve_ahead` = its usual blocks per put.
     """
 
     def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_plane: str = "auto") -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_plane: str = "auto",
+                 reserve_ahead: int = 0) -> None:
         self.target = resolve_target(target)
+        self.reserve_ahead = check_reserve_ahead(reserve_ahead)
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self.data_plane = check_data_plane(data_plane)
         self._plane: LocalPlane | None = None
+        # Empty slots the daemon holds for this client's next put, by block size: that
+        # put then takes one round trip instead of two.
+        self._reserved: dict[int, HeldSlots] = {}
         # The device (CUDA IPC) plane: opened on the first put or fetch of CUDA tensors.
         self._device: Any = None
         self._device_tried = False
@@ -90,6 +106,13 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        for held in self._reserved.values():
+            try:
+                self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id, abort=True),
+                                      timeout=min(1.0, self.timeout_s))
+            except grpc.RpcError:
+                pass  # the reservation expires by itself
+        self._reserved.clear()
         for lease_id in self._take_releases():
             try:
                 self._kv.Unpin(kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=min(1.0, self.timeout_s))
@@ -196,10 +219,25 @@ class Client:
             if plane is None:
                 resp = self._put(put_requests(prepared, self.chunk_bytes), timeout=timeout)
                 return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
+            n = len(prepared.views)
+            held, unfit = take_held(self._reserved, layout.bytes_per_block, n)
+            if held is not None:
+                try:
+                    sums = plane.copy_in(held.offsets[:n], prepared.views)
+                except BaseException:
+                    self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id,
+                                                                        abort=True), timeout=timeout)
+                    raise
+                one_trip = self._commit_reserved(prepared, held, sums, timeout)
+                if one_trip is not None:
+                    return one_trip
             begun = self._kv.LocalPut(
-                kvstore_pb2.LocalPutRequest(header=prepared.header, release_lease_ids=self._take_releases()),
+                kvstore_pb2.LocalPutRequest(header=prepared.header, release_lease_ids=self._take_releases(),
+                                            reserve_ahead=min(n, self.reserve_ahead),
+                                            reuse_reservation_id=unfit),
                 timeout=timeout,
             )
+            keep_held(self._reserved, begun.reservation)
             try:
                 sums = plane.copy_in(begun.offsets, prepared.views)
             except BaseException:
@@ -254,6 +292,25 @@ class Client:
             upload_blocks(rest, dsts[n_dev:])
             return dsts[: n_dev + len(rest)]
         return dsts[:n_dev]
+
+    def _commit_reserved(self, prepared: PreparedPut, held: HeldSlots, sums: list[int],
+                         timeout: float) -> PutResult | None:
+        """Publish a put copied into reserved slots (one round trip); None when the daemon
+        no longer holds the reservation, and the put must take the two-trip path."""
+        try:
+            resp = self._kv.LocalCommit(
+                kvstore_pb2.LocalCommitRequest(header=prepared.header, reservation_id=held.reservation_id,
+                                               checksums=sums,
+                                               reserve_ahead=min(len(prepared.views), self.reserve_ahead),
+                                               release_lease_ids=self._take_releases()),
+                timeout=timeout)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            logger.info("slot reservation gone (%s); putting in two round trips", exc.details())
+            return None
+        keep_held(self._reserved, resp.reservation)
+        return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
 
     def fetch(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
               block_hashes: Sequence[bytes] | None = None, out: Sequence[Any] | None = None,

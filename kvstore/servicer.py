@@ -15,13 +15,14 @@ from typing import Any
 import grpc
 
 from kvstore import __version__
-from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.hashing import block_hashes_packed, token_bytes
 from kvstore.info import render_info
 from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
 from kvstore.local import LocalPuts
 from kvstore.store import Framed, Store, StoreStatus, check_hint
 from kvstore.wire import RawChunk, encode_chunk
+from kvstore.tiers.base import Slot
 from kvstore.tiers.segment import HEADER_BYTES, Segment
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
@@ -57,6 +58,8 @@ DEVICE_TIER = "hbm"
 # Leases a local call may end on the side (clients batch the releases of their fetches).
 MAX_PIGGYBACK_RELEASES = 64
 DEFAULT_LOCAL_LEASE_MS = 10_000
+# Empty slots one reservation may hold for a client's next put (one-trip puts).
+MAX_RESERVE_AHEAD = 1024
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
@@ -287,7 +290,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         txn = self.store.begin_put(ns_id, hashes, parent, tier=tier)
         await txn.reserve()
         txn_id = self.local_puts.begin(txn, request.header)
-        return kvstore_pb2.LocalPutResponse(
+        resp = kvstore_pb2.LocalPutResponse(
             txn_id=txn_id,
             offsets=[-1 if slot is None else slot.offset for slot in txn.slots()],
             block_bytes=txn.block_bytes,
@@ -295,10 +298,45 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             block_hashes=hashes,
             expires_in_ms=self.local_puts.ttl_ms,
         )
+        spare: list[Slot] = []
+        if request.reuse_reservation_id:
+            old = self.local_puts.pop_reservation(request.reuse_reservation_id)
+            if old is not None:
+                if old.block_bytes == txn.block_bytes and tier == LOCAL_TIER:
+                    spare = old.slots
+                else:
+                    self.store.free_slots(old.slots)
+        if request.reserve_ahead and tier == LOCAL_TIER:
+            reservation = await self._reserve_ahead(txn.block_bytes, request.reserve_ahead, spare)
+            if reservation is not None:
+                resp.reservation.CopyFrom(reservation)
+        else:
+            self.store.free_slots(spare)
+        return resp
+
+    async def _reserve_ahead(self, block_bytes: int, count: int,
+                             spare: list[Slot]) -> kvstore_pb2.SlotReservation | None:
+        """Hold `count` empty host slots (reusing `spare` ones first) for the client's next
+        put. None when no room can be made: the next put then takes two round trips."""
+        if count > MAX_RESERVE_AHEAD:
+            self.store.free_slots(spare)
+            raise InvalidArgument(f"reserve_ahead is {count}; at most {MAX_RESERVE_AHEAD} slots")
+        keep, extra = spare[:count], spare[count:]
+        self.store.free_slots(extra)
+        try:
+            slots = keep + await self.store.reserve_slots(LOCAL_TIER, block_bytes, count - len(keep))
+        except ResourceExhausted:
+            self.store.free_slots(keep)
+            return None
+        res_id = self.local_puts.reserve(slots, block_bytes, self.store.free_slots)
+        return kvstore_pb2.SlotReservation(reservation_id=res_id, offsets=[s.offset for s in slots],
+                                           block_bytes=block_bytes, expires_in_ms=self.local_puts.ttl_ms)
 
     async def LocalCommit(
         self, request: kvstore_pb2.LocalCommitRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.PutResponse:
+        if request.reservation_id:
+            return await self._commit_reserved(request)
         open_put = self.local_puts.take(request.txn_id)
         txn = open_put.txn
         if request.abort:
@@ -316,6 +354,50 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             stored=result.stored, existing=result.existing, namespace_id=result.namespace_id,
             block_hashes=result.block_hashes,
         )
+
+    async def _commit_reserved(self, request: kvstore_pb2.LocalCommitRequest) -> kvstore_pb2.PutResponse:
+        """A put in one round trip: its blocks already sit in the slots of a reservation."""
+        res = self.local_puts.take_reservation(request.reservation_id)
+        if request.abort:
+            self.store.free_slots(res.slots)
+            return kvstore_pb2.PutResponse()
+        try:
+            self._segment()
+            self._release_leases(request.release_lease_ids)
+            ns_id = self._namespace(request.header.namespace)
+            hashes, parent = self._put_keys(ns_id, request.header)
+            if request.header.HasField("hint"):
+                check_hint(request.header.hint.session_id, request.header.hint.expect_reuse_within_s)
+            block_bytes = self.store.namespace(ns_id).layout.bytes_per_block
+            if block_bytes != res.block_bytes:
+                raise InvalidArgument(f"the reservation holds {res.block_bytes}-byte slots; this namespace's "
+                                      f"blocks are {block_bytes} bytes; put them with LocalPut")
+            if len(hashes) > len(res.slots):
+                raise InvalidArgument(f"a put of {len(hashes)} blocks into a reservation of {len(res.slots)} "
+                                      "slots; put them with LocalPut")
+            txn = self.store.begin_put(ns_id, hashes, parent, tier=LOCAL_TIER)
+        except BaseException:
+            self.store.free_slots(res.slots)
+            raise
+        filled, spare = res.slots[: len(hashes)], res.slots[len(hashes) :]
+        try:
+            spare = txn.adopt(filled) + spare
+            txn.mark_written()
+            result = await txn.commit(list(request.checksums))
+        except BaseException:
+            txn.abort()  # frees the adopted slots
+            self.store.free_slots(spare)
+            raise
+        self._apply_put_hint(request.header, result.namespace_id, result.block_hashes)
+        resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
+                                       namespace_id=result.namespace_id, block_hashes=result.block_hashes)
+        if request.reserve_ahead:
+            reservation = await self._reserve_ahead(block_bytes, request.reserve_ahead, spare)
+            if reservation is not None:
+                resp.reservation.CopyFrom(reservation)
+        else:
+            self.store.free_slots(spare)
+        return resp
 
     async def LocalFetch(
         self, request: kvstore_pb2.LocalFetchRequest, context: grpc.aio.ServicerContext

@@ -823,6 +823,27 @@ class Store:
             raise FailedPrecondition(f"this daemon has no {tier} memory tier")
         return PutTxn(self, info, list(hashes), parent_hash, target)
 
+    async def reserve_slots(self, tier: str, nbytes: int, count: int) -> list[Slot]:
+        """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet
+        (making room as a put would): a co-located client fills them ahead of the put that
+        names them (`PutTxn.adopt`). The caller frees what it does not adopt."""
+        st = self._tier_by_name.get(tier)
+        if st is None or not st.tier.addressable:
+            raise FailedPrecondition(f"this daemon has no {tier} memory tier")
+        slots: list[Slot] = []
+        try:
+            for _ in range(count):
+                slots.append(await self._allocate_put(nbytes, [st]))
+        except BaseException:
+            self.free_slots(slots)
+            raise
+        return slots
+
+    def free_slots(self, slots: Sequence[Slot]) -> None:
+        """Return reserved, never-published slots to their tiers."""
+        for slot in slots:
+            self._tier_by_name[slot.tier].tier.free(slot)
+
     def _landing_tiers(self) -> list[StoreTier]:
         if self.migration.put_tier == "auto":
             return self.memory_tiers
@@ -1453,6 +1474,25 @@ class PutTxn:
         except BaseException:
             self.abort()
             raise
+
+    def adopt(self, filled: Sequence[Slot]) -> list[Slot]:
+        """Instead of `reserve`: take slots from `Store.reserve_slots` that a co-located
+        client already filled, block i in `filled[i]`. Returns the slots of blocks already
+        present (their bytes are not needed), which stay the caller's."""
+        if len(filled) != len(self._keys):
+            raise InvalidArgument(f"{len(filled)} filled slots for a put of {len(self._keys)} blocks")
+        store = self._store
+        unused: list[Slot] = []
+        for i, key in enumerate(self._keys):
+            present = store._index.get(key)
+            if present is not None:
+                store._hold(present)
+                self._held.append(present)
+                unused.append(filled[i])
+                continue
+            self._entries[i] = BlockEntry(key, self._parents[i], self.block_bytes, 0, {filled[i].tier: filled[i]},
+                                          itemsize=self._itemsize)
+        return unused
 
     def _slot(self, entry: BlockEntry) -> Slot:
         (slot,) = entry.locations.values()

@@ -72,8 +72,11 @@ def bench_size(port: int, block_bytes: int, batch: int, seconds: float) -> list[
         block_size=PAGE_TOKENS)
     client = ServerBenchClient(config, log=lambda _msg: None)
     client.start()
+    # LMCache's keys do not include the KV layout: each block size gets token ids of its
+    # own, or a lookup of this size would hit chunks stored at another size.
+    base = (block_bytes >> 10) * 100_000
     try:
-        seq = [1000]
+        seq = [base + 1000]
 
         def put(_: int) -> None:
             seq[0] += 1
@@ -84,7 +87,7 @@ def bench_size(port: int, block_bytes: int, batch: int, seconds: float) -> list[
                 raise RuntimeError(f"lmcache store failed: {res}")
 
         puts = measure(put, seconds)
-        fixed = client.create_request(1, "fixed", "fetch")
+        fixed = client.create_request(base + 1, "fixed", "fetch")
         assert fixed is not None
         kv = next(iter(client._workers[0].kv_caches.values()))  # noqa: SLF001 (the simulated engine's KV)
         kv.copy_(torch.randint(-1000, 1000, kv.shape, dtype=torch.int16).view(kv.dtype))
@@ -96,7 +99,7 @@ def bench_size(port: int, block_bytes: int, batch: int, seconds: float) -> list[
         # A store is not visible to lookups at once: wait (untimed) until it is.
         deadline = time.monotonic() + 30
         while True:
-            probe = client.create_request(1, f"probe-{time.monotonic_ns()}", "fetch")
+            probe = client.create_request(base + 1, f"probe-{time.monotonic_ns()}", "fetch")
             assert probe is not None
             hit = client.lookup(probe)
             client.end_session(probe)
@@ -109,7 +112,7 @@ def bench_size(port: int, block_bytes: int, batch: int, seconds: float) -> list[
         def fetch(i: int) -> None:
             # What an engine does to load a prefix: LOOKUP (locks and prefetches the
             # chunks), RETRIEVE into its KV pages, end the session (unlocks).
-            req = client.create_request(1, f"fetch-{i}", "fetch")
+            req = client.create_request(base + 1, f"fetch-{i}", "fetch")
             assert req is not None
             hit = client.lookup(req)
             if not hit.is_full_hit:
