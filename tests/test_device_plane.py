@@ -3,8 +3,8 @@ copied device-to-device, verified after every copy, under the local plane's leas
 
 The `gpu` tests run a real two-process exchange: the daemon is `python server.py` with an
 HBM tier, the test process is the engine (CUDA opens an IPC handle only in another
-process). They skip without CUDA (`make test-gpu` runs them). The tests above them need
-no GPU: what a daemon without an HBM tier answers, and the client's refusals.
+process). They skip without CUDA (`make test-gpu` runs them). The first tests need no
+GPU: what a daemon without an HBM tier answers, and the client's refusals.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = KVLayout(model="test/device", dtype="bfloat16", num_layers=2, num_kv_heads=4, head_dim=64,
                   block_size_tokens=16)  # 32 KiB blocks
 BLOCK = LAYOUT.bytes_per_block
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")]
 
 
 # --------------------------------------------------------------- without a GPU
