@@ -45,9 +45,11 @@ bench: setup bench-deps
 # (bench/install-peers.sh: LMCache pins packages the development venv must not get).
 # Each peer runs on 127.0.0.1 inside a loopback-only network namespace (`unshare -n`:
 # needs root), because their listeners bind all interfaces. Not part of `make test`.
+# ROUNDS: run every cell (peers included) this many times and report the medians.
 PEERS_VENV ?= .venv-peers
+ROUNDS ?= 3
 bench-peers: setup bench-deps $(PEERS_VENV)/.installed
-	$(PY) bench/dataplane.py $(if $(QUICK),--quick,) --peer-python $(PEERS_VENV)/bin/python
+	$(PY) bench/dataplane.py $(if $(QUICK),--quick,) --rounds $(ROUNDS) --peer-python $(PEERS_VENV)/bin/python
 
 $(PEERS_VENV)/.installed: bench/install-peers.sh
 	VENV=$(PEERS_VENV) PYTHON=$(PYTHON) bash bench/install-peers.sh
