@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
+from kvstore.client._auth import Security, sync_channel
 from kvstore.client._common import CHANNEL_OPTIONS, DEFAULT_CHUNK_BYTES, FetchAssembler, resolve_target, translate
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
@@ -18,10 +19,14 @@ DEFAULT_ADMIN_TIMEOUT_S = 5.0
 
 
 class AdminClient:
-    def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S) -> None:
+    def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S,
+                 token: str | None = None, token_file: str | None = None, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
+        """Credentials as for `Client` (arguments, else KVSTORE_TOKEN / KVSTORE_TLS_* env)."""
         self.target = resolve_target(target)
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        self.security = Security.resolve(token, token_file, tls_ca, tls_cert, tls_key)
+        self._channel = sync_channel(self.target, self.security, CHANNEL_OPTIONS)
         self._admin = admin_pb2_grpc.AdminStub(self._channel)
         self._kv = kvstore_pb2_grpc.KVStoreStub(self._channel)
 

@@ -46,6 +46,7 @@ from kvstore.errors import FailedPrecondition
 from kvstore.layout import KVLayout
 from kvstore.wire import FETCH_METHOD, PUT_METHOD, fetch_response_deserializer, put_request_serializer
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+from kvstore.client._auth import Security, sync_channel
 
 logger = logging.getLogger(__name__)
 
@@ -68,16 +69,22 @@ class Client:
     takes one round trip instead of two. The slots hold host-tier capacity while they
     wait (at most 30 s), so it is off (0) by default; a steady writer such as an engine
     saving its KV each step gains from `reserve_ahead` = its usual blocks per put.
+
+    `token` (or `token_file`, else `KVSTORE_TOKEN` / `KVSTORE_TOKEN_FILE`) is sent as a
+    bearer token on every call; `tls_ca` (else `KVSTORE_TLS_CA`) turns on TLS with those
+    roots, and `tls_cert`/`tls_key` present a client certificate (mTLS).
     """
 
     def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_plane: str = "auto",
-                 reserve_ahead: int = 0) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_plane: str = "auto", token: str | None = None,
+                 token_file: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, reserve_ahead: int = 0) -> None:
         self.target = resolve_target(target)
         self.reserve_ahead = check_reserve_ahead(reserve_ahead)
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self.data_plane = check_data_plane(data_plane)
+        self.security = Security.resolve(token, token_file, tls_ca, tls_cert, tls_key)
         self._plane: LocalPlane | None = None
         # Empty slots the daemon holds for this client's next put, by block size: that
         # put then takes one round trip instead of two.
@@ -89,7 +96,7 @@ class Client:
         # of an Unpin each (they also expire on their own).
         self._releases: list[str] = []
         self._plane_tried = data_plane == "grpc" or (data_plane == "auto" and not may_be_local(self.target))
-        self._channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        self._channel = sync_channel(self.target, self.security, CHANNEL_OPTIONS)
         self._kv = kvstore_pb2_grpc.KVStoreStub(self._channel)
         # Put and Fetch carry block payloads: use the copy-saving chunk codec (kvstore.wire).
         self._put = self._channel.stream_unary(PUT_METHOD, request_serializer=put_request_serializer,

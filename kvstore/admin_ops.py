@@ -8,7 +8,7 @@ environment; config reads return the daemon's own settings only.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import grpc
 
@@ -22,7 +22,7 @@ from kvstore.servicer import AdminServicer
 from kvstore.store import RemovalResult, Store
 from kvstore.v1 import admin_pb2, kvstore_pb2
 
-INFO_SECTIONS = (*SECTIONS, "events")
+INFO_SECTIONS = (*SECTIONS, "events", "tenants")
 
 # Block references per ListBlocks message: 32 bytes each, far under the message cap.
 LIST_BLOCKS_BATCH = 8192
@@ -60,10 +60,12 @@ class OpsAdminServicer(AdminServicer):
         runtime: RuntimeConfig,
         bus: EventBus,
         absent_tiers: Sequence[tuple[str, str]] = (),
+        calls_in_flight: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         super().__init__(store, runtime.as_dict(), absent_tiers)
         self.runtime = runtime
         self.bus = bus
+        self._calls_in_flight = calls_in_flight
 
     async def Info(self, request: admin_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> admin_pb2.InfoResponse:
         section = request.section.strip().lower()
@@ -71,12 +73,14 @@ class OpsAdminServicer(AdminServicer):
             raise InvalidArgument(f"unknown info section {section!r}; choose one of: {', '.join(INFO_SECTIONS)}")
         if section == "events":
             return admin_pb2.InfoResponse(text=self._events_section())
+        if section == "tenants":
+            return admin_pb2.InfoResponse(text=self._tenants_section())
         # The config section shows the settings as they are now, after SetConfig or SIGHUP.
         text = render_info(
             self.store, time.monotonic() - self.started, self.runtime.as_dict(), self.absent_tiers, section
         )
         if not section:
-            text = text.rstrip("\n") + "\n\n" + self._events_section()
+            text = text.rstrip("\n") + "\n\n" + self._events_section() + "\n" + self._tenants_section()
         return admin_pb2.InfoResponse(text=text)
 
     def _events_section(self) -> str:
@@ -86,6 +90,23 @@ class OpsAdminServicer(AdminServicer):
             f"events_dropped:{bus.dropped}", f"events_queue:{bus.queue_size}", "",
         ])
 
+    def _tenants_section(self) -> str:
+        """One line per tenant: bytes held and quota per tier, namespaces, calls in flight."""
+        calls = self._calls_in_flight() if self._calls_in_flight is not None else {}
+        per_tenant: dict[str, int] = {}
+        for ns in self.store.namespaces():
+            per_tenant[ns.tenant] = per_tenant.get(ns.tenant, 0) + 1
+        lines = ["# Tenants"]
+        ledger = self.store.tenancy
+        for tenant in sorted(set(per_tenant) | ledger.tenants() | set(calls)):
+            usage = ledger.usage(tenant)
+            quota = ledger.quotas.get(tenant, {})
+            parts = [f"namespaces={per_tenant.get(tenant, 0)}", f"calls_in_flight={calls.get(tenant, 0)}"]
+            parts += [f"{tier}_bytes={usage.get(tier, 0)}" for tier in sorted(set(usage) | set(quota))]
+            parts += [f"{tier}_quota={q}" for tier, q in sorted(quota.items())]
+            lines.append(f"tenant_{tenant}:" + ",".join(parts))
+        return "\n".join(lines) + "\n"
+
     async def ListNamespaces(
         self, request: admin_pb2.ListNamespacesRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ListNamespacesResponse:
@@ -93,7 +114,7 @@ class OpsAdminServicer(AdminServicer):
             admin_pb2.NamespaceStats(
                 namespace_id=ns.namespace_id, layout=layout_to_proto(ns.layout),
                 block_bytes=ns.layout.bytes_per_block, blocks=ns.blocks, used_bytes=ns.bytes,
-                lookup_blocks=ns.lookup_blocks, hit_blocks=ns.hit_blocks,
+                lookup_blocks=ns.lookup_blocks, hit_blocks=ns.hit_blocks, tenant=ns.tenant,
             )
             for ns in self.store.namespaces()
         ]

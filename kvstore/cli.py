@@ -52,7 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace) -> Any:
     from kvstore.client import Client
 
-    return Client(args.target, timeout_s=args.timeout)
+    return Client(args.target, timeout_s=args.timeout, token_file=args.token_file, tls_ca=args.tls_ca,
+                  tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
 def message_to_dict(msg: Any) -> Any:
@@ -81,10 +82,14 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from kvstore.client._auth import Security, sync_channel
     from kvstore.client._common import resolve_target
 
     target = resolve_target(args.target)
-    with grpc.insecure_channel(target) as channel:
+    # Health needs no token, but a TLS listener still needs the roots.
+    security = Security.resolve(None, None, args.tls_ca, args.tls_cert, args.tls_key)
+    with sync_channel(target, Security(tls_ca=security.tls_ca, tls_cert=security.tls_cert,
+                                       tls_key=security.tls_key), []) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
@@ -120,6 +125,40 @@ def cmd_info(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_token_new(args: argparse.Namespace) -> int:
+    import os
+
+    from kvstore.auth import _valid_name, entry_text, new_token, parse_token_file
+
+    if not _valid_name(args.tenant):
+        print(f"kvstore token new: tenant name {args.tenant!r} must be 1-64 letters, digits, '-', '_' or '.'",
+              file=sys.stderr)
+        return EXIT_USAGE
+    token, token_hash = new_token()
+    entry = entry_text(args.tenant, args.role, token_hash)
+    if args.file:
+        if os.path.exists(args.file):
+            # The file must be one the daemon would accept, and the tenant new to it.
+            if args.tenant in parse_token_file(args.file).identities:
+                raise KVStoreError(f"tenant {args.tenant!r} is already in {args.file}; add this hash to its "
+                                   f"tokens list by hand: {token_hash}")
+        fd = os.open(args.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a") as fh:
+            fh.write("\n" + entry)
+    if args.json:
+        print(json.dumps({"tenant": args.tenant, "role": args.role, "token": token, "hash": token_hash,
+                          "entry": entry}, indent=2))
+        return EXIT_OK
+    print(f"token (shown once; give it to the client, e.g. as KVSTORE_TOKEN):\n{token}\n")
+    if args.file:
+        print(f"appended to {args.file}; send the daemon SIGHUP (systemctl reload kvstore) to use it:\n")
+    else:
+        print("add to the token file (an existing tenant: append the hash to its tokens list), then send the "
+              "daemon SIGHUP:\n")
+    print(entry, end="")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvstore.cli_ops import register as register_operator_commands
     from kvstore.config import add_arguments
@@ -141,8 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
     health = client_command("health", "is the daemon serving? (exit 0 if so)", cmd_health)
     health.add_argument("--service", default="", help="service name to check (default: the whole server)")
     info = client_command("info", "Redis-INFO-style report", cmd_info)
-    info.add_argument("section", nargs="?", help="server, tiers, stats, namespaces, config or events")
+    info.add_argument("section", nargs="?", help="server, tiers, stats, namespaces, config, events or tenants")
     register_operator_commands(sub, client_command)
+
+    token = sub.add_parser("token", help="make bearer tokens for the daemon's token file")
+    token_sub = token.add_subparsers(dest="token_command", metavar="ACTION", required=True)
+    new = token_sub.add_parser("new", help="print a new random token once, and the entry to add to the token file")
+    new.add_argument("--tenant", required=True, help="tenant name (letters, digits, '-', '_', '.')")
+    new.add_argument("--role", choices=("client", "admin"), default="client", help="client (default) or admin")
+    new.add_argument("--file", metavar="TOKEN_FILE", help="also append the entry to this token file (created "
+                     "0600 if missing; the tenant must not be in it yet); then send the daemon SIGHUP")
+    new.add_argument("--json", action="store_true", help="machine-readable output")
+    new.set_defaults(func=cmd_token_new)
 
     from kvstore import replay
 
@@ -158,6 +207,12 @@ def add_client_options(p: argparse.ArgumentParser) -> None:
                    "the default Unix socket, then 127.0.0.1:50051)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per-call deadline")
+    p.add_argument("--token-file", default=None, metavar="FILE", help="file holding the bearer token "
+                   "(default: $KVSTORE_TOKEN, then the file named by $KVSTORE_TOKEN_FILE)")
+    p.add_argument("--tls-ca", default=None, metavar="FILE", help="PEM roots that sign the daemon's certificate: "
+                   "connect over TLS (default: $KVSTORE_TLS_CA)")
+    p.add_argument("--tls-cert", default=None, metavar="FILE", help="client certificate for mTLS ($KVSTORE_TLS_CERT)")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="client key for mTLS ($KVSTORE_TLS_KEY)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

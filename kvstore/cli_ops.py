@@ -103,7 +103,8 @@ def size_arg(text: str) -> int:
 def _admin(args: argparse.Namespace) -> Any:
     from kvstore.client.admin import AdminClient
 
-    return AdminClient(args.target, timeout_s=args.timeout)
+    return AdminClient(args.target, timeout_s=args.timeout, token_file=args.token_file, tls_ca=args.tls_ca,
+                       tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
 # ------------------------------------------------------------------ stats
@@ -182,6 +183,7 @@ def namespace_rows(namespaces: Sequence[dict[str, Any]], *, detail: bool = False
         lay = ns["layout"]
         row = [ns["namespace_id"], lay["model"] + (f"@{lay['revision']}" if lay["revision"] else ""), lay["dtype"]]
         if detail:
+            row.insert(1, ns.get("tenant") or ABSENT)
             row += [
                 f"{lay['num_layers']}x{lay['num_kv_heads']}x{lay['head_dim']}",
                 str(lay["block_size_tokens"]),
@@ -196,7 +198,7 @@ def namespace_rows(namespaces: Sequence[dict[str, Any]], *, detail: bool = False
 
 
 NS_COLUMNS = ("NAMESPACE", "MODEL", "DTYPE", "BLOCK", "BLOCKS", "SIZE", "HIT%")
-NS_DETAIL_COLUMNS = ("NAMESPACE", "MODEL", "DTYPE", "LxHxD", "TOKENS/BLOCK", "KV_LAYOUT", "TP", "LORA", "BLOCK",
+NS_DETAIL_COLUMNS = ("NAMESPACE", "TENANT", "MODEL", "DTYPE", "LxHxD", "TOKENS/BLOCK", "KV_LAYOUT", "TP", "LORA", "BLOCK",
                      "BLOCKS", "SIZE", "HIT%")
 
 
@@ -349,13 +351,15 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     try:
         set_keys = set(read_toml(args.file))
         cfg = load_config({"config": args.file}, env={})
-        from kvstore.daemon import parse_listen
+        from kvstore.daemon import check_exposure
 
-        # Addresses are checked the way the daemon checks them (loopback unless allow_remote).
-        for addr in cfg.listen:
-            parse_listen(addr, cfg.allow_remote)
-        if cfg.metrics_listen.strip().lower() != "off":
-            parse_listen(cfg.metrics_listen, cfg.allow_remote)
+        # Addresses are checked the way the daemon checks them (loopback unless auth is set up),
+        # and so is the token file.
+        check_exposure(cfg)
+        if cfg.auth_token_file:
+            from kvstore.auth import parse_token_file
+
+            parse_token_file(cfg.auth_token_file)
     except KVStoreError as exc:
         emit(args, {"file": args.file, "valid": False, "error": str(exc)}, f"{args.file}: invalid: {exc}")
         return EXIT_ERROR

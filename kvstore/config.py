@@ -103,18 +103,47 @@ FIELDS: tuple[Field, ...] = (
           runtime=True),
     Field("max_leases", "int", 65_536, "most leases active at once", lo=1, hi=1 << 24),
     Field("max_namespaces", "int", 4096, "most namespaces (distinct layouts) held at once", lo=1, hi=1 << 20),
+    Field("max_namespaces_per_tenant", "int", 1024, "with a token file: most namespaces one tenant may hold",
+          lo=1, hi=1 << 20),
     Field("checksum_threads", "int", 2, "threads hashing large batches off the event loop", lo=1, hi=64),
     Field("grace_s", "float", 10.0, "seconds in-flight calls get to finish on SIGTERM", lo=0, hi=3600),
     Field("log_level", "str", "info", "log level", choices=("debug", "info", "warning", "error"), runtime=True),
     Field("log_format", "str", "text", "log line format: text for people, json for log collectors (one object a "
           "line)", choices=("text", "json")),
     Field("metrics_listen", "str", "127.0.0.1:9464", "HOST:PORT of the Prometheus /metrics endpoint, or 'off'; "
-          "non-loopback needs allow_remote", metavar="HOST:PORT|off"),
+          "non-loopback needs metrics_remote", metavar="HOST:PORT|off"),
     Field("events_queue", "int", 4096, "events buffered per WatchEvents subscriber before it is marked for "
           "resync (a slow consumer never blocks the store)", lo=1, hi=1 << 20, runtime=True),
-    Field("allow_remote", "bool", False, "allow listening on non-loopback TCP addresses (no authentication yet: "
-          "only on a trusted network)"),
+    Field("auth_token_file", "str", "", "token file (TOML, mode 0600) mapping bearer tokens to tenants and roles; "
+          "required to listen on a non-loopback address; reloaded on SIGHUP (see SECURITY.md)", metavar="FILE"),
+    Field("unix_socket_tenant", "str", "", "with a token file: the tenant that calls arriving on the Unix socket "
+          "without a token act as (the socket is 0600: only the daemon's uid can connect); empty: they need a token",
+          metavar="TENANT"),
+    Field("tls_cert", "str", "", "PEM certificate chain for TCP listeners (with tls_key: TCP is served over TLS)",
+          metavar="FILE"),
+    Field("tls_key", "str", "", "PEM private key for tls_cert", metavar="FILE"),
+    Field("tls_client_ca", "str", "", "PEM CA bundle: TCP clients must present a certificate it signed (mTLS)",
+          metavar="FILE"),
+    Field("insecure_remote", "bool", False, "allow a non-loopback TCP listener without TLS (tokens then cross the "
+          "network in clear text; only on a trusted network)"),
+    Field("metrics_remote", "bool", False, "allow metrics_listen on a non-loopback address (the endpoint has no "
+          "authentication; it shows counters and tier usage, no keys, tenants or data)"),
+    Field("max_calls_per_tenant", "int", 1024, "most calls (streams included) one tenant may have in flight",
+          lo=1, hi=1 << 20),
+    Field("max_streams_per_connection", "int", 256, "most concurrent HTTP/2 streams one client connection may "
+          "open (further calls wait in the client)", lo=1, hi=1 << 20),
+    Field("max_tokens_per_call", "int", 1 << 20, "most token ids one request may carry", lo=1, hi=1 << 28,
+          runtime=True),
+    Field("max_block_bytes", "size", 256 << 20, "largest block payload a layout may describe", lo=1 << 10,
+          hi=1 << 31, metavar="SIZE"),
 )
+
+# Settings that were replaced, with what to use instead.
+RETIRED = {
+    "allow_remote": "allow_remote was replaced: a non-loopback listener needs auth_token_file (and TLS via "
+                    "tls_cert/tls_key, or insecure_remote = true); a non-loopback metrics_listen needs "
+                    "metrics_remote = true. See SECURITY.md",
+}
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 
@@ -150,13 +179,24 @@ class Config:
     default_pin_ms: int
     max_leases: int
     max_namespaces: int
+    max_namespaces_per_tenant: int
     checksum_threads: int
     grace_s: float
     log_level: str
     log_format: str
     metrics_listen: str
     events_queue: int
-    allow_remote: bool
+    auth_token_file: str
+    unix_socket_tenant: str
+    tls_cert: str
+    tls_key: str
+    tls_client_ca: str
+    insecure_remote: bool
+    metrics_remote: bool
+    max_calls_per_tenant: int
+    max_streams_per_connection: int
+    max_tokens_per_call: int
+    max_block_bytes: int
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -210,10 +250,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML file with settings (flags and env override it)")
     for f in FIELDS:
         flag = "--" + f.name.replace("_", "-")
+        text = f.help.replace("%", "%%")  # argparse %-formats help text
         if f.kind == "bool":
-            parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=f.help)
+            parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=text)
         else:
-            parser.add_argument(flag, dest=f.name, default=None, metavar=f.metavar, help=f.help)
+            parser.add_argument(flag, dest=f.name, default=None, metavar=f.metavar, help=text)
+    for name in RETIRED:  # accepted only to say what replaced them
+        parser.add_argument("--" + name.replace("_", "-"), dest="retired_" + name, action="store_true",
+                            help=argparse.SUPPRESS)
 
 
 def load_config(
@@ -231,6 +275,11 @@ def load_config(
     if path:
         for key, raw in read_toml(path).items():
             values[key] = _convert(FIELD_BY_NAME[key], raw, f"file {path}")
+    for key, message in RETIRED.items():
+        if flags.get("retired_" + key):
+            raise ConfigError(f"--{key.replace('_', '-')}: {message}")
+        if env.get("KVSTORE_" + key.upper()):
+            raise ConfigError(f"env KVSTORE_{key.upper()}: {message}")
     for f in FIELDS:
         raw = env.get("KVSTORE_" + f.name.upper())
         if raw is not None and raw != "":
@@ -248,6 +297,12 @@ def load_config(
         lo, hi = values[f"{tier}_low_watermark"], values[f"{tier}_high_watermark"]
         if lo > hi:
             raise ConfigError(f"{tier}_low_watermark ({lo}) must not exceed {tier}_high_watermark ({hi})")
+    if values["unix_socket_tenant"] and not values["auth_token_file"]:
+        raise ConfigError("unix_socket_tenant names a tenant of the token file: set auth_token_file too")
+    if bool(values["tls_cert"]) != bool(values["tls_key"]):
+        raise ConfigError("tls_cert and tls_key go together: set both (TLS) or neither")
+    if values["tls_client_ca"] and not values["tls_cert"]:
+        raise ConfigError("tls_client_ca (mTLS) needs tls_cert and tls_key too")
     return Config(**values)
 
 
@@ -264,6 +319,9 @@ def read_toml(path: str) -> dict[str, Any]:
     if not isinstance(section, dict):
         raise ConfigError(f"config file {path}: [kvstore] must be a table")
     unknown = sorted(set(section) - set(FIELD_BY_NAME))
+    for key in unknown:
+        if key in RETIRED:
+            raise ConfigError(f"config file {path}: {RETIRED[key]}")
     if unknown:
         known = ", ".join(sorted(FIELD_BY_NAME))
         raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}; known: {known}")

@@ -4,14 +4,16 @@ Start-up is a stack torn down in reverse: tiers and executor, store, gRPC server
 (KVStore, Admin, grpc.health.v1.Health, reflection), listeners, background tasks.
 It refuses to start, with a message naming the setting to change, on a bad address, an
 address in use (SO_REUSEPORT is turned off so a second daemon cannot silently share a
-port), a non-loopback TCP address without `allow_remote`, or a capacity larger than the
+port), a non-loopback TCP address without a token file (or without TLS unless
+`insecure_remote`), a token file other users can read, or a capacity larger than the
 machine can give.
 
 On SIGTERM/SIGINT: health turns NOT_SERVING, event streams end, new calls are refused
 (except commits of local puts whose bytes clients are copying), calls in flight and
 those puts get `grace_s` to finish, then the server stops, the metrics endpoint closes,
 tiers are closed and the Unix socket file is removed. On SIGHUP the config sources are
-read again and runtime-modifiable fields are applied (see `kvstore.runtime`).
+read again and runtime-modifiable fields are applied (see `kvstore.runtime`), and the
+token file is read again (a broken one keeps the old table and logs an error).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import errno
 import ipaddress
 import logging
 import os
+import secrets
 import signal
 import socket
 import stat
@@ -35,6 +38,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.admin_ops import OpsAdminServicer
+from kvstore.auth import AuthInterceptor, TokenTable, parse_token_file
 from kvstore.config import AUTO, Config
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.events import EventBus
@@ -74,7 +78,7 @@ class ListenAddress:
         return f"{host}:{self.port}"
 
 
-def parse_listen(addr: str, allow_remote: bool = False) -> ListenAddress:
+def parse_listen(addr: str) -> ListenAddress:
     """`unix:PATH`, `unix:///PATH`, `HOST:PORT` or `[V6]:PORT` -> `ListenAddress`."""
     if addr.startswith("unix:"):
         path = addr[len("unix:"):]
@@ -93,12 +97,53 @@ def parse_listen(addr: str, allow_remote: bool = False) -> ListenAddress:
         raise ConfigError(f"listen address {addr!r} has a port that is not a number") from None
     if not 0 <= port <= 65535:
         raise ConfigError(f"listen address {addr!r}: port must be in [0, 65535]")
-    if not allow_remote and not _is_loopback(host):
-        raise ConfigError(
-            f"listen address {addr!r} is not loopback; kvstore serves only this host by default. "
-            "Pass --allow-remote to serve other hosts on a trusted network."
-        )
     return ListenAddress("tcp", host=host, port=port)
+
+
+def check_exposure(config: Config) -> tuple[list[ListenAddress], ListenAddress | None]:
+    """The listen and metrics addresses, refused when they expose the daemon beyond this
+    host without what that needs: a token file for gRPC, and TLS unless `insecure_remote`;
+    `metrics_remote` for the (unauthenticated) metrics endpoint."""
+    addresses = [parse_listen(a) for a in config.listen]
+    for addr in addresses:
+        if addr.kind != "tcp" or _is_loopback(addr.host):
+            continue
+        if not config.auth_token_file:
+            raise ConfigError(
+                f"listen address {addr.grpc_target} is not loopback, and serving other hosts needs "
+                "authentication: set --auth-token-file (tokens from `kvstore token new`; see SECURITY.md)"
+            )
+        if not config.tls_cert and not config.insecure_remote:
+            raise ConfigError(
+                f"listen address {addr.grpc_target} is not loopback and TLS is off, so tokens would cross the "
+                "network in clear text: set --tls-cert and --tls-key, or --insecure-remote on a trusted network"
+            )
+    metrics_addr = None
+    if config.metrics_listen.strip().lower() != "off":
+        metrics_addr = parse_listen(config.metrics_listen)
+        if metrics_addr.kind != "tcp":
+            raise ConfigError(f"metrics_listen {config.metrics_listen!r} must be HOST:PORT or 'off'")
+        if not _is_loopback(metrics_addr.host) and not config.metrics_remote:
+            raise ConfigError(
+                f"metrics_listen {config.metrics_listen!r} is not loopback and the metrics endpoint has no "
+                "authentication: set --metrics-remote to serve it to other hosts, or use a loopback address"
+            )
+    return addresses, metrics_addr
+
+
+def _check_unix_tenant(table: TokenTable, tenant: str, path: str) -> None:
+    if tenant not in table.identities:
+        raise ConfigError(
+            f"unix_socket_tenant {tenant!r} is not a tenant of {path}; known: {', '.join(sorted(table.identities))}"
+        )
+
+
+def _read_pem(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
 
 
 def _is_loopback(host: str) -> bool:
@@ -199,7 +244,20 @@ def _prepare_unix_path(path: str) -> None:
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.addresses = [parse_listen(a, config.allow_remote) for a in config.listen]
+        self.addresses, metrics_addr = check_exposure(config)
+        # Read now, so a bad token file stops the daemon before it binds anything.
+        self.tokens: TokenTable | None = parse_token_file(config.auth_token_file) if config.auth_token_file else None
+        self._tls: grpc.ServerCredentials | None = None
+        if config.tls_cert:
+            client_ca = _read_pem(config.tls_client_ca, "tls_client_ca") if config.tls_client_ca else None
+            self._tls = grpc.ssl_server_credentials(
+                [(_read_pem(config.tls_key, "tls_key"), _read_pem(config.tls_cert, "tls_cert"))],
+                root_certificates=client_ca,
+                require_client_auth=client_ca is not None,
+            )
+        if self.tokens is not None and config.unix_socket_tenant:
+            _check_unix_tenant(self.tokens, config.unix_socket_tenant, config.auth_token_file)
+        self.auth = AuthInterceptor(self.tokens, config.max_calls_per_tenant, config.unix_socket_tenant)
         self.bound: list[str] = []
         self.store: Store | None = None
         self._server: grpc.aio.Server | None = None
@@ -218,11 +276,6 @@ class Daemon:
         self.metrics = Metrics(lambda: self.store, self.events)
         self._metrics_server: MetricsServer | None = None
         self.metrics_address = ""  # HOST:PORT once the endpoint is up; empty when off
-        metrics_addr = None
-        if config.metrics_listen.strip().lower() != "off":
-            metrics_addr = parse_listen(config.metrics_listen, config.allow_remote)
-            if metrics_addr.kind != "tcp":
-                raise ConfigError(f"metrics_listen {config.metrics_listen!r} must be HOST:PORT or 'off'")
         self._metrics_addr = metrics_addr
 
     @property
@@ -315,13 +368,17 @@ class Daemon:
             self._close_resources()
             raise
         self.store.observer = self.events
+        if self.tokens is not None:
+            self.store.tenancy.quotas = self.tokens.quotas()
         self.runtime = RuntimeConfig(cfg, self.store, self.events)
         server = grpc.aio.server(
             # Metrics outermost, so it sees the status the error interceptor set.
-            # The drain gate next, so refused calls are counted too.
-            interceptors=[self.metrics.interceptor(), self._gate, ErrorInterceptor()],
+            # The drain gate next, so refused calls are counted too. Auth innermost, so
+            # the identity it sets is in the servicer's context.
+            interceptors=[self.metrics.interceptor(), self._gate, ErrorInterceptor(), self.auth],
             options=[
                 ("grpc.so_reuseport", 0),
+                ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
             ],
@@ -330,9 +387,15 @@ class Daemon:
         host_tier = next(st.tier for st in self.store.tiers if st.name == "host")
         assert isinstance(host_tier, HostTier)
         self._local_puts = LocalPuts()
-        add_kvstore_servicer(KVStoreServicer(self.store, cfg.chunk_bytes, host_tier.segment, self._local_puts), server)
+        auth_on = self.tokens is not None
+        servicer = KVStoreServicer(self.store, cfg.chunk_bytes, host_tier.segment, self._local_puts,
+                                   max_tokens_per_call=cfg.max_tokens_per_call, max_block_bytes=cfg.max_block_bytes,
+                                   lease_key=secrets.token_bytes(32) if auth_on else None,
+                                   max_namespaces_per_tenant=cfg.max_namespaces_per_tenant if auth_on else None)
+        self.runtime.register("max_tokens_per_call", lambda value: setattr(servicer, "max_tokens_per_call", value))
+        add_kvstore_servicer(servicer, server)
         admin_pb2_grpc.add_AdminServicer_to_server(
-            OpsAdminServicer(self.store, self.runtime, self.events, absent), server
+            OpsAdminServicer(self.store, self.runtime, self.events, absent, lambda: self.auth.in_flight), server
         )
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -381,6 +444,12 @@ class Daemon:
         )
         if self.metrics_address:
             logger.info("metrics at http://%s/metrics", self.metrics_address)
+        if self.tokens is not None:
+            logger.info("auth on: %d tenants from %s; TCP %s", len(self.tokens), cfg.auth_token_file,
+                        "with TLS" + (" and client certificates" if cfg.tls_client_ca else "") if self._tls else
+                        "without TLS")
+        else:
+            logger.info("auth off: one tenant (default, admin role); listening on this host only")
         effective = {**cfg.as_dict(), "host_capacity": host_capacity}
         logger.info("effective config: %s", effective, extra={"config": effective})
 
@@ -392,12 +461,33 @@ class Daemon:
             self.runtime.reload(load)
         except KVStoreError as exc:
             logger.error("reload failed, settings unchanged: %s", exc)
+        self.reload_tokens()
+
+    def reload_tokens(self) -> bool:
+        """Read the token file again; a file that does not parse keeps the old table."""
+        if self.tokens is None or self.store is None:
+            return False
+        try:
+            table = parse_token_file(self.config.auth_token_file)
+            if self.config.unix_socket_tenant:
+                _check_unix_tenant(table, self.config.unix_socket_tenant, self.config.auth_token_file)
+        except KVStoreError as exc:
+            logger.error("token file reload failed, the previous %d tenants stay in force: %s", len(self.tokens), exc)
+            return False
+        self.tokens = table
+        self.auth.table = table
+        self.store.tenancy.quotas = table.quotas()
+        logger.info("token file reloaded: %d tenants", len(table))
+        return True
 
     def _bind(self, server: grpc.aio.Server, addr: ListenAddress) -> str:
         if addr.kind == "unix":
             _prepare_unix_path(addr.path)
         try:
-            port = server.add_insecure_port(addr.grpc_target)
+            if addr.kind == "tcp" and self._tls is not None:
+                port = server.add_secure_port(addr.grpc_target, self._tls)
+            else:
+                port = server.add_insecure_port(addr.grpc_target)
         except RuntimeError as exc:
             raise ConfigError(f"cannot listen on {addr.grpc_target}: {exc}; is it in use? choose another --listen") from None
         if addr.kind == "unix":

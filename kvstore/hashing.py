@@ -66,6 +66,19 @@ def namespace_id(layout: KVLayout) -> bytes:
     return _h128(namespace_bytes(layout))
 
 
+TENANT_DOMAIN = b"kvstore.tenant.v1\x00"
+
+
+def tenant_namespace_id(public_id: bytes, salt: bytes) -> bytes:
+    """The id the daemon files a tenant's namespace under: the public id itself for an
+    empty salt (the default tenant), else H(domain || u32le(len(salt)) || salt || id).
+    Block hash chains still start from the public id, so clients compute the same
+    hashes whoever they are; only the daemon's keys differ between tenants."""
+    if not salt:
+        return public_id
+    return _h128(b"".join((TENANT_DOMAIN, _U32.pack(len(salt)), salt, public_id)))
+
+
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as packed little-endian u32 (the encoding the hash reads)."""
     if isinstance(token_ids, (bytes, bytearray, memoryview)):

@@ -31,6 +31,7 @@ class OpenPut:
     txn: PutTxn
     header: kvstore_pb2.PutHeader | None  # what applies at commit (hints)
     expires_at: float
+    tenant: str = ""  # only the tenant that began a put may commit or abort it
 
 
 @dataclass(slots=True, eq=False)
@@ -39,6 +40,7 @@ class Reservation:
     block_bytes: int
     expires_at: float
     free: Callable[[list[Slot]], None]  # gives the slots back to the store
+    tenant: str = ""  # only the tenant that got a reservation may use it
 
 
 class LocalPuts:
@@ -58,7 +60,8 @@ class LocalPuts:
     def reservations(self) -> int:
         return len(self._reserved)
 
-    def reserve(self, slots: list[Slot], block_bytes: int, free: Callable[[list[Slot]], None]) -> str:
+    def reserve(self, slots: list[Slot], block_bytes: int, free: Callable[[list[Slot]], None],
+                tenant: str = "") -> str:
         """Hold `slots` for a client's next put; returns the reservation's id."""
         self.expire()
         if len(self._pending) + len(self._reserved) >= self.max_pending:
@@ -68,19 +71,24 @@ class LocalPuts:
             )
         res_id = secrets.token_hex(12)
         expires_at = self._clock() + self.ttl_ms / 1000.0
-        self._reserved[res_id] = Reservation(slots, block_bytes, expires_at, free)
+        self._reserved[res_id] = Reservation(slots, block_bytes, expires_at, free, tenant)
         heapq.heappush(self._deadlines, (expires_at, res_id))
         return res_id
 
-    def pop_reservation(self, res_id: str) -> Reservation | None:
-        """Reservation `res_id` removed from the table, or None if it is not open."""
+    def pop_reservation(self, res_id: str, tenant: str = "") -> Reservation | None:
+        """Reservation `res_id` of `tenant` removed from the table, or None if it is not
+        open (another tenant's id is answered as if it were not open)."""
         self.expire()
-        return self._reserved.pop(res_id, None)
+        res = self._reserved.get(res_id)
+        if res is None or res.tenant != tenant:
+            return None
+        del self._reserved[res_id]
+        return res
 
-    def take_reservation(self, res_id: str) -> Reservation:
-        """Reservation `res_id`, removed from the table (the caller adopts or frees its slots)."""
-        self.expire()
-        res = self._reserved.pop(res_id, None)
+    def take_reservation(self, res_id: str, tenant: str = "") -> Reservation:
+        """Reservation `res_id` of `tenant`, removed from the table (the caller adopts or
+        frees its slots)."""
+        res = self.pop_reservation(res_id, tenant)
         if res is None:
             raise FailedPrecondition(
                 f"slot reservation {res_id!r} is not open: it was used, aborted, or expired after "
@@ -88,7 +96,7 @@ class LocalPuts:
             )
         return res
 
-    def begin(self, txn: PutTxn, header: kvstore_pb2.PutHeader | None = None) -> str:
+    def begin(self, txn: PutTxn, header: kvstore_pb2.PutHeader | None = None, tenant: str = "") -> str:
         self.expire()
         if len(self._pending) >= self.max_pending:
             txn.abort()
@@ -97,14 +105,19 @@ class LocalPuts:
             )
         txn_id = secrets.token_hex(12)
         expires_at = self._clock() + self.ttl_ms / 1000.0
-        self._pending[txn_id] = OpenPut(txn, header, expires_at)
+        self._pending[txn_id] = OpenPut(txn, header, expires_at, tenant)
         heapq.heappush(self._deadlines, (expires_at, txn_id))
         return txn_id
 
-    def take(self, txn_id: str) -> OpenPut:
-        """The open put `txn_id`, removed from the table (the caller commits or aborts it)."""
+    def take(self, txn_id: str, tenant: str = "") -> OpenPut:
+        """The open put `txn_id` of `tenant`, removed from the table (the caller commits or
+        aborts it). Another tenant's id is answered as if it were not open."""
         self.expire()
-        pending = self._pending.pop(txn_id, None)
+        pending = self._pending.get(txn_id)
+        if pending is not None and pending.tenant == tenant:
+            del self._pending[txn_id]
+        else:
+            pending = None
         if pending is None:
             raise FailedPrecondition(
                 f"local put {txn_id!r} is not open: it was committed, aborted, or rolled back after "

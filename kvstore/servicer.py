@@ -7,6 +7,8 @@ status. No servicer method touches bytes beyond handing chunks to the store.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -15,8 +17,9 @@ from typing import Any
 import grpc
 
 from kvstore import __version__
-from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvstore.hashing import block_hashes_packed, token_bytes
+from kvstore.auth import current_identity
+from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvstore.hashing import block_hashes_packed, tenant_namespace_id, token_bytes
 from kvstore.info import render_info
 from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
 from kvstore.local import LocalPuts
@@ -64,8 +67,16 @@ MAX_RESERVE_AHEAD = 1024
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: Store, chunk_bytes: int, segment: Segment | None = None,
-                 local_puts: LocalPuts | None = None) -> None:
+                 local_puts: LocalPuts | None = None, *, max_tokens_per_call: int = 1 << 20,
+                 max_block_bytes: int = 256 << 20, lease_key: bytes | None = None,
+                 max_namespaces_per_tenant: int | None = None) -> None:
         self.store = store
+        self.max_namespaces_per_tenant = max_namespaces_per_tenant
+        # With auth on, lease ids leave tagged with a MAC of the caller's tenant, so one
+        # tenant cannot end another's leases even with a leaked id (admins may end any).
+        self.lease_key = lease_key
+        self.max_tokens_per_call = max_tokens_per_call
+        self.max_block_bytes = max_block_bytes
         self.chunk_bytes = chunk_bytes
         self.segment = segment
         # `is None`, not `or`: an empty table is falsy (it has a length), and the daemon's
@@ -74,16 +85,89 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     # -------------------------------------------------------------- translation
 
+    def _lease_tag(self, tenant: str, lease_id: str) -> str:
+        assert self.lease_key is not None
+        msg = tenant.encode() + b"\0" + lease_id.encode()
+        return hmac.new(self.lease_key, msg, hashlib.sha256).hexdigest()[:16]
+
+    def _lease_out(self, lease_id: str) -> str:
+        if not lease_id or self.lease_key is None:
+            return lease_id
+        return f"{lease_id}.{self._lease_tag(current_identity().tenant, lease_id)}"
+
+    def _session(self, session_id: str, expect_reuse_within_s: float = 1.0) -> str:
+        """The policies' key for a client's session id: the id itself with auth off; with
+        auth on, a digest of tenant and id, so tenants choosing the same id (or ending
+        another's) never touch each other's hints."""
+        check_hint(session_id, expect_reuse_within_s)
+        if self.lease_key is None:
+            return session_id
+        tenant = current_identity().tenant
+        return "t:" + hashlib.sha256(tenant.encode() + b"\0" + session_id.encode()).hexdigest()[:32]
+
+    def _lease_in(self, tagged: str) -> str:
+        """The store's lease id behind `tagged`; empty (no lease) when the tag is not the
+        caller's tenant's."""
+        if not tagged or self.lease_key is None:
+            return tagged
+        lease_id, _, tag = tagged.rpartition(".")
+        who = current_identity()
+        if who.is_admin and lease_id:
+            return lease_id
+        if not lease_id or not hmac.compare_digest(tag.encode(), self._lease_tag(who.tenant, lease_id).encode()):
+            return ""
+        return lease_id
+
     def _namespace(self, ref: kvstore_pb2.Namespace) -> bytes:
+        """The caller's namespace: a layout is filed under the caller's tenant (salted id);
+        an id must name a namespace of the caller's tenant (admins may name any)."""
+        who = current_identity()
         which = ref.WhichOneof("ref")
         if which == "layout":
-            return self.store.register(layout_from_proto(ref.layout))
+            layout = layout_from_proto(ref.layout)
+            if layout.bytes_per_block > self.max_block_bytes:
+                raise InvalidArgument(
+                    f"the layout describes {layout.bytes_per_block} bytes per block, more than max_block_bytes "
+                    f"({self.max_block_bytes}); use smaller blocks (fewer tokens per block)"
+                )
+            if self.max_namespaces_per_tenant is not None:
+                self._check_tenant_namespaces(layout, who.tenant, who.salt)
+            return self.store.register(layout, who.tenant, who.salt)
         if which == "id":
-            return self.store.namespace(ref.id).namespace_id
+            info = self.store.namespace(ref.id)
+            if info.tenant != who.tenant and not who.is_admin:
+                # The same answer as for an unknown id: another tenant's ids are not confirmed.
+                raise NotFound(
+                    f"namespace {ref.id.hex()} is not known to this daemon; "
+                    "send the full layout instead of its id (the daemon forgets namespaces on restart)"
+                )
+            return info.namespace_id
         raise InvalidArgument("request names no namespace: set namespace.layout (or namespace.id once registered)")
 
-    @staticmethod
-    def _packed_tokens(tokens: kvstore_pb2.TokenIds) -> bytes:
+    def _check_tenant_namespaces(self, layout: KVLayout, tenant: str, salt: bytes) -> None:
+        """Refuse a tenant's new namespace past `max_namespaces_per_tenant` (counted only
+        when the namespace is new, so the common path is one dictionary lookup)."""
+        try:
+            self.store.namespace(tenant_namespace_id(layout.namespace_id, salt))
+            return
+        except NotFound:
+            pass
+        limit = self.max_namespaces_per_tenant
+        assert limit is not None
+        held = sum(1 for ns in self.store.namespaces() if ns.tenant == tenant)
+        if held >= limit:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} already holds {held} namespaces, the most max_namespaces_per_tenant allows; "
+                "ask an operator to flush unused ones"
+            )
+
+    def _packed_tokens(self, tokens: kvstore_pb2.TokenIds) -> bytes:
+        n = len(tokens.packed_u32le) // 4 + len(tokens.token_ids)
+        if n > self.max_tokens_per_call:
+            raise InvalidArgument(
+                f"{n} token ids in one call; the limit is max_tokens_per_call = {self.max_tokens_per_call}: "
+                "send fewer tokens (a lookup needs only the prefix it asks about)"
+            )
         if tokens.packed_u32le:
             if len(tokens.token_ids):
                 raise InvalidArgument("set token_ids or packed_u32le, not both")
@@ -116,7 +200,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             tokens = header.keys.tokens
             packed = self._packed_tokens(tokens)
             first, count = tokens.first_block, header.num_blocks
-            bst = self.store.namespace(ns_id).layout.block_size_tokens
+            info = self.store.namespace(ns_id)
+            bst = info.layout.block_size_tokens
             n_tokens = len(packed) // 4
             full = n_tokens // bst
             if count == 0:
@@ -129,7 +214,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             self.store.check_hashes([b"\0" * 16] * count)  # the per-call block limit, before hashing
             # The prefix before `first` is hashed too (the chain needs it) but not bounded
             # by the per-call block limit: it names no blocks of this put.
-            all_hashes = block_hashes_packed(ns_id, memoryview(packed)[: (first + count) * bst * 4], bst)
+            all_hashes = block_hashes_packed(info.chain_seed or ns_id, memoryview(packed)[: (first + count) * bst * 4],
+                                             bst)
             return all_hashes[first : first + count], all_hashes[first - 1] if first else None
         raise InvalidArgument("put header names no blocks: set keys.hashes or keys.tokens")
 
@@ -138,18 +224,18 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Lookup(self, request: kvstore_pb2.LookupRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.LookupResponse:
         ns_id = self._namespace(request.namespace)
         hashes = self._hashes(ns_id, request.keys)
-        if request.HasField("hint"):
-            check_hint(request.hint.session_id, request.hint.expect_reuse_within_s)
+        session = self._session(request.hint.session_id, request.hint.expect_reuse_within_s) \
+            if request.HasField("hint") else ""
         r = self.store.lookup(ns_id, hashes, request.lease_ms)
-        if request.HasField("hint") and r.num_blocks:
-            self.store.hint(ns_id, r.block_hashes, request.hint.session_id, request.hint.expect_reuse_within_s)
+        if session and r.num_blocks:
+            self.store.hint(ns_id, r.block_hashes, session, request.hint.expect_reuse_within_s)
         return kvstore_pb2.LookupResponse(
             num_blocks=r.num_blocks,
             num_tokens=r.num_tokens,
             tiers=[TIER_ENUM[t] for t in r.tiers],
             namespace_id=ns_id,
             block_hashes=r.block_hashes,
-            lease_id=r.lease_id,
+            lease_id=self._lease_out(r.lease_id),
             block_size_tokens=r.block_size_tokens,
         )
 
@@ -184,7 +270,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     ) -> AsyncIterator[kvstore_pb2.FetchResponse | bytes]:
         ns_id = self._namespace(request.namespace)
         hashes = self._hashes(ns_id, request.keys)
-        async with self.store.open_fetch(ns_id, hashes, request.lease_id) as stream:
+        async with self.store.open_fetch(ns_id, hashes, self._lease_in(request.lease_id)) as stream:
             yield kvstore_pb2.FetchResponse(
                 header=kvstore_pb2.FetchHeader(
                     num_blocks=stream.num_blocks, block_bytes=stream.block_bytes, namespace_id=ns_id
@@ -213,25 +299,28 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Pin(self, request: kvstore_pb2.PinRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.PinResponse:
         ns_id = self._namespace(request.namespace)
         r = self.store.pin(ns_id, self._hashes(ns_id, request.keys), request.ttl_ms)
-        return kvstore_pb2.PinResponse(lease_id=r.lease_id, pinned=r.pinned, expires_in_ms=r.expires_in_ms)
+        return kvstore_pb2.PinResponse(lease_id=self._lease_out(r.lease_id), pinned=r.pinned,
+                                       expires_in_ms=r.expires_in_ms)
 
     async def Unpin(self, request: kvstore_pb2.UnpinRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.UnpinResponse:
-        return kvstore_pb2.UnpinResponse(released=self.store.unpin(request.lease_id))
+        lease_id = self._lease_in(request.lease_id)
+        return kvstore_pb2.UnpinResponse(released=bool(lease_id) and self.store.unpin(lease_id))
 
     def _apply_put_hint(self, header: kvstore_pb2.PutHeader, ns_id: bytes, hashes: list[bytes]) -> None:
         if header.HasField("hint"):
-            self.store.hint(ns_id, hashes, header.hint.session_id, header.hint.expect_reuse_within_s)
+            self.store.hint(ns_id, hashes, self._session(header.hint.session_id, header.hint.expect_reuse_within_s),
+                            header.hint.expect_reuse_within_s)
 
     async def Hint(self, request: kvstore_pb2.HintRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.HintResponse:
         ns_id = self._namespace(request.namespace)
-        hinted = self.store.hint(ns_id, self._hashes(ns_id, request.keys), request.hint.session_id,
-                                 request.hint.expect_reuse_within_s)
+        session = self._session(request.hint.session_id, request.hint.expect_reuse_within_s)
+        hinted = self.store.hint(ns_id, self._hashes(ns_id, request.keys), session, request.hint.expect_reuse_within_s)
         return kvstore_pb2.HintResponse(hinted=hinted)
 
     async def EndSession(
         self, request: kvstore_pb2.EndSessionRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.EndSessionResponse:
-        self.store.end_session(request.session_id)
+        self.store.end_session(self._session(request.session_id))
         return kvstore_pb2.EndSessionResponse()
 
     async def Prefetch(
@@ -271,8 +360,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             raise InvalidArgument(
                 f"{len(lease_ids)} leases to release in one call; at most {MAX_PIGGYBACK_RELEASES} (use Unpin)"
             )
-        for lease_id in lease_ids:
-            self.store.unpin(lease_id)
+        for tagged in lease_ids:
+            lease_id = self._lease_in(tagged)
+            if lease_id:
+                self.store.unpin(lease_id)
 
     async def LocalPut(
         self, request: kvstore_pb2.LocalPutRequest, context: grpc.aio.ServicerContext
@@ -289,7 +380,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             check_hint(request.header.hint.session_id, request.header.hint.expect_reuse_within_s)
         txn = self.store.begin_put(ns_id, hashes, parent, tier=tier)
         await txn.reserve()
-        txn_id = self.local_puts.begin(txn, request.header)
+        txn_id = self.local_puts.begin(txn, request.header, current_identity().tenant)
         resp = kvstore_pb2.LocalPutResponse(
             txn_id=txn_id,
             offsets=[-1 if slot is None else slot.offset for slot in txn.slots()],
@@ -300,7 +391,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         )
         spare: list[Slot] = []
         if request.reuse_reservation_id:
-            old = self.local_puts.pop_reservation(request.reuse_reservation_id)
+            old = self.local_puts.pop_reservation(request.reuse_reservation_id, current_identity().tenant)
             if old is not None:
                 if old.block_bytes == txn.block_bytes and tier == LOCAL_TIER:
                     spare = old.slots
@@ -328,7 +419,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         except ResourceExhausted:
             self.store.free_slots(keep)
             return None
-        res_id = self.local_puts.reserve(slots, block_bytes, self.store.free_slots)
+        res_id = self.local_puts.reserve(slots, block_bytes, self.store.free_slots, current_identity().tenant)
         return kvstore_pb2.SlotReservation(reservation_id=res_id, offsets=[s.offset for s in slots],
                                            block_bytes=block_bytes, expires_in_ms=self.local_puts.ttl_ms)
 
@@ -337,7 +428,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     ) -> kvstore_pb2.PutResponse:
         if request.reservation_id:
             return await self._commit_reserved(request)
-        open_put = self.local_puts.take(request.txn_id)
+        open_put = self.local_puts.take(request.txn_id, current_identity().tenant)
         txn = open_put.txn
         if request.abort:
             txn.abort()
@@ -357,7 +448,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def _commit_reserved(self, request: kvstore_pb2.LocalCommitRequest) -> kvstore_pb2.PutResponse:
         """A put in one round trip: its blocks already sit in the slots of a reservation."""
-        res = self.local_puts.take_reservation(request.reservation_id)
+        res = self.local_puts.take_reservation(request.reservation_id, current_identity().tenant)
         if request.abort:
             self.store.free_slots(res.slots)
             return kvstore_pb2.PutResponse()
@@ -381,7 +472,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             raise
         filled, spare = res.slots[: len(hashes)], res.slots[len(hashes) :]
         try:
-            spare = txn.adopt(filled) + spare
+            spare = await txn.adopt(filled) + spare
+        except BaseException:
+            txn.abort()  # adopt took no slot
+            self.store.free_slots(res.slots)
+            raise
+        try:
             txn.mark_written()
             result = await txn.commit(list(request.checksums))
         except BaseException:
@@ -418,7 +514,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             offsets=[i.slot.offset for i in infos],
             checksums=[i.checksum for i in infos],
             block_bytes=self.store.namespace(ns_id).layout.bytes_per_block,
-            lease_id=result.lease_id,
+            lease_id=self._lease_out(result.lease_id),
             namespace_id=ns_id,
             block_hashes=result.block_hashes,
             block_size_tokens=result.block_size_tokens,

@@ -29,6 +29,9 @@ hold a block exclusively among themselves; an SSD tier, if any, is last and incl
   victims to the next tier down in bounded batches until it is under the low watermark
   (OK / RUNNING / FAIL per batch). A block already on SSD is demoted by dropping its
   memory copy; the last tier drops blocks. A put that finds no room demotes in line.
+- Tenancy: each namespace has a tenant; copies count per tenant and tier in a
+  `TenantLedger` (kvstore.tenancy). A put over its tenant's quota first demotes that
+  tenant's own victims; promotions, demotions and SSD writes never take a tenant over.
 """
 
 from __future__ import annotations
@@ -45,11 +48,12 @@ from typing import Protocol
 
 from kvstore.checksum import checksum_batch, checksum_pieces
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvstore.hashing import HASH_BYTES, block_hashes_packed
+from kvstore.hashing import HASH_BYTES, block_hashes_packed, tenant_namespace_id
 from kvstore.index import BlockEntry, BlockIndex, BlockState, make_key
 from kvstore.layout import DTYPE_BYTES, KVLayout
 from kvstore.leases import Lease, LeaseTable
 from kvstore.policies import EvictionPolicy
+from kvstore.tenancy import TenantLedger
 from kvstore.tiers.base import BlockMeta, Slot, Tier
 from kvstore.tiers.copiers import make_copier
 
@@ -174,6 +178,10 @@ class StoreTier:
 class NamespaceInfo:
     namespace_id: bytes
     layout: KVLayout
+    # The owner, and the public id that starts its hash chains (the namespace id itself
+    # for the default tenant; see kvstore.hashing.tenant_namespace_id).
+    tenant: str = "default"
+    chain_seed: bytes = b""
     blocks: int = 0
     bytes: int = 0
     # Which engines get value from the cache: per-namespace block hit ratio for operators.
@@ -322,6 +330,8 @@ class Store:
         self._index = BlockIndex()
         self._leases = LeaseTable(self._release)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
+        # Payload bytes per tenant and tier, and quotas (set by the daemon from its token file).
+        self.tenancy = TenantLedger()
         self._tier_by_name = {t.name: t for t in self.tiers}
         # Set by the daemon (the event bus); None in embedded and unit-test stores.
         self.observer: StoreObserver | None = None
@@ -407,16 +417,17 @@ class Store:
 
     # ----------------------------------------------------------------- namespaces
 
-    def register(self, layout: KVLayout) -> bytes:
-        """Record a layout; returns its namespace id. Idempotent."""
-        ns_id = layout.namespace_id
+    def register(self, layout: KVLayout, tenant: str = "default", salt: bytes = b"") -> bytes:
+        """Record a layout for `tenant`; returns its namespace id (salted by `salt`). Idempotent."""
+        public_id = layout.namespace_id
+        ns_id = tenant_namespace_id(public_id, salt)
         if ns_id not in self._namespaces:
             if len(self._namespaces) >= self.limits.max_namespaces:
                 raise ResourceExhausted(
                     f"the daemon already holds {self.limits.max_namespaces} namespaces; "
                     "flush unused ones or raise max_namespaces"
                 )
-            info = NamespaceInfo(ns_id, layout)
+            info = NamespaceInfo(ns_id, layout, tenant=tenant, chain_seed=public_id)
             if self._recovered:
                 # Blocks recovered from SSD carry their namespace id but not its layout;
                 # the first request that sends the layout adopts them.
@@ -424,6 +435,8 @@ class Store:
                     if entry.key[:HASH_BYTES] == ns_id:
                         info.blocks += 1
                         info.bytes += entry.nbytes
+                        for name in entry.locations:
+                            self.tenancy.add(tenant, name, entry.nbytes)
             self._namespaces[ns_id] = info
             logger.info("namespace %s registered: model=%s dtype=%s block=%d tokens / %d bytes",
                         ns_id.hex(), layout.model, layout.dtype, layout.block_size_tokens, layout.bytes_per_block)
@@ -451,7 +464,7 @@ class Store:
         if max_blocks is not None:
             n_blocks = min(n_blocks, max_blocks)
         self._check_count(n_blocks, "blocks of tokens")
-        return block_hashes_packed(namespace_id, memoryview(packed_tokens)[: n_blocks * step],
+        return block_hashes_packed(info.chain_seed or namespace_id, memoryview(packed_tokens)[: n_blocks * step],
                                    info.layout.block_size_tokens)
 
     def check_hashes(self, hashes: Sequence[bytes]) -> None:
@@ -512,6 +525,7 @@ class Store:
             return False
         was_top = self._top_name(entry) if entry.locations else ""
         entry.locations[st.name] = slot
+        self._account(entry, st.name, entry.nbytes)
         st.policy.insert(entry.key, entry.parent)
         if was_top and self._rank[st.name] < self._rank[was_top]:
             self._moved(entry, was_top, st.name)  # promoted: now served from higher up
@@ -521,6 +535,7 @@ class Store:
         """Take one copy away; the entry leaves the index with its last copy."""
         was_top = self._top_name(entry)
         slot = entry.locations.pop(st.name)
+        self._account(entry, st.name, -entry.nbytes)
         st.policy.remove(entry.key)
         if entry.readers:
             entry.retired.append(slot)
@@ -545,6 +560,61 @@ class Store:
         if self.observer is not None and entry.state is BlockState.READY:
             self.observer.blocks_removed(entry.key[:HASH_BYTES], [entry.key[HASH_BYTES:]], tier)
 
+    # Tenancy: usage and quotas. A READY copy counts against its namespace's tenant in the
+    # tier that holds it; copies of namespaces not registered yet (recovered from SSD)
+    # count from the moment a request registers them. A removed entry counts for nothing
+    # (its copies stopped counting when it was dropped, though readers may still hold them).
+
+    def _account(self, entry: BlockEntry, tier: str, nbytes: int) -> None:
+        if entry.removed or entry.state is not BlockState.READY:
+            return
+        info = self._namespaces.get(entry.key[:HASH_BYTES])
+        if info is not None:
+            self.tenancy.add(info.tenant, tier, nbytes)
+
+    def _quota_exceeded(self, entry: BlockEntry, st: StoreTier) -> str:
+        """Why one more copy of `entry` in `st` would take its tenant over quota; empty if not."""
+        info = self._namespaces.get(entry.key[:HASH_BYTES]) if self.tenancy.quotas else None
+        return self.tenancy.exceeded(info.tenant, st.name, entry.nbytes) if info is not None else ""
+
+    def _quota_incoming(self, entry: BlockEntry, st: StoreTier, nbytes: int) -> None:
+        """Count (or, with a negative `nbytes`, stop counting) a copy on its way into `st`."""
+        info = self._namespaces.get(entry.key[:HASH_BYTES])
+        if info is not None:
+            if nbytes > 0:
+                self.tenancy.hold(info.tenant, st.name, nbytes)
+            else:
+                self.tenancy.release(info.tenant, st.name, -nbytes)
+
+    async def _quota_room(self, info: NamespaceInfo, st: StoreTier, need: int) -> None:
+        """Make `need` more bytes of `info.tenant`'s quota in `st` free by evicting the
+        tenant's own evictable blocks there (cache semantics); ResourceExhausted if its
+        blocks there are pinned, leased or in flight."""
+        ledger = self.tenancy
+        quota = ledger.quota(info.tenant, st.name)
+        if quota is None:
+            return
+        if need > quota:
+            raise ResourceExhausted(
+                f"tenant {info.tenant!r}: this put needs {need} bytes in tier {st.name}, more than the tenant's "
+                f"whole {st.name} quota of {quota} bytes; put fewer blocks per call or raise the quota"
+            )
+        owned = {i.namespace_id for i in self._namespaces.values() if i.tenant == info.tenant}
+
+        def own(key: bytes) -> bool:
+            return key[:HASH_BYTES] in owned and self._evictable(key)
+
+        while over := ledger.exceeded(info.tenant, st.name, need):
+            key = st.policy.victim(own)
+            if key is None:
+                raise ResourceExhausted(
+                    f"{over}, and its blocks there are pinned or in use; release leases, delete blocks, "
+                    "or raise the quota in the token file"
+                )
+            entry = self._index.get(key)
+            assert entry is not None
+            await self._demote(entry, st)
+
     def _forget(self, entry: BlockEntry) -> None:
         info = self._namespaces.get(entry.key[:HASH_BYTES])
         if info is not None:
@@ -555,6 +625,8 @@ class Store:
         """Remove a block from the index and every tier; bytes go when no reader holds them."""
         if entry.locations:
             self._removed(entry, self._top_name(entry))
+        for name in entry.locations:
+            self._account(entry, name, -entry.nbytes)  # before the index marks it removed
         self._index.remove(entry.key)
         for name in entry.locations:
             self._tier_by_name[name].policy.remove(entry.key)
@@ -679,16 +751,20 @@ class Store:
         assert self.ssd is not None
         if self.ssd.name in entry.locations:
             return True
+        if self._quota_exceeded(entry, self.ssd):
+            return False  # over the tenant's SSD quota: the block stays (or ends) in memory only
         pending = self._ssd_writing.get(entry.key)
         if pending is not None:
             await asyncio.shield(pending)
             return self.ssd.name in entry.locations
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._ssd_writing[entry.key] = done
+        self._quota_incoming(entry, self.ssd, entry.nbytes)
         try:
             slot = await self._place(self.ssd, entry, data)
             return self._add_location(entry, self.ssd, slot)
         finally:
+            self._quota_incoming(entry, self.ssd, -entry.nbytes)
             del self._ssd_writing[entry.key]
             done.set_result(None)
 
@@ -703,6 +779,18 @@ class Store:
         """A verified copy of `entry` from `src` in a new slot of addressable tier `dst`
         (making room there). None when the source copy failed verification (it is dropped
         and counted). The caller holds the entry and publishes the slot."""
+        over = self._quota_exceeded(entry, dst)
+        if over:
+            raise ResourceExhausted(over)
+        # Counted as incoming until this returns: the caller adds the location without
+        # awaiting in between.
+        self._quota_incoming(entry, dst, entry.nbytes)
+        try:
+            return await self._copy_into_counted(entry, src, dst)
+        finally:
+            self._quota_incoming(entry, dst, -entry.nbytes)
+
+    async def _copy_into_counted(self, entry: BlockEntry, src: StoreTier, dst: StoreTier) -> Slot | None:
         if src is self.ssd:
             data = await self._read_verified(entry, src)
             if data is None:
@@ -873,6 +961,7 @@ class Store:
             self._index.add(entry)
             for name in entry.locations:
                 self._tier_by_name[name].policy.insert(entry.key, entry.parent)
+                self._account(entry, name, entry.nbytes)
             info = self._namespaces[entry.key[:HASH_BYTES]]
             info.blocks += 1
             info.bytes += entry.nbytes
@@ -1001,7 +1090,7 @@ class Store:
     async def _promote_on_hit(self, entry: BlockEntry, data: bytes) -> None:
         """After a verified read from SSD: keep a memory copy if the top tier has headroom."""
         top = self.memory_tiers[0]
-        if entry.removed or top.name in entry.locations:
+        if entry.removed or top.name in entry.locations or self._quota_exceeded(entry, top):
             return
         if top.tier.used_bytes + top.tier.accounted_size(entry.nbytes) > top.high_watermark * top.tier.capacity_bytes:
             return
@@ -1434,6 +1523,9 @@ class PutTxn:
         self._current = 0
         self._done = False
         self._tier = tier
+        # Tiers where this put holds its bytes against the tenant's quota, until it ends.
+        self._quota_held: list[str] = []
+        self._quota_bytes = 0
 
     async def __aenter__(self) -> PutTxn:
         await self.reserve()
@@ -1464,6 +1556,16 @@ class PutTxn:
                 f"hold {room}; put fewer blocks per call or raise their capacity"
             )
         try:
+            quotas = store.tenancy.quotas.get(self._info.tenant)
+            if quotas and new:
+                # The put must fit the tenant's quota in every tier it may land in; its
+                # bytes count there from when room is made until it commits or aborts.
+                self._quota_bytes = len(new) * self.block_bytes
+                for st in landing:
+                    if st.name in quotas:
+                        await store._quota_room(self._info, st, self._quota_bytes)
+                        store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
+                        self._quota_held.append(st.name)
             for i in new:
                 slot = await store._allocate_put(self.block_bytes, landing)
                 if self._done:  # aborted while making room
@@ -1475,24 +1577,36 @@ class PutTxn:
             self.abort()
             raise
 
-    def adopt(self, filled: Sequence[Slot]) -> list[Slot]:
+    async def adopt(self, filled: Sequence[Slot]) -> list[Slot]:
         """Instead of `reserve`: take slots from `Store.reserve_slots` that a co-located
         client already filled, block i in `filled[i]`. Returns the slots of blocks already
-        present (their bytes are not needed), which stay the caller's."""
+        present (their bytes are not needed), which stay the caller's. The tenant's quota
+        applies as in `reserve`; if this raises, no slot was taken."""
         if len(filled) != len(self._keys):
             raise InvalidArgument(f"{len(filled)} filled slots for a put of {len(self._keys)} blocks")
         store = self._store
-        unused: list[Slot] = []
+        new: list[int] = []
         for i, key in enumerate(self._keys):
             present = store._index.get(key)
-            if present is not None:
+            if present is None:
+                new.append(i)
+            else:
                 store._hold(present)
                 self._held.append(present)
-                unused.append(filled[i])
-                continue
-            self._entries[i] = BlockEntry(key, self._parents[i], self.block_bytes, 0, {filled[i].tier: filled[i]},
-                                          itemsize=self._itemsize)
-        return unused
+        quotas = store.tenancy.quotas.get(self._info.tenant)
+        if quotas and new:
+            landing = [self._tier] if self._tier is not None else store._landing_tiers()
+            self._quota_bytes = len(new) * self.block_bytes
+            for st in landing:
+                if st.name in quotas:
+                    await store._quota_room(self._info, st, self._quota_bytes)
+                    store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
+                    self._quota_held.append(st.name)
+        for i in new:
+            self._entries[i] = BlockEntry(self._keys[i], self._parents[i], self.block_bytes, 0,
+                                          {filled[i].tier: filled[i]}, itemsize=self._itemsize)
+        new_set = set(new)
+        return [slot for i, slot in enumerate(filled) if i not in new_set]
 
     def _slot(self, entry: BlockEntry) -> Slot:
         (slot,) = entry.locations.values()
@@ -1610,6 +1724,9 @@ class PutTxn:
                 self._entries[i] = None
 
     def _release_held(self) -> None:
+        for tier in self._quota_held:
+            self._store.tenancy.release(self._info.tenant, tier, self._quota_bytes)
+        self._quota_held.clear()
         for entry in self._held:
             self._store._release(entry)
         self._held.clear()

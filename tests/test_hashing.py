@@ -157,3 +157,17 @@ def test_bad_layouts_are_rejected(kwargs):
               "block_size_tokens": 4} | kwargs
     with pytest.raises(InvalidArgument):
         KVLayout(**fields)
+
+
+def test_tenant_namespace_vectors_from_doc():
+    from kvstore.hashing import tenant_namespace_id
+
+    rows = _doc_table("tenant")
+    assert len(rows) == 2
+    for name, salt, want in rows:
+        salt_bytes = salt.strip('"').encode()
+        public = reference_namespace_id(LAYOUTS[name])
+        # Written from the doc: H(domain || u32le(len(salt)) || salt || id), or the id for no salt.
+        ref = public if not salt_bytes else xxhash.xxh3_128(
+            b"kvstore.tenant.v1\x00" + struct.pack("<I", len(salt_bytes)) + salt_bytes + public).digest()
+        assert _hexes(want)[0] == ref.hex() == tenant_namespace_id(public, salt_bytes).hex()

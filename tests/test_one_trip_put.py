@@ -131,3 +131,57 @@ async def test_async_client_puts_in_one_trip_too(daemon, layout):
             assert (await kv.put(layout, tokens, blocks)).stored == 2
         for tokens, blocks in puts:
             assert [bytes(b) for b in await kv.fetch(layout, tokens)] == blocks
+
+
+# ------------------------------------------------------------------ with tenants
+
+
+def _token_file(path, entries: dict[str, str]) -> dict[str, str]:
+    """A token file with one client tenant per entry (name -> extra TOML); their tokens."""
+    from kvstore.auth import new_token
+
+    tokens, lines = {}, []
+    for name, extra in entries.items():
+        token, token_hash = new_token()
+        tokens[name] = token
+        lines.append(f'[[tenant]]\nname = "{name}"\nrole = "client"\ntokens = ["{token_hash}"]\n{extra}')
+    path.write_text("\n".join(lines))
+    os.chmod(path, 0o600)
+    return tokens
+
+
+def test_reservations_belong_to_their_tenant_and_count_against_its_quota(tmp_path, layout):
+    from tests.conftest import daemon_in_thread, make_config
+
+    tokens = _token_file(tmp_path / "tokens.toml", {
+        "alpha": "local_plane = true\n", "beta": "local_plane = true\n",
+        "small": 'local_plane = true\nquota = { host = "4KiB" }\n', "plain": ""})
+    cfg = make_config(tmp_path, auth_token_file=str(tmp_path / "tokens.toml"))
+    with daemon_in_thread(cfg) as running, grpc.insecure_channel(running.unix_target) as channel:
+        stub = kvstore_pb2_grpc.KVStoreStub(channel)
+        md = {name: (("authorization", f"Bearer {tok}"),) for name, tok in tokens.items()}
+        begun = stub.LocalPut(kvstore_pb2.LocalPutRequest(header=_header(layout, [os.urandom(16)]), reserve_ahead=2),
+                              metadata=md["alpha"])
+        stub.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), metadata=md["alpha"])
+        res_id = begun.reservation.reservation_id
+        assert res_id
+        # Another tenant cannot use (or end) it: answered as if it were not open.
+        with pytest.raises(grpc.RpcError) as info:
+            stub.LocalCommit(kvstore_pb2.LocalCommitRequest(reservation_id=res_id, abort=True), metadata=md["beta"])
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        stub.LocalCommit(kvstore_pb2.LocalCommitRequest(reservation_id=res_id, abort=True), metadata=md["alpha"])
+
+        # The device plane's RPCs need local_plane like the shared-memory ones.
+        with pytest.raises(grpc.RpcError) as info:
+            stub.DeviceSegment(kvstore_pb2.DeviceSegmentRequest(), metadata=md["plain"])
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+        # One-trip puts of a tenant with a 4 KiB quota (4 blocks) evict its own blocks.
+        store = running.store
+        with Client(running.unix_target, token=tokens["small"], data_plane="local", reserve_ahead=2) as kv:
+            for i in range(6):
+                data = _blocks(layout, 2)
+                tokens_i = list(range(i * 100, i * 100 + 8))
+                assert kv.put(layout, tokens_i, data).stored == 2
+                assert store.tenancy.usage("small").get("host", 0) <= 4 * layout.bytes_per_block
+                assert [bytes(b) for b in kv.fetch(layout, tokens_i)] == data

@@ -158,7 +158,7 @@ def test_config_validate(tmp_path: Path, capsys):
     remote = tmp_path / "remote.toml"
     remote.write_text('metrics_listen = "0.0.0.0:9464"\n')
     code, out, _ = run(capsys, "config", "validate", str(remote), "--json")
-    assert code == 1 and "allow-remote" in json.loads(out)["error"]
+    assert code == 1 and "metrics-remote" in json.loads(out)["error"]
 
 
 def test_unreachable_daemon_exits_1(tmp_path: Path, capsys):

@@ -29,7 +29,7 @@ def test_deploy_configs_validate(tmp_path):
     sidecar = tmp_path / "sidecar.toml"
     sidecar.write_text(_sidecar_toml())
     cfg = load_config({"config": str(sidecar)}, env={})
-    assert cfg.metrics_listen == "0.0.0.0:9464" and cfg.allow_remote and cfg.log_format == "json"
+    assert cfg.metrics_listen == "0.0.0.0:9464" and cfg.metrics_remote and cfg.log_format == "json"
     assert cfg.ssd_path == "/var/lib/kvstore"
     node = load_config({"config": str(ROOT / "deploy/systemd/kvstore.toml")}, env={})
     assert node.metrics_listen.startswith("127.0.0.1:")

@@ -89,7 +89,7 @@ async def test_metrics_off_and_loopback_only(tmp_path):
         assert d.metrics_address == ""
     finally:
         await d.stop(grace_s=0)
-    with pytest.raises(ConfigError, match="allow-remote"):
+    with pytest.raises(ConfigError, match="metrics-remote"):
         Daemon(replace(base, metrics_listen="0.0.0.0:0"))
 
 
