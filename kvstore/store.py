@@ -925,6 +925,27 @@ class Store:
             raise FailedPrecondition(f"this daemon has no {tier} memory tier")
         return PutTxn(self, info, list(hashes), parent_hash, target)
 
+    async def reserve_slots(self, tier: str, nbytes: int, count: int) -> list[Slot]:
+        """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet
+        (making room as a put would): a co-located client fills them ahead of the put that
+        names them (`PutTxn.adopt`). The caller frees what it does not adopt."""
+        st = self._tier_by_name.get(tier)
+        if st is None or not st.tier.addressable:
+            raise FailedPrecondition(f"this daemon has no {tier} memory tier")
+        slots: list[Slot] = []
+        try:
+            for _ in range(count):
+                slots.append(await self._allocate_put(nbytes, [st]))
+        except BaseException:
+            self.free_slots(slots)
+            raise
+        return slots
+
+    def free_slots(self, slots: Sequence[Slot]) -> None:
+        """Return reserved, never-published slots to their tiers."""
+        for slot in slots:
+            self._tier_by_name[slot.tier].tier.free(slot)
+
     def _landing_tiers(self) -> list[StoreTier]:
         if self.migration.put_tier == "auto":
             return self.memory_tiers
@@ -1572,6 +1593,37 @@ class PutTxn:
         except BaseException:
             self.abort()
             raise
+
+    async def adopt(self, filled: Sequence[Slot]) -> list[Slot]:
+        """Instead of `reserve`: take slots from `Store.reserve_slots` that a co-located
+        client already filled, block i in `filled[i]`. Returns the slots of blocks already
+        present (their bytes are not needed), which stay the caller's. The tenant's quota
+        applies as in `reserve`; if this raises, no slot was taken."""
+        if len(filled) != len(self._keys):
+            raise InvalidArgument(f"{len(filled)} filled slots for a put of {len(self._keys)} blocks")
+        store = self._store
+        new: list[int] = []
+        for i, key in enumerate(self._keys):
+            present = store._index.get(key)
+            if present is None:
+                new.append(i)
+            else:
+                store._hold(present)
+                self._held.append(present)
+        quotas = store.tenancy.quotas.get(self._info.tenant)
+        if quotas and new:
+            landing = [self._tier] if self._tier is not None else store._landing_tiers()
+            self._quota_bytes = len(new) * self.block_bytes
+            for st in landing:
+                if st.name in quotas:
+                    await store._quota_room(self._info, st, self._quota_bytes)
+                    store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
+                    self._quota_held.append(st.name)
+        for i in new:
+            self._entries[i] = BlockEntry(self._keys[i], self._parents[i], self.block_bytes, 0,
+                                          {filled[i].tier: filled[i]}, itemsize=self._itemsize)
+        new_set = set(new)
+        return [slot for i, slot in enumerate(filled) if i not in new_set]
 
     def _slot(self, entry: BlockEntry) -> Slot:
         (slot,) = entry.locations.values()
