@@ -8,7 +8,7 @@ STUBS := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: all setup stubs run test test-gpu bench bench-deps bench-peers bench-tiers lint clean
+.PHONY: all setup stubs run test test-gpu bench bench-deps bench-peers bench-tiers soak fuzz lint clean
 
 all: setup
 
@@ -62,6 +62,22 @@ bench-tiers: setup
 	$(if $(QUICK),KVSTORE_BENCH_ROUNDS=1 ,)$(PY) bench/ssd_bench.py $(SSD_BENCH_DIR)
 	@$(PY) -c 'import transformers' 2>/dev/null && $(PY) bench/codec_ratio.py \
 		|| echo "codec ratio skipped: pip install transformers into $(VENV) to measure it"
+
+# Soak: SOAK_CLIENTS clients (half shared-memory, half gRPC over loopback TCP) doing mixed
+# put/lookup/fetch/delete/pin for SOAK_S seconds against a daemon with small tiers,
+# verifying every fetched byte. Fails on a mismatch, an unexpected error, daemon RSS
+# growth past its limit, or an unclean exit. Results: bench/results/soak.json.
+SOAK_S ?= 120
+SOAK_CLIENTS ?= 32
+soak: setup
+	$(PY) bench/soak.py --seconds $(SOAK_S) --clients $(SOAK_CLIENTS)
+
+# Property tests (tests/test_fuzz.py) with a larger budget than `make test`: FUZZ_EXAMPLES
+# state-machine runs against the in-process store, a tenth of that through the SDK
+# against a daemon. Prints how many ran.
+FUZZ_EXAMPLES ?= 1000
+fuzz: setup
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/test_fuzz.py -s -q $(PYTEST_ARGS)
 
 # Redis (the peer) comes from Debian; the Python clients from the bench extra.
 bench-deps: $(VENV)/.bench

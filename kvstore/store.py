@@ -732,6 +732,12 @@ class Store:
                     landed = self._add_location(entry, lower, slot)
             except ResourceExhausted:
                 landed = False
+            except OSError as exc:
+                # The SSD refused the write (disk full, I/O error): as if there were no room
+                # below. The put that needs this slot must not fail for it.
+                self.counters.ssd_write_failures += 1
+                logger.warning("ssd write of block %s failed (%s); not demoted", entry.key.hex(), exc)
+                landed = False
             if not landed and lower.name not in entry.locations:
                 # Nothing below can take it: dropping is what the last tier would do.
                 logger.debug("no room below %s for %s; dropped", st.name, entry.key.hex())
@@ -905,6 +911,14 @@ class Store:
             raise InvalidArgument(f"parent hash must be {HASH_BYTES} bytes, got {len(parent_hash)}")
         if not hashes:
             raise InvalidArgument("a put must carry at least one block")
+        if len(set(hashes)) != len(hashes):
+            # Two PENDING entries for one key would both be published: refuse up front.
+            seen: dict[bytes, int] = {}
+            for i, h in enumerate(hashes):
+                if h in seen:
+                    raise InvalidArgument(f"block hash {i} names the same block as block hash {seen[h]}; "
+                                          "a put names each block only once")
+                seen[h] = i
         self.expire_leases()
         target = self._tier_by_name.get(tier) if tier is not None else None
         if tier is not None and (target is None or not target.tier.addressable):
@@ -1016,6 +1030,9 @@ class Store:
             await self._ensure_on_ssd(entry, data)
         except asyncio.CancelledError:
             raise
+        except OSError as exc:  # disk full or failing: expected, and one line per block is enough
+            self.counters.ssd_write_failures += 1
+            logger.warning("ssd write of block %s failed (%s); it stays in memory only", entry.key.hex(), exc)
         except Exception:  # task boundary: the block stays in memory, unwritten
             self.counters.ssd_write_failures += 1
             logger.exception("ssd write of block %s failed", entry.key.hex())
