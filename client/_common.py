@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -267,6 +268,56 @@ def prepare_put(
     return PreparedPut(header, views)
 
 
+def device_put_header(
+    layout: KVLayout,
+    token_ids: Sequence[int] | None,
+    block_hashes: Sequence[bytes] | None,
+    blocks: Sequence[Any],
+    first_block: int,
+    hint: kvstore_pb2.ReuseHint | None = None,
+) -> kvstore_pb2.PutHeader:
+    """The header of a put of CUDA tensors (the device plane), size-checked like `prepare_put`."""
+    expected = layout.bytes_per_block
+    for i, b in enumerate(blocks):
+        nbytes = b.numel() * b.element_size()
+        if nbytes != expected:
+            raise InvalidArgument(f"block {i} is {nbytes} bytes but the layout says {expected} bytes per block")
+    if not blocks:
+        raise InvalidArgument("put needs at least one block")
+    if first_block < 0:
+        raise InvalidArgument(f"first_block must be >= 0, got {first_block}")
+    keys = block_keys(token_ids, block_hashes)
+    if token_ids is not None:
+        keys.tokens.first_block = first_block
+    elif first_block:
+        raise InvalidArgument("first_block applies to token_ids; with block_hashes send exactly the blocks' hashes")
+    return kvstore_pb2.PutHeader(namespace=namespace_ref(layout), keys=keys, num_blocks=len(blocks), hint=hint)
+
+
+def _is_cuda(obj: object) -> bool:
+    return _is_tensor(obj) and getattr(obj, "is_cuda", False) is True
+
+
+def host_blocks(blocks: Sequence[Any]) -> Sequence[Any]:
+    """`blocks` with CUDA tensors copied to host memory (when the device plane is not in
+    use); everything else as given."""
+    if not any(_is_cuda(b) for b in blocks):
+        return blocks
+    return [b.detach().cpu() if _is_cuda(b) else b for b in blocks]
+
+
+def upload_blocks(blocks: Sequence[Any], dsts: Sequence[Any]) -> None:
+    """Copy host blocks (bytes-like) into caller buffers, CUDA tensors included."""
+    for i, (src, dst) in enumerate(zip(blocks, dsts)):
+        if _is_cuda(dst):
+            from kvstore.client.tensors import upload
+
+            upload(src, dst, i)
+        else:
+            view = writable_view(dst, i, len(memoryview(src)))
+            view[:] = memoryview(src).cast("B")
+
+
 def put_requests(prepared: PreparedPut, chunk_bytes: int) -> Iterator[kvstore_pb2.PutRequest | bytes]:
     """The messages of one Put stream, made lazily as gRPC sends them: a header, then
     each block in chunks, encoded straight from the caller's buffer (see kvstore.wire)."""
@@ -274,6 +325,45 @@ def put_requests(prepared: PreparedPut, chunk_bytes: int) -> Iterator[kvstore_pb
     for i, v in enumerate(prepared.views):
         for start in range(0, len(v), chunk_bytes):
             yield encode_chunk(i, v[start : start + chunk_bytes])
+
+
+# One-trip puts: the most empty slots a client asks the daemon to hold for its next put.
+MAX_RESERVE_AHEAD = 1024
+
+
+@dataclass(slots=True)
+class HeldSlots:
+    """A daemon-side reservation of empty host slots for this client's next put."""
+
+    reservation_id: str
+    offsets: list[int]
+    usable_until: float  # monotonic; half the reservation's lifetime, so it never expires mid-copy
+
+
+def check_reserve_ahead(count: int) -> int:
+    if not 0 <= count <= MAX_RESERVE_AHEAD:
+        raise InvalidArgument(f"reserve_ahead must be in [0, {MAX_RESERVE_AHEAD}], got {count}")
+    return count
+
+
+def keep_held(held: dict[int, HeldSlots], reservation: kvstore_pb2.SlotReservation) -> None:
+    """Remember a reservation the daemon returned (replacing any for that block size)."""
+    if reservation.reservation_id:
+        held[reservation.block_bytes] = HeldSlots(
+            reservation.reservation_id, list(reservation.offsets),
+            time.monotonic() + reservation.expires_in_ms / 2000.0)
+
+
+def take_held(held: dict[int, HeldSlots], block_bytes: int, num_blocks: int) -> tuple[HeldSlots | None, str]:
+    """(the reservation to put `num_blocks` blocks in one round trip, if one fits; else
+    the id of the one that does not, for the two-trip put to hand back). A reservation
+    serves one put either way."""
+    slots = held.pop(block_bytes, None)
+    if slots is None:
+        return None, ""
+    if len(slots.offsets) < num_blocks or time.monotonic() >= slots.usable_until:
+        return None, slots.reservation_id
+    return slots, ""
 
 
 DATA_PLANES = ("auto", "local", "grpc")

@@ -42,8 +42,9 @@ def _as_array(buf: memoryview) -> np.ndarray:
 
 
 class LocalPlane:
-    def __init__(self, segment: AttachedSegment) -> None:
+    def __init__(self, segment: AttachedSegment, token: bytes = b"") -> None:
         self.segment = segment
+        self.token = token  # the daemon's segment token (the device plane checks it too)
         self._data = np.frombuffer(segment.data, dtype=np.uint8)
         self._pool: ThreadPoolExecutor | None = None
 
@@ -52,7 +53,7 @@ class LocalPlane:
         """Map the daemon's segment; raises OSError or ValueError when this process cannot."""
         segment = AttachedSegment(resp.path, resp.token)
         segment.populate_in_background()
-        return cls(segment)
+        return cls(segment, resp.token)
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         """Wait until this process's mapping of the segment is faulted in."""

@@ -13,13 +13,19 @@ from kvstore.client._common import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_TIMEOUT_S,
     FetchAssembler,
+    HeldSlots,
     LookupResult,
     PinResult,
     PrefetchResult,
+    PreparedPut,
     PutResult,
     block_keys,
     check_data_plane,
+    check_reserve_ahead,
+    device_put_header,
     fetch_keys,
+    host_blocks,
+    keep_held,
     lookup_result,
     may_be_local,
     namespace_ref,
@@ -30,7 +36,9 @@ from kvstore.client._common import (
     put_requests,
     resolve_target,
     reuse_hint,
+    take_held,
     translate,
+    upload_blocks,
     writable_view,
 )
 from kvstore.client._local import LocalPlane
@@ -56,6 +64,12 @@ class Client:
     otherwise; `local` insists on shared memory; `grpc` never uses it. Both give
     byte-identical results. `data_plane_in_use` tells which one is active.
 
+    `reserve_ahead` (shared-memory plane only): after each put, the daemon holds up to
+    this many empty slots for this client's next put of the same block size, which then
+    takes one round trip instead of two. The slots hold host-tier capacity while they
+    wait (at most 30 s), so it is off (0) by default; a steady writer such as an engine
+    saving its KV each step gains from `reserve_ahead` = its usual blocks per put.
+
     `token` (or `token_file`, else `KVSTORE_TOKEN` / `KVSTORE_TOKEN_FILE`) is sent as a
     bearer token on every call; `tls_ca` (else `KVSTORE_TLS_CA`) turns on TLS with those
     roots, and `tls_cert`/`tls_key` present a client certificate (mTLS).
@@ -64,13 +78,20 @@ class Client:
     def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_plane: str = "auto", token: str | None = None,
                  token_file: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
+                 tls_key: str | None = None, reserve_ahead: int = 0) -> None:
         self.target = resolve_target(target)
+        self.reserve_ahead = check_reserve_ahead(reserve_ahead)
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self.data_plane = check_data_plane(data_plane)
         self.security = Security.resolve(token, token_file, tls_ca, tls_cert, tls_key)
         self._plane: LocalPlane | None = None
+        # Empty slots the daemon holds for this client's next put, by block size: that
+        # put then takes one round trip instead of two.
+        self._reserved: dict[int, HeldSlots] = {}
+        # The device (CUDA IPC) plane: opened on the first put or fetch of CUDA tensors.
+        self._device: Any = None
+        self._device_tried = False
         # Leases of finished shared-memory fetches, ended by the next local call instead
         # of an Unpin each (they also expire on their own).
         self._releases: list[str] = []
@@ -92,11 +113,21 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        for held in self._reserved.values():
+            try:
+                self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id, abort=True),
+                                      timeout=min(1.0, self.timeout_s))
+            except grpc.RpcError:
+                pass  # the reservation expires by itself
+        self._reserved.clear()
         for lease_id in self._take_releases():
             try:
                 self._kv.Unpin(kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=min(1.0, self.timeout_s))
             except grpc.RpcError:
                 pass  # the lease expires by itself
+        if self._device is not None:
+            self._device.close()
+            self._device = None
         if self._plane is not None:
             self._plane.close()
             self._plane = None
@@ -137,6 +168,33 @@ class Client:
             logger.info("shared-memory data plane unavailable (%s); block bytes go through gRPC", reason)
         return self._plane
 
+    def _device_plane(self, blocks: Sequence[Any] | None) -> Any:
+        """The device plane when `blocks` are CUDA tensors and the daemon's HBM tier can be
+        opened from this process (same host, same GPU, another process); else None."""
+        if not blocks or not all(getattr(b, "is_cuda", False) for b in blocks):
+            return None
+        if self._device_tried:
+            return self._device
+        plane = self._local()
+        self._device_tried = True
+        if plane is None:
+            return None
+        from kvstore.client._device import DevicePlane
+
+        try:
+            resp = self._kv.DeviceSegment(kvstore_pb2.DeviceSegmentRequest(), timeout=self.timeout_s)
+            self._device = DevicePlane.attach(resp, plane.token)
+        except (grpc.RpcError, ValueError) as exc:
+            reason = translate(exc) if isinstance(exc, grpc.RpcError) else exc
+            logger.info("device data plane unavailable (%s); CUDA blocks go through host memory", reason)
+        return self._device
+
+    @property
+    def device_plane_in_use(self) -> bool:
+        """Whether puts and fetches of CUDA tensors copy device-to-device (CUDA IPC); known
+        after the first such call."""
+        return self._device is not None
+
     def lookup(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
                block_hashes: Sequence[bytes] | None = None, lease_ms: int = 0,
                session_id: str | None = None, expect_reuse_within_s: float | None = None,
@@ -155,6 +213,11 @@ class Client:
             session_id: str | None = None, expect_reuse_within_s: float | None = None,
             timeout_s: float | None = None) -> PutResult:
         """Store `blocks` (all or nothing). With token_ids, block i is block first_block + i of the prefix."""
+        device = self._device_plane(blocks)
+        if device is not None:
+            return self._put_device(device, layout, token_ids, blocks, first_block, block_hashes,
+                                    reuse_hint(session_id, expect_reuse_within_s), self._t(timeout_s))
+        blocks = host_blocks(blocks)
         prepared = prepare_put(layout, token_ids, block_hashes, blocks, first_block,
                                reuse_hint(session_id, expect_reuse_within_s))
         timeout = self._t(timeout_s)
@@ -163,10 +226,25 @@ class Client:
             if plane is None:
                 resp = self._put(put_requests(prepared, self.chunk_bytes), timeout=timeout)
                 return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
+            n = len(prepared.views)
+            held, unfit = take_held(self._reserved, layout.bytes_per_block, n)
+            if held is not None:
+                try:
+                    sums = plane.copy_in(held.offsets[:n], prepared.views)
+                except BaseException:
+                    self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id,
+                                                                        abort=True), timeout=timeout)
+                    raise
+                one_trip = self._commit_reserved(prepared, held, sums, timeout)
+                if one_trip is not None:
+                    return one_trip
             begun = self._kv.LocalPut(
-                kvstore_pb2.LocalPutRequest(header=prepared.header, release_lease_ids=self._take_releases()),
+                kvstore_pb2.LocalPutRequest(header=prepared.header, release_lease_ids=self._take_releases(),
+                                            reserve_ahead=min(n, self.reserve_ahead),
+                                            reuse_reservation_id=unfit),
                 timeout=timeout,
             )
+            keep_held(self._reserved, begun.reservation)
             try:
                 sums = plane.copy_in(begun.offsets, prepared.views)
             except BaseException:
@@ -178,6 +256,69 @@ class Client:
         except grpc.RpcError as exc:
             raise translate(exc) from None
 
+    def _put_device(self, device: Any, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any],
+                    first_block: int, block_hashes: Sequence[bytes] | None, hint: kvstore_pb2.ReuseHint | None,
+                    timeout: float) -> PutResult:
+        header = device_put_header(layout, token_ids, block_hashes, blocks, first_block, hint)
+        try:
+            begun = self._kv.DevicePut(
+                kvstore_pb2.LocalPutRequest(header=header, release_lease_ids=self._take_releases()), timeout=timeout)
+            try:
+                sums = device.copy_in(begun.offsets, blocks, begun.block_bytes)
+            except BaseException:
+                self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout=timeout)
+                raise
+            resp = self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, checksums=sums),
+                                        timeout=timeout)
+            return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+
+    def _fetch_device(self, device: Any, layout: KVLayout, keys: kvstore_pb2.BlockKeys, out: Sequence[Any],
+                      lease_id: str, timeout: float) -> list[Any]:
+        resp = self._kv.DeviceFetch(
+            kvstore_pb2.LocalFetchRequest(namespace=namespace_ref(layout), keys=keys,
+                                          release_lease_ids=self._take_releases() + ([lease_id] if lease_id else [])),
+            timeout=timeout,
+        )
+        n_dev = len(resp.offsets)
+        dsts = list(out[: resp.num_blocks])
+        try:
+            good = device.copy_out(resp.offsets, resp.checksums, resp.block_bytes, dsts[:n_dev])
+        finally:
+            if resp.lease_id:
+                self._releases.append(resp.lease_id)
+        if good < n_dev:
+            self._kv.Verify(kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout),
+                                                      keys=block_keys(None, resp.block_hashes[good:n_dev])),
+                            timeout=timeout)
+            return dsts[:good]
+        if resp.num_blocks > n_dev:
+            # The rest sits in host memory or on SSD: fetch it as host bytes, then upload.
+            rest = self.fetch(layout, block_hashes=list(resp.block_hashes[n_dev:]), timeout_s=timeout)
+            upload_blocks(rest, dsts[n_dev:])
+            return dsts[: n_dev + len(rest)]
+        return dsts[:n_dev]
+
+    def _commit_reserved(self, prepared: PreparedPut, held: HeldSlots, sums: list[int],
+                         timeout: float) -> PutResult | None:
+        """Publish a put copied into reserved slots (one round trip); None when the daemon
+        no longer holds the reservation, and the put must take the two-trip path."""
+        try:
+            resp = self._kv.LocalCommit(
+                kvstore_pb2.LocalCommitRequest(header=prepared.header, reservation_id=held.reservation_id,
+                                               checksums=sums,
+                                               reserve_ahead=min(len(prepared.views), self.reserve_ahead),
+                                               release_lease_ids=self._take_releases()),
+                timeout=timeout)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            logger.info("slot reservation gone (%s); putting in two round trips", exc.details())
+            return None
+        keep_held(self._reserved, resp.reservation)
+        return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
+
     def fetch(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
               block_hashes: Sequence[bytes] | None = None, out: Sequence[Any] | None = None,
               lease_id: str = "", timeout_s: float | None = None) -> list[Any]:
@@ -188,7 +329,18 @@ class Client:
         """
         keys = fetch_keys(layout, token_ids, block_hashes, out)
         timeout = self._t(timeout_s)
+        device = self._device_plane(out)
         try:
+            if device is not None:
+                assert out is not None
+                return self._fetch_device(device, layout, keys, out, lease_id, timeout)
+            if out is not None and any(getattr(o, "is_cuda", False) for o in out):
+                # No device plane: stage through host buffers, then upload.
+                staged = [bytearray(layout.bytes_per_block) for _ in out]
+                got = self.fetch(layout, token_ids, block_hashes=block_hashes, out=staged, lease_id=lease_id,
+                                 timeout_s=timeout)
+                upload_blocks(got, out)
+                return list(out[: len(got)])
             plane = self._local()
             if plane is None:
                 return self._fetch_grpc(layout, keys, out, lease_id, timeout)

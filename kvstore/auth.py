@@ -54,7 +54,10 @@ TOKEN_PREFIX = "kvs_"
 # Calls that need no token: load balancers and kubelets probe health without one.
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)
 ADMIN_SERVICE = "/kvstore.v1.Admin/"
-LOCAL_METHODS = ("LocalSegment", "LocalPut", "LocalCommit", "LocalFetch")
+# The shared-memory plane, and the device (CUDA IPC) plane: both hand a client memory
+# that holds every tenant's blocks.
+LOCAL_METHODS = ("LocalSegment", "LocalPut", "LocalCommit", "LocalFetch", "DeviceSegment", "DevicePut",
+                 "DeviceFetch")
 MAX_TOKEN_CHARS = 256
 # Bound on the memo of tokens already checked (cleared on every reload).
 MEMO_ENTRIES = 4096
@@ -297,8 +300,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             raise PermissionDenied(f"{method} needs the admin role; tenant {identity.tenant!r} has role {identity.role}")
         if not identity.local_plane and method.rsplit("/", 1)[-1] in LOCAL_METHODS:
             raise PermissionDenied(
-                f"tenant {identity.tenant!r} may not use the shared-memory data plane (local_plane = false in the "
-                "token file); use Put and Fetch"
+                f"tenant {identity.tenant!r} may not use the shared-memory or device data plane (local_plane = "
+                "false in the token file); use Put and Fetch"
             )
         return identity
 

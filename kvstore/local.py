@@ -4,6 +4,10 @@ copies straight into PENDING slots of the host tier's shared-memory segment.
 Primitives: `begin(txn) -> txn_id`, `take(txn_id)`, `expire(now)`. A begun put holds its
 slots until it is committed, aborted, or its deadline passes; a client that vanishes
 mid-put therefore never leaks capacity (the daemon's sweep rolls it back).
+
+Reservations (`reserve(slots, ...) -> id`, `take_reservation(id)`) are empty slots held
+for a client's next put, which then takes one round trip: the client copies into them
+and commits with the put's header. They expire like open puts, their slots freed.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import FailedPrecondition, ResourceExhausted
 from kvstore.store import PutTxn
+from kvstore.tiers.base import Slot
 from kvstore.v1 import kvstore_pb2
 
 DEFAULT_PUT_TTL_MS = 30_000
@@ -29,6 +34,15 @@ class OpenPut:
     tenant: str = ""  # only the tenant that began a put may commit or abort it
 
 
+@dataclass(slots=True, eq=False)
+class Reservation:
+    slots: list[Slot]
+    block_bytes: int
+    expires_at: float
+    free: Callable[[list[Slot]], None]  # gives the slots back to the store
+    tenant: str = ""  # only the tenant that got a reservation may use it
+
+
 class LocalPuts:
     def __init__(self, max_pending: int = 1024, ttl_ms: int = DEFAULT_PUT_TTL_MS,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -36,10 +50,51 @@ class LocalPuts:
         self.ttl_ms = ttl_ms
         self._clock = clock
         self._pending: dict[str, OpenPut] = {}
+        self._reserved: dict[str, Reservation] = {}
         self._deadlines: list[tuple[float, str]] = []
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    @property
+    def reservations(self) -> int:
+        return len(self._reserved)
+
+    def reserve(self, slots: list[Slot], block_bytes: int, free: Callable[[list[Slot]], None],
+                tenant: str = "") -> str:
+        """Hold `slots` for a client's next put; returns the reservation's id."""
+        self.expire()
+        if len(self._pending) + len(self._reserved) >= self.max_pending:
+            free(slots)
+            raise ResourceExhausted(
+                f"{self.max_pending} local puts and reservations are open; commit or abort them first"
+            )
+        res_id = secrets.token_hex(12)
+        expires_at = self._clock() + self.ttl_ms / 1000.0
+        self._reserved[res_id] = Reservation(slots, block_bytes, expires_at, free, tenant)
+        heapq.heappush(self._deadlines, (expires_at, res_id))
+        return res_id
+
+    def pop_reservation(self, res_id: str, tenant: str = "") -> Reservation | None:
+        """Reservation `res_id` of `tenant` removed from the table, or None if it is not
+        open (another tenant's id is answered as if it were not open)."""
+        self.expire()
+        res = self._reserved.get(res_id)
+        if res is None or res.tenant != tenant:
+            return None
+        del self._reserved[res_id]
+        return res
+
+    def take_reservation(self, res_id: str, tenant: str = "") -> Reservation:
+        """Reservation `res_id` of `tenant`, removed from the table (the caller adopts or
+        frees its slots)."""
+        res = self.pop_reservation(res_id, tenant)
+        if res is None:
+            raise FailedPrecondition(
+                f"slot reservation {res_id!r} is not open: it was used, aborted, or expired after "
+                f"{self.ttl_ms} ms; put the blocks with LocalPut"
+            )
+        return res
 
     def begin(self, txn: PutTxn, header: kvstore_pb2.PutHeader | None = None, tenant: str = "") -> str:
         self.expire()
@@ -79,10 +134,17 @@ class LocalPuts:
             if pending is not None:
                 pending.txn.abort()
                 expired += 1
+            res = self._reserved.pop(txn_id, None)
+            if res is not None:
+                res.free(res.slots)
+                expired += 1
         return expired
 
     def abort_all(self) -> None:
         for pending in self._pending.values():
             pending.txn.abort()
         self._pending.clear()
+        for res in self._reserved.values():
+            res.free(res.slots)
+        self._reserved.clear()
         self._deadlines.clear()

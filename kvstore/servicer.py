@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -23,6 +25,7 @@ from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
 from kvstore.local import LocalPuts
 from kvstore.store import Framed, Store, StoreStatus, check_hint
 from kvstore.wire import RawChunk, encode_chunk
+from kvstore.tiers.base import Slot
 from kvstore.tiers.segment import HEADER_BYTES, Segment
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
@@ -53,9 +56,13 @@ def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
 
 
 LOCAL_TIER = "host"
+# The tier the device (CUDA IPC) plane serves from and puts into.
+DEVICE_TIER = "hbm"
 # Leases a local call may end on the side (clients batch the releases of their fetches).
 MAX_PIGGYBACK_RELEASES = 64
 DEFAULT_LOCAL_LEASE_MS = 10_000
+# Empty slots one reservation may hold for a client's next put (one-trip puts).
+MAX_RESERVE_AHEAD = 1024
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
@@ -362,15 +369,19 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self, request: kvstore_pb2.LocalPutRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.LocalPutResponse:
         self._segment()
+        return await self._begin_put(request, LOCAL_TIER)
+
+    async def _begin_put(self, request: kvstore_pb2.LocalPutRequest, tier: str) -> kvstore_pb2.LocalPutResponse:
+        """Reserve PENDING slots in `tier` for a co-located client to copy into."""
         self._release_leases(request.release_lease_ids)
         ns_id = self._namespace(request.header.namespace)
         hashes, parent = self._put_keys(ns_id, request.header)
         if request.header.HasField("hint"):
             check_hint(request.header.hint.session_id, request.header.hint.expect_reuse_within_s)
-        txn = self.store.begin_put(ns_id, hashes, parent, tier=LOCAL_TIER)
+        txn = self.store.begin_put(ns_id, hashes, parent, tier=tier)
         await txn.reserve()
         txn_id = self.local_puts.begin(txn, request.header, current_identity().tenant)
-        return kvstore_pb2.LocalPutResponse(
+        resp = kvstore_pb2.LocalPutResponse(
             txn_id=txn_id,
             offsets=[-1 if slot is None else slot.offset for slot in txn.slots()],
             block_bytes=txn.block_bytes,
@@ -378,10 +389,45 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             block_hashes=hashes,
             expires_in_ms=self.local_puts.ttl_ms,
         )
+        spare: list[Slot] = []
+        if request.reuse_reservation_id:
+            old = self.local_puts.pop_reservation(request.reuse_reservation_id, current_identity().tenant)
+            if old is not None:
+                if old.block_bytes == txn.block_bytes and tier == LOCAL_TIER:
+                    spare = old.slots
+                else:
+                    self.store.free_slots(old.slots)
+        if request.reserve_ahead and tier == LOCAL_TIER:
+            reservation = await self._reserve_ahead(txn.block_bytes, request.reserve_ahead, spare)
+            if reservation is not None:
+                resp.reservation.CopyFrom(reservation)
+        else:
+            self.store.free_slots(spare)
+        return resp
+
+    async def _reserve_ahead(self, block_bytes: int, count: int,
+                             spare: list[Slot]) -> kvstore_pb2.SlotReservation | None:
+        """Hold `count` empty host slots (reusing `spare` ones first) for the client's next
+        put. None when no room can be made: the next put then takes two round trips."""
+        if count > MAX_RESERVE_AHEAD:
+            self.store.free_slots(spare)
+            raise InvalidArgument(f"reserve_ahead is {count}; at most {MAX_RESERVE_AHEAD} slots")
+        keep, extra = spare[:count], spare[count:]
+        self.store.free_slots(extra)
+        try:
+            slots = keep + await self.store.reserve_slots(LOCAL_TIER, block_bytes, count - len(keep))
+        except ResourceExhausted:
+            self.store.free_slots(keep)
+            return None
+        res_id = self.local_puts.reserve(slots, block_bytes, self.store.free_slots, current_identity().tenant)
+        return kvstore_pb2.SlotReservation(reservation_id=res_id, offsets=[s.offset for s in slots],
+                                           block_bytes=block_bytes, expires_in_ms=self.local_puts.ttl_ms)
 
     async def LocalCommit(
         self, request: kvstore_pb2.LocalCommitRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.PutResponse:
+        if request.reservation_id:
+            return await self._commit_reserved(request)
         open_put = self.local_puts.take(request.txn_id, current_identity().tenant)
         txn = open_put.txn
         if request.abort:
@@ -400,15 +446,68 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             block_hashes=result.block_hashes,
         )
 
+    async def _commit_reserved(self, request: kvstore_pb2.LocalCommitRequest) -> kvstore_pb2.PutResponse:
+        """A put in one round trip: its blocks already sit in the slots of a reservation."""
+        res = self.local_puts.take_reservation(request.reservation_id, current_identity().tenant)
+        if request.abort:
+            self.store.free_slots(res.slots)
+            return kvstore_pb2.PutResponse()
+        try:
+            self._segment()
+            self._release_leases(request.release_lease_ids)
+            ns_id = self._namespace(request.header.namespace)
+            hashes, parent = self._put_keys(ns_id, request.header)
+            if request.header.HasField("hint"):
+                check_hint(request.header.hint.session_id, request.header.hint.expect_reuse_within_s)
+            block_bytes = self.store.namespace(ns_id).layout.bytes_per_block
+            if block_bytes != res.block_bytes:
+                raise InvalidArgument(f"the reservation holds {res.block_bytes}-byte slots; this namespace's "
+                                      f"blocks are {block_bytes} bytes; put them with LocalPut")
+            if len(hashes) > len(res.slots):
+                raise InvalidArgument(f"a put of {len(hashes)} blocks into a reservation of {len(res.slots)} "
+                                      "slots; put them with LocalPut")
+            txn = self.store.begin_put(ns_id, hashes, parent, tier=LOCAL_TIER)
+        except BaseException:
+            self.store.free_slots(res.slots)
+            raise
+        filled, spare = res.slots[: len(hashes)], res.slots[len(hashes) :]
+        try:
+            spare = await txn.adopt(filled) + spare
+        except BaseException:
+            txn.abort()  # adopt took no slot
+            self.store.free_slots(res.slots)
+            raise
+        try:
+            txn.mark_written()
+            result = await txn.commit(list(request.checksums))
+        except BaseException:
+            txn.abort()  # frees the adopted slots
+            self.store.free_slots(spare)
+            raise
+        self._apply_put_hint(request.header, result.namespace_id, result.block_hashes)
+        resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
+                                       namespace_id=result.namespace_id, block_hashes=result.block_hashes)
+        if request.reserve_ahead:
+            reservation = await self._reserve_ahead(block_bytes, request.reserve_ahead, spare)
+            if reservation is not None:
+                resp.reservation.CopyFrom(reservation)
+        else:
+            self.store.free_slots(spare)
+        return resp
+
     async def LocalFetch(
         self, request: kvstore_pb2.LocalFetchRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.LocalFetchResponse:
         self._segment()
+        return self._lease_blocks(request, LOCAL_TIER)
+
+    def _lease_blocks(self, request: kvstore_pb2.LocalFetchRequest, tier: str) -> kvstore_pb2.LocalFetchResponse:
+        """The leading blocks of the held prefix that sit in `tier`, by offset, under a lease."""
         self._release_leases(request.release_lease_ids)
         ns_id = self._namespace(request.namespace)
         hashes = self._hashes(ns_id, request.keys)
         result, infos = self.store.lease_prefix(
-            ns_id, hashes, request.lease_ms or DEFAULT_LOCAL_LEASE_MS, tier=LOCAL_TIER
+            ns_id, hashes, request.lease_ms or DEFAULT_LOCAL_LEASE_MS, tier=tier
         )
         return kvstore_pb2.LocalFetchResponse(
             num_blocks=result.num_blocks,
@@ -420,6 +519,42 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             block_hashes=result.block_hashes,
             block_size_tokens=result.block_size_tokens,
         )
+
+    # -------------------------------------------------------------- device data plane
+
+    def _hbm(self) -> Any:
+        """The HBM tier (a `kvstore.tiers.hbm.HbmTier`; not imported here: it imports torch)."""
+        tier = next((st.tier for st in self.store.tiers if st.name == DEVICE_TIER), None)
+        if tier is None:
+            raise FailedPrecondition("this daemon has no HBM tier; use the shared-memory plane (LocalFetch)")
+        return tier
+
+    async def DeviceSegment(
+        self, request: kvstore_pb2.DeviceSegmentRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.DeviceSegmentResponse:
+        seg = self._segment()
+        hbm = self._hbm()
+        export = hbm.ipc_export()
+        return kvstore_pb2.DeviceSegmentResponse(
+            device_uuid=export.device_uuid, ipc_handle=export.ipc_handle, storage_bytes=export.storage_bytes,
+            storage_offset=export.storage_offset, ref_counter_handle=export.ref_counter_handle,
+            ref_counter_offset=export.ref_counter_offset, event_handle=export.event_handle,
+            event_sync_required=export.event_sync_required, pid=os.getpid(), token=seg.token,
+            # The slab itself: the allocator's capacity rounds the configured one down.
+            capacity_bytes=export.storage_bytes,
+        )
+
+    async def DeviceFetch(
+        self, request: kvstore_pb2.LocalFetchRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.LocalFetchResponse:
+        self._hbm()
+        return self._lease_blocks(request, DEVICE_TIER)
+
+    async def DevicePut(
+        self, request: kvstore_pb2.LocalPutRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.LocalPutResponse:
+        self._hbm()
+        return await self._begin_put(request, DEVICE_TIER)
 
 
 def stats_to_proto(status: StoreStatus, uptime_s: float, absent: Sequence[tuple[str, str]] = ()) -> admin_pb2.StatsResponse:

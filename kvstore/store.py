@@ -766,6 +766,12 @@ class Store:
                     landed = self._add_location(entry, lower, slot)
             except ResourceExhausted:
                 landed = False
+            except OSError as exc:
+                # The SSD refused the write (disk full, I/O error): as if there were no room
+                # below. The put that needs this slot must not fail for it.
+                self.counters.ssd_write_failures += 1
+                logger.warning("ssd write of block %s failed (%s); not demoted", entry.key.hex(), exc)
+                landed = False
             if not landed and lower.name not in entry.locations:
                 # Nothing below can take it: dropping is what the last tier would do.
                 logger.debug("no room below %s for %s; dropped", st.name, entry.key.hex())
@@ -942,11 +948,40 @@ class Store:
             raise InvalidArgument(f"parent hash must be {HASH_BYTES} bytes, got {len(parent_hash)}")
         if not hashes:
             raise InvalidArgument("a put must carry at least one block")
+        if len(set(hashes)) != len(hashes):
+            # Two PENDING entries for one key would both be published: refuse up front.
+            seen: dict[bytes, int] = {}
+            for i, h in enumerate(hashes):
+                if h in seen:
+                    raise InvalidArgument(f"block hash {i} names the same block as block hash {seen[h]}; "
+                                          "a put names each block only once")
+                seen[h] = i
         self.expire_leases()
         target = self._tier_by_name.get(tier) if tier is not None else None
         if tier is not None and (target is None or not target.tier.addressable):
             raise FailedPrecondition(f"this daemon has no {tier} memory tier")
         return PutTxn(self, info, list(hashes), parent_hash, target)
+
+    async def reserve_slots(self, tier: str, nbytes: int, count: int) -> list[Slot]:
+        """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet
+        (making room as a put would): a co-located client fills them ahead of the put that
+        names them (`PutTxn.adopt`). The caller frees what it does not adopt."""
+        st = self._tier_by_name.get(tier)
+        if st is None or not st.tier.addressable:
+            raise FailedPrecondition(f"this daemon has no {tier} memory tier")
+        slots: list[Slot] = []
+        try:
+            for _ in range(count):
+                slots.append(await self._allocate_put(nbytes, [st]))
+        except BaseException:
+            self.free_slots(slots)
+            raise
+        return slots
+
+    def free_slots(self, slots: Sequence[Slot]) -> None:
+        """Return reserved, never-published slots to their tiers."""
+        for slot in slots:
+            self._tier_by_name[slot.tier].tier.free(slot)
 
     def _landing_tiers(self) -> list[StoreTier]:
         if self.migration.put_tier == "auto":
@@ -1036,6 +1071,9 @@ class Store:
             await self._ensure_on_ssd(entry, data)
         except asyncio.CancelledError:
             raise
+        except OSError as exc:  # disk full or failing: expected, and one line per block is enough
+            self.counters.ssd_write_failures += 1
+            logger.warning("ssd write of block %s failed (%s); it stays in memory only", entry.key.hex(), exc)
         except Exception:  # task boundary: the block stays in memory, unwritten
             self.counters.ssd_write_failures += 1
             logger.exception("ssd write of block %s failed", entry.key.hex())
@@ -1601,6 +1639,37 @@ class PutTxn:
         except BaseException:
             self.abort()
             raise
+
+    async def adopt(self, filled: Sequence[Slot]) -> list[Slot]:
+        """Instead of `reserve`: take slots from `Store.reserve_slots` that a co-located
+        client already filled, block i in `filled[i]`. Returns the slots of blocks already
+        present (their bytes are not needed), which stay the caller's. The tenant's quota
+        applies as in `reserve`; if this raises, no slot was taken."""
+        if len(filled) != len(self._keys):
+            raise InvalidArgument(f"{len(filled)} filled slots for a put of {len(self._keys)} blocks")
+        store = self._store
+        new: list[int] = []
+        for i, key in enumerate(self._keys):
+            present = store._index.get(key)
+            if present is None:
+                new.append(i)
+            else:
+                store._hold(present)
+                self._held.append(present)
+        quotas = store.tenancy.quotas.get(self._info.tenant)
+        if quotas and new:
+            landing = [self._tier] if self._tier is not None else store._landing_tiers()
+            self._quota_bytes = len(new) * self.block_bytes
+            for st in landing:
+                if st.name in quotas:
+                    await store._quota_room(self._info, st, self._quota_bytes)
+                    store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
+                    self._quota_held.append(st.name)
+        for i in new:
+            self._entries[i] = BlockEntry(self._keys[i], self._parents[i], self.block_bytes, 0,
+                                          {filled[i].tier: filled[i]}, itemsize=self._itemsize)
+        new_set = set(new)
+        return [slot for i, slot in enumerate(filled) if i not in new_set]
 
     def _slot(self, entry: BlockEntry) -> Slot:
         (slot,) = entry.slots()

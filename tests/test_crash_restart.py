@@ -33,7 +33,7 @@ def start_daemon(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
     sock = tmp_path / "kv.sock"
     args = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"unix:{sock}", "--host-capacity", "1MiB",
             "--ssd-path", str(tmp_path / "ssd"), "--ssd-capacity", "16MiB", "--ssd-region-size", "512KiB",
-            "--grace-s", "1", "--log-level", "warning"]
+            "--grace-s", "1", "--log-level", "warning", "--metrics-listen", "127.0.0.1:0"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     log = tmp_path / "daemon.log"
     with open(log, "ab") as fh:

@@ -110,6 +110,7 @@ async def test_damaged_header_does_not_hide_the_rest_of_the_region(tmp_path: Pat
     again = make(tmp_path)
     report = await again.recover()
     assert {b.key for b in report.blocks} == set(written) - {victim_key}
+    assert report.checksum_failures == 1  # the next record of the fill shows it was one
     again.close()
 
 

@@ -13,6 +13,10 @@ so the tier never calls the caching allocator after start. Bytes move only throu
   event loop (`wait_event`); nothing here calls `synchronize()`. A write returns only
   after its event completed, so the store marks a block READY in HBM only once its
   bytes have landed; a staging buffer returns to the pool only after its event too.
+- `ipc_export()`: the slab's CUDA IPC handle (torch's storage sharing), made once, so a
+  co-located engine process can open the slab and copy blocks device-to-device (the
+  device data plane, docs/local-data-plane.md). The slab is never freed or moved while
+  the tier lives, so one handle stays valid for every client.
 
 Imported only when CUDA exists (the daemon checks first): importing it imports torch.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,6 +41,26 @@ logger = logging.getLogger(__name__)
 HBM_ALIGNMENT = 256
 # Staging buffers kept per size; enough for the copies a migration batch has in flight.
 STAGING_PER_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceExport:
+    """What another process needs to open the slab: the fields of torch's CUDA storage
+    sharing (`UntypedStorage._share_cuda_`), plus the GPU's UUID (ordinals differ
+    between processes under CUDA_VISIBLE_DEVICES)."""
+
+    device_uuid: str
+    ipc_handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+def device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 class HbmHostCopier:
@@ -157,6 +182,7 @@ class HbmTier(SlabTier):
         self.device = torch.device("cuda", device)
         self._slab = torch.empty(max(self._extents.capacity_bytes, 1), dtype=torch.uint8, device=self.device)
         self.copier = HbmHostCopier(self.device)
+        self._export: DeviceExport | None = None
         logger.info("hbm tier: %d bytes on %s (%s)", capacity_bytes, self.device,
                     torch.cuda.get_device_name(self.device))
 
@@ -169,6 +195,25 @@ class HbmTier(SlabTier):
     def tensor(self, slot: Slot, nbytes: int) -> torch.Tensor:
         """The device bytes of a slot (for CUDA IPC export and device-to-device copies)."""
         return self._slab[slot.offset : slot.offset + nbytes]
+
+    def ipc_export(self) -> DeviceExport:
+        """The slab's IPC handle, made on first use and then reused: torch registers one
+        reference counter per share, and the slab outlives every client anyway.
+
+        Sharing swaps the storage's data pointer for a reference-counted one at the same
+        address (torch keeps the memory until importers let go), so slot tensors taken
+        before and after stay valid."""
+        if self._export is None:
+            storage = self._slab.untyped_storage()
+            (_device, handle, size, offset, rc_handle, rc_offset, event_handle,
+             event_sync) = storage._share_cuda_()  # type: ignore[attr-defined]
+            self._export = DeviceExport(
+                device_uuid=device_uuid(self.device), ipc_handle=bytes(handle), storage_bytes=int(size),
+                storage_offset=int(offset), ref_counter_handle=bytes(rc_handle), ref_counter_offset=int(rc_offset),
+                event_handle=bytes(event_handle), event_sync_required=bool(event_sync),
+            )
+            logger.info("hbm tier: slab exported for CUDA IPC (%d bytes)", int(size))
+        return self._export
 
     async def write(self, slot: Slot, offset: int, data: memoryview | bytes) -> None:
         n = len(data)

@@ -472,18 +472,27 @@ class SsdTier(Tier):
         failures = 0
         base = index * self.region_size
         pos, last_seq, step = 0, 0, self.alignment
+        damaged_at = -1  # start of an unreadable stretch since the last good header
         while pos + RECORD.size <= len(data):
             head = _parse_header(memoryview(data)[pos : pos + RECORD.size], base + pos, self.alignment)
             if head is None:
-                if any(data[pos : pos + RECORD.size]):
+                if damaged_at < 0 and any(data[pos : pos + RECORD.size]):
                     # Not a header: a damaged header, or stale or torn bytes. Probe the
                     # next aligned offset rather than give up on the rest of the region.
-                    pass
+                    damaged_at = pos
                 pos += step
                 continue
             if head.seq <= last_seq:
                 pos += step  # left over from this region's previous fill
                 continue
+            if damaged_at >= 0:
+                # Unreadable bytes between two records of this fill: a record whose header
+                # was damaged (or a write a crash cut off). Past the fill's last record the
+                # same bytes are only stale, and no later record of this fill follows them.
+                failures += 1
+                logger.warning("ssd region %d offset %d: unreadable record header; skipped to offset %d",
+                               index, damaged_at, pos)
+                damaged_at = -1
             end = pos + RECORD.size + head.payload_len
             ok = end <= len(data) and head.raw_len < (1 << 31)
             if ok:
