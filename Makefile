@@ -8,7 +8,7 @@ STUBS := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: all setup stubs run test test-gpu bench bench-deps bench-peers bench-tiers soak fuzz lint clean
+.PHONY: all setup stubs run test test-gpu bench bench-deps bench-peers bench-tiers bench-scale soak fuzz lint clean
 
 all: setup
 
@@ -39,6 +39,18 @@ test: setup
 bench: setup bench-deps
 	$(PY) bench/dataplane.py $(if $(QUICK),--quick,)
 	$(MAKE) --no-print-directory bench-tiers
+	$(MAKE) --no-print-directory bench-scale SCALE_N=$(BENCH_SCALE_N) SCALE_SSD_RECORDS=$(BENCH_SCALE_SSD_RECORDS)
+
+# Scale: daemon RSS per block, Lookup p50/p99 of a 1000-block chain, put and eviction
+# cost per block at each N, and the SSD index rebuild time (log scan and snapshot).
+# Blocks are metadata only (a benchmark tier that accounts capacity but stores no
+# bytes); see docs/scale.md. `make bench` runs it at N = 200k (QUICK=1: 50k).
+SCALE_N ?= 1M,10M
+SCALE_SSD_RECORDS ?= 1M
+BENCH_SCALE_N ?= $(if $(QUICK),50k,200k)
+BENCH_SCALE_SSD_RECORDS ?= $(if $(QUICK),20k,100k)
+bench-scale: setup
+	$(PY) bench/scale.py --n $(SCALE_N) --ssd-records $(SCALE_SSD_RECORDS)
 
 # `make bench` plus the peers measured in the same run: Mooncake Store (co-located
 # client, batched zero-copy) and LMCache (multiprocess server), from a venv of their own

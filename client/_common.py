@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import grpc
@@ -168,10 +169,14 @@ def block_keys(token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | 
     if (token_ids is None) == (block_hashes is None):
         raise InvalidArgument("name the blocks by token_ids or by block_hashes (exactly one)")
     if block_hashes is not None:
-        for i, h in enumerate(block_hashes):
+        hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
+        # The common case checked without a Python step per block: all bytes, all 16 long.
+        if set(map(type, hashes)) <= {bytes} and set(map(len, hashes)) <= {HASH_BYTES}:
+            return kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=hashes))
+        for i, h in enumerate(hashes):
             if not isinstance(h, (bytes, bytearray)) or len(h) != HASH_BYTES:
                 raise InvalidArgument(f"block_hashes[{i}] must be {HASH_BYTES} bytes")
-        return kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=[bytes(h) for h in block_hashes]))
+        return kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=[bytes(h) for h in hashes]))
     return kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(packed_u32le=pack_tokens(token_ids)))
 
 
@@ -452,7 +457,7 @@ def lookup_result(resp: kvstore_pb2.LookupResponse) -> LookupResult:
     return LookupResult(
         num_blocks=resp.num_blocks,
         num_tokens=resp.num_tokens,
-        tiers=[TIER_NAMES.get(t, "unknown") for t in resp.tiers],
+        tiers=list(map(TIER_NAMES.get, resp.tiers, repeat("unknown", len(resp.tiers)))),
         block_hashes=list(resp.block_hashes),
         namespace_id=resp.namespace_id,
         lease_id=resp.lease_id,

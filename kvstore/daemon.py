@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import ipaddress
 import logging
 import os
@@ -60,7 +61,46 @@ from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 logger = logging.getLogger(__name__)
 
 LEASE_SWEEP_S = 1.0
+# See GcFreezer.
+GC_FREEZE_MIN_BLOCKS = 100_000
+GC_FREEZE_GROWTH = 0.25
 AUTO_HOST_CAPACITY = 4 << 30
+
+
+class GcFreezer:
+    """Keeps the cyclic garbage collector off the block index.
+
+    Index entries are long-lived and hold no reference cycles, yet every full collection
+    walks all of them: 0.5 to 1.2 s of CPU per million blocks on a 2-core machine,
+    a stall of the event loop that grows with the index (at ten million blocks, seconds).
+    Once at least `GC_FREEZE_MIN_BLOCKS` blocks were stored since the last time, and at
+    least a `GC_FREEZE_GROWTH` share of the index, the young generations are collected
+    and everything alive is frozen (`gc.freeze`): later collections skip it. A frozen
+    object is still freed by reference counting when its block leaves; only cyclic
+    garbage already in the oldest generation at that moment is kept.
+    """
+
+    def __init__(self, min_blocks: int = GC_FREEZE_MIN_BLOCKS, growth: float = GC_FREEZE_GROWTH) -> None:
+        self.min_blocks = min_blocks
+        self.growth = growth
+        self.freezes = 0
+        self._stored_at_freeze = 0
+
+    def frozen_at(self, stored_total: int) -> None:
+        """Count from here: everything up to `stored_total` blocks is frozen already."""
+        self._stored_at_freeze = stored_total
+
+    def maybe_freeze(self, stored_total: int, indexed: int) -> bool:
+        """`stored_total`: blocks ever stored or recovered; `indexed`: blocks in the index now."""
+        fresh = stored_total - self._stored_at_freeze
+        if fresh < self.min_blocks or fresh < self.growth * indexed:
+            return False
+        gc.collect(1)
+        gc.freeze()
+        self._stored_at_freeze = stored_total
+        self.freezes += 1
+        logger.debug("gc: %d objects frozen after %d new blocks", gc.get_freeze_count(), fresh)
+        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +317,8 @@ class Daemon:
         self._metrics_server: MetricsServer | None = None
         self.metrics_address = ""  # HOST:PORT once the endpoint is up; empty when off
         self._metrics_addr = metrics_addr
+        self.gc_freezer = GcFreezer()
+        self._recovered_blocks = 0
 
     @property
     def health(self) -> HealthServicer:
@@ -367,6 +409,8 @@ class Daemon:
         except BaseException:
             self._close_resources()
             raise
+        self._recovered_blocks = self.store.indexed_blocks
+        self.gc_freezer.frozen_at(self._recovered_blocks)  # the rebuild froze what it indexed
         self.store.observer = self.events
         if self.tokens is not None:
             self.store.tenancy.quotas = self.tokens.quotas()
@@ -506,6 +550,8 @@ class Daemon:
                 self.store.expire_leases()
                 if self._local_puts is not None:
                     self._local_puts.expire()
+                self.gc_freezer.maybe_freeze(self.store.counters.blocks_stored + self._recovered_blocks,
+                                             self.store.indexed_blocks)
             except Exception:  # task boundary: keep sweeping
                 logger.exception("lease sweep failed")
 

@@ -22,8 +22,7 @@ Primitives: `get`, `add`, `remove`, `longest_ready_prefix`.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 
 from kvstore.tiers.base import Slot
 
@@ -33,31 +32,159 @@ class BlockState(enum.Enum):
     READY = "ready"  # fully written and checksummed; visible to lookups
 
 
-@dataclass(slots=True, eq=False)
 class BlockEntry:
-    """One block's metadata. Mutable: pins and state change over its life."""
+    """One block's metadata. Mutable: pins and state change over its life.
 
-    key: bytes
-    parent: bytes | None
-    nbytes: int
-    checksum: int
-    locations: dict[str, Slot] = field(default_factory=dict)
-    state: BlockState = BlockState.PENDING
-    # Element size of the namespace's dtype: the SSD codec shuffles byte planes by it.
-    itemsize: int = 2
-    # Leases (lookup pins and explicit pins) holding this block in place.
-    pins: int = 0
-    # Reads in flight; a removed block's slot is freed only when the last one ends.
-    readers: int = 0
-    removed: bool = False
-    # Locations taken away while readers held the entry; freed when the last one ends.
-    retired: list[Slot] = field(default_factory=list)
-    # Waiting in the SSD write-through queue.
-    ssd_queued: bool = False
+    Kept small, because a node indexes millions of blocks: `__slots__`, no per-entry
+    containers in the common case. A block lives in one tier most of its life, so its
+    copies are held as one `Slot` (or a tuple of them while it has several, or None)
+    rather than a dict; `locations` gives the dict-like view of them by tier name.
+    `retired` is None until a location is taken away under a reader.
+    """
+
+    __slots__ = ("key", "parent", "nbytes", "checksum", "_locs", "state", "itemsize", "pins", "readers",
+                 "removed", "retired", "ssd_queued")
+
+    def __init__(
+        self,
+        key: bytes,
+        parent: bytes | None,
+        nbytes: int,
+        checksum: int,
+        locations: Mapping[str, Slot] | None = None,
+        state: BlockState = BlockState.PENDING,
+        *,
+        itemsize: int = 2,
+        pins: int = 0,
+        readers: int = 0,
+    ) -> None:
+        self.key = key
+        self.parent = parent
+        self.nbytes = nbytes
+        self.checksum = checksum
+        self._locs: Slot | tuple[Slot, ...] | None = None
+        self.state = state
+        # Element size of the namespace's dtype: the SSD codec shuffles byte planes by it.
+        self.itemsize = itemsize
+        # Leases (lookup pins and explicit pins) holding this block in place.
+        self.pins = pins
+        # Reads in flight; a removed block's slot is freed only when the last one ends.
+        self.readers = readers
+        self.removed = False
+        # Locations taken away while readers held the entry; freed when the last one ends.
+        self.retired: list[Slot] | None = None
+        # Waiting in the SSD write-through queue.
+        self.ssd_queued = False
+        if locations:
+            for name, slot in locations.items():
+                assert slot.tier == name, f"slot of tier {slot.tier} filed under {name}"
+                self.add_slot(slot)
+
+    def __repr__(self) -> str:
+        return (f"BlockEntry(key={self.key.hex()}, state={self.state.value}, tiers={self.tier_names()}, "
+                f"pins={self.pins}, readers={self.readers}, removed={self.removed})")
 
     @property
     def evictable(self) -> bool:
         return self.pins == 0 and self.readers == 0 and self.state is BlockState.READY
+
+    # -- locations (one Slot per tier holding a copy, in the order they were added)
+
+    @property
+    def locations(self) -> Locations:
+        """The copies by tier name, as a mutable mapping view (no copy)."""
+        return Locations(self)
+
+    def slots(self) -> tuple[Slot, ...]:
+        locs = self._locs
+        if locs is None:
+            return ()
+        if type(locs) is tuple:
+            return locs
+        return (locs,)  # type: ignore[return-value]
+
+    def tier_names(self) -> list[str]:
+        return [s.tier for s in self.slots()]
+
+    def only_tier(self) -> str | None:
+        """The tier of the single copy, or None when there are none or several (the fast path)."""
+        locs = self._locs
+        if locs is None or type(locs) is tuple:
+            return None
+        return locs.tier  # type: ignore[union-attr]
+
+    def slot_in(self, tier: str) -> Slot | None:
+        locs = self._locs
+        if locs is None:
+            return None
+        if type(locs) is tuple:
+            for s in locs:  # type: ignore[union-attr]
+                if s.tier == tier:
+                    return s
+            return None
+        return locs if locs.tier == tier else None  # type: ignore[union-attr,return-value]
+
+    def add_slot(self, slot: Slot) -> None:
+        """Record a copy; replaces the copy in the same tier, if any."""
+        if self._locs is None:
+            self._locs = slot
+            return
+        rest = [s for s in self.slots() if s.tier != slot.tier]
+        self._set([*rest, slot])
+
+    def pop_slot(self, tier: str) -> Slot:
+        slot = self.slot_in(tier)
+        if slot is None:
+            raise KeyError(tier)
+        self._set([s for s in self.slots() if s is not slot])
+        return slot
+
+    def clear_slots(self) -> None:
+        self._locs = None
+
+    def _set(self, slots: list[Slot]) -> None:
+        self._locs = None if not slots else slots[0] if len(slots) == 1 else tuple(slots)
+
+    def retire(self, slot: Slot) -> None:
+        if self.retired is None:
+            self.retired = [slot]
+        else:
+            self.retired.append(slot)
+
+
+class Locations(MutableMapping[str, Slot]):
+    """A dict-like view of an entry's copies by tier name."""
+
+    __slots__ = ("_entry",)
+
+    def __init__(self, entry: BlockEntry) -> None:
+        self._entry = entry
+
+    def __getitem__(self, tier: str) -> Slot:
+        slot = self._entry.slot_in(tier)
+        if slot is None:
+            raise KeyError(tier)
+        return slot
+
+    def __setitem__(self, tier: str, slot: Slot) -> None:
+        if slot.tier != tier:
+            raise ValueError(f"slot of tier {slot.tier} filed under {tier}")
+        self._entry.add_slot(slot)
+
+    def __delitem__(self, tier: str) -> None:
+        self._entry.pop_slot(tier)
+
+    def __contains__(self, tier: object) -> bool:
+        return isinstance(tier, str) and self._entry.slot_in(tier) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entry.tier_names())
+
+    def __len__(self) -> int:
+        return len(self._entry.slots())
+
+    def clear(self) -> None:
+        self._entry.clear_slots()
 
 
 def make_key(namespace_id: bytes, block_hash: bytes) -> bytes:
@@ -85,6 +212,14 @@ class BlockIndex:
         assert entry.key not in self._entries, "a key is published at most once"
         self._entries[entry.key] = entry
 
+    def add_many(self, entries: Sequence[BlockEntry]) -> None:
+        """`add` each entry (a rebuild or a put's blocks), checked, then inserted in one step."""
+        fresh = {e.key: e for e in entries}
+        assert len(fresh) == len(entries) and self._entries.keys().isdisjoint(fresh), \
+            "a key is published at most once"
+        assert all(e.state is BlockState.READY for e in entries), "only READY blocks enter the index"
+        self._entries.update(fresh)
+
     def remove(self, key: bytes) -> BlockEntry | None:
         entry = self._entries.pop(key, None)
         if entry is not None:
@@ -93,11 +228,10 @@ class BlockIndex:
 
     def longest_ready_prefix(self, keys: Sequence[bytes]) -> list[BlockEntry]:
         """Entries of the longest prefix of `keys` that is READY, in order."""
-        out: list[BlockEntry] = []
-        entries = self._entries
-        for key in keys:
-            entry = entries.get(key)
-            if entry is None:
-                break
-            out.append(entry)
-        return out
+        # One C-level pass, no Python step per block (lookups name up to thousands).
+        out: list[BlockEntry | None] = list(map(self._entries.get, keys))
+        try:
+            del out[out.index(None):]
+        except ValueError:
+            pass
+        return out  # type: ignore[return-value]  # no None is left

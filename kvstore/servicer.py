@@ -232,7 +232,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return kvstore_pb2.LookupResponse(
             num_blocks=r.num_blocks,
             num_tokens=r.num_tokens,
-            tiers=[TIER_ENUM[t] for t in r.tiers],
+            tiers=list(map(TIER_ENUM.__getitem__, r.tiers)),
             namespace_id=ns_id,
             block_hashes=r.block_hashes,
             lease_id=self._lease_out(r.lease_id),

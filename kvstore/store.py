@@ -38,13 +38,15 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import gc
 import logging
+import operator
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvstore.checksum import checksum_batch, checksum_pieces
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -58,6 +60,10 @@ from kvstore.tiers.base import BlockMeta, Slot, Tier
 from kvstore.tiers.copiers import make_copier
 
 logger = logging.getLogger(__name__)
+
+_ENTRY_KEY = operator.attrgetter("key")
+_ENTRY_LOCS = operator.attrgetter("_locs")
+_SLOT_TIER = operator.attrgetter("tier")
 
 # Fetch reads and verifies blocks in batches of about this many bytes: large enough to
 # amortize the thread hand-off of checksumming, small enough to bound memory per call.
@@ -362,18 +368,39 @@ class Store:
         if self.ssd is not None:
             recover = getattr(self.ssd.tier, "recover", None)
             if recover is not None:
-                report = await recover()
-                for block in report.blocks:
-                    entry = BlockEntry(block.key, block.parent, block.nbytes, block.checksum,
-                                       {self.ssd.name: block.slot}, BlockState.READY, itemsize=block.itemsize)
-                    self._index.add(entry)
-                    self.ssd.policy.insert(entry.key, entry.parent)
+                # A rebuild allocates an object or two per block, all long-lived: the cyclic
+                # collector would rescan the growing index again and again (most of a rebuild's
+                # time at a million blocks). Paused while it runs; afterwards the rebuilt index
+                # is frozen out of the collector's reach, since it holds no cycles to collect.
+                collecting = gc.isenabled()
+                gc.disable()
+                try:
+                    report = await recover()
+                    self._index_recovered(report.blocks)
+                finally:
+                    if collecting:
+                        gc.enable()
+                if report.blocks:
+                    gc.freeze()
                 self._recovered = bool(report.blocks)
                 self.ssd.counters.checksum_failures += report.checksum_failures
                 self.counters.checksum_failures += report.checksum_failures
             self._tasks.append(asyncio.create_task(self._ssd_writer(), name="kvstore-ssd-writer"))
         if len(self.tiers) > 1:
             self._tasks.append(asyncio.create_task(self._migrator(), name="kvstore-migrator"))
+
+    def _index_recovered(self, blocks: Sequence[Any]) -> None:
+        """Index the SSD tier's recovered blocks (`kvstore.tiers.ssd.RecoveredBlock`s)."""
+        assert self.ssd is not None
+        entries = []
+        ready = BlockState.READY
+        for block in blocks:
+            entry = BlockEntry(block.key, block.parent, block.nbytes, block.checksum, None, ready,
+                               itemsize=block.itemsize)
+            entry.add_slot(block.slot)
+            entries.append(entry)
+        self._index.add_many(entries)
+        self.ssd.policy.insert_many([e.key for e in entries], [e.parent for e in entries])
 
     async def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued SSD write has landed; False if `timeout_s` passed first."""
@@ -384,6 +411,11 @@ class Store:
         except TimeoutError:
             return False
         return True
+
+    @property
+    def indexed_blocks(self) -> int:
+        """READY blocks in the index (each counted once, whatever tiers hold it)."""
+        return len(self._index)
 
     @property
     def pending_ssd_writes(self) -> int:
@@ -482,8 +514,9 @@ class Store:
     # ----------------------------------------------------------------- locations
 
     def _top_name(self, entry: BlockEntry) -> str:
-        if len(entry.locations) == 1:  # the common case, on the lookup hot path
-            return next(iter(entry.locations))
+        name = entry.only_tier()
+        if name is not None:  # one copy: the common case, on the lookup hot path
+            return name
         st = self.top_tier(entry)
         assert st is not None, "an indexed block has a location"
         return st.name
@@ -496,7 +529,7 @@ class Store:
     def top_tier(self, entry: BlockEntry) -> StoreTier | None:
         """The highest tier holding a copy of `entry` (where reads are served from)."""
         for st in self.tiers:
-            if st.name in entry.locations:
+            if entry.slot_in(st.name) is not None:
                 return st
         return None
 
@@ -510,21 +543,22 @@ class Store:
     def _release(self, entry: BlockEntry) -> None:
         entry.readers -= 1
         if entry.readers == 0:
-            for slot in entry.retired:
-                self._tier_by_name[slot.tier].tier.free(slot)
-            entry.retired.clear()
-            if entry.removed:
-                for slot in entry.locations.values():
+            if entry.retired is not None:
+                for slot in entry.retired:
                     self._tier_by_name[slot.tier].tier.free(slot)
-                entry.locations.clear()
+                entry.retired = None
+            if entry.removed:
+                for slot in entry.slots():
+                    self._tier_by_name[slot.tier].tier.free(slot)
+                entry.clear_slots()
 
     def _add_location(self, entry: BlockEntry, st: StoreTier, slot: Slot) -> bool:
         """Record a landed, verified copy; False (and the slot freed) if it is not needed."""
-        if entry.removed or st.name in entry.locations:
+        if entry.removed or entry.slot_in(st.name) is not None:
             st.tier.free(slot)
             return False
-        was_top = self._top_name(entry) if entry.locations else ""
-        entry.locations[st.name] = slot
+        was_top = self._top_name(entry) if entry.slots() else ""
+        entry.add_slot(slot)
         self._account(entry, st.name, entry.nbytes)
         st.policy.insert(entry.key, entry.parent)
         if was_top and self._rank[st.name] < self._rank[was_top]:
@@ -534,19 +568,19 @@ class Store:
     def _remove_location(self, entry: BlockEntry, st: StoreTier) -> None:
         """Take one copy away; the entry leaves the index with its last copy."""
         was_top = self._top_name(entry)
-        slot = entry.locations.pop(st.name)
+        slot = entry.pop_slot(st.name)
         self._account(entry, st.name, -entry.nbytes)
         st.policy.remove(entry.key)
         if entry.readers:
-            entry.retired.append(slot)
+            entry.retire(slot)
         else:
             st.tier.free(slot)
-        if not entry.locations and not entry.removed:
+        if not entry.slots() and not entry.removed:
             self._index.remove(entry.key)
             st.counters.drops += 1
             self._forget(entry)
             self._removed(entry, st.name)
-        elif entry.locations and was_top == st.name:
+        elif entry.slots() and was_top == st.name:
             self._moved(entry, st.name, self._top_name(entry))  # demoted (or its top copy dropped)
 
     # Events for the observer (the daemon's event bus). Only READY blocks are reported:
@@ -632,9 +666,9 @@ class Store:
             self._tier_by_name[name].policy.remove(entry.key)
         self._forget(entry)
         if entry.readers == 0:
-            for slot in entry.locations.values():
+            for slot in entry.slots():
                 self._tier_by_name[slot.tier].tier.free(slot)
-            entry.locations.clear()
+            entry.clear_slots()
 
     def _evictable(self, key: bytes) -> bool:
         entry = self._index.get(key)
@@ -694,7 +728,7 @@ class Store:
             keys = region_keys(entry.locations[st.name]) if region_keys is not None else [key]
             for k in keys:
                 e = self._index.get(k)
-                if e is not None and e.evictable and st.name in e.locations:
+                if e is not None and e.evictable and e.slot_in(st.name) is not None:
                     self._evict_location(e, st)
             return
         await self._demote(entry, st)
@@ -713,7 +747,7 @@ class Store:
         if lower is None:
             self._evict_location(entry, st)
             return True
-        if lower.name in entry.locations:  # already below (the inclusive SSD copy)
+        if entry.slot_in(lower.name) is not None:  # already below (the inclusive SSD copy)
             st.counters.demotions += 1
             self._remove_location(entry, st)
             return True
@@ -852,7 +886,7 @@ class Store:
         info = self.namespace(namespace_id)
         self.check_hashes(hashes)
         self.expire_leases()
-        keys = [namespace_id + h for h in hashes]  # make_key, inline on the hot path
+        keys = list(map(namespace_id.__add__, hashes))  # make_key, without a Python step per block
         hit = self._index.longest_ready_prefix(keys)
         lease_id = ""
         if hit and lease_ms > 0:
@@ -865,7 +899,11 @@ class Store:
         c.hit_blocks += len(hit)
         c.miss_blocks += len(keys) - len(hit)
         # Where each block is served from; one location is the common case, inlined.
-        tier_names = [next(iter(e.locations)) if len(e.locations) == 1 else self._top_name(e) for e in hit]
+        try:
+            # Every hit in one tier (a single Slot each): attribute gets in C, no Python step.
+            tier_names = list(map(_SLOT_TIER, map(_ENTRY_LOCS, hit)))
+        except AttributeError:  # some block has copies in several tiers
+            tier_names = [e.only_tier() or self._top_name(e) for e in hit]
         per_tier = Counter(tier_names)
         for st in self.tiers:
             # A tier's hits are looked-up blocks served from it; its misses, the others.
@@ -875,12 +913,11 @@ class Store:
             if held:
                 # Tail first, so the head of a chain is the most recently used: a recency
                 # policy then evicts chain tails before the heads later blocks depend on.
-                tail_first = (
-                    reversed(hit)
-                    if held == len(hit)
-                    else (e for e, name in zip(reversed(hit), reversed(tier_names)) if name == st.name)
-                )
-                st.policy.touch_many(e.key for e in tail_first)
+                if held == len(hit):
+                    st.policy.touch_many(list(map(_ENTRY_KEY, reversed(hit))))
+                else:
+                    st.policy.touch_many(
+                        [e.key for e, name in zip(reversed(hit), reversed(tier_names)) if name == st.name])
         return LookupResult(
             namespace_id=namespace_id,
             num_blocks=len(hit),
@@ -970,15 +1007,19 @@ class Store:
     def _publish(self, entries: list[BlockEntry]) -> None:
         through = self.ssd is not None and self.migration.write_policy is WritePolicy.THROUGH
         # Tail first, for the same reason as in `lookup`.
-        for entry in reversed(entries):
+        tail_first = entries[::-1]
+        by_tier: dict[str, list[BlockEntry]] = {}
+        for entry in tail_first:
             entry.state = BlockState.READY
-            self._index.add(entry)
-            for name in entry.locations:
-                self._tier_by_name[name].policy.insert(entry.key, entry.parent)
-                self._account(entry, name, entry.nbytes)
+            for slot in entry.slots():
+                by_tier.setdefault(slot.tier, []).append(entry)
+                self._account(entry, slot.tier, entry.nbytes)
             info = self._namespaces[entry.key[:HASH_BYTES]]
             info.blocks += 1
             info.bytes += entry.nbytes
+        self._index.add_many(tail_first)
+        for name, group in by_tier.items():  # one batch per tier: C-level inserts where the policy can
+            self._tier_by_name[name].policy.insert_many([e.key for e in group], [e.parent for e in group])
         if self.observer is not None and entries:
             groups: dict[tuple[bytes, str], list[bytes]] = {}
             for entry in entries:
@@ -1566,13 +1607,14 @@ class PutTxn:
                 self._held.append(present)
         landing = [self._tier] if self._tier is not None else store._landing_tiers()
         room = sum(st.tier.capacity_bytes for st in landing)
-        need = sum(landing[0].tier.accounted_size(self.block_bytes) for _ in new)
+        need = len(new) * landing[0].tier.accounted_size(self.block_bytes)
         if need > room:
             raise ResourceExhausted(
                 f"this put needs {need} bytes but the tiers puts land in ({', '.join(t.name for t in landing)}) "
                 f"hold {room}; put fewer blocks per call or raise their capacity"
             )
         try:
+            nbytes = self.block_bytes
             quotas = store.tenancy.quotas.get(self._info.tenant)
             if quotas and new:
                 # The put must fit the tenant's quota in every tier it may land in; its
@@ -1584,12 +1626,16 @@ class PutTxn:
                         store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
                         self._quota_held.append(st.name)
             for i in new:
-                slot = await store._allocate_put(self.block_bytes, landing)
-                if self._done:  # aborted while making room
-                    store._tier_by_name[slot.tier].tier.free(slot)
-                    raise FailedPrecondition("this put was aborted")
-                self._entries[i] = BlockEntry(self._keys[i], self._parents[i], self.block_bytes, 0,
-                                              {slot.tier: slot}, itemsize=self._itemsize)
+                # Where a landing tier has room, no await (and no coroutine) per block.
+                slot = next((s for st in landing if (s := st.tier.allocate(nbytes)) is not None), None)
+                if slot is None:
+                    slot = await store._allocate_put(nbytes, landing)
+                    if self._done:  # aborted while making room
+                        store._tier_by_name[slot.tier].tier.free(slot)
+                        raise FailedPrecondition("this put was aborted")
+                entry = BlockEntry(self._keys[i], self._parents[i], nbytes, 0, itemsize=self._itemsize)
+                entry.add_slot(slot)
+                self._entries[i] = entry
         except BaseException:
             self.abort()
             raise
@@ -1626,7 +1672,7 @@ class PutTxn:
         return [slot for i, slot in enumerate(filled) if i not in new_set]
 
     def _slot(self, entry: BlockEntry) -> Slot:
-        (slot,) = entry.locations.values()
+        (slot,) = entry.slots()
         return slot
 
     async def write(self, block: int, data: bytes | memoryview) -> None:

@@ -20,12 +20,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """Where a block's bytes live inside one tier. `size` is the accounted size."""
+class Slot(NamedTuple):
+    """Where a block's bytes live inside one tier. `size` is the accounted size.
+
+    Immutable and compared by value. A named tuple rather than a frozen dataclass: the
+    same 64 bytes, but made several times faster (an index holds millions, and a
+    restart makes one per block).
+    """
 
     tier: str
     offset: int

@@ -18,6 +18,9 @@ class SlabTier(Tier):
     def __init__(self, capacity_bytes: int, alignment: int) -> None:
         super().__init__(capacity_bytes)
         self._extents = ExtentAllocator(capacity_bytes, alignment)
+        # One int object per distinct slot size, shared by every Slot of that size: an
+        # int is 32 bytes, and a tier holds millions of slots of a few sizes.
+        self._sizes: dict[int, int] = {}
 
     def accounted_size(self, nbytes: int) -> int:
         return self._extents.aligned(max(nbytes, 1))
@@ -29,7 +32,8 @@ class SlabTier(Tier):
         offset = self._extents.allocate(nbytes)
         if offset is None:
             return None
-        return Slot(self.name, offset, self.accounted_size(nbytes))
+        size = self.accounted_size(nbytes)
+        return Slot(self.name, offset, self._sizes.setdefault(size, size))
 
     def _free(self, slot: Slot) -> None:
         self._extents.free(slot.offset, slot.size)

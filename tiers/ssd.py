@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import json
 import logging
 import mmap
 import os
@@ -48,6 +47,8 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import NamedTuple
 
 import xxhash
 
@@ -66,7 +67,14 @@ DIRECT_ALIGNMENT = 4096
 BUFFERED_ALIGNMENT = 512
 DEFAULT_REGION_SIZE = 64 << 20
 SNAPSHOT_NAME = "index.snapshot"
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
+# The snapshot is binary: a header, fixed-size records, and an XXH3-64 of all before it.
+# Loading a million records is one struct pass, not a JSON parse with hex decoding.
+SNAPSHOT_MAGIC = b"KVSNAP\x00\x02"
+_SNAP_HEAD = struct.Struct("<8sIQIIQ")  # magic, version, region size, alignment, regions, records
+# offset, size, seq, itemsize, has parent, key, parent hash, checksum, raw_len
+_SNAP_REC = struct.Struct("<QIQBB32s16sQI")
+_SNAP_SUM = struct.Struct("<Q")
 # Encoding blocks smaller than this inline costs less than the thread hand-off.
 INLINE_CODEC_BYTES = 64 * 1024
 # After this many blocks of a namespace in a row did not compress, only every
@@ -81,8 +89,7 @@ class IoMode:
     BUFFERED = "buffered"
 
 
-@dataclass(frozen=True, slots=True)
-class RecoveredBlock:
+class RecoveredBlock(NamedTuple):
     """A block found in the log at start: what the store needs to index it again."""
 
     key: bytes
@@ -110,8 +117,7 @@ class _Region:
     records: dict[int, _Parsed] = field(default_factory=dict)  # live records by offset in region
 
 
-@dataclass(frozen=True, slots=True)
-class _Parsed:
+class _Parsed(NamedTuple):
     offset: int
     size: int
     seq: int
@@ -127,6 +133,11 @@ class _Parsed:
 def _aligned_buffer(n: int) -> mmap.mmap:
     """A page-aligned, zero-filled buffer of `n` bytes (O_DIRECT needs aligned memory)."""
     return mmap.mmap(-1, max(n, mmap.PAGESIZE))
+
+
+_SEQ = attrgetter("seq")
+_KEY = attrgetter("key")
+_OFFSET = attrgetter("offset")
 
 
 def _parse_header(buf: bytes | memoryview, offset: int, alignment: int) -> _Parsed | None:
@@ -218,6 +229,7 @@ class SsdTier(Tier):
         self.compressed_blocks = 0
         self.codec_attempts = 0
         self._codec_misses: dict[bytes, int] = {}  # namespace id -> blocks in a row not compressed
+        self._sizes: dict[int, int] = {}  # see _allocate
         logger.info("ssd tier at %s: %d regions of %d bytes, %s I/O", path, regions, region_size, self.io_mode)
 
     def _region_path(self, index: int) -> str:
@@ -265,7 +277,8 @@ class SsdTier(Tier):
         region.write_pos += size
         region.live_count += 1
         region.live_bytes += size
-        return Slot(self.name, region.index * self.region_size + offset, size)
+        # Aligned sizes are few: one shared int object each, not one per record.
+        return Slot(self.name, region.index * self.region_size + offset, self._sizes.setdefault(size, size))
 
     def _seal(self, region: _Region) -> None:
         region.sealed = True
@@ -411,27 +424,30 @@ class SsdTier(Tier):
             parsed = [p for ps, _ in results for p in ps]
             failures = sum(f for _, f in results)
             from_snapshot = False
-        best: dict[bytes, _Parsed] = {}
-        for p in parsed:
-            old = best.get(p.key)
-            if old is None or p.seq > old.seq:
-                best[p.key] = p
-        winners = set(id(p) for p in best.values())
+        # For the same key the highest sequence number wins: sorted by seq, later wins.
+        by_seq = sorted(parsed, key=_SEQ)
+        best = dict(zip(map(_KEY, by_seq), by_seq))
+        max_seq = by_seq[-1].seq if by_seq else 0
+        regions, region_size = self._regions, self.region_size
+        for p in parsed:  # every record found, winner or not, occupies its region up to its end
+            region = regions[p.offset // region_size]
+            end = p.offset % region_size + p.size
+            if end > region.write_pos:
+                region.write_pos = end
         blocks = []
-        max_seq = 0
-        for p in parsed:
-            max_seq = max(max_seq, p.seq)
-            region = self._regions[p.offset // self.region_size]
-            off = p.offset % self.region_size
-            region.write_pos = max(region.write_pos, off + p.size)
-            if id(p) not in winners:
-                continue
+        name = self.name
+        used = 0
+        for p in sorted(best.values(), key=_OFFSET):
+            region = regions[p.offset // region_size]
             region.live_count += 1
             region.live_bytes += p.size
-            region.records[off] = p
-            slot = Slot(self.name, p.offset, p.size)
-            self._account(slot)
-            blocks.append(RecoveredBlock(p.key, p.parent, p.checksum, p.raw_len, p.itemsize, slot))
+            region.records[p.offset % region_size] = p
+            used += p.size
+            blocks.append(RecoveredBlock(p.key, p.parent, p.checksum, p.raw_len, p.itemsize,
+                                         Slot(name, p.offset, self._sizes.setdefault(p.size, p.size))))
+        self._used_bytes += used
+        self._blocks += len(blocks)
+        assert self._used_bytes <= self.capacity_bytes, "tier accounting exceeded capacity"
         self._next_seq = max_seq + 1
         self._free_regions.clear()
         for region in self._regions:
@@ -440,7 +456,6 @@ class SsdTier(Tier):
                 self._free_regions.append(region.index)
             else:
                 region.sealed = True  # appends go to fresh regions; this one drains by eviction
-        blocks.sort(key=lambda b: b.slot.offset)
         logger.info("ssd tier recovered %d blocks (%s), %d failed verification, %d regions free",
                     len(blocks), "snapshot" if from_snapshot else "log scan", failures, len(self._free_regions))
         return RecoveryReport(blocks, failures, from_snapshot)
@@ -501,44 +516,56 @@ class SsdTier(Tier):
     def _load_snapshot(self) -> list[_Parsed] | None:
         path = self._snapshot_path()
         try:
-            with open(path, encoding="utf-8") as fh:
-                doc = json.load(fh)
+            with open(path, "rb") as fh:
+                data = fh.read()
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
             logger.warning("ssd snapshot %s unreadable (%s); scanning the log instead", path, exc)
             os.unlink(path)
             return None
         # From here on the log changes; a stale snapshot must never be read again.
         os.unlink(path)
-        try:
-            if doc["version"] != SNAPSHOT_VERSION or doc["region_size"] != self.region_size or \
-                    doc["alignment"] != self.alignment or doc["regions"] != len(self._regions):
-                logger.info("ssd snapshot was written with another geometry; scanning the log instead")
-                return None
-            return [
-                _Parsed(r[0], r[1], r[2], 0, r[3], bytes.fromhex(r[4]), bytes.fromhex(r[5]) if r[5] else None,
-                        r[6], r[7], 0)
-                for r in doc["records"]
-            ]
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            logger.warning("ssd snapshot %s malformed (%s); scanning the log instead", path, exc)
+        head_end = _SNAP_HEAD.size
+        if len(data) < head_end + _SNAP_SUM.size or data[:8] != SNAPSHOT_MAGIC:
+            logger.warning("ssd snapshot %s is not a snapshot of this version; scanning the log instead", path)
             return None
+        (want,) = _SNAP_SUM.unpack_from(data, len(data) - _SNAP_SUM.size)
+        body = memoryview(data)[: len(data) - _SNAP_SUM.size]
+        if xxhash.xxh3_64_intdigest(body) != want:
+            logger.warning("ssd snapshot %s fails its checksum; scanning the log instead", path)
+            return None
+        _, version, region_size, alignment, regions, count = _SNAP_HEAD.unpack_from(body, 0)
+        if version != SNAPSHOT_VERSION or region_size != self.region_size or alignment != self.alignment or \
+                regions != len(self._regions):
+            logger.info("ssd snapshot was written with another geometry; scanning the log instead")
+            return None
+        if len(body) - head_end != count * _SNAP_REC.size:
+            logger.warning("ssd snapshot %s malformed (%d records announced); scanning the log instead", path, count)
+            return None
+        return [
+            _Parsed(offset, size, seq, 0, itemsize, key, key[:16] + parent if has_parent else None, csum, raw_len, 0)
+            for offset, size, seq, itemsize, has_parent, key, parent, csum, raw_len
+            in _SNAP_REC.iter_unpack(body[head_end:])
+        ]
 
     def _write_snapshot(self) -> None:
         """Describe the live records for a fast start; written last on a clean close."""
+        pack = _SNAP_REC.pack
+        none = bytes(16)
         records = [
-            [p.offset, p.size, p.seq, p.itemsize, p.key.hex(), p.parent.hex() if p.parent else "", p.checksum,
-             p.raw_len]
+            pack(p.offset, p.size, p.seq, p.itemsize, p.parent is not None, p.key,
+                 p.parent[16:] if p.parent is not None else none, p.checksum, p.raw_len)
             for region in self._regions
             for p in region.records.values()
         ]
-        doc = {"version": SNAPSHOT_VERSION, "region_size": self.region_size, "alignment": self.alignment,
-               "regions": len(self._regions), "records": records}
+        body = b"".join([_SNAP_HEAD.pack(SNAPSHOT_MAGIC, SNAPSHOT_VERSION, self.region_size, self.alignment,
+                                         len(self._regions), len(records)), *records])
         tmp = self._snapshot_path() + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(body)
+            fh.write(_SNAP_SUM.pack(xxhash.xxh3_64_intdigest(body)))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self._snapshot_path())

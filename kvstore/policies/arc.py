@@ -16,8 +16,8 @@ Primitives: the four ordered lists, `p`, and the REPLACE rule in `victim`.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.policies.base import BlockKey, Clock, EvictionPolicy
 
@@ -57,6 +57,13 @@ class ARCPolicy(EvictionPolicy):
         else:
             self._t1[key] = None
 
+    def insert_many(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
+        fresh = dict.fromkeys(keys)
+        if len(fresh) == len(keys) and all(d.keys().isdisjoint(fresh) for d in (self._t1, self._t2, self._b1, self._b2)):
+            self._t1.update(fresh)  # all new (a put, a rebuild): into T1 in order, no Python step per key
+            return
+        super().insert_many(keys, parents)
+
     def touch(self, key: BlockKey) -> None:
         if key in self._t1:
             del self._t1[key]
@@ -66,6 +73,18 @@ class ARCPolicy(EvictionPolicy):
 
     def touch_many(self, keys: Iterable[BlockKey]) -> None:
         t1, t2 = self._t1, self._t2
+        keys = keys if isinstance(keys, list) else list(keys)
+        # Fast paths without a Python step per key (a lookup touches up to thousands):
+        # every key already in T2 (a chain hit again), or every key in T1 (hit once before).
+        try:
+            deque(map(t2.move_to_end, keys), 0)
+            return
+        except KeyError:
+            pass  # some key is not in T2: below (moving a key again keeps the order exact)
+        if t2.keys().isdisjoint(keys) and len(unique := set(keys)) == len(keys) and unique <= t1.keys():
+            deque(map(t1.__delitem__, keys), 0)
+            t2.update(dict.fromkeys(keys))
+            return
         for key in keys:
             if key in t1:
                 del t1[key]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar
 
 Clock = Callable[[], float]
@@ -35,6 +35,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
         """A block became READY in this tier. Inserting a present key acts as `touch`."""
+
+    def insert_many(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
+        """`insert` each key with its parent, in order. Override to go faster."""
+        for key, parent in zip(keys, parents):
+            self.insert(key, parent)
 
     @abstractmethod
     def touch(self, key: BlockKey) -> None:
@@ -56,6 +61,11 @@ class EvictionPolicy(ABC):
         Does not remove it: the caller evicts it and then calls `remove`. Returns None
         when no tracked block is evictable.
         """
+
+    def parent_of(self, key: BlockKey) -> BlockKey | None:
+        """The parent this policy keeps for `key`; None where it does not keep parents
+        (a policy that ignores them needs none back on a later `insert`)."""
+        return None
 
     @abstractmethod
     def __len__(self) -> int: ...

@@ -37,7 +37,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -106,10 +106,10 @@ class HintedPolicy(EvictionPolicy):
         self.budget_fraction = budget_fraction
         self._grants: dict[str, _Grant] = {}
         self._protected: dict[BlockKey, int] = {}
-        # Tracked blocks out of the base order while protected, with their parents.
+        # Tracked blocks out of the base order while protected, with their parents (as
+        # the base policy kept them), to hand a parked block back with its chain. The
+        # other tracked blocks are the base policy's: no per-block table of our own.
         self._parked: dict[BlockKey, BlockKey | None] = {}
-        # Parent of every tracked block, to hand a parked block back with its chain.
-        self._parent: dict[BlockKey, BlockKey | None] = {}
         # (deadline, seq, session): stale entries are skipped by comparing seq.
         self._expiry: list[tuple[float, int, str]] = []
         self._seq = 0
@@ -146,7 +146,7 @@ class HintedPolicy(EvictionPolicy):
         wanted = list(dict.fromkeys(keys))
         self._keys_hinted += len(wanted)
         scale = min(1.0, max(self._trust / TRUST_FOR_FULL_BUDGET, TRUST_FLOOR))
-        budget = self.budget_fraction * scale * len(self._parent)
+        budget = self.budget_fraction * scale * len(self)
         room = int(budget) - len(self._protected)
         granted: list[BlockKey] = []
         for key in wanted:
@@ -157,8 +157,8 @@ class HintedPolicy(EvictionPolicy):
                 self._protected[key] = 1
                 granted.append(key)
                 room -= 1
-                if key in self._parent:
-                    self._parked[key] = self._parent[key]
+                if key in self._base:
+                    self._parked[key] = self._base.parent_of(key)
                     self._base.remove(key)
             else:
                 self._keys_over_budget += 1
@@ -231,15 +231,20 @@ class HintedPolicy(EvictionPolicy):
     # -- ordering ------------------------------------------------------------------
 
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
-        if key in self._parent:
+        if key in self._parked or key in self._base:
             self.touch(key)
             return
-        self._parent[key] = parent
         if key in self._protected:
             # Hinted before it became READY: protected from the start.
             self._parked[key] = parent
         else:
             self._base.insert(key, parent)
+
+    def insert_many(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
+        if not self._protected and not self._parked:  # no live hints: straight to the base
+            self._base.insert_many(keys, parents)
+            return
+        super().insert_many(keys, parents)
 
     def touch(self, key: BlockKey) -> None:
         if key in self._protected:
@@ -260,11 +265,7 @@ class HintedPolicy(EvictionPolicy):
         self._base.touch_many(passthrough)
 
     def remove(self, key: BlockKey) -> None:
-        if self._parent.pop(key, _MISSING) is _MISSING:
-            return
-        if key in self._parked:
-            del self._parked[key]
-        else:
+        if self._parked.pop(key, _MISSING) is _MISSING:
             self._base.remove(key)
 
     def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
@@ -278,11 +279,16 @@ class HintedPolicy(EvictionPolicy):
                 return key
         return None
 
+    def parent_of(self, key: BlockKey) -> BlockKey | None:
+        if key in self._parked:
+            return self._parked[key]
+        return self._base.parent_of(key)
+
     def __len__(self) -> int:
-        return len(self._parent)
+        return len(self._base) + len(self._parked)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._parent
+        return key in self._parked or key in self._base
 
 
 class HintedLRUPolicy(HintedPolicy):

@@ -65,6 +65,9 @@ class PrefixAwarePolicy(EvictionPolicy):
             key = self._base.victim(evictable)
         return key
 
+    def parent_of(self, key: BlockKey) -> BlockKey | None:
+        return self._parent.get(key)
+
     def __len__(self) -> int:
         return len(self._base)
 

@@ -1,0 +1,362 @@
+"""Scale benchmark: how kvstore's memory, lookup latency, put/evict cost and restart time
+grow with the number of blocks it indexes.
+
+Per N (default 1M and 10M blocks), on a real daemon process (bench/scale_daemon.py):
+* fill: N blocks enter the index through the production put path (Store.begin_put ->
+  reserve -> commit), driven by an in-process filler, into a METADATA-ONLY tier
+  (a benchmark instrument: capacity accounted exactly, bytes not stored);
+* rss_bytes_per_block: (VmRSS after the fill - VmRSS before) / N, from /proc/PID/status;
+* lookup_p50_us / lookup_p99_us: `Client.lookup` of an existing 1,000-block chain over
+  the Unix socket with the real SDK (gRPC bytes plane);
+* lookup_1block_p50_us: the same RPC naming one block (the fixed cost of a call), and
+  store_lookup_*: `Store.lookup` of the chains inside the daemon (the server's share);
+* gc_full_ms: one full collection of Python's cyclic GC in the daemon after the fill
+  (the stall an automatic one would cause; the daemon freezes the index out of it);
+* put_us_per_block: daemon CPU time per block over the last 5% of the fill (wall time
+  next to it as put_wall_us_per_block: on a shared machine wall time also counts waits);
+* evict_us_per_block: with the tier full, more blocks are put; each needs one eviction
+  (policy victim, demote/drop, index removal), timed (CPU, and wall) around the store's
+  eviction step.
+
+Then, in this process, the SSD tier's index rebuild at restart for `--ssd-records`
+records (default 1M, tiny payloads, buffered I/O in a temporary directory): the time of
+`Store.start()` (tier recovery + index insert + policy insert) from the clean-shutdown
+snapshot and from a scan of the region log.
+
+Results: bench/results/scale.json and bench/results/scale.png (each figure against N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from scale_daemon import bench_layout, block_hash  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
+CHAIN = 1000
+FILL_PATH = ("in-process filler inside the daemon process: Store.begin_put -> PutTxn.reserve -> "
+             "mark_written -> commit(checksums), chains of 1000 blocks, into MetadataOnlyTier "
+             "(benchmark instrument: capacity accounted, bytes not stored)")
+
+
+def parse_n(text: str) -> int:
+    text = text.strip().lower()
+    mult = 1
+    if text.endswith("k"):
+        mult, text = 1000, text[:-1]
+    elif text.endswith("m"):
+        mult, text = 1_000_000, text[:-1]
+    return int(float(text) * mult)
+
+
+def vm_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+class DaemonProc:
+    def __init__(self, capacity_blocks: int, block_bytes: int, policy: str, workdir: str) -> None:
+        self.socket = os.path.join(workdir, "kv.sock")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "scale_daemon.py"), "--socket", self.socket,
+             "--capacity-blocks", str(capacity_blocks), "--block-bytes", str(block_bytes), "--policy", policy],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        ready = self.read()
+        if not ready.get("ready"):
+            raise RuntimeError(f"bench daemon did not start: {ready}")
+        self.pid = self.proc.pid
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench daemon exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def command(self, text: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        try:
+            self.command("quit")
+        except (RuntimeError, BrokenPipeError, ValueError):
+            pass
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks: int) -> dict[str, Any]:
+    from kvstore.client import Client
+
+    workdir = tempfile.mkdtemp(prefix="kvstore-scale-")
+    daemon = DaemonProc(n, block_bytes, policy, workdir)
+    try:
+        time.sleep(0.5)
+        base = vm_rss(daemon.pid)
+        filled = daemon.command(f"fill 0 {n} {CHAIN}")
+        time.sleep(0.5)
+        rss = vm_rss(daemon.pid)
+        print(f"  N={n:,}: filled in {filled['seconds']:.1f}s, RSS {base / 2**20:.0f} -> {rss / 2**20:.0f} MiB",
+              flush=True)
+        layout = bench_layout(block_bytes)
+        client = Client(f"unix:{daemon.socket}", data_plane="grpc")
+        chains = n // CHAIN
+        rng = random.Random(7)
+        times: list[float] = []
+        floor: list[float] = []
+        try:
+            one = [block_hash(0)]
+            for k in range(lookups // 4 + 50):  # the fixed cost of one Lookup RPC (1 block)
+                t = time.perf_counter()
+                client.lookup(layout, block_hashes=one)
+                if k >= 50:
+                    floor.append(time.perf_counter() - t)
+            for k in range(lookups + 100):
+                c = rng.randrange(chains)
+                hashes = [block_hash(j) for j in range(c * CHAIN, (c + 1) * CHAIN)]
+                t = time.perf_counter()
+                r = client.lookup(layout, block_hashes=hashes)
+                dt = time.perf_counter() - t
+                if r.num_blocks != CHAIN:
+                    raise RuntimeError(f"chain {c}: lookup found {r.num_blocks} of {CHAIN} blocks")
+                if k >= 100:  # warm-up excluded
+                    times.append(dt)
+        finally:
+            client.close()
+        server = daemon.command(f"lookups {n} {CHAIN} {lookups // 4}")
+        collector = daemon.command("gc")
+        evicted = daemon.command(f"fill {n} {evict_blocks} {CHAIN}")
+        if evicted["evictions"] < evict_blocks:
+            raise RuntimeError(f"expected {evict_blocks} evictions under pressure, saw {evicted['evictions']}")
+        return {
+            "n_blocks": n,
+            "rss_bytes_per_block": (rss - base) / n,
+            "rss_baseline_bytes": base,
+            "rss_filled_bytes": rss,
+            "lookup_p50_us": percentile(times, 0.50) * 1e6,
+            "lookup_p99_us": percentile(times, 0.99) * 1e6,
+            "lookup_mean_us": statistics.fmean(times) * 1e6,
+            "lookups": len(times),
+            "lookup_1block_p50_us": percentile(floor, 0.50) * 1e6,
+            **server,
+            **collector,
+            # CPU time of the daemon process: what the metadata costs, undisturbed by other
+            # processes on a shared machine. The wall-clock figures are kept next to them.
+            "put_us_per_block": filled["tail_cpu_us_per_block"],
+            "put_wall_us_per_block": filled["tail_us_per_block"],
+            "fill_seconds": filled["seconds"],
+            "evict_us_per_block": evicted["evict_cpu_seconds"] / evicted["evictions"] * 1e6,
+            "evict_wall_us_per_block": evicted["evict_seconds"] / evicted["evictions"] * 1e6,
+            "evictions": evicted["evictions"],
+            "put_under_pressure_us_per_block": evicted["cpu_seconds"] / evict_blocks * 1e6,
+        }
+    finally:
+        daemon.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+class InlineExecutor(Executor):
+    """Runs each submitted call at once in the caller's thread. Used only to WRITE the
+    benchmark's SSD log fast (the production `put_block` path, minus the thread
+    hand-off per record); the rebuild being measured runs with the tier's own pool."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # handed to the awaiting caller
+            fut.set_exception(exc)
+        return fut
+
+
+async def _ssd_rebuild(records: int, directory: str) -> dict[str, Any]:
+    from kvstore.policies import make_policy
+    from kvstore.store import Store, StoreTier
+    from kvstore.tiers.base import BlockMeta
+    from kvstore.tiers.memory import MemoryTier
+    from kvstore.tiers.ssd import SsdTier
+
+    ns = bench_layout(64).namespace_id
+    payload = bytes(range(64))
+    from kvstore.checksum import checksum
+    csum = checksum(payload)
+    region = 64 << 20
+
+    def open_store() -> tuple[Store, SsdTier]:
+        ssd = SsdTier(directory, records * 512 + region, region_size=region, io_mode="buffered", compress=False)
+        store = Store([StoreTier(MemoryTier(1 << 20), make_policy("hint-arc")),
+                       StoreTier(ssd, make_policy("hint-arc"))])
+        return store, ssd
+
+    ssd = SsdTier(directory, records * 512 + region, region_size=region, io_mode="buffered", compress=False)
+    pool = ssd._executor
+    ssd._executor = InlineExecutor()  # type: ignore[assignment]
+    t = time.perf_counter()
+    batch = 512
+    prev: bytes | None = None
+    for start in range(0, records, batch):
+        metas = []
+        for i in range(start, min(records, start + batch)):
+            key = ns + block_hash(i)
+            metas.append(BlockMeta(key, prev if i % CHAIN else None, csum, 2))
+            prev = key
+        slots = await asyncio.gather(*(ssd.put_block(m, payload) for m in metas))
+        assert all(s is not None for s in slots)
+    write_s = time.perf_counter() - t
+    ssd._executor = pool
+    ssd.close()  # clean shutdown: writes the snapshot
+    out: dict[str, Any] = {"ssd_records": records, "ssd_write_seconds": write_s}
+    for source in ("snapshot", "log"):
+        if source == "log":
+            os.unlink(os.path.join(directory, "index.snapshot"))
+        store, ssd = open_store()
+        t = time.perf_counter()
+        await store.start()
+        out[f"rebuild_s_{source}"] = time.perf_counter() - t
+        got = len(store._index)
+        if got != records:
+            raise RuntimeError(f"rebuild from {source} found {got} of {records} records")
+        await store.aclose()  # writes the snapshot again
+        del store, ssd
+    return out
+
+
+def ssd_rebuild(records: int, parent: str | None) -> dict[str, Any]:
+    directory = tempfile.mkdtemp(prefix="kvstore-scale-ssd-", dir=parent)
+    try:
+        return asyncio.run(_ssd_rebuild(records, directory))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def plot(rows: list[dict[str, Any]], ssd: dict[str, Any], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot skipped: matplotlib missing (make bench-deps)")
+        return
+    figures = [
+        ("rss_bytes_per_block", "daemon RSS per block (bytes)", 160),
+        ("lookup_p50_us", "Lookup p50, 1000-block chain (us)", None),
+        ("lookup_p99_us", "Lookup p99, 1000-block chain (us)", 1000),
+        ("put_us_per_block", "Put metadata cost (us/block)", None),
+        ("evict_us_per_block", "eviction cost (us/block)", None),
+    ]
+    ns = [r["n_blocks"] for r in rows]
+    fig, axes = plt.subplots(2, 3, figsize=(14, 8))
+    for ax, (key, title, target) in zip(axes.flat, figures):
+        ax.plot(ns, [r[key] for r in rows], "o-", label="SDK over the socket" if key.startswith("lookup") else None)
+        if key.startswith("lookup_p"):
+            ax.plot(ns, [r["store_" + key] for r in rows], "s--", label="Store.lookup in the daemon")
+            ax.legend(fontsize=8)
+        if target is not None:
+            ax.axhline(target, color="r", ls="--", lw=1, label=f"target {target}")
+            ax.legend()
+        ax.set_xscale("log")
+        ax.set_xlabel("blocks indexed (N)")
+        ax.set_title(title, fontsize=10)
+        ax.set_ylim(bottom=0)
+    ax = axes.flat[5]
+    if ssd:
+        ax.bar(["log scan", "snapshot"], [ssd["rebuild_s_log"], ssd["rebuild_s_snapshot"]])
+        ax.set_title(f"SSD index rebuild, {ssd['ssd_records']:,} records (s)", fontsize=10)
+    fig.suptitle("kvstore scale (fill: production put path into a metadata-only benchmark tier)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="kvstore scale benchmark")
+    ap.add_argument("--n", default="1M,10M", help="comma-separated block counts, e.g. 100k,1M,10M")
+    ap.add_argument("--block-bytes", type=int, default=1 << 20, help="accounted size of a block (no bytes stored)")
+    ap.add_argument("--policy", default="hint-arc")
+    ap.add_argument("--lookups", type=int, default=2000)
+    ap.add_argument("--evict-blocks", type=int, default=100_000)
+    ap.add_argument("--ssd-records", default="1M", help="records for the SSD rebuild (0 skips it)")
+    ap.add_argument("--ssd-dir", default=None, help="parent directory for the SSD rebuild files (default: temp)")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "scale.json"))
+    args = ap.parse_args()
+    ns = [parse_n(x) for x in args.n.split(",") if x.strip()]
+    rows = []
+    for n in ns:
+        if n < CHAIN:
+            raise SystemExit(f"N must be at least {CHAIN}")
+        print(f"scale: N={n:,} blocks ...", flush=True)
+        rows.append(measure_n(n, args.block_bytes, args.policy, args.lookups, min(args.evict_blocks, n)))
+    ssd: dict[str, Any] = {}
+    records = parse_n(args.ssd_records)
+    if records:
+        print(f"scale: SSD rebuild of {records:,} records ...", flush=True)
+        ssd = ssd_rebuild(records, args.ssd_dir)
+    for r in rows:
+        r["rebuild_s_log"] = ssd.get("rebuild_s_log")
+        r["rebuild_s_snapshot"] = ssd.get("rebuild_s_snapshot")
+    doc = {
+        "fill_path": FILL_PATH,
+        "lookup_path": "kvstore.client.Client.lookup over the Unix socket (gRPC), chains of 1000 existing blocks",
+        "policy": args.policy,
+        "block_bytes_accounted": args.block_bytes,
+        "python": platform.python_version(),
+        "ssd": ssd,
+        "results": rows,
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(doc, fh, indent=2)
+    plot(rows, ssd, os.path.splitext(args.out)[0] + ".png")
+    header = (f"{'N':>11} {'RSS B/blk':>10} {'Lookup p50':>11} {'p99 us':>8} {'1-blk p50':>10} "
+              f"{'store p50':>10} {'p99 us':>8} {'put us/blk':>11} {'evict us/blk':>13}")
+    print(header)
+    for r in rows:
+        print(f"{r['n_blocks']:>11,} {r['rss_bytes_per_block']:>10.0f} {r['lookup_p50_us']:>11.0f} "
+              f"{r['lookup_p99_us']:>8.0f} {r['lookup_1block_p50_us']:>10.0f} {r['store_lookup_p50_us']:>10.0f} "
+              f"{r['store_lookup_p99_us']:>8.0f} {r['put_us_per_block']:>11.2f} {r['evict_us_per_block']:>13.2f}")
+    for r in rows:
+        print(f"N={r['n_blocks']:,}: full GC {r['gc_full_ms']:.0f} ms wall, {r['gc_full_cpu_ms']:.0f} ms CPU, "
+              f"{r['gc_tracked_objects']:,} objects tracked, {r['gc_frozen_objects']:,} frozen")
+    print("Lookup: SDK over the Unix socket, 1000-block chain; 1-blk: the same RPC for one block; "
+          "store: Store.lookup in the daemon. put/evict: daemon CPU time per block.")
+    if ssd:
+        print(f"SSD rebuild of {ssd['ssd_records']:,} records: {ssd['rebuild_s_log']:.2f}s from the log, "
+              f"{ssd['rebuild_s_snapshot']:.2f}s from the snapshot")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""A real kvstore daemon for the scale benchmark (bench/scale.py), with two instruments.
+
+BENCHMARK INSTRUMENTS, not production components (nothing in the `kvstore` package or
+its config can select them):
+
+* `MetadataOnlyTier`: a memory tier whose capacity is accounted exactly (fixed-size
+  slots, a free list) but whose bytes are NOT stored. Writes are discarded and reads
+  fail with DataLoss, so such a block can be looked up but never served. It lets the
+  index, the policies and the accounting hold as many blocks as a 2 TB tier would,
+  on a machine that could not hold the bytes.
+* an in-process filler driven by commands on stdin. It fills the index through the
+  production put path: `Store.begin_put` -> `PutTxn.reserve` (slot allocation, inline
+  eviction when the tier is full) -> `mark_written` -> `commit(checksums)` (index
+  insert, policy insert, namespace accounting), which is the path of a co-located
+  client's put, without the gRPC round trip per call.
+
+Everything else is the production daemon: `kvstore.daemon.Daemon` serving gRPC on a Unix
+socket, with its host tier, policies, lease sweeper and event bus.
+
+Protocol (one JSON object per line on stdout):
+  start:  {"ready": true, "pid": ..., "socket": ...}
+  `fill FIRST COUNT CHAIN` -> fills blocks FIRST..FIRST+COUNT-1 in chains of CHAIN blocks
+        (each chain one put) and answers {"filled", "seconds", "tail_us_per_block",
+        "evictions", "evict_seconds"}
+  `lookups NBLOCKS CHAIN COUNT` -> times COUNT `Store.lookup` calls of existing chains
+        in the daemon process (the server's share of a Lookup, without gRPC)
+  `gc` -> times one full collection of the cyclic GC in the daemon
+  `quit` -> stops the daemon gracefully.
+Block i's hash is `block_hash(i)`, so the driver can look up chains that exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from kvstore.config import load_config
+from kvstore.daemon import Daemon
+from kvstore.errors import DataLoss
+from kvstore.layout import KVLayout
+from kvstore.policies import make_policy
+from kvstore.store import StoreTier
+from kvstore.tiers.base import Slot, Tier
+
+TIER_NAME = "memory"  # reported as TIER_MEMORY over the wire
+
+
+def bench_layout(block_bytes: int) -> KVLayout:
+    return KVLayout(model="kvstore-scale-bench", dtype="float16", num_layers=1, num_kv_heads=1,
+                    head_dim=8, block_size_tokens=16, block_bytes=block_bytes)
+
+
+def block_hash(i: int) -> bytes:
+    """Synthetic 16-byte block hash of block number `i` (uniform, like real chained hashes)."""
+    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()
+
+
+class MetadataOnlyTier(Tier):
+    """BENCHMARK INSTRUMENT: exact capacity accounting in fixed-size slots, no bytes stored."""
+
+    has_host_view = False
+
+    def __init__(self, capacity_blocks: int, block_bytes: int) -> None:
+        super().__init__(capacity_blocks * block_bytes)
+        self.name = TIER_NAME
+        self.block_bytes = block_bytes
+        self._next = 0  # slots below this index have been handed out at least once
+        self._free_slots: list[int] = []
+
+    def accounted_size(self, nbytes: int) -> int:
+        return self.block_bytes
+
+    def has_room(self, nbytes: int) -> bool:
+        return nbytes <= self.block_bytes and (bool(self._free_slots) or
+                                               (self._next + 1) * self.block_bytes <= self.capacity_bytes)
+
+    def _allocate(self, nbytes: int) -> Slot | None:
+        if nbytes > self.block_bytes:
+            return None
+        if self._free_slots:
+            index = self._free_slots.pop()
+        elif (self._next + 1) * self.block_bytes <= self.capacity_bytes:
+            index = self._next
+            self._next += 1
+        else:
+            return None
+        return Slot(self.name, index * self.block_bytes, self.block_bytes)
+
+    def _free(self, slot: Slot) -> None:
+        self._free_slots.append(slot.offset // self.block_bytes)
+
+    async def write(self, slot: Slot, offset: int, data: memoryview | bytes) -> None:
+        if offset < 0 or offset + len(data) > slot.size:
+            raise ValueError(f"write of {len(data)} bytes at {offset} overflows a {slot.size}-byte slot")
+
+    async def read(self, slot: Slot, nbytes: int) -> bytes:
+        raise DataLoss("the metadata-only benchmark tier stores no bytes")
+
+    def describe(self) -> dict[str, str]:
+        return {"backing": "none: benchmark instrument (capacity accounted, bytes not stored)"}
+
+
+class BenchDaemon(Daemon):
+    """The production daemon plus a MetadataOnlyTier below the host tier."""
+
+    def __init__(self, config: Any, capacity_blocks: int, block_bytes: int, policy: str) -> None:
+        super().__init__(config)
+        self._meta = (capacity_blocks, block_bytes, policy)
+
+    def _build_tiers(self, host_capacity: int, shm_dir: str) -> Any:
+        tiers, absent = super()._build_tiers(host_capacity, shm_dir)
+        capacity_blocks, block_bytes, policy = self._meta
+        meta = StoreTier(MetadataOnlyTier(capacity_blocks, block_bytes), make_policy(policy))
+        host_at = next(i for i, t in enumerate(tiers) if t.name == "host")
+        tiers.insert(host_at + 1, meta)
+        return tiers, absent
+
+
+def emit(doc: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(doc) + "\n")
+    sys.stdout.flush()
+
+
+async def fill(daemon: BenchDaemon, ns: bytes, first: int, count: int, chain: int, timer: dict[str, float]) -> dict[str, Any]:
+    store = daemon.store
+    assert store is not None
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    evict0, evict_s0, evict_c0 = timer["n"], timer["s"], timer["cpu"]
+    tail_from = first + count - max(chain, count // 20)  # the last 5%: the cost at this size
+    tail_t = t0
+    i = first
+    end = first + count
+    while i < end:
+        n = min(chain, end - i)
+        if i <= tail_from < i + n or (i == first and tail_from <= first):
+            tail_t = time.perf_counter()
+            tail_c = time.process_time()
+            tail_first = i
+        hashes = [block_hash(j) for j in range(i, i + n)]
+        txn = store.begin_put(ns, hashes, None, tier=TIER_NAME)
+        await txn.reserve()
+        txn.mark_written()
+        # Distinct 64-bit checksums, as real blocks have (their ints cost memory too).
+        await txn.commit([int.from_bytes(h[:8], "little") for h in hashes])
+        i += n
+        await asyncio.sleep(0)  # let the loop run its other work between puts, as it would
+    t1 = time.perf_counter()
+    c1 = time.process_time()
+    return {
+        "filled": count,
+        "seconds": t1 - t0,
+        "cpu_seconds": c1 - c0,
+        "tail_us_per_block": (t1 - tail_t) / max(1, end - tail_first) * 1e6,
+        "tail_cpu_us_per_block": (c1 - tail_c) / max(1, end - tail_first) * 1e6,
+        "evictions": int(timer["n"] - evict0),
+        "evict_seconds": timer["s"] - evict_s0,
+        "evict_cpu_seconds": timer["cpu"] - evict_c0,
+    }
+
+
+def time_lookups(daemon: BenchDaemon, ns: bytes, n_blocks: int, chain: int, count: int) -> dict[str, Any]:
+    """`Store.lookup` of existing chains in the daemon process: the server's own share of a
+    Lookup, without gRPC (wall and CPU time, per call)."""
+    import random
+
+    store = daemon.store
+    assert store is not None
+    rng = random.Random(11)
+    wall, cpu = [], []
+    for _ in range(count):
+        c = rng.randrange(n_blocks // chain)
+        hashes = [block_hash(j) for j in range(c * chain, (c + 1) * chain)]
+        t, p = time.perf_counter(), time.process_time()
+        r = store.lookup(ns, hashes)
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - p)
+        assert r.num_blocks == chain
+    wall.sort()
+    cpu.sort()
+    return {"store_lookup_p50_us": wall[len(wall) // 2] * 1e6, "store_lookup_p99_us": wall[int(len(wall) * 0.99)] * 1e6,
+            "store_lookup_cpu_p50_us": cpu[len(cpu) // 2] * 1e6}
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--capacity-blocks", type=int, required=True)
+    ap.add_argument("--block-bytes", type=int, default=1 << 20)
+    ap.add_argument("--policy", default="hint-arc")
+    args = ap.parse_args()
+    config = load_config({"listen": f"unix:{args.socket}", "host_capacity": "64MiB", "grace_s": "1",
+                          "metrics_listen": "off", "policy": args.policy}, env={})
+    daemon = BenchDaemon(config, args.capacity_blocks, args.block_bytes, args.policy)
+    await daemon.start()
+    store = daemon.store
+    assert store is not None
+    ns = store.register(bench_layout(args.block_bytes))
+    # Time every eviction made to find room (the production `_evict_one`, unchanged).
+    timer = {"n": 0.0, "s": 0.0, "cpu": 0.0}
+    evict_one = store._evict_one
+    meta_tier = store._tier_by_name[TIER_NAME]
+
+    async def timed_evict_one(st: Any, nbytes: int) -> None:
+        t, c = time.perf_counter(), time.process_time()
+        before = meta_tier.counters.evictions
+        await evict_one(st, nbytes)
+        timer["s"] += time.perf_counter() - t
+        timer["cpu"] += time.process_time() - c
+        timer["n"] += meta_tier.counters.evictions - before
+
+    store._evict_one = timed_evict_one  # type: ignore[method-assign]
+    emit({"ready": True, "pid": os.getpid(), "socket": args.socket})
+    loop = asyncio.get_running_loop()
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        words = line.split()
+        if not words or words[0] == "quit":
+            break
+        if words[0] == "fill":
+            first, count, chain = map(int, words[1:4])
+            emit(await fill(daemon, ns, first, count, chain, timer))
+        elif words[0] == "gc":
+            # What a full collection of the cyclic GC costs now: the stall the event loop
+            # would see (after the daemon's periodic sweep has had a chance to run).
+            await asyncio.sleep(1.5)
+            t, c = time.perf_counter(), time.process_time()
+            gc.collect()
+            emit({"gc_full_ms": (time.perf_counter() - t) * 1e3, "gc_full_cpu_ms": (time.process_time() - c) * 1e3,
+                  "gc_frozen_objects": gc.get_freeze_count(), "gc_tracked_objects": len(gc.get_objects())})
+        elif words[0] == "lookups":
+            n_blocks, chain, count = map(int, words[1:4])
+            emit(time_lookups(daemon, ns, n_blocks, chain, count))
+        else:
+            emit({"error": f"unknown command {words[0]!r}"})
+    await daemon.stop()
+    emit({"stopped": True})
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
