@@ -22,7 +22,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvstore.client import Client, KVLayout  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from peers.common import free_port, measure, row  # noqa: E402
 
 GB = 1e9
 MIB = 1 << 20
@@ -58,35 +60,8 @@ class Result:
     gbps_range: str = ""  # with --rounds: "min-max" GB/s over the rounds (the row is the median)
 
 
-def percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
-
-
-def measure(fn: Callable[[int], None], seconds: float, min_calls: int = 5) -> list[float]:
-    """Call fn(i) repeatedly for about `seconds` after one warm-up; per-call seconds."""
-    fn(-1)
-    times: list[float] = []
-    deadline = time.perf_counter() + seconds
-    i = 0
-    while i < min_calls or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        fn(i)
-        times.append(time.perf_counter() - t0)
-        i += 1
-    return times
-
-
 def result(system: str, op: str, block_bytes: int, batch: int, times: list[float], note: str = "") -> Result:
-    total = sum(times)
-    blocks = batch * len(times)
-    return Result(system, op, block_bytes, batch, blocks * block_bytes / total / GB if block_bytes else None,
-                  blocks / total, percentile(times, 50) * 1e6, percentile(times, 99) * 1e6, len(times), note)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return Result(**row(system, op, block_bytes, batch, times, note))
 
 
 def wait_for(check: Callable[[], bool], what: str, timeout: float = 30) -> None:

@@ -247,24 +247,7 @@ def prepare_put(
 ) -> PreparedPut:
     """Convert and size-check every block before anything is sent."""
     views = [as_buffer(b) for b in blocks]
-    expected = layout.bytes_per_block
-    for i, v in enumerate(views):
-        if len(v) != expected:
-            raise InvalidArgument(
-                f"block {i} is {len(v)} bytes but the layout says {expected} bytes per block "
-                f"({layout.num_layers} layers x {layout.block_size_tokens} tokens x {layout.num_kv_heads} heads x "
-                f"{layout.head_dim} dims x K/V in {layout.dtype})"
-            )
-    if not views:
-        raise InvalidArgument("put needs at least one block")
-    if first_block < 0:
-        raise InvalidArgument(f"first_block must be >= 0, got {first_block}")
-    keys = block_keys(token_ids, block_hashes)
-    if token_ids is not None:
-        keys.tokens.first_block = first_block
-    elif first_block:
-        raise InvalidArgument("first_block applies to token_ids; with block_hashes send exactly the blocks' hashes")
-    header = kvstore_pb2.PutHeader(namespace=namespace_ref(layout), keys=keys, num_blocks=len(views), hint=hint)
+    header = put_header(layout, token_ids, block_hashes, [len(v) for v in views], first_block, hint)
     return PreparedPut(header, views)
 
 
@@ -277,12 +260,28 @@ def device_put_header(
     hint: kvstore_pb2.ReuseHint | None = None,
 ) -> kvstore_pb2.PutHeader:
     """The header of a put of CUDA tensors (the device plane), size-checked like `prepare_put`."""
+    sizes = [b.numel() * b.element_size() for b in blocks]
+    return put_header(layout, token_ids, block_hashes, sizes, first_block, hint)
+
+
+def put_header(
+    layout: KVLayout,
+    token_ids: Sequence[int] | None,
+    block_hashes: Sequence[bytes] | None,
+    sizes: Sequence[int],
+    first_block: int,
+    hint: kvstore_pb2.ReuseHint | None,
+) -> kvstore_pb2.PutHeader:
+    """A put's header, once each block's size (`sizes`, in bytes) matches the layout."""
     expected = layout.bytes_per_block
-    for i, b in enumerate(blocks):
-        nbytes = b.numel() * b.element_size()
+    for i, nbytes in enumerate(sizes):
         if nbytes != expected:
-            raise InvalidArgument(f"block {i} is {nbytes} bytes but the layout says {expected} bytes per block")
-    if not blocks:
+            raise InvalidArgument(
+                f"block {i} is {nbytes} bytes but the layout says {expected} bytes per block "
+                f"({layout.num_layers} layers x {layout.block_size_tokens} tokens x {layout.num_kv_heads} heads x "
+                f"{layout.head_dim} dims x K/V in {layout.dtype})"
+            )
+    if not sizes:
         raise InvalidArgument("put needs at least one block")
     if first_block < 0:
         raise InvalidArgument(f"first_block must be >= 0, got {first_block}")
@@ -291,7 +290,7 @@ def device_put_header(
         keys.tokens.first_block = first_block
     elif first_block:
         raise InvalidArgument("first_block applies to token_ids; with block_hashes send exactly the blocks' hashes")
-    return kvstore_pb2.PutHeader(namespace=namespace_ref(layout), keys=keys, num_blocks=len(blocks), hint=hint)
+    return kvstore_pb2.PutHeader(namespace=namespace_ref(layout), keys=keys, num_blocks=len(sizes), hint=hint)
 
 
 def _is_cuda(obj: object) -> bool:
