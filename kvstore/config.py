@@ -102,6 +102,8 @@ FIELDS: tuple[Field, ...] = (
     Field("default_pin_ms", "int", 30_000, "pin duration when a Pin request names none", lo=1, hi=86_400_000,
           runtime=True),
     Field("max_leases", "int", 65_536, "most leases active at once", lo=1, hi=1 << 24),
+    Field("max_leases_per_tenant", "int", 16_384, "with a token file: most leases (lookup leases, pins, fetch "
+          "leases) one tenant may hold at once", lo=1, hi=1 << 24),
     Field("max_namespaces", "int", 4096, "most namespaces (distinct layouts) held at once", lo=1, hi=1 << 20),
     Field("max_namespaces_per_tenant", "int", 1024, "with a token file: most namespaces one tenant may hold",
           lo=1, hi=1 << 20),
@@ -178,6 +180,7 @@ class Config:
     max_lease_ms: int
     default_pin_ms: int
     max_leases: int
+    max_leases_per_tenant: int
     max_namespaces: int
     max_namespaces_per_tenant: int
     checksum_threads: int

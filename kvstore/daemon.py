@@ -399,6 +399,8 @@ class Daemon:
                 max_blocks_per_call=cfg.max_blocks_per_call,
                 max_namespaces=cfg.max_namespaces,
                 max_leases=cfg.max_leases,
+                # Without a token file every caller is the one default tenant: max_leases is the cap.
+                max_leases_per_tenant=cfg.max_leases_per_tenant if self.tokens is not None else None,
                 max_lease_ms=cfg.max_lease_ms,
                 default_pin_ms=cfg.default_pin_ms,
             ),

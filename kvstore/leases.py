@@ -28,6 +28,8 @@ class Lease:
     entries: list[BlockEntry]
     expires_at: float
     holds_bytes: bool = False
+    # The tenant the lease counts against (its namespace's tenant).
+    tenant: str = "default"
     released: bool = field(default=False)
 
 
@@ -38,12 +40,21 @@ class LeaseTable:
         self._end_read = end_read
         self._leases: dict[str, Lease] = {}
         self._deadlines: list[tuple[float, str]] = []
+        # Active leases per tenant; a tenant leaves the map when its last lease ends.
+        self._per_tenant: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._leases)
 
-    def acquire(self, entries: list[BlockEntry], expires_at: float, holds_bytes: bool = False) -> Lease:
-        lease = Lease(secrets.token_hex(12), entries, expires_at, holds_bytes)
+    def held(self, tenant: str) -> int:
+        """How many leases `tenant` has active."""
+        return self._per_tenant.get(tenant, 0)
+
+    def acquire(
+        self, entries: list[BlockEntry], expires_at: float, holds_bytes: bool = False, tenant: str = "default"
+    ) -> Lease:
+        lease = Lease(secrets.token_hex(12), entries, expires_at, holds_bytes, tenant)
+        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
         for entry in entries:
             entry.pins += 1
             if holds_bytes:
@@ -57,6 +68,11 @@ class LeaseTable:
         if lease is None:
             return None
         lease.released = True
+        left = self._per_tenant[lease.tenant] - 1
+        if left:
+            self._per_tenant[lease.tenant] = left
+        else:
+            del self._per_tenant[lease.tenant]
         for entry in lease.entries:
             entry.pins -= 1
             if lease.holds_bytes:

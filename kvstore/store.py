@@ -101,6 +101,8 @@ class StoreLimits:
     max_blocks_per_call: int = 4096
     max_namespaces: int = 4096
     max_leases: int = 65536
+    # Most leases one tenant may hold at once (None: only `max_leases` applies).
+    max_leases_per_tenant: int | None = None
     max_lease_ms: int = 600_000
     default_pin_ms: int = 30_000
 
@@ -886,7 +888,7 @@ class Store:
         hit = self._index.longest_ready_prefix(keys)
         lease_id = ""
         if hit and lease_ms > 0:
-            lease_id = self._acquire_lease(hit, lease_ms).lease_id
+            lease_id = self._acquire_lease(hit, lease_ms, tenant=info.tenant).lease_id
         c = self.counters
         c.lookups += 1
         info.lookup_blocks += len(keys)
@@ -1215,14 +1217,14 @@ class Store:
 
     def pin(self, namespace_id: bytes, hashes: Sequence[bytes], ttl_ms: int = 0) -> PinResult:
         """Pin every named block that is present (not only a prefix) for `ttl_ms`."""
-        self.namespace(namespace_id)
+        info = self.namespace(namespace_id)
         self.check_hashes(hashes)
         self.expire_leases()
         ttl = ttl_ms or self.limits.default_pin_ms
         entries = [e for h in hashes if (e := self._index.get(make_key(namespace_id, h))) is not None]
         if not entries:
             return PinResult("", 0, 0)
-        lease = self._acquire_lease(entries, ttl)
+        lease = self._acquire_lease(entries, ttl, tenant=info.tenant)
         return PinResult(lease.lease_id, len(entries), min(ttl, self.limits.max_lease_ms))
 
     def lease_prefix(
@@ -1247,7 +1249,7 @@ class Store:
             local.append(entry)
         lease_id = ""
         if local:
-            lease_id = self._acquire_lease(local, ttl_ms, holds_bytes=True).lease_id
+            lease_id = self._acquire_lease(local, ttl_ms, holds_bytes=True, tenant=info.tenant).lease_id
         self.counters.fetches += 1
         self.counters.blocks_fetched += len(local)
         self.counters.bytes_out += sum(e.nbytes for e in local)
@@ -1325,15 +1327,30 @@ class Store:
     def unpin(self, lease_id: str) -> bool:
         return self._leases.release(lease_id) is not None
 
-    def _acquire_lease(self, entries: list[BlockEntry], ttl_ms: int, holds_bytes: bool = False) -> Lease:
+    def _acquire_lease(
+        self, entries: list[BlockEntry], ttl_ms: int, holds_bytes: bool = False, tenant: str = "default"
+    ) -> Lease:
+        """A lease on `entries` counted against `tenant` (the namespace's tenant). Checked
+        before anything changes: a refused lease leaves no pin behind."""
         if ttl_ms < 0:
             raise InvalidArgument(f"lease time must be >= 0 ms, got {ttl_ms}")
+        per_tenant = self.limits.max_leases_per_tenant
+        if per_tenant is not None and (held := self._leases.held(tenant)) >= per_tenant:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} has {held} leases active, the most max_leases_per_tenant ({per_tenant}) allows; "
+                "release leases (Unpin) or wait for them to expire"
+            )
         if len(self._leases) >= self.limits.max_leases:
             raise ResourceExhausted(
                 f"{self.limits.max_leases} leases are active; release leases (Unpin) or wait for them to expire"
             )
         ttl_ms = min(ttl_ms, self.limits.max_lease_ms)
-        return self._leases.acquire(entries, self._clock() + ttl_ms / 1000.0, holds_bytes)
+        return self._leases.acquire(entries, self._clock() + ttl_ms / 1000.0, holds_bytes, tenant)
+
+    def tenant_leases(self, tenant: str) -> int:
+        """How many leases `tenant` has active (expired ones are dropped first)."""
+        self.expire_leases()
+        return self._leases.held(tenant)
 
     def expire_leases(self) -> int:
         return self._leases.expire(self._clock())

@@ -586,6 +586,33 @@ def test_namespaces_per_tenant_are_capped(tmp_path, layout, tenants):
             assert beta.lookup(layouts[2], list(range(4))).num_blocks == 0  # others are not affected
 
 
+def test_leases_per_tenant_are_capped(tmp_path, layout, tenants):
+    cfg = make_config(tmp_path, auth_token_file=str(tenants.path), max_leases_per_tenant=2)
+    tokens = list(range(8))
+    with daemon_in_thread(cfg) as running:
+        with Client(running.unix_target, token=tenants.tokens["alpha"], data_plane="grpc") as alpha, \
+             Client(running.unix_target, token=tenants.tokens["beta"], data_plane="grpc") as beta:
+            alpha.put(layout, tokens, blocks_for(layout, 2))
+            beta.put(layout, tokens, blocks_for(layout, 2, seed=5))
+            first = alpha.pin(layout, tokens, ttl_ms=60_000)
+            assert alpha.lookup(layout, tokens, lease_ms=60_000).lease_id
+            assert running.store.stats().leases_active == 2
+            with pytest.raises(ResourceExhausted, match=r"tenant 'alpha' has 2 leases active.*max_leases_per_tenant \(2\)"):
+                alpha.pin(layout, tokens, ttl_ms=60_000)
+            with pytest.raises(ResourceExhausted, match="tenant 'alpha' has 2 leases active"):
+                alpha.lookup(layout, tokens, lease_ms=60_000)
+            assert running.store.stats().leases_active == 2  # the refusals took nothing
+            assert running.store.tenant_leases("alpha") == 2
+            # Other tenants are not affected.
+            assert beta.pin(layout, tokens, ttl_ms=60_000).pinned == 2
+            assert beta.lookup(layout, tokens, lease_ms=60_000).lease_id
+            assert running.store.tenant_leases("beta") == 2
+            # Ending a lease gives the tenant room again.
+            assert alpha.unpin(first.lease_id)
+            assert running.store.tenant_leases("alpha") == 1
+            assert alpha.pin(layout, tokens, ttl_ms=60_000).pinned == 2
+
+
 async def test_async_client_sends_its_token(tmp_path, layout, tenants):
     from kvstore.client import AsyncClient
 
