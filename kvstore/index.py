@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from operator import attrgetter
 
 from kvstore.tiers.base import Slot
+
+
+_new_entry = object.__new__
 
 
 class BlockState(enum.Enum):
@@ -79,6 +83,26 @@ class BlockEntry:
             for name, slot in locations.items():
                 assert slot.tier == name, f"slot of tier {slot.tier} filed under {name}"
                 self.add_slot(slot)
+
+    @classmethod
+    def recovered(cls, key: bytes, parent: bytes | None, nbytes: int, checksum: int, itemsize: int,
+                  slot: Slot) -> BlockEntry:
+        """A READY entry with one copy in `slot` (a restart makes one per block: no
+        keyword handling, no `add_slot` call, the same fields as `__init__` sets)."""
+        self = _new_entry(cls)
+        self.key = key
+        self.parent = parent
+        self.nbytes = nbytes
+        self.checksum = checksum
+        self._locs = slot
+        self.state = BlockState.READY
+        self.itemsize = itemsize
+        self.pins = 0
+        self.readers = 0
+        self.removed = False
+        self.retired = None
+        self.ssd_queued = False
+        return self
 
     def __repr__(self) -> str:
         return (f"BlockEntry(key={self.key.hex()}, state={self.state.value}, tiers={self.tier_names()}, "
@@ -187,6 +211,10 @@ class Locations(MutableMapping[str, Slot]):
         self._entry.clear_slots()
 
 
+_KEY = attrgetter("key")
+_STATE = attrgetter("state")
+
+
 def make_key(namespace_id: bytes, block_hash: bytes) -> bytes:
     return namespace_id + block_hash
 
@@ -214,11 +242,14 @@ class BlockIndex:
 
     def add_many(self, entries: Sequence[BlockEntry]) -> None:
         """`add` each entry (a rebuild or a put's blocks), checked, then inserted in one step."""
-        fresh = {e.key: e for e in entries}
+        fresh = dict(zip(map(_KEY, entries), entries))
         assert len(fresh) == len(entries) and self._entries.keys().isdisjoint(fresh), \
             "a key is published at most once"
-        assert all(e.state is BlockState.READY for e in entries), "only READY blocks enter the index"
-        self._entries.update(fresh)
+        assert set(map(_STATE, entries)) <= {BlockState.READY}, "only READY blocks enter the index"
+        if self._entries:
+            self._entries.update(fresh)
+        else:
+            self._entries = fresh  # a rebuild into an empty index: no second table
 
     def remove(self, key: bytes) -> BlockEntry | None:
         entry = self._entries.pop(key, None)

@@ -378,31 +378,27 @@ class Store:
                 gc.disable()
                 try:
                     report = await recover()
-                    self._index_recovered(report.blocks)
+                    self._index_recovered(report)
                 finally:
                     if collecting:
                         gc.enable()
-                if report.blocks:
+                if report.keys:
                     gc.freeze()
-                self._recovered = bool(report.blocks)
+                self._recovered = bool(report.keys)
                 self.ssd.counters.checksum_failures += report.checksum_failures
                 self.counters.checksum_failures += report.checksum_failures
             self._tasks.append(asyncio.create_task(self._ssd_writer(), name="kvstore-ssd-writer"))
         if len(self.tiers) > 1:
             self._tasks.append(asyncio.create_task(self._migrator(), name="kvstore-migrator"))
 
-    def _index_recovered(self, blocks: Sequence[Any]) -> None:
-        """Index the SSD tier's recovered blocks (`kvstore.tiers.ssd.RecoveredBlock`s)."""
+    def _index_recovered(self, report: Any) -> None:
+        """Index the SSD tier's recovered blocks (a `kvstore.tiers.ssd.RecoveryReport`)."""
         assert self.ssd is not None
-        entries = []
-        ready = BlockState.READY
-        for block in blocks:
-            entry = BlockEntry(block.key, block.parent, block.nbytes, block.checksum, None, ready,
-                               itemsize=block.itemsize)
-            entry.add_slot(block.slot)
-            entries.append(entry)
+        # The report is columns: one entry per block through a C-level map, no loop step.
+        entries = list(map(BlockEntry.recovered, report.keys, report.parents, report.nbytes, report.checksums,
+                           report.itemsizes, report.slots))
         self._index.add_many(entries)
-        self.ssd.policy.insert_many([e.key for e in entries], [e.parent for e in entries])
+        self.ssd.policy.insert_many(report.keys, report.parents)
 
     async def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued SSD write has landed; False if `timeout_s` passed first."""

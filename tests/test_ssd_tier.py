@@ -169,3 +169,34 @@ async def test_codec_stops_trying_on_a_namespace_that_never_compresses(tmp_path:
         assert int(tier.describe()["compressed_blocks"]) > 0
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("source", ["snapshot", "log"])
+async def test_a_key_written_twice_recovers_its_newest_record(tmp_path: Path, source: str) -> None:
+    """Recovery keeps the highest sequence number of a key and accounts only that record;
+    the older one still occupies its region up to its end."""
+    tier = make(tmp_path)
+    written = await put_many(tier, 6)
+    newer = os.urandom(BLOCK)
+    m = meta(2, newer, 1)
+    slot = await tier.put_block(m, newer)
+    assert slot is not None
+    written[m.key] = (slot, newer)
+    occupied = tier.occupied_bytes
+    tier.close()
+    if source == "log":
+        os.unlink(tmp_path / SNAPSHOT_NAME)
+    again = make(tmp_path)
+    try:
+        report = await again.recover()
+        assert report.from_snapshot == (source == "snapshot")
+        assert len(report.keys) == len(written) and set(report.keys) == set(written)
+        by_key = {b.key: b for b in report.blocks}
+        assert by_key[m.key].slot == slot
+        assert await again.get_block(slot, BLOCK) == newer
+        assert again.used_bytes == sum(s.size for s, _ in written.values())
+        assert again.blocks == len(written)
+        assert again.occupied_bytes == occupied
+        assert [b.slot.offset for b in report.blocks] == sorted(b.slot.offset for b in report.blocks)
+    finally:
+        again.close()

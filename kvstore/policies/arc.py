@@ -58,10 +58,18 @@ class ARCPolicy(EvictionPolicy):
             self._t1[key] = None
 
     def insert_many(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
-        fresh = dict.fromkeys(keys)
-        if len(fresh) == len(keys) and all(d.keys().isdisjoint(fresh) for d in (self._t1, self._t2, self._b1, self._b2)):
-            self._t1.update(fresh)  # all new (a put, a rebuild): into T1 in order, no Python step per key
-            return
+        if not self._t1:
+            # An empty T1 (a rebuild at start): the new keys become T1 itself, one table
+            # built instead of a plain dict copied into it (half the time at a million keys).
+            fresh_t1: OrderedDict[BlockKey, None] = OrderedDict.fromkeys(keys)
+            if len(fresh_t1) == len(keys) and all(d.keys().isdisjoint(fresh_t1) for d in (self._t2, self._b1, self._b2)):
+                self._t1 = fresh_t1
+                return
+        else:
+            fresh = dict.fromkeys(keys)
+            if len(fresh) == len(keys) and all(d.keys().isdisjoint(fresh) for d in (self._t1, self._t2, self._b1, self._b2)):
+                self._t1.update(fresh)  # all new (a put): into T1 in order, no Python step per key
+                return
         super().insert_many(keys, parents)
 
     def touch(self, key: BlockKey) -> None:
