@@ -279,7 +279,8 @@ def plot(rows: list[dict[str, Any]], ssd: dict[str, Any], path: str) -> None:
     ]
     ns = [r["n_blocks"] for r in rows]
     fig, axes = plt.subplots(2, 3, figsize=(14, 8))
-    for ax, (key, title, target) in zip(axes.flat, figures):
+    # With no N measured (an SSD-rebuild-only run) only the rebuild panel has data.
+    for ax, (key, title, target) in zip(axes.flat, figures if rows else []):
         ax.plot(ns, [r[key] for r in rows], "o-", label="SDK over the socket" if key.startswith("lookup") else None)
         if key.startswith("lookup_p"):
             ax.plot(ns, [r["store_" + key] for r in rows], "s--", label="Store.lookup in the daemon")
