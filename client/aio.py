@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -203,15 +203,8 @@ class AsyncClient:
         try:
             begun = await self._kv.DevicePut(
                 kvstore_pb2.LocalPutRequest(header=header, release_lease_ids=self._take_releases()), timeout=timeout)
-            try:
-                sums = await asyncio.to_thread(device.copy_in, begun.offsets, blocks, begun.block_bytes)
-            except BaseException:
-                await self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True),
-                                           timeout=timeout)
-                raise
-            resp = await self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, checksums=sums),
-                                              timeout=timeout)
-            return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
+            return await self._copy_and_commit(
+                begun.txn_id, lambda: device.copy_in(begun.offsets, blocks, begun.block_bytes), timeout)
         except grpc.RpcError as exc:
             raise translate(exc) from None
 
@@ -292,16 +285,22 @@ class AsyncClient:
                 timeout=timeout,
             )
             keep_held(self._reserved, begun.reservation)
-            try:
-                sums = await asyncio.to_thread(plane.copy_in, begun.offsets, prepared.views)
-            except BaseException:
-                await self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout=timeout)
-                raise
-            resp = await self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, checksums=sums),
-                                        timeout=timeout)
-            return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
+            return await self._copy_and_commit(
+                begun.txn_id, lambda: plane.copy_in(begun.offsets, prepared.views), timeout)
         except grpc.RpcError as exc:
             raise translate(exc) from None
+
+    async def _copy_and_commit(self, txn_id: str, copy_in: Callable[[], list[int]], timeout: float) -> PutResult:
+        """Land a begun local or device put: copy into its slots (in a worker thread), then
+        publish it; a failed copy aborts the put so its slots go back at once."""
+        try:
+            sums = await asyncio.to_thread(copy_in)
+        except BaseException:
+            await self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=txn_id, abort=True), timeout=timeout)
+            raise
+        resp = await self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=txn_id, checksums=sums),
+                                          timeout=timeout)
+        return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
 
     async def _commit_reserved(self, prepared: PreparedPut, held: HeldSlots, sums: list[int],
                          timeout: float) -> PutResult | None:

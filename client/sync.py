@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -245,14 +245,7 @@ class Client:
                 timeout=timeout,
             )
             keep_held(self._reserved, begun.reservation)
-            try:
-                sums = plane.copy_in(begun.offsets, prepared.views)
-            except BaseException:
-                self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout=timeout)
-                raise
-            resp = self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, checksums=sums),
-                                        timeout=timeout)
-            return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
+            return self._copy_and_commit(begun.txn_id, lambda: plane.copy_in(begun.offsets, prepared.views), timeout)
         except grpc.RpcError as exc:
             raise translate(exc) from None
 
@@ -263,16 +256,21 @@ class Client:
         try:
             begun = self._kv.DevicePut(
                 kvstore_pb2.LocalPutRequest(header=header, release_lease_ids=self._take_releases()), timeout=timeout)
-            try:
-                sums = device.copy_in(begun.offsets, blocks, begun.block_bytes)
-            except BaseException:
-                self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout=timeout)
-                raise
-            resp = self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, checksums=sums),
-                                        timeout=timeout)
-            return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
+            return self._copy_and_commit(begun.txn_id,
+                                         lambda: device.copy_in(begun.offsets, blocks, begun.block_bytes), timeout)
         except grpc.RpcError as exc:
             raise translate(exc) from None
+
+    def _copy_and_commit(self, txn_id: str, copy_in: Callable[[], list[int]], timeout: float) -> PutResult:
+        """Land a begun local or device put: copy into its slots, then publish it; a failed
+        copy aborts the put so its slots go back at once."""
+        try:
+            sums = copy_in()
+        except BaseException:
+            self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=txn_id, abort=True), timeout=timeout)
+            raise
+        resp = self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=txn_id, checksums=sums), timeout=timeout)
+        return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
 
     def _fetch_device(self, device: Any, layout: KVLayout, keys: kvstore_pb2.BlockKeys, out: Sequence[Any],
                       lease_id: str, timeout: float) -> list[Any]:
