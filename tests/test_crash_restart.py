@@ -9,9 +9,6 @@ nothing half-written is ever returned.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,38 +18,19 @@ import pytest
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
 from kvstore.layout import KVLayout
+from tests import procs
 
 pytestmark = pytest.mark.e2e
 
 LAYOUT = KVLayout(model="test/crash", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=128,
                   block_size_tokens=4)  # 8 KiB blocks
-START_TIMEOUT_S = 30.0
 
 
-def start_daemon(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_daemon(tmp_path: Path) -> procs.DaemonProc:
     sock = tmp_path / "kv.sock"
-    args = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"unix:{sock}", "--host-capacity", "1MiB",
-            "--ssd-path", str(tmp_path / "ssd"), "--ssd-capacity", "16MiB", "--ssd-region-size", "512KiB",
-            "--grace-s", "1", "--log-level", "warning", "--metrics-listen", "127.0.0.1:0"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    log = tmp_path / "daemon.log"
-    with open(log, "ab") as fh:
-        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=fh)
-    target = f"unix:{sock}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"daemon exited: {log.read_text()}")
-        if sock.exists():
-            try:
-                with Client(target, timeout_s=2) as kv:
-                    kv.stats()
-                return proc, target
-            except KVStoreError:
-                pass
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("daemon did not start in time")
+    args = procs.daemon_args(sock, "--host-capacity", "1MiB", "--ssd-path", str(tmp_path / "ssd"),
+                             "--ssd-capacity", "16MiB", "--ssd-region-size", "512KiB")
+    return procs.start(args, sock, tmp_path / "daemon.log")
 
 
 def chain(n: int, salt: int) -> tuple[list[int], list[bytes]]:
@@ -65,7 +43,8 @@ def ssd_pending(kv: Client) -> int:
 
 
 def test_kill_9_during_puts_then_restart_serves_what_reached_ssd(tmp_path: Path) -> None:
-    proc, target = start_daemon(tmp_path)
+    proc = start_daemon(tmp_path)
+    target = proc.target
     try:
         durable = [chain(12, s) for s in range(8)]
         with Client(target) as kv:
@@ -94,16 +73,16 @@ def test_kill_9_during_puts_then_restart_serves_what_reached_ssd(tmp_path: Path)
             t.start()
         assert started.wait(20)
         time.sleep(0.2)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+        proc.kill9()
         for t in threads:
             t.join(30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        if proc.alive():
+            proc.kill9()
+        procs.remove_segments(proc.pid)
 
-    proc, target = start_daemon(tmp_path)
+    proc = start_daemon(tmp_path)
+    target = proc.target
     try:
         with Client(target) as kv:
             for tokens, blocks in durable:
@@ -113,5 +92,4 @@ def test_kill_9_during_puts_then_restart_serves_what_reached_ssd(tmp_path: Path)
                 got = kv.fetch(LAYOUT, tokens)
                 assert got == blocks[: len(got)]
     finally:
-        proc.terminate()
-        proc.wait(30)
+        proc.stop()
