@@ -321,6 +321,18 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         else:
             self.in_flight.pop(identity.tenant, None)
 
+    async def _admit(self, method: str, context: grpc.aio.ServicerContext) -> Identity:
+        """Identify the caller and count its call in flight, or abort the call with the
+        refusal's status; the identity is then current for the call's handler."""
+        try:
+            identity = self._identify(method, context)
+            self._enter(identity)
+        except KVStoreError as exc:
+            logger.debug("%s refused for %s: %s: %s", method, context.peer(), exc.code.name, exc)
+            await context.abort(exc.code, str(exc))
+        _identity.set(identity)
+        return identity
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -330,17 +342,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or method.startswith(OPEN_SERVICES):
             return handler
-        identify = self._identify
+        admit = self._admit
 
         def unary(inner: UnaryBehavior) -> UnaryBehavior:
             async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                try:
-                    identity = identify(method, context)
-                    self._enter(identity)
-                except KVStoreError as exc:
-                    logger.debug("%s refused for %s: %s: %s", method, context.peer(), exc.code.name, exc)
-                    await context.abort(exc.code, str(exc))
-                _identity.set(identity)
+                identity = await admit(method, context)
                 try:
                     return await inner(request, context)
                 finally:
@@ -350,13 +356,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
         def stream(inner: StreamBehavior) -> StreamBehavior:
             async def behavior(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                try:
-                    identity = identify(method, context)
-                    self._enter(identity)
-                except KVStoreError as exc:
-                    logger.debug("%s refused for %s: %s: %s", method, context.peer(), exc.code.name, exc)
-                    await context.abort(exc.code, str(exc))
-                _identity.set(identity)
+                identity = await admit(method, context)
                 try:
                     async for response in inner(request, context):
                         yield response
