@@ -42,16 +42,19 @@ import gc
 import logging
 import operator
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from kvstore.checksum import checksum_batch, checksum_pieces
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstore.hashing import HASH_BYTES, block_hashes_packed, tenant_namespace_id
 from kvstore.index import BlockEntry, BlockIndex, BlockState, make_key
+from kvstore.table import HAS_PARENT, INDEXED, READY, SSD_QUEUED, BlockTable
 from kvstore.layout import DTYPE_BYTES, KVLayout
 from kvstore.leases import Lease, LeaseTable
 from kvstore.policies import EvictionPolicy
@@ -61,9 +64,7 @@ from kvstore.tiers.copiers import make_copier
 
 logger = logging.getLogger(__name__)
 
-_ENTRY_KEY = operator.attrgetter("key")
-_ENTRY_LOCS = operator.attrgetter("_locs")
-_SLOT_TIER = operator.attrgetter("tier")
+_ENTRY_ROW = operator.attrgetter("row")
 
 # Fetch reads and verifies blocks in batches of about this many bytes: large enough to
 # amortize the thread hand-off of checksumming, small enough to bound memory per call.
@@ -336,6 +337,12 @@ class Store:
         self._executor = executor
         self._clock = clock
         self._index = BlockIndex()
+        table = self._index.table
+        # Tier ids in the table follow the tier order, so the top copy is the lowest id.
+        for st in self.tiers:
+            table.tier_id(st.name)
+            st.policy.bind(table)
+        self._tier_id_names = np.array(table.tier_names, dtype=object)
         self._leases = LeaseTable(self._release)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         # Payload bytes per tenant and tier, and quotas (set by the daemon from its token file).
@@ -394,11 +401,8 @@ class Store:
     def _index_recovered(self, report: Any) -> None:
         """Index the SSD tier's recovered blocks (a `kvstore.tiers.ssd.RecoveryReport`)."""
         assert self.ssd is not None
-        # The report is columns: one entry per block through a C-level map, no loop step.
-        entries = list(map(BlockEntry.recovered, report.keys, report.parents, report.nbytes, report.checksums,
-                           report.itemsizes, report.slots))
-        self._index.add_many(entries)
-        self.ssd.policy.insert_many(report.keys, report.parents)
+        rows = load_recovered(self._index.table, self.ssd.name, report)
+        self.ssd.policy.insert_rows(rows)
 
     async def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued SSD write has landed; False if `timeout_s` passed first."""
@@ -568,13 +572,13 @@ class Store:
         was_top = self._top_name(entry)
         slot = entry.pop_slot(st.name)
         self._account(entry, st.name, -entry.nbytes)
-        st.policy.remove(entry.key)
+        st.policy.remove_row(entry.row)
         if entry.readers:
             entry.retire(slot)
         else:
             st.tier.free(slot)
         if not entry.slots() and not entry.removed:
-            self._index.remove(entry.key)
+            self._index.remove_entry(entry)
             st.counters.drops += 1
             self._forget(entry)
             self._removed(entry, st.name)
@@ -659,9 +663,9 @@ class Store:
             self._removed(entry, self._top_name(entry))
         for name in entry.locations:
             self._account(entry, name, -entry.nbytes)  # before the index marks it removed
-        self._index.remove(entry.key)
         for name in entry.locations:
-            self._tier_by_name[name].policy.remove(entry.key)
+            self._tier_by_name[name].policy.remove_row(entry.row)
+        self._index.remove_entry(entry)
         self._forget(entry)
         if entry.readers == 0:
             for slot in entry.slots():
@@ -671,6 +675,11 @@ class Store:
     def _evictable(self, key: bytes) -> bool:
         entry = self._index.get(key)
         return entry is not None and entry.evictable
+
+    def _evictable_row(self, row: int) -> bool:
+        t = self._index.table
+        return (row >= 0 and t.pins[row] == 0 and t.readers[row] == 0
+                and (int(t.flags[row]) & (READY | INDEXED)) == (READY | INDEXED))
 
     # ----------------------------------------------------------------- moving bytes
 
@@ -711,14 +720,14 @@ class Store:
 
     async def _evict_one(self, st: StoreTier, nbytes: int) -> None:
         """Make progress towards room in `st`: demote one victim, or empty one SSD region."""
-        key = st.policy.victim(self._evictable)
-        if key is None:
+        row = st.policy.victim_row(self._evictable_row)
+        if row is None:
             raise ResourceExhausted(
                 f"tier {st.name} is full ({st.tier.used_bytes} of {st.tier.capacity_bytes} bytes) and every "
                 "block in it is pinned or being moved; retry later, release leases, or add capacity"
             )
-        entry = self._index.get(key)
-        assert entry is not None
+        entry = self._index.entry(row)
+        key = entry.key
         if st is self.ssd:
             # Region-level reclaim: a region frees only when all its records are dead,
             # so evict the victim's whole region (what of it is evictable) at once.
@@ -884,46 +893,56 @@ class Store:
         info = self.namespace(namespace_id)
         self.check_hashes(hashes)
         self.expire_leases()
-        keys = list(map(namespace_id.__add__, hashes))  # make_key, without a Python step per block
-        hit = self._index.longest_ready_prefix(keys)
+        # One vectorized probe of the block table, no Python step (nor object) per block.
+        rows = self._index.prefix_rows(namespace_id, hashes)
+        n_hit = len(rows)
         lease_id = ""
-        if hit and lease_ms > 0:
+        if n_hit and lease_ms > 0:
+            hit = [self._index.entry(r) for r in rows.tolist()]
             lease_id = self._acquire_lease(hit, lease_ms, tenant=info.tenant).lease_id
         c = self.counters
         c.lookups += 1
-        info.lookup_blocks += len(keys)
-        info.hit_blocks += len(hit)
-        c.lookup_blocks += len(keys)
-        c.hit_blocks += len(hit)
-        c.miss_blocks += len(keys) - len(hit)
-        # Where each block is served from; one location is the common case, inlined.
-        try:
-            # Every hit in one tier (a single Slot each): attribute gets in C, no Python step.
-            tier_names = list(map(_SLOT_TIER, map(_ENTRY_LOCS, hit)))
-        except AttributeError:  # some block has copies in several tiers
-            tier_names = [e.only_tier() or self._top_name(e) for e in hit]
-        per_tier = Counter(tier_names)
-        for st in self.tiers:
+        info.lookup_blocks += len(hashes)
+        info.hit_blocks += n_hit
+        c.lookup_blocks += len(hashes)
+        c.hit_blocks += n_hit
+        c.miss_blocks += len(hashes) - n_hit
+        # Where each block is served from: its top copy (tier ids follow the tier order).
+        tops = self._top_ids(rows)
+        tier_names: list[str] = self._tier_id_names[tops].tolist()
+        per_tier = np.bincount(tops, minlength=len(self._tier_id_names)).tolist()
+        tail_first = rows[::-1]
+        tops_tail_first = tops[::-1]
+        for tid, st in enumerate(self.tiers, start=1):
             # A tier's hits are looked-up blocks served from it; its misses, the others.
-            held = per_tier.get(st.name, 0)
+            held = per_tier[tid]
             st.counters.hits += held
-            st.counters.misses += len(keys) - held
+            st.counters.misses += len(hashes) - held
             if held:
                 # Tail first, so the head of a chain is the most recently used: a recency
                 # policy then evicts chain tails before the heads later blocks depend on.
-                if held == len(hit):
-                    st.policy.touch_many(list(map(_ENTRY_KEY, reversed(hit))))
-                else:
-                    st.policy.touch_many(
-                        [e.key for e, name in zip(reversed(hit), reversed(tier_names)) if name == st.name])
+                st.policy.touch_rows(tail_first if held == n_hit else tail_first[tops_tail_first == tid])
         return LookupResult(
             namespace_id=namespace_id,
-            num_blocks=len(hit),
+            num_blocks=n_hit,
             block_size_tokens=info.layout.block_size_tokens,
             tiers=tier_names,
-            block_hashes=list(hashes[: len(hit)]),
+            block_hashes=list(hashes[:n_hit]),
             lease_id=lease_id,
         )
+
+    def _top_ids(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """The tier id of each row's top copy (the lowest id: ids follow the tier order)."""
+        t = self._index.table
+        lt = t.lt[rows]
+        first, second = lt[:, 0], lt[:, 1]
+        tops = np.where((second != 0) & (second < first), second, first).astype(np.int64)
+        if t.extra_locs:  # a third copy, for the moment of a move
+            for i in np.flatnonzero(second != 0).tolist():
+                extra = t.extra_locs.get(int(rows[i]))
+                if extra:
+                    tops[i] = min([int(tops[i])] + [t.tier_id(s.tier) for s in extra])
+        return tops
 
     def block(self, namespace_id: bytes, block_hash: bytes) -> BlockInfo | None:
         entry = self._index.get(make_key(namespace_id, block_hash))
@@ -1004,33 +1023,40 @@ class Store:
 
     def _publish(self, entries: list[BlockEntry]) -> None:
         through = self.ssd is not None and self.migration.write_policy is WritePolicy.THROUGH
-        # Tail first, for the same reason as in `lookup`.
-        tail_first = entries[::-1]
-        by_tier: dict[str, list[BlockEntry]] = {}
-        for entry in tail_first:
-            entry.state = BlockState.READY
-            for slot in entry.slots():
-                by_tier.setdefault(slot.tier, []).append(entry)
-                self._account(entry, slot.tier, entry.nbytes)
-            info = self._namespaces[entry.key[:HASH_BYTES]]
-            info.blocks += 1
-            info.bytes += entry.nbytes
-        self._index.add_many(tail_first)
-        for name, group in by_tier.items():  # one batch per tier: C-level inserts where the policy can
-            self._tier_by_name[name].policy.insert_many([e.key for e in group], [e.parent for e in group])
-        if self.observer is not None and entries:
-            groups: dict[tuple[bytes, str], list[bytes]] = {}
-            for entry in entries:
-                groups.setdefault((entry.key[:HASH_BYTES], self._top_name(entry)), []).append(entry.key[HASH_BYTES:])
-            for (ns_id, tier), hashes in groups.items():
-                self.observer.blocks_stored(ns_id, hashes, tier)
+        if not entries:
+            self._migrate_wakeup.set()
+            return
+        t = self._index.table
+        # One put's blocks: one namespace, columns updated in whole-array steps.
+        rows = np.fromiter(map(_ENTRY_ROW, entries), np.int64, len(entries))
+        tail_first = rows[::-1]
+        t.flags[rows] |= READY
+        info = self._namespaces[t.ns_bytes[int(t.ns[rows[0]])]]
+        assert np.all(t.ns[rows] == t.ns[rows[0]]), "a put's blocks share a namespace"
+        nbytes = t.nbytes[rows].astype(np.int64)
+        info.blocks += len(rows)
+        info.bytes += int(nbytes.sum())
+        lt = t.lt[tail_first]
+        self._index.add_many(entries[::-1])
+        for tid, st in enumerate(self.tiers, start=1):
+            has = (lt[:, 0] == tid) | (lt[:, 1] == tid)
+            if not has.any():
+                continue
+            self.tenancy.add(info.tenant, st.name, int(nbytes[::-1][has].sum()))
+            # Tail first, for the same reason as in `lookup`.
+            st.policy.insert_rows(tail_first[has])
+        if self.observer is not None:
+            tops = self._top_ids(rows)
+            hashes = [k[HASH_BYTES:] for k in t.keys(rows)]
+            for tid in np.unique(tops).tolist():
+                sel = np.flatnonzero(tops == tid).tolist()
+                self.observer.blocks_stored(info.namespace_id, [hashes[i] for i in sel], t.tier_names[tid])
         if through:
             # Head first: the SSD writer follows queue order, so a crash can cut a chain
             # short but never leave its later blocks without its start.
-            for entry in entries:
-                entry.ssd_queued = True
-                self._ssd_queue.append(entry)
-        if through and entries:
+            t.flags[rows] |= SSD_QUEUED
+            self._ssd_queue.extend(entries)
+        if through:
             self._ssd_idle.clear()
             self._ssd_wakeup.set()
         self._migrate_wakeup.set()
@@ -1108,12 +1134,10 @@ class Store:
         target = st.low_watermark * cap
         moved = 0
         while st.tier.used_bytes > target and moved < self.migration.batch_blocks:
-            key = st.policy.victim(self._evictable)
-            if key is None:
+            row = st.policy.victim_row(self._evictable_row)
+            if row is None:
                 return MigrationStatus.FAIL
-            entry = self._index.get(key)
-            assert entry is not None
-            await self._demote(entry, st)
+            await self._demote(self._index.entry(row), st)
             moved += 1
         if st.tier.used_bytes > target:
             return MigrationStatus.RUNNING
@@ -1646,7 +1670,7 @@ class PutTxn:
                     if self._done:  # aborted while making room
                         store._tier_by_name[slot.tier].tier.free(slot)
                         raise FailedPrecondition("this put was aborted")
-                entry = BlockEntry(self._keys[i], self._parents[i], nbytes, 0, itemsize=self._itemsize)
+                entry = index.new_entry(self._keys[i], self._parents[i], nbytes, 0, itemsize=self._itemsize)
                 entry.add_slot(slot)
                 self._entries[i] = entry
         except BaseException:
@@ -1679,8 +1703,10 @@ class PutTxn:
                     store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
                     self._quota_held.append(st.name)
         for i in new:
-            self._entries[i] = BlockEntry(self._keys[i], self._parents[i], self.block_bytes, 0,
-                                          {filled[i].tier: filled[i]}, itemsize=self._itemsize)
+            entry = store._index.new_entry(self._keys[i], self._parents[i], self.block_bytes, 0,
+                                           itemsize=self._itemsize)
+            entry.add_slot(filled[i])
+            self._entries[i] = entry
         new_set = set(new)
         return [slot for i, slot in enumerate(filled) if i not in new_set]
 
@@ -1770,6 +1796,8 @@ class PutTxn:
                 if maybe is not None:
                     slot = self._slot(maybe)
                     tiers[slot.tier].tier.free(slot)
+                    maybe.clear_slots()
+                    store._index.table.free_row(maybe.row)
                     self._entries[i] = None
             else:
                 publish.append(maybe)
@@ -1797,6 +1825,8 @@ class PutTxn:
             if entry is not None:
                 slot = self._slot(entry)
                 self._store._tier_by_name[slot.tier].tier.free(slot)
+                entry.clear_slots()
+                self._store._index.table.free_row(entry.row)
                 self._entries[i] = None
 
     def _release_held(self) -> None:
@@ -1806,3 +1836,42 @@ class PutTxn:
         for entry in self._held:
             self._store._release(entry)
         self._held.clear()
+
+
+def load_recovered(table: BlockTable, tier: str, report: Any) -> np.ndarray[Any, Any]:
+    """Index the blocks of a `kvstore.tiers.ssd.RecoveryReport` (one copy each, in `tier`)
+    as new rows of `table`, in whole-column steps; returns their rows in report order."""
+    n = len(report.keys)
+    if not n:
+        return np.zeros(0, np.int64)
+    rows = table.new_rows(n)
+    raw = np.frombuffer(b"".join(report.keys), np.uint8).reshape(n, 2 * HASH_BYTES)
+    words = raw.view("<u8")  # per key: namespace id (2 words), block hash (2 words)
+    ns_words = np.ascontiguousarray(words[:, :2])
+    uniq, inverse = np.unique(ns_words.view([("a", "<u8"), ("b", "<u8")]).ravel(), return_inverse=True)
+    ids = np.array([table.ns_id(u.tobytes()) for u in uniq], np.uint32)
+    table.ns[rows] = ids[inverse.ravel()]
+    table.h0[rows] = words[:, 2]
+    table.h1[rows] = words[:, 3]
+    has_parent = np.fromiter((p is not None for p in report.parents), bool, n)
+    if has_parent.any():
+        praw = np.frombuffer(b"".join(p for p in report.parents if p is not None), "<u8").reshape(-1, 4)
+        prow = rows[has_parent]
+        same_ns = np.all(praw[:, :2] == words[has_parent][:, :2], axis=1)
+        table.ph0[prow] = praw[:, 2]
+        table.ph1[prow] = praw[:, 3]
+        table.flags[prow[same_ns]] |= HAS_PARENT  # a parent is always of the block's namespace
+    table.csum[rows] = np.fromiter(report.checksums, np.uint64, n)
+    table.nbytes[rows] = np.fromiter(report.nbytes, np.uint32, n)
+    table.item[rows] = np.fromiter(report.itemsizes, np.uint8, n)
+    offsets = getattr(report, "offsets", None)
+    sizes = getattr(report, "sizes", None)
+    if offsets is None or sizes is None:
+        offsets = [s.offset for s in report.slots]
+        sizes = [s.size for s in report.slots]
+    table.lt[rows, 0] = table.tier_id(tier)
+    table.lo[rows, 0] = np.asarray(offsets, np.int64)
+    table.ls[rows, 0] = np.asarray(sizes, np.uint32)
+    table.flags[rows] |= READY
+    table.index_rows(rows)
+    return rows
