@@ -41,6 +41,7 @@ import enum
 import gc
 import logging
 import operator
+import struct
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -54,7 +55,7 @@ from kvstore.checksum import checksum_batch, checksum_pieces
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstore.hashing import HASH_BYTES, block_hashes_packed, tenant_namespace_id
 from kvstore.index import BlockEntry, BlockIndex, BlockState, make_key
-from kvstore.table import HAS_PARENT, INDEXED, READY, SSD_QUEUED, BlockTable
+from kvstore.table import HAS_PARENT, INDEXED, LIVE, READY, SSD_QUEUED, BlockTable
 from kvstore.layout import DTYPE_BYTES, KVLayout
 from kvstore.leases import Lease, LeaseTable
 from kvstore.policies import EvictionPolicy
@@ -343,6 +344,7 @@ class Store:
             table.tier_id(st.name)
             st.policy.bind(table)
         self._tier_id_names = np.array(table.tier_names, dtype=object)
+        self._tier_ids = {st.name: table.tier_id(st.name) for st in self.tiers}
         self._leases = LeaseTable(self._release)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         # Payload bytes per tenant and tier, and quotas (set by the daemon from its token file).
@@ -569,6 +571,8 @@ class Store:
 
     def _remove_location(self, entry: BlockEntry, st: StoreTier) -> None:
         """Take one copy away; the entry leaves the index with its last copy."""
+        if self._drop_last_copy(entry, st):
+            return
         was_top = self._top_name(entry)
         slot = entry.pop_slot(st.name)
         self._account(entry, st.name, -entry.nbytes)
@@ -584,6 +588,32 @@ class Store:
             self._removed(entry, st.name)
         elif entry.slots() and was_top == st.name:
             self._moved(entry, st.name, self._top_name(entry))  # demoted (or its top copy dropped)
+
+    def _drop_last_copy(self, entry: BlockEntry, st: StoreTier) -> bool:
+        """`_remove_location` of an indexed block's only copy, in `st`, with no reader (an
+        eviction from the last tier, the common case at scale), straight on the columns.
+        False, having done nothing, in any other case."""
+        t, row = entry.table, entry.row
+        if (t is not self._index.table or entry.stale or t.vreaders[row] or t.vlt[row, 1]
+                or t.vlt[row, 0] != self._tier_ids[st.name] or not t.vflags[row] & INDEXED):
+            return False
+        nbytes = t.vnbytes[row]
+        ns_id = t.ns_bytes[t.vns[row]]
+        slot = Slot(st.name, t.vlo[row, 0], t.vls[row, 0])
+        t.vlt[row, 0] = 0
+        info = self._namespaces.get(ns_id)
+        if info is not None:
+            self.tenancy.add(info.tenant, st.name, -nbytes)
+        st.policy.remove_row(row)
+        st.tier.free(slot)
+        t.unindex_row(row)
+        st.counters.drops += 1
+        if info is not None:
+            info.blocks -= 1
+            info.bytes -= nbytes
+        if self.observer is not None:
+            self.observer.blocks_removed(ns_id, [t.key(row)[HASH_BYTES:]], st.name)
+        return True
 
     # Events for the observer (the daemon's event bus). Only READY blocks are reported:
     # what a router may have heard of.
@@ -678,8 +708,8 @@ class Store:
 
     def _evictable_row(self, row: int) -> bool:
         t = self._index.table
-        return (row >= 0 and t.pins[row] == 0 and t.readers[row] == 0
-                and (int(t.flags[row]) & (READY | INDEXED)) == (READY | INDEXED))
+        return (row >= 0 and t.vpins[row] == 0 and t.vreaders[row] == 0
+                and (t.vflags[row] & (READY | INDEXED)) == (READY | INDEXED))
 
     # ----------------------------------------------------------------- moving bytes
 
@@ -936,6 +966,8 @@ class Store:
         t = self._index.table
         lt = t.lt[rows]
         first, second = lt[:, 0], lt[:, 1]
+        if not second.any():  # one copy each: the common case
+            return first.astype(np.int64)
         tops = np.where((second != 0) & (second < first), second, first).astype(np.int64)
         if t.extra_locs:  # a third copy, for the moment of a move
             for i in np.flatnonzero(second != 0).tolist():
@@ -1031,13 +1063,14 @@ class Store:
         rows = np.fromiter(map(_ENTRY_ROW, entries), np.int64, len(entries))
         tail_first = rows[::-1]
         t.flags[rows] |= READY
-        info = self._namespaces[t.ns_bytes[int(t.ns[rows[0]])]]
-        assert np.all(t.ns[rows] == t.ns[rows[0]]), "a put's blocks share a namespace"
+        info = self._namespaces[t.ns_bytes[int(t.vns[rows[0]])]]
+        assert np.all(t.ns[rows] == t.vns[rows[0]]), "a put's blocks share a namespace"
         nbytes = t.nbytes[rows].astype(np.int64)
         info.blocks += len(rows)
         info.bytes += int(nbytes.sum())
         lt = t.lt[tail_first]
-        self._index.add_many(entries[::-1])
+        assert all(e.table is t for e in entries), "a put's entries live in the store's table"
+        self._index.add_rows(tail_first)
         for tid, st in enumerate(self.tiers, start=1):
             has = (lt[:, 0] == tid) | (lt[:, 1] == tid)
             if not has.any():
@@ -1608,6 +1641,9 @@ class PutTxn:
         self._itemsize = DTYPE_BYTES.get(info.layout.dtype, 1)
         ns = info.namespace_id
         self._keys = [make_key(ns, h) for h in hashes]
+        q = np.frombuffer(b"".join(hashes), "<u8")
+        self._q0, self._q1 = q[0::2], q[1::2]
+        self._parent_hash = parent_hash or None
         first_parent = make_key(ns, parent_hash) if parent_hash else None
         self._parents: list[bytes | None] = [first_parent, *self._keys[:-1]]
         self._entries: list[BlockEntry | None] = [None] * len(hashes)
@@ -1633,15 +1669,7 @@ class PutTxn:
     async def reserve(self) -> None:
         """Allocate PENDING slots for the blocks not already present (making room as needed)."""
         store = self._store
-        index = store._index
-        new = []
-        for i, key in enumerate(self._keys):
-            present = index.get(key)
-            if present is None:
-                new.append(i)
-            else:
-                store._hold(present)
-                self._held.append(present)
+        new = self._hold_present()
         landing = [self._tier] if self._tier is not None else store._landing_tiers()
         room = sum(st.tier.capacity_bytes for st in landing)
         need = len(new) * landing[0].tier.accounted_size(self.block_bytes)
@@ -1662,20 +1690,73 @@ class PutTxn:
                         await store._quota_room(self._info, st, self._quota_bytes)
                         store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
                         self._quota_held.append(st.name)
-            for i in new:
-                # Where a landing tier has room, no await (and no coroutine) per block.
-                slot = next((s for st in landing if (s := st.tier.allocate(nbytes)) is not None), None)
-                if slot is None:
-                    slot = await store._allocate_put(nbytes, landing)
-                    if self._done:  # aborted while making room
-                        store._tier_by_name[slot.tier].tier.free(slot)
-                        raise FailedPrecondition("this put was aborted")
-                entry = index.new_entry(self._keys[i], self._parents[i], nbytes, 0, itemsize=self._itemsize)
-                entry.add_slot(slot)
-                self._entries[i] = entry
+            slots: list[Slot] = []
+            try:
+                for _ in new:
+                    # Where a landing tier has room, no await (and no coroutine) per block.
+                    slot = next((s for st in landing if (s := st.tier.allocate(nbytes)) is not None), None)
+                    if slot is None:
+                        slot = await store._allocate_put(nbytes, landing)
+                        if self._done:  # aborted while making room
+                            store._tier_by_name[slot.tier].tier.free(slot)
+                            raise FailedPrecondition("this put was aborted")
+                    slots.append(slot)
+            except BaseException:
+                store.free_slots(slots)
+                raise
+            self._make_entries(new, slots)
         except BaseException:
             self.abort()
             raise
+
+    def _hold_present(self) -> list[int]:
+        """Hold the blocks of this put that are READY already; the others' positions."""
+        store = self._store
+        t = store._index.table
+        present = t.find_rows(t.ns_id(self._info.namespace_id), self._q0, self._q1)
+        for row in present[present >= 0].tolist():
+            entry = store._index.entry(row)
+            store._hold(entry)
+            self._held.append(entry)
+        return np.flatnonzero(present < 0).tolist()
+
+    def _make_entries(self, new: list[int], slots: Sequence[Slot]) -> None:
+        """PENDING rows for blocks `new` (positions in the put), block i in slots[i], in
+        whole-column steps."""
+        if not new:
+            return
+        store = self._store
+        index = store._index
+        t = index.table
+        at = np.array(new, np.int64)
+        rows = t.take_rows(len(new))
+        t.ns[rows] = t.ns_id(self._info.namespace_id)
+        t.h0[rows] = self._q0[at]
+        t.h1[rows] = self._q1[at]
+        # The parent of block i is block i - 1 of this put, or the put's parent for block 0.
+        prev = at - 1
+        chained = prev >= 0
+        t.ph0[rows[chained]] = self._q0[prev[chained]]
+        t.ph1[rows[chained]] = self._q1[prev[chained]]
+        flags = np.full(len(rows), LIVE, np.uint8)
+        flags[chained] |= HAS_PARENT
+        if self._parent_hash is not None and not chained[0]:
+            t.vph0[rows[0]], t.vph1[rows[0]] = struct.unpack("<QQ", self._parent_hash)
+            flags[0] |= HAS_PARENT
+        t.flags[rows] = flags
+        t.nbytes[rows] = self.block_bytes
+        t.item[rows] = self._itemsize
+        t.csum[rows] = 0
+        names = {s.tier for s in slots}
+        if len(names) == 1:
+            t.lt[rows, 0] = t.tier_id(next(iter(names)))
+        else:
+            t.lt[rows, 0] = [t.tier_id(s.tier) for s in slots]
+        t.lt[rows, 1] = 0
+        t.lo[rows, 0] = [s.offset for s in slots]
+        t.ls[rows, 0] = [s.size for s in slots]
+        for i, row in zip(new, rows.tolist()):
+            self._entries[i] = index.entry(row)
 
     async def adopt(self, filled: Sequence[Slot]) -> list[Slot]:
         """Instead of `reserve`: take slots from `Store.reserve_slots` that a co-located
@@ -1685,14 +1766,7 @@ class PutTxn:
         if len(filled) != len(self._keys):
             raise InvalidArgument(f"{len(filled)} filled slots for a put of {len(self._keys)} blocks")
         store = self._store
-        new: list[int] = []
-        for i, key in enumerate(self._keys):
-            present = store._index.get(key)
-            if present is None:
-                new.append(i)
-            else:
-                store._hold(present)
-                self._held.append(present)
+        new = self._hold_present()
         quotas = store.tenancy.quotas.get(self._info.tenant)
         if quotas and new:
             landing = [self._tier] if self._tier is not None else store._landing_tiers()
@@ -1702,11 +1776,7 @@ class PutTxn:
                     await store._quota_room(self._info, st, self._quota_bytes)
                     store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
                     self._quota_held.append(st.name)
-        for i in new:
-            entry = store._index.new_entry(self._keys[i], self._parents[i], self.block_bytes, 0,
-                                           itemsize=self._itemsize)
-            entry.add_slot(filled[i])
-            self._entries[i] = entry
+        self._make_entries(new, [filled[i] for i in new])
         new_set = set(new)
         return [slot for i, slot in enumerate(filled) if i not in new_set]
 
@@ -1787,10 +1857,13 @@ class PutTxn:
             raise FailedPrecondition("this put was aborted")
         stored = existing = 0
         publish: list[BlockEntry] = []
-        for entry, csum in zip(pending, sums):
-            entry.checksum = csum
+        t = store._index.table
+        rows = np.fromiter(map(_ENTRY_ROW, pending), np.int64, len(pending))
+        t.csum[rows] = np.array(sums, np.uint64)
+        # Published by a concurrent put since this one began: one probe for all.
+        raced = set(rows[t.find_rows(t.ns_id(self._info.namespace_id), t.h0[rows], t.h1[rows]) >= 0].tolist())
         for i, maybe in enumerate(self._entries):
-            if maybe is None or maybe.key in store._index:
+            if maybe is None or maybe.row in raced:
                 # Present before the put began, or published by a concurrent put since.
                 existing += 1
                 if maybe is not None:

@@ -20,10 +20,11 @@ Rows:
 - A namespace id is interned to a small integer; a key's fingerprint mixes the
   namespace with the 128-bit block hash (`key_hash`), and indexes the key table.
 
-The key table: a power-of-two array of `row + 1` (0 is empty), linear probing, load at
+The key table: a power-of-two array of `tag << 32 | row + 1` (0 is empty), linear probing, load at
 most one half, deletion by backward shift (no tombstones). A batch of keys probes all
 at once (`find_rows`): one numpy pass per probe depth, not a Python step per key.
-Growth doubles the columns (np.zeros pages are resident only once written) and
+Each slot holds 31 bits of the key's hash as a tag next to the row, so a probe
+rejects other keys without touching their rows. Growth doubles the columns (np.zeros pages are resident only once written) and
 rebuilds the key table in one vectorized pass.
 
 Primitives: `new_row`, `index_row`, `unindex_row`, `find`, `find_rows`, `free_row`.
@@ -56,10 +57,21 @@ REMOVED = 2
 SSD_QUEUED = 4
 HAS_PARENT = 8
 LIVE = 16  # handed out and not recycled
+# Removed rows are looked at for reuse in batches of this many (a row or two at a time
+# would pay numpy's per-call cost on every put).
+_REAP_BATCH = 256
 INDEXED = 32  # in the key table
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
+
+# Slots a batch probe looks at before walking on one key at a time.
+_WINDOWS = (np.arange(4, dtype=np.int64), np.arange(32, dtype=np.int64))
+_ARANGE = np.arange(4096, dtype=np.int64)
+
+
+def _arange(n: int) -> I64:
+    return _ARANGE[:n] if n <= len(_ARANGE) else np.arange(n, dtype=np.int64)
 
 
 def fmix64(x: int) -> int:
@@ -92,6 +104,17 @@ def key_hash(ns_fp: int, h0: int, h1: int) -> int:
 def key_hash_array(ns_fp: int | U64, h0: U64, h1: U64) -> U64:
     return fmix64_array(h0 ^ (h1 * np.uint64(_K1)) ^ np.uint64(ns_fp) if isinstance(ns_fp, int)
                         else h0 ^ (h1 * np.uint64(_K1)) ^ ns_fp)
+
+
+def slot_hash(ns_fp: int, h0: int, h1: int) -> int:
+    """Where a key sits in the key table (high bits) and its tag (low bits). Cheaper than
+    `key_hash`: block hashes are uniform already, so two multiplications spread them."""
+    return (((h0 ^ ns_fp ^ ((h1 * _K1) & M64)) * _C1) & M64)
+
+
+def slot_hash_array(ns_fp: int | U64, h0: U64, h1: U64) -> U64:
+    fp = np.uint64(ns_fp) if isinstance(ns_fp, int) else ns_fp
+    return (h0 ^ fp ^ (h1 * np.uint64(_K1))) * np.uint64(_C1)  # type: ignore[no-any-return]
 
 
 def opaque_key_hash(key: bytes) -> int:
@@ -130,6 +153,9 @@ class BlockTable:
         self.lt = np.zeros((0, 2), np.uint8)
         self.lo = np.zeros((0, 2), np.int64)
         self.ls = np.zeros((0, 2), np.uint32)
+        self.vh0 = self.vh1 = self.vns = self.vph0 = self.vph1 = self.vcsum = memoryview(b"")
+        self.vnbytes = self.vitem = self.vflags = self.vpins = self.vreaders = self.vgen = memoryview(b"")
+        self.vlt = self.vlo = self.vls = memoryview(b"")
         # Rows handed out at least once are below `high`; freed ones wait in `_free`.
         self.high = 0
         self._free = np.zeros(0, np.int64)
@@ -148,7 +174,8 @@ class BlockTable:
         self.extra_locs: dict[int, list[Slot]] = {}
         self.retired: dict[int, list[Slot]] = {}
         # The key table.
-        self._slots = np.zeros(0, np.int32)
+        self._slots = np.zeros(0, np.int64)
+        self._vslots = memoryview(self._slots)
         self._mask = 0
         self._shift = 64
         self.count = 0
@@ -191,6 +218,9 @@ class BlockTable:
             new = np.zeros((cap, *shape), dtype)
             new[: self.cap] = old
             setattr(self, name, new)
+            # Scalar paths read and write through a memoryview: Python ints in and out,
+            # several times cheaper than numpy's scalar indexing.
+            setattr(self, "v" + name, memoryview(new))
         self.cap = cap
 
     def _push(self, which: str, row: int) -> None:
@@ -209,7 +239,7 @@ class BlockTable:
 
     def new_row(self, ns: int, h0: int, h1: int) -> int:
         """A fresh row (LIVE, not READY, not indexed) for the key (ns, h0, h1)."""
-        if self._nfree == 0 and self._ndead:
+        if self._nfree == 0 and self._ndead >= _REAP_BATCH:
             self._reap()
         if self._nfree:
             self._nfree -= 1
@@ -219,10 +249,10 @@ class BlockTable:
                 self._grow(2 * self.cap)
             row = self.high
             self.high += 1
-        self.h0[row] = h0
-        self.h1[row] = h1
-        self.ns[row] = ns
-        self.flags[row] = LIVE
+        self.vh0[row] = h0
+        self.vh1[row] = h1
+        self.vns[row] = ns
+        self.vflags[row] = LIVE
         return row
 
     def new_rows(self, n: int) -> I64:
@@ -237,14 +267,27 @@ class BlockTable:
         self.flags[rows] = LIVE
         return rows
 
+    def take_rows(self, n: int) -> I64:
+        """`n` rows for new blocks (recycled ones first): LIVE, no pins, readers or copies;
+        the caller sets every other field."""
+        if self._nfree < n and self._ndead >= _REAP_BATCH:
+            self._reap()
+        k = min(n, self._nfree)
+        reused = self._free[self._nfree - k:self._nfree][::-1].copy()
+        self._nfree -= k
+        rows = np.concatenate([reused, self.new_rows(n - k)]) if k < n else reused
+        self.flags[rows] = LIVE
+        return rows
+
     def free_row(self, row: int) -> None:
         """Recycle a row nothing refers to (a PENDING block given up, or a reaped one)."""
-        assert not self.flags[row] & INDEXED, "an indexed row is never freed"
-        self.gen[row] += 1
-        self.flags[row] = 0
-        self.pins[row] = 0
-        self.readers[row] = 0
-        self.lt[row] = 0
+        assert not self.vflags[row] & INDEXED, "an indexed row is never freed"
+        self.vgen[row] = (self.vgen[row] + 1) & 0xFFFFFFFF
+        self.vflags[row] = 0
+        self.vpins[row] = 0
+        self.vreaders[row] = 0
+        self.vlt[row, 0] = 0
+        self.vlt[row, 1] = 0
         self.extra_locs.pop(row, None)
         self.retired.pop(row, None)
         self._push("free", row)
@@ -268,20 +311,24 @@ class BlockTable:
 
     # ------------------------------------------------------------------ key table
 
-    def _home_of_rows(self, rows: I64) -> I64:
-        hv = key_hash_array(self.ns_fp[self.ns[rows]], self.h0[rows], self.h1[rows])
-        return (hv >> np.uint64(self._shift)).astype(np.int64)
+    def _hash_of_rows(self, rows: I64) -> U64:
+        return slot_hash_array(self.ns_fp[self.ns[rows]], self.h0[rows], self.h1[rows])
 
     def _home(self, row: int) -> int:
-        return key_hash(self._ns_fp_list[int(self.ns[row])], int(self.h0[row]), int(self.h1[row])) >> self._shift
+        return slot_hash(self._ns_fp_list[self.vns[row]], self.vh0[row], self.vh1[row]) >> self._shift
 
     def _rehash(self, size: int) -> None:
         bits = size.bit_length() - 1
         assert size == 1 << bits
-        self._slots = np.zeros(size, np.int32)
+        self._slots = np.zeros(size, np.int64)
+        self._vslots = memoryview(self._slots)
         self._mask = size - 1
         self._shift = 64 - bits
         self._place(self.indexed_rows())
+
+    def _entries(self, hv: U64, rows: I64) -> I64:
+        """Key-table entries: the key hash's low 31 bits as a tag over `row + 1`."""
+        return ((hv & np.uint64(0x7FFFFFFF)).astype(np.int64) << 32) | (rows + 1)
 
     def _place(self, rows: I64) -> None:
         """Insert rows known to be absent, all at once: each round, every pending row tries
@@ -289,13 +336,14 @@ class BlockTable:
         if not len(rows):
             return
         slots, mask = self._slots, self._mask
-        pos = self._home_of_rows(rows)
-        pend = rows
+        hv = self._hash_of_rows(rows)
+        pos = (hv >> np.uint64(self._shift)).astype(np.int64)
+        pend = self._entries(hv, rows)
         while len(pend):
             empty = slots[pos] == 0
-            cand_rows, cand_pos = pend[empty], pos[empty]
+            cand, cand_pos = pend[empty], pos[empty]
             _, first = np.unique(cand_pos, return_index=True)
-            slots[cand_pos[first]] = (cand_rows[first] + 1).astype(np.int32)
+            slots[cand_pos[first]] = cand[first]
             placed = np.zeros(len(pend), bool)
             placed[np.flatnonzero(empty)[first]] = True
             pend = pend[~placed]
@@ -309,19 +357,24 @@ class BlockTable:
                 size *= 2
             self._rehash(size)
 
+    def _walk(self, i: int, tag: int, ns: int, h0: int, h1: int) -> int:
+        """Probe from slot `i` for the key; its row or -1."""
+        slots, mask = self._vslots, self._mask
+        H0, H1, NS = self.vh0, self.vh1, self.vns
+        while True:
+            e = slots[i]
+            if e == 0:
+                return -1
+            if e >> 32 == tag:
+                r = (e & 0xFFFFFFFF) - 1
+                if H0[r] == h0 and H1[r] == h1 and NS[r] == ns:
+                    return r
+            i = (i + 1) & mask
+
     def find(self, ns: int, h0: int, h1: int) -> int:
         """The indexed row of the key, or -1."""
-        slots, mask = self._slots, self._mask
-        i = key_hash(self._ns_fp_list[ns], h0, h1) >> self._shift
-        H0, H1, NS = self.h0, self.h1, self.ns
-        while True:
-            r = int(slots[i])
-            if r == 0:
-                return -1
-            r -= 1
-            if H0[r] == h0 and H1[r] == h1 and NS[r] == ns:
-                return r
-            i = (i + 1) & mask
+        hv = slot_hash(self._ns_fp_list[ns], h0, h1)
+        return self._walk(hv >> self._shift, hv & 0x7FFFFFFF, ns, h0, h1)
 
     def find_key(self, key: bytes) -> int:
         ns = self._ns_ids.get(key[:HASH_BYTES])
@@ -331,37 +384,57 @@ class BlockTable:
         return self.find(ns, h0, h1)
 
     def find_rows(self, ns: int, q0: U64, q1: U64) -> I64:
-        """The indexed row of each key (ns, q0[i], q1[i]), or -1: one pass per probe depth."""
+        """The indexed row of each key (ns, q0[i], q1[i]), or -1.
+
+        All keys probe a window of slots at once (a gather and a compare of tags); the
+        few whose run is longer than the window, or whose tag matched another key, walk
+        on one by one."""
         n = len(q0)
         out = np.full(n, -1, np.int64)
         if not n or not self.count:
             return out
         slots, mask = self._slots, self._mask
-        pos = (key_hash_array(self._ns_fp_list[ns], q0, q1) >> np.uint64(self._shift)).astype(np.int64)
-        pend = np.arange(n)
+        hv = slot_hash_array(self._ns_fp_list[ns], q0, q1)
+        pos = (hv >> np.uint64(self._shift)).astype(np.int64)
+        tag = (hv & np.uint64(0x7FFFFFFF)).astype(np.int64)
+        pend = _arange(n)
         H0, H1, NS = self.h0, self.h1, self.ns
-        while len(pend):
-            cand = slots[pos].astype(np.int64) - 1
-            empty = cand < 0
-            hit = ~empty & (H0[cand] == q0[pend]) & (H1[cand] == q1[pend]) & (NS[cand] == ns)
-            out[pend[hit]] = cand[hit]
-            more = ~(empty | hit)
-            pend = pend[more]
-            pos = (pos[more] + 1) & mask
+        for window in _WINDOWS:
+            k = len(pend)
+            e = slots[(pos[:, None] + window) & mask]
+            stop = (e == 0) | ((e >> 32) == tag[:, None])
+            first = stop.argmax(axis=1)
+            ends = stop[_arange(k), first]
+            found = e[_arange(k), first]
+            sel = np.flatnonzero(ends & (found != 0))
+            c = (found[sel] & 0xFFFFFFFF) - 1
+            good = (H0[c] == q0[pend[sel]]) & (H1[c] == q1[pend[sel]]) & (NS[c] == ns)
+            out[pend[sel[good]]] = c[good]
+            # Walk on: keys past the window, and a tag that matched another key (1 in 2**31).
+            bad = sel[~good]
+            pos[bad] += first[bad] + 1 - len(window)
+            more = ~ends
+            more[bad] = True
+            pend, pos, tag = pend[more], (pos[more] + len(window)) & mask, tag[more]
+            if not len(pend):
+                return out
+        for k, i, t in zip(pend.tolist(), pos.tolist(), tag.tolist()):
+            out[k] = self._walk(i, t, ns, int(q0[k]), int(q1[k]))
         return out
 
     def index_row(self, row: int) -> None:
         """Publish a row (it must be READY and its key absent)."""
         self._reserve(1)
-        slots, mask = self._slots, self._mask
-        i = self._home(row)
+        ns, h0, h1 = self.vns[row], self.vh0[row], self.vh1[row]
+        hv = slot_hash(self._ns_fp_list[ns], h0, h1)
+        tag = hv & 0x7FFFFFFF
+        assert self._walk(hv >> self._shift, tag, ns, h0, h1) < 0, "a key is published at most once"
+        slots, mask = self._vslots, self._mask
+        i = hv >> self._shift
         while slots[i] != 0:
-            other = int(slots[i]) - 1
-            assert not (self.h0[other] == self.h0[row] and self.h1[other] == self.h1[row]
-                        and self.ns[other] == self.ns[row]), "a key is published at most once"
             i = (i + 1) & mask
-        slots[i] = row + 1
-        self.flags[row] |= INDEXED
+        slots[i] = (tag << 32) | (row + 1)
+        self.vflags[row] |= INDEXED
         self.count += 1
 
     def index_rows(self, rows: I64) -> None:
@@ -376,25 +449,25 @@ class BlockTable:
     def unindex_row(self, row: int) -> None:
         """Take a published row out of the key table (backward-shift deletion) and mark it
         REMOVED; it is recycled once nothing holds it."""
-        slots, mask = self._slots, self._mask
+        slots, mask = self._vslots, self._mask
         i = self._home(row)
-        while int(slots[i]) != row + 1:
+        while slots[i] & 0xFFFFFFFF != row + 1:
             assert slots[i] != 0, "row is not indexed"
             i = (i + 1) & mask
         j = i
         while True:
             j = (j + 1) & mask
-            r = int(slots[j])
-            if r == 0:
+            e = slots[j]
+            if e == 0:
                 break
-            k = self._home(r - 1)
-            # Move r back into the hole at i unless its home lies cyclically in (i, j].
+            k = self._home((e & 0xFFFFFFFF) - 1)
+            # Move the entry back into the hole at i unless its home lies cyclically in (i, j].
             if (i < j and (k <= i or k > j)) or (i > j and (k <= i and k > j)):
-                slots[i] = r
+                slots[i] = e
                 i = j
         slots[i] = 0
         self.count -= 1
-        self.flags[row] = (int(self.flags[row]) & ~INDEXED) | REMOVED
+        self.vflags[row] = (self.vflags[row] & ~INDEXED) | REMOVED
         self._push("dead", row)
 
     def indexed_rows(self) -> I64:
@@ -404,12 +477,12 @@ class BlockTable:
     # ------------------------------------------------------------------ keys
 
     def key(self, row: int) -> bytes:
-        return self.ns_bytes[int(self.ns[row])] + _pack_qq(int(self.h0[row]), int(self.h1[row]))
+        return self.ns_bytes[self.vns[row]] + _pack_qq(self.vh0[row], self.vh1[row])
 
     def parent_key(self, row: int) -> bytes | None:
-        if not self.flags[row] & HAS_PARENT:
+        if not self.vflags[row] & HAS_PARENT:
             return None
-        return self.ns_bytes[int(self.ns[row])] + _pack_qq(int(self.ph0[row]), int(self.ph1[row]))
+        return self.ns_bytes[self.vns[row]] + _pack_qq(self.vph0[row], self.vph1[row])
 
     def keys(self, rows: Sequence[int] | I64) -> list[bytes]:
         rows = np.asarray(rows, np.int64)
@@ -425,7 +498,7 @@ class BlockTable:
         return [self.parent_key(r) for r in np.asarray(rows, np.int64).tolist()]
 
     def fingerprint(self, row: int) -> int:
-        return key_hash(self._ns_fp_list[int(self.ns[row])], int(self.h0[row]), int(self.h1[row]))
+        return key_hash(self._ns_fp_list[self.vns[row]], self.vh0[row], self.vh1[row])
 
     def fingerprints(self, rows: I64) -> U64:
         return key_hash_array(self.ns_fp[self.ns[rows]], self.h0[rows], self.h1[rows])

@@ -94,35 +94,40 @@ def test_rows_are_recycled_only_when_nothing_holds_them() -> None:
     table = BlockTable(16)
     index = BlockIndex(table)
     held = ready(index, key(NS_A, 1))
-    free = ready(index, key(NS_A, 2))
+    free = [ready(index, key(NS_A, 2 + i)) for i in range(600)]
     held.readers += 1
     held.pins += 1
     index.remove_entry(held)
-    index.remove_entry(free)
-    assert held.removed and free.removed and len(index) == 0
-    rows = {ready(index, key(NS_A, 10 + i)).row for i in range(3)}
-    # The free one's row is reused, the held one's is not.
-    assert free.row in rows and held.row not in rows
-    assert free.stale and free.removed and free.pins == 0 and free.slots() == ()
+    for e in free:
+        index.remove_entry(e)
+    assert held.removed and all(e.removed for e in free) and len(index) == 0
+    rows = {ready(index, key(NS_A, 1000 + i)).row for i in range(1200)}
+    # Removed rows nothing holds are reused (in batches); the held one never is.
+    assert rows & {e.row for e in free} and held.row not in rows
+    reused = next(e for e in free if e.row in rows)
+    assert reused.stale and reused.removed and reused.pins == 0 and reused.slots() == ()
     assert not held.stale and held.pins == 1 and held.slots() != ()
     with pytest.raises(AssertionError):
-        free.pins += 1  # a write through a stale handle is a bug, never a silent change
+        reused.pins += 1  # a write through a stale handle is a bug, never a silent change
     held.pins -= 1
     held.readers -= 1
     held.clear_slots()
-    reused = {ready(index, key(NS_A, 20 + i)).row for i in range(3)}
-    assert held.row in reused and held.stale
+    for e in [index.get(key(NS_A, 1000 + i)) for i in range(1200)]:
+        assert e is not None
+        index.remove_entry(e)
+    again = {ready(index, key(NS_A, 5000 + i)).row for i in range(2400)}
+    assert held.row in again and held.stale
 
 
 def test_generation_tells_a_recycled_row_from_its_new_block() -> None:
     index = BlockIndex(BlockTable(16))
-    old = ready(index, key(NS_A, 1))
-    row = old.row
-    index.remove_entry(old)
-    old.clear_slots()
-    new = ready(index, key(NS_A, 2))
-    assert new.row == row and new != old and old.stale
-    assert index.get(key(NS_A, 2)) == new and index.get(key(NS_A, 1)) is None
+    olds = [ready(index, key(NS_A, i)) for i in range(300)]
+    for e in olds:
+        index.remove_entry(e)
+    new = ready(index, key(NS_A, 1000))
+    old = next(e for e in olds if e.row == new.row)
+    assert new != old and old.stale and not new.stale
+    assert index.get(key(NS_A, 1000)) == new and index.get(old.key if not old.stale else key(NS_A, 0)) is None
 
 
 def test_growth_keeps_every_field() -> None:

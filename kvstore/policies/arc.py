@@ -141,7 +141,7 @@ class ARCPolicy(EvictionPolicy):
         lists = self._lists
         if not len(rows):
             return
-        lists.ensure(int(rows.max()) + 1)
+        lists.ensure(self._bound().high if self._keys is None else int(rows.max()) + 1)
         fresh = not np.any(lists.lst[rows]) and len(np.unique(rows)) == len(rows)
         if fresh and (len(self._b1) or len(self._b2)):
             fps = self._bound().fingerprints(rows)
@@ -161,15 +161,10 @@ class ARCPolicy(EvictionPolicy):
         lists = self._lists
         if not len(rows):
             return
-        lists.ensure(int(rows.max()) + 1)
-        tracked = rows[lists.lst[rows] != 0]
-        if len(tracked) > 1:
-            # Each row ends where its last touch puts it: keep the last occurrence of each.
-            rev = tracked[::-1]
-            _, first_in_rev = np.unique(rev, return_index=True)
-            if len(first_in_rev) != len(tracked):
-                tracked = rev[np.sort(first_in_rev)][::-1]
-        lists.append_many(T2, tracked)
+        lists.ensure(self._bound().high if self._keys is None else int(rows.max()) + 1)
+        tracked = lists.lst[rows] != 0
+        # Each row ends where its last touch puts it (`append_many` keeps last occurrences).
+        lists.append_many(T2, rows if tracked.all() else rows[tracked])
 
     def remove_row(self, row: int) -> None:
         lists = self._lists

@@ -9,8 +9,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-import numpy as np
-
 from kvstore.policies.base import BlockKey, Clock, EvictionPolicy, Rows
 from kvstore.policies.rows import RowKeys, RowLists
 from kvstore.table import BlockTable
@@ -84,21 +82,15 @@ class LRUPolicy(EvictionPolicy):
 
     # -- rows
 
-    def _last_occurrences(self, rows: Rows) -> Rows:
-        rev = rows[::-1]
-        _, first_in_rev = np.unique(rev, return_index=True)
-        return rows if len(first_in_rev) == len(rows) else rev[np.sort(first_in_rev)][::-1]
-
     def insert_rows(self, rows: Rows) -> None:
         if len(rows):
             self._lists.ensure(int(rows.max()) + 1)
-            self._lists.append_many(_ORDER, self._last_occurrences(rows))
+            self._lists.append_many(_ORDER, rows)
 
     def touch_rows(self, rows: Rows) -> None:
         if len(rows):
             self._lists.ensure(int(rows.max()) + 1)
-            tracked = rows[self._lists.lst[rows] != 0]
-            self._lists.append_many(_ORDER, self._last_occurrences(tracked))
+            self._lists.append_many(_ORDER, rows[self._lists.lst[rows] != 0])
 
     def remove_row(self, row: int) -> None:
         if self._lists.list_of(row):

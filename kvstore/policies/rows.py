@@ -33,13 +33,23 @@ I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 
 
+_AT = np.arange(1 << 16, dtype=np.int32)
+
+
+def _arange32(start: int, n: int) -> npt.NDArray[np.int32]:
+    return _AT[:n] + np.int32(start) if n <= len(_AT) else np.arange(start, start + n, dtype=np.int32)
+
+
 class RowLists:
     """`nlists` LRU lists (ids 1..nlists) over rows; oldest first."""
 
     def __init__(self, nlists: int, capacity: int = 1024) -> None:
         self.lst = np.zeros(capacity, np.uint8)
         self.pos = np.zeros(capacity, np.int32)
+        # Scalar steps go through memoryviews (Python ints, no numpy scalar per access).
+        self._vlst, self._vpos = memoryview(self.lst), memoryview(self.pos)
         self._logs = [np.zeros(0, np.int32)] + [np.zeros(64, np.int32) for _ in range(nlists)]
+        self._vlogs = [memoryview(log) for log in self._logs]
         self._head = [0] * (nlists + 1)
         self._tail = [0] * (nlists + 1)
         self.size = [0] * (nlists + 1)
@@ -55,9 +65,10 @@ class RowLists:
             pos = np.zeros(cap, np.int32)
             pos[: len(self.pos)] = self.pos
             self.lst, self.pos = lst, pos
+            self._vlst, self._vpos = memoryview(lst), memoryview(pos)
 
     def list_of(self, row: int) -> int:
-        return int(self.lst[row]) if row < len(self.lst) else 0
+        return self._vlst[row] if row < len(self.lst) else 0
 
     def _room(self, which: int, more: int) -> None:
         log, head, tail = self._logs[which], self._head[which], self._tail[which]
@@ -71,6 +82,7 @@ class RowLists:
         if cap != len(log):
             log = np.zeros(cap, np.int32)
             self._logs[which] = log
+            self._vlogs[which] = memoryview(log)
         log[:n] = live
         self.pos[live] = np.arange(n, dtype=np.int32)
         self._head[which], self._tail[which] = 0, n
@@ -82,10 +94,10 @@ class RowLists:
 
     def discard(self, row: int) -> int:
         """Take `row` out of its list; returns the list it was in (0 for none)."""
-        which = int(self.lst[row])
+        which: int = self._vlst[row]
         if which:
             self.size[which] -= 1
-            self.lst[row] = 0
+            self._vlst[row] = 0
         return which
 
     def append(self, which: int, row: int) -> None:
@@ -93,34 +105,56 @@ class RowLists:
         self.discard(row)
         self._room(which, 1)
         tail = self._tail[which]
-        self._logs[which][tail] = row
-        self.lst[row] = which
-        self.pos[row] = tail
+        self._vlogs[which][tail] = row
+        self._vlst[row] = which
+        self._vpos[row] = tail
         self._tail[which] = tail + 1
         self.size[which] += 1
 
     def append_many(self, which: int, rows: I64) -> None:
-        """`append` each row in order; rows must be distinct."""
+        """`append` each row in order. A row named twice ends where its last append puts it."""
         n = len(rows)
         if not n:
             return
-        old = self.lst[rows]
-        for other in np.unique(old).tolist():
-            if other:
-                self.size[other] -= int(np.count_nonzero(old == other))
-        self.lst[rows] = 0
         self._room(which, n)
         tail = self._tail[which]
+        pos = self.pos
+        # Duplicates without a sort: the last write of each row's position wins.
+        at = _arange32(tail, n)
+        pos[rows] = at
+        last = pos[rows] == at
+        if not last.all():
+            rows = rows[last]
+            n = len(rows)
+            at = _arange32(tail, n)
+            pos[rows] = at
+        moved = np.bincount(self.lst[rows], minlength=len(self.size)).tolist()
+        for other in range(1, len(self.size)):
+            self.size[other] -= moved[other]
         self._logs[which][tail:tail + n] = rows
         self.lst[rows] = which
-        self.pos[rows] = np.arange(tail, tail + n, dtype=np.int32)
         self._tail[which] = tail + n
         self.size[which] += n
 
     def first(self, which: int, accept: Callable[[int], bool]) -> int | None:
         """The oldest row of list `which` that `accept`s, or None."""
         log = self._logs[which]
+        vlog = self._vlogs[which]
         start, tail = self._head[which], self._tail[which]
+        lst, pos = self._vlst, self._vpos
+        # The common case in a few scalar steps: the oldest entries are valid (or stale
+        # and skipped for good) and the first valid one is accepted.
+        for _ in range(8):
+            if start >= tail:
+                return None
+            row = vlog[start]
+            if lst[row] != which or pos[row] != start:
+                start += 1
+                self._head[which] = start
+                continue
+            if accept(row):
+                return row
+            break
         skipping = True
         while start < tail:
             stop = min(tail, start + 256)
@@ -154,97 +188,90 @@ class GhostList:
 
     def __init__(self) -> None:
         self._ring = np.zeros(64, np.uint64)
+        self._vring = memoryview(self._ring)
         self._head = 0
-        self._tail = 0  # entries live in [head, tail); a deleted one is marked by the table
+        self._tail = 0  # entries live in [head, tail); one deleted since is not in the table
         self._n = 0
-        self._keys = np.zeros(16, np.uint64)
-        self._vals = np.full(16, -1, np.int64)  # ring position, -1 empty
-        self._mask = 15
+        self._set_table(16)
+
+    def _set_table(self, size: int) -> None:
+        self._keys = np.zeros(size, np.uint64)
+        self._vals = np.full(size, -1, np.int64)  # ring position, -1 empty
+        self._vk, self._vv = memoryview(self._keys), memoryview(self._vals)
+        self._mask = size - 1
 
     def __len__(self) -> int:
         return self._n
 
     def _slot(self, fp: int) -> int:
         # Fingerprints are already mixed; fmix again so that low bits of a weak one spread.
-        i = fmix64(fp) & self._mask
-        keys, vals = self._keys, self._vals
+        mask = self._mask
+        i = fmix64(fp) & mask
+        keys, vals = self._vk, self._vv
         while vals[i] >= 0 and keys[i] != fp:
-            i = (i + 1) & self._mask
+            i = (i + 1) & mask
         return i
 
     def __contains__(self, fp: object) -> bool:
         assert isinstance(fp, int)
-        return bool(self._vals[self._slot(fp)] >= 0)
+        return self._vv[self._slot(fp)] >= 0
 
     def contains_many(self, fps: U64) -> npt.NDArray[np.bool_]:
-        out = np.zeros(len(fps), bool)
         if not self._n or not len(fps):
-            return out
-        keys, vals, mask = self._keys, self._vals, self._mask
-        pos = (fmix64_array(fps) & np.uint64(mask)).astype(np.int64)
-        pend = np.arange(len(fps))
-        while len(pend):
-            v = vals[pos]
-            empty = v < 0
-            hit = ~empty & (keys[pos] == fps[pend])
-            out[pend[hit]] = True
-            more = ~(empty | hit)
-            pend, pos = pend[more], (pos[more] + 1) & mask
-        return out
+            return np.zeros(len(fps), bool)
+        return self._lookup_vals(fps) >= 0
 
     def push(self, fp: int) -> None:
         """Add `fp` as the newest (it must not be present)."""
         if 2 * (self._n + 1) > len(self._keys):
-            self._rehash(2 * len(self._keys))
+            self._rebuild(2 * len(self._keys))
         if self._tail == len(self._ring):
-            self._compact()
+            self._rebuild(len(self._keys))
         i = self._slot(fp)
-        assert self._vals[i] < 0, "a ghost is pushed once"
-        self._keys[i] = fp
-        self._vals[i] = self._tail
-        self._ring[self._tail] = fp
+        assert self._vv[i] < 0, "a ghost is pushed once"
+        self._vk[i] = fp
+        self._vv[i] = self._tail
+        self._vring[self._tail] = fp
         self._tail += 1
         self._n += 1
 
     def delete(self, fp: int) -> bool:
         i = self._slot(fp)
-        if self._vals[i] < 0:
+        if self._vv[i] < 0:
             return False
         self._erase(i)
         return True
 
     def pop_oldest(self) -> int:
         while True:
-            fp = int(self._ring[self._head])
             at = self._head
+            fp: int = self._vring[at]
             self._head += 1
             i = self._slot(fp)
-            if self._vals[i] == at:
+            if self._vv[i] == at:
                 self._erase(i)
                 return fp
 
     def _erase(self, i: int) -> None:
-        keys, vals, mask = self._keys, self._vals, self._mask
+        keys, vals, mask = self._vk, self._vv, self._mask
         j = i
         while True:
             j = (j + 1) & mask
             if vals[j] < 0:
                 break
-            k = fmix64(int(keys[j])) & mask
+            k = fmix64(keys[j]) & mask
             if (i < j and (k <= i or k > j)) or (i > j and (k <= i and k > j)):
                 keys[i], vals[i] = keys[j], vals[j]
                 i = j
         vals[i] = -1
         self._n -= 1
 
-    def _live(self) -> tuple[U64, I64]:
-        at = np.arange(self._head, self._tail, dtype=np.int64)
+    def _live(self) -> U64:
         fps = self._ring[self._head:self._tail]
         if not len(fps):
-            return fps, at
-        slot_vals = self._lookup_vals(fps)
-        ok = slot_vals == at
-        return fps[ok], at[ok]
+            return fps
+        at = np.arange(self._head, self._tail, dtype=np.int64)
+        return fps[self._lookup_vals(fps) == at]
 
     def _lookup_vals(self, fps: U64) -> I64:
         out = np.full(len(fps), -1, np.int64)
@@ -260,38 +287,34 @@ class GhostList:
             pend, pos = pend[more], (pos[more] + 1) & mask
         return out
 
-    def _compact(self) -> None:
-        fps, _ = self._live()
-        n = len(fps)
-        size = len(self._ring)
-        while n + 1 > size // 2:
-            size *= 2
-        self._ring = np.zeros(size, np.uint64)
-        self._ring[:n] = fps
-        self._head, self._tail = 0, n
-        self._rebuild(len(self._keys))
-
-    def _rehash(self, size: int) -> None:
-        fps, at = self._live()
-        self._ring[: len(fps)] = fps
-        self._head, self._tail = 0, len(fps)
-        self._rebuild(size)
-
     def _rebuild(self, size: int) -> None:
-        self._keys = np.zeros(size, np.uint64)
-        self._vals = np.full(size, -1, np.int64)
-        self._mask = size - 1
-        self._n = 0
-        for at in range(self._head, self._tail):
-            fp = int(self._ring[at])
-            i = self._slot(fp)
-            self._keys[i] = fp
-            self._vals[i] = at
-            self._n += 1
+        """Squeeze deleted ghosts out of the ring and rebuild the table (`size` slots), in
+        whole-array steps."""
+        fps = self._live()
+        n = len(fps)
+        ring = len(self._ring)
+        while n + 1 > ring // 2:
+            ring *= 2
+        self._ring = np.zeros(ring, np.uint64)
+        self._ring[:n] = fps
+        self._vring = memoryview(self._ring)
+        self._head, self._tail, self._n = 0, n, n
+        self._set_table(size)
+        keys, vals, mask = self._keys, self._vals, self._mask
+        pos = (fmix64_array(fps) & np.uint64(mask)).astype(np.int64)
+        pend = np.arange(n, dtype=np.int64)
+        while len(pend):
+            empty = vals[pos] < 0
+            cand, cand_pos = pend[empty], pos[empty]
+            _, first = np.unique(cand_pos, return_index=True)
+            keys[cand_pos[first]] = fps[cand[first]]
+            vals[cand_pos[first]] = cand[first]
+            placed = np.zeros(len(pend), bool)
+            placed[np.flatnonzero(empty)[first]] = True
+            pend, pos = pend[~placed], (pos[~placed] + 1) & mask
 
     def __iter__(self) -> Iterator[int]:
-        fps, _ = self._live()
-        return iter(fps.tolist())
+        return iter(self._live().tolist())
 
 
 class RowKeys:
