@@ -391,9 +391,9 @@ class Store:
                 finally:
                     if collecting:
                         gc.enable()
-                if report.keys:
+                if len(report):
                     gc.freeze()
-                self._recovered = bool(report.keys)
+                self._recovered = bool(len(report))
                 self.ssd.counters.checksum_failures += report.checksum_failures
                 self.counters.checksum_failures += report.checksum_failures
             self._tasks.append(asyncio.create_task(self._ssd_writer(), name="kvstore-ssd-writer"))
@@ -1914,37 +1914,33 @@ class PutTxn:
 def load_recovered(table: BlockTable, tier: str, report: Any) -> np.ndarray[Any, Any]:
     """Index the blocks of a `kvstore.tiers.ssd.RecoveryReport` (one copy each, in `tier`)
     as new rows of `table`, in whole-column steps; returns their rows in report order."""
-    n = len(report.keys)
+    rec = report.records
+    n = len(rec)
     if not n:
         return np.zeros(0, np.int64)
     rows = table.new_rows(n)
-    raw = np.frombuffer(b"".join(report.keys), np.uint8).reshape(n, 2 * HASH_BYTES)
-    words = raw.view("<u8")  # per key: namespace id (2 words), block hash (2 words)
-    ns_words = np.ascontiguousarray(words[:, :2])
-    uniq, inverse = np.unique(ns_words.view([("a", "<u8"), ("b", "<u8")]).ravel(), return_inverse=True)
-    ids = np.array([table.ns_id(u.tobytes()) for u in uniq], np.uint32)
-    table.ns[rows] = ids[inverse.ravel()]
+    # Per key: namespace id (2 words), block hash (2 words).
+    words = np.ascontiguousarray(rec["key"]).view("<u8").reshape(n, 4)
+    ns_words = words[:, :2]
+    if np.all(ns_words == ns_words[0]):  # one namespace: the common case, no sort
+        table.ns[rows] = table.ns_id(ns_words[0].tobytes())
+    else:
+        uniq, inverse = np.unique(np.ascontiguousarray(ns_words).view([("a", "<u8"), ("b", "<u8")]).ravel(),
+                                  return_inverse=True)
+        ids = np.array([table.ns_id(u.tobytes()) for u in uniq], np.uint32)
+        table.ns[rows] = ids[inverse.ravel()]
     table.h0[rows] = words[:, 2]
     table.h1[rows] = words[:, 3]
-    has_parent = np.fromiter((p is not None for p in report.parents), bool, n)
-    if has_parent.any():
-        praw = np.frombuffer(b"".join(p for p in report.parents if p is not None), "<u8").reshape(-1, 4)
-        prow = rows[has_parent]
-        same_ns = np.all(praw[:, :2] == words[has_parent][:, :2], axis=1)
-        table.ph0[prow] = praw[:, 2]
-        table.ph1[prow] = praw[:, 3]
-        table.flags[prow[same_ns]] |= HAS_PARENT  # a parent is always of the block's namespace
-    table.csum[rows] = np.fromiter(report.checksums, np.uint64, n)
-    table.nbytes[rows] = np.fromiter(report.nbytes, np.uint32, n)
-    table.item[rows] = np.fromiter(report.itemsizes, np.uint8, n)
-    offsets = getattr(report, "offsets", None)
-    sizes = getattr(report, "sizes", None)
-    if offsets is None or sizes is None:
-        offsets = [s.offset for s in report.slots]
-        sizes = [s.size for s in report.slots]
+    parents = np.ascontiguousarray(rec["parent"]).view("<u8").reshape(n, 2)
+    table.ph0[rows] = parents[:, 0]
+    table.ph1[rows] = parents[:, 1]
+    # A parent is always of the block's own namespace (the record keeps only its hash).
+    table.flags[rows] = np.where(rec["has_parent"] != 0, LIVE | READY | HAS_PARENT, LIVE | READY).astype(np.uint8)
+    table.csum[rows] = rec["checksum"]
+    table.nbytes[rows] = rec["raw_len"]
+    table.item[rows] = rec["itemsize"]
     table.lt[rows, 0] = table.tier_id(tier)
-    table.lo[rows, 0] = np.asarray(offsets, np.int64)
-    table.ls[rows, 0] = np.asarray(sizes, np.uint32)
-    table.flags[rows] |= READY
+    table.lo[rows, 0] = rec["offset"]
+    table.ls[rows, 0] = rec["size"]
     table.index_rows(rows)
     return rows

@@ -175,7 +175,7 @@ class BlockTable:
         self.retired: dict[int, list[Slot]] = {}
         # The key table.
         self._slots = np.zeros(0, np.int64)
-        self._vslots = memoryview(self._slots)
+        self._vslots = self._slots.data
         self._mask = 0
         self._shift = 64
         self.count = 0
@@ -220,7 +220,7 @@ class BlockTable:
             setattr(self, name, new)
             # Scalar paths read and write through a memoryview: Python ints in and out,
             # several times cheaper than numpy's scalar indexing.
-            setattr(self, "v" + name, memoryview(new))
+            setattr(self, "v" + name, new.data)
         self.cap = cap
 
     def _push(self, which: str, row: int) -> None:
@@ -321,7 +321,7 @@ class BlockTable:
         bits = size.bit_length() - 1
         assert size == 1 << bits
         self._slots = np.zeros(size, np.int64)
-        self._vslots = memoryview(self._slots)
+        self._vslots = self._slots.data
         self._mask = size - 1
         self._shift = 64 - bits
         self._place(self.indexed_rows())
@@ -340,12 +340,14 @@ class BlockTable:
         pos = (hv >> np.uint64(self._shift)).astype(np.int64)
         pend = self._entries(hv, rows)
         while len(pend):
+            # Every pending entry writes into its slot if empty; where several wanted one
+            # slot, the last write stays, and the others see that they lost (entries are
+            # distinct, as their rows are) and try the next slot.
             empty = slots[pos] == 0
-            cand, cand_pos = pend[empty], pos[empty]
-            _, first = np.unique(cand_pos, return_index=True)
-            slots[cand_pos[first]] = cand[first]
-            placed = np.zeros(len(pend), bool)
-            placed[np.flatnonzero(empty)[first]] = True
+            at = pos[empty]
+            slots[at] = pend[empty]
+            placed = empty.copy()
+            placed[empty] = slots[at] == pend[empty]
             pend = pend[~placed]
             pos = (pos[~placed] + 1) & mask
 

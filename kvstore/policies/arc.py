@@ -142,7 +142,7 @@ class ARCPolicy(EvictionPolicy):
         if not len(rows):
             return
         lists.ensure(self._bound().high if self._keys is None else int(rows.max()) + 1)
-        fresh = not np.any(lists.lst[rows]) and len(np.unique(rows)) == len(rows)
+        fresh = not np.any(lists.lst[rows]) and lists.distinct_untracked(rows)
         if fresh and (len(self._b1) or len(self._b2)):
             fps = self._bound().fingerprints(rows)
             fresh = not (self._b1.contains_many(fps).any() or self._b2.contains_many(fps).any())

@@ -47,9 +47,9 @@ class RowLists:
         self.lst = np.zeros(capacity, np.uint8)
         self.pos = np.zeros(capacity, np.int32)
         # Scalar steps go through memoryviews (Python ints, no numpy scalar per access).
-        self._vlst, self._vpos = memoryview(self.lst), memoryview(self.pos)
+        self._vlst, self._vpos = self.lst.data, self.pos.data
         self._logs = [np.zeros(0, np.int32)] + [np.zeros(64, np.int32) for _ in range(nlists)]
-        self._vlogs = [memoryview(log) for log in self._logs]
+        self._vlogs = [log.data for log in self._logs]
         self._head = [0] * (nlists + 1)
         self._tail = [0] * (nlists + 1)
         self.size = [0] * (nlists + 1)
@@ -65,7 +65,7 @@ class RowLists:
             pos = np.zeros(cap, np.int32)
             pos[: len(self.pos)] = self.pos
             self.lst, self.pos = lst, pos
-            self._vlst, self._vpos = memoryview(lst), memoryview(pos)
+            self._vlst, self._vpos = lst.data, pos.data
 
     def list_of(self, row: int) -> int:
         return self._vlst[row] if row < len(self.lst) else 0
@@ -82,7 +82,7 @@ class RowLists:
         if cap != len(log):
             log = np.zeros(cap, np.int32)
             self._logs[which] = log
-            self._vlogs[which] = memoryview(log)
+            self._vlogs[which] = log.data
         log[:n] = live
         self.pos[live] = np.arange(n, dtype=np.int32)
         self._head[which], self._tail[which] = 0, n
@@ -136,6 +136,13 @@ class RowLists:
         self._tail[which] = tail + n
         self.size[which] += n
 
+    def distinct_untracked(self, rows: I64) -> bool:
+        """Whether `rows`, none of them in a list, are all different (no sort: an untracked
+        row's position is free to scribble on)."""
+        at = _arange32(0, len(rows))
+        self.pos[rows] = at
+        return bool(np.all(self.pos[rows] == at))
+
     def first(self, which: int, accept: Callable[[int], bool]) -> int | None:
         """The oldest row of list `which` that `accept`s, or None."""
         log = self._logs[which]
@@ -188,7 +195,7 @@ class GhostList:
 
     def __init__(self) -> None:
         self._ring = np.zeros(64, np.uint64)
-        self._vring = memoryview(self._ring)
+        self._vring = self._ring.data
         self._head = 0
         self._tail = 0  # entries live in [head, tail); one deleted since is not in the table
         self._n = 0
@@ -197,7 +204,7 @@ class GhostList:
     def _set_table(self, size: int) -> None:
         self._keys = np.zeros(size, np.uint64)
         self._vals = np.full(size, -1, np.int64)  # ring position, -1 empty
-        self._vk, self._vv = memoryview(self._keys), memoryview(self._vals)
+        self._vk, self._vv = self._keys.data, self._vals.data
         self._mask = size - 1
 
     def __len__(self) -> int:
@@ -297,7 +304,7 @@ class GhostList:
             ring *= 2
         self._ring = np.zeros(ring, np.uint64)
         self._ring[:n] = fps
-        self._vring = memoryview(self._ring)
+        self._vring = self._ring.data
         self._head, self._tail, self._n = 0, n, n
         self._set_table(size)
         keys, vals, mask = self._keys, self._vals, self._mask
