@@ -467,12 +467,22 @@ class Store:
             if self._recovered:
                 # Blocks recovered from SSD carry their namespace id but not its layout;
                 # the first request that sends the layout adopts them.
-                for entry in self._index:
-                    if entry.key[:HASH_BYTES] == ns_id:
-                        info.blocks += 1
-                        info.bytes += entry.nbytes
-                        for name in entry.locations:
-                            self.tenancy.add(tenant, name, entry.nbytes)
+                t = self._index.table
+                nsid = t.known_ns(ns_id)
+                if nsid is not None:
+                    rows = t.indexed_rows()
+                    rows = rows[t.ns[rows] == nsid]
+                    nbytes = t.nbytes[rows].astype(np.int64)
+                    info.blocks += len(rows)
+                    info.bytes += int(nbytes.sum())
+                    lt = t.lt[rows]
+                    for name, tid in self._tier_ids.items():
+                        held = (lt[:, 0] == tid) | (lt[:, 1] == tid)
+                        if held.any():
+                            self.tenancy.add(tenant, name, int(nbytes[held].sum()))
+                    for row in t.extra_locs.keys() & set(rows.tolist()):
+                        for slot in t.extra_locs[row]:
+                            self.tenancy.add(tenant, slot.tier, t.vnbytes[row])
             self._namespaces[ns_id] = info
             logger.info("namespace %s registered: model=%s dtype=%s block=%d tokens / %d bytes",
                         ns_id.hex(), layout.model, layout.dtype, layout.block_size_tokens, layout.bytes_per_block)
