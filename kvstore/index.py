@@ -16,7 +16,12 @@ knows the tier order).
 A location removed while readers still hold the entry is `retired`: its bytes are freed
 when the last reader lets go, never under a read in flight.
 
-Primitives: `get`, `add`, `remove`, `longest_ready_prefix`.
+Storage: every block is a row of a columnar `BlockTable` (kvstore.table), not an object.
+A `BlockEntry` is a small handle (table, row, generation) made on demand, whose
+properties read and write the row, so the store's per-block code reads as before; the
+bulk paths (a lookup's prefix probe, a put's publish, a restart) work on arrays of rows.
+
+Primitives: `get`, `add`, `remove`, `prefix_rows`, `longest_ready_prefix`.
 """
 
 from __future__ import annotations

@@ -1125,10 +1125,12 @@ class Store:
 
     async def _write_through(self, entry: BlockEntry) -> None:
         assert self.ssd is not None
-        if not entry.ssd_queued or entry.removed or self.ssd.name in entry.locations:
+        if not entry.ssd_queued:
             return
         src = self.top_tier(entry)
-        if src is None:
+        if entry.removed or self.ssd.name in entry.locations or src is None:
+            # Out of the queue with nothing to write: its row may be recycled once removed.
+            entry.ssd_queued = False
             return
         self._hold(entry)
         try:

@@ -162,6 +162,7 @@ class BlockTable:
         self._nfree = 0
         self._dead = np.zeros(0, np.int64)
         self._ndead = 0
+        self._reap_at = _REAP_BATCH
         # Per-namespace fingerprints (by interned id) and the ids themselves.
         self._ns_ids: dict[bytes, int] = {}
         self.ns_bytes: list[bytes] = []
@@ -239,7 +240,7 @@ class BlockTable:
 
     def new_row(self, ns: int, h0: int, h1: int) -> int:
         """A fresh row (LIVE, not READY, not indexed) for the key (ns, h0, h1)."""
-        if self._nfree == 0 and self._ndead >= _REAP_BATCH:
+        if self._nfree == 0 and self._ndead >= self._reap_at:
             self._reap()
         if self._nfree:
             self._nfree -= 1
@@ -270,7 +271,7 @@ class BlockTable:
     def take_rows(self, n: int) -> I64:
         """`n` rows for new blocks (recycled ones first): LIVE, no pins, readers or copies;
         the caller sets every other field."""
-        if self._nfree < n and self._ndead >= _REAP_BATCH:
+        if self._nfree < n and self._ndead >= self._reap_at:
             self._reap()
         k = min(n, self._nfree)
         reused = self._free[self._nfree - k:self._nfree][::-1].copy()
@@ -304,6 +305,9 @@ class BlockTable:
             self.free_row(row)
         self._dead[: len(held)] = held
         self._ndead = len(held)
+        # Rows still held are looked at again only once as many more have died: a long
+        # lease on many deleted blocks must not cost a scan on every put.
+        self._reap_at = max(_REAP_BATCH, 2 * len(held))
 
     @property
     def live_rows(self) -> int:
