@@ -66,7 +66,7 @@ U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 
 # Slots a batch probe looks at before walking on one key at a time.
-_WINDOWS = (np.arange(4, dtype=np.int64), np.arange(32, dtype=np.int64))
+_WINDOWS = (np.arange(8, dtype=np.int64),)
 _ARANGE = np.arange(4096, dtype=np.int64)
 
 
