@@ -131,7 +131,9 @@ class _SyncConn:
             self.sock.settimeout(timeout)
             self.timeout = timeout
         try:
-            self.sock.sendall(data)
+            # MSG_NOSIGNAL: a closed peer is an error here, never a SIGPIPE (the CLI runs
+            # with SIGPIPE's default action, which would end the process).
+            self.sock.sendall(data, socket.MSG_NOSIGNAL)
         except (BrokenPipeError, ConnectionResetError) as exc:
             # On a Unix socket a failed send delivered nothing.
             raise _Broken(f"the lane connection is closed ({exc.strerror})", False) from None

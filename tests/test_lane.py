@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -400,6 +401,8 @@ def test_request_limits_are_the_same_as_over_grpc(tmp_path, layout):
 
 
 def test_a_lane_that_goes_away_falls_back_to_grpc(tmp_path, layout):
+    # As in the CLI: writing to the dead connection must be an error, not a SIGPIPE.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     with daemon_in_thread(make_config(tmp_path)) as running:
         with Client(running.unix_target) as kv:
             kv.put(layout, list(range(8)), blocks_for(layout, 2))
