@@ -119,33 +119,37 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def time_lookups(client: Any, layout: Any, n: int, lookups: int) -> tuple[list[float], list[float]]:
-    """Seconds per `client.lookup` naming one block, and naming a random existing
-    1,000-block chain (warm-up calls excluded); closes the client."""
+def time_lookups(clients: list[Any], layout: Any, n: int, lookups: int) -> list[tuple[list[float], list[float]]]:
+    """For each client: seconds per `lookup` naming one block, and naming a random existing
+    1,000-block chain (warm-up calls excluded). The clients take turns call by call, on
+    the same chains, so that each sees the same load and the same cache state; closes them."""
     chains = n // CHAIN
     rng = random.Random(7)
-    times: list[float] = []
-    floor: list[float] = []
+    floors: list[list[float]] = [[] for _ in clients]
+    times: list[list[float]] = [[] for _ in clients]
     try:
         one = [block_hash(0)]
         for k in range(lookups // 4 + 50):  # the fixed cost of one Lookup call (1 block)
-            t = time.perf_counter()
-            client.lookup(layout, block_hashes=one)
-            if k >= 50:
-                floor.append(time.perf_counter() - t)
+            for client, floor in zip(clients, floors):
+                t = time.perf_counter()
+                client.lookup(layout, block_hashes=one)
+                if k >= 50:
+                    floor.append(time.perf_counter() - t)
         for k in range(lookups + 100):
             c = rng.randrange(chains)
             hashes = [block_hash(j) for j in range(c * CHAIN, (c + 1) * CHAIN)]
-            t = time.perf_counter()
-            r = client.lookup(layout, block_hashes=hashes)
-            dt = time.perf_counter() - t
-            if r.num_blocks != CHAIN:
-                raise RuntimeError(f"chain {c}: lookup found {r.num_blocks} of {CHAIN} blocks")
-            if k >= 100:  # warm-up excluded
-                times.append(dt)
+            for client, spent in zip(clients, times):
+                t = time.perf_counter()
+                r = client.lookup(layout, block_hashes=hashes)
+                dt = time.perf_counter() - t
+                if r.num_blocks != CHAIN:
+                    raise RuntimeError(f"chain {c}: lookup found {r.num_blocks} of {CHAIN} blocks")
+                if k >= 100:  # warm-up excluded
+                    spent.append(dt)
     finally:
-        client.close()
-    return floor, times
+        for client in clients:
+            client.close()
+    return list(zip(floors, times))
 
 
 def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks: int) -> dict[str, Any]:
@@ -162,11 +166,11 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
         print(f"  N={n:,}: filled in {filled['seconds']:.1f}s, RSS {base / 2**20:.0f} -> {rss / 2**20:.0f} MiB",
               flush=True)
         layout = bench_layout(block_bytes)
-        # The SDK's default path (the daemon's local control lane), then gRPC on the same
-        # socket, each over the same chains.
-        floor, times = time_lookups(Client(f"unix:{daemon.socket}", data_plane="grpc"), layout, n, lookups)
-        floor_grpc, times_grpc = time_lookups(
-            Client(f"unix:{daemon.socket}", data_plane="grpc", control_plane="grpc"), layout, n, lookups)
+        # The SDK's default path (the daemon's local control lane) and gRPC on the same
+        # socket, taking turns over the same chains.
+        (floor, times), (floor_grpc, times_grpc) = time_lookups(
+            [Client(f"unix:{daemon.socket}", data_plane="grpc"),
+             Client(f"unix:{daemon.socket}", data_plane="grpc", control_plane="grpc")], layout, n, lookups)
         server = daemon.command(f"lookups {n} {CHAIN} {lookups // 4}")
         collector = daemon.command("gc")
         evicted = daemon.command(f"fill {n} {evict_blocks} {CHAIN}")
