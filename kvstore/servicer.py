@@ -38,7 +38,7 @@ TIER_ENUM = {
 TIER_BY_ENUM = {v: k for k, v in TIER_ENUM.items()}
 
 
-def tier_enums(names: Sequence[str]) -> list[int]:
+def tier_enums(names: Sequence[str]) -> list[kvstore_pb2.Tier]:
     """The Tier values of a lookup's blocks; one repeated value when they all sit in one
     tier (the common case), without a dictionary step per block."""
     if names and names.count(names[0]) == len(names):

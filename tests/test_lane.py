@@ -28,6 +28,7 @@ from kvstore.errors import (
     PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
+    Unavailable,
 )
 from kvstore.laneproto import HEADER, HELLO_ANSWER, MAGIC, METHOD_IDS, frame, lane_path
 from kvstore.v1 import kvstore_pb2
@@ -417,3 +418,33 @@ def test_a_lane_that_goes_away_falls_back_to_grpc(tmp_path, layout):
             with pytest.raises(FailedPrecondition, match="control lane"):
                 kv.lookup(layout, list(range(8)))
 
+
+
+async def test_drain_refuses_new_lane_calls_but_lets_a_local_put_commit(daemon, layout):
+    """As over gRPC: once shutdown begins, new calls on the lane are refused with
+    UNAVAILABLE, but a co-located client's commit of a put it is copying is accepted."""
+    d = daemon.daemon
+    tokens = list(range(layout.block_size_tokens * 2))
+    payload = memoryview(os.urandom(layout.bytes_per_block))
+    async with AsyncClient(daemon.unix_target, control_plane="lane") as kv:
+        plane = await kv._local()
+        assert plane is not None
+        header = kvstore_pb2.PutHeader(
+            namespace=kvstore_pb2.Namespace(layout=layout_to_proto(layout)),
+            keys=kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(token_ids=tokens)))
+        begun = await kv._unary("LocalPut", kvstore_pb2.LocalPutRequest(header=header), timeout=10)
+        stop = asyncio.create_task(d.stop(grace_s=10))
+        for _ in range(1000):
+            if d._gate.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert d._gate.closed, "the drain never began"
+        with pytest.raises(Unavailable, match="shutting down"):
+            await kv.lookup(layout, tokens)
+        sums = plane.copy_in(begun.offsets, [payload, payload])
+        committed = await kv._unary("LocalCommit", kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, checksums=sums),
+                                    timeout=10)
+        assert committed.stored == 2
+        await stop
+    assert rpc_count(daemon, "Lookup", "UNAVAILABLE") == 1
+    assert not os.path.exists(lane_of(daemon))
