@@ -81,6 +81,14 @@ class Services:
     def __init__(self, workdir: Path, host_capacity: str) -> None:
         self.workdir = workdir
         self.procs: list[subprocess.Popen[bytes]] = []
+        try:
+            self._start(host_capacity)
+        except BaseException:
+            self.close()  # never leave a daemon (and its host segment) behind
+            raise
+
+    def _start(self, host_capacity: str) -> None:
+        workdir = self.workdir
         self.sock = workdir / "kv.sock"
         self.kv_port = free_port()
         log = open(workdir / "daemon.log", "wb")
