@@ -512,11 +512,23 @@ def tier_names(tiers: Sequence[Any]) -> list[str]:
     return list(map(TIER_NAMES.get, values, repeat("unknown", len(values))))
 
 
+_TIER_NAME_BY_VALUE: dict[int, str] = {int(value): name for value, name in TIER_NAMES.items()}
+
+
+def packed_tier_names(packed: bytes) -> list[str]:
+    """Tier names from LookupResponse.tiers_packed (one Tier value per byte): one name
+    repeated when every block sits in one tier, found by one C-level count."""
+    n = len(packed)
+    if n and packed.count(packed[:1]) == n:
+        return [_TIER_NAME_BY_VALUE.get(packed[0], "unknown")] * n
+    return list(map(_TIER_NAME_BY_VALUE.get, packed, repeat("unknown", n)))
+
+
 def lookup_result(resp: kvstore_pb2.LookupResponse) -> LookupResult:
     return LookupResult(
         num_blocks=resp.num_blocks,
         num_tokens=resp.num_tokens,
-        tiers=tier_names(resp.tiers),
+        tiers=packed_tier_names(resp.tiers_packed) if resp.tiers_packed else tier_names(resp.tiers),
         block_hashes=response_hashes(resp),
         namespace_id=resp.namespace_id,
         lease_id=resp.lease_id,

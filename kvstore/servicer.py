@@ -46,6 +46,13 @@ def tier_enums(names: Sequence[str]) -> list[kvstore_pb2.Tier]:
     return list(map(TIER_ENUM.__getitem__, names))
 
 
+def tier_bytes(names: Sequence[str]) -> bytes:
+    """`tier_enums` packed one byte per block (LookupResponse.tiers_packed)."""
+    if names and names.count(names[0]) == len(names):
+        return bytes((TIER_ENUM[names[0]],)) * len(names)
+    return bytes(map(TIER_ENUM.__getitem__, names))
+
+
 def packed_reply(keys: kvstore_pb2.BlockKeys) -> bool:
     """Whether a request's answer carries its block hashes packed (`block_hashes_packed`)
     rather than in the repeated field older clients read (see BlockKeys.packed_reply)."""
@@ -266,18 +273,20 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         resp = kvstore_pb2.LookupResponse(
             num_blocks=r.num_blocks,
             num_tokens=r.num_tokens,
-            tiers=tier_enums(r.tiers),
             namespace_id=ns_id,
             lease_id=self._lease_out(r.lease_id),
             block_size_tokens=r.block_size_tokens,
         )
+        if not packed_reply(request.keys):
+            resp.tiers.extend(tier_enums(r.tiers))
+            resp.block_hashes.extend(r.block_hashes)
+            return resp
+        resp.tiers_packed = tier_bytes(r.tiers)
         if request.keys.hashes.packed:
             # The hits are a prefix of the chain asked about: answer with its bytes.
             resp.block_hashes_packed = request.keys.hashes.packed[: r.num_blocks * HASH_BYTES]
-        elif request.keys.packed_reply:
-            resp.block_hashes_packed = b"".join(r.block_hashes)
         else:
-            resp.block_hashes.extend(r.block_hashes)
+            resp.block_hashes_packed = b"".join(r.block_hashes)
         return resp
 
     async def Put(

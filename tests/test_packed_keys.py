@@ -14,7 +14,7 @@ import xxhash
 
 from kvstore import errors
 from kvstore.client import AsyncClient
-from kvstore.client._common import layout_to_proto
+from kvstore.client._common import layout_to_proto, packed_tier_names
 from kvstore.daemon import Daemon
 from kvstore.hashing import block_hashes, block_hashes_packed, namespace_id, split_hashes, token_bytes
 from kvstore.layout import KVLayout
@@ -72,7 +72,8 @@ async def test_lookup_answers_in_the_form_asked(seeded, layout):
     old = await stub.Lookup(kvstore_pb2.LookupRequest(namespace=ns(layout), keys=repeated(chain)))
     new = await stub.Lookup(kvstore_pb2.LookupRequest(namespace=ns(layout), keys=packed(chain)))
     assert old.num_blocks == new.num_blocks == N
-    assert list(old.tiers) == list(new.tiers) == [kvstore_pb2.TIER_HOST] * N
+    assert (list(old.tiers), old.tiers_packed) == ([kvstore_pb2.TIER_HOST] * N, b"")
+    assert (list(new.tiers), new.tiers_packed) == ([], bytes([kvstore_pb2.TIER_HOST]) * N)
     assert (list(old.block_hashes), old.block_hashes_packed) == (hashes, b"")
     assert (list(new.block_hashes), new.block_hashes_packed) == ([], b"".join(hashes))
     # Token lookups: the repeated field for old clients, the packed one when asked for.
@@ -82,6 +83,7 @@ async def test_lookup_answers_in_the_form_asked(seeded, layout):
     new_tok = await stub.Lookup(kvstore_pb2.LookupRequest(namespace=ns(layout),
                                                           keys=kvstore_pb2.BlockKeys(tokens=tok, packed_reply=True)))
     assert (list(old_tok.block_hashes), old_tok.block_hashes_packed) == (hashes, b"")
+    assert len(old_tok.tiers) == N and not new_tok.tiers and len(new_tok.tiers_packed) == N
     assert (list(new_tok.block_hashes), new_tok.block_hashes_packed) == ([], b"".join(hashes))
     # Repeated hashes may ask for a packed answer too.
     mixed = repeated(chain)
@@ -209,6 +211,13 @@ def test_chained_hashes_match_the_spec(bst, n_blocks):
     got = block_hashes_packed(ns_id, tokens, bst)
     assert got == _reference_chain(ns_id, tokens, bst) and len(got) == n_blocks
     assert block_hashes_packed(ns_id, memoryview(tokens), bst) == got
+
+
+def test_packed_tier_names():
+    host, ssd = kvstore_pb2.TIER_HOST, kvstore_pb2.TIER_SSD
+    assert packed_tier_names(bytes([host]) * 3) == ["host"] * 3
+    assert packed_tier_names(bytes([host, ssd, host, 99])) == ["host", "ssd", "host", "unknown"]
+    assert packed_tier_names(b"") == []
 
 
 def test_split_hashes():
