@@ -136,19 +136,15 @@ def block_hashes_packed(
     out: list[bytes] = []
     if extras is None:
         # Every block's input but the chain link, [count | tokens | empty extra], laid out in
-        # one buffer by numpy and cut into bytes objects by one struct call: the loop below
+        # one buffer by numpy and cut into bytes objects by struct calls: the chain below
         # is then one concatenation and one digest per block, with no slicing in Python.
         width = 4 + step + 4
         rows = np.zeros((n_blocks, width), dtype=np.uint8)
         rows[:, :4] = np.frombuffer(_U32.pack(block_size_tokens), dtype=np.uint8)
         rows[:, 4 : 4 + step] = np.frombuffer(raw, dtype=np.uint8, count=n_blocks * step).reshape(n_blocks, step)
         prev = bytes(namespace)
-        append = out.append
         h128 = _h128
-        for body in _split(rows.tobytes(), width, n_blocks):
-            prev = h128(prev + body)
-            append(prev)
-        return out
+        return [prev := h128(prev + body) for body in _split(rows.tobytes(), width, n_blocks)]
     count = _U32.pack(block_size_tokens)
     prev = namespace
     for i in range(n_blocks):
