@@ -36,6 +36,8 @@ MAX_TOKEN_ID = (1 << 32) - 1
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _h128 = xxhash.xxh3_128_digest
+_NO_EXTRA = _U32.pack(0)  # u32le(len(extra)) of a block without extra bytes
+_NUMPY_FROM_BLOCKS = 32  # chains at least this long lay out their blocks with numpy (faster from ~40)
 
 
 def _str_field(value: str) -> bytes:
@@ -134,6 +136,13 @@ def block_hashes_packed(
         raise InvalidArgument(f"extras has {len(extras)} entries for {n_blocks} blocks")
     raw = memoryview(packed)
     out: list[bytes] = []
+    if extras is None and n_blocks < _NUMPY_FROM_BLOCKS:
+        # Short chains: each block's tokens cut out by one struct call, joined per block
+        # (numpy's fixed cost would outweigh what it saves).
+        count = _U32.pack(block_size_tokens)
+        prev = bytes(namespace)
+        h128 = _h128
+        return [prev := h128(prev + count + tokens + _NO_EXTRA) for tokens in _split(raw, step, n_blocks)]
     if extras is None:
         # Every block's input but the chain link, [count | tokens | empty extra], laid out in
         # one buffer by numpy and cut into bytes objects by struct calls: the chain below

@@ -204,7 +204,7 @@ def _reference_chain(namespace: bytes, packed_tokens: bytes, bst: int) -> list[b
     return out
 
 
-@pytest.mark.parametrize("bst,n_blocks", [(1, 3), (16, 0), (16, 1), (16, 1000), (16, 2500), (7, 1030)])
+@pytest.mark.parametrize("bst,n_blocks", [(1, 3), (16, 0), (16, 1), (16, 31), (16, 32), (16, 1000), (16, 2500), (7, 1030)])
 def test_chained_hashes_match_the_spec(bst, n_blocks):
     ns_id = bytes(range(16))
     tokens = token_bytes(list(range(bst * n_blocks + bst - 1)))  # trailing tokens short of a block
