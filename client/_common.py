@@ -17,7 +17,7 @@ import numpy as np
 
 from kvstore.config import DEFAULT_TCP_LISTEN, default_unix_socket
 from kvstore.errors import InvalidArgument, KVStoreError, error_for_status
-from kvstore.hashing import HASH_BYTES, token_bytes
+from kvstore.hashing import HASH_BYTES, split_hashes, token_bytes
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2
 from kvstore.wire import RawChunk, encode_chunk
@@ -166,18 +166,52 @@ def namespace_ref(layout: KVLayout) -> kvstore_pb2.Namespace:
 
 
 def block_keys(token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None) -> kvstore_pb2.BlockKeys:
+    """The keys of a request, with block hashes packed (N x 16 bytes) and the answer's
+    block hashes asked for packed too (`BlockKeys.packed_reply`)."""
     if (token_ids is None) == (block_hashes is None):
         raise InvalidArgument("name the blocks by token_ids or by block_hashes (exactly one)")
     if block_hashes is not None:
-        hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
-        # The common case checked without a Python step per block: all bytes, all 16 long.
-        if set(map(type, hashes)) <= {bytes} and set(map(len, hashes)) <= {HASH_BYTES}:
-            return kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=hashes))
-        for i, h in enumerate(hashes):
-            if not isinstance(h, (bytes, bytearray)) or len(h) != HASH_BYTES:
-                raise InvalidArgument(f"block_hashes[{i}] must be {HASH_BYTES} bytes")
-        return kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=[bytes(h) for h in hashes]))
-    return kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(packed_u32le=pack_tokens(token_ids)))
+        return packed_keys(pack_hashes(block_hashes))
+    return kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(packed_u32le=pack_tokens(token_ids)),
+                                 packed_reply=True)
+
+
+def packed_keys(packed: bytes) -> kvstore_pb2.BlockKeys:
+    """BlockKeys naming a packed hash chain (N x 16 bytes)."""
+    return kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(packed=packed), packed_reply=True)
+
+
+def pack_hashes(block_hashes: Sequence[bytes]) -> bytes:
+    """16-byte hashes joined in one C call; checked without a Python step per hash in
+    the common case, and one by one (to say which) only when something is wrong."""
+    hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
+    try:
+        packed = b"".join(hashes)
+    except TypeError:
+        packed = b""
+    # Their bytes add up to 16 per hash and none is longer: every one is 16 bytes.
+    if len(packed) == len(hashes) * HASH_BYTES and (not hashes or max(map(len, hashes)) == HASH_BYTES):
+        return packed
+    for i, h in enumerate(hashes):
+        if not isinstance(h, (bytes, bytearray)) or len(h) != HASH_BYTES:
+            raise InvalidArgument(f"block_hashes[{i}] must be {HASH_BYTES} bytes")
+    return b"".join(hashes)
+
+
+def response_hashes(resp: Any) -> list[bytes]:
+    """The block hashes of a response that has them (LookupResponse, PutResponse,
+    LocalPutResponse, LocalFetchResponse): the packed field, which the daemon fills for
+    the SDK's requests, else the repeated one."""
+    if resp.block_hashes_packed:
+        return split_hashes(resp.block_hashes_packed)
+    return list(resp.block_hashes)
+
+
+def response_keys(resp: Any, start: int, stop: int) -> kvstore_pb2.BlockKeys:
+    """BlockKeys naming blocks [start, stop) of a response's hashes."""
+    if resp.block_hashes_packed:
+        return packed_keys(resp.block_hashes_packed[start * HASH_BYTES : stop * HASH_BYTES])
+    return packed_keys(b"".join(resp.block_hashes[start:stop]))
 
 
 def pack_tokens(token_ids: Any) -> bytes:
@@ -366,6 +400,18 @@ def take_held(held: dict[int, HeldSlots], block_bytes: int, num_blocks: int) -> 
 
 
 DATA_PLANES = ("auto", "local", "grpc")
+CONTROL_PLANES = ("auto", "lane", "grpc")
+# After the lane could not be used, calls go through gRPC; the lane is tried again this
+# much later (a daemon restarted, or started without the lane, and so on).
+LANE_RETRY_S = 5.0
+
+
+def check_control_plane(control_plane: str, target: str) -> str:
+    if control_plane not in CONTROL_PLANES:
+        raise InvalidArgument(f"control_plane must be one of {', '.join(CONTROL_PLANES)}, got {control_plane!r}")
+    if control_plane == "lane" and not target.startswith("unix:"):
+        raise InvalidArgument(f"control_plane='lane' needs a Unix socket target (unix:PATH), not {target!r}")
+    return control_plane
 
 
 def check_data_plane(data_plane: str) -> str:
@@ -447,17 +493,43 @@ class FetchAssembler:
 def translate(exc: grpc.RpcError) -> KVStoreError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
+    return translate_status(code, details or "")
+
+
+def translate_status(code: grpc.StatusCode, details: str) -> KVStoreError:
+    """The exception for a failed call's status, whichever transport carried it."""
     if code == grpc.StatusCode.UNAVAILABLE:
         details = f"kvstore daemon unavailable: {details}; is it running, and is the target right?"
-    return error_for_status(code, details or "")
+    return error_for_status(code, details)
+
+
+def tier_names(tiers: Sequence[Any]) -> list[str]:
+    """Tier names of a lookup's blocks. Usually every block sits in one tier: then one
+    name repeated, without a dictionary step per block."""
+    values: list[Any] = list(tiers)
+    if values and values.count(values[0]) == len(values):
+        return [TIER_NAMES.get(values[0], "unknown")] * len(values)
+    return list(map(TIER_NAMES.get, values, repeat("unknown", len(values))))
+
+
+_TIER_NAME_BY_VALUE: dict[int, str] = {int(value): name for value, name in TIER_NAMES.items()}
+
+
+def packed_tier_names(packed: bytes) -> list[str]:
+    """Tier names from LookupResponse.tiers_packed (one Tier value per byte): one name
+    repeated when every block sits in one tier, found by one C-level count."""
+    n = len(packed)
+    if n and packed.count(packed[:1]) == n:
+        return [_TIER_NAME_BY_VALUE.get(packed[0], "unknown")] * n
+    return list(map(_TIER_NAME_BY_VALUE.get, packed, repeat("unknown", n)))
 
 
 def lookup_result(resp: kvstore_pb2.LookupResponse) -> LookupResult:
     return LookupResult(
         num_blocks=resp.num_blocks,
         num_tokens=resp.num_tokens,
-        tiers=list(map(TIER_NAMES.get, resp.tiers, repeat("unknown", len(resp.tiers)))),
-        block_hashes=list(resp.block_hashes),
+        tiers=packed_tier_names(resp.tiers_packed) if resp.tiers_packed else tier_names(resp.tiers),
+        block_hashes=response_hashes(resp),
         namespace_id=resp.namespace_id,
         lease_id=resp.lease_id,
     )
