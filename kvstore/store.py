@@ -767,12 +767,11 @@ class Store:
                 "block in it is pinned or being moved; retry later, release leases, or add capacity"
             )
         entry = self._index.entry(row)
-        key = entry.key
         if st is self.ssd:
             # Region-level reclaim: a region frees only when all its records are dead,
             # so evict the victim's whole region (what of it is evictable) at once.
             region_keys = getattr(st.tier, "region_keys", None)
-            keys = region_keys(entry.locations[st.name]) if region_keys is not None else [key]
+            keys = region_keys(entry.locations[st.name]) if region_keys is not None else [entry.key]
             for k in keys:
                 e = self._index.get(k)
                 if e is not None and e.evictable and e.slot_in(st.name) is not None:

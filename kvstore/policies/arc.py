@@ -179,13 +179,17 @@ class ARCPolicy(EvictionPolicy):
 
     def _trim_ghosts(self) -> None:
         # ARC's bounds: |T1| + |B1| <= c and the whole directory <= 2c.
-        t1, t2 = self._lists.size[T1], self._lists.size[T2]
+        size = self._lists.size
+        t1, t2 = size[T1], size[T2]
         c = max(self._c, t1 + t2)
         b1, b2 = self._b1, self._b2
-        while len(b1) and t1 + len(b1) > c:
+        n1, n2 = len(b1), len(b2)
+        while n1 and t1 + n1 > c:
             b1.pop_oldest()
-        while len(b2) and t1 + t2 + len(b1) + len(b2) > 2 * c:
+            n1 -= 1
+        while n2 and t1 + t2 + n1 + n2 > 2 * c:
             b2.pop_oldest()
+            n2 -= 1
 
     def victim_row(self, evictable: Callable[[int], bool]) -> int | None:
         lists = self._lists
