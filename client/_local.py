@@ -38,7 +38,7 @@ def _copy_hash(dst: np.ndarray, src: np.ndarray) -> int:
     one-shot `xxh3_64_intdigest` holds it in some, and two threads must hash at once."""
     np.copyto(dst, src)
     h = xxhash.xxh3_64()
-    h.update(dst)
+    h.update(dst.data)
     return h.intdigest()
 
 
