@@ -7,7 +7,9 @@ Per N (default 1M and 10M blocks), on a real daemon process (bench/scale_daemon.
   (a benchmark instrument: capacity accounted exactly, bytes not stored);
 * rss_bytes_per_block: (VmRSS after the fill - VmRSS before) / N, from /proc/PID/status;
 * lookup_p50_us / lookup_p99_us: `Client.lookup` of an existing 1,000-block chain over
-  the Unix socket with the real SDK (gRPC bytes plane);
+  the Unix socket with the real SDK's default path (the daemon's local control lane);
+  lookup_grpc_p50_us / lookup_grpc_p99_us / lookup_grpc_1block_p50_us: the same calls
+  over gRPC on the same socket (`control_plane="grpc"`);
 * lookup_1block_p50_us: the same RPC naming one block (the fixed cost of a call), and
   store_lookup_*: `Store.lookup` of the chains inside the daemon (the server's share);
 * gc_full_ms: one full collection of Python's cyclic GC in the daemon after the fill
@@ -117,6 +119,39 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
+def time_lookups(clients: list[Any], layout: Any, n: int, lookups: int) -> list[tuple[list[float], list[float]]]:
+    """For each client: seconds per `lookup` naming one block, and naming a random existing
+    1,000-block chain (warm-up calls excluded). The clients take turns call by call, on
+    the same chains, so that each sees the same load and the same cache state; closes them."""
+    chains = n // CHAIN
+    rng = random.Random(7)
+    floors: list[list[float]] = [[] for _ in clients]
+    times: list[list[float]] = [[] for _ in clients]
+    try:
+        one = [block_hash(0)]
+        for k in range(lookups // 4 + 50):  # the fixed cost of one Lookup call (1 block)
+            for client, floor in zip(clients, floors):
+                t = time.perf_counter()
+                client.lookup(layout, block_hashes=one)
+                if k >= 50:
+                    floor.append(time.perf_counter() - t)
+        for k in range(lookups + 100):
+            c = rng.randrange(chains)
+            hashes = [block_hash(j) for j in range(c * CHAIN, (c + 1) * CHAIN)]
+            for client, spent in zip(clients, times):
+                t = time.perf_counter()
+                r = client.lookup(layout, block_hashes=hashes)
+                dt = time.perf_counter() - t
+                if r.num_blocks != CHAIN:
+                    raise RuntimeError(f"chain {c}: lookup found {r.num_blocks} of {CHAIN} blocks")
+                if k >= 100:  # warm-up excluded
+                    spent.append(dt)
+    finally:
+        for client in clients:
+            client.close()
+    return list(zip(floors, times))
+
+
 def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks: int) -> dict[str, Any]:
     from kvstore.client import Client
 
@@ -131,30 +166,11 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
         print(f"  N={n:,}: filled in {filled['seconds']:.1f}s, RSS {base / 2**20:.0f} -> {rss / 2**20:.0f} MiB",
               flush=True)
         layout = bench_layout(block_bytes)
-        client = Client(f"unix:{daemon.socket}", data_plane="grpc")
-        chains = n // CHAIN
-        rng = random.Random(7)
-        times: list[float] = []
-        floor: list[float] = []
-        try:
-            one = [block_hash(0)]
-            for k in range(lookups // 4 + 50):  # the fixed cost of one Lookup RPC (1 block)
-                t = time.perf_counter()
-                client.lookup(layout, block_hashes=one)
-                if k >= 50:
-                    floor.append(time.perf_counter() - t)
-            for k in range(lookups + 100):
-                c = rng.randrange(chains)
-                hashes = [block_hash(j) for j in range(c * CHAIN, (c + 1) * CHAIN)]
-                t = time.perf_counter()
-                r = client.lookup(layout, block_hashes=hashes)
-                dt = time.perf_counter() - t
-                if r.num_blocks != CHAIN:
-                    raise RuntimeError(f"chain {c}: lookup found {r.num_blocks} of {CHAIN} blocks")
-                if k >= 100:  # warm-up excluded
-                    times.append(dt)
-        finally:
-            client.close()
+        # The SDK's default path (the daemon's local control lane) and gRPC on the same
+        # socket, taking turns over the same chains.
+        (floor, times), (floor_grpc, times_grpc) = time_lookups(
+            [Client(f"unix:{daemon.socket}", data_plane="grpc"),
+             Client(f"unix:{daemon.socket}", data_plane="grpc", control_plane="grpc")], layout, n, lookups)
         server = daemon.command(f"lookups {n} {CHAIN} {lookups // 4}")
         collector = daemon.command("gc")
         evicted = daemon.command(f"fill {n} {evict_blocks} {CHAIN}")
@@ -170,6 +186,9 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
             "lookup_mean_us": statistics.fmean(times) * 1e6,
             "lookups": len(times),
             "lookup_1block_p50_us": percentile(floor, 0.50) * 1e6,
+            "lookup_grpc_p50_us": percentile(times_grpc, 0.50) * 1e6,
+            "lookup_grpc_p99_us": percentile(times_grpc, 0.99) * 1e6,
+            "lookup_grpc_1block_p50_us": percentile(floor_grpc, 0.50) * 1e6,
             **server,
             **collector,
             # CPU time of the daemon process: what the metadata costs, undisturbed by other
@@ -330,7 +349,8 @@ def main() -> None:
         r["rebuild_s_snapshot"] = ssd.get("rebuild_s_snapshot")
     doc = {
         "fill_path": FILL_PATH,
-        "lookup_path": "kvstore.client.Client.lookup over the Unix socket (gRPC), chains of 1000 existing blocks",
+        "lookup_path": ("kvstore.client.Client.lookup over the Unix socket (the local control lane; lookup_grpc_*: "
+                        "gRPC on the same socket), chains of 1000 existing blocks"),
         "policy": args.policy,
         "block_bytes_accounted": args.block_bytes,
         "python": platform.python_version(),
@@ -342,16 +362,18 @@ def main() -> None:
         json.dump(doc, fh, indent=2)
     plot(rows, ssd, os.path.splitext(args.out)[0] + ".png")
     header = (f"{'N':>11} {'RSS B/blk':>10} {'Lookup p50':>11} {'p99 us':>8} {'1-blk p50':>10} "
-              f"{'store p50':>10} {'p99 us':>8} {'put us/blk':>11} {'evict us/blk':>13}")
+              f"{'gRPC p50':>9} {'p99 us':>8} {'store p50':>10} {'p99 us':>8} {'put us/blk':>11} {'evict us/blk':>13}")
     print(header)
     for r in rows:
         print(f"{r['n_blocks']:>11,} {r['rss_bytes_per_block']:>10.0f} {r['lookup_p50_us']:>11.0f} "
-              f"{r['lookup_p99_us']:>8.0f} {r['lookup_1block_p50_us']:>10.0f} {r['store_lookup_p50_us']:>10.0f} "
+              f"{r['lookup_p99_us']:>8.0f} {r['lookup_1block_p50_us']:>10.0f} {r['lookup_grpc_p50_us']:>9.0f} "
+              f"{r['lookup_grpc_p99_us']:>8.0f} {r['store_lookup_p50_us']:>10.0f} "
               f"{r['store_lookup_p99_us']:>8.0f} {r['put_us_per_block']:>11.2f} {r['evict_us_per_block']:>13.2f}")
     for r in rows:
         print(f"N={r['n_blocks']:,}: full GC {r['gc_full_ms']:.0f} ms wall, {r['gc_full_cpu_ms']:.0f} ms CPU, "
               f"{r['gc_tracked_objects']:,} objects tracked, {r['gc_frozen_objects']:,} frozen")
-    print("Lookup: SDK over the Unix socket, 1000-block chain; 1-blk: the same RPC for one block; "
+    print("Lookup: SDK over the Unix socket (control lane), 1000-block chain; 1-blk: the same call for one block; "
+          "gRPC: the same 1000-block lookups over gRPC on that socket; "
           "store: Store.lookup in the daemon. put/evict: daemon CPU time per block.")
     if ssd:
         print(f"SSD rebuild of {ssd['ssd_records']:,} records: {ssd['rebuild_s_log']:.2f}s from the log, "

@@ -170,14 +170,41 @@ def block_keys(token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | 
         raise InvalidArgument("name the blocks by token_ids or by block_hashes (exactly one)")
     if block_hashes is not None:
         hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
-        # The common case checked without a Python step per block: all bytes, all 16 long.
-        if set(map(type, hashes)) <= {bytes} and set(map(len, hashes)) <= {HASH_BYTES}:
-            return kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=hashes))
+        fast = _hash_keys(hashes)
+        if fast is not None:
+            return fast
         for i, h in enumerate(hashes):
             if not isinstance(h, (bytes, bytearray)) or len(h) != HASH_BYTES:
                 raise InvalidArgument(f"block_hashes[{i}] must be {HASH_BYTES} bytes")
         return kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=[bytes(h) for h in hashes]))
     return kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(packed_u32le=pack_tokens(token_ids)))
+
+
+# BlockHashes.hashes (field 1, length-delimited) of one 16-byte hash: tag, then length.
+_HASH_ENTRY = bytes([1 << 3 | 2, HASH_BYTES])
+
+
+def _hash_keys(hashes: list[bytes]) -> kvstore_pb2.BlockKeys | None:
+    """BlockKeys of well-formed hashes without a Python step per block: the repeated
+    field's bytes are joined in C and parsed once (constructing the message from a list
+    costs several times more). None when any hash is not a 16-byte buffer: the caller
+    then checks them one by one and says which."""
+    n = len(hashes)
+    if not n:
+        return None
+    try:
+        encoded = _HASH_ENTRY + _HASH_ENTRY.join(hashes)
+    except TypeError:
+        return None
+    # Their bytes add up to 16 per hash and none is longer: every one is 16 bytes.
+    if len(encoded) != n * (HASH_BYTES + 2) or max(map(len, hashes)) != HASH_BYTES:
+        return None
+    keys = kvstore_pb2.BlockKeys()
+    try:
+        keys.hashes.MergeFromString(encoded)
+    except Exception:  # DecodeError; the checks above make it unreachable for real buffers
+        return None
+    return keys if len(keys.hashes.hashes) == n else None
 
 
 def pack_tokens(token_ids: Any) -> bytes:
@@ -366,6 +393,18 @@ def take_held(held: dict[int, HeldSlots], block_bytes: int, num_blocks: int) -> 
 
 
 DATA_PLANES = ("auto", "local", "grpc")
+CONTROL_PLANES = ("auto", "lane", "grpc")
+# After the lane could not be used, calls go through gRPC; the lane is tried again this
+# much later (a daemon restarted, or started without the lane, and so on).
+LANE_RETRY_S = 5.0
+
+
+def check_control_plane(control_plane: str, target: str) -> str:
+    if control_plane not in CONTROL_PLANES:
+        raise InvalidArgument(f"control_plane must be one of {', '.join(CONTROL_PLANES)}, got {control_plane!r}")
+    if control_plane == "lane" and not target.startswith("unix:"):
+        raise InvalidArgument(f"control_plane='lane' needs a Unix socket target (unix:PATH), not {target!r}")
+    return control_plane
 
 
 def check_data_plane(data_plane: str) -> str:
@@ -447,16 +486,30 @@ class FetchAssembler:
 def translate(exc: grpc.RpcError) -> KVStoreError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
+    return translate_status(code, details or "")
+
+
+def translate_status(code: grpc.StatusCode, details: str) -> KVStoreError:
+    """The exception for a failed call's status, whichever transport carried it."""
     if code == grpc.StatusCode.UNAVAILABLE:
         details = f"kvstore daemon unavailable: {details}; is it running, and is the target right?"
-    return error_for_status(code, details or "")
+    return error_for_status(code, details)
+
+
+def tier_names(tiers: Sequence[Any]) -> list[str]:
+    """Tier names of a lookup's blocks. Usually every block sits in one tier: then one
+    name repeated, without a dictionary step per block."""
+    values: list[Any] = list(tiers)
+    if values and values.count(values[0]) == len(values):
+        return [TIER_NAMES.get(values[0], "unknown")] * len(values)
+    return list(map(TIER_NAMES.get, values, repeat("unknown", len(values))))
 
 
 def lookup_result(resp: kvstore_pb2.LookupResponse) -> LookupResult:
     return LookupResult(
         num_blocks=resp.num_blocks,
         num_tokens=resp.num_tokens,
-        tiers=list(map(TIER_NAMES.get, resp.tiers, repeat("unknown", len(resp.tiers)))),
+        tiers=tier_names(resp.tiers),
         block_hashes=list(resp.block_hashes),
         namespace_id=resp.namespace_id,
         lease_id=resp.lease_id,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from kvstore.client._common import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_TIMEOUT_S,
     FetchAssembler,
+    LANE_RETRY_S,
     HeldSlots,
     LookupResult,
     PinResult,
@@ -22,6 +24,7 @@ from kvstore.client._common import (
     PreparedPut,
     PutResult,
     block_keys,
+    check_control_plane,
     check_data_plane,
     check_reserve_ahead,
     device_put_header,
@@ -43,8 +46,10 @@ from kvstore.client._common import (
     upload_blocks,
     writable_view,
 )
+from kvstore.client._lane import AioLane, LaneUnavailable, lane_socket
 from kvstore.client._local import LocalPlane
-from kvstore.errors import FailedPrecondition
+from kvstore.errors import FailedPrecondition, KVStoreError
+from kvstore.laneproto import RESPONSE_TYPES, method_path
 from kvstore.layout import KVLayout
 from kvstore.wire import FETCH_METHOD, PUT_METHOD, fetch_response_deserializer, put_request_serializer
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
@@ -72,6 +77,11 @@ class AsyncClient:
     wait (at most 30 s), so it is off (0) by default; a steady writer such as an engine
     saving its KV each step gains from `reserve_ahead` = its usual blocks per put.
 
+    `control_plane`: `auto` sends the unary calls (lookup, the local data plane's
+    put/commit/fetch, pin, delete...) over the daemon's local control lane when the target
+    is a Unix socket and the lane answers, and over gRPC otherwise; `lane` insists on it;
+    `grpc` never uses it. `control_plane_in_use()` tells which one is active.
+
     `token` (or `token_file`, else `KVSTORE_TOKEN` / `KVSTORE_TOKEN_FILE`) is sent as a
     bearer token on every call; `tls_ca` (else `KVSTORE_TLS_CA`) turns on TLS with those
     roots, and `tls_cert`/`tls_key` present a client certificate (mTLS).
@@ -80,8 +90,9 @@ class AsyncClient:
     def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_plane: str = "auto", token: str | None = None,
                  token_file: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, reserve_ahead: int = 0) -> None:
+                 tls_key: str | None = None, reserve_ahead: int = 0, control_plane: str = "auto") -> None:
         self.target = resolve_target(target)
+        self.control_plane = check_control_plane(control_plane, self.target)
         self.reserve_ahead = check_reserve_ahead(reserve_ahead)
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
@@ -107,6 +118,13 @@ class AsyncClient:
                                                  request_serializer=kvstore_pb2.FetchRequest.SerializeToString,
                                                  response_deserializer=fetch_response_deserializer)
         self._admin = admin_pb2_grpc.AdminStub(self._channel)
+        # The local control lane (a Unix socket next to the daemon's): tried on the first
+        # call; after a failure, gRPC until LANE_RETRY_S later.
+        path = lane_socket(self.target) if self.control_plane != "grpc" else None
+        self._lane = AioLane(path, self.security.token) if path else None
+        self._lane_up = False
+        self._lane_retry_at = 0.0
+        self._raw: dict[str, Any] = {}
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -117,15 +135,15 @@ class AsyncClient:
     async def close(self) -> None:
         for held in self._reserved.values():
             try:
-                await self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id, abort=True),
+                await self._unary("LocalCommit", kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id, abort=True),
                                       timeout=min(1.0, self.timeout_s))
-            except grpc.RpcError:
+            except KVStoreError:
                 pass  # the reservation expires by itself
         self._reserved.clear()
         for lease_id in self._take_releases():
             try:
-                await self._kv.Unpin(kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=min(1.0, self.timeout_s))
-            except grpc.RpcError:
+                await self._unary("Unpin", kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=min(1.0, self.timeout_s))
+            except KVStoreError:
                 pass  # the lease expires by itself
         if self._device is not None:
             self._device.close()
@@ -133,6 +151,8 @@ class AsyncClient:
         if self._plane is not None:
             self._plane.close()
             self._plane = None
+        if self._lane is not None:
+            self._lane.close()
         await self._channel.close()
 
     def _take_releases(self) -> list[str]:
@@ -141,6 +161,48 @@ class AsyncClient:
 
     def _t(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else timeout_s
+
+    # ------------------------------------------------------------------ control calls
+
+    async def control_plane_in_use(self) -> str:
+        """`lane` when unary calls go over the daemon's local control lane, else `grpc`."""
+        lane = self._lane
+        if lane is not None and not self._lane_up and time.monotonic() >= self._lane_retry_at:
+            try:
+                await lane.open(self.timeout_s)
+                self._lane_up = True
+            except LaneUnavailable as exc:
+                self._lane_failed(exc)
+        return "lane" if self._lane_up else "grpc"
+
+    def _lane_failed(self, exc: LaneUnavailable) -> None:
+        if self.control_plane == "lane":
+            raise FailedPrecondition(f"cannot use the local control lane: {exc}") from None
+        logger.info("local control lane unavailable (%s); unary calls go through gRPC", exc)
+        self._lane_up = False
+        self._lane_retry_at = time.monotonic() + LANE_RETRY_S
+
+    async def _call(self, name: str, payload: bytes, timeout: float) -> bytes:
+        """One unary KVStore call, serialized both ways: over the lane when it is up (or
+        due for another try), else over gRPC. Failures raise `kvstore.errors` exceptions."""
+        lane = self._lane
+        if lane is not None and (self._lane_up or time.monotonic() >= self._lane_retry_at):
+            try:
+                answer = await lane.call(name, payload, timeout)
+                self._lane_up = True
+                return answer
+            except LaneUnavailable as exc:
+                self._lane_failed(exc)
+        stub = self._raw.get(name)
+        if stub is None:
+            stub = self._raw[name] = self._channel.unary_unary(method_path(name))
+        try:
+            return await stub(payload, timeout=timeout)  # type: ignore[no-any-return]
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+
+    async def _unary(self, name: str, request: Any, *, timeout: float) -> Any:
+        return RESPONSE_TYPES[name].FromString(await self._call(name, request.SerializeToString(), timeout))
 
     async def data_plane_in_use(self) -> str:
         await self._local()
@@ -160,10 +222,10 @@ class AsyncClient:
             return self._plane
         self._plane_tried = True
         try:
-            resp = await self._kv.LocalSegment(kvstore_pb2.LocalSegmentRequest(), timeout=self.timeout_s)
+            resp = await self._unary("LocalSegment", kvstore_pb2.LocalSegmentRequest(), timeout=self.timeout_s)
             self._plane = LocalPlane.attach(resp)
-        except (grpc.RpcError, OSError, ValueError) as exc:
-            reason = translate(exc) if isinstance(exc, grpc.RpcError) else exc
+        except (KVStoreError, OSError, ValueError) as exc:
+            reason = exc
             if self.data_plane == "local":
                 raise FailedPrecondition(f"cannot use the shared-memory data plane: {reason}") from None
             logger.info("shared-memory data plane unavailable (%s); block bytes go through gRPC", reason)
@@ -183,10 +245,10 @@ class AsyncClient:
         from kvstore.client._device import DevicePlane
 
         try:
-            resp = await self._kv.DeviceSegment(kvstore_pb2.DeviceSegmentRequest(), timeout=self.timeout_s)
+            resp = await self._unary("DeviceSegment", kvstore_pb2.DeviceSegmentRequest(), timeout=self.timeout_s)
             self._device = DevicePlane.attach(resp, plane.token)
-        except (grpc.RpcError, ValueError) as exc:
-            reason = translate(exc) if isinstance(exc, grpc.RpcError) else exc
+        except (KVStoreError, ValueError) as exc:
+            reason = exc
             logger.info("device data plane unavailable (%s); CUDA blocks go through host memory", reason)
         return self._device
 
@@ -201,7 +263,7 @@ class AsyncClient:
                           hint: kvstore_pb2.ReuseHint | None, timeout: float) -> PutResult:
         header = device_put_header(layout, token_ids, block_hashes, blocks, first_block, hint)
         try:
-            begun = await self._kv.DevicePut(
+            begun = await self._unary("DevicePut",
                 kvstore_pb2.LocalPutRequest(header=header, release_lease_ids=self._take_releases()), timeout=timeout)
             return await self._copy_and_commit(
                 begun.txn_id, lambda: device.copy_in(begun.offsets, blocks, begun.block_bytes), timeout)
@@ -210,7 +272,7 @@ class AsyncClient:
 
     async def _fetch_device(self, device: Any, layout: KVLayout, keys: kvstore_pb2.BlockKeys, out: Sequence[Any],
                             lease_id: str, timeout: float) -> list[Any]:
-        resp = await self._kv.DeviceFetch(
+        resp = await self._unary("DeviceFetch",
             kvstore_pb2.LocalFetchRequest(namespace=namespace_ref(layout), keys=keys,
                                           release_lease_ids=self._take_releases() + ([lease_id] if lease_id else [])),
             timeout=timeout,
@@ -224,7 +286,7 @@ class AsyncClient:
             if resp.lease_id:
                 self._releases.append(resp.lease_id)
         if good < n_dev:
-            await self._kv.Verify(kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout),
+            await self._unary("Verify", kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout),
                                                             keys=block_keys(None, resp.block_hashes[good:n_dev])),
                                   timeout=timeout)
             return dsts[:good]
@@ -244,7 +306,7 @@ class AsyncClient:
         req = kvstore_pb2.LookupRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes),
                                         lease_ms=lease_ms, hint=reuse_hint(session_id, expect_reuse_within_s))
         try:
-            return lookup_result(await self._kv.Lookup(req, timeout=self._t(timeout_s)))
+            return lookup_result(await self._unary("Lookup", req, timeout=self._t(timeout_s)))
         except grpc.RpcError as exc:
             raise translate(exc) from None
 
@@ -272,13 +334,13 @@ class AsyncClient:
                 try:
                     sums = await asyncio.to_thread(plane.copy_in, held.offsets[:n], prepared.views)
                 except BaseException:
-                    await self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id,
+                    await self._unary("LocalCommit", kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id,
                                                                               abort=True), timeout=timeout)
                     raise
                 one_trip = await self._commit_reserved(prepared, held, sums, timeout)
                 if one_trip is not None:
                     return one_trip
-            begun = await self._kv.LocalPut(
+            begun = await self._unary("LocalPut",
                 kvstore_pb2.LocalPutRequest(header=prepared.header, release_lease_ids=self._take_releases(),
                                             reserve_ahead=min(n, self.reserve_ahead),
                                             reuse_reservation_id=unfit),
@@ -296,9 +358,9 @@ class AsyncClient:
         try:
             sums = await asyncio.to_thread(copy_in)
         except BaseException:
-            await self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=txn_id, abort=True), timeout=timeout)
+            await self._unary("LocalCommit", kvstore_pb2.LocalCommitRequest(txn_id=txn_id, abort=True), timeout=timeout)
             raise
-        resp = await self._kv.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=txn_id, checksums=sums),
+        resp = await self._unary("LocalCommit", kvstore_pb2.LocalCommitRequest(txn_id=txn_id, checksums=sums),
                                           timeout=timeout)
         return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
 
@@ -307,16 +369,14 @@ class AsyncClient:
         """Publish a put copied into reserved slots (one round trip); None when the daemon
         no longer holds the reservation, and the put must take the two-trip path."""
         try:
-            resp = await self._kv.LocalCommit(
+            resp = await self._unary("LocalCommit",
                 kvstore_pb2.LocalCommitRequest(header=prepared.header, reservation_id=held.reservation_id,
                                                checksums=sums,
                                                reserve_ahead=min(len(prepared.views), self.reserve_ahead),
                                                release_lease_ids=self._take_releases()),
                 timeout=timeout)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
-            logger.info("slot reservation gone (%s); putting in two round trips", exc.details())
+        except FailedPrecondition as exc:
+            logger.info("slot reservation gone (%s); putting in two round trips", exc)
             return None
         keep_held(self._reserved, resp.reservation)
         return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
@@ -346,7 +406,7 @@ class AsyncClient:
             plane = await self._local()
             if plane is None:
                 return await self._fetch_grpc(layout, keys, out, lease_id, timeout)
-            resp = await self._kv.LocalFetch(
+            resp = await self._unary("LocalFetch",
                 # The lookup lease (if any) ends here: this call takes its own on the slots.
                 kvstore_pb2.LocalFetchRequest(namespace=namespace_ref(layout), keys=keys,
                                               release_lease_ids=self._take_releases() + ([lease_id] if lease_id else [])),
@@ -361,7 +421,7 @@ class AsyncClient:
                 if resp.lease_id:
                     self._releases.append(resp.lease_id)
             if good < n_local:
-                await self._kv.Verify(kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout),
+                await self._unary("Verify", kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout),
                                                           keys=block_keys(None, resp.block_hashes[good:n_local])),
                                 timeout=timeout)
                 return dsts[:good]
@@ -385,7 +445,7 @@ class AsyncClient:
                block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:
         req = kvstore_pb2.DeleteRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes))
         try:
-            return (await self._kv.Delete(req, timeout=self._t(timeout_s))).deleted
+            return (await self._unary("Delete", req, timeout=self._t(timeout_s))).deleted
         except grpc.RpcError as exc:
             raise translate(exc) from None
 
@@ -395,7 +455,7 @@ class AsyncClient:
         req = kvstore_pb2.PinRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes),
                                      ttl_ms=ttl_ms)
         try:
-            resp = await self._kv.Pin(req, timeout=self._t(timeout_s))
+            resp = await self._unary("Pin", req, timeout=self._t(timeout_s))
         except grpc.RpcError as exc:
             raise translate(exc) from None
         return PinResult(resp.lease_id, resp.pinned, resp.expires_in_ms)
@@ -408,20 +468,20 @@ class AsyncClient:
         req = kvstore_pb2.HintRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes),
                                       hint=reuse_hint(session_id, expect_reuse_within_s))
         try:
-            return (await self._kv.Hint(req, timeout=self._t(timeout_s))).hinted
+            return (await self._unary("Hint", req, timeout=self._t(timeout_s))).hinted
         except grpc.RpcError as exc:
             raise translate(exc) from None
 
     async def end_session(self, session_id: str, *, timeout_s: float | None = None) -> None:
         """The session is over: release whatever its hints protect."""
         try:
-            await self._kv.EndSession(kvstore_pb2.EndSessionRequest(session_id=session_id), timeout=self._t(timeout_s))
+            await self._unary("EndSession", kvstore_pb2.EndSessionRequest(session_id=session_id), timeout=self._t(timeout_s))
         except grpc.RpcError as exc:
             raise translate(exc) from None
 
     async def unpin(self, lease_id: str, *, timeout_s: float | None = None) -> bool:
         try:
-            resp = await self._kv.Unpin(kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=self._t(timeout_s))
+            resp = await self._unary("Unpin", kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=self._t(timeout_s))
         except grpc.RpcError as exc:
             raise translate(exc) from None
         return resp.released
@@ -432,7 +492,7 @@ class AsyncClient:
         """Raise the named blocks into `tier` ("" = the daemon's top tier) ahead of a fetch."""
         req = prefetch_request(layout, token_ids, block_hashes, tier)
         try:
-            return prefetch_result(await self._kv.Prefetch(req, timeout=self._t(timeout_s)))
+            return prefetch_result(await self._unary("Prefetch", req, timeout=self._t(timeout_s)))
         except grpc.RpcError as exc:
             raise translate(exc) from None
 
@@ -441,7 +501,7 @@ class AsyncClient:
         """Ask the daemon to re-check the named blocks; returns how many it dropped."""
         req = kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes))
         try:
-            return (await self._kv.Verify(req, timeout=self._t(timeout_s))).dropped
+            return (await self._unary("Verify", req, timeout=self._t(timeout_s))).dropped
         except grpc.RpcError as exc:
             raise translate(exc) from None
 

@@ -41,7 +41,7 @@ from typing import Any
 import grpc
 
 from kvstore.errors import ConfigError, KVStoreError, PermissionDenied, ResourceExhausted, Unauthenticated
-from kvstore.interceptors import StreamBehavior, UnaryBehavior, wrap_handler
+from kvstore.interceptors import StreamBehavior, UnaryBehavior, WrapCache, wrap_handler
 from kvstore.units import parse_size
 
 logger = logging.getLogger(__name__)
@@ -276,11 +276,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self.max_calls_per_tenant = max_calls_per_tenant
         self.unix_socket_tenant = unix_socket_tenant
         self.in_flight: dict[str, int] = {}
+        self._cache = WrapCache()
 
-    def _authenticate(self, table: TokenTable, context: grpc.aio.ServicerContext) -> Identity:
-        token = bearer_token(context.invocation_metadata())
+    def _authenticate(self, table: TokenTable, token: str | None, on_unix_socket: bool) -> Identity:
         if token is None:
-            if self.unix_socket_tenant and context.peer().startswith("unix:"):
+            if self.unix_socket_tenant and on_unix_socket:
                 # The socket is 0600: whoever connected runs as the daemon's uid.
                 unix_identity = table.identities.get(self.unix_socket_tenant)
                 if unix_identity is not None:
@@ -294,8 +294,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             raise Unauthenticated("the bearer token is not valid for this daemon; ask its operator for one")
         return found
 
-    def _identify(self, method: str, context: grpc.aio.ServicerContext) -> Identity:
-        identity = DEFAULT_IDENTITY if self.table is None else self._authenticate(self.table, context)
+    def identify(self, method: str, token: str | None, on_unix_socket: bool) -> Identity:
+        """Who a call of `method` (a gRPC method path) carrying `token` (None: no token;
+        "": a malformed one) is, and whether it may make that call; raises
+        `Unauthenticated` or `PermissionDenied`. Shared by gRPC calls and the local lane."""
+        identity = DEFAULT_IDENTITY if self.table is None else self._authenticate(self.table, token, on_unix_socket)
         if method.startswith(ADMIN_SERVICE) and not identity.is_admin:
             raise PermissionDenied(f"{method} needs the admin role; tenant {identity.tenant!r} has role {identity.role}")
         if not identity.local_plane and method.rsplit("/", 1)[-1] in LOCAL_METHODS:
@@ -304,6 +307,18 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 "false in the token file); use Put and Fetch"
             )
         return identity
+
+    def admit(self, method: str, token: str | None, on_unix_socket: bool) -> Identity:
+        """`identify`, then count the call against the tenant's cap on calls in flight
+        (`ResourceExhausted` past it), and make the identity current for the handler.
+        Every admitted call must be ended with `leave`."""
+        identity = self.identify(method, token, on_unix_socket)
+        self._enter(identity)
+        _identity.set(identity)
+        return identity
+
+    def leave(self, identity: Identity) -> None:
+        self._exit(identity)
 
     def _enter(self, identity: Identity) -> None:
         n = self.in_flight.get(identity.tenant, 0)
@@ -325,13 +340,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         """Identify the caller and count its call in flight, or abort the call with the
         refusal's status; the identity is then current for the call's handler."""
         try:
-            identity = self._identify(method, context)
-            self._enter(identity)
+            return self.admit(method, bearer_token(context.invocation_metadata()), context.peer().startswith("unix:"))
         except KVStoreError as exc:
             logger.debug("%s refused for %s: %s: %s", method, context.peer(), exc.code.name, exc)
             await context.abort(exc.code, str(exc))
-        _identity.set(identity)
-        return identity
+            raise  # abort raises; this keeps type checkers sure no identity is returned
 
     async def intercept_service(
         self,
@@ -342,6 +355,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or method.startswith(OPEN_SERVICES):
             return handler
+        return self._cache.get(method, handler, lambda: self._wrap(method, handler))
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         admit = self._admit
 
         def unary(inner: UnaryBehavior) -> UnaryBehavior:

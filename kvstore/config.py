@@ -65,6 +65,8 @@ FIELDS: tuple[Field, ...] = (
           "available memory)", lo=1 << 20, hi=1 << 50, metavar="SIZE"),
     Field("shm_dir", "str", "", "tmpfs directory for the host tier's shared-memory segment (default /dev/shm)",
           metavar="DIR"),
+    Field("local_lane", "bool", True, "serve the local control lane (SOCKET.lane, mode 0600) next to each Unix "
+          "socket: co-located clients' unary calls without gRPC's per-call cost (see docs/local-data-plane.md)"),
     Field("host_prefault", "bool", True, "map the host tier's pages in at start (in the background) so puts "
           "never pay page faults; commits the memory up front"),
     Field("policy", "str", DEFAULT_POLICY, "eviction policy: one name for every tier, or per tier as "
@@ -155,6 +157,7 @@ class Config:
     listen: tuple[str, ...]
     host_capacity: int | str  # int bytes, or "auto" until the daemon resolves it
     shm_dir: str
+    local_lane: bool
     host_prefault: bool
     policy: str
     hint_budget: float

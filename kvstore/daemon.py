@@ -45,6 +45,8 @@ from kvstore.errors import ConfigError, KVStoreError
 from kvstore.events import EventBus
 from kvstore.wire import add_kvstore_servicer
 from kvstore.interceptors import ErrorInterceptor
+from kvstore.lane import LaneServer
+from kvstore.laneproto import lane_path
 from kvstore.lifecycle import DrainGate
 from kvstore.local import LocalPuts
 from kvstore.metrics import Metrics, MetricsServer
@@ -299,6 +301,7 @@ class Daemon:
             _check_unix_tenant(self.tokens, config.unix_socket_tenant, config.auth_token_file)
         self.auth = AuthInterceptor(self.tokens, config.max_calls_per_tenant, config.unix_socket_tenant)
         self.bound: list[str] = []
+        self.bound_lanes: list[str] = []  # socket paths of the local control lanes
         self.store: Store | None = None
         self._server: grpc.aio.Server | None = None
         self._health: HealthServicer | None = None
@@ -307,6 +310,7 @@ class Daemon:
         self._stopping = False
         self._stopped = asyncio.Event()
         self._unix_paths: list[str] = []
+        self.lanes: list[LaneServer] = []
         self._local_puts: LocalPuts | None = None
         self._prefault: asyncio.Task[bool] | None = None
         self._prefault_stop = threading.Event()
@@ -475,6 +479,17 @@ class Daemon:
             self.metrics_address = metrics_server.address
         await server.start()
         self._server = server
+        if cfg.local_lane:
+            try:
+                await self._start_lanes(servicer)
+            except BaseException:
+                for lane in self.lanes:
+                    await lane.close()
+                await server.stop(0)
+                if self._metrics_server is not None:
+                    await self._metrics_server.close()
+                self._close_resources()
+                raise
         for name in ("", "kvstore.v1.KVStore", "kvstore.v1.Admin"):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.create_task(self._sweep_leases(), name="kvstore-lease-sweeper")
@@ -485,7 +500,7 @@ class Daemon:
                 asyncio.to_thread(host_tier.segment.populate, self._prefault_stop), name="kvstore-prefault"
             )
         logger.info(
-            "kvstore serving on %s; tiers %s, policy %s", ", ".join(self.bound),
+            "kvstore serving on %s; tiers %s, policy %s", ", ".join(self.bound + self.bound_lanes),
             ", ".join(f"{t.name} {human_bytes(t.tier.capacity_bytes)}" for t in tiers), cfg.policy
         )
         if self.metrics_address:
@@ -498,6 +513,27 @@ class Daemon:
             logger.info("auth off: one tenant (default, admin role); listening on this host only")
         effective = {**cfg.as_dict(), "host_capacity": host_capacity}
         logger.info("effective config: %s", effective, extra={"config": effective})
+
+    async def _start_lanes(self, servicer: KVStoreServicer) -> None:
+        """The local control lane next to each Unix socket. It only saves time, so a lane
+        that cannot be made is logged and skipped (clients then use gRPC)."""
+        for addr in self.addresses:
+            if addr.kind != "unix":
+                continue
+            path = lane_path(addr.path)
+            if len(os.fsencode(path)) >= 108:  # sockaddr_un.sun_path
+                logger.warning("no local control lane for %s: the path %s is too long for a Unix socket",
+                               addr.path, path)
+                continue
+            _prepare_unix_path(path)
+            lane = LaneServer(servicer, self.auth, self._gate, self.metrics, self.config.max_message_bytes)
+            try:
+                await lane.start(path)
+            except OSError as exc:
+                logger.warning("no local control lane at %s: %s", path, exc.strerror or exc)
+                continue
+            self.lanes.append(lane)
+            self.bound_lanes.append(path)
 
     def reload(self, load: Callable[[], Config]) -> None:
         """SIGHUP: re-read the config sources and apply what may change live."""
@@ -574,6 +610,9 @@ class Daemon:
             await self._prefault
         deadline = asyncio.get_running_loop().time() + grace
         await self._drain(deadline)
+        for lane in self.lanes:
+            await lane.close()
+        self.lanes.clear()
         if self._sweeper is not None:
             self._sweeper.cancel()
             try:

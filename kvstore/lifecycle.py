@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from kvstore.interceptors import StreamBehavior, UnaryBehavior, wrap_handler
+from kvstore.interceptors import StreamBehavior, UnaryBehavior, WrapCache, wrap_handler
 
 # Calls that complete work begun before shutdown.
 ALLOWED_WHILE_DRAINING = frozenset({"/kvstore.v1.KVStore/LocalCommit"})
@@ -32,6 +32,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
         self.closed = False
         self.in_flight = 0
         self._changed = asyncio.Event()
+        self._cache = WrapCache()
 
     def close(self) -> None:
         """From now on, refuse new calls except those in `ALLOWED_WHILE_DRAINING`."""
@@ -54,10 +55,15 @@ class DrainGate(grpc.aio.ServerInterceptor):
                 pass
         return True
 
-    def _enter(self) -> None:
+    def refuses(self, method: str) -> bool:
+        """Whether a new call of `method` (a gRPC method path) is refused now."""
+        return self.closed and method not in ALLOWED_WHILE_DRAINING
+
+    def enter(self) -> None:
+        """A call begins (calls that do not pass through gRPC count here too)."""
         self.in_flight += 1
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
         self.in_flight -= 1
         self._changed.set()
 
@@ -74,30 +80,31 @@ class DrainGate(grpc.aio.ServerInterceptor):
             # Never refused, never waited for: a health Watch stream lives as long as its
             # client, and probes must read NOT_SERVING during the drain.
             return handler
-        refuse = self.closed and method not in ALLOWED_WHILE_DRAINING
+        return self._cache.get(method, handler, lambda: self._wrap(method, handler))
 
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         def unary(inner: UnaryBehavior) -> UnaryBehavior:
             async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                if refuse:
+                if self.refuses(method):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, REFUSAL)
-                self._enter()
+                self.enter()
                 try:
                     return await inner(request, context)
                 finally:
-                    self._leave()
+                    self.leave()
 
             return behavior
 
         def stream(inner: StreamBehavior) -> StreamBehavior:
             async def behavior(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                if refuse:
+                if self.refuses(method):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, REFUSAL)
-                self._enter()
+                self.enter()
                 try:
                     async for response in inner(request, context):
                         yield response
                 finally:
-                    self._leave()
+                    self.leave()
 
             return behavior
 

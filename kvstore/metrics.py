@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from kvstore import __version__
-from kvstore.interceptors import StreamBehavior, UnaryBehavior, wrap_handler
+from kvstore.interceptors import StreamBehavior, UnaryBehavior, WrapCache, wrap_handler
 
 if TYPE_CHECKING:
     from kvstore.events import EventBus
@@ -183,6 +183,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, histogram: Histogram, in_flight: Gauge) -> None:
         self._histogram = histogram
         self._in_flight = in_flight
+        self._cache = WrapCache()
 
     async def intercept_service(
         self,
@@ -192,9 +193,13 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        method = handler_call_details.method.rsplit("/", 1)[-1]
+        path = handler_call_details.method
+        return self._cache.get(path, handler, lambda: self._wrap(path.rsplit("/", 1)[-1], handler))
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         histogram = self._histogram
         in_flight = self._in_flight.labels(method)
+
         def unary(inner: UnaryBehavior) -> UnaryBehavior:
             async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 start = time.perf_counter()

@@ -38,6 +38,14 @@ TIER_ENUM = {
 TIER_BY_ENUM = {v: k for k, v in TIER_ENUM.items()}
 
 
+def tier_enums(names: Sequence[str]) -> list[kvstore_pb2.Tier]:
+    """The Tier values of a lookup's blocks; one repeated value when they all sit in one
+    tier (the common case), without a dictionary step per block."""
+    if names and names.count(names[0]) == len(names):
+        return [TIER_ENUM[names[0]]] * len(names)
+    return list(map(TIER_ENUM.__getitem__, names))
+
+
 def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
     return KVLayout(
         model=msg.model,
@@ -232,7 +240,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return kvstore_pb2.LookupResponse(
             num_blocks=r.num_blocks,
             num_tokens=r.num_tokens,
-            tiers=list(map(TIER_ENUM.__getitem__, r.tiers)),
+            tiers=tier_enums(r.tiers),
             namespace_id=ns_id,
             block_hashes=r.block_hashes,
             lease_id=self._lease_out(r.lease_id),

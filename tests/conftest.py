@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
@@ -54,6 +55,16 @@ def metrics_port_zero() -> Iterator[None]:
     patch.setenv("KVSTORE_METRICS_LISTEN", "127.0.0.1:0")
     yield
     patch.undo()
+
+
+@pytest.fixture(autouse=True)
+def keep_sigpipe_ignored() -> Iterator[None]:
+    """The CLI gives SIGPIPE its default action (so `kvstore ... | head` ends quietly);
+    tests that run it in-process must not leave that to the daemons and clients of the
+    tests after them."""
+    before = signal.getsignal(signal.SIGPIPE)
+    yield
+    signal.signal(signal.SIGPIPE, before)
 
 
 @pytest.fixture

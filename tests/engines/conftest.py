@@ -22,6 +22,7 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
+from tests.procs import remove_segments
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -57,6 +58,8 @@ class DaemonProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(30)
+        # A daemon that was SIGKILLed (a crash test) could not unlink its host-tier segment.
+        remove_segments(self.proc.pid)
 
 
 def start_daemon(directory: Path, *extra: str) -> DaemonProcess:

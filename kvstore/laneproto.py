@@ -1,0 +1,69 @@
+"""The local control lane's framing, shared by the daemon and the SDK (no I/O here).
+
+The lane is a second Unix stream socket next to the daemon's gRPC Unix socket
+(`<socket path>.lane`) that carries the KVStore service's unary calls without HTTP/2 and
+without grpc-python's per-call machinery: a co-located client's `Lookup` and the local
+data plane's `LocalPut`/`LocalCommit`/`LocalFetch` then cost one write and one read each
+way. Messages are the same protobuf messages as over gRPC; only the envelope differs.
+
+Frames, both ways: a 5-byte header `u32le payload length | u8 kind`, then the payload.
+
+- Requests: `kind` is a method id (`METHOD_IDS`), the payload the serialized request.
+- Answers: `kind` is a gRPC status code (0 = OK); the payload is the serialized
+  response for OK and the UTF-8 error message otherwise, so the SDK raises exactly the
+  exception it would raise for the same status over gRPC.
+- The first frame on a connection is `HELLO` (kind 0): `MAGIC` then the client's bearer
+  token (UTF-8; empty when it has none). The answer's payload is `MAGIC` and
+  `u32le` the largest request frame the daemon accepts; or an error status, after
+  which the daemon closes the connection.
+
+Calls on one connection are answered in order, one at a time; clients that want calls
+in flight together open more connections.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from kvstore.v1 import kvstore_pb2
+
+SUFFIX = ".lane"
+MAGIC = b"KVL1"
+HEADER = struct.Struct("<IB")
+HELLO_ANSWER = struct.Struct("<4sI")
+HELLO = 0
+# The hello frame is the magic and a token: tokens are at most 256 characters.
+MAX_HELLO_BYTES = 4096
+SERVICE = "kvstore.v1.KVStore"
+
+# Every unary KVStore method (Put and Fetch stream block bytes: they stay on gRPC, and
+# the local data plane moves those bytes by shared memory anyway). Append only: the
+# position is the wire id.
+METHODS: tuple[str, ...] = (
+    "Lookup", "Delete", "Pin", "Unpin", "Prefetch", "Verify", "Hint", "EndSession",
+    "LocalSegment", "LocalPut", "LocalCommit", "LocalFetch", "DeviceSegment", "DeviceFetch", "DevicePut",
+)
+METHOD_IDS = {name: i + 1 for i, name in enumerate(METHODS)}
+METHOD_NAMES = {i: name for name, i in METHOD_IDS.items()}
+
+_service = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"]
+REQUEST_TYPES = {name: getattr(kvstore_pb2, _service.methods_by_name[name].input_type.name) for name in METHODS}
+RESPONSE_TYPES = {name: getattr(kvstore_pb2, _service.methods_by_name[name].output_type.name) for name in METHODS}
+
+# Methods a client may send again after a connection broke mid-call (the daemon may or
+# may not have run them): the ones the gRPC channel also retries, and reads.
+IDEMPOTENT = frozenset({"Lookup", "Delete", "Pin", "Unpin", "Prefetch", "Verify", "LocalSegment", "DeviceSegment"})
+
+
+def method_path(name: str) -> str:
+    """The gRPC method path of `name` (what auth, the drain gate and logs key on)."""
+    return f"/{SERVICE}/{name}"
+
+
+def lane_path(socket_path: str) -> str:
+    """Where the lane of the gRPC Unix socket at `socket_path` listens."""
+    return socket_path + SUFFIX
+
+
+def frame(kind: int, payload: bytes) -> bytes:
+    return HEADER.pack(len(payload), kind) + payload
