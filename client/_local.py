@@ -77,10 +77,10 @@ class LocalPlane:
 
     def _run(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> list[int]:
         """`_copy_hash` of each (dst, src) pair, in order. A large batch is shared between
-        the calling thread and one helper, each taking the next block as it finishes one
-        (no per-block task or future, and an uneven core still gets work)."""
+        the calling thread and THREADS - 1 helpers, each taking the next block as it
+        finishes one (no per-block task or future, and an uneven core still gets work)."""
         total = sum(len(s) for _, s in pairs)
-        if total < PARALLEL_MIN_BYTES or len(pairs) < 2:
+        if total < PARALLEL_MIN_BYTES or len(pairs) < 2 or THREADS < 2:
             return [_copy_hash(d, s) for d, s in pairs]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(THREADS - 1, thread_name_prefix="kvstore-copy")
@@ -91,14 +91,15 @@ class LocalPlane:
             for i in todo:
                 sums[i] = _copy_hash(*pairs[i])
 
-        helper = self._pool.submit(work)
+        helpers = [self._pool.submit(work) for _ in range(THREADS - 1)]
         try:
             work()
         finally:
             # A helper that never started (the pool busy with another call's) is not
             # waited for; one that did start finishes its block before we return.
-            if not helper.cancel():
-                helper.result()
+            for helper in helpers:
+                if not helper.cancel():
+                    helper.result()
         return sums
 
     def copy_in(self, offsets: Sequence[int], blocks: Sequence[memoryview]) -> list[int]:
