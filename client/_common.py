@@ -17,7 +17,7 @@ import numpy as np
 
 from kvstore.config import DEFAULT_TCP_LISTEN, default_unix_socket
 from kvstore.errors import InvalidArgument, KVStoreError, error_for_status
-from kvstore.hashing import HASH_BYTES, token_bytes
+from kvstore.hashing import HASH_BYTES, split_hashes, token_bytes
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2
 from kvstore.wire import RawChunk, encode_chunk
@@ -166,45 +166,52 @@ def namespace_ref(layout: KVLayout) -> kvstore_pb2.Namespace:
 
 
 def block_keys(token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None) -> kvstore_pb2.BlockKeys:
+    """The keys of a request, with block hashes packed (N x 16 bytes) and the answer's
+    block hashes asked for packed too (`BlockKeys.packed_reply`)."""
     if (token_ids is None) == (block_hashes is None):
         raise InvalidArgument("name the blocks by token_ids or by block_hashes (exactly one)")
     if block_hashes is not None:
-        hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
-        fast = _hash_keys(hashes)
-        if fast is not None:
-            return fast
-        for i, h in enumerate(hashes):
-            if not isinstance(h, (bytes, bytearray)) or len(h) != HASH_BYTES:
-                raise InvalidArgument(f"block_hashes[{i}] must be {HASH_BYTES} bytes")
-        return kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=[bytes(h) for h in hashes]))
-    return kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(packed_u32le=pack_tokens(token_ids)))
+        return packed_keys(pack_hashes(block_hashes))
+    return kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(packed_u32le=pack_tokens(token_ids)),
+                                 packed_reply=True)
 
 
-# BlockHashes.hashes (field 1, length-delimited) of one 16-byte hash: tag, then length.
-_HASH_ENTRY = bytes([1 << 3 | 2, HASH_BYTES])
+def packed_keys(packed: bytes) -> kvstore_pb2.BlockKeys:
+    """BlockKeys naming a packed hash chain (N x 16 bytes)."""
+    return kvstore_pb2.BlockKeys(packed_hashes=packed, packed_reply=True)
 
 
-def _hash_keys(hashes: list[bytes]) -> kvstore_pb2.BlockKeys | None:
-    """BlockKeys of well-formed hashes without a Python step per block: the repeated
-    field's bytes are joined in C and parsed once (constructing the message from a list
-    costs several times more). None when any hash is not a 16-byte buffer: the caller
-    then checks them one by one and says which."""
-    n = len(hashes)
-    if not n:
-        return None
+def pack_hashes(block_hashes: Sequence[bytes]) -> bytes:
+    """16-byte hashes joined in one C call; checked without a Python step per hash in
+    the common case, and one by one (to say which) only when something is wrong."""
+    hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
     try:
-        encoded = _HASH_ENTRY + _HASH_ENTRY.join(hashes)
+        packed = b"".join(hashes)
     except TypeError:
-        return None
+        packed = b""
     # Their bytes add up to 16 per hash and none is longer: every one is 16 bytes.
-    if len(encoded) != n * (HASH_BYTES + 2) or max(map(len, hashes)) != HASH_BYTES:
-        return None
-    keys = kvstore_pb2.BlockKeys()
-    try:
-        keys.hashes.MergeFromString(encoded)
-    except Exception:  # DecodeError; the checks above make it unreachable for real buffers
-        return None
-    return keys if len(keys.hashes.hashes) == n else None
+    if len(packed) == len(hashes) * HASH_BYTES and (not hashes or max(map(len, hashes)) == HASH_BYTES):
+        return packed
+    for i, h in enumerate(hashes):
+        if not isinstance(h, (bytes, bytearray)) or len(h) != HASH_BYTES:
+            raise InvalidArgument(f"block_hashes[{i}] must be {HASH_BYTES} bytes")
+    return b"".join(hashes)
+
+
+def response_hashes(resp: Any) -> list[bytes]:
+    """The block hashes of a response that has them (LookupResponse, PutResponse,
+    LocalPutResponse, LocalFetchResponse): the packed field, which the daemon fills for
+    the SDK's requests, else the repeated one."""
+    if resp.block_hashes_packed:
+        return split_hashes(resp.block_hashes_packed)
+    return list(resp.block_hashes)
+
+
+def response_keys(resp: Any, start: int, stop: int) -> kvstore_pb2.BlockKeys:
+    """BlockKeys naming blocks [start, stop) of a response's hashes."""
+    if resp.block_hashes_packed:
+        return packed_keys(resp.block_hashes_packed[start * HASH_BYTES : stop * HASH_BYTES])
+    return packed_keys(b"".join(resp.block_hashes[start:stop]))
 
 
 def pack_tokens(token_ids: Any) -> bytes:
@@ -505,12 +512,24 @@ def tier_names(tiers: Sequence[Any]) -> list[str]:
     return list(map(TIER_NAMES.get, values, repeat("unknown", len(values))))
 
 
+_TIER_NAME_BY_VALUE: dict[int, str] = {int(value): name for value, name in TIER_NAMES.items()}
+
+
+def packed_tier_names(packed: bytes) -> list[str]:
+    """Tier names from LookupResponse.tiers_packed (one Tier value per byte): one name
+    repeated when every block sits in one tier, found by one C-level count."""
+    n = len(packed)
+    if n and packed.count(packed[:1]) == n:
+        return [_TIER_NAME_BY_VALUE.get(packed[0], "unknown")] * n
+    return list(map(_TIER_NAME_BY_VALUE.get, packed, repeat("unknown", n)))
+
+
 def lookup_result(resp: kvstore_pb2.LookupResponse) -> LookupResult:
     return LookupResult(
         num_blocks=resp.num_blocks,
         num_tokens=resp.num_tokens,
-        tiers=tier_names(resp.tiers),
-        block_hashes=list(resp.block_hashes),
+        tiers=packed_tier_names(resp.tiers_packed) if resp.tiers_packed else tier_names(resp.tiers),
+        block_hashes=response_hashes(resp),
         namespace_id=resp.namespace_id,
         lease_id=resp.lease_id,
     )

@@ -40,6 +40,8 @@ from kvstore.client._common import (
     prepare_put,
     put_requests,
     resolve_target,
+    response_hashes,
+    response_keys,
     reuse_hint,
     take_held,
     translate,
@@ -287,12 +289,12 @@ class AsyncClient:
                 self._releases.append(resp.lease_id)
         if good < n_dev:
             await self._unary("Verify", kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout),
-                                                            keys=block_keys(None, resp.block_hashes[good:n_dev])),
+                                                            keys=response_keys(resp, good, n_dev)),
                                   timeout=timeout)
             return dsts[:good]
         if resp.num_blocks > n_dev:
             # The rest sits in host memory or on SSD: fetch it as host bytes, then upload.
-            rest = await self.fetch(layout, block_hashes=list(resp.block_hashes[n_dev:]), timeout_s=timeout)
+            rest = await self.fetch(layout, block_hashes=response_hashes(resp)[n_dev:], timeout_s=timeout)
             upload_blocks(rest, dsts[n_dev:])
             return dsts[: n_dev + len(rest)]
         return dsts[:n_dev]
@@ -327,7 +329,7 @@ class AsyncClient:
             plane = await self._local()
             if plane is None:
                 resp = await self._put(put_requests(prepared, self.chunk_bytes), timeout=timeout)
-                return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
+                return PutResult(resp.stored, resp.existing, response_hashes(resp))
             n = len(prepared.views)
             held, unfit = take_held(self._reserved, layout.bytes_per_block, n)
             if held is not None:
@@ -362,7 +364,7 @@ class AsyncClient:
             raise
         resp = await self._unary("LocalCommit", kvstore_pb2.LocalCommitRequest(txn_id=txn_id, checksums=sums),
                                           timeout=timeout)
-        return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
+        return PutResult(resp.stored, resp.existing, response_hashes(resp))
 
     async def _commit_reserved(self, prepared: PreparedPut, held: HeldSlots, sums: list[int],
                          timeout: float) -> PutResult | None:
@@ -379,7 +381,7 @@ class AsyncClient:
             logger.info("slot reservation gone (%s); putting in two round trips", exc)
             return None
         keep_held(self._reserved, resp.reservation)
-        return PutResult(resp.stored, resp.existing, list(resp.block_hashes))
+        return PutResult(resp.stored, resp.existing, response_hashes(resp))
 
     async def fetch(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
               block_hashes: Sequence[bytes] | None = None, out: Sequence[Any] | None = None,
@@ -422,11 +424,11 @@ class AsyncClient:
                     self._releases.append(resp.lease_id)
             if good < n_local:
                 await self._unary("Verify", kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout),
-                                                          keys=block_keys(None, resp.block_hashes[good:n_local])),
+                                                          keys=response_keys(resp, good, n_local)),
                                 timeout=timeout)
                 return dsts[:good]
             if resp.num_blocks > n_local:  # the rest sits in another tier: fetch it as bytes
-                rest = await self._fetch_grpc(layout, block_keys(None, resp.block_hashes[n_local:]),
+                rest = await self._fetch_grpc(layout, response_keys(resp, n_local, resp.num_blocks),
                                         dsts[n_local:] if out is not None else None, "", timeout)
                 return dsts[:n_local] + rest
             return dsts[:n_local]

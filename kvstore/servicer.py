@@ -19,7 +19,7 @@ import grpc
 from kvstore import __version__
 from kvstore.auth import current_identity
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvstore.hashing import block_hashes_packed, tenant_namespace_id, token_bytes
+from kvstore.hashing import HASH_BYTES, block_hashes_packed, split_hashes, tenant_namespace_id, token_bytes
 from kvstore.info import render_info
 from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
 from kvstore.local import LocalPuts
@@ -44,6 +44,24 @@ def tier_enums(names: Sequence[str]) -> list[kvstore_pb2.Tier]:
     if names and names.count(names[0]) == len(names):
         return [TIER_ENUM[names[0]]] * len(names)
     return list(map(TIER_ENUM.__getitem__, names))
+
+
+def tier_bytes(names: Sequence[str]) -> bytes:
+    """`tier_enums` packed one byte per block (LookupResponse.tiers_packed)."""
+    if names and names.count(names[0]) == len(names):
+        return bytes((TIER_ENUM[names[0]],)) * len(names)
+    return bytes(map(TIER_ENUM.__getitem__, names))
+
+
+def packed_reply(keys: kvstore_pb2.BlockKeys) -> bool:
+    """Whether a request's answer carries its block hashes packed (`block_hashes_packed`)
+    rather than in the repeated field older clients read (see BlockKeys.packed_reply)."""
+    return keys.packed_reply or keys.WhichOneof("keys") == "packed_hashes"
+
+
+def hash_fields(hashes: Sequence[bytes], packed: bool) -> dict[str, Any]:
+    """A response's block hash field, in the form the request asked for."""
+    return {"block_hashes_packed": b"".join(hashes)} if packed else {"block_hashes": hashes}
 
 
 def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
@@ -184,23 +202,37 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             return tokens.packed_u32le
         return token_bytes(tokens.token_ids)
 
+    def _chain(self, keys: kvstore_pb2.BlockKeys, which: str) -> list[bytes]:
+        """The hashes a BlockKeys names (repeated or packed), checked."""
+        if which == "packed_hashes":
+            packed = keys.packed_hashes
+            if len(packed) % HASH_BYTES == 0:
+                # Bounded before the hashes are cut out; each is 16 bytes by construction.
+                self._check_block_count(len(packed) // HASH_BYTES)
+            return split_hashes(packed)  # names the length when it is not a multiple of 16
+        hashes = list(keys.hashes.hashes)
+        self.store.check_hashes(hashes)
+        return hashes
+
+    def _check_block_count(self, n: int) -> None:
+        limit = self.store.limits.max_blocks_per_call
+        if n > limit:
+            raise InvalidArgument(f"{n} block hashes in one call; the limit is {limit}: split the request")
+
     def _hashes(self, ns_id: bytes, keys: kvstore_pb2.BlockKeys) -> list[bytes]:
         which = keys.WhichOneof("keys")
-        if which == "hashes":
-            hashes = list(keys.hashes.hashes)
-            self.store.check_hashes(hashes)
-            return hashes
+        if which == "hashes" or which == "packed_hashes":
+            return self._chain(keys, which)
         if which == "tokens":
             if keys.tokens.first_block:
                 raise InvalidArgument("first_block is only meaningful in a Put")
             return self.store.hashes_for_tokens(ns_id, self._packed_tokens(keys.tokens))
-        raise InvalidArgument("request names no blocks: set keys.hashes or keys.tokens")
+        raise InvalidArgument("request names no blocks: set keys.packed_hashes, keys.hashes or keys.tokens")
 
     def _put_keys(self, ns_id: bytes, header: kvstore_pb2.PutHeader) -> tuple[list[bytes], bytes | None]:
         which = header.keys.WhichOneof("keys")
-        if which == "hashes":
-            hashes = list(header.keys.hashes.hashes)
-            self.store.check_hashes(hashes)
+        if which == "hashes" or which == "packed_hashes":
+            hashes = self._chain(header.keys, which)
             if header.num_blocks and header.num_blocks != len(hashes):
                 raise InvalidArgument(f"num_blocks is {header.num_blocks} but {len(hashes)} hashes were sent")
             return hashes, header.parent_hash or None
@@ -225,7 +257,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             all_hashes = block_hashes_packed(info.chain_seed or ns_id, memoryview(packed)[: (first + count) * bst * 4],
                                              bst)
             return all_hashes[first : first + count], all_hashes[first - 1] if first else None
-        raise InvalidArgument("put header names no blocks: set keys.hashes or keys.tokens")
+        raise InvalidArgument("put header names no blocks: set keys.packed_hashes, keys.hashes or keys.tokens")
 
     # -------------------------------------------------------------- RPCs
 
@@ -237,15 +269,24 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         r = self.store.lookup(ns_id, hashes, request.lease_ms)
         if session and r.num_blocks:
             self.store.hint(ns_id, r.block_hashes, session, request.hint.expect_reuse_within_s)
-        return kvstore_pb2.LookupResponse(
+        resp = kvstore_pb2.LookupResponse(
             num_blocks=r.num_blocks,
             num_tokens=r.num_tokens,
-            tiers=tier_enums(r.tiers),
             namespace_id=ns_id,
-            block_hashes=r.block_hashes,
             lease_id=self._lease_out(r.lease_id),
             block_size_tokens=r.block_size_tokens,
         )
+        if not packed_reply(request.keys):
+            resp.tiers.extend(tier_enums(r.tiers))
+            resp.block_hashes.extend(r.block_hashes)
+            return resp
+        resp.tiers_packed = tier_bytes(r.tiers)
+        if request.keys.WhichOneof("keys") == "packed_hashes":
+            # The hits are a prefix of the chain asked about: answer with its bytes.
+            resp.block_hashes_packed = request.keys.packed_hashes[: r.num_blocks * HASH_BYTES]
+        else:
+            resp.block_hashes_packed = b"".join(r.block_hashes)
+        return resp
 
     async def Put(
         self, request_iterator: AsyncIterator[kvstore_pb2.PutRequest | RawChunk], context: grpc.aio.ServicerContext
@@ -269,9 +310,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 await txn.write(msg.chunk.block, msg.chunk.data)
             result = await txn.commit()
         self._apply_put_hint(header, ns_id, hashes)
-        return kvstore_pb2.PutResponse(
-            stored=result.stored, existing=result.existing, namespace_id=ns_id, block_hashes=result.block_hashes
-        )
+        return kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing, namespace_id=ns_id,
+                                       **hash_fields(result.block_hashes, packed_reply(header.keys)))
 
     async def Fetch(
         self, request: kvstore_pb2.FetchRequest, context: grpc.aio.ServicerContext
@@ -394,8 +434,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             offsets=[-1 if slot is None else slot.offset for slot in txn.slots()],
             block_bytes=txn.block_bytes,
             namespace_id=ns_id,
-            block_hashes=hashes,
             expires_in_ms=self.local_puts.ttl_ms,
+            **hash_fields(hashes, packed_reply(request.header.keys)),
         )
         spare: list[Slot] = []
         if request.reuse_reservation_id:
@@ -449,9 +489,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             raise
         if open_put.header is not None:
             self._apply_put_hint(open_put.header, result.namespace_id, result.block_hashes)
+        packed = open_put.header is not None and packed_reply(open_put.header.keys)
         return kvstore_pb2.PutResponse(
             stored=result.stored, existing=result.existing, namespace_id=result.namespace_id,
-            block_hashes=result.block_hashes,
+            **hash_fields(result.block_hashes, packed),
         )
 
     async def _commit_reserved(self, request: kvstore_pb2.LocalCommitRequest) -> kvstore_pb2.PutResponse:
@@ -494,7 +535,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             raise
         self._apply_put_hint(request.header, result.namespace_id, result.block_hashes)
         resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
-                                       namespace_id=result.namespace_id, block_hashes=result.block_hashes)
+                                       namespace_id=result.namespace_id,
+                                       **hash_fields(result.block_hashes, packed_reply(request.header.keys)))
         if request.reserve_ahead:
             reservation = await self._reserve_ahead(block_bytes, request.reserve_ahead, spare)
             if reservation is not None:
@@ -524,8 +566,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             block_bytes=self.store.namespace(ns_id).layout.bytes_per_block,
             lease_id=self._lease_out(result.lease_id),
             namespace_id=ns_id,
-            block_hashes=result.block_hashes,
             block_size_tokens=result.block_size_tokens,
+            **hash_fields(result.block_hashes, packed_reply(request.keys)),
         )
 
     # -------------------------------------------------------------- device data plane
