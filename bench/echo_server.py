@@ -1,8 +1,12 @@
 """A raw grpc-python echo server: the ceiling for kvstore's gRPC bytes path.
 
-Same transport, same streaming shape (client-stream of chunks in, server-stream of
-chunks out), but no protobuf, no index, no checksums: bytes in, bytes out. Started by
-the benchmark as a subprocess; prints its port, serves until killed.
+Same transport and streaming shape as kvstore's Put and Fetch (a client stream of one
+small header message and then one message per chunk in; a server stream of a header and
+the chunks out), but no protobuf, no index, no copies into or out of a store and no
+checksums: bytes in, bytes out. Put keeps the chunks it received (the messages
+themselves, as gRPC handed them over); Fetch sends back the chunks of the last put, so a
+client gets back exactly the payloads it sent. Started by the benchmark as a subprocess;
+prints its port, serves until killed.
 """
 
 from __future__ import annotations
@@ -14,19 +18,21 @@ import grpc
 
 _ident = lambda b: b  # noqa: E731 - raw bytes on the wire
 
+_stored: list[bytes] = []
+
 
 async def _put(request_iterator, context):  # type: ignore[no-untyped-def]
-    n = 0
-    async for chunk in request_iterator:
-        n += len(chunk)
-    return n.to_bytes(8, "little")
+    stream = request_iterator.__aiter__()
+    await anext(stream)  # the header message
+    chunks = [chunk async for chunk in stream]
+    _stored[:] = chunks
+    return sum(map(len, chunks)).to_bytes(8, "little")
 
 
 async def _fetch(request, context):  # type: ignore[no-untyped-def]
-    count, chunk_bytes = int.from_bytes(request[:8], "little"), int.from_bytes(request[8:16], "little")
-    payload = b"\x5a" * chunk_bytes
-    for _ in range(count):
-        yield payload
+    yield len(_stored).to_bytes(8, "little")  # the header message
+    for chunk in list(_stored):
+        yield chunk
 
 
 async def main() -> None:

@@ -178,7 +178,7 @@ def block_keys(token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | 
 
 def packed_keys(packed: bytes) -> kvstore_pb2.BlockKeys:
     """BlockKeys naming a packed hash chain (N x 16 bytes)."""
-    return kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(packed=packed), packed_reply=True)
+    return kvstore_pb2.BlockKeys(packed_hashes=packed, packed_reply=True)
 
 
 def pack_hashes(block_hashes: Sequence[bytes]) -> bytes:

@@ -6,8 +6,8 @@ its header token (proving it is this daemon's segment on this host). `copy_in` c
 caller blocks into slots and returns their XXH3-64 checksums; `copy_out` copies slots
 into caller buffers and verifies each copy against the checksum the daemon recorded at
 put time, stopping at the first mismatch. The hash always reads the copy, so what is
-verified is exactly what the caller gets. numpy's copy and xxhash release the GIL, so
-large batches are split over a small thread pool.
+verified is exactly what the caller gets. numpy's copy and xxhash's streaming hash
+release the GIL, so a large batch is shared between the calling thread and a helper.
 """
 
 from __future__ import annotations
@@ -24,17 +24,22 @@ from kvstore.v1 import kvstore_pb2
 
 logger = logging.getLogger(__name__)
 
-# Below this many bytes per call, threads cost more than they save.
+# Below this many bytes per call, a second thread costs more than it saves.
 PARALLEL_MIN_BYTES = 4 << 20
 THREADS = 2
 
 
 def _copy_hash(dst: np.ndarray, src: np.ndarray) -> int:
-    # One whole-block copy, then one hash of the copy. Copying in cache-sized chunks and
-    # hashing each while hot was measured slower: chunked copies out of the shared
-    # mapping ran at a third of the speed of whole-block ones.
+    """Copy `src` into `dst`; the XXH3-64 of the copy.
+
+    One whole-block copy, then one hash of the copy (hashing each cache-sized piece right
+    after copying it was measured no faster). The hash goes through the streaming object:
+    its `update` releases the GIL in every xxhash release this package accepts, where the
+    one-shot `xxh3_64_intdigest` holds it in some, and two threads must hash at once."""
     np.copyto(dst, src)
-    return xxhash.xxh3_64_intdigest(dst.data)
+    h = xxhash.xxh3_64()
+    h.update(dst.data)
+    return h.intdigest()
 
 
 def _as_array(buf: memoryview) -> np.ndarray:
@@ -71,12 +76,31 @@ class LocalPlane:
         return self._data[offset : offset + nbytes]
 
     def _run(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> list[int]:
+        """`_copy_hash` of each (dst, src) pair, in order. A large batch is shared between
+        the calling thread and THREADS - 1 helpers, each taking the next block as it
+        finishes one (no per-block task or future, and an uneven core still gets work)."""
         total = sum(len(s) for _, s in pairs)
-        if total < PARALLEL_MIN_BYTES or len(pairs) < 2:
+        if total < PARALLEL_MIN_BYTES or len(pairs) < 2 or THREADS < 2:
             return [_copy_hash(d, s) for d, s in pairs]
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="kvstore-copy")
-        return list(self._pool.map(lambda p: _copy_hash(*p), pairs))
+            self._pool = ThreadPoolExecutor(THREADS - 1, thread_name_prefix="kvstore-copy")
+        sums = [0] * len(pairs)
+        todo = iter(range(len(pairs)))  # next() on it is atomic: each index goes to one thread
+
+        def work() -> None:
+            for i in todo:
+                sums[i] = _copy_hash(*pairs[i])
+
+        helpers = [self._pool.submit(work) for _ in range(THREADS - 1)]
+        try:
+            work()
+        finally:
+            # A helper that never started (the pool busy with another call's) is not
+            # waited for; one that did start finishes its block before we return.
+            for helper in helpers:
+                if not helper.cancel():
+                    helper.result()
+        return sums
 
     def copy_in(self, offsets: Sequence[int], blocks: Sequence[memoryview]) -> list[int]:
         """Copy each block into its slot (offset -1: already stored, skipped); checksums of all."""

@@ -56,7 +56,7 @@ def tier_bytes(names: Sequence[str]) -> bytes:
 def packed_reply(keys: kvstore_pb2.BlockKeys) -> bool:
     """Whether a request's answer carries its block hashes packed (`block_hashes_packed`)
     rather than in the repeated field older clients read (see BlockKeys.packed_reply)."""
-    return keys.packed_reply or bool(keys.hashes.packed)
+    return keys.packed_reply or keys.WhichOneof("keys") == "packed_hashes"
 
 
 def hash_fields(hashes: Sequence[bytes], packed: bool) -> dict[str, Any]:
@@ -202,16 +202,15 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             return tokens.packed_u32le
         return token_bytes(tokens.token_ids)
 
-    def _chain(self, msg: kvstore_pb2.BlockHashes) -> list[bytes]:
-        """The hashes a BlockHashes names, in either form, checked."""
-        if msg.packed:
-            if len(msg.hashes):
-                raise InvalidArgument("set BlockHashes.hashes or BlockHashes.packed, not both")
-            if len(msg.packed) % HASH_BYTES == 0:
+    def _chain(self, keys: kvstore_pb2.BlockKeys, which: str) -> list[bytes]:
+        """The hashes a BlockKeys names (repeated or packed), checked."""
+        if which == "packed_hashes":
+            packed = keys.packed_hashes
+            if len(packed) % HASH_BYTES == 0:
                 # Bounded before the hashes are cut out; each is 16 bytes by construction.
-                self._check_block_count(len(msg.packed) // HASH_BYTES)
-            return split_hashes(msg.packed)  # names the length when it is not a multiple of 16
-        hashes = list(msg.hashes)
+                self._check_block_count(len(packed) // HASH_BYTES)
+            return split_hashes(packed)  # names the length when it is not a multiple of 16
+        hashes = list(keys.hashes.hashes)
         self.store.check_hashes(hashes)
         return hashes
 
@@ -222,18 +221,18 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     def _hashes(self, ns_id: bytes, keys: kvstore_pb2.BlockKeys) -> list[bytes]:
         which = keys.WhichOneof("keys")
-        if which == "hashes":
-            return self._chain(keys.hashes)
+        if which == "hashes" or which == "packed_hashes":
+            return self._chain(keys, which)
         if which == "tokens":
             if keys.tokens.first_block:
                 raise InvalidArgument("first_block is only meaningful in a Put")
             return self.store.hashes_for_tokens(ns_id, self._packed_tokens(keys.tokens))
-        raise InvalidArgument("request names no blocks: set keys.hashes or keys.tokens")
+        raise InvalidArgument("request names no blocks: set keys.packed_hashes, keys.hashes or keys.tokens")
 
     def _put_keys(self, ns_id: bytes, header: kvstore_pb2.PutHeader) -> tuple[list[bytes], bytes | None]:
         which = header.keys.WhichOneof("keys")
-        if which == "hashes":
-            hashes = self._chain(header.keys.hashes)
+        if which == "hashes" or which == "packed_hashes":
+            hashes = self._chain(header.keys, which)
             if header.num_blocks and header.num_blocks != len(hashes):
                 raise InvalidArgument(f"num_blocks is {header.num_blocks} but {len(hashes)} hashes were sent")
             return hashes, header.parent_hash or None
@@ -258,7 +257,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             all_hashes = block_hashes_packed(info.chain_seed or ns_id, memoryview(packed)[: (first + count) * bst * 4],
                                              bst)
             return all_hashes[first : first + count], all_hashes[first - 1] if first else None
-        raise InvalidArgument("put header names no blocks: set keys.hashes or keys.tokens")
+        raise InvalidArgument("put header names no blocks: set keys.packed_hashes, keys.hashes or keys.tokens")
 
     # -------------------------------------------------------------- RPCs
 
@@ -282,9 +281,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             resp.block_hashes.extend(r.block_hashes)
             return resp
         resp.tiers_packed = tier_bytes(r.tiers)
-        if request.keys.hashes.packed:
+        if request.keys.WhichOneof("keys") == "packed_hashes":
             # The hits are a prefix of the chain asked about: answer with its bytes.
-            resp.block_hashes_packed = request.keys.hashes.packed[: r.num_blocks * HASH_BYTES]
+            resp.block_hashes_packed = request.keys.packed_hashes[: r.num_blocks * HASH_BYTES]
         else:
             resp.block_hashes_packed = b"".join(r.block_hashes)
         return resp

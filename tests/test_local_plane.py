@@ -9,11 +9,14 @@ import os
 from dataclasses import replace
 
 import grpc
+import numpy as np
 import pytest
 
 from kvstore.client import AsyncClient, Client
 from kvstore.client._common import layout_to_proto
+from kvstore.client._local import PARALLEL_MIN_BYTES
 from kvstore.errors import FailedPrecondition
+from kvstore.layout import KVLayout
 from kvstore.tiers.segment import AttachedSegment
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
@@ -229,3 +232,92 @@ def test_fetch_leases_end_with_the_next_local_call_or_close(daemon_thread, layou
         kv.fetch(layout, tokens)
         kv.close()
         assert admin.stats().counters.leases_active == 0
+
+
+# Blocks of 1 MiB in batches of 8: large enough that the shared-memory plane shares the
+# copies and hashes between two threads, and that gRPC moves each block as its own
+# message (or, with a small chunk size, as several).
+BIG_LAYOUT = KVLayout(model="big-blocks", dtype="uint8", num_layers=1, num_kv_heads=1, head_dim=1 << 15,
+                      block_size_tokens=16)
+BIG_BATCH = 8
+
+
+def test_large_batches_give_identical_bytes_on_both_planes(daemon_thread):
+    assert BIG_LAYOUT.bytes_per_block * BIG_BATCH >= PARALLEL_MIN_BYTES  # the two-thread copy path
+    a_tokens, b_tokens = list(range(16 * BIG_BATCH)), list(range(10_000, 10_000 + 16 * BIG_BATCH))
+    a, b = blocks_for(BIG_LAYOUT, BIG_BATCH), blocks_for(BIG_LAYOUT, BIG_BATCH)
+    # An odd chunk size: each block crosses gRPC as several messages, split mid-block.
+    with Client(daemon_thread.unix_target, data_plane="local") as local, \
+         Client(daemon_thread.unix_target, data_plane="grpc", chunk_bytes=300_001) as remote:
+        assert local.data_plane_in_use == "local" and remote.data_plane_in_use == "grpc"
+        assert local.put(BIG_LAYOUT, a_tokens, a).stored == BIG_BATCH
+        assert remote.put(BIG_LAYOUT, b_tokens, b).stored == BIG_BATCH
+        for kv in (local, remote):
+            for tokens, want in ((a_tokens, a), (b_tokens, b)):
+                assert [bytes(x) for x in kv.fetch(BIG_LAYOUT, tokens)] == want
+                out = [np.zeros(BIG_LAYOUT.bytes_per_block, dtype=np.uint8) for _ in range(BIG_BATCH)]
+                got = kv.fetch(BIG_LAYOUT, tokens, out=out)
+                assert len(got) == BIG_BATCH and [o.tobytes() for o in out] == want
+
+
+@pytest.mark.parametrize("plane", ["local", "grpc"])
+def test_a_corrupted_slot_in_a_large_batch_is_never_returned(daemon_thread, plane):
+    """A stray write into one slot of a batch: whichever plane fetches, the blocks before
+    it come back intact, it and the ones after it do not, and the daemon drops it."""
+    tokens = list(range(16 * BIG_BATCH))
+    blocks = blocks_for(BIG_LAYOUT, BIG_BATCH)
+    bad = 5
+    channel, stub, admin = _raw(daemon_thread)
+    with channel, Client(daemon_thread.unix_target, data_plane="local") as writer:
+        writer.put(BIG_LAYOUT, tokens, blocks)
+        leased = stub.LocalFetch(kvstore_pb2.LocalFetchRequest(namespace=_ns(BIG_LAYOUT), keys=_tokens(tokens)))
+        stub.Unpin(kvstore_pb2.UnpinRequest(lease_id=leased.lease_id))
+        seg = stub.LocalSegment(kvstore_pb2.LocalSegmentRequest())
+        mapped = AttachedSegment(seg.path, seg.token)
+        try:
+            mapped.data[leased.offsets[bad] + BIG_LAYOUT.bytes_per_block - 1] ^= 0x80  # its very last byte
+        finally:
+            mapped.close()
+        with Client(daemon_thread.unix_target, data_plane=plane) as kv:
+            out = [np.zeros(BIG_LAYOUT.bytes_per_block, dtype=np.uint8) for _ in range(BIG_BATCH)]
+            got = kv.fetch(BIG_LAYOUT, tokens, out=out)
+            assert len(got) == bad
+            assert [o.tobytes() for o in out[:bad]] == blocks[:bad]
+            assert admin.Stats(admin_pb2.StatsRequest()).counters.checksum_failures == 1
+            assert kv.lookup(BIG_LAYOUT, tokens).num_blocks == bad  # dropped, not just skipped
+            assert [bytes(x) for x in kv.fetch(BIG_LAYOUT, tokens)] == blocks[:bad]
+
+
+def test_concurrent_batches_on_one_plane_copy_and_verify_each_block(tmp_path):
+    """Several threads copying large batches through one mapping at once (the async client
+    runs each call's copies in a thread): every block lands where it belongs, with the
+    checksum of its own bytes, whichever thread copied it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import xxhash
+
+    from kvstore.client._local import LocalPlane
+    from kvstore.tiers.segment import Segment
+
+    block, per_batch, batches = 1 << 20, 6, 3
+    owner = Segment(block * per_batch * batches, str(tmp_path))
+    plane = LocalPlane(AttachedSegment(owner.path, owner.token), owner.token)
+    try:
+        srcs = [[os.urandom(block) for _ in range(per_batch)] for _ in range(batches)]
+        offsets = [[(b * per_batch + i) * block for i in range(per_batch)] for b in range(batches)]
+        with ThreadPoolExecutor(batches) as pool:
+            sums = list(pool.map(lambda b: plane.copy_in(offsets[b], [memoryview(x) for x in srcs[b]]),
+                                 range(batches)))
+            assert sums == [[xxhash.xxh3_64_intdigest(x) for x in batch] for batch in srcs]
+            outs = [[bytearray(block) for _ in range(per_batch)] for _ in range(batches)]
+            good = list(pool.map(lambda b: plane.copy_out(offsets[b], sums[b], block,
+                                                          [memoryview(o) for o in outs[b]]), range(batches)))
+        assert good == [per_batch] * batches
+        assert [[bytes(o) for o in batch] for batch in outs] == srcs
+        # A wrong checksum for the fourth block: the first three are reported good.
+        wrong = list(sums[0])
+        wrong[3] ^= 1
+        assert plane.copy_out(offsets[0], wrong, block, [memoryview(o) for o in outs[0]]) == 3
+    finally:
+        plane.close()
+        owner.close()

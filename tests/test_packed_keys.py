@@ -1,4 +1,4 @@
-"""Packed block hashes (BlockHashes.packed, the responses' block_hashes_packed) next to the
+"""Packed block hashes (BlockKeys.packed_hashes, the responses' block_hashes_packed) next to the
 repeated form: both give the same answers, a request is answered in the form it asked
 for (so clients built before the packed fields keep working), and bad packed input is
 INVALID_ARGUMENT and changes nothing.
@@ -50,7 +50,7 @@ def repeated(hashes: list[bytes]) -> kvstore_pb2.BlockKeys:
 
 
 def packed(hashes: list[bytes]) -> kvstore_pb2.BlockKeys:
-    return kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(packed=b"".join(hashes)))
+    return kvstore_pb2.BlockKeys(packed_hashes=b"".join(hashes))
 
 
 async def expect_invalid(call, match: str) -> None:
@@ -160,9 +160,10 @@ async def test_bad_packed_hashes_are_refused_and_change_nothing(seeded, layout):
     stub, admin, kv, tokens, _, hashes = seeded
     before = await snapshot(admin, kv, layout, tokens)
     joined = b"".join(hashes)
-    short = kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(packed=joined[:-1]))
-    both = kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=hashes, packed=joined))
-    for keys, match in ((short, f"{len(joined) - 1} bytes, not a multiple of 16"), (both, "not both")):
+    short = kvstore_pb2.BlockKeys(packed_hashes=joined[:-1])
+    # What a daemon older than packed keys sees in a packed request: no keys at all.
+    none = kvstore_pb2.BlockKeys(packed_reply=True)
+    for keys, match in ((short, f"{len(joined) - 1} bytes, not a multiple of 16"), (none, "names no blocks")):
         await expect_invalid(stub.Lookup(kvstore_pb2.LookupRequest(namespace=ns(layout), keys=keys, lease_ms=1000)),
                              match)
         await expect_invalid(stub.Delete(kvstore_pb2.DeleteRequest(namespace=ns(layout), keys=keys)), match)
