@@ -16,19 +16,37 @@ knows the tier order).
 A location removed while readers still hold the entry is `retired`: its bytes are freed
 when the last reader lets go, never under a read in flight.
 
-Primitives: `get`, `add`, `remove`, `longest_ready_prefix`.
+Storage: every block is a row of a columnar `BlockTable` (kvstore.table), not an object.
+A `BlockEntry` is a small handle (table, row, generation) made on demand, whose
+properties read and write the row, so the store's per-block code reads as before; the
+bulk paths (a lookup's prefix probe, a put's publish, a restart) work on arrays of rows.
+
+Primitives: `get`, `add`, `remove`, `prefix_rows`, `longest_ready_prefix`.
 """
 
 from __future__ import annotations
 
 import enum
+import struct
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
-from operator import attrgetter
 
+import numpy as np
+
+from kvstore.table import (
+    HAS_PARENT,
+    HASH_BYTES,
+    INDEXED,
+    KEY_BYTES,
+    READY,
+    REMOVED,
+    SSD_QUEUED,
+    BlockTable,
+    I64,
+)
 from kvstore.tiers.base import Slot
 
-
 _new_entry = object.__new__
+_unpack_qq = struct.Struct("<QQ").unpack_from
 
 
 class BlockState(enum.Enum):
@@ -36,18 +54,21 @@ class BlockState(enum.Enum):
     READY = "ready"  # fully written and checksummed; visible to lookups
 
 
-class BlockEntry:
-    """One block's metadata. Mutable: pins and state change over its life.
+# Entries made outside an index (tests, a put before it publishes) live here until an
+# index adopts them.
+_DETACHED = BlockTable(16)
 
-    Kept small, because a node indexes millions of blocks: `__slots__`, no per-entry
-    containers in the common case. A block lives in one tier most of its life, so its
-    copies are held as one `Slot` (or a tuple of them while it has several, or None)
-    rather than a dict; `locations` gives the dict-like view of them by tier name.
-    `retired` is None until a location is taken away under a reader.
+
+class BlockEntry:
+    """A handle on one block's row of a `BlockTable`: (table, row, generation).
+
+    The metadata lives in the table's columns; this object is made on demand and holds
+    nothing else, so the index costs no Python object per block. Mutable through its
+    properties (`entry.pins += 1` writes the column). A handle whose row has been
+    recycled (its generation moved on) reads as removed, with no pins, readers or copies.
     """
 
-    __slots__ = ("key", "parent", "nbytes", "checksum", "_locs", "state", "itemsize", "pins", "readers",
-                 "removed", "retired", "ssd_queued")
+    __slots__ = ("_t", "_row", "_gen")
 
     def __init__(
         self,
@@ -61,56 +82,174 @@ class BlockEntry:
         itemsize: int = 2,
         pins: int = 0,
         readers: int = 0,
+        table: BlockTable | None = None,
     ) -> None:
-        self.key = key
-        self.parent = parent
-        self.nbytes = nbytes
-        self.checksum = checksum
-        self._locs: Slot | tuple[Slot, ...] | None = None
-        self.state = state
-        # Element size of the namespace's dtype: the SSD codec shuffles byte planes by it.
-        self.itemsize = itemsize
-        # Leases (lookup pins and explicit pins) holding this block in place.
-        self.pins = pins
-        # Reads in flight; a removed block's slot is freed only when the last one ends.
-        self.readers = readers
-        self.removed = False
-        # Locations taken away while readers held the entry; freed when the last one ends.
-        self.retired: list[Slot] | None = None
-        # Waiting in the SSD write-through queue.
-        self.ssd_queued = False
+        t = table if table is not None else _DETACHED
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a block key is {KEY_BYTES} bytes (namespace id + block hash), got {len(key)}")
+        h0, h1 = _unpack_qq(key, HASH_BYTES)
+        row = t.new_row(t.ns_id(key[:HASH_BYTES]), h0, h1)
+        self._t = t
+        self._row = row
+        self._gen = t.vgen[row]
+        if parent is not None:
+            self.parent = parent
+        t.vnbytes[row] = nbytes
+        t.vcsum[row] = checksum
+        t.vitem[row] = itemsize
+        t.vpins[row] = pins
+        t.vreaders[row] = readers
+        if state is BlockState.READY:
+            t.vflags[row] |= READY
         if locations:
             for name, slot in locations.items():
                 assert slot.tier == name, f"slot of tier {slot.tier} filed under {name}"
                 self.add_slot(slot)
 
     @classmethod
-    def recovered(cls, key: bytes, parent: bytes | None, nbytes: int, checksum: int, itemsize: int,
-                  slot: Slot) -> BlockEntry:
-        """A READY entry with one copy in `slot` (a restart makes one per block: no
-        keyword handling, no `add_slot` call, the same fields as `__init__` sets)."""
+    def of(cls, table: BlockTable, row: int) -> BlockEntry:
         self = _new_entry(cls)
-        self.key = key
-        self.parent = parent
-        self.nbytes = nbytes
-        self.checksum = checksum
-        self._locs = slot
-        self.state = BlockState.READY
-        self.itemsize = itemsize
-        self.pins = 0
-        self.readers = 0
-        self.removed = False
-        self.retired = None
-        self.ssd_queued = False
+        self._t = table
+        self._row = row
+        self._gen = int(table.vgen[row])
         return self
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, BlockEntry) and self._t is other._t and self._row == other._row
+                and self._gen == other._gen)
+
+    def __hash__(self) -> int:
+        return hash((id(self._t), self._row, self._gen))
 
     def __repr__(self) -> str:
         return (f"BlockEntry(key={self.key.hex()}, state={self.state.value}, tiers={self.tier_names()}, "
                 f"pins={self.pins}, readers={self.readers}, removed={self.removed})")
 
     @property
+    def row(self) -> int:
+        return self._row
+
+    @property
+    def table(self) -> BlockTable:
+        return self._t
+
+    @property
+    def stale(self) -> bool:
+        """The row was recycled: this handle's block is gone."""
+        return self._t.gen[self._row] != self._gen
+
+    def _live(self) -> int:
+        assert self._t.gen[self._row] == self._gen, "write through a stale block handle"
+        return self._row
+
+    # -- fields
+
+    @property
+    def key(self) -> bytes:
+        return self._t.key(self._row)
+
+    @property
+    def parent(self) -> bytes | None:
+        return self._t.parent_key(self._row)
+
+    @parent.setter
+    def parent(self, parent: bytes | None) -> None:
+        t, row = self._t, self._live()
+        if parent is None:
+            t.vflags[row] &= ~HAS_PARENT & 0xFF
+            return
+        if len(parent) != KEY_BYTES or t.known_ns(parent[:HASH_BYTES]) != t.vns[row]:
+            raise ValueError("a block's parent is a key of the same namespace")
+        t.vph0[row], t.vph1[row] = _unpack_qq(parent, HASH_BYTES)
+        t.vflags[row] |= HAS_PARENT
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._t.nbytes[self._row])
+
+    @property
+    def checksum(self) -> int:
+        return int(self._t.csum[self._row])
+
+    @checksum.setter
+    def checksum(self, value: int) -> None:
+        self._t.csum[self._live()] = value
+
+    @property
+    def itemsize(self) -> int:
+        return int(self._t.item[self._row])
+
+    @property
+    def state(self) -> BlockState:
+        return BlockState.READY if self._t.flags[self._row] & READY else BlockState.PENDING
+
+    @state.setter
+    def state(self, value: BlockState) -> None:
+        t, row = self._t, self._live()
+        if value is BlockState.READY:
+            t.vflags[row] |= READY
+        else:
+            t.vflags[row] &= ~READY & 0xFF
+
+    @property
+    def pins(self) -> int:
+        t, row = self._t, self._row
+        return t.vpins[row] if t.vgen[row] == self._gen else 0
+
+    @pins.setter
+    def pins(self, value: int) -> None:
+        assert value >= 0, "pins below zero"
+        self._t.pins[self._live()] = value
+
+    @property
+    def readers(self) -> int:
+        t, row = self._t, self._row
+        return t.vreaders[row] if t.vgen[row] == self._gen else 0
+
+    @readers.setter
+    def readers(self, value: int) -> None:
+        assert value >= 0, "readers below zero"
+        self._t.readers[self._live()] = value
+
+    @property
+    def removed(self) -> bool:
+        t, row = self._t, self._row
+        return t.vgen[row] != self._gen or bool(t.vflags[row] & REMOVED)
+
+    @property
+    def ssd_queued(self) -> bool:
+        t, row = self._t, self._row
+        return t.vgen[row] == self._gen and bool(t.vflags[row] & SSD_QUEUED)
+
+    @ssd_queued.setter
+    def ssd_queued(self, value: bool) -> None:
+        t, row = self._t, self._row
+        if t.vgen[row] != self._gen:
+            return  # recycled: nothing of it is queued any more
+        if value:
+            t.vflags[row] |= SSD_QUEUED
+        else:
+            t.vflags[row] &= ~SSD_QUEUED & 0xFF
+
+    @property
+    def retired(self) -> list[Slot] | None:
+        if self.stale:
+            return None
+        return self._t.retired.get(self._row)
+
+    @retired.setter
+    def retired(self, value: list[Slot] | None) -> None:
+        row = self._live()
+        if value is None:
+            self._t.retired.pop(row, None)
+        else:
+            self._t.retired[row] = value
+
+    @property
     def evictable(self) -> bool:
-        return self.pins == 0 and self.readers == 0 and self.state is BlockState.READY
+        t, row = self._t, self._row
+        return (t.vgen[row] == self._gen and t.vpins[row] == 0 and t.vreaders[row] == 0
+                and bool(t.vflags[row] & READY))
 
     # -- locations (one Slot per tier holding a copy, in the order they were added)
 
@@ -120,39 +259,39 @@ class BlockEntry:
         return Locations(self)
 
     def slots(self) -> tuple[Slot, ...]:
-        locs = self._locs
-        if locs is None:
+        t, row = self._t, self._row
+        if t.vgen[row] != self._gen:
             return ()
-        if type(locs) is tuple:
-            return locs
-        return (locs,)  # type: ignore[return-value]
+        a, b = t.vlt[row, 0], t.vlt[row, 1]
+        if not a:
+            return ()
+        names = t.tier_names
+        first = Slot(names[a], t.vlo[row, 0], t.vls[row, 0])
+        if not b:
+            return (first,)
+        second = Slot(names[b], t.vlo[row, 1], t.vls[row, 1])
+        extra = t.extra_locs.get(row)
+        return (first, second, *extra) if extra else (first, second)
 
     def tier_names(self) -> list[str]:
         return [s.tier for s in self.slots()]
 
     def only_tier(self) -> str | None:
         """The tier of the single copy, or None when there are none or several (the fast path)."""
-        locs = self._locs
-        if locs is None or type(locs) is tuple:
+        t, row = self._t, self._row
+        if t.vgen[row] != self._gen:
             return None
-        return locs.tier  # type: ignore[union-attr]
+        a, b = t.vlt[row, 0], t.vlt[row, 1]
+        return t.tier_names[a] if a and not b else None
 
     def slot_in(self, tier: str) -> Slot | None:
-        locs = self._locs
-        if locs is None:
-            return None
-        if type(locs) is tuple:
-            for s in locs:  # type: ignore[union-attr]
-                if s.tier == tier:
-                    return s
-            return None
-        return locs if locs.tier == tier else None  # type: ignore[union-attr,return-value]
+        for s in self.slots():
+            if s.tier == tier:
+                return s
+        return None
 
     def add_slot(self, slot: Slot) -> None:
         """Record a copy; replaces the copy in the same tier, if any."""
-        if self._locs is None:
-            self._locs = slot
-            return
         rest = [s for s in self.slots() if s.tier != slot.tier]
         self._set([*rest, slot])
 
@@ -160,20 +299,51 @@ class BlockEntry:
         slot = self.slot_in(tier)
         if slot is None:
             raise KeyError(tier)
-        self._set([s for s in self.slots() if s is not slot])
+        self._set([s for s in self.slots() if s.tier != tier])
         return slot
 
     def clear_slots(self) -> None:
-        self._locs = None
+        if not self.stale:
+            self._set([])
 
     def _set(self, slots: list[Slot]) -> None:
-        self._locs = None if not slots else slots[0] if len(slots) == 1 else tuple(slots)
+        t, row = self._t, self._live()
+        lt, lo, ls = t.lt, t.lo, t.ls
+        for i in range(2):
+            if i < len(slots):
+                s = slots[i]
+                lt[row, i] = t.tier_id(s.tier)
+                lo[row, i] = s.offset
+                ls[row, i] = s.size
+            else:
+                lt[row, i] = 0
+        if len(slots) > 2:
+            t.extra_locs[row] = slots[2:]
+        else:
+            t.extra_locs.pop(row, None)
 
     def retire(self, slot: Slot) -> None:
-        if self.retired is None:
+        retired = self.retired
+        if retired is None:
             self.retired = [slot]
         else:
-            self.retired.append(slot)
+            retired.append(slot)
+
+    def _move_to(self, table: BlockTable) -> None:
+        """Copy this (detached) entry's row into `table` and point the handle there."""
+        src, row = self._t, self._live()
+        key, parent, slots, retired = self.key, self.parent, self.slots(), self.retired
+        h0, h1 = _unpack_qq(key, HASH_BYTES)
+        new = table.new_row(table.ns_id(key[:HASH_BYTES]), h0, h1)
+        for col in ("csum", "nbytes", "item", "pins", "readers"):
+            getattr(table, col)[new] = getattr(src, col)[row]
+        table.vflags[new] |= int(src.vflags[row]) & (READY | REMOVED | SSD_QUEUED)
+        src.free_row(row)
+        self._t, self._row, self._gen = table, new, int(table.vgen[new])
+        self.parent = parent
+        self._set(list(slots))
+        if retired:
+            self.retired = list(retired)
 
 
 class Locations(MutableMapping[str, Slot]):
@@ -211,58 +381,109 @@ class Locations(MutableMapping[str, Slot]):
         self._entry.clear_slots()
 
 
-_KEY = attrgetter("key")
-_STATE = attrgetter("state")
-
-
 def make_key(namespace_id: bytes, block_hash: bytes) -> bytes:
     return namespace_id + block_hash
 
 
 class BlockIndex:
-    def __init__(self) -> None:
-        self._entries: dict[bytes, BlockEntry] = {}
+    """READY blocks by key: the published rows of a `BlockTable`."""
+
+    def __init__(self, table: BlockTable | None = None) -> None:
+        self.table = table if table is not None else BlockTable()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self.table.count
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return isinstance(key, bytes) and self.table.find_key(key) >= 0
 
     def __iter__(self) -> Iterator[BlockEntry]:
-        return iter(self._entries.values())
+        t = self.table
+        return (BlockEntry.of(t, row) for row in t.indexed_rows().tolist())
+
+    def entry(self, row: int) -> BlockEntry:
+        return BlockEntry.of(self.table, row)
+
+    def new_entry(self, key: bytes, parent: bytes | None, nbytes: int, checksum: int, *,
+                  itemsize: int = 2) -> BlockEntry:
+        """A PENDING entry with its row in this index's table (published by `add`)."""
+        return BlockEntry(key, parent, nbytes, checksum, itemsize=itemsize, table=self.table)
 
     def get(self, key: bytes) -> BlockEntry | None:
-        return self._entries.get(key)
+        row = self.table.find_key(key)
+        return None if row < 0 else BlockEntry.of(self.table, row)
+
+    def _adopt(self, entry: BlockEntry) -> None:
+        if entry._t is not self.table:
+            entry._move_to(self.table)
 
     def add(self, entry: BlockEntry) -> None:
         assert entry.state is BlockState.READY, "only READY blocks enter the index"
-        assert entry.key not in self._entries, "a key is published at most once"
-        self._entries[entry.key] = entry
+        self._adopt(entry)
+        self.table.index_row(entry._row)
 
     def add_many(self, entries: Sequence[BlockEntry]) -> None:
-        """`add` each entry (a rebuild or a put's blocks), checked, then inserted in one step."""
-        fresh = dict(zip(map(_KEY, entries), entries))
-        assert len(fresh) == len(entries) and self._entries.keys().isdisjoint(fresh), \
-            "a key is published at most once"
-        assert set(map(_STATE, entries)) <= {BlockState.READY}, "only READY blocks enter the index"
-        if self._entries:
-            self._entries.update(fresh)
-        else:
-            self._entries = fresh  # a rebuild into an empty index: no second table
+        """`add` each entry (a put's blocks), checked, then inserted in one step."""
+        for e in entries:
+            assert e.state is BlockState.READY, "only READY blocks enter the index"
+            self._adopt(e)
+        rows = np.fromiter((e._row for e in entries), np.int64, len(entries))
+        self.add_rows(rows)
+
+    def add_rows(self, rows: I64) -> None:
+        """Publish READY rows of this index's table in one vectorized step."""
+        t = self.table
+        if not len(rows):
+            return
+        assert np.all(t.flags[rows] & READY), "only READY blocks enter the index"
+        h0, h1, ns = t.h0[rows], t.h1[rows], t.ns[rows]
+        if len(np.unique(h0)) != len(rows):  # the full check only where a half collides
+            keys = np.empty((len(rows), 3), np.uint64)
+            keys[:, 0], keys[:, 1], keys[:, 2] = h0, h1, ns
+            assert len(np.unique(keys, axis=0)) == len(rows), "a key is published at most once"
+        first = int(ns[0])
+        for n in ([first] if np.all(ns == first) else np.unique(ns).tolist()):
+            sel = ns == n
+            assert not np.any(t.find_rows(n, h0[sel], h1[sel]) >= 0), "a key is published at most once"
+        t.index_rows(rows)
 
     def remove(self, key: bytes) -> BlockEntry | None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            entry.removed = True
-        return entry
+        row = self.table.find_key(key)
+        if row < 0:
+            return None
+        self.table.unindex_row(row)
+        return BlockEntry.of(self.table, row)
+
+    def remove_entry(self, entry: BlockEntry) -> None:
+        """Unpublish an indexed entry (it then reads as removed)."""
+        t, row = entry._t, entry._row
+        if t is self.table and not entry.stale and t.vflags[row] & INDEXED:
+            t.unindex_row(row)
+
+    def prefix_rows(self, namespace_id: bytes, hashes: Sequence[bytes]) -> I64:
+        """Rows of the longest READY prefix of `hashes` in the namespace: one vectorized probe."""
+        t = self.table
+        ns = t.known_ns(namespace_id)
+        if ns is None or not hashes:
+            return np.zeros(0, np.int64)
+        q = np.frombuffer(b"".join(hashes), "<u8")
+        rows = t.find_rows(ns, q[0::2], q[1::2])
+        miss = np.flatnonzero(rows < 0)
+        return rows[: miss[0]] if len(miss) else rows
 
     def longest_ready_prefix(self, keys: Sequence[bytes]) -> list[BlockEntry]:
         """Entries of the longest prefix of `keys` that is READY, in order."""
-        # One C-level pass, no Python step per block (lookups name up to thousands).
-        out: list[BlockEntry | None] = list(map(self._entries.get, keys))
-        try:
-            del out[out.index(None):]
-        except ValueError:
-            pass
-        return out  # type: ignore[return-value]  # no None is left
+        t = self.table
+        out: list[BlockEntry] = []
+        if not keys:
+            return out
+        ns_id = keys[0][:HASH_BYTES]
+        if all(len(k) == KEY_BYTES for k in keys) and all(k[:HASH_BYTES] == ns_id for k in keys):
+            rows = self.prefix_rows(ns_id, [k[HASH_BYTES:] for k in keys])
+            return [BlockEntry.of(t, r) for r in rows.tolist()]
+        for key in keys:
+            row = t.find_key(key)
+            if row < 0:
+                break
+            out.append(BlockEntry.of(t, row))
+        return out

@@ -41,17 +41,21 @@ import enum
 import gc
 import logging
 import operator
+import struct
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from kvstore.checksum import checksum_batch, checksum_pieces
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstore.hashing import HASH_BYTES, block_hashes_packed, tenant_namespace_id
 from kvstore.index import BlockEntry, BlockIndex, BlockState, make_key
+from kvstore.table import HAS_PARENT, INDEXED, LIVE, READY, SSD_QUEUED, BlockTable
 from kvstore.layout import DTYPE_BYTES, KVLayout
 from kvstore.leases import Lease, LeaseTable
 from kvstore.policies import EvictionPolicy
@@ -61,9 +65,7 @@ from kvstore.tiers.copiers import make_copier
 
 logger = logging.getLogger(__name__)
 
-_ENTRY_KEY = operator.attrgetter("key")
-_ENTRY_LOCS = operator.attrgetter("_locs")
-_SLOT_TIER = operator.attrgetter("tier")
+_ENTRY_ROW = operator.attrgetter("row")
 
 # Fetch reads and verifies blocks in batches of about this many bytes: large enough to
 # amortize the thread hand-off of checksumming, small enough to bound memory per call.
@@ -336,6 +338,13 @@ class Store:
         self._executor = executor
         self._clock = clock
         self._index = BlockIndex()
+        table = self._index.table
+        # Tier ids in the table follow the tier order, so the top copy is the lowest id.
+        for st in self.tiers:
+            table.tier_id(st.name)
+            st.policy.bind(table)
+        self._tier_id_names = np.array(table.tier_names, dtype=object)
+        self._tier_ids = {st.name: table.tier_id(st.name) for st in self.tiers}
         self._leases = LeaseTable(self._release)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         # Payload bytes per tenant and tier, and quotas (set by the daemon from its token file).
@@ -382,9 +391,9 @@ class Store:
                 finally:
                     if collecting:
                         gc.enable()
-                if report.keys:
+                if len(report):
                     gc.freeze()
-                self._recovered = bool(report.keys)
+                self._recovered = bool(len(report))
                 self.ssd.counters.checksum_failures += report.checksum_failures
                 self.counters.checksum_failures += report.checksum_failures
             self._tasks.append(asyncio.create_task(self._ssd_writer(), name="kvstore-ssd-writer"))
@@ -394,11 +403,8 @@ class Store:
     def _index_recovered(self, report: Any) -> None:
         """Index the SSD tier's recovered blocks (a `kvstore.tiers.ssd.RecoveryReport`)."""
         assert self.ssd is not None
-        # The report is columns: one entry per block through a C-level map, no loop step.
-        entries = list(map(BlockEntry.recovered, report.keys, report.parents, report.nbytes, report.checksums,
-                           report.itemsizes, report.slots))
-        self._index.add_many(entries)
-        self.ssd.policy.insert_many(report.keys, report.parents)
+        rows = load_recovered(self._index.table, self.ssd.name, report)
+        self.ssd.policy.insert_rows(rows)
 
     async def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued SSD write has landed; False if `timeout_s` passed first."""
@@ -461,12 +467,22 @@ class Store:
             if self._recovered:
                 # Blocks recovered from SSD carry their namespace id but not its layout;
                 # the first request that sends the layout adopts them.
-                for entry in self._index:
-                    if entry.key[:HASH_BYTES] == ns_id:
-                        info.blocks += 1
-                        info.bytes += entry.nbytes
-                        for name in entry.locations:
-                            self.tenancy.add(tenant, name, entry.nbytes)
+                t = self._index.table
+                nsid = t.known_ns(ns_id)
+                if nsid is not None:
+                    rows = t.indexed_rows()
+                    rows = rows[t.ns[rows] == nsid]
+                    nbytes = t.nbytes[rows].astype(np.int64)
+                    info.blocks += len(rows)
+                    info.bytes += int(nbytes.sum())
+                    lt = t.lt[rows]
+                    for name, tid in self._tier_ids.items():
+                        held = (lt[:, 0] == tid) | (lt[:, 1] == tid)
+                        if held.any():
+                            self.tenancy.add(tenant, name, int(nbytes[held].sum()))
+                    for row in t.extra_locs.keys() & set(rows.tolist()):
+                        for slot in t.extra_locs[row]:
+                            self.tenancy.add(tenant, slot.tier, t.vnbytes[row])
             self._namespaces[ns_id] = info
             logger.info("namespace %s registered: model=%s dtype=%s block=%d tokens / %d bytes",
                         ns_id.hex(), layout.model, layout.dtype, layout.block_size_tokens, layout.bytes_per_block)
@@ -565,21 +581,49 @@ class Store:
 
     def _remove_location(self, entry: BlockEntry, st: StoreTier) -> None:
         """Take one copy away; the entry leaves the index with its last copy."""
+        if self._drop_last_copy(entry, st):
+            return
         was_top = self._top_name(entry)
         slot = entry.pop_slot(st.name)
         self._account(entry, st.name, -entry.nbytes)
-        st.policy.remove(entry.key)
+        st.policy.remove_row(entry.row)
         if entry.readers:
             entry.retire(slot)
         else:
             st.tier.free(slot)
         if not entry.slots() and not entry.removed:
-            self._index.remove(entry.key)
+            self._index.remove_entry(entry)
             st.counters.drops += 1
             self._forget(entry)
             self._removed(entry, st.name)
         elif entry.slots() and was_top == st.name:
             self._moved(entry, st.name, self._top_name(entry))  # demoted (or its top copy dropped)
+
+    def _drop_last_copy(self, entry: BlockEntry, st: StoreTier) -> bool:
+        """`_remove_location` of an indexed block's only copy, in `st`, with no reader (an
+        eviction from the last tier, the common case at scale), straight on the columns.
+        False, having done nothing, in any other case."""
+        t, row = entry.table, entry.row
+        if (t is not self._index.table or entry.stale or t.vreaders[row] or t.vlt[row, 1]
+                or t.vlt[row, 0] != self._tier_ids[st.name] or not t.vflags[row] & INDEXED):
+            return False
+        nbytes = t.vnbytes[row]
+        ns_id = t.ns_bytes[t.vns[row]]
+        slot = Slot(st.name, t.vlo[row, 0], t.vls[row, 0])
+        t.vlt[row, 0] = 0
+        info = self._namespaces.get(ns_id)
+        if info is not None:
+            self.tenancy.add(info.tenant, st.name, -nbytes)
+        st.policy.remove_row(row)
+        st.tier.free(slot)
+        t.unindex_row(row)
+        st.counters.drops += 1
+        if info is not None:
+            info.blocks -= 1
+            info.bytes -= nbytes
+        if self.observer is not None:
+            self.observer.blocks_removed(ns_id, [t.key(row)[HASH_BYTES:]], st.name)
+        return True
 
     # Events for the observer (the daemon's event bus). Only READY blocks are reported:
     # what a router may have heard of.
@@ -659,9 +703,9 @@ class Store:
             self._removed(entry, self._top_name(entry))
         for name in entry.locations:
             self._account(entry, name, -entry.nbytes)  # before the index marks it removed
-        self._index.remove(entry.key)
         for name in entry.locations:
-            self._tier_by_name[name].policy.remove(entry.key)
+            self._tier_by_name[name].policy.remove_row(entry.row)
+        self._index.remove_entry(entry)
         self._forget(entry)
         if entry.readers == 0:
             for slot in entry.slots():
@@ -671,6 +715,11 @@ class Store:
     def _evictable(self, key: bytes) -> bool:
         entry = self._index.get(key)
         return entry is not None and entry.evictable
+
+    def _evictable_row(self, row: int) -> bool:
+        t = self._index.table
+        return (row >= 0 and t.vpins[row] == 0 and t.vreaders[row] == 0
+                and (t.vflags[row] & (READY | INDEXED)) == (READY | INDEXED))
 
     # ----------------------------------------------------------------- moving bytes
 
@@ -711,19 +760,18 @@ class Store:
 
     async def _evict_one(self, st: StoreTier, nbytes: int) -> None:
         """Make progress towards room in `st`: demote one victim, or empty one SSD region."""
-        key = st.policy.victim(self._evictable)
-        if key is None:
+        row = st.policy.victim_row(self._evictable_row)
+        if row is None:
             raise ResourceExhausted(
                 f"tier {st.name} is full ({st.tier.used_bytes} of {st.tier.capacity_bytes} bytes) and every "
                 "block in it is pinned or being moved; retry later, release leases, or add capacity"
             )
-        entry = self._index.get(key)
-        assert entry is not None
+        entry = self._index.entry(row)
         if st is self.ssd:
             # Region-level reclaim: a region frees only when all its records are dead,
             # so evict the victim's whole region (what of it is evictable) at once.
             region_keys = getattr(st.tier, "region_keys", None)
-            keys = region_keys(entry.locations[st.name]) if region_keys is not None else [key]
+            keys = region_keys(entry.locations[st.name]) if region_keys is not None else [entry.key]
             for k in keys:
                 e = self._index.get(k)
                 if e is not None and e.evictable and e.slot_in(st.name) is not None:
@@ -884,46 +932,58 @@ class Store:
         info = self.namespace(namespace_id)
         self.check_hashes(hashes)
         self.expire_leases()
-        keys = list(map(namespace_id.__add__, hashes))  # make_key, without a Python step per block
-        hit = self._index.longest_ready_prefix(keys)
+        # One vectorized probe of the block table, no Python step (nor object) per block.
+        rows = self._index.prefix_rows(namespace_id, hashes)
+        n_hit = len(rows)
         lease_id = ""
-        if hit and lease_ms > 0:
+        if n_hit and lease_ms > 0:
+            hit = [self._index.entry(r) for r in rows.tolist()]
             lease_id = self._acquire_lease(hit, lease_ms, tenant=info.tenant).lease_id
         c = self.counters
         c.lookups += 1
-        info.lookup_blocks += len(keys)
-        info.hit_blocks += len(hit)
-        c.lookup_blocks += len(keys)
-        c.hit_blocks += len(hit)
-        c.miss_blocks += len(keys) - len(hit)
-        # Where each block is served from; one location is the common case, inlined.
-        try:
-            # Every hit in one tier (a single Slot each): attribute gets in C, no Python step.
-            tier_names = list(map(_SLOT_TIER, map(_ENTRY_LOCS, hit)))
-        except AttributeError:  # some block has copies in several tiers
-            tier_names = [e.only_tier() or self._top_name(e) for e in hit]
-        per_tier = Counter(tier_names)
-        for st in self.tiers:
+        info.lookup_blocks += len(hashes)
+        info.hit_blocks += n_hit
+        c.lookup_blocks += len(hashes)
+        c.hit_blocks += n_hit
+        c.miss_blocks += len(hashes) - n_hit
+        # Where each block is served from: its top copy (tier ids follow the tier order).
+        tops = self._top_ids(rows)
+        tier_names: list[str] = self._tier_id_names[tops].tolist()
+        per_tier = np.bincount(tops, minlength=len(self._tier_id_names)).tolist()
+        tail_first = rows[::-1]
+        tops_tail_first = tops[::-1]
+        for tid, st in enumerate(self.tiers, start=1):
             # A tier's hits are looked-up blocks served from it; its misses, the others.
-            held = per_tier.get(st.name, 0)
+            held = per_tier[tid]
             st.counters.hits += held
-            st.counters.misses += len(keys) - held
+            st.counters.misses += len(hashes) - held
             if held:
                 # Tail first, so the head of a chain is the most recently used: a recency
                 # policy then evicts chain tails before the heads later blocks depend on.
-                if held == len(hit):
-                    st.policy.touch_many(list(map(_ENTRY_KEY, reversed(hit))))
-                else:
-                    st.policy.touch_many(
-                        [e.key for e, name in zip(reversed(hit), reversed(tier_names)) if name == st.name])
+                st.policy.touch_rows(tail_first if held == n_hit else tail_first[tops_tail_first == tid])
         return LookupResult(
             namespace_id=namespace_id,
-            num_blocks=len(hit),
+            num_blocks=n_hit,
             block_size_tokens=info.layout.block_size_tokens,
             tiers=tier_names,
-            block_hashes=list(hashes[: len(hit)]),
+            block_hashes=list(hashes[:n_hit]),
             lease_id=lease_id,
         )
+
+    def _top_ids(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """The tier id of each row's top copy (the lowest id: ids follow the tier order)."""
+        t = self._index.table
+        lt = t.lt[rows]
+        first, second = lt[:, 0], lt[:, 1]
+        if not second.any():  # one copy each: the common case
+            return first.astype(np.int64)
+        tops = np.where((second != 0) & (second < first), second, first).astype(np.int64)
+        if t.extra_locs:  # a third copy, for the moment of a move
+            for i in np.flatnonzero(second != 0).tolist():
+                extra = t.extra_locs.get(int(rows[i]))
+                if extra:
+                    tops[i] = min([int(tops[i])] + [t.tier_id(s.tier) for s in extra])
+        return tops
 
     def block(self, namespace_id: bytes, block_hash: bytes) -> BlockInfo | None:
         entry = self._index.get(make_key(namespace_id, block_hash))
@@ -1004,33 +1064,41 @@ class Store:
 
     def _publish(self, entries: list[BlockEntry]) -> None:
         through = self.ssd is not None and self.migration.write_policy is WritePolicy.THROUGH
-        # Tail first, for the same reason as in `lookup`.
-        tail_first = entries[::-1]
-        by_tier: dict[str, list[BlockEntry]] = {}
-        for entry in tail_first:
-            entry.state = BlockState.READY
-            for slot in entry.slots():
-                by_tier.setdefault(slot.tier, []).append(entry)
-                self._account(entry, slot.tier, entry.nbytes)
-            info = self._namespaces[entry.key[:HASH_BYTES]]
-            info.blocks += 1
-            info.bytes += entry.nbytes
-        self._index.add_many(tail_first)
-        for name, group in by_tier.items():  # one batch per tier: C-level inserts where the policy can
-            self._tier_by_name[name].policy.insert_many([e.key for e in group], [e.parent for e in group])
-        if self.observer is not None and entries:
-            groups: dict[tuple[bytes, str], list[bytes]] = {}
-            for entry in entries:
-                groups.setdefault((entry.key[:HASH_BYTES], self._top_name(entry)), []).append(entry.key[HASH_BYTES:])
-            for (ns_id, tier), hashes in groups.items():
-                self.observer.blocks_stored(ns_id, hashes, tier)
+        if not entries:
+            self._migrate_wakeup.set()
+            return
+        t = self._index.table
+        # One put's blocks: one namespace, columns updated in whole-array steps.
+        rows = np.fromiter(map(_ENTRY_ROW, entries), np.int64, len(entries))
+        tail_first = rows[::-1]
+        t.flags[rows] |= READY
+        info = self._namespaces[t.ns_bytes[int(t.vns[rows[0]])]]
+        assert np.all(t.ns[rows] == t.vns[rows[0]]), "a put's blocks share a namespace"
+        nbytes = t.nbytes[rows].astype(np.int64)
+        info.blocks += len(rows)
+        info.bytes += int(nbytes.sum())
+        lt = t.lt[tail_first]
+        assert all(e.table is t for e in entries), "a put's entries live in the store's table"
+        self._index.add_rows(tail_first)
+        for tid, st in enumerate(self.tiers, start=1):
+            has = (lt[:, 0] == tid) | (lt[:, 1] == tid)
+            if not has.any():
+                continue
+            self.tenancy.add(info.tenant, st.name, int(nbytes[::-1][has].sum()))
+            # Tail first, for the same reason as in `lookup`.
+            st.policy.insert_rows(tail_first[has])
+        if self.observer is not None:
+            tops = self._top_ids(rows)
+            hashes = [k[HASH_BYTES:] for k in t.keys(rows)]
+            for tid in np.unique(tops).tolist():
+                sel = np.flatnonzero(tops == tid).tolist()
+                self.observer.blocks_stored(info.namespace_id, [hashes[i] for i in sel], t.tier_names[tid])
         if through:
             # Head first: the SSD writer follows queue order, so a crash can cut a chain
             # short but never leave its later blocks without its start.
-            for entry in entries:
-                entry.ssd_queued = True
-                self._ssd_queue.append(entry)
-        if through and entries:
+            t.flags[rows] |= SSD_QUEUED
+            self._ssd_queue.extend(entries)
+        if through:
             self._ssd_idle.clear()
             self._ssd_wakeup.set()
         self._migrate_wakeup.set()
@@ -1056,10 +1124,12 @@ class Store:
 
     async def _write_through(self, entry: BlockEntry) -> None:
         assert self.ssd is not None
-        if not entry.ssd_queued or entry.removed or self.ssd.name in entry.locations:
+        if not entry.ssd_queued:
             return
         src = self.top_tier(entry)
-        if src is None:
+        if entry.removed or self.ssd.name in entry.locations or src is None:
+            # Out of the queue with nothing to write: its row may be recycled once removed.
+            entry.ssd_queued = False
             return
         self._hold(entry)
         try:
@@ -1108,12 +1178,10 @@ class Store:
         target = st.low_watermark * cap
         moved = 0
         while st.tier.used_bytes > target and moved < self.migration.batch_blocks:
-            key = st.policy.victim(self._evictable)
-            if key is None:
+            row = st.policy.victim_row(self._evictable_row)
+            if row is None:
                 return MigrationStatus.FAIL
-            entry = self._index.get(key)
-            assert entry is not None
-            await self._demote(entry, st)
+            await self._demote(self._index.entry(row), st)
             moved += 1
         if st.tier.used_bytes > target:
             return MigrationStatus.RUNNING
@@ -1584,6 +1652,9 @@ class PutTxn:
         self._itemsize = DTYPE_BYTES.get(info.layout.dtype, 1)
         ns = info.namespace_id
         self._keys = [make_key(ns, h) for h in hashes]
+        q = np.frombuffer(b"".join(hashes), "<u8")
+        self._q0, self._q1 = q[0::2], q[1::2]
+        self._parent_hash = parent_hash or None
         first_parent = make_key(ns, parent_hash) if parent_hash else None
         self._parents: list[bytes | None] = [first_parent, *self._keys[:-1]]
         self._entries: list[BlockEntry | None] = [None] * len(hashes)
@@ -1609,15 +1680,7 @@ class PutTxn:
     async def reserve(self) -> None:
         """Allocate PENDING slots for the blocks not already present (making room as needed)."""
         store = self._store
-        index = store._index
-        new = []
-        for i, key in enumerate(self._keys):
-            present = index.get(key)
-            if present is None:
-                new.append(i)
-            else:
-                store._hold(present)
-                self._held.append(present)
+        new = self._hold_present()
         landing = [self._tier] if self._tier is not None else store._landing_tiers()
         room = sum(st.tier.capacity_bytes for st in landing)
         need = len(new) * landing[0].tier.accounted_size(self.block_bytes)
@@ -1638,20 +1701,73 @@ class PutTxn:
                         await store._quota_room(self._info, st, self._quota_bytes)
                         store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
                         self._quota_held.append(st.name)
-            for i in new:
-                # Where a landing tier has room, no await (and no coroutine) per block.
-                slot = next((s for st in landing if (s := st.tier.allocate(nbytes)) is not None), None)
-                if slot is None:
-                    slot = await store._allocate_put(nbytes, landing)
-                    if self._done:  # aborted while making room
-                        store._tier_by_name[slot.tier].tier.free(slot)
-                        raise FailedPrecondition("this put was aborted")
-                entry = BlockEntry(self._keys[i], self._parents[i], nbytes, 0, itemsize=self._itemsize)
-                entry.add_slot(slot)
-                self._entries[i] = entry
+            slots: list[Slot] = []
+            try:
+                for _ in new:
+                    # Where a landing tier has room, no await (and no coroutine) per block.
+                    slot = next((s for st in landing if (s := st.tier.allocate(nbytes)) is not None), None)
+                    if slot is None:
+                        slot = await store._allocate_put(nbytes, landing)
+                        if self._done:  # aborted while making room
+                            store._tier_by_name[slot.tier].tier.free(slot)
+                            raise FailedPrecondition("this put was aborted")
+                    slots.append(slot)
+            except BaseException:
+                store.free_slots(slots)
+                raise
+            self._make_entries(new, slots)
         except BaseException:
             self.abort()
             raise
+
+    def _hold_present(self) -> list[int]:
+        """Hold the blocks of this put that are READY already; the others' positions."""
+        store = self._store
+        t = store._index.table
+        present = t.find_rows(t.ns_id(self._info.namespace_id), self._q0, self._q1)
+        for row in present[present >= 0].tolist():
+            entry = store._index.entry(row)
+            store._hold(entry)
+            self._held.append(entry)
+        return np.flatnonzero(present < 0).tolist()
+
+    def _make_entries(self, new: list[int], slots: Sequence[Slot]) -> None:
+        """PENDING rows for blocks `new` (positions in the put), block i in slots[i], in
+        whole-column steps."""
+        if not new:
+            return
+        store = self._store
+        index = store._index
+        t = index.table
+        at = np.array(new, np.int64)
+        rows = t.take_rows(len(new))
+        t.ns[rows] = t.ns_id(self._info.namespace_id)
+        t.h0[rows] = self._q0[at]
+        t.h1[rows] = self._q1[at]
+        # The parent of block i is block i - 1 of this put, or the put's parent for block 0.
+        prev = at - 1
+        chained = prev >= 0
+        t.ph0[rows[chained]] = self._q0[prev[chained]]
+        t.ph1[rows[chained]] = self._q1[prev[chained]]
+        flags = np.full(len(rows), LIVE, np.uint8)
+        flags[chained] |= HAS_PARENT
+        if self._parent_hash is not None and not chained[0]:
+            t.vph0[rows[0]], t.vph1[rows[0]] = struct.unpack("<QQ", self._parent_hash)
+            flags[0] |= HAS_PARENT
+        t.flags[rows] = flags
+        t.nbytes[rows] = self.block_bytes
+        t.item[rows] = self._itemsize
+        t.csum[rows] = 0
+        names = {s.tier for s in slots}
+        if len(names) == 1:
+            t.lt[rows, 0] = t.tier_id(next(iter(names)))
+        else:
+            t.lt[rows, 0] = [t.tier_id(s.tier) for s in slots]
+        t.lt[rows, 1] = 0
+        t.lo[rows, 0] = [s.offset for s in slots]
+        t.ls[rows, 0] = [s.size for s in slots]
+        for i, row in zip(new, rows.tolist()):
+            self._entries[i] = index.entry(row)
 
     async def adopt(self, filled: Sequence[Slot]) -> list[Slot]:
         """Instead of `reserve`: take slots from `Store.reserve_slots` that a co-located
@@ -1661,14 +1777,7 @@ class PutTxn:
         if len(filled) != len(self._keys):
             raise InvalidArgument(f"{len(filled)} filled slots for a put of {len(self._keys)} blocks")
         store = self._store
-        new: list[int] = []
-        for i, key in enumerate(self._keys):
-            present = store._index.get(key)
-            if present is None:
-                new.append(i)
-            else:
-                store._hold(present)
-                self._held.append(present)
+        new = self._hold_present()
         quotas = store.tenancy.quotas.get(self._info.tenant)
         if quotas and new:
             landing = [self._tier] if self._tier is not None else store._landing_tiers()
@@ -1678,9 +1787,7 @@ class PutTxn:
                     await store._quota_room(self._info, st, self._quota_bytes)
                     store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
                     self._quota_held.append(st.name)
-        for i in new:
-            self._entries[i] = BlockEntry(self._keys[i], self._parents[i], self.block_bytes, 0,
-                                          {filled[i].tier: filled[i]}, itemsize=self._itemsize)
+        self._make_entries(new, [filled[i] for i in new])
         new_set = set(new)
         return [slot for i, slot in enumerate(filled) if i not in new_set]
 
@@ -1761,15 +1868,20 @@ class PutTxn:
             raise FailedPrecondition("this put was aborted")
         stored = existing = 0
         publish: list[BlockEntry] = []
-        for entry, csum in zip(pending, sums):
-            entry.checksum = csum
+        t = store._index.table
+        rows = np.fromiter(map(_ENTRY_ROW, pending), np.int64, len(pending))
+        t.csum[rows] = np.array(sums, np.uint64)
+        # Published by a concurrent put since this one began: one probe for all.
+        raced = set(rows[t.find_rows(t.ns_id(self._info.namespace_id), t.h0[rows], t.h1[rows]) >= 0].tolist())
         for i, maybe in enumerate(self._entries):
-            if maybe is None or maybe.key in store._index:
+            if maybe is None or maybe.row in raced:
                 # Present before the put began, or published by a concurrent put since.
                 existing += 1
                 if maybe is not None:
                     slot = self._slot(maybe)
                     tiers[slot.tier].tier.free(slot)
+                    maybe.clear_slots()
+                    store._index.table.free_row(maybe.row)
                     self._entries[i] = None
             else:
                 publish.append(maybe)
@@ -1797,6 +1909,8 @@ class PutTxn:
             if entry is not None:
                 slot = self._slot(entry)
                 self._store._tier_by_name[slot.tier].tier.free(slot)
+                entry.clear_slots()
+                self._store._index.table.free_row(entry.row)
                 self._entries[i] = None
 
     def _release_held(self) -> None:
@@ -1806,3 +1920,38 @@ class PutTxn:
         for entry in self._held:
             self._store._release(entry)
         self._held.clear()
+
+
+def load_recovered(table: BlockTable, tier: str, report: Any) -> np.ndarray[Any, Any]:
+    """Index the blocks of a `kvstore.tiers.ssd.RecoveryReport` (one copy each, in `tier`)
+    as new rows of `table`, in whole-column steps; returns their rows in report order."""
+    rec = report.records
+    n = len(rec)
+    if not n:
+        return np.zeros(0, np.int64)
+    rows = table.new_rows(n)
+    # Per key: namespace id (2 words), block hash (2 words).
+    words = np.ascontiguousarray(rec["key"]).view("<u8").reshape(n, 4)
+    ns_words = words[:, :2]
+    if np.all(ns_words == ns_words[0]):  # one namespace: the common case, no sort
+        table.ns[rows] = table.ns_id(ns_words[0].tobytes())
+    else:
+        uniq, inverse = np.unique(np.ascontiguousarray(ns_words).view([("a", "<u8"), ("b", "<u8")]).ravel(),
+                                  return_inverse=True)
+        ids = np.array([table.ns_id(u.tobytes()) for u in uniq], np.uint32)
+        table.ns[rows] = ids[inverse.ravel()]
+    table.h0[rows] = words[:, 2]
+    table.h1[rows] = words[:, 3]
+    parents = np.ascontiguousarray(rec["parent"]).view("<u8").reshape(n, 2)
+    table.ph0[rows] = parents[:, 0]
+    table.ph1[rows] = parents[:, 1]
+    # A parent is always of the block's own namespace (the record keeps only its hash).
+    table.flags[rows] = np.where(rec["has_parent"] != 0, LIVE | READY | HAS_PARENT, LIVE | READY).astype(np.uint8)
+    table.csum[rows] = rec["checksum"]
+    table.nbytes[rows] = rec["raw_len"]
+    table.item[rows] = rec["itemsize"]
+    table.lt[rows, 0] = table.tier_id(tier)
+    table.lo[rows, 0] = rec["offset"]
+    table.ls[rows, 0] = rec["size"]
+    table.index_rows(rows)
+    return rows

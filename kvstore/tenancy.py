@@ -22,7 +22,10 @@ class TenantLedger:
 
     def add(self, tenant: str, tier: str, nbytes: int) -> None:
         """A copy of `nbytes` landed in `tier` (negative: one left it)."""
-        self._used.setdefault(tenant, Counter())[tier] += nbytes
+        counts = self._used.get(tenant)
+        if counts is None:
+            counts = self._used[tenant] = Counter()
+        counts[tier] += nbytes
 
     def used(self, tenant: str, tier: str) -> int:
         counts = self._used.get(tenant)

@@ -24,8 +24,8 @@ def key(i: int) -> bytes:
     return bytes(16) + i.to_bytes(16, "big")
 
 
-def arc_state(p: ARCPolicy) -> tuple[list[bytes], ...]:
-    return list(p._t1), list(p._t2), list(p._b1), list(p._b2)
+def arc_state(p: ARCPolicy) -> tuple[list[bytes] | list[int], ...]:
+    return p.state()
 
 
 @pytest.mark.parametrize("seed", range(12))

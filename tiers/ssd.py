@@ -44,14 +44,13 @@ import mmap
 import os
 import struct
 import threading
-from bisect import bisect_left
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import repeat
 from operator import attrgetter
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import numpy as np
 import xxhash
 
 from kvstore.errors import ConfigError, DataLoss
@@ -76,6 +75,12 @@ SNAPSHOT_MAGIC = b"KVSNAP\x00\x02"
 _SNAP_HEAD = struct.Struct("<8sIQIIQ")  # magic, version, region size, alignment, regions, records
 # offset, size, seq, itemsize, has parent, key, parent hash, checksum, raw_len
 _SNAP_REC = struct.Struct("<QIQBB32s16sQI")
+# The same record as numpy columns: a snapshot loads as one array, without a Python
+# object per record, and recovered records stay in that form until a region changes.
+_REC_DTYPE = np.dtype([("offset", "<u8"), ("size", "<u4"), ("seq", "<u8"), ("itemsize", "u1"),
+                       ("has_parent", "u1"), ("key", "V32"), ("parent", "V16"), ("checksum", "<u8"),
+                       ("raw_len", "<u4")])
+assert _REC_DTYPE.itemsize == _SNAP_REC.size
 _SNAP_SUM = struct.Struct("<Q")
 # Encoding blocks smaller than this inline costs less than the thread hand-off.
 INLINE_CODEC_BYTES = 64 * 1024
@@ -104,23 +109,92 @@ class RecoveredBlock(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class RecoveryReport:
-    """The recovered blocks as columns (one list per field, position i is block i, in
-    offset order): a restart indexes a million blocks without a tuple per block."""
+    """The recovered blocks as columns (`records`, a `_REC_DTYPE` array in offset order:
+    position i is block i): a restart indexes a million blocks without an object per
+    block. The list views below are built on demand."""
 
-    keys: list[bytes]
-    parents: list[bytes | None]
-    checksums: list[int]
-    nbytes: list[int]
-    itemsizes: list[int]
-    slots: list[Slot]
+    records: np.ndarray[Any, Any]
+    tier: str
     checksum_failures: int
     from_snapshot: bool
 
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def keys(self) -> list[bytes]:
+        raw = self.records["key"].tobytes()
+        return [raw[i:i + 32] for i in range(0, len(raw), 32)]
+
+    @property
+    def parents(self) -> list[bytes | None]:
+        return [k[:16] + bytes(p) if has else None
+                for k, has, p in zip(self.keys, self.records["has_parent"].tolist(), self.records["parent"].tolist())]
+
+    @property
+    def checksums(self) -> list[int]:
+        return self.records["checksum"].tolist()  # type: ignore[no-any-return]
+
+    @property
+    def nbytes(self) -> list[int]:
+        return self.records["raw_len"].tolist()  # type: ignore[no-any-return]
+
+    @property
+    def itemsizes(self) -> list[int]:
+        return self.records["itemsize"].tolist()  # type: ignore[no-any-return]
+
+    @property
+    def slots(self) -> list[Slot]:
+        return [Slot(self.tier, o, z) for o, z in zip(self.records["offset"].tolist(), self.records["size"].tolist())]
+
     @property
     def blocks(self) -> list[RecoveredBlock]:
-        """One `RecoveredBlock` per recovered block (built on demand)."""
+        """One `RecoveredBlock` per recovered block."""
         return list(map(RecoveredBlock, self.keys, self.parents, self.checksums, self.nbytes, self.itemsizes,
                         self.slots))
+
+
+def _records_of(parsed: list[_Parsed]) -> np.ndarray[Any, Any]:
+    """`_Parsed` records (a log scan's) as a `_REC_DTYPE` array, a field at a time."""
+    n = len(parsed)
+    rec = np.zeros(n, _REC_DTYPE)
+    if not n:
+        return rec
+    for name, get in (("offset", _OFFSET), ("size", _SIZE), ("seq", _SEQ), ("itemsize", _ITEMSIZE),
+                      ("checksum", _CHECKSUM), ("raw_len", _RAW_LEN)):
+        rec[name] = np.fromiter(map(get, parsed), rec.dtype[name], n)
+    rec["key"] = np.frombuffer(b"".join(map(_KEY, parsed)), "V32")
+    parents = list(map(_PARENT, parsed))
+    rec["has_parent"] = np.fromiter((p is not None for p in parents), np.uint8, n)
+    none = bytes(16)
+    rec["parent"] = np.frombuffer(b"".join([p[16:] if p is not None else none for p in parents]), "V16")
+    return rec
+
+
+def _distinct_keys(records: np.ndarray[Any, Any]) -> bool:
+    """No key twice among `records` (a sort of one 64-bit mix per key; equal mixes are
+    then compared in full)."""
+    n = len(records)
+    if n < 2:
+        return True
+    w = np.ascontiguousarray(records["key"]).view("<u8").reshape(n, 4)
+    mix = w[:, 0] ^ (w[:, 1] * np.uint64(0x9E3779B97F4A7C15)) ^ w[:, 2] ^ (w[:, 3] * np.uint64(0xC2B2AE3D27D4EB4F))
+    order = np.argsort(mix, kind="stable")
+    same = np.flatnonzero(mix[order][1:] == mix[order][:-1])
+    if not len(same):
+        return True
+    keys = records["key"]
+    return not any(keys[order[i]] == keys[order[i + 1]] for i in same.tolist())
+
+
+def _parsed_of(records: np.ndarray[Any, Any]) -> list[_Parsed]:
+    new, parsed_type = tuple.__new__, _Parsed
+    return [
+        new(parsed_type, (offset, size, seq, 0, itemsize, key, key[:16] + parent if has_parent else None, csum,
+                          raw_len, 0))
+        for offset, size, seq, itemsize, has_parent, key, parent, csum, raw_len
+        in _SNAP_REC.iter_unpack(records.tobytes())
+    ]
 
 
 @dataclass(slots=True)
@@ -131,6 +205,8 @@ class _Region:
     live_bytes: int = 0
     sealed: bool = False
     records: dict[int, _Parsed] = field(default_factory=dict)  # live records by offset in region
+    # Records recovered at start and not touched since, as columns (see `SsdTier._records`).
+    recovered: np.ndarray[Any, Any] | None = None
 
 
 class _Parsed(NamedTuple):
@@ -312,12 +388,13 @@ class SsdTier(Tier):
         region.write_pos = 0
         region.sealed = False
         region.records.clear()
+        region.recovered = None
         self._free_regions.append(region.index)
         logger.debug("ssd region %d reclaimed", region.index)
 
     def _free(self, slot: Slot) -> None:
         region = self._regions[slot.offset // self.region_size]
-        region.records.pop(slot.offset % self.region_size, None)
+        self._records(region).pop(slot.offset % self.region_size, None)
         region.live_count -= 1
         region.live_bytes -= slot.size
         if region.sealed and region.live_count == 0:
@@ -325,8 +402,20 @@ class SsdTier(Tier):
 
     def region_keys(self, slot: Slot) -> list[bytes]:
         """Keys of the live records in `slot`'s region, oldest first."""
-        region = self._regions[slot.offset // self.region_size]
-        return [region.records[o].key for o in sorted(region.records)]
+        records = self._records(self._regions[slot.offset // self.region_size])
+        return [records[o].key for o in sorted(records)]
+
+    def _records(self, region: _Region) -> dict[int, _Parsed]:
+        """The region's live records by offset, made from its recovered columns on the
+        first change to the region (a region at a time, not a million at start)."""
+        if region.recovered is not None:
+            base = region.index * self.region_size
+            parsed = _parsed_of(region.recovered)
+            region.recovered = None
+            fresh = dict(zip((p.offset - base for p in parsed), parsed))
+            fresh.update(region.records)
+            region.records = fresh
+        return region.records
 
     # ------------------------------------------------------------- byte movement
 
@@ -359,7 +448,7 @@ class SsdTier(Tier):
             raise
         # Only now is the record known to the tier: a crash before this point leaves a
         # record that the store never indexed.
-        self._regions[slot.offset // self.region_size].records[slot.offset % self.region_size] = _Parsed(
+        self._records(self._regions[slot.offset // self.region_size])[slot.offset % self.region_size] = _Parsed(
             slot.offset, slot.size, seq, int(enc.codec), meta.itemsize, meta.key, meta.parent, meta.checksum,
             enc.raw_len, len(enc.payload))
         if enc.codec != Codec.RAW:
@@ -436,8 +525,9 @@ class SsdTier(Tier):
         """Rebuild the tier's tables from the snapshot, else from a scan of the log."""
         loop = asyncio.get_running_loop()
         snap = await loop.run_in_executor(self._executor, self._load_snapshot)
+        parsed: list[_Parsed] = []
         if snap is not None:
-            parsed, from_snapshot, failures = snap, True, 0
+            from_snapshot, failures = True, 0
         else:
             results = await asyncio.gather(
                 *(loop.run_in_executor(self._executor, self._scan_region, i) for i in range(len(self._regions)))
@@ -446,49 +536,56 @@ class SsdTier(Tier):
             failures = sum(f for _, f in results)
             from_snapshot = False
         regions, region_size = self._regions, self.region_size
-        best = dict(zip(map(_KEY, parsed), parsed))
-        if len(best) == len(parsed):
-            # Every key once (a snapshot always, a log unless a key was written again):
-            # every record is a winner and the seq order is not needed.
-            max_seq = max(map(_SEQ, parsed), default=0)
-            winners = sorted(parsed, key=_OFFSET)  # a snapshot is in offset order already
+        if snap is not None and not _distinct_keys(snap):
+            parsed = _parsed_of(snap)  # a key written twice: the newest record wins, below
+            snap = None
+        if snap is not None:
+            # Every key once, in offset order: the records are the winners as they are.
+            records = snap
+            max_seq = int(records["seq"].max()) if len(records) else 0
+            offsets = records["offset"].astype(np.int64)
+            if len(offsets) > 1 and not np.all(offsets[1:] > offsets[:-1]):
+                order = np.argsort(offsets, kind="stable")
+                records, offsets = records[order], offsets[order]
         else:
-            # For the same key the highest sequence number wins: sorted by seq, later wins.
-            by_seq = sorted(parsed, key=_SEQ)
-            best = dict(zip(map(_KEY, by_seq), by_seq))
-            max_seq = by_seq[-1].seq
-            winners = sorted(best.values(), key=_OFFSET)
-            for p in parsed:  # every record found, winner or not, occupies its region up to its end
-                region = regions[p.offset // region_size]
-                end = p.offset % region_size + p.size
-                if end > region.write_pos:
-                    region.write_pos = end
-        # Per-region work on whole runs (the winners are in offset order, so each region's
-        # records are one contiguous run), and the per-block objects made by C-level maps.
-        offsets = list(map(_OFFSET, winners))
-        sizes = list(map(self._sizes.setdefault, map(_SIZE, winners), map(_SIZE, winners)))
-        used = sum(sizes)
-        lo = 0
-        for region in regions:
-            if lo == len(winners):
-                break
-            base = region.index * region_size
-            hi = bisect_left(offsets, base + region_size, lo)
+            best = dict(zip(map(_KEY, parsed), parsed))
+            if len(best) == len(parsed):
+                # Every key once (a log unless a key was written again): every record is a
+                # winner and the seq order is not needed.
+                max_seq = max(map(_SEQ, parsed), default=0)
+                winners = sorted(parsed, key=_OFFSET)
+            else:
+                # For the same key the highest sequence number wins: sorted by seq, later wins.
+                by_seq = sorted(parsed, key=_SEQ)
+                best = dict(zip(map(_KEY, by_seq), by_seq))
+                max_seq = by_seq[-1].seq
+                winners = sorted(best.values(), key=_OFFSET)
+                for p in parsed:  # every record found, winner or not, occupies its region up to its end
+                    region = regions[p.offset // region_size]
+                    end = p.offset % region_size + p.size
+                    if end > region.write_pos:
+                        region.write_pos = end
+            records = _records_of(winners)
+            offsets = records["offset"].astype(np.int64)
+        # Per-region accounting on whole columns; each region keeps its run of records as
+        # columns until something changes in it.
+        sizes = records["size"].astype(np.int64)
+        used = int(sizes.sum())
+        which = offsets // region_size
+        bounds = np.searchsorted(which, np.arange(len(regions) + 1))
+        for region, lo, hi in zip(regions, bounds[:-1].tolist(), bounds[1:].tolist()):
             if hi == lo:
                 continue
-            run = winners[lo:hi]
             region.live_count += hi - lo
-            region.live_bytes += sum(sizes[lo:hi])
-            region.records.update(zip(map(base.__rsub__, offsets[lo:hi]), run))
-            last = run[-1]
-            region.write_pos = max(region.write_pos, last.offset - base + last.size)
-            lo = hi
-        slots: list[Slot] = list(map(tuple.__new__, repeat(Slot), zip(repeat(self.name), offsets, sizes)))
-        report = RecoveryReport(list(map(_KEY, winners)), list(map(_PARENT, winners)),
-                                list(map(_CHECKSUM, winners)), list(map(_RAW_LEN, winners)),
-                                list(map(_ITEMSIZE, winners)), slots, failures, from_snapshot)
+            region.live_bytes += int(sizes[lo:hi].sum())
+            region.write_pos = max(region.write_pos, int(offsets[hi - 1] + sizes[hi - 1]) - region.index * region_size)
+            if region.records:
+                region.records.update((p.offset % region_size, p) for p in _parsed_of(records[lo:hi]))
+            else:
+                region.recovered = records[lo:hi]
+        report = RecoveryReport(records, self.name, failures, from_snapshot)
         self._used_bytes += used
-        self._blocks += len(slots)
+        self._blocks += len(records)
         assert self._used_bytes <= self.capacity_bytes, "tier accounting exceeded capacity"
         self._next_seq = max_seq + 1
         self._free_regions.clear()
@@ -499,7 +596,7 @@ class SsdTier(Tier):
             else:
                 region.sealed = True  # appends go to fresh regions; this one drains by eviction
         logger.info("ssd tier recovered %d blocks (%s), %d failed verification, %d regions free",
-                    len(slots), "snapshot" if from_snapshot else "log scan", failures, len(self._free_regions))
+                    len(records), "snapshot" if from_snapshot else "log scan", failures, len(self._free_regions))
         return report
 
     def _scan_region(self, index: int) -> tuple[list[_Parsed], int]:
@@ -555,7 +652,7 @@ class SsdTier(Tier):
     def _snapshot_path(self) -> str:
         return os.path.join(self.path, SNAPSHOT_NAME)
 
-    def _load_snapshot(self) -> list[_Parsed] | None:
+    def _load_snapshot(self) -> np.ndarray[Any, Any] | None:
         path = self._snapshot_path()
         try:
             with open(path, "rb") as fh:
@@ -585,28 +682,26 @@ class SsdTier(Tier):
         if len(body) - head_end != count * _SNAP_REC.size:
             logger.warning("ssd snapshot %s malformed (%d records announced); scanning the log instead", path, count)
             return None
-        # `tuple.__new__` makes the named tuple without the Python-level `__new__` frame
-        # (half the cost of this pass at a million records).
-        new, parsed_type = tuple.__new__, _Parsed
-        return [
-            new(parsed_type, (offset, size, seq, 0, itemsize, key, key[:16] + parent if has_parent else None, csum,
-                              raw_len, 0))
-            for offset, size, seq, itemsize, has_parent, key, parent, csum, raw_len
-            in _SNAP_REC.iter_unpack(body[head_end:])
-        ]
+        return np.frombuffer(body[head_end:], _REC_DTYPE).copy()
 
     def _write_snapshot(self) -> None:
         """Describe the live records for a fast start; written last on a clean close."""
         pack = _SNAP_REC.pack
         none = bytes(16)
-        records = [
-            pack(p.offset, p.size, p.seq, p.itemsize, p.parent is not None, p.key,
-                 p.parent[16:] if p.parent is not None else none, p.checksum, p.raw_len)
-            for region in self._regions
-            for p in region.records.values()
-        ]
+        parts: list[bytes] = []
+        count = 0
+        for region in self._regions:
+            if region.recovered is not None:  # untouched since the start: its columns as they are
+                parts.append(region.recovered.tobytes())
+                count += len(region.recovered)
+            parts.extend(
+                pack(p.offset, p.size, p.seq, p.itemsize, p.parent is not None, p.key,
+                     p.parent[16:] if p.parent is not None else none, p.checksum, p.raw_len)
+                for p in region.records.values()
+            )
+            count += len(region.records)
         body = b"".join([_SNAP_HEAD.pack(SNAPSHOT_MAGIC, SNAPSHOT_VERSION, self.region_size, self.alignment,
-                                         len(self._regions), len(records)), *records])
+                                         len(self._regions), count), *parts])
         tmp = self._snapshot_path() + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as fh:

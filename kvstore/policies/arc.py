@@ -10,16 +10,26 @@ ghost lists. It takes the capacity to be the largest resident count it has seen 
 asked for a victim: the store only asks when the tier is full, so that count is the
 tier's capacity in blocks (plus the block being admitted).
 
+Storage: the lists are `RowLists` over rows (of the store's block table when bound to
+it, else of a private key map), the ghosts `GhostList`s of 64-bit key fingerprints:
+no Python object per block. The order is exactly the OrderedDict order this policy
+kept before (tests/test_policy_rows.py replays random traces against that reference).
+
 Primitives: the four ordered lists, `p`, and the REPLACE rule in `victim`.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 
-from kvstore.policies.base import BlockKey, Clock, EvictionPolicy
+import numpy as np
+
+from kvstore.policies.base import BlockKey, Clock, EvictionPolicy, Rows
+from kvstore.policies.rows import GhostList, RowKeys, RowLists, key_fingerprint
+from kvstore.table import BlockTable
+
+T1, T2 = 1, 2
 
 
 class ARCPolicy(EvictionPolicy):
@@ -30,109 +40,173 @@ class ARCPolicy(EvictionPolicy):
     def __init__(self, clock: Clock = time.monotonic) -> None:
         super().__init__(clock)
         # Each list is LRU first, MRU last.
-        self._t1: OrderedDict[BlockKey, None] = OrderedDict()
-        self._t2: OrderedDict[BlockKey, None] = OrderedDict()
-        self._b1: OrderedDict[BlockKey, None] = OrderedDict()
-        self._b2: OrderedDict[BlockKey, None] = OrderedDict()
+        self._lists = RowLists(2)
+        self._b1 = GhostList()
+        self._b2 = GhostList()
+        self._keys: RowKeys | None = RowKeys()
         self._p = 0.0
         # Capacity learnt from the resident count at eviction time (see module doc).
         self._c = 0
 
+    def bind(self, table: BlockTable) -> None:
+        assert len(self) == 0, "bind a policy before it tracks blocks"
+        super().bind(table)
+        self._keys = None
+
+    # -- keys <-> rows
+
+    def _row(self, key: BlockKey) -> int:
+        """The row of a tracked-or-not key; -1 if it has none."""
+        if self._keys is not None:
+            row = self._keys.row(key)
+            return -1 if row is None else row
+        return self._bound().find_key(key)
+
+    def _key(self, row: int) -> BlockKey:
+        return self._keys.key(row) if self._keys is not None else self._bound().key(row)
+
+    def _fp(self, row: int) -> int:
+        return key_fingerprint(self._keys.key(row)) if self._keys is not None else self._bound().fingerprint(row)
+
+    def _forget(self, row: int) -> None:
+        if self._keys is not None:
+            self._keys.drop(row)
+
+    # -- the policy on keys
+
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
-        if key in self._t1 or key in self._t2:
+        if self._keys is not None:
+            row = self._keys.add(key)
+        else:
+            row = self._bound().find_key(key)
+            assert row >= 0, "a bound policy tracks indexed blocks only"
+        self._insert_row(row)
+
+    def insert_many(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
+        for key in keys:
+            self.insert(key)
+
+    def touch(self, key: BlockKey) -> None:
+        row = self._row(key)
+        if row >= 0:
+            self._touch_row(row)
+
+    def touch_many(self, keys: Iterable[BlockKey]) -> None:
+        for key in keys:
             self.touch(key)
+
+    def remove(self, key: BlockKey) -> None:
+        row = self._row(key)
+        if row >= 0:
+            self.remove_row(row)
+
+    def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
+        row = self.victim_row(lambda r: evictable(self._key(r)))
+        return None if row is None else self._key(row)
+
+    def __len__(self) -> int:
+        return self._lists.size[T1] + self._lists.size[T2]
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, bytes):
+            return False
+        row = self._row(key)
+        return row >= 0 and self._lists.list_of(row) != 0
+
+    # -- the policy on rows
+
+    def _insert_row(self, row: int) -> None:
+        lists = self._lists
+        lists.ensure(row + 1)
+        if lists.lst[row]:
+            self._touch_row(row)
             return
-        if key in self._b1:
+        fp = self._fp(row) if len(self._b1) or len(self._b2) else 0
+        if len(self._b1) and fp in self._b1:
             # A block evicted from T1 came back: T1 was too small.
             b1, b2 = len(self._b1), len(self._b2)
             self._p = min(float(self._c), self._p + max(1.0, b2 / b1))
-            del self._b1[key]
-            self._t2[key] = None
-        elif key in self._b2:
+            self._b1.delete(fp)
+            lists.append(T2, row)
+        elif len(self._b2) and fp in self._b2:
             # A block evicted from T2 came back: T2 was too small.
             b1, b2 = len(self._b1), len(self._b2)
             self._p = max(0.0, self._p - max(1.0, b1 / b2))
-            del self._b2[key]
-            self._t2[key] = None
+            self._b2.delete(fp)
+            lists.append(T2, row)
         else:
-            self._t1[key] = None
+            lists.append(T1, row)
 
-    def insert_many(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
-        if not self._t1:
-            # An empty T1 (a rebuild at start): the new keys become T1 itself, one table
-            # built instead of a plain dict copied into it (half the time at a million keys).
-            fresh_t1: OrderedDict[BlockKey, None] = OrderedDict.fromkeys(keys)
-            if len(fresh_t1) == len(keys) and all(d.keys().isdisjoint(fresh_t1) for d in (self._t2, self._b1, self._b2)):
-                self._t1 = fresh_t1
-                return
-        else:
-            fresh = dict.fromkeys(keys)
-            if len(fresh) == len(keys) and all(d.keys().isdisjoint(fresh) for d in (self._t1, self._t2, self._b1, self._b2)):
-                self._t1.update(fresh)  # all new (a put): into T1 in order, no Python step per key
-                return
-        super().insert_many(keys, parents)
-
-    def touch(self, key: BlockKey) -> None:
-        if key in self._t1:
-            del self._t1[key]
-            self._t2[key] = None
-        elif key in self._t2:
-            self._t2.move_to_end(key)
-
-    def touch_many(self, keys: Iterable[BlockKey]) -> None:
-        t1, t2 = self._t1, self._t2
-        keys = keys if isinstance(keys, list) else list(keys)
-        # Fast paths without a Python step per key (a lookup touches up to thousands):
-        # every key already in T2 (a chain hit again), or every key in T1 (hit once before).
-        try:
-            deque(map(t2.move_to_end, keys), 0)
+    def insert_rows(self, rows: Rows) -> None:
+        lists = self._lists
+        if not len(rows):
             return
-        except KeyError:
-            pass  # some key is not in T2: below (moving a key again keeps the order exact)
-        if t2.keys().isdisjoint(keys) and len(unique := set(keys)) == len(keys) and unique <= t1.keys():
-            deque(map(t1.__delitem__, keys), 0)
-            t2.update(dict.fromkeys(keys))
+        lists.ensure(self._bound().high if self._keys is None else int(rows.max()) + 1)
+        fresh = not np.any(lists.lst[rows]) and lists.distinct_untracked(rows)
+        if fresh and (len(self._b1) or len(self._b2)):
+            fps = self._bound().fingerprints(rows)
+            fresh = not (self._b1.contains_many(fps).any() or self._b2.contains_many(fps).any())
+        if fresh:
+            lists.append_many(T1, rows)  # all new (a put): into T1 in order, one step
             return
-        for key in keys:
-            if key in t1:
-                del t1[key]
-                t2[key] = None
-            elif key in t2:
-                t2.move_to_end(key)
+        for row in rows.tolist():
+            self._insert_row(row)
 
-    def remove(self, key: BlockKey) -> None:
-        if key in self._t1:
-            del self._t1[key]
-            self._b1[key] = None
-        elif key in self._t2:
-            del self._t2[key]
-            self._b2[key] = None
-        else:
+    def _touch_row(self, row: int) -> None:
+        lists = self._lists
+        if row < len(lists.lst) and lists.lst[row]:
+            lists.append(T2, row)
+
+    def touch_rows(self, rows: Rows) -> None:
+        lists = self._lists
+        if not len(rows):
             return
+        lists.ensure(self._bound().high if self._keys is None else int(rows.max()) + 1)
+        tracked = lists.lst[rows] != 0
+        # Each row ends where its last touch puts it (`append_many` keeps last occurrences).
+        lists.append_many(T2, rows if tracked.all() else rows[tracked])
+
+    def remove_row(self, row: int) -> None:
+        lists = self._lists
+        which = lists.list_of(row)
+        if not which:
+            return
+        fp = self._fp(row)
+        lists.discard(row)
+        (self._b1 if which == T1 else self._b2).push(fp)
+        self._forget(row)
         self._trim_ghosts()
 
     def _trim_ghosts(self) -> None:
         # ARC's bounds: |T1| + |B1| <= c and the whole directory <= 2c.
-        c = max(self._c, len(self._t1) + len(self._t2))
-        while self._b1 and len(self._t1) + len(self._b1) > c:
-            self._b1.popitem(last=False)
-        while self._b2 and len(self._t1) + len(self._t2) + len(self._b1) + len(self._b2) > 2 * c:
-            self._b2.popitem(last=False)
+        size = self._lists.size
+        t1, t2 = size[T1], size[T2]
+        c = max(self._c, t1 + t2)
+        b1, b2 = self._b1, self._b2
+        n1, n2 = len(b1), len(b2)
+        while n1 and t1 + n1 > c:
+            b1.pop_oldest()
+            n1 -= 1
+        while n2 and t1 + t2 + n1 + n2 > 2 * c:
+            b2.pop_oldest()
+            n2 -= 1
 
-    def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
-        resident = len(self._t1) + len(self._t2)
+    def victim_row(self, evictable: Callable[[int], bool]) -> int | None:
+        lists = self._lists
+        t1 = lists.size[T1]
+        resident = t1 + lists.size[T2]
         if resident > self._c:
             self._c = resident
         # REPLACE: take from T1 while it is over its target size, else from T2.
-        first, second = (self._t1, self._t2) if len(self._t1) > self._p else (self._t2, self._t1)
+        first, second = (T1, T2) if t1 > self._p else (T2, T1)
         for side in (first, second):
-            for key in side:
-                if evictable(key):
-                    return key
+            row = lists.first(side, evictable)
+            if row is not None:
+                return row
         return None
 
-    def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+    # -- for tests and diagnostics: the lists as keys, oldest first
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._t1 or key in self._t2
+    def state(self) -> tuple[list[BlockKey], list[BlockKey], list[int], list[int]]:
+        return ([self._key(r) for r in self._lists.rows(T1)], [self._key(r) for r in self._lists.rows(T2)],
+                list(self._b1), list(self._b2))

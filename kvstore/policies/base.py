@@ -18,10 +18,17 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from kvstore.table import BlockTable
 
 Clock = Callable[[], float]
 BlockKey = bytes
+Rows = npt.NDArray[np.int64]
 
 
 class EvictionPolicy(ABC):
@@ -31,6 +38,39 @@ class EvictionPolicy(ABC):
 
     def __init__(self, clock: Clock = time.monotonic) -> None:
         self.clock = clock
+        self._table: BlockTable | None = None
+
+    # -- rows of a block table (the store's fast paths)
+    #
+    # In the daemon a policy is bound to the store's block table and told about blocks by
+    # row number. These defaults translate rows to keys; the array-backed policies (ARC,
+    # LRU) work on rows directly and keep no key of their own.
+
+    def bind(self, table: BlockTable) -> None:
+        """From now on, keys are keys of `table`'s indexed rows (call before any insert)."""
+        self._table = table
+
+    def _bound(self) -> BlockTable:
+        assert self._table is not None, "row calls need a policy bound to a block table"
+        return self._table
+
+    def insert_rows(self, rows: Rows) -> None:
+        """`insert` the blocks of `rows` in order, with their parents."""
+        t = self._bound()
+        self.insert_many(t.keys(rows), t.parent_keys(rows))
+
+    def touch_rows(self, rows: Rows) -> None:
+        """`touch` the blocks of `rows` in order."""
+        self.touch_many(self._bound().keys(rows))
+
+    def remove_row(self, row: int) -> None:
+        self.remove(self._bound().key(row))
+
+    def victim_row(self, evictable: Callable[[int], bool]) -> int | None:
+        """`victim`, as a row; `evictable` takes a row."""
+        t = self._bound()
+        key = self.victim(lambda k: evictable(t.find_key(k)))
+        return None if key is None else t.find_key(key)
 
     @abstractmethod
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:

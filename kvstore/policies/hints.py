@@ -43,10 +43,11 @@ from typing import ClassVar
 
 from kvstore.errors import InvalidArgument
 from kvstore.policies.arc import ARCPolicy
-from kvstore.policies.base import BlockKey, Clock, EvictionPolicy
+from kvstore.policies.base import BlockKey, Clock, EvictionPolicy, Rows
 from kvstore.policies.lru import LRUPolicy
 from kvstore.policies.prefix import PrefixARCPolicy, PrefixLRUPolicy, PrefixS3FIFOPolicy
 from kvstore.policies.s3fifo import S3FIFOPolicy
+from kvstore.table import BlockTable
 
 DEFAULT_HINT_BUDGET_FRACTION = 0.8
 # Trust is an exponential moving average over grant outcomes (1 used, 0 not): about the
@@ -227,6 +228,42 @@ class HintedPolicy(EvictionPolicy):
             if grant is not None and grant.seq == seq:
                 self._release(session_id)
                 self._grants_expired += 1
+
+    # -- rows (the store's fast paths): straight to the base while no hint is live
+
+    def bind(self, table: BlockTable) -> None:
+        super().bind(table)
+        self._base.bind(table)
+
+    def insert_rows(self, rows: Rows) -> None:
+        if not self._protected and not self._parked:
+            self._base.insert_rows(rows)
+        else:
+            super().insert_rows(rows)
+
+    def touch_rows(self, rows: Rows) -> None:
+        if not self._protected and not self._parked:
+            self._base.touch_rows(rows)
+        else:
+            super().touch_rows(rows)
+
+    def remove_row(self, row: int) -> None:
+        if not self._parked:
+            self._base.remove_row(row)
+        else:
+            super().remove_row(row)
+
+    def victim_row(self, evictable: Callable[[int], bool]) -> int | None:
+        self._expire(self.clock())
+        row = self._base.victim_row(evictable)
+        if row is not None:
+            return row
+        t = self._bound()
+        for key in self._parked:  # only protected blocks are evictable: the oldest parked one
+            row = t.find_key(key)
+            if evictable(row):
+                return row
+        return None
 
     # -- ordering ------------------------------------------------------------------
 

@@ -1,12 +1,19 @@
-"""Least-recently-used order: the baseline every other policy is measured against."""
+"""Least-recently-used order: the baseline every other policy is measured against.
+
+One `RowLists` list over rows (see kvstore.policies.rows): no Python object per block,
+and the same order an OrderedDict with `move_to_end` on every hit keeps.
+"""
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
-from kvstore.policies.base import BlockKey, Clock, EvictionPolicy
+from kvstore.policies.base import BlockKey, Clock, EvictionPolicy, Rows
+from kvstore.policies.rows import RowKeys, RowLists
+from kvstore.table import BlockTable
+
+_ORDER = 1
 
 
 class LRUPolicy(EvictionPolicy):
@@ -16,35 +23,84 @@ class LRUPolicy(EvictionPolicy):
 
     def __init__(self, clock: Clock = time.monotonic) -> None:
         super().__init__(clock)
-        # Oldest first; move_to_end on every hit keeps this O(1).
-        self._order: OrderedDict[BlockKey, None] = OrderedDict()
+        self._lists = RowLists(1)
+        self._keys: RowKeys | None = RowKeys()
+
+    def bind(self, table: BlockTable) -> None:
+        assert len(self) == 0, "bind a policy before it tracks blocks"
+        super().bind(table)
+        self._keys = None
+
+    def _row(self, key: BlockKey) -> int:
+        if self._keys is not None:
+            row = self._keys.row(key)
+            return -1 if row is None else row
+        return self._bound().find_key(key)
+
+    def _key(self, row: int) -> BlockKey:
+        return self._keys.key(row) if self._keys is not None else self._bound().key(row)
 
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
+        if self._keys is not None:
+            row = self._keys.add(key)
+        else:
+            row = self._bound().find_key(key)
+            assert row >= 0, "a bound policy tracks indexed blocks only"
+        self._lists.ensure(row + 1)
+        self._lists.append(_ORDER, row)
+
+    def insert_many(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
+        for key in keys:
+            self.insert(key)
 
     def touch(self, key: BlockKey) -> None:
-        if key in self._order:
-            self._order.move_to_end(key)
+        row = self._row(key)
+        if row >= 0 and self._lists.list_of(row):
+            self._lists.append(_ORDER, row)
 
     def touch_many(self, keys: Iterable[BlockKey]) -> None:
-        order = self._order
-        move = order.move_to_end
         for key in keys:
-            if key in order:
-                move(key)
+            self.touch(key)
 
     def remove(self, key: BlockKey) -> None:
-        self._order.pop(key, None)
+        row = self._row(key)
+        if row >= 0:
+            self.remove_row(row)
 
     def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
-        for key in self._order:
-            if evictable(key):
-                return key
-        return None
+        row = self.victim_row(lambda r: evictable(self._key(r)))
+        return None if row is None else self._key(row)
 
     def __len__(self) -> int:
-        return len(self._order)
+        return self._lists.size[_ORDER]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._order
+        if not isinstance(key, bytes):
+            return False
+        row = self._row(key)
+        return row >= 0 and self._lists.list_of(row) != 0
+
+    # -- rows
+
+    def insert_rows(self, rows: Rows) -> None:
+        if len(rows):
+            self._lists.ensure(int(rows.max()) + 1)
+            self._lists.append_many(_ORDER, rows)
+
+    def touch_rows(self, rows: Rows) -> None:
+        if len(rows):
+            self._lists.ensure(int(rows.max()) + 1)
+            self._lists.append_many(_ORDER, rows[self._lists.lst[rows] != 0])
+
+    def remove_row(self, row: int) -> None:
+        if self._lists.list_of(row):
+            self._lists.discard(row)
+            if self._keys is not None:
+                self._keys.drop(row)
+
+    def victim_row(self, evictable: Callable[[int], bool]) -> int | None:
+        return self._lists.first(_ORDER, evictable)
+
+    def order(self) -> list[BlockKey]:
+        """Tracked keys, oldest first (tests and diagnostics)."""
+        return [self._key(r) for r in self._lists.rows(_ORDER)]

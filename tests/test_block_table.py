@@ -1,0 +1,198 @@
+"""The columnar block table against a dict model: keys to rows, batch probes, growth,
+row recycling and stale handles."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.index import BlockEntry, BlockIndex, BlockState
+from kvstore.table import BlockTable
+from kvstore.tiers.base import Slot
+
+NS_A = bytes(range(16))
+NS_B = bytes(range(16, 32))
+
+
+def h(i: int) -> bytes:
+    """A block hash with structure in its high bytes only (a weak hash must still spread)."""
+    return bytes(8) + i.to_bytes(8, "big")
+
+
+def key(ns: bytes, i: int) -> bytes:
+    return ns + h(i)
+
+
+def ready(index: BlockIndex, k: bytes, tier: str = "host", offset: int = 0) -> BlockEntry:
+    e = index.new_entry(k, None, 64, 7)
+    e.add_slot(Slot(tier, offset, 64))
+    e.state = BlockState.READY
+    index.add(e)
+    return e
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["add", "remove", "probe"]), st.sampled_from([NS_A, NS_B]),
+              st.integers(0, 300)),
+    max_size=400,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops)
+def test_table_matches_a_dict(trace: list[tuple[str, bytes, int]]) -> None:
+    index = BlockIndex(BlockTable(16))  # small, so that the trace grows it several times
+    model: dict[bytes, BlockEntry] = {}
+    for op, ns, i in trace:
+        k = key(ns, i)
+        if op == "add":
+            if k in model:
+                continue
+            model[k] = ready(index, k, offset=i)
+        elif op == "remove":
+            got = index.remove(k)
+            want = model.pop(k, None)
+            assert (got is None) == (want is None)
+            if want is not None:
+                assert want.removed and got is not None and got.key == k
+        else:
+            assert (index.get(k) is not None) == (k in model)
+        assert len(index) == len(model)
+    # Every present key maps to its own row, with its own fields.
+    for k, e in model.items():
+        got = index.get(k)
+        assert got == e and got.key == k and got.slots() == (Slot("host", int.from_bytes(k[24:], "big"), 64),)
+    # A batch probe agrees with one probe per key, for each namespace.
+    for ns in (NS_A, NS_B):
+        hashes = [h(i) for i in range(301)]
+        q = np.frombuffer(b"".join(hashes), "<u8")
+        nsid = index.table.known_ns(ns)
+        if nsid is None:
+            continue
+        rows = index.table.find_rows(nsid, q[0::2].copy(), q[1::2].copy())
+        for i, row in enumerate(rows.tolist()):
+            e = model.get(key(ns, i))
+            assert row == (e.row if e is not None else -1)
+    assert sorted(e.key for e in index) == sorted(model)
+
+
+def test_prefix_rows_stop_at_the_first_missing_block() -> None:
+    index = BlockIndex()
+    entries = [ready(index, key(NS_A, i)) for i in range(6)]
+    index.remove(key(NS_A, 3))
+    rows = index.prefix_rows(NS_A, [h(i) for i in range(6)])
+    assert rows.tolist() == [e.row for e in entries[:3]]
+    assert index.prefix_rows(NS_B, [h(0)]).tolist() == []  # another namespace: same hashes, other keys
+    assert index.prefix_rows(NS_A, []).tolist() == []
+
+
+def test_rows_are_recycled_only_when_nothing_holds_them() -> None:
+    table = BlockTable(16)
+    index = BlockIndex(table)
+    held = ready(index, key(NS_A, 1))
+    free = [ready(index, key(NS_A, 2 + i)) for i in range(600)]
+    held.readers += 1
+    held.pins += 1
+    index.remove_entry(held)
+    for e in free:
+        index.remove_entry(e)
+    assert held.removed and all(e.removed for e in free) and len(index) == 0
+    rows = {ready(index, key(NS_A, 1000 + i)).row for i in range(1200)}
+    # Removed rows nothing holds are reused (in batches); the held one never is.
+    assert rows & {e.row for e in free} and held.row not in rows
+    reused = next(e for e in free if e.row in rows)
+    assert reused.stale and reused.removed and reused.pins == 0 and reused.slots() == ()
+    assert not held.stale and held.pins == 1 and held.slots() != ()
+    with pytest.raises(AssertionError):
+        reused.pins += 1  # a write through a stale handle is a bug, never a silent change
+    held.pins -= 1
+    held.readers -= 1
+    held.clear_slots()
+    for e in [index.get(key(NS_A, 1000 + i)) for i in range(1200)]:
+        assert e is not None
+        index.remove_entry(e)
+    again = {ready(index, key(NS_A, 5000 + i)).row for i in range(2400)}
+    assert held.row in again and held.stale
+
+
+def test_generation_tells_a_recycled_row_from_its_new_block() -> None:
+    index = BlockIndex(BlockTable(16))
+    olds = [ready(index, key(NS_A, i)) for i in range(300)]
+    for e in olds:
+        index.remove_entry(e)
+    new = ready(index, key(NS_A, 1000))
+    old = next(e for e in olds if e.row == new.row)
+    assert new != old and old.stale and not new.stale
+    assert index.get(key(NS_A, 1000)) == new and index.get(old.key if not old.stale else key(NS_A, 0)) is None
+
+
+def test_growth_keeps_every_field() -> None:
+    table = BlockTable(16)
+    index = BlockIndex(table)
+    entries = []
+    for i in range(1000):
+        e = index.new_entry(key(NS_A, i), key(NS_A, i - 1) if i else None, 100 + i, i * 3, itemsize=2)
+        e.add_slot(Slot("host", i * 4096, 4096))
+        if i % 7 == 0:
+            e.add_slot(Slot("ssd", i, 5000))
+        e.state = BlockState.READY
+        entries.append(e)
+    index.add_many(entries)
+    assert table.cap >= 1000 and len(index) == 1000
+    for i, e in enumerate(entries):
+        got = index.get(key(NS_A, i))
+        assert got == e and got.nbytes == 100 + i and got.checksum == i * 3
+        assert got.parent == (key(NS_A, i - 1) if i else None)
+        assert got.slot_in("host") == Slot("host", i * 4096, 4096)
+        assert (got.slot_in("ssd") is not None) == (i % 7 == 0)
+
+
+def test_a_third_copy_is_kept_while_a_move_is_under_way() -> None:
+    index = BlockIndex()
+    e = ready(index, key(NS_A, 1), tier="host")
+    e.add_slot(Slot("ssd", 8, 64))
+    e.add_slot(Slot("hbm", 16, 64))
+    assert e.tier_names() == ["host", "ssd", "hbm"]
+    e.pop_slot("host")
+    assert e.tier_names() == ["ssd", "hbm"] and e.slot_in("hbm") == Slot("hbm", 16, 64)
+
+
+def test_detached_entries_move_into_the_index_that_publishes_them() -> None:
+    e = BlockEntry(key(NS_A, 5), key(NS_A, 4), 10, 99, {"host": Slot("host", 0, 16)}, BlockState.READY, pins=2)
+    index = BlockIndex()
+    index.add(e)
+    assert e.table is index.table and index.get(key(NS_A, 5)) == e
+    assert e.pins == 2 and e.checksum == 99 and e.parent == key(NS_A, 4) and e.only_tier() == "host"
+
+
+def test_keys_of_the_wrong_size_are_refused() -> None:
+    with pytest.raises(ValueError):
+        BlockEntry(b"short", None, 1, 0)
+    index = BlockIndex()
+    assert index.get(b"short") is None and b"short" not in index
+
+
+def test_a_duplicate_key_is_never_published() -> None:
+    index = BlockIndex()
+    ready(index, key(NS_A, 1))
+    dup = index.new_entry(key(NS_A, 1), None, 1, 0)
+    dup.state = BlockState.READY
+    with pytest.raises(AssertionError):
+        index.add_many([dup])
+    twice = [index.new_entry(key(NS_A, 2), None, 1, 0) for _ in range(2)]
+    for e in twice:
+        e.state = BlockState.READY
+    with pytest.raises(AssertionError):
+        index.add_many(twice)
+
+
+def test_weak_hashes_are_found() -> None:
+    # Hashes that differ only in a few high bytes must not pile into one probe run.
+    index = BlockIndex(BlockTable(16))
+    entries = [ready(index, NS_A + struct.pack("<QQ", 0, i << 40)) for i in range(4096)]
+    rows = index.prefix_rows(NS_A, [struct.pack("<QQ", 0, i << 40) for i in range(4096)])
+    assert rows.tolist() == [e.row for e in entries]

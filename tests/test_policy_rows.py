@@ -1,0 +1,259 @@
+"""The array-backed ARC and LRU keep exactly the order of their OrderedDict form.
+
+The references below are the OrderedDict policies these replace (keys in ordered dicts,
+ghosts as keys). Random traces of inserts, touches, removals and evictions (with
+pinned blocks skipped) run against both, by key and, bound to a block table, by row;
+every victim and the final lists must agree.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from kvstore.index import BlockIndex, BlockState
+from kvstore.policies import make_policy
+from kvstore.policies.arc import ARCPolicy
+from kvstore.policies.base import EvictionPolicy
+from kvstore.policies.lru import LRUPolicy
+from kvstore.policies.rows import GhostList
+from kvstore.tiers.base import Slot
+
+NS = bytes(16)
+
+
+def key(i: int) -> bytes:
+    return NS + i.to_bytes(16, "little")
+
+
+class RefARC:
+    def __init__(self) -> None:
+        self.t1: OrderedDict[bytes, None] = OrderedDict()
+        self.t2: OrderedDict[bytes, None] = OrderedDict()
+        self.b1: OrderedDict[bytes, None] = OrderedDict()
+        self.b2: OrderedDict[bytes, None] = OrderedDict()
+        self.p = 0.0
+        self.c = 0
+
+    def insert(self, k: bytes) -> None:
+        if k in self.t1 or k in self.t2:
+            self.touch(k)
+        elif k in self.b1:
+            self.p = min(float(self.c), self.p + max(1.0, len(self.b2) / len(self.b1)))
+            del self.b1[k]
+            self.t2[k] = None
+        elif k in self.b2:
+            self.p = max(0.0, self.p - max(1.0, len(self.b1) / len(self.b2)))
+            del self.b2[k]
+            self.t2[k] = None
+        else:
+            self.t1[k] = None
+
+    def touch(self, k: bytes) -> None:
+        if k in self.t1:
+            del self.t1[k]
+            self.t2[k] = None
+        elif k in self.t2:
+            self.t2.move_to_end(k)
+
+    def remove(self, k: bytes) -> None:
+        if k in self.t1:
+            del self.t1[k]
+            self.b1[k] = None
+        elif k in self.t2:
+            del self.t2[k]
+            self.b2[k] = None
+        else:
+            return
+        c = max(self.c, len(self.t1) + len(self.t2))
+        while self.b1 and len(self.t1) + len(self.b1) > c:
+            self.b1.popitem(last=False)
+        while self.b2 and len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c:
+            self.b2.popitem(last=False)
+
+    def victim(self, ok: Callable[[bytes], bool]) -> bytes | None:
+        self.c = max(self.c, len(self.t1) + len(self.t2))
+        first, second = (self.t1, self.t2) if len(self.t1) > self.p else (self.t2, self.t1)
+        for side in (first, second):
+            for k in side:
+                if ok(k):
+                    return k
+        return None
+
+    def lists(self) -> tuple[list[bytes], list[bytes]]:
+        return list(self.t1), list(self.t2)
+
+
+class RefLRU:
+    def __init__(self) -> None:
+        self.order: OrderedDict[bytes, None] = OrderedDict()
+
+    def insert(self, k: bytes) -> None:
+        self.order[k] = None
+        self.order.move_to_end(k)
+
+    def touch(self, k: bytes) -> None:
+        if k in self.order:
+            self.order.move_to_end(k)
+
+    def remove(self, k: bytes) -> None:
+        self.order.pop(k, None)
+
+    def victim(self, ok: Callable[[bytes], bool]) -> bytes | None:
+        return next((k for k in self.order if ok(k)), None)
+
+    def lists(self) -> tuple[list[bytes]]:
+        return (list(self.order),)
+
+
+def lists_of(p: EvictionPolicy) -> tuple[list[bytes], ...]:
+    if isinstance(p, ARCPolicy):
+        t1, t2, _, _ = p.state()
+        return t1, t2
+    assert isinstance(p, LRUPolicy)
+    return (p.order(),)
+
+
+def run_trace(seed: int, policy: EvictionPolicy, ref: RefARC | RefLRU, by_row: BlockIndex | None) -> None:
+    rng = random.Random(seed)
+    universe = rng.choice([20, 80, 300])
+    pinned = {key(i) for i in rng.sample(range(universe), universe // 10)}
+
+    def ok(k: bytes) -> bool:
+        return k not in pinned
+
+    def row_of(k: bytes) -> int:
+        assert by_row is not None
+        e = by_row.get(k)
+        if e is None:  # a bound policy tracks indexed blocks: publish on first sight
+            e = by_row.new_entry(k, None, 1, 0)
+            e.add_slot(Slot("host", 0, 1))
+            e.state = BlockState.READY
+            by_row.add(e)
+        return e.row
+
+    for step in range(1500):
+        op = rng.random()
+        if op < 0.3:
+            ks = [key(rng.randrange(universe)) for _ in range(rng.randrange(1, 8))]
+            if by_row is not None:
+                rows = np.array([row_of(k) for k in ks], np.int64)
+                if len(set(ks)) == len(ks):
+                    policy.insert_rows(rows)
+                else:
+                    for k in ks:
+                        policy.insert(k)
+            else:
+                policy.insert_many(ks, [None] * len(ks))
+            for k in ks:
+                ref.insert(k)
+        elif op < 0.65:
+            start = rng.randrange(universe)
+            ks = [key((start + j) % universe) for j in range(rng.randrange(1, 20))]
+            if rng.random() < 0.2:
+                ks.append(ks[0])  # a chain that names a block twice
+            if by_row is not None:
+                present = [by_row.get(k) for k in ks]
+                policy.touch_rows(np.array([e.row for e in present if e is not None], np.int64))
+                ks = [k for k, e in zip(ks, present) if e is not None]
+            else:
+                policy.touch_many(ks)
+            for k in ks:
+                ref.touch(k)
+        elif op < 0.9:
+            want = ref.victim(ok)
+            if by_row is not None:
+                table = by_row.table
+                row = policy.victim_row(lambda r: ok(table.key(r)))
+                got = None if row is None else table.key(row)
+            else:
+                got = policy.victim(ok)
+            assert got == want, f"step {step}"
+            if want is not None:
+                if by_row is not None:
+                    policy.remove_row(by_row.table.find_key(want))
+                else:
+                    policy.remove(want)
+                ref.remove(want)
+        else:
+            k = key(rng.randrange(universe))
+            if by_row is not None:
+                row = by_row.table.find_key(k)
+                if row >= 0:
+                    policy.remove_row(row)
+            else:
+                policy.remove(k)
+            ref.remove(k)
+        if step % 100 == 0:
+            assert lists_of(policy) == ref.lists()
+    assert lists_of(policy) == ref.lists()
+    assert len(policy) == sum(len(x) for x in ref.lists())
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("bound", [False, True])
+def test_arc_matches_the_ordered_dict_reference(seed: int, bound: bool) -> None:
+    policy = ARCPolicy()
+    index = None
+    if bound:
+        index = BlockIndex()
+        policy.bind(index.table)
+    run_trace(seed, policy, RefARC(), index)
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("bound", [False, True])
+def test_lru_matches_the_ordered_dict_reference(seed: int, bound: bool) -> None:
+    policy = LRUPolicy()
+    index = None
+    if bound:
+        index = BlockIndex()
+        policy.bind(index.table)
+    run_trace(seed, policy, RefLRU(), index)
+
+
+def test_hinted_arc_bound_to_a_table_takes_rows_straight_to_its_base() -> None:
+    index = BlockIndex()
+    policy = make_policy("hint-arc", clock=lambda: 0.0)
+    policy.bind(index.table)
+    entries = []
+    for i in range(5):
+        e = index.new_entry(key(i), None, 1, 0)
+        e.add_slot(Slot("host", i, 1))
+        e.state = BlockState.READY
+        entries.append(e)
+    index.add_many(entries)
+    policy.insert_rows(np.array([e.row for e in entries], np.int64))
+    assert len(policy) == 5 and key(3) in policy
+    policy.hint([key(0)], "s", 10.0)  # parked: the base skips it
+    assert policy.victim_row(lambda r: True) == entries[1].row
+    policy.touch_rows(np.array([entries[1].row], np.int64))
+    assert policy.victim_row(lambda r: True) == entries[2].row
+    policy.remove_row(entries[0].row)  # parked and removed
+    assert key(0) not in policy and len(policy) == 4
+
+
+def test_ghost_list_is_a_fifo_set() -> None:
+    g = GhostList()
+    model: OrderedDict[int, None] = OrderedDict()
+    rng = random.Random(3)
+    for _ in range(5000):
+        op = rng.random()
+        fp = rng.randrange(2000) * 0x9E3779B97F4A7C15 % (1 << 64)
+        if op < 0.5:
+            if fp not in model:
+                g.push(fp)
+                model[fp] = None
+        elif op < 0.75:
+            assert g.delete(fp) == (fp in model)
+            model.pop(fp, None)
+        elif model:
+            assert g.pop_oldest() == model.popitem(last=False)[0]
+        assert len(g) == len(model)
+    assert list(g) == list(model)
+    probe = np.array(list(model)[:50] + [12345], np.uint64)
+    assert g.contains_many(probe).tolist() == [True] * min(50, len(model)) + [False]
