@@ -403,8 +403,20 @@ class BlockTable:
         hv = slot_hash_array(self._ns_fp_list[ns], q0, q1)
         pos = (hv >> np.uint64(self._shift)).astype(np.int64)
         tag = (hv & np.uint64(0x7FFFFFFF)).astype(np.int64)
-        pend = _arange(n)
         H0, H1, NS = self.h0, self.h1, self.ns
+        # Home slots first: at the table's load (at most 1/2) most keys sit in theirs, and
+        # one gather per key beats a window of eight. An empty home slot is a miss.
+        e = slots[pos]
+        c = (e & 0xFFFFFFFF) - 1
+        at_home = np.flatnonzero((e >> 32) == tag)
+        ch = c[at_home]
+        good = (H0[ch] == q0[at_home]) & (H1[ch] == q1[at_home]) & (NS[ch] == ns) & (e[at_home] != 0)
+        out[at_home[good]] = ch[good]
+        walk = (e != 0) & (out < 0)  # occupied by another key: walk on from the next slot
+        pend = np.flatnonzero(walk)
+        if not len(pend):
+            return out
+        pos, tag = (pos[pend] + 1) & mask, tag[pend]
         for window in _WINDOWS:
             k = len(pend)
             e = slots[(pos[:, None] + window) & mask]
