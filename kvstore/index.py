@@ -47,6 +47,8 @@ from kvstore.tiers.base import Slot
 
 _new_entry = object.__new__
 _unpack_qq = struct.Struct("<QQ").unpack_from
+# Chains up to this long are probed key by key (see `BlockIndex.prefix_rows`).
+SCALAR_PROBE_MAX = 16
 
 
 class BlockState(enum.Enum):
@@ -466,6 +468,15 @@ class BlockIndex:
         ns = t.known_ns(namespace_id)
         if ns is None or not hashes:
             return np.zeros(0, np.int64)
+        if len(hashes) <= SCALAR_PROBE_MAX:
+            # A short chain: scalar probes cost less than the batch probe's fixed numpy work.
+            found: list[int] = []
+            for h in hashes:
+                row = t.find(ns, *_unpack_qq(h))
+                if row < 0:
+                    break
+                found.append(row)
+            return np.array(found, np.int64)
         q = np.frombuffer(b"".join(hashes), "<u8")
         rows = t.find_rows(ns, q[0::2], q[1::2])
         miss = np.flatnonzero(rows < 0)

@@ -36,6 +36,10 @@ U64 = npt.NDArray[np.uint64]
 _AT = np.arange(1 << 16, dtype=np.int32)
 
 
+# Up to this many rows, `append_many` appends them one by one.
+SCALAR_APPEND_MAX = 8
+
+
 def _arange32(start: int, n: int) -> npt.NDArray[np.int32]:
     return _AT[:n] + np.int32(start) if n <= len(_AT) else np.arange(start, start + n, dtype=np.int32)
 
@@ -115,6 +119,10 @@ class RowLists:
         """`append` each row in order. A row named twice ends where its last append puts it."""
         n = len(rows)
         if not n:
+            return
+        if n <= SCALAR_APPEND_MAX:  # a few rows: plain appends cost less than the array steps
+            for row in rows.tolist():
+                self.append(which, row)
             return
         self._room(which, n)
         tail = self._tail[which]
