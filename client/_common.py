@@ -5,6 +5,7 @@ conversion, fetch assembly and error translation. No I/O happens here.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -16,7 +17,7 @@ import grpc
 import numpy as np
 
 from kvstore.config import DEFAULT_TCP_LISTEN, default_unix_socket
-from kvstore.errors import InvalidArgument, KVStoreError, error_for_status
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, error_for_status
 from kvstore.hashing import HASH_BYTES, split_hashes, token_bytes
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2
@@ -404,6 +405,32 @@ CONTROL_PLANES = ("auto", "lane", "grpc")
 # After the lane could not be used, calls go through gRPC; the lane is tried again this
 # much later (a daemon restarted, or started without the lane, and so on).
 LANE_RETRY_S = 5.0
+
+logger = logging.getLogger(__name__)
+
+
+class LaneState:
+    """Whether a client's unary calls go over the local control lane: up once a call
+    through it succeeds; after a failure, gRPC until LANE_RETRY_S later, or an error when
+    the caller insisted on the lane (`control_plane="lane"`)."""
+
+    __slots__ = ("required", "up", "retry_at")
+
+    def __init__(self, required: bool) -> None:
+        self.required = required
+        self.up = False
+        self.retry_at = 0.0
+
+    def due(self) -> bool:
+        """Whether this call should try the lane."""
+        return self.up or time.monotonic() >= self.retry_at
+
+    def failed(self, exc: Exception) -> None:
+        if self.required:
+            raise FailedPrecondition(f"cannot use the local control lane: {exc}") from None
+        logger.info("local control lane unavailable (%s); unary calls go through gRPC", exc)
+        self.up = False
+        self.retry_at = time.monotonic() + LANE_RETRY_S
 
 
 def check_control_plane(control_plane: str, target: str) -> str:

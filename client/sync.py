@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,8 +13,8 @@ from kvstore.client._common import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_TIMEOUT_S,
     FetchAssembler,
-    LANE_RETRY_S,
     HeldSlots,
+    LaneState,
     LookupResult,
     PinResult,
     PrefetchResult,
@@ -122,8 +121,7 @@ class Client:
         # call; after a failure, gRPC until LANE_RETRY_S later.
         path = lane_socket(self.target) if self.control_plane != "grpc" else None
         self._lane = SyncLane(path, self.security.token) if path else None
-        self._lane_up = False
-        self._lane_retry_at = 0.0
+        self._lane_state = LaneState(self.control_plane == "lane")
         self._raw: dict[str, Any] = {}
 
     def __enter__(self) -> Client:
@@ -168,32 +166,27 @@ class Client:
     def control_plane_in_use(self) -> str:
         """`lane` when unary calls go over the daemon's local control lane, else `grpc`."""
         lane = self._lane
-        if lane is not None and not self._lane_up and time.monotonic() >= self._lane_retry_at:
+        state = self._lane_state
+        if lane is not None and not state.up and state.due():
             try:
                 lane.open(self.timeout_s)
-                self._lane_up = True
+                state.up = True
             except LaneUnavailable as exc:
-                self._lane_failed(exc)
-        return "lane" if self._lane_up else "grpc"
-
-    def _lane_failed(self, exc: LaneUnavailable) -> None:
-        if self.control_plane == "lane":
-            raise FailedPrecondition(f"cannot use the local control lane: {exc}") from None
-        logger.info("local control lane unavailable (%s); unary calls go through gRPC", exc)
-        self._lane_up = False
-        self._lane_retry_at = time.monotonic() + LANE_RETRY_S
+                state.failed(exc)
+        return "lane" if state.up else "grpc"
 
     def _call(self, name: str, payload: bytes, timeout: float) -> bytes:
         """One unary KVStore call, serialized both ways: over the lane when it is up (or
         due for another try), else over gRPC. Failures raise `kvstore.errors` exceptions."""
         lane = self._lane
-        if lane is not None and (self._lane_up or time.monotonic() >= self._lane_retry_at):
+        state = self._lane_state
+        if lane is not None and state.due():
             try:
                 answer = lane.call(name, payload, timeout)
-                self._lane_up = True
+                state.up = True
                 return answer
             except LaneUnavailable as exc:
-                self._lane_failed(exc)
+                state.failed(exc)
         stub = self._raw.get(name)
         if stub is None:
             stub = self._raw[name] = self._channel.unary_unary(method_path(name))

@@ -25,14 +25,13 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from kvstore.policies.base import BlockKey, Clock, EvictionPolicy, Rows
-from kvstore.policies.rows import GhostList, RowKeys, RowLists, key_fingerprint
-from kvstore.table import BlockTable
+from kvstore.policies.base import BlockKey, Clock, Rows
+from kvstore.policies.rows import GhostList, RowKeyedPolicy, RowLists, key_fingerprint
 
 T1, T2 = 1, 2
 
 
-class ARCPolicy(EvictionPolicy):
+class ARCPolicy(RowKeyedPolicy):
     """Scan-resistant, self-tuning recency/frequency balance."""
 
     name = "arc"
@@ -43,27 +42,11 @@ class ARCPolicy(EvictionPolicy):
         self._lists = RowLists(2)
         self._b1 = GhostList()
         self._b2 = GhostList()
-        self._keys: RowKeys | None = RowKeys()
         self._p = 0.0
         # Capacity learnt from the resident count at eviction time (see module doc).
         self._c = 0
 
-    def bind(self, table: BlockTable) -> None:
-        assert len(self) == 0, "bind a policy before it tracks blocks"
-        super().bind(table)
-        self._keys = None
-
-    # -- keys <-> rows
-
-    def _row(self, key: BlockKey) -> int:
-        """The row of a tracked-or-not key; -1 if it has none."""
-        if self._keys is not None:
-            row = self._keys.row(key)
-            return -1 if row is None else row
-        return self._bound().find_key(key)
-
-    def _key(self, row: int) -> BlockKey:
-        return self._keys.key(row) if self._keys is not None else self._bound().key(row)
+    # -- keys <-> rows (see RowKeyedPolicy)
 
     def _fp(self, row: int) -> int:
         return key_fingerprint(self._keys.key(row)) if self._keys is not None else self._bound().fingerprint(row)

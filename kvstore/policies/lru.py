@@ -9,14 +9,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from kvstore.policies.base import BlockKey, Clock, EvictionPolicy, Rows
-from kvstore.policies.rows import RowKeys, RowLists
-from kvstore.table import BlockTable
+from kvstore.policies.base import BlockKey, Clock, Rows
+from kvstore.policies.rows import RowKeyedPolicy, RowLists
 
 _ORDER = 1
 
 
-class LRUPolicy(EvictionPolicy):
+class LRUPolicy(RowKeyedPolicy):
     """Evicts the block whose last insert or hit is the oldest."""
 
     name = "lru"
@@ -24,21 +23,6 @@ class LRUPolicy(EvictionPolicy):
     def __init__(self, clock: Clock = time.monotonic) -> None:
         super().__init__(clock)
         self._lists = RowLists(1)
-        self._keys: RowKeys | None = RowKeys()
-
-    def bind(self, table: BlockTable) -> None:
-        assert len(self) == 0, "bind a policy before it tracks blocks"
-        super().bind(table)
-        self._keys = None
-
-    def _row(self, key: BlockKey) -> int:
-        if self._keys is not None:
-            row = self._keys.row(key)
-            return -1 if row is None else row
-        return self._bound().find_key(key)
-
-    def _key(self, row: int) -> BlockKey:
-        return self._keys.key(row) if self._keys is not None else self._bound().key(row)
 
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
         if self._keys is not None:

@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import numpy.typing as npt
 
-from kvstore.table import fmix64, fmix64_array, opaque_key_hash
+from kvstore.policies.base import BlockKey, Clock, EvictionPolicy
+from kvstore.table import BlockTable, fmix64, fmix64_array, opaque_key_hash
 
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
@@ -370,6 +371,30 @@ class RowKeys:
     @property
     def high(self) -> int:
         return len(self._keys)
+
+
+class RowKeyedPolicy(EvictionPolicy):
+    """A policy that orders rows: of its block table once bound, else of its own
+    `RowKeys` (a policy used on its own, keyed by opaque keys)."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock)
+        self._keys: RowKeys | None = RowKeys()
+
+    def bind(self, table: BlockTable) -> None:
+        assert len(self) == 0, "bind a policy before it tracks blocks"
+        super().bind(table)
+        self._keys = None
+
+    def _row(self, key: BlockKey) -> int:
+        """The row of a tracked-or-not key; -1 if it has none."""
+        if self._keys is not None:
+            row = self._keys.row(key)
+            return -1 if row is None else row
+        return self._bound().find_key(key)
+
+    def _key(self, row: int) -> BlockKey:
+        return self._keys.key(row) if self._keys is not None else self._bound().key(row)
 
 
 def key_fingerprint(key: bytes) -> int:
