@@ -25,7 +25,7 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.config import load_config
-    from kvstore.daemon import serve
+    from kvstore.daemon import serve, tune_malloc
 
     try:
         config = load_config(vars(args))
@@ -35,6 +35,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.logs import setup_logging
 
     setup_logging(config.log_level, config.log_format)
+    if not tune_malloc():
+        logging.getLogger("kvstore").debug("malloc thresholds left as they are")
     try:
         asyncio.run(serve(config, reload=lambda: load_config(vars(args))))
     except KVStoreError as exc:
