@@ -21,7 +21,7 @@ Primitives: the four ordered lists, `p`, and the REPLACE rule in `victim`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
@@ -58,43 +58,16 @@ class ARCPolicy(RowKeyedPolicy):
     # -- the policy on keys
 
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
-        if self._keys is not None:
-            row = self._keys.add(key)
-        else:
-            row = self._bound().find_key(key)
-            assert row >= 0, "a bound policy tracks indexed blocks only"
+        row = self._insert_key(key)
         self._insert_row(row)
-
-    def insert_many(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
-        for key in keys:
-            self.insert(key)
 
     def touch(self, key: BlockKey) -> None:
         row = self._row(key)
         if row >= 0:
             self._touch_row(row)
 
-    def touch_many(self, keys: Iterable[BlockKey]) -> None:
-        for key in keys:
-            self.touch(key)
-
-    def remove(self, key: BlockKey) -> None:
-        row = self._row(key)
-        if row >= 0:
-            self.remove_row(row)
-
-    def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
-        row = self.victim_row(lambda r: evictable(self._key(r)))
-        return None if row is None else self._key(row)
-
     def __len__(self) -> int:
         return self._lists.size[T1] + self._lists.size[T2]
-
-    def __contains__(self, key: object) -> bool:
-        if not isinstance(key, bytes):
-            return False
-        row = self._row(key)
-        return row >= 0 and self._lists.list_of(row) != 0
 
     # -- the policy on rows
 

@@ -7,7 +7,7 @@ and the same order an OrderedDict with `move_to_end` on every hit keeps.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 
 from kvstore.policies.base import BlockKey, Clock, Rows
 from kvstore.policies.rows import RowKeyedPolicy, RowLists
@@ -25,44 +25,17 @@ class LRUPolicy(RowKeyedPolicy):
         self._lists = RowLists(1)
 
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
-        if self._keys is not None:
-            row = self._keys.add(key)
-        else:
-            row = self._bound().find_key(key)
-            assert row >= 0, "a bound policy tracks indexed blocks only"
+        row = self._insert_key(key)
         self._lists.ensure(row + 1)
         self._lists.append(_ORDER, row)
-
-    def insert_many(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
-        for key in keys:
-            self.insert(key)
 
     def touch(self, key: BlockKey) -> None:
         row = self._row(key)
         if row >= 0 and self._lists.list_of(row):
             self._lists.append(_ORDER, row)
 
-    def touch_many(self, keys: Iterable[BlockKey]) -> None:
-        for key in keys:
-            self.touch(key)
-
-    def remove(self, key: BlockKey) -> None:
-        row = self._row(key)
-        if row >= 0:
-            self.remove_row(row)
-
-    def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
-        row = self.victim_row(lambda r: evictable(self._key(r)))
-        return None if row is None else self._key(row)
-
     def __len__(self) -> int:
         return self._lists.size[_ORDER]
-
-    def __contains__(self, key: object) -> bool:
-        if not isinstance(key, bytes):
-            return False
-        row = self._row(key)
-        return row >= 0 and self._lists.list_of(row) != 0
 
     # -- rows
 

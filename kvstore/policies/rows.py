@@ -22,7 +22,7 @@ Primitives: `append`, `append_many`, `discard`, `first`; `push`, `pop_oldest`, `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -377,6 +377,8 @@ class RowKeyedPolicy(EvictionPolicy):
     """A policy that orders rows: of its block table once bound, else of its own
     `RowKeys` (a policy used on its own, keyed by opaque keys)."""
 
+    _lists: RowLists  # each subclass keeps its order here
+
     def __init__(self, clock: Clock) -> None:
         super().__init__(clock)
         self._keys: RowKeys | None = RowKeys()
@@ -395,6 +397,39 @@ class RowKeyedPolicy(EvictionPolicy):
 
     def _key(self, row: int) -> BlockKey:
         return self._keys.key(row) if self._keys is not None else self._bound().key(row)
+
+    def _insert_key(self, key: BlockKey) -> int:
+        """The row a key being inserted takes: a fresh one of its own, or its table row."""
+        if self._keys is not None:
+            return self._keys.add(key)
+        row = self._bound().find_key(key)
+        assert row >= 0, "a bound policy tracks indexed blocks only"
+        return row
+
+    # -- the key-facing calls, through the row-facing ones
+
+    def insert_many(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
+        for key in keys:
+            self.insert(key)
+
+    def touch_many(self, keys: Iterable[BlockKey]) -> None:
+        for key in keys:
+            self.touch(key)
+
+    def remove(self, key: BlockKey) -> None:
+        row = self._row(key)
+        if row >= 0:
+            self.remove_row(row)
+
+    def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
+        row = self.victim_row(lambda r: evictable(self._key(r)))
+        return None if row is None else self._key(row)
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, bytes):
+            return False
+        row = self._row(key)
+        return row >= 0 and self._lists.list_of(row) != 0
 
 
 def key_fingerprint(key: bytes) -> int:
