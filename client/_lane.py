@@ -34,6 +34,13 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _PEERCRED = struct.Struct("3i")
 
 
+def check_answer_length(length: int) -> None:
+    """Refuse an answer header announcing more than the SDK will read (never allocated)."""
+    if length > MAX_ANSWER_BYTES:
+        raise ResourceExhausted(f"the daemon's answer of {length} bytes is more than the SDK reads "
+                                f"({MAX_ANSWER_BYTES}); ask for fewer blocks per call")
+
+
 class LaneUnavailable(Exception):
     """No lane connection could be made (no socket, refused, handshake failed)."""
 
@@ -149,9 +156,7 @@ class _SyncConn:
                     raise _Broken("the daemon closed the lane connection", True)
                 k += k2
             length, code = HEADER.unpack_from(buf)
-            if length > MAX_ANSWER_BYTES:
-                raise ResourceExhausted(f"the daemon's answer of {length} bytes is more than the SDK reads "
-                                        f"({MAX_ANSWER_BYTES}); ask for fewer blocks per call")
+            check_answer_length(length)
             end = HEADER.size + length
             if k >= end:
                 if k > end:
@@ -268,9 +273,7 @@ class _AioConn:
         try:
             head = await self.reader.readexactly(HEADER.size)
             length, code = HEADER.unpack(head)
-            if length > MAX_ANSWER_BYTES:
-                raise ResourceExhausted(f"the daemon's answer of {length} bytes is more than the SDK reads "
-                                        f"({MAX_ANSWER_BYTES}); ask for fewer blocks per call")
+            check_answer_length(length)
             return code, (await self.reader.readexactly(length) if length else b"")
         except asyncio.IncompleteReadError:
             raise _Broken("the daemon closed the lane connection", True) from None
