@@ -181,13 +181,19 @@ def _split(buf: bytes | memoryview, size: int, count: int) -> list[bytes]:
     return out
 
 
-def split_hashes(packed: bytes) -> list[bytes]:
-    """The 16-byte hashes of a packed hash list (N x 16 bytes, chain order), cut in one C
-    call rather than sliced one by one."""
+def packed_count(packed: bytes) -> int:
+    """How many hashes a packed hash list (N x 16 bytes, chain order) holds; a length
+    that is not a multiple of 16 is refused."""
     n, rest = divmod(len(packed), HASH_BYTES)
     if rest:
         raise InvalidArgument(
             f"packed block hashes are {len(packed)} bytes, not a multiple of {HASH_BYTES}: send one "
             f"{HASH_BYTES}-byte hash per block"
         )
-    return _split(packed, HASH_BYTES, n)
+    return n
+
+
+def split_hashes(packed: bytes) -> list[bytes]:
+    """The 16-byte hashes of a packed hash list (N x 16 bytes, chain order), cut in one C
+    call rather than sliced one by one."""
+    return _split(packed, HASH_BYTES, packed_count(packed))

@@ -47,6 +47,7 @@ from kvstore.tiers.base import Slot
 
 _new_entry = object.__new__
 _unpack_qq = struct.Struct("<QQ").unpack_from
+_iter_qq = struct.Struct("<QQ").iter_unpack
 # Chains up to this long are probed key by key (see `BlockIndex.prefix_rows`).
 SCALAR_PROBE_MAX = 16
 
@@ -462,22 +463,23 @@ class BlockIndex:
         if t is self.table and not entry.stale and t.vflags[row] & INDEXED:
             t.unindex_row(row)
 
-    def prefix_rows(self, namespace_id: bytes, hashes: Sequence[bytes]) -> I64:
-        """Rows of the longest READY prefix of `hashes` in the namespace: one vectorized probe."""
+    def prefix_rows(self, namespace_id: bytes, packed: bytes) -> I64:
+        """Rows of the longest READY prefix of a packed chain (N x 16-byte hashes, N x 16
+        bytes long) in the namespace: one vectorized probe."""
         t = self.table
         ns = t.known_ns(namespace_id)
-        if ns is None or not hashes:
+        if ns is None or not packed:
             return np.zeros(0, np.int64)
-        if len(hashes) <= SCALAR_PROBE_MAX:
+        if len(packed) <= SCALAR_PROBE_MAX * HASH_BYTES:
             # A short chain: scalar probes cost less than the batch probe's fixed numpy work.
             found: list[int] = []
-            for h in hashes:
-                row = t.find(ns, *_unpack_qq(h))
+            for h0, h1 in _iter_qq(packed):
+                row = t.find(ns, h0, h1)
                 if row < 0:
                     break
                 found.append(row)
             return np.array(found, np.int64)
-        q = np.frombuffer(b"".join(hashes), "<u8")
+        q = np.frombuffer(packed, "<u8")
         rows = t.find_rows(ns, q[0::2], q[1::2])
         miss = np.flatnonzero(rows < 0)
         return rows[: miss[0]] if len(miss) else rows
@@ -490,7 +492,7 @@ class BlockIndex:
             return out
         ns_id = keys[0][:HASH_BYTES]
         if all(len(k) == KEY_BYTES for k in keys) and all(k[:HASH_BYTES] == ns_id for k in keys):
-            rows = self.prefix_rows(ns_id, [k[HASH_BYTES:] for k in keys])
+            rows = self.prefix_rows(ns_id, b"".join([k[HASH_BYTES:] for k in keys]))
             return [BlockEntry.of(t, r) for r in rows.tolist()]
         for key in keys:
             row = t.find_key(key)

@@ -38,6 +38,10 @@ TIER_ENUM = {
 TIER_BY_ENUM = {v: k for k, v in TIER_ENUM.items()}
 
 
+# Layouts whose namespace id the servicer remembers (see KVStoreServicer._namespace).
+LAYOUT_IDS_KEPT = 1024
+
+
 def tier_enums(names: Sequence[str]) -> list[kvstore_pb2.Tier]:
     """The Tier values of a lookup's blocks; one repeated value when they all sit in one
     tier (the common case), without a dictionary step per block."""
@@ -104,6 +108,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self.max_tokens_per_call = max_tokens_per_call
         self.max_block_bytes = max_block_bytes
         self.chunk_bytes = chunk_bytes
+        # (tenant, salt, layout message bytes) -> namespace id: an engine names its layout
+        # in every call, and parsing, checking and hashing it each time cost more than a
+        # short lookup itself. Only layouts that passed the checks below are kept.
+        self._layout_ids: dict[tuple[str, bytes, bytes], bytes] = {}
         self.segment = segment
         # `is None`, not `or`: an empty table is falsy (it has a length), and the daemon's
         # own table must be the one used, or its sweep and shutdown never see these puts.
@@ -150,6 +158,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         who = current_identity()
         which = ref.WhichOneof("ref")
         if which == "layout":
+            wire = ref.layout.SerializeToString()
+            known = self._layout_ids.get((who.tenant, who.salt, wire))
+            if known is not None and self.store.has_namespace(known):
+                return known
             layout = layout_from_proto(ref.layout)
             if layout.bytes_per_block > self.max_block_bytes:
                 raise InvalidArgument(
@@ -158,7 +170,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 )
             if self.max_namespaces_per_tenant is not None:
                 self._check_tenant_namespaces(layout, who.tenant, who.salt)
-            return self.store.register(layout, who.tenant, who.salt)
+            ns_id = self.store.register(layout, who.tenant, who.salt)
+            if len(self._layout_ids) >= LAYOUT_IDS_KEPT:
+                self._layout_ids.clear()
+            self._layout_ids[(who.tenant, who.salt, wire)] = ns_id
+            return ns_id
         if which == "id":
             info = self.store.namespace(ref.id)
             if info.tenant != who.tenant and not who.is_admin:
@@ -263,10 +279,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def Lookup(self, request: kvstore_pb2.LookupRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.LookupResponse:
         ns_id = self._namespace(request.namespace)
-        hashes = self._hashes(ns_id, request.keys)
+        keys = request.keys
+        # A packed chain goes to the store as it came (checked there), not cut into N objects.
+        chain = keys.packed_hashes if keys.WhichOneof("keys") == "packed_hashes" else self._hashes(ns_id, keys)
         session = self._session(request.hint.session_id, request.hint.expect_reuse_within_s) \
             if request.HasField("hint") else ""
-        r = self.store.lookup(ns_id, hashes, request.lease_ms)
+        r = self.store.lookup(ns_id, chain, request.lease_ms)
         if session and r.num_blocks:
             self.store.hint(ns_id, r.block_hashes, session, request.hint.expect_reuse_within_s)
         resp = kvstore_pb2.LookupResponse(
@@ -276,16 +294,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             lease_id=self._lease_out(r.lease_id),
             block_size_tokens=r.block_size_tokens,
         )
-        if not packed_reply(request.keys):
+        if not packed_reply(keys):
             resp.tiers.extend(tier_enums(r.tiers))
             resp.block_hashes.extend(r.block_hashes)
             return resp
         resp.tiers_packed = tier_bytes(r.tiers)
-        if request.keys.WhichOneof("keys") == "packed_hashes":
-            # The hits are a prefix of the chain asked about: answer with its bytes.
-            resp.block_hashes_packed = request.keys.packed_hashes[: r.num_blocks * HASH_BYTES]
-        else:
-            resp.block_hashes_packed = b"".join(r.block_hashes)
+        resp.block_hashes_packed = r.hashes_packed
         return resp
 
     async def Put(

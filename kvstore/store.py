@@ -54,7 +54,7 @@ import numpy as np
 
 from kvstore.checksum import checksum_batch, checksum_pieced
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvstore.hashing import HASH_BYTES, block_hashes_packed, tenant_namespace_id
+from kvstore.hashing import HASH_BYTES, block_hashes_packed, packed_count, split_hashes, tenant_namespace_id
 from kvstore.index import BlockEntry, BlockIndex, BlockState, make_key
 from kvstore.table import HAS_PARENT, INDEXED, LIVE, READY, SSD_QUEUED, BlockTable
 from kvstore.layout import DTYPE_BYTES, KVLayout
@@ -209,12 +209,16 @@ class LookupResult:
     num_blocks: int
     block_size_tokens: int
     tiers: list[str]
-    block_hashes: list[bytes]
+    hashes_packed: bytes  # the hits' hashes, 16 bytes each, in chain order
     lease_id: str
 
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size_tokens
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        return split_hashes(self.hashes_packed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -491,6 +495,9 @@ class Store:
             logger.info("namespace %s registered: model=%s dtype=%s block=%d tokens / %d bytes",
                         ns_id.hex(), layout.model, layout.dtype, layout.block_size_tokens, layout.bytes_per_block)
         return ns_id
+
+    def has_namespace(self, namespace_id: bytes) -> bool:
+        return namespace_id in self._namespaces
 
     def namespace(self, namespace_id: bytes) -> NamespaceInfo:
         if len(namespace_id) != HASH_BYTES:
@@ -932,12 +939,21 @@ class Store:
 
     # ----------------------------------------------------------------- lookup
 
-    def lookup(self, namespace_id: bytes, hashes: Sequence[bytes], lease_ms: int = 0) -> LookupResult:
+    def lookup(self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, lease_ms: int = 0) -> LookupResult:
+        """The longest READY prefix of a chain, given as hashes or packed (N x 16 bytes:
+        what the wire carries, probed without cutting it into N objects)."""
         info = self.namespace(namespace_id)
-        self.check_hashes(hashes)
+        if isinstance(hashes, bytes):
+            packed = hashes
+            n_asked = packed_count(packed)
+            self._check_count(n_asked, "block hashes")
+        else:
+            self.check_hashes(hashes)
+            packed = b"".join(hashes)
+            n_asked = len(hashes)
         self.expire_leases()
         # One vectorized probe of the block table, no Python step (nor object) per block.
-        rows = self._index.prefix_rows(namespace_id, hashes)
+        rows = self._index.prefix_rows(namespace_id, packed)
         n_hit = len(rows)
         lease_id = ""
         if n_hit and lease_ms > 0:
@@ -945,11 +961,11 @@ class Store:
             lease_id = self._acquire_lease(hit, lease_ms, tenant=info.tenant).lease_id
         c = self.counters
         c.lookups += 1
-        info.lookup_blocks += len(hashes)
+        info.lookup_blocks += n_asked
         info.hit_blocks += n_hit
-        c.lookup_blocks += len(hashes)
+        c.lookup_blocks += n_asked
         c.hit_blocks += n_hit
-        c.miss_blocks += len(hashes) - n_hit
+        c.miss_blocks += n_asked - n_hit
         # Where each block is served from: its top copy (tier ids follow the tier order).
         tops = self._top_ids(rows)
         tier_names: list[str] = self._tier_id_names[tops].tolist()
@@ -960,7 +976,7 @@ class Store:
             # A tier's hits are looked-up blocks served from it; its misses, the others.
             held = per_tier[tid]
             st.counters.hits += held
-            st.counters.misses += len(hashes) - held
+            st.counters.misses += n_asked - held
             if held:
                 # Tail first, so the head of a chain is the most recently used: a recency
                 # policy then evicts chain tails before the heads later blocks depend on.
@@ -970,17 +986,18 @@ class Store:
             num_blocks=n_hit,
             block_size_tokens=info.layout.block_size_tokens,
             tiers=tier_names,
-            block_hashes=list(hashes[:n_hit]),
+            hashes_packed=packed[: n_hit * HASH_BYTES],
             lease_id=lease_id,
         )
 
     def _top_ids(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         """The tier id of each row's top copy (the lowest id: ids follow the tier order)."""
         t = self._index.table
-        lt = t.lt[rows]
-        first, second = lt[:, 0], lt[:, 1]
-        if not second.any():  # one copy each: the common case
-            return first.astype(np.int64)
+        # Both location tiers of a row in one 16-bit gather: the first in the low byte.
+        both = t.lt.view("<u2")[:, 0][rows]
+        if not len(both) or int(both.max()) < 256:  # one copy each: the common case
+            return both.astype(np.int64)
+        first, second = both & 0xFF, both >> 8
         tops = np.where((second != 0) & (second < first), second, first).astype(np.int64)
         if t.extra_locs:  # a third copy, for the moment of a move
             for i in np.flatnonzero(second != 0).tolist():
@@ -1333,7 +1350,7 @@ class Store:
             num_blocks=len(entries),
             block_size_tokens=info.layout.block_size_tokens,
             tiers=tops,
-            block_hashes=list(hashes[: len(entries)]),
+            hashes_packed=b"".join(hashes[: len(entries)]),
             lease_id=lease_id,
         )
         return result, [self._block_info(e) for e in local]

@@ -84,10 +84,10 @@ def test_prefix_rows_stop_at_the_first_missing_block() -> None:
     index = BlockIndex()
     entries = [ready(index, key(NS_A, i)) for i in range(6)]
     index.remove(key(NS_A, 3))
-    rows = index.prefix_rows(NS_A, [h(i) for i in range(6)])
+    rows = index.prefix_rows(NS_A, b"".join(h(i) for i in range(6)))
     assert rows.tolist() == [e.row for e in entries[:3]]
-    assert index.prefix_rows(NS_B, [h(0)]).tolist() == []  # another namespace: same hashes, other keys
-    assert index.prefix_rows(NS_A, []).tolist() == []
+    assert index.prefix_rows(NS_B, h(0)).tolist() == []  # another namespace: same hashes, other keys
+    assert index.prefix_rows(NS_A, b"").tolist() == []
 
 
 def test_rows_are_recycled_only_when_nothing_holds_them() -> None:
@@ -194,5 +194,5 @@ def test_weak_hashes_are_found() -> None:
     # Hashes that differ only in a few high bytes must not pile into one probe run.
     index = BlockIndex(BlockTable(16))
     entries = [ready(index, NS_A + struct.pack("<QQ", 0, i << 40)) for i in range(4096)]
-    rows = index.prefix_rows(NS_A, [struct.pack("<QQ", 0, i << 40) for i in range(4096)])
+    rows = index.prefix_rows(NS_A, b"".join(struct.pack("<QQ", 0, i << 40) for i in range(4096)))
     assert rows.tolist() == [e.row for e in entries]

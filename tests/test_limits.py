@@ -51,6 +51,14 @@ def test_blocks_larger_than_max_block_bytes_are_refused(tmp_path, layout):
         with pytest.raises(InvalidArgument, match="2097152 bytes per block, more than max_block_bytes"):
             kv.lookup(big, list(range(8)))
         assert _snapshot(running.store) == before  # not even the namespace was registered
+        # The servicer remembers only layouts that passed its checks: a refused one is
+        # refused again, however often it is sent, while an accepted one keeps its id.
+        for _ in range(2):
+            with pytest.raises(InvalidArgument, match="more than max_block_bytes"):
+                kv.lookup(big, list(range(8)))
+        first = kv.lookup(layout, list(range(8))).namespace_id
+        assert kv.lookup(layout, list(range(8))).namespace_id == first
+        assert len(running.store.namespaces()) == before[2] + 1
 
 
 def test_a_message_over_max_message_bytes_is_resource_exhausted(tmp_path):

@@ -257,3 +257,60 @@ def test_ghost_list_is_a_fifo_set() -> None:
     assert list(g) == list(model)
     probe = np.array(list(model)[:50] + [12345], np.uint64)
     assert g.contains_many(probe).tolist() == [True] * min(50, len(model)) + [False]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_row_lists_compact_step_by_step_and_keep_their_order(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small logs compact incrementally here (the daemon's start at 4096 entries): every
+    list must read exactly as an OrderedDict after the same steps, while a compaction runs
+    and after it, and no append may compact more than its share."""
+    from kvstore.policies import rows as rows_mod
+
+    monkeypatch.setattr(rows_mod, "COMPACT_FROM", 64)
+    monkeypatch.setattr(rows_mod, "COMPACT_MIN", 3)
+    lists = rows_mod.RowLists(2)
+    ref: list[OrderedDict[int, None]] = [OrderedDict(), OrderedDict(), OrderedDict()]
+    steps: list[int] = []
+    real_step = rows_mod.RowLists._compact_step
+
+    def counted_step(self: rows_mod.RowLists, which: int, budget: int) -> None:
+        steps.append(budget)
+        real_step(self, which, budget)
+
+    monkeypatch.setattr(rows_mod.RowLists, "_compact_step", counted_step)
+    rng = random.Random(seed)
+    universe = 300
+    lists.ensure(universe)
+    running = 0
+    for step in range(4000):
+        op = rng.random()
+        which = rng.choice((1, 2))
+        if op < 0.45:
+            rs = [rng.randrange(universe) for _ in range(rng.randrange(1, 40))]
+            lists.append_many(which, np.array(rs, np.int64))
+            for r in rs:
+                for other in (1, 2):
+                    ref[other].pop(r, None)
+                ref[which][r] = None
+        elif op < 0.7:
+            r = rng.randrange(universe)
+            lists.append(which, r)
+            for other in (1, 2):
+                ref[other].pop(r, None)
+            ref[which][r] = None
+        elif op < 0.85:
+            r = rng.randrange(universe)
+            assert lists.discard(r) == next((w for w in (1, 2) if r in ref[w]), 0)
+            for other in (1, 2):
+                ref[other].pop(r, None)
+        else:
+            banned = rng.randrange(universe)
+            want = next((r for r in ref[which] if r != banned), None)
+            assert lists.first(which, lambda r: r != banned) == want, f"step {step}"
+        running += any(cr >= 0 for cr in lists._cr)
+        if step % 50 == 0 or any(cr >= 0 for cr in lists._cr):
+            for w in (1, 2):
+                assert lists.rows(w) == list(ref[w]), f"step {step}, list {w}"
+                assert lists.size[w] == len(ref[w])
+    assert running > 100, "the trace never ran an incremental compaction"
+    assert steps and max(steps) <= rows_mod.COMPACT_RATE * 40 + 3

@@ -5,9 +5,17 @@
 log of rows; appending a row that is already somewhere leaves its old log entry stale
 (the row's position no longer points at it). The valid entries of a log, in log order,
 are exactly an OrderedDict's keys after the same inserts and `move_to_end`s, so the
-order is the same one an OrderedDict-based policy keeps. Stale entries are skipped
-lazily at the head and squeezed out when a log fills up (amortized O(1)), which keeps a
-log at most about twice its live length. Appending a batch is one vectorized step.
+order is the same one an OrderedDict-based policy keeps. Appending a batch is one
+vectorized step.
+
+Stale entries are skipped lazily at the head, and squeezed out incrementally: once a log
+is two-thirds full, every append also compacts a few times as many entries as it adds,
+front to back, in place (the write cursor never passes the read cursor), until the
+compaction reaches the tail, which then moves back to the end of the compacted entries.
+No single append pays for the whole log, so a lookup's touch never stalls for the length
+of a million-entry log. Entries between the two cursors are stale by construction (a
+moved row's position points at its new entry), so readers need not know a compaction is
+running; `first` merely jumps over that gap.
 
 `GhostList` is a bounded FIFO of 64-bit key fingerprints with membership, for ARC's
 ghost lists B1 and B2: a ring of fingerprints and an open-addressing table from a
@@ -39,6 +47,14 @@ _AT = np.arange(1 << 16, dtype=np.int32)
 
 # Up to this many rows, `append_many` appends them one by one.
 SCALAR_APPEND_MAX = 8
+# Incremental compaction (see the module docstring): logs at least this long compact step
+# by step, from two-thirds full; each append then compacts COMPACT_RATE entries per entry
+# it adds, and at least COMPACT_MIN, which ends a compaction before the tail reaches the
+# end of the log (it starts with at most 2/3 of the log to read, and gains at least 3
+# entries on the tail per entry appended, so the tail stays below 8/9 of the log).
+COMPACT_FROM = 4096
+COMPACT_RATE = 4
+COMPACT_MIN = 256
 
 
 def _arange32(start: int, n: int) -> npt.NDArray[np.int32]:
@@ -58,6 +74,9 @@ class RowLists:
         self._head = [0] * (nlists + 1)
         self._tail = [0] * (nlists + 1)
         self.size = [0] * (nlists + 1)
+        # A running compaction's write and read cursors; -1 when none runs.
+        self._cw = [-1] * (nlists + 1)
+        self._cr = [-1] * (nlists + 1)
 
     def ensure(self, rows: int) -> None:
         """Room for rows below `rows`."""
@@ -76,12 +95,22 @@ class RowLists:
         return self._vlst[row] if row < len(self.lst) else 0
 
     def _room(self, which: int, more: int) -> None:
-        log, head, tail = self._logs[which], self._head[which], self._tail[which]
-        if tail + more <= len(log):
+        """Room for `more` entries at the tail of list `which`'s log."""
+        log = self._logs[which]
+        cap = len(log)
+        if self._cr[which] >= 0:
+            self._compact_step(which, COMPACT_RATE * more + COMPACT_MIN)
+        elif cap >= COMPACT_FROM and self._tail[which] + more > cap * 2 // 3:
+            self._cw[which], self._cr[which] = 0, self._head[which]
+            self._head[which] = 0  # every entry before the old head is stale
+            self._compact_step(which, COMPACT_RATE * more + COMPACT_MIN)
+        if self._tail[which] + more <= len(self._logs[which]):
             return
+        # A small log, or a batch larger than the room left: compact it all at once.
+        self._cw[which] = self._cr[which] = -1
+        head, tail = self._head[which], self._tail[which]
         live = self._valid(which, head, tail)
         n = len(live)
-        cap = len(log)
         while n + more > cap // 2 and n + more > cap - 64:
             cap *= 2
         if cap != len(log):
@@ -91,6 +120,30 @@ class RowLists:
         log[:n] = live
         self.pos[live] = np.arange(n, dtype=np.int32)
         self._head[which], self._tail[which] = 0, n
+
+    def _compact_step(self, which: int, budget: int) -> None:
+        """Move the next `budget` entries' valid ones down to the write cursor."""
+        log = self._logs[which]
+        w, r, tail = self._cw[which], self._cr[which], self._tail[which]
+        stop = min(tail, r + budget)
+        live = self._valid(which, r, stop)  # a copy: safe to write below `stop`
+        n = len(live)
+        log[w:w + n] = live
+        self.pos[live] = _arange32(w, n)
+        if self._head[which] > w:
+            self._head[which] = w  # valid entries now sit from w on
+        w += n
+        if stop < tail:
+            self._cw[which], self._cr[which] = w, stop
+            return
+        # The compaction reached the tail: the log now ends with the compacted entries.
+        self._cw[which] = self._cr[which] = -1
+        self._tail[which] = w
+        if w > len(log) // 2:  # still over half full: grow (the indices stay as they are)
+            grown = np.zeros(2 * len(log), np.int32)
+            grown[:w] = log[:w]
+            self._logs[which] = grown
+            self._vlogs[which] = grown.data
 
     def _valid(self, which: int, start: int, stop: int) -> npt.NDArray[np.int32]:
         entries = self._logs[which][start:stop]
@@ -158,9 +211,13 @@ class RowLists:
         vlog = self._vlogs[which]
         start, tail = self._head[which], self._tail[which]
         lst, pos = self._vlst, self._vpos
+        # A running compaction's gap between its cursors holds only stale entries.
+        gap_lo, gap_hi = self._cw[which], self._cr[which]
         # The common case in a few scalar steps: the oldest entries are valid (or stale
         # and skipped for good) and the first valid one is accepted.
         for _ in range(8):
+            if gap_lo <= start < gap_hi:
+                start = gap_hi
             if start >= tail:
                 return None
             row = vlog[start]
@@ -173,6 +230,9 @@ class RowLists:
             break
         skipping = True
         while start < tail:
+            if gap_lo <= start < gap_hi:
+                start = gap_hi
+                continue
             stop = min(tail, start + 256)
             entries = log[start:stop]
             ok = (self.lst[entries] == which) & (self.pos[entries] == np.arange(start, stop, dtype=np.int32))
