@@ -196,3 +196,22 @@ async def test_blocks_on_ssd_are_read_ahead_concurrently_and_come_back_exact(tmp
         assert store.counters.blocks_fetched == 12
     finally:
         await store.aclose()
+
+
+async def test_served_blocks_count_as_hits_for_the_tier_policy() -> None:
+    store = make_store(8)
+    hs = hashes(4)
+    await put(store, hs)
+    policy = store.tiers[0].policy
+    assert isinstance(policy, LRUPolicy)
+    key = [store_mod.make_key(LAYOUT.namespace_id, h) for h in hs]
+    before = policy.order()
+    assert sorted(before) == sorted(key)
+    async with store.open_fetch(LAYOUT.namespace_id, hs[:2]) as stream:
+        assert len([b async for b in stream]) == 2
+    # The served blocks are now the most recent, in the order they were served.
+    assert policy.order() == [k for k in before if k not in key[:2]] + key[:2]
+    corrupt(store, hs[2])
+    async with store.open_fetch(LAYOUT.namespace_id, hs) as stream:
+        assert len([b async for b in stream]) == 2  # 0 and 1 again; 2 fails and is dropped
+    assert policy.order() == [key[3], key[0], key[1]]
