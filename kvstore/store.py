@@ -1583,8 +1583,9 @@ class FetchStream:
             task.cancel()
         self._reads.clear()
         if self._jobs:
-            # A copy still running reads a slot that only our hold keeps from reuse.
-            wait_futures(list(self._jobs))
+            # A copy still running reads a slot that only our hold keeps from reuse: drop
+            # the copies not started, wait for the running one (one block).
+            wait_futures([job for job in self._jobs if not job.cancel()])
             self._jobs.clear()
         for entry in self._entries:
             self._store._release(entry)
