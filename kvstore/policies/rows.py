@@ -183,8 +183,9 @@ class RowLists:
         self._tail[which] = tail + 1
         self.size[which] += 1
 
-    def append_many(self, which: int, rows: I64) -> None:
-        """`append` each row in order. A row named twice ends where its last append puts it."""
+    def append_many(self, which: int, rows: I64, held: npt.NDArray[np.uint8] | None = None) -> None:
+        """`append` each row in order. A row named twice ends where its last append puts it.
+        `held`, when the caller has it, is `lst[rows]` (the list each row is in now)."""
         n = len(rows)
         if not n:
             return
@@ -204,7 +205,8 @@ class RowLists:
             n = len(rows)
             at = _arange32(tail, n)
             pos[rows] = at
-        moved = np.bincount(self.lst[rows], minlength=len(self.size)).tolist()
+            held = None
+        moved = np.bincount(self.lst[rows] if held is None else held, minlength=len(self.size)).tolist()
         for other in range(1, len(self.size)):
             self.size[other] -= moved[other]
         self._logs[which][tail:tail + n] = rows
