@@ -152,6 +152,8 @@ class RowLists:
         self._cw[which] = self._cr[which] = -1
         self._tail[which] = w
         self._into[which] = None
+        if into is not None and w <= len(log) // 2:
+            into = None  # it ended under half full after all: keep the log's length
         if into is None and w > len(log) // 2:  # over half full, unforeseen: grow by a copy
             into = np.zeros(2 * len(log), np.int32)
             into[:w] = log[:w]
