@@ -120,9 +120,11 @@ class LaneServer:
         if self._server is not None:
             self._server.close()
             self._server = None
+        pending = [c.task for c in self._connections if c.task is not None]
         for conn in list(self._connections):
             conn.abort()
-        pending = [c.task for c in self._connections if c.task is not None]
+        for task in pending:
+            task.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
         self._connections.clear()
