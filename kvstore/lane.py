@@ -1,7 +1,7 @@
 """The daemon's side of the local control lane (framing in `kvstore.laneproto`).
 
-A Unix stream socket next to each gRPC Unix socket, served by asyncio streams on the
-daemon's event loop. It exists because a grpc-python unary call costs several hundred
+A Unix stream socket next to each gRPC Unix socket, served on the daemon's event loop by
+a protocol that runs each call as soon as its frame is whole (see `_Connection`). It exists because a grpc-python unary call costs several hundred
 microseconds of per-call machinery on each side, which is most of a co-located
 engine's `Lookup` and of the local data plane's per-batch control calls.
 
@@ -47,7 +47,6 @@ from kvstore.laneproto import (
     MAX_HELLO_BYTES,
     METHOD_IDS,
     REQUEST_TYPES,
-    frame,
     method_path,
 )
 from kvstore.lifecycle import REFUSAL, DrainGate
@@ -96,7 +95,7 @@ class LaneServer:
         self.calls = 0
         self._methods = {mid: _Method(name, getattr(servicer, name), metrics) for name, mid in METHOD_IDS.items()}
         self._server: asyncio.AbstractServer | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections: set[_Connection] = set()
 
     async def start(self, path: str) -> None:
         """Listen on `path` (a stale socket there must already be cleared). The socket is
@@ -106,7 +105,8 @@ class LaneServer:
             sock.bind(path)
             try:
                 os.chmod(path, 0o600)
-                self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=1 << 16)
+                loop = asyncio.get_running_loop()
+                self._server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
             except BaseException:
                 os.unlink(path)
                 raise
@@ -120,10 +120,14 @@ class LaneServer:
         if self._server is not None:
             self._server.close()
             self._server = None
-        for task in list(self._connections):
+        pending = [c.task for c in self._connections if c.task is not None]
+        for conn in list(self._connections):
+            conn.abort()
+        for task in pending:
             task.cancel()
-        if self._connections:
-            await asyncio.gather(*self._connections, return_exceptions=True)
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        self._connections.clear()
         if self.path:
             try:
                 os.unlink(self.path)
@@ -131,49 +135,22 @@ class LaneServer:
                 pass
             self.path = ""
 
-    # ------------------------------------------------------------------ connections
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
-        try:
-            admitted, token = await self._hello(reader, writer)
-            if admitted:
-                await self._calls(reader, writer, token)
-        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
-            pass  # the client went away (or never said hello): nothing to answer
-        except asyncio.CancelledError:
-            pass  # the daemon is stopping
-        except Exception:  # task boundary: one bad connection must not stop the lane
-            logger.exception("lane connection failed")
-        finally:
-            self._connections.discard(task)
-            writer.close()
-
-    async def _refuse(self, writer: asyncio.StreamWriter, exc: KVStoreError) -> tuple[bool, None]:
-        writer.write(frame(exc.code.value[0], str(exc).encode()))
-        await writer.drain()
-        return False, None
-
-    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[bool, str | None]:
-        """(whether the connection was admitted, the client's token: None if it sent none)."""
-        sock = writer.get_extra_info("socket")
-        uid = peer_uid(sock) if sock is not None else -1
+    def admit_peer(self, uid: int) -> KVStoreError | None:
+        """The refusal of a new connection from a process of `uid`, or None."""
         if uid not in (self.uid, 0):
             logger.warning("lane connection from uid %d refused (only uid %d and root may connect)", uid, self.uid)
-            return await self._refuse(writer, PermissionDenied(
-                f"the control lane admits only the daemon's uid ({self.uid}) and root; this process runs as uid {uid}"))
+            return PermissionDenied(
+                f"the control lane admits only the daemon's uid ({self.uid}) and root; this process runs as uid {uid}")
         if len(self._connections) > self.max_connections:
-            return await self._refuse(writer, ResourceExhausted(
-                f"the control lane has {self.max_connections} connections open, the most it serves; use gRPC"))
-        length, kind = HEADER.unpack(await asyncio.wait_for(reader.readexactly(HEADER.size), HELLO_TIMEOUT_S))
-        if kind != HELLO or not len(MAGIC) <= length <= MAX_HELLO_BYTES:
-            return await self._refuse(writer, InvalidArgument(
-                "a control lane connection must start with a hello frame (kvstore.laneproto)"))
-        payload = await asyncio.wait_for(reader.readexactly(length), HELLO_TIMEOUT_S)
+            return ResourceExhausted(
+                f"the control lane has {self.max_connections} connections open, the most it serves; use gRPC")
+        return None
+
+    def hello(self, payload: bytes) -> tuple[KVStoreError | None, str | None]:
+        """A hello frame's payload: (the refusal to answer, or None; the client's token,
+        None if it sent none)."""
         if payload[: len(MAGIC)] != MAGIC:
-            return await self._refuse(writer, InvalidArgument("not a kvstore control lane hello (bad magic)"))
+            return InvalidArgument("not a kvstore control lane hello (bad magic)"), None
         try:
             text = payload[len(MAGIC):].decode("utf-8")
         except UnicodeDecodeError:
@@ -184,32 +161,8 @@ class LaneServer:
             self.auth.identify(method_path("Lookup"), token, True)
         except KVStoreError as exc:
             logger.debug("lane hello refused: %s: %s", exc.code.name, exc)
-            return await self._refuse(writer, exc)
-        writer.write(frame(0, HELLO_ANSWER.pack(MAGIC, self.max_frame_bytes)))
-        return True, token
-
-    async def _calls(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: str | None) -> None:
-        header_size = HEADER.size
-        unpack = HEADER.unpack
-        while True:
-            try:
-                head = await reader.readexactly(header_size)
-            except asyncio.IncompleteReadError as exc:
-                if exc.partial:
-                    logger.debug("lane connection closed inside a frame header")
-                return
-            length, mid = unpack(head)
-            if length > self.max_frame_bytes:
-                # Never read (or allocate) what the peer says it will send past the limit.
-                await self._refuse(writer, ResourceExhausted(
-                    f"a control lane request of {length} bytes is larger than max_message_bytes "
-                    f"({self.max_frame_bytes}); send fewer blocks per call"))
-                return
-            payload = await reader.readexactly(length) if length else b""
-            code, out = await self._call(mid, payload, token)
-            writer.write(HEADER.pack(len(out), code) + out)
-            if writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER:
-                await writer.drain()
+            return exc, None
+        return None, token
 
     async def _call(self, mid: int, payload: bytes, token: str | None) -> tuple[int, bytes]:
         """One call, through the same steps as a gRPC call (see the module docstring)."""
@@ -265,3 +218,176 @@ class LaneServer:
             if child is None:
                 child = method.observed[code] = self.metrics.rpc_seconds.labels(method.name, code.name)
             child.observe(time.perf_counter() - start)
+
+
+async def _finish(coro: Any, yielded: Any) -> Any:
+    """Run on, as a task, a coroutine that `_Connection.dispatch` started by hand and that
+    suspended on `yielded` (a future, or None for a bare yield)."""
+    while True:
+        thrown: BaseException | None = None
+        try:
+            if yielded is None:
+                await asyncio.sleep(0)
+            else:
+                # As a task's step does with a future its coroutine yields: mark it taken
+                # (else awaiting it again reads as a bare yield), then wait for it here.
+                yielded._asyncio_future_blocking = False
+                await yielded
+        except asyncio.CancelledError as exc:
+            if yielded is None or not yielded.done():
+                thrown = exc  # this task was cancelled: pass it in
+        except BaseException:  # the coroutine reads the future's error itself
+            pass
+        try:
+            yielded = coro.send(None) if thrown is None else coro.throw(thrown)
+        except StopIteration as stop:
+            return stop.value
+
+
+class _Connection(asyncio.Protocol):
+    """One lane connection: frames are cut out of the received bytes as they arrive and
+    each call is started at once, in the loop's callback for those bytes. A call that
+    completes without suspending (a Lookup, most control calls) is answered right there,
+    with no task and no further trip through the event loop; one that suspends is run on
+    as a task, and the frames after it wait for it, so answers keep their order."""
+
+    def __init__(self, server: LaneServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.admitted = False
+        self.token: str | None = None
+        self.task: asyncio.Task[Any] | None = None
+        self.closing = False
+        self.write_paused = False
+        self.read_paused = False
+        self._hello_timer: asyncio.TimerHandle | None = None
+
+    # --- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        server = self.server
+        server._connections.add(self)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        sock = transport.get_extra_info("socket")
+        refusal = server.admit_peer(peer_uid(sock) if sock is not None else -1)
+        if refusal is not None:
+            self.refuse(refusal)
+            return
+        self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self.abort)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self.take_frames()
+
+    def eof_received(self) -> bool | None:
+        if len(self.buf):
+            logger.debug("lane connection closed inside a frame")
+        return None  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self.server._connections.discard(self)
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        if self.task is not None:
+            self.task.cancel()  # the daemon is stopping, or the client went away
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self._pause_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self.take_frames()
+
+    # --- frames
+
+    def take_frames(self) -> None:
+        """Answer every whole frame received, in order, until a call suspends."""
+        buf = self.buf
+        size = HEADER.size
+        server = self.server
+        while not self.closing and self.task is None and not self.write_paused and len(buf) >= size:
+            length, kind = HEADER.unpack_from(buf)
+            if not self.admitted:
+                if kind != HELLO or not len(MAGIC) <= length <= MAX_HELLO_BYTES:
+                    self.refuse(InvalidArgument(
+                        "a control lane connection must start with a hello frame (kvstore.laneproto)"))
+                    return
+            elif length > server.max_frame_bytes:
+                # Never read (or keep) what the peer says it will send past the limit.
+                self.refuse(ResourceExhausted(
+                    f"a control lane request of {length} bytes is larger than max_message_bytes "
+                    f"({server.max_frame_bytes}); send fewer blocks per call"))
+                return
+            if len(buf) < size + length:
+                break
+            payload = bytes(buf[size:size + length])
+            del buf[:size + length]
+            if self.admitted:
+                self.dispatch(kind, payload)
+                continue
+            refusal, self.token = server.hello(payload)
+            if refusal is not None:
+                self.refuse(refusal)
+                return
+            self.admitted = True
+            if self._hello_timer is not None:
+                self._hello_timer.cancel()
+                self._hello_timer = None
+            self.write(0, HELLO_ANSWER.pack(MAGIC, server.max_frame_bytes))
+        if self.task is not None or self.write_paused:
+            # Waiting: keep at most one more whole frame buffered.
+            if len(buf) > server.max_frame_bytes + 2 * size:
+                self._pause_reading()
+        elif self.read_paused:
+            self.read_paused = False
+            if self.transport is not None:
+                self.transport.resume_reading()
+
+    def dispatch(self, mid: int, payload: bytes) -> None:
+        """Start one call; answer it now if it completes without suspending."""
+        coro = self.server._call(mid, payload, self.token)
+        try:
+            yielded = coro.send(None)
+        except StopIteration as stop:
+            self.write(*stop.value)
+            return
+        self.task = asyncio.get_running_loop().create_task(_finish(coro, yielded))
+        self.task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        self.task = None
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:  # `_call` answers every error itself: this is a bug
+            logger.error("lane call failed", exc_info=exc)
+            self.abort()
+            return
+        self.write(*task.result())
+        self.take_frames()
+
+    def write(self, code: int, out: bytes) -> None:
+        if self.transport is not None and not self.closing:
+            self.transport.write(HEADER.pack(len(out), code) + out)
+
+    def refuse(self, exc: KVStoreError) -> None:
+        """Answer `exc` and hang up (after the answer is sent)."""
+        self.write(exc.code.value[0], str(exc).encode())
+        self.closing = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        self.closing = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _pause_reading(self) -> None:
+        if not self.read_paused and self.transport is not None:
+            self.read_paused = True
+            self.transport.pause_reading()

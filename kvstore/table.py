@@ -404,13 +404,17 @@ class BlockTable:
         pos = (hv >> np.uint64(self._shift)).astype(np.int64)
         tag = (hv & np.uint64(0x7FFFFFFF)).astype(np.int64)
         H0, H1, NS = self.h0, self.h1, self.ns
+        # With one namespace interned, every row is of it: its column need not be read.
+        check_ns = len(self._ns_fp_list) > 1
         # Home slots first: at the table's load (at most 1/2) most keys sit in theirs, and
         # one gather per key beats a window of eight. An empty home slot is a miss.
         e = slots[pos]
         c = (e & 0xFFFFFFFF) - 1
         at_home = np.flatnonzero((e >> 32) == tag)
         ch = c[at_home]
-        good = (H0[ch] == q0[at_home]) & (H1[ch] == q1[at_home]) & (NS[ch] == ns) & (e[at_home] != 0)
+        good = (H0[ch] == q0[at_home]) & (H1[ch] == q1[at_home]) & (e[at_home] != 0)
+        if check_ns:
+            good &= NS[ch] == ns
         out[at_home[good]] = ch[good]
         walk = (e != 0) & (out < 0)  # occupied by another key: walk on from the next slot
         pend = np.flatnonzero(walk)
@@ -426,7 +430,9 @@ class BlockTable:
             found = e[_arange(k), first]
             sel = np.flatnonzero(ends & (found != 0))
             c = (found[sel] & 0xFFFFFFFF) - 1
-            good = (H0[c] == q0[pend[sel]]) & (H1[c] == q1[pend[sel]]) & (NS[c] == ns)
+            good = (H0[c] == q0[pend[sel]]) & (H1[c] == q1[pend[sel]])
+            if check_ns:
+                good &= NS[c] == ns
             out[pend[sel[good]]] = c[good]
             # Walk on: keys past the window, and a tag that matched another key (1 in 2**31).
             bad = sel[~good]

@@ -386,6 +386,32 @@ def check_hostile_frames(path: str, layout, stack: contextlib.ExitStack) -> None
     half.close()
 
 
+def test_pipelined_calls_are_answered_in_order_when_one_waits(daemon_thread, layout):
+    """Frames sent back to back on one connection: a Verify (which waits for its checksums
+    on a worker thread, so it cannot answer at once) and Lookups behind it. The answers
+    come back in the order of the calls, each the right one."""
+    layout = replace(layout, block_bytes=256 << 10)  # large enough to be checksummed off the loop
+    tokens = list(range(layout.block_size_tokens * 3))
+    with Client(daemon_thread.unix_target, data_plane="grpc") as kv:
+        kv.put(layout, tokens, blocks_for(layout, 3))
+    ns = kvstore_pb2.Namespace(layout=layout_to_proto(layout))
+    keys = kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(token_ids=tokens))
+    verify = frame(METHOD_IDS["Verify"], kvstore_pb2.VerifyRequest(namespace=ns, keys=keys).SerializeToString())
+    lookups = [kvstore_pb2.LookupRequest(namespace=ns, keys=kvstore_pb2.BlockKeys(
+        tokens=kvstore_pb2.TokenIds(token_ids=tokens[: n * layout.block_size_tokens]))) for n in (1, 2, 3)]
+    with contextlib.closing(raw_conn(lane_of(daemon_thread))) as sock:
+        for _ in range(3):
+            sock.sendall(verify + b"".join(frame(METHOD_IDS["Lookup"], r.SerializeToString()) for r in lookups)
+                         + verify)
+            code, payload = read_frame(sock)
+            assert code == 0 and kvstore_pb2.VerifyResponse.FromString(payload).verified == 3
+            for n in (1, 2, 3):
+                code, payload = read_frame(sock)
+                assert code == 0 and kvstore_pb2.LookupResponse.FromString(payload).num_blocks == n
+            code, payload = read_frame(sock)
+            assert code == 0 and kvstore_pb2.VerifyResponse.FromString(payload).verified == 3
+
+
 def test_request_limits_are_the_same_as_over_grpc(tmp_path, layout):
     config = make_config(tmp_path, max_tokens_per_call=64, max_blocks_per_call=8)
     with daemon_in_thread(config) as running:

@@ -227,3 +227,24 @@ def test_split_hashes():
     assert split_hashes(b"") == []
     with pytest.raises(errors.InvalidArgument, match="33 bytes, not a multiple of 16"):
         split_hashes(raw[:33])
+
+
+def test_token_bytes_is_little_endian_u32_and_names_bad_ids() -> None:
+    import random
+    import struct as _struct
+
+    import numpy as np
+
+    rng = random.Random(5)
+    ids = [0, 1, 0xFFFFFFFF] + [rng.randrange(1 << 32) for _ in range(5000)]
+    want = b"".join(_struct.pack("<I", i) for i in ids)
+    assert token_bytes(ids) == want
+    assert token_bytes(tuple(ids)) == want
+    assert token_bytes(iter(ids)) == want
+    assert token_bytes(np.array(ids, np.uint64)) == want
+    assert token_bytes([]) == b""
+    for bad, match in (([1, -1], "integers in"), ([1 << 32], "integers in"), ([1.5], "sequence of integers"),
+                       (["7"], "sequence of integers"), (None, "sequence of integers"),
+                       (b"\x01\x00\x00\x00", "pass packed bytes")):
+        with pytest.raises(errors.InvalidArgument, match=match):
+            token_bytes(bad)

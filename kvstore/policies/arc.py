@@ -118,9 +118,13 @@ class ARCPolicy(RowKeyedPolicy):
         if not len(rows):
             return
         lists.ensure(self._bound().high if self._keys is None else int(rows.max()) + 1)
-        tracked = lists.lst[rows] != 0
+        held = lists.lst[rows]
+        tracked = held != 0
         # Each row ends where its last touch puts it (`append_many` keeps last occurrences).
-        lists.append_many(T2, rows if tracked.all() else rows[tracked])
+        if tracked.all():
+            lists.append_many(T2, rows, held)
+        else:
+            lists.append_many(T2, rows[tracked])
 
     def remove_row(self, row: int) -> None:
         lists = self._lists

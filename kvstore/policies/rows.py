@@ -77,6 +77,9 @@ class RowLists:
         # A running compaction's write and read cursors; -1 when none runs.
         self._cw = [-1] * (nlists + 1)
         self._cr = [-1] * (nlists + 1)
+        # A log twice as long, filled alongside a compaction that may end over half full:
+        # the compaction then ends by switching to it, with no copy of the whole log.
+        self._into: list[npt.NDArray[np.int32] | None] = [None] * (nlists + 1)
 
     def ensure(self, rows: int) -> None:
         """Room for rows below `rows`."""
@@ -103,11 +106,17 @@ class RowLists:
         elif cap >= COMPACT_FROM and self._tail[which] + more > cap * 2 // 3:
             self._cw[which], self._cr[which] = 0, self._head[which]
             self._head[which] = 0  # every entry before the old head is stale
+            # Appends while it runs add at most 2/9 of the log, so past 2/7 live it may
+            # end over half full: grow alongside (np.zeros is mapped lazily).
+            self._into[which] = np.zeros(2 * cap, np.int32) if 7 * self.size[which] > 2 * cap else None
             self._compact_step(which, COMPACT_RATE * more + COMPACT_MIN)
         if self._tail[which] + more <= len(self._logs[which]):
             return
         # A small log, or a batch larger than the room left: compact it all at once.
         self._cw[which] = self._cr[which] = -1
+        self._into[which] = None
+        log = self._logs[which]
+        cap = len(log)
         head, tail = self._head[which], self._tail[which]
         live = self._valid(which, head, tail)
         n = len(live)
@@ -129,6 +138,9 @@ class RowLists:
         live = self._valid(which, r, stop)  # a copy: safe to write below `stop`
         n = len(live)
         log[w:w + n] = live
+        into = self._into[which]
+        if into is not None:
+            into[w:w + n] = live  # entries below w never change again: mirror them
         self.pos[live] = _arange32(w, n)
         if self._head[which] > w:
             self._head[which] = w  # valid entries now sit from w on
@@ -139,11 +151,15 @@ class RowLists:
         # The compaction reached the tail: the log now ends with the compacted entries.
         self._cw[which] = self._cr[which] = -1
         self._tail[which] = w
-        if w > len(log) // 2:  # still over half full: grow (the indices stay as they are)
-            grown = np.zeros(2 * len(log), np.int32)
-            grown[:w] = log[:w]
-            self._logs[which] = grown
-            self._vlogs[which] = grown.data
+        self._into[which] = None
+        if into is not None and w <= len(log) // 2:
+            into = None  # it ended under half full after all: keep the log's length
+        if into is None and w > len(log) // 2:  # over half full, unforeseen: grow by a copy
+            into = np.zeros(2 * len(log), np.int32)
+            into[:w] = log[:w]
+        if into is not None:  # the indices stay as they are
+            self._logs[which] = into
+            self._vlogs[which] = into.data
 
     def _valid(self, which: int, start: int, stop: int) -> npt.NDArray[np.int32]:
         entries = self._logs[which][start:stop]
@@ -169,8 +185,9 @@ class RowLists:
         self._tail[which] = tail + 1
         self.size[which] += 1
 
-    def append_many(self, which: int, rows: I64) -> None:
-        """`append` each row in order. A row named twice ends where its last append puts it."""
+    def append_many(self, which: int, rows: I64, held: npt.NDArray[np.uint8] | None = None) -> None:
+        """`append` each row in order. A row named twice ends where its last append puts it.
+        `held`, when the caller has it, is `lst[rows]` (the list each row is in now)."""
         n = len(rows)
         if not n:
             return
@@ -190,7 +207,8 @@ class RowLists:
             n = len(rows)
             at = _arange32(tail, n)
             pos[rows] = at
-        moved = np.bincount(self.lst[rows], minlength=len(self.size)).tolist()
+            held = None
+        moved = np.bincount(self.lst[rows] if held is None else held, minlength=len(self.size)).tolist()
         for other in range(1, len(self.size)):
             self.size[other] -= moved[other]
         self._logs[which][tail:tail + n] = rows
