@@ -1548,8 +1548,9 @@ class FetchStream:
     what was checked. Blocks go out one at a time, each as soon as its own copy verified,
     so sending never waits for a batch and the copy of the next block overlaps the
     transport flushing the previous one. A block that fails is dropped from that tier and
-    counted, and the stream ends there: nothing after it is copied or sent. The stream
-    may therefore yield fewer than `num_blocks` blocks. Blocks on SSD are read ahead of
+    counted, and the stream ends there: nothing after it is sent, nor even framed (only
+    SSD reads already started ahead may have run). The stream may therefore yield fewer
+    than `num_blocks` blocks. Blocks on SSD are read ahead of
     the consumer (up to FETCH_AHEAD_BYTES), and a block served from SSD may be promoted
     into the top memory tier on the way out.
     """
