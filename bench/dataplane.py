@@ -78,16 +78,16 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float = 30) -> None:
 class Services:
     """The daemon, the echo server and Redis, each a subprocess on loopback only."""
 
-    def __init__(self, workdir: Path, host_capacity: str) -> None:
+    def __init__(self, workdir: Path, host_capacity: str, redis: bool = True) -> None:
         self.workdir = workdir
         self.procs: list[subprocess.Popen[bytes]] = []
         try:
-            self._start(host_capacity)
+            self._start(host_capacity, redis)
         except BaseException:
             self.close()  # never leave a daemon (and its host segment) behind
             raise
 
-    def _start(self, host_capacity: str) -> None:
+    def _start(self, host_capacity: str, redis: bool) -> None:
         workdir = self.workdir
         self.sock = workdir / "kv.sock"
         self.kv_port = free_port()
@@ -101,7 +101,7 @@ class Services:
         assert echo.stdout is not None
         self.echo_port = int(echo.stdout.readline())
         self.redis_port: int | None = None
-        redis_server = shutil.which("redis-server")
+        redis_server = shutil.which("redis-server") if redis else None
         if redis_server:
             self.redis_port = free_port()
             self.procs.append(subprocess.Popen(
@@ -455,6 +455,8 @@ def median_of_rounds(results: list[Result]) -> list[Result]:
 
 
 PEERS_DIR = ROOT / "bench" / "peers"
+# What --systems may name: the throughput rows of each block size, and the lookup cells.
+SYSTEMS = ("memcpy", "kvstore-shm", "kvstore-shm-2trip", "kvstore-grpc", "grpc-echo", "redis", "lookup")
 
 
 def run_peers(python: str, sizes: list[int], batch: int, seconds: float, workdir: Path) -> tuple[list[Result], list[str]]:
@@ -487,32 +489,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat the throughput cells (peers included) this many times; report each cell's median")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help="comma-separated subset of the matrix to run (default: all): " + ", ".join(SYSTEMS)
+                        + "; e.g. kvstore-grpc,grpc-echo to compare the gRPC path with its ceiling")
     parser.add_argument("--peers", default="", help="JSON file of peer results (same schema) to merge in")
     parser.add_argument("--peer-python", default="",
                         help="interpreter of the peers' venv (bench/install-peers.sh): also measure Mooncake and LMCache")
     args = parser.parse_args(argv)
+    systems = {s.strip() for s in args.systems.split(",") if s.strip()}
+    if not systems or systems - set(SYSTEMS):
+        parser.error(f"--systems: choose from {', '.join(SYSTEMS)} (got {args.systems!r})")
     sizes = [MIB] if args.quick else [256 * 1024, MIB, 4 * MIB]
     seconds = args.seconds or (1.0 if args.quick else 2.0)
     started = time.perf_counter()
     results: list[Result] = []
     failed: list[str] = []
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
-        services = Services(Path(tmp), "2GiB")
+        services = Services(Path(tmp), "2GiB", redis=bool(systems & {"redis", "lookup"}))
         pool = ThreadPoolExecutor(2)
         try:
             for rnd, size in ((r, size) for r in range(args.rounds) for size in sizes):
                 print(f"block {size // 1024} KiB{f' (round {rnd + 1} of {args.rounds})' if args.rounds > 1 else ''} ...",
                       flush=True)
-                results += bench_memcpy(size, args.batch, seconds, pool)
-                # As an engine saving its KV each step would run it: one round trip per put.
-                results += bench_kvstore("kvstore-shm", f"unix:{services.sock}", "local", size, args.batch, seconds,
-                                         reserve_ahead=args.batch)
-                results += bench_kvstore("kvstore-shm-2trip", f"unix:{services.sock}", "local", size, args.batch,
-                                         seconds, put_only=True)
-                results += bench_kvstore("kvstore-grpc", f"127.0.0.1:{services.kv_port}", "grpc", size, args.batch,
-                                         seconds)
-                results += bench_echo(services.echo_port, size, args.batch, seconds)
-                if services.redis_port is not None:
+                if "memcpy" in systems:
+                    results += bench_memcpy(size, args.batch, seconds, pool)
+                if "kvstore-shm" in systems:
+                    # As an engine saving its KV each step would run it: one round trip per put.
+                    results += bench_kvstore("kvstore-shm", f"unix:{services.sock}", "local", size, args.batch,
+                                             seconds, reserve_ahead=args.batch)
+                if "kvstore-shm-2trip" in systems:
+                    results += bench_kvstore("kvstore-shm-2trip", f"unix:{services.sock}", "local", size, args.batch,
+                                             seconds, put_only=True)
+                if "kvstore-grpc" in systems:
+                    results += bench_kvstore("kvstore-grpc", f"127.0.0.1:{services.kv_port}", "grpc", size,
+                                             args.batch, seconds)
+                if "grpc-echo" in systems:
+                    results += bench_echo(services.echo_port, size, args.batch, seconds)
+                if "redis" in systems and services.redis_port is not None:
                     results += bench_redis(services.redis_port, size, args.batch, seconds)
                 if args.peer_python:
                     # Right after kvstore's cells of the same size, so a ratio compares
@@ -520,8 +533,9 @@ def main(argv: list[str] | None = None) -> int:
                     peer_results, peer_failed = run_peers(args.peer_python, [size], args.batch, seconds, Path(tmp))
                     results += peer_results
                     failed += peer_failed
-            print("lookup ...", flush=True)
-            results += bench_lookup(services, services.redis_port, 1000, seconds)
+            if "lookup" in systems:
+                print("lookup ...", flush=True)
+                results += bench_lookup(services, services.redis_port, 1000, seconds)
         finally:
             pool.shutdown()
             services.close()

@@ -473,7 +473,13 @@ def writable_view(buf: Any, index: int, block_bytes: int) -> memoryview:
 
 
 class FetchAssembler:
-    """Collects a Fetch stream into whole blocks, optionally into caller buffers."""
+    """Collects a Fetch stream into whole blocks, optionally into caller buffers.
+
+    With `out`, each chunk is copied straight to its place in the block's buffer as it
+    arrives (one copy per byte whatever the chunk size, and no received message is kept
+    past its chunk); a buffer past the blocks returned may hold part of a block when the
+    stream broke off. Without `out`, a block's chunks are joined into one `bytes`.
+    """
 
     def __init__(self, out: Sequence[Any] | None) -> None:
         self.out = list(out) if out is not None else None
@@ -482,6 +488,8 @@ class FetchAssembler:
         self._parts: list[memoryview] = []
         self._index = 0
         self._filled = 0
+        self._dst: memoryview | None = None  # the current block's buffer (with `out`)
+        self._offset = 0  # bytes of the current block received so far
 
     def feed(self, msg: kvstore_pb2.FetchResponse | RawChunk) -> None:
         if isinstance(msg, RawChunk):
@@ -494,20 +502,29 @@ class FetchAssembler:
         if block != self._index:
             self._finish_block()
             self._index = block
-        self._parts.append(data)
+        end = self._offset + len(data)
+        if end > self.block_bytes:
+            raise KVStoreError(f"fetched block {self._index} has at least {end} bytes, expected {self.block_bytes}")
+        if self.out is None:
+            self._parts.append(data)
+        else:
+            if self._dst is None:
+                # fetch_keys() asked for at most len(out) blocks, so there is a buffer for each.
+                self._dst = writable_view(self.out[self._filled], self._filled, self.block_bytes)
+            self._dst[self._offset : end] = data
+        self._offset = end
 
     def _finish_block(self) -> None:
-        if not self._parts:
+        if not self._offset and not self._parts:
             return
-        data = self._parts[0] if len(self._parts) == 1 else memoryview(b"".join(self._parts))
-        self._parts = []
-        if len(data) != self.block_bytes:
-            raise KVStoreError(f"fetched block {self._index} has {len(data)} bytes, expected {self.block_bytes}")
+        if self._offset != self.block_bytes:
+            raise KVStoreError(f"fetched block {self._index} has {self._offset} bytes, expected {self.block_bytes}")
+        self._offset = 0
         if self.out is None:
-            self.blocks.append(bytes(data))
+            parts, self._parts = self._parts, []
+            self.blocks.append(bytes(parts[0]) if len(parts) == 1 else b"".join(parts))
             return
-        # fetch_keys() asked for at most len(out) blocks, so there is a buffer for each.
-        writable_view(self.out[self._filled], self._filled, len(data))[:] = data
+        self._dst = None
         self._filled += 1
 
     def result(self) -> list[Any]:

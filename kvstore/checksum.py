@@ -55,12 +55,3 @@ def checksum_pieced(blocks: Sequence[Sequence[Buffer]]) -> list[int]:
             h.update(piece)
         out.append(h.intdigest())
     return out
-
-
-async def checksum_pieces(blocks: Sequence[Sequence[Buffer]], executor: Executor | None) -> list[int]:
-    """`checksum_pieced`, off the loop when the batch is large."""
-    total = sum(len(p) for pieces in blocks for p in pieces)
-    if executor is None or total <= INLINE_LIMIT_BYTES:
-        return checksum_pieced(blocks)
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(executor, checksum_pieced, blocks)

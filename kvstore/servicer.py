@@ -339,12 +339,15 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 )
             )
             # Each block goes out as wire messages made by one copy out of its tier, and the
-            # checksum is taken over the payload inside those messages (kvstore.wire).
+            # checksum is taken over the payload inside those messages (kvstore.wire); a
+            # block is framed only once the one before it has gone out.
             async for framed in stream.frames(self._frame):
                 for message in framed.messages:
                     yield message
 
     def _frame(self, index: int, data: memoryview) -> Framed:
+        """A block as chunk messages. Pure (no servicer or store state changes): for large
+        blocks the fetch calls it on a hashing thread."""
         messages: list[bytes] = []
         payload: list[memoryview] = []
         for start in range(0, len(data), self.chunk_bytes):

@@ -45,13 +45,14 @@ import struct
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-from kvstore.checksum import checksum_batch, checksum_pieces
+from kvstore.checksum import checksum_batch, checksum_pieced
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstore.hashing import HASH_BYTES, block_hashes_packed, packed_count, split_hashes, tenant_namespace_id
 from kvstore.index import BlockEntry, BlockIndex, BlockState, make_key
@@ -67,9 +68,12 @@ logger = logging.getLogger(__name__)
 
 _ENTRY_ROW = operator.attrgetter("row")
 
-# Fetch reads and verifies blocks in batches of about this many bytes: large enough to
-# amortize the thread hand-off of checksumming, small enough to bound memory per call.
-FETCH_BATCH_BYTES = 8 * 1024 * 1024
+# A fetch copies and verifies each block right before sending it: on the event loop up
+# to FETCH_INLINE_BYTES per block (a thread hand-off per block costs more than the copy
+# and hash it would move), on a hashing thread above that (the loop stays responsive).
+# Blocks without a view (SSD) are read up to FETCH_AHEAD_BYTES ahead, concurrently.
+FETCH_INLINE_BYTES = 4 * 1024 * 1024
+FETCH_AHEAD_BYTES = 8 * 1024 * 1024
 # How many blocks the SSD writer has in flight at once (its I/O pool does the work).
 SSD_WRITE_CONCURRENCY = 8
 
@@ -1539,11 +1543,16 @@ class Store:
 class FetchStream:
     """Verified bytes of planned blocks, in order, as an async iterator.
 
-    Blocks are copied out of their highest tier in batches, then the copies are verified
-    against the checksums taken at put time: what leaves the daemon is exactly what was
-    checked. A block that fails is dropped from that tier and counted, and the stream
-    ends there. The stream may therefore yield fewer than `num_blocks` blocks. A block
-    served from SSD may be promoted into the top memory tier on the way out.
+    Each block is copied out of its highest tier right before it is sent, and the copy is
+    verified against the checksum taken at put time: what leaves the daemon is exactly
+    what was checked. Blocks go out one at a time, each as soon as its own copy verified,
+    so sending never waits for a batch and the copy of the next block overlaps the
+    transport flushing the previous one. A block that fails is dropped from that tier and
+    counted, and the stream ends there: nothing after it is sent, nor even framed (only
+    SSD reads already started ahead may have run). The stream may therefore yield fewer
+    than `num_blocks` blocks. Blocks on SSD are read ahead of
+    the consumer (up to FETCH_AHEAD_BYTES), and a block served from SSD may be promoted
+    into the top memory tier on the way out.
     """
 
     def __init__(self, store: Store, entries: list[BlockEntry], block_bytes: int, lease_id: str) -> None:
@@ -1553,6 +1562,11 @@ class FetchStream:
         self.num_blocks = len(entries)
         self.block_bytes = block_bytes
         self._closed = False
+        # SSD reads started ahead of the consumer, by stream position; and copies of large
+        # blocks running on the hashing threads (they read tier memory these entries hold:
+        # `close` waits for them before letting go of the blocks).
+        self._reads: dict[int, asyncio.Task[tuple[StoreTier, bytes | None]]] = {}
+        self._jobs: set[Future[tuple[Framed, int]]] = set()
         for entry in entries:
             store._hold(entry)
 
@@ -1566,28 +1580,60 @@ class FetchStream:
         if self._closed:
             return
         self._closed = True
+        for task in self._reads.values():
+            task.cancel()
+        self._reads.clear()
+        if self._jobs:
+            # A copy still running reads a slot that only our hold keeps from reuse: drop
+            # the copies not started, wait for the running one (one block).
+            wait_futures([job for job in self._jobs if not job.cancel()])
+            self._jobs.clear()
         for entry in self._entries:
             self._store._release(entry)
         if self._lease_id:
             self._store._leases.release(self._lease_id)
 
-    async def _read(self, entry: BlockEntry) -> tuple[StoreTier | None, bytes | memoryview | None]:
-        """The block's bytes in its top tier: a view of a memory tier (the framing step
-        copies it, and the copy is what gets verified), or a copy read from SSD."""
-        store = self._store
-        st = store.top_tier(entry)
-        if st is None or entry.removed:
+    def _view(self, entry: BlockEntry) -> tuple[StoreTier | None, memoryview | None]:
+        """The tier the block is served from (its top tier), with a view of its bytes when
+        that tier is host memory (`frame` copies the view, and the copy is what gets
+        verified); no view when the bytes must be read (`_get`); no tier when the block
+        is gone."""
+        slots = entry.slots()  # one read of the block's locations (`Store.top_tier` takes several)
+        if not slots or entry.removed:
             return None, None
-        slot = entry.locations[st.name]
-        view = st.tier.view(slot, entry.nbytes)
-        if view is not None:
-            return st, view
+        for st in self._store.tiers:  # top first
+            for slot in slots:
+                if slot.tier == st.name:
+                    return st, st.tier.view(slot, entry.nbytes)
+        return None, None
+
+    async def _get(self, entry: BlockEntry, st: StoreTier) -> tuple[StoreTier, bytes | None]:
+        """A copy of the block read from a tier without views (SSD); None if it failed."""
         try:
-            return st, await st.tier.get_block(slot, entry.nbytes)
+            return st, await st.tier.get_block(entry.locations[st.name], entry.nbytes)
         except DataLoss as exc:
             logger.warning("block %s in tier %s: %s", entry.key.hex(), st.name, exc)
-            store._checksum_failed(entry, st)
+            self._store._checksum_failed(entry, st)
             return st, None
+
+    def _start_read(self, position: int) -> None:
+        """Start reading the block at `position` if it has no view (SSD, HBM)."""
+        entry = self._entries[position]
+        st, view = self._view(entry)
+        if st is not None and view is None:
+            self._reads[position] = asyncio.ensure_future(self._get(entry, st))
+
+    async def _copy_off_loop(self, frame: Callable[[int, memoryview], Framed], position: int,
+                             data: memoryview) -> tuple[Framed, int]:
+        executor = self._store._executor
+        assert executor is not None
+        job = executor.submit(frame_and_checksum, frame, position, data)
+        self._jobs.add(job)
+        try:
+            return await asyncio.wrap_future(job)
+        finally:
+            if job.done():
+                self._jobs.discard(job)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         """Each block as one verified copy."""
@@ -1599,43 +1645,81 @@ class FetchStream:
 
         `frame` copies the block's bytes into its messages; the checksum is then taken over
         the payload inside those messages, so what is verified is exactly what is sent,
-        with a single copy out of the tier.
+        with a single copy out of the tier. A block up to FETCH_INLINE_BYTES is copied and
+        hashed on the loop, right before it is yielded (a thread hand-off per block costs
+        more than it saves: the copy holds the GIL); a larger one on a hashing thread, so
+        the loop stays responsive (`frame` must then be safe to call off the loop).
         """
         store = self._store
         entries = self._entries
         promote = store.migration.promote_on_hit and store.ssd is not None
-        i = 0
-        index = 0
-        while i < len(entries) and not self._closed:
-            batch: list[BlockEntry] = []
-            batch_bytes = 0
-            while i < len(entries) and (not batch or batch_bytes + entries[i].nbytes <= FETCH_BATCH_BYTES):
-                batch.append(entries[i])
-                batch_bytes += entries[i].nbytes
-                i += 1
-            reads = await asyncio.gather(*(self._read(e) for e in batch))
-            framed: list[Framed] = []
-            for _, data in reads:
-                if data is None:
-                    break
-                framed.append(frame(index + len(framed), memoryview(data)))
-            sums = await checksum_pieces([f.payload for f in framed], store._executor)
-            for entry, (st, data), got, f in zip(batch, reads, sums, framed):
-                assert st is not None and data is not None
+        off_loop = store._executor is not None
+        # Blocks without views are read ahead, concurrently: reads have been started for
+        # the blocks before `ahead_end`, which hold `ahead_bytes` from the current one on.
+        read_ahead = any(not st.tier.has_host_view for st in store.tiers)
+        ahead_end = ahead_bytes = 0
+        served: list[tuple[StoreTier, BlockEntry]] = []  # for the policies, touched once at the end
+        try:
+            for i, entry in enumerate(entries):
+                if self._closed:
+                    return
+                while read_ahead and ahead_end < len(entries) and (ahead_end <= i or ahead_bytes < FETCH_AHEAD_BYTES):
+                    self._start_read(ahead_end)
+                    ahead_bytes += entries[ahead_end].nbytes
+                    ahead_end += 1
+                ahead_bytes -= entry.nbytes
+                st: StoreTier | None
+                data: bytes | memoryview | None
+                read = self._reads.pop(i, None)
+                if read is not None:
+                    st, data = await read
+                else:
+                    st, data = self._view(entry)
+                    if st is not None and data is None:
+                        st, data = await self._get(entry, st)
+                if st is None or data is None:
+                    return  # gone, or its copy could not be read (dropped and counted)
+                view = memoryview(data)
+                if off_loop and len(view) > FETCH_INLINE_BYTES:
+                    framed, got = await self._copy_off_loop(frame, i, view)
+                else:
+                    framed, got = frame_and_checksum(frame, i, view)
                 if entry.removed:
                     return  # deleted while we read it: it no longer exists
                 if got != entry.checksum:
                     store._checksum_failed(entry, st)
                     return
-                st.policy.touch(entry.key)
+                served.append((st, entry))
                 store.counters.blocks_fetched += 1
-                store.counters.bytes_out += entry.nbytes
+                store.counters.bytes_out += len(view)
                 if promote and st is store.ssd:
                     await store._promote_on_hit(entry, bytes(data))  # SSD reads are bytes already: no copy
-                index += 1
-                yield f
-            if len(framed) < len(batch):
-                return
+                yield framed
+        finally:
+            for task in self._reads.values():
+                task.cancel()
+            self._reads.clear()
+            touch_served(served)
+
+
+def touch_served(served: list[tuple[StoreTier, BlockEntry]]) -> None:
+    """Tell each tier's policy of the hits of a fetch, in the order they were served: one
+    vectorized call per tier instead of one per block. Blocks removed meanwhile are left
+    out (their rows may already hold other blocks)."""
+    by_tier: dict[str, tuple[StoreTier, list[int]]] = {}
+    for st, entry in served:
+        if not entry.removed:
+            by_tier.setdefault(st.name, (st, []))[1].append(entry.row)
+    for st, rows in by_tier.values():
+        st.policy.touch_rows(np.asarray(rows, dtype=np.int64))
+
+
+def frame_and_checksum(frame: Callable[[int, memoryview], Framed], position: int,
+                       data: memoryview) -> tuple[Framed, int]:
+    """The block at stream `position` made into messages, and the checksum of the
+    payload inside them (what is verified is what is sent)."""
+    framed = frame(position, data)
+    return framed, checksum_pieced([framed.payload])[0]
 
 
 @dataclass(frozen=True, slots=True)
