@@ -261,9 +261,9 @@ def test_ghost_list_is_a_fifo_set() -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_row_lists_compact_step_by_step_and_keep_their_order(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Small logs compact incrementally here (the daemon's start at 4096 entries): every
-    list must read exactly as an OrderedDict after the same steps, while a compaction runs
-    and after it, and no append may compact more than its share."""
+    """Small logs compact (or grow) incrementally here (the daemon's start at 4096
+    entries): every list must read exactly as an OrderedDict after the same steps, while a
+    compaction or growth copy runs and after it, and no append may do more than its share."""
     from kvstore.policies import rows as rows_mod
 
     monkeypatch.setattr(rows_mod, "COMPACT_FROM", 64)
@@ -271,13 +271,19 @@ def test_row_lists_compact_step_by_step_and_keep_their_order(seed: int, monkeypa
     lists = rows_mod.RowLists(2)
     ref: list[OrderedDict[int, None]] = [OrderedDict(), OrderedDict(), OrderedDict()]
     steps: list[int] = []
-    real_step = rows_mod.RowLists._compact_step
+    grows: list[int] = []
+    real_step, real_grow = rows_mod.RowLists._compact_step, rows_mod.RowLists._grow_step
 
     def counted_step(self: rows_mod.RowLists, which: int, budget: int) -> None:
         steps.append(budget)
         real_step(self, which, budget)
 
+    def counted_grow(self: rows_mod.RowLists, which: int, budget: int) -> None:
+        grows.append(budget)
+        real_grow(self, which, budget)
+
     monkeypatch.setattr(rows_mod.RowLists, "_compact_step", counted_step)
+    monkeypatch.setattr(rows_mod.RowLists, "_grow_step", counted_grow)
     rng = random.Random(seed)
     universe = 300
     lists.ensure(universe)
@@ -307,10 +313,12 @@ def test_row_lists_compact_step_by_step_and_keep_their_order(seed: int, monkeypa
             banned = rng.randrange(universe)
             want = next((r for r in ref[which] if r != banned), None)
             assert lists.first(which, lambda r: r != banned) == want, f"step {step}"
-        running += any(cr >= 0 for cr in lists._cr)
-        if step % 50 == 0 or any(cr >= 0 for cr in lists._cr):
+        busy = any(cr >= 0 for cr in lists._cr) or any(gc >= 0 for gc in lists._gc)
+        running += busy
+        if step % 50 == 0 or busy:
             for w in (1, 2):
                 assert lists.rows(w) == list(ref[w]), f"step {step}, list {w}"
                 assert lists.size[w] == len(ref[w])
-    assert running > 100, "the trace never ran an incremental compaction"
-    assert steps and max(steps) <= rows_mod.COMPACT_RATE * 40 + 3
+    assert running > 100, "the trace never ran an incremental compaction or growth"
+    assert steps and grows, "both the compaction and the growth copy must have run"
+    assert max(steps + grows) <= rows_mod.COMPACT_RATE * 40 + 3

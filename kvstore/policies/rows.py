@@ -77,9 +77,11 @@ class RowLists:
         # A running compaction's write and read cursors; -1 when none runs.
         self._cw = [-1] * (nlists + 1)
         self._cr = [-1] * (nlists + 1)
-        # A log twice as long, filled alongside a compaction that may end over half full:
-        # the compaction then ends by switching to it, with no copy of the whole log.
+        # A log twice as long, filled alongside a compaction that may end over half full
+        # (the compaction then ends by switching to it, with no copy of the whole log), or
+        # by a growth copy, whose cursor is `_gc` (-1 when none runs).
         self._into: list[npt.NDArray[np.int32] | None] = [None] * (nlists + 1)
+        self._gc = [-1] * (nlists + 1)
 
     def ensure(self, rows: int) -> None:
         """Room for rows below `rows`."""
@@ -101,19 +103,34 @@ class RowLists:
         """Room for `more` entries at the tail of list `which`'s log."""
         log = self._logs[which]
         cap = len(log)
+        budget = COMPACT_RATE * more + COMPACT_MIN
         if self._cr[which] >= 0:
-            self._compact_step(which, COMPACT_RATE * more + COMPACT_MIN)
+            self._compact_step(which, budget)
+        elif self._gc[which] >= 0:
+            self._grow_step(which, budget)
         elif cap >= COMPACT_FROM and self._tail[which] + more > cap * 2 // 3:
-            self._cw[which], self._cr[which] = 0, self._head[which]
+            head = self._head[which]
+            if 8 * (self._tail[which] - head - self.size[which]) < self._tail[which] - head:
+                # Under 1/8 of the entries are stale: a compaction would gain little and read
+                # every row's list and position to find that out. Grow instead, copying the
+                # log as it is, a slice per append, at the same rate.
+                self._into[which] = np.zeros(2 * cap, np.int32)
+                self._gc[which] = head
+                self._grow_step(which, budget)
+                return self._room_now(which, more)
+            self._cw[which], self._cr[which] = 0, head
             self._head[which] = 0  # every entry before the old head is stale
             # Appends while it runs add at most 2/9 of the log, so past 2/7 live it may
             # end over half full: grow alongside (np.zeros is mapped lazily).
             self._into[which] = np.zeros(2 * cap, np.int32) if 7 * self.size[which] > 2 * cap else None
-            self._compact_step(which, COMPACT_RATE * more + COMPACT_MIN)
+            self._compact_step(which, budget)
+        self._room_now(which, more)
+
+    def _room_now(self, which: int, more: int) -> None:
         if self._tail[which] + more <= len(self._logs[which]):
             return
         # A small log, or a batch larger than the room left: compact it all at once.
-        self._cw[which] = self._cr[which] = -1
+        self._cw[which] = self._cr[which] = self._gc[which] = -1
         self._into[which] = None
         log = self._logs[which]
         cap = len(log)
@@ -160,6 +177,22 @@ class RowLists:
         if into is not None:  # the indices stay as they are
             self._logs[which] = into
             self._vlogs[which] = into.data
+
+    def _grow_step(self, which: int, budget: int) -> None:
+        """Copy the next `budget` entries into the longer log, at the same indices; once the
+        copy reaches the tail, switch to it (stale entries come along: few, by design)."""
+        log, into = self._logs[which], self._into[which]
+        assert into is not None
+        r, tail = self._gc[which], self._tail[which]
+        stop = min(tail, r + budget)
+        into[r:stop] = log[r:stop]
+        if stop < tail:
+            self._gc[which] = stop
+            return
+        self._gc[which] = -1
+        self._into[which] = None
+        self._logs[which] = into
+        self._vlogs[which] = into.data
 
     def _valid(self, which: int, start: int, stop: int) -> npt.NDArray[np.int32]:
         entries = self._logs[which][start:stop]
