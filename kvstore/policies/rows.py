@@ -15,7 +15,10 @@ compaction reaches the tail, which then moves back to the end of the compacted e
 No single append pays for the whole log, so a lookup's touch never stalls for the length
 of a million-entry log. Entries between the two cursors are stale by construction (a
 moved row's position points at its new entry), so readers need not know a compaction is
-running; `first` merely jumps over that gap.
+running; `first` merely jumps over that gap. A log that is mostly live when it reaches
+two-thirds full grows instead, by the same slices: each append copies a few times as many
+entries as it adds into a log twice as long, at the same indices, which takes over when
+the copy reaches the tail.
 
 `GhostList` is a bounded FIFO of 64-bit key fingerprints with membership, for ARC's
 ghost lists B1 and B2: a ring of fingerprints and an open-addressing table from a
@@ -117,13 +120,13 @@ class RowLists:
                 self._into[which] = np.zeros(2 * cap, np.int32)
                 self._gc[which] = head
                 self._grow_step(which, budget)
-                return self._room_now(which, more)
-            self._cw[which], self._cr[which] = 0, head
-            self._head[which] = 0  # every entry before the old head is stale
-            # Appends while it runs add at most 2/9 of the log, so past 2/7 live it may
-            # end over half full: grow alongside (np.zeros is mapped lazily).
-            self._into[which] = np.zeros(2 * cap, np.int32) if 7 * self.size[which] > 2 * cap else None
-            self._compact_step(which, budget)
+            else:
+                self._cw[which], self._cr[which] = 0, head
+                self._head[which] = 0  # every entry before the old head is stale
+                # Appends while it runs add at most 2/9 of the log, so past 2/7 live it may
+                # end over half full: grow alongside (np.zeros is mapped lazily).
+                self._into[which] = np.zeros(2 * cap, np.int32) if 7 * self.size[which] > 2 * cap else None
+                self._compact_step(which, budget)
         self._room_now(which, more)
 
     def _room_now(self, which: int, more: int) -> None:
