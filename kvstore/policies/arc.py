@@ -118,13 +118,8 @@ class ARCPolicy(RowKeyedPolicy):
         if not len(rows):
             return
         lists.ensure(self._bound().high if self._keys is None else int(rows.max()) + 1)
-        held = lists.lst[rows]
-        tracked = held != 0
         # Each row ends where its last touch puts it (`append_many` keeps last occurrences).
-        if tracked.all():
-            lists.append_many(T2, rows, held)
-        else:
-            lists.append_many(T2, rows[tracked])
+        lists.touch_many(T2, rows)
 
     def remove_row(self, row: int) -> None:
         lists = self._lists

@@ -47,7 +47,7 @@ class LRUPolicy(RowKeyedPolicy):
     def touch_rows(self, rows: Rows) -> None:
         if len(rows):
             self._lists.ensure(int(rows.max()) + 1)
-            self._lists.append_many(_ORDER, rows[self._lists.lst[rows] != 0])
+            self._lists.touch_many(_ORDER, rows)
 
     def remove_row(self, row: int) -> None:
         if self._lists.list_of(row):

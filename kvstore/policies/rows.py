@@ -221,6 +221,16 @@ class RowLists:
         self._tail[which] = tail + 1
         self.size[which] += 1
 
+    def touch_many(self, which: int, rows: I64) -> None:
+        """`append` to list `which` each of `rows` that is in some list now (a policy's
+        touch: untracked rows stay out), in order."""
+        held = self.lst[rows]
+        tracked = held != 0
+        if tracked.all():
+            self.append_many(which, rows, held)
+        else:
+            self.append_many(which, rows[tracked])
+
     def append_many(self, which: int, rows: I64, held: npt.NDArray[np.uint8] | None = None) -> None:
         """`append` each row in order. A row named twice ends where its last append puts it.
         `held`, when the caller has it, is `lst[rows]` (the list each row is in now)."""
