@@ -270,20 +270,19 @@ def test_row_lists_compact_step_by_step_and_keep_their_order(seed: int, monkeypa
     monkeypatch.setattr(rows_mod, "COMPACT_MIN", 3)
     lists = rows_mod.RowLists(2)
     ref: list[OrderedDict[int, None]] = [OrderedDict(), OrderedDict(), OrderedDict()]
-    steps: list[int] = []
-    grows: list[int] = []
-    real_step, real_grow = rows_mod.RowLists._compact_step, rows_mod.RowLists._grow_step
+    def budgets_of(name: str) -> list[int]:
+        """Record the budget of every call of RowLists.`name` (a compaction or growth step)."""
+        seen: list[int] = []
+        real = getattr(rows_mod.RowLists, name)
 
-    def counted_step(self: rows_mod.RowLists, which: int, budget: int) -> None:
-        steps.append(budget)
-        real_step(self, which, budget)
+        def counted(self: rows_mod.RowLists, which: int, budget: int) -> None:
+            seen.append(budget)
+            real(self, which, budget)
 
-    def counted_grow(self: rows_mod.RowLists, which: int, budget: int) -> None:
-        grows.append(budget)
-        real_grow(self, which, budget)
+        monkeypatch.setattr(rows_mod.RowLists, name, counted)
+        return seen
 
-    monkeypatch.setattr(rows_mod.RowLists, "_compact_step", counted_step)
-    monkeypatch.setattr(rows_mod.RowLists, "_grow_step", counted_grow)
+    steps, grows = budgets_of("_compact_step"), budgets_of("_grow_step")
     rng = random.Random(seed)
     universe = 300
     lists.ensure(universe)
