@@ -116,20 +116,26 @@ def test_a_leased_slot_is_never_reused(tmp_path, layout):
             assert kv.lookup(layout, list(range(200, 208))).num_blocks == 2
 
 
+def flip_byte(stub, layout, tokens, block: int, at: int, mask: int) -> None:
+    """Corrupt stored block `block` of `tokens` in place, behind the daemon's back: XOR the
+    byte `at` into it with `mask`, through a mapping of the daemon's segment."""
+    leased = stub.LocalFetch(kvstore_pb2.LocalFetchRequest(namespace=_ns(layout), keys=_tokens(tokens)))
+    stub.Unpin(kvstore_pb2.UnpinRequest(lease_id=leased.lease_id))
+    seg = stub.LocalSegment(kvstore_pb2.LocalSegmentRequest())
+    mapped = AttachedSegment(seg.path, seg.token)
+    try:
+        mapped.data[leased.offsets[block] + at] ^= mask
+    finally:
+        mapped.close()
+
+
 def test_a_corrupted_slot_is_never_returned_and_is_dropped(daemon_thread, layout):
     tokens = list(range(12))
     blocks = blocks_for(layout, 3)
     channel, stub, admin = _raw(daemon_thread)
     with channel, Client(daemon_thread.unix_target, data_plane="local") as kv:
         kv.put(layout, tokens, blocks)
-        leased = stub.LocalFetch(kvstore_pb2.LocalFetchRequest(namespace=_ns(layout), keys=_tokens(tokens)))
-        stub.Unpin(kvstore_pb2.UnpinRequest(lease_id=leased.lease_id))
-        seg = stub.LocalSegment(kvstore_pb2.LocalSegmentRequest())
-        mapped = AttachedSegment(seg.path, seg.token)
-        try:
-            mapped.data[leased.offsets[1] + 5] ^= 0x01  # a stray write into block 1
-        finally:
-            mapped.close()
+        flip_byte(stub, layout, tokens, 1, 5, 0x01)  # a stray write into block 1
         got = kv.fetch(layout, tokens)
         assert [bytes(g) for g in got] == blocks[:1]
         stats = admin.Stats(admin_pb2.StatsRequest())
@@ -270,14 +276,7 @@ def test_a_corrupted_slot_in_a_large_batch_is_never_returned(daemon_thread, plan
     channel, stub, admin = _raw(daemon_thread)
     with channel, Client(daemon_thread.unix_target, data_plane="local") as writer:
         writer.put(BIG_LAYOUT, tokens, blocks)
-        leased = stub.LocalFetch(kvstore_pb2.LocalFetchRequest(namespace=_ns(BIG_LAYOUT), keys=_tokens(tokens)))
-        stub.Unpin(kvstore_pb2.UnpinRequest(lease_id=leased.lease_id))
-        seg = stub.LocalSegment(kvstore_pb2.LocalSegmentRequest())
-        mapped = AttachedSegment(seg.path, seg.token)
-        try:
-            mapped.data[leased.offsets[bad] + BIG_LAYOUT.bytes_per_block - 1] ^= 0x80  # its very last byte
-        finally:
-            mapped.close()
+        flip_byte(stub, BIG_LAYOUT, tokens, bad, BIG_LAYOUT.bytes_per_block - 1, 0x80)  # its very last byte
         with Client(daemon_thread.unix_target, data_plane=plane) as kv:
             out = [np.zeros(BIG_LAYOUT.bytes_per_block, dtype=np.uint8) for _ in range(BIG_BATCH)]
             got = kv.fetch(BIG_LAYOUT, tokens, out=out)
