@@ -63,8 +63,11 @@ def packed_reply(keys: kvstore_pb2.BlockKeys) -> bool:
     return keys.packed_reply or keys.WhichOneof("keys") == "packed_hashes"
 
 
-def hash_fields(hashes: Sequence[bytes], packed: bool) -> dict[str, Any]:
-    """A response's block hash field, in the form the request asked for."""
+def hash_fields(hashes: Sequence[bytes] | bytes, packed: bool) -> dict[str, Any]:
+    """A response's block hash field, in the form the request asked for, from hashes given
+    one by one or already packed (N x 16 bytes)."""
+    if isinstance(hashes, bytes):
+        return {"block_hashes_packed": hashes} if packed else {"block_hashes": split_hashes(hashes)}
     return {"block_hashes_packed": b"".join(hashes)} if packed else {"block_hashes": hashes}
 
 
@@ -592,7 +595,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             lease_id=self._lease_out(result.lease_id),
             namespace_id=ns_id,
             block_size_tokens=result.block_size_tokens,
-            **hash_fields(result.block_hashes, packed_reply(request.keys)),
+            **hash_fields(result.hashes_packed, packed_reply(request.keys)),
         )
 
     # -------------------------------------------------------------- device data plane

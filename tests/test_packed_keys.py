@@ -92,6 +92,16 @@ async def test_lookup_answers_in_the_form_asked(seeded, layout):
     assert (got.num_blocks, list(got.block_hashes), got.block_hashes_packed) == (N, [], b"".join(hashes))
 
 
+async def test_local_fetch_answers_its_hashes_in_the_form_asked(seeded, layout):
+    stub, _, _, _, _, hashes = seeded
+    chain = hashes + [os.urandom(16)]  # one block past what is held
+    for keys, want in ((repeated(chain), (hashes, b"")), (packed(chain), ([], b"".join(hashes)))):
+        got = await stub.LocalFetch(kvstore_pb2.LocalFetchRequest(namespace=ns(layout), keys=keys))
+        await stub.Unpin(kvstore_pb2.UnpinRequest(lease_id=got.lease_id))
+        assert got.num_blocks == N
+        assert (list(got.block_hashes), got.block_hashes_packed) == want
+
+
 async def test_sdk_results_are_lists_of_hashes(seeded, layout):
     _, _, kv, tokens, blocks, hashes = seeded
     hit = await kv.lookup(layout, tokens)
