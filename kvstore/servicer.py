@@ -283,16 +283,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Lookup(self, request: kvstore_pb2.LookupRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.LookupResponse:
         ns_id = self._namespace(request.namespace)
         keys = request.keys
-        which = keys.WhichOneof("keys")
-        # The store takes a chain packed (checked there) rather than as N objects: as it
-        # came, or as the daemon's own hashes of the tokens (16 bytes each by construction).
-        chain: bytes | list[bytes]
-        if which == "packed_hashes":
-            chain = keys.packed_hashes
-        elif which == "tokens":
-            chain = b"".join(self._hashes(ns_id, keys))
-        else:
-            chain = self._hashes(ns_id, keys)
+        # The store takes the chain packed (its length checked there) rather than as N
+        # objects: as it came, or joined from hashes `_hashes` has checked or made.
+        chain = (keys.packed_hashes if keys.WhichOneof("keys") == "packed_hashes"
+                 else b"".join(self._hashes(ns_id, keys)))
         session = self._session(request.hint.session_id, request.hint.expect_reuse_within_s) \
             if request.HasField("hint") else ""
         r = self.store.lookup(ns_id, chain, request.lease_ms)
