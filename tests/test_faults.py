@@ -262,14 +262,18 @@ def test_damage_under_a_running_daemon_is_never_served(tmp_path: Path) -> None:
             for i, where in ((2, RECORD.size + 100), (5, 20)):  # a payload byte; a header byte
                 region, at = record_offset(tmp_path / "ssd", tokens, i)
                 flip(region, at + where)
-            # One fetch reads the chain in a batch: both damaged copies are found, counted
-            # and dropped; the stream ends before the first of them.
+            # The stream ends before the first damaged copy, which is counted and dropped.
+            # The second one is found by a read started ahead of the stream, if that read
+            # ran before the stream ended, or else by the next fetch that reaches it: either
+            # way each is counted once and never served.
             assert kv.fetch(LAYOUT, tokens) == blocks[:2]
-            assert tier(kv, "ssd").checksum_failures == 2
-            assert kv.stats().counters.checksum_failures == 2
+            assert tier(kv, "ssd").checksum_failures in (1, 2)
             assert kv.lookup(LAYOUT, tokens).num_blocks == 2  # dropped, not promised again
             hashes = block_hashes(LAYOUT.namespace_id, tokens, LAYOUT.block_size_tokens)
             assert kv.fetch(LAYOUT, block_hashes=hashes[3:]) == blocks[3:5]
+            assert tier(kv, "ssd").checksum_failures == 2
+            assert kv.stats().counters.checksum_failures == 2
+            assert kv.fetch(LAYOUT, block_hashes=hashes[3:]) == blocks[3:5]  # not found again
             assert kv.fetch(LAYOUT, block_hashes=hashes[6:]) == blocks[6:]
             assert tier(kv, "ssd").checksum_failures == 2
             for t, b in chains[1:]:
