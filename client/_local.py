@@ -65,8 +65,11 @@ class LocalPlane:
         return self.segment.wait_populated(timeout_s)
 
     def close(self) -> None:
+        if not hasattr(self, "_data"):
+            return  # closed already
         if self._pool is not None:
-            self._pool.shutdown(wait=False)
+            # Helpers run only inside `_run`, which waits for them: nothing left runs long.
+            self._pool.shutdown(wait=True, cancel_futures=True)
         del self._data
         self.segment.close()
 
@@ -86,10 +89,15 @@ class LocalPlane:
             self._pool = ThreadPoolExecutor(THREADS - 1, thread_name_prefix="kvstore-copy")
         sums = [0] * len(pairs)
         todo = iter(range(len(pairs)))  # next() on it is atomic: each index goes to one thread
+        # The helpers reach the blocks only through this box, emptied on return: a helper
+        # cancelled while queued behind another call's stays in the pool's queue until a
+        # thread drops it, and must not keep views of the segment alive meanwhile (the
+        # segment cannot be unmapped while any view of it exists).
+        box = [pairs]
 
         def work() -> None:
             for i in todo:
-                sums[i] = _copy_hash(*pairs[i])
+                sums[i] = _copy_hash(*box[0][i])
 
         helpers = [self._pool.submit(work) for _ in range(THREADS - 1)]
         try:
@@ -100,6 +108,7 @@ class LocalPlane:
             for helper in helpers:
                 if not helper.cancel():
                     helper.result()
+            box.clear()
         return sums
 
     def copy_in(self, offsets: Sequence[int], blocks: Sequence[memoryview]) -> list[int]:

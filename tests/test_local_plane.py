@@ -287,6 +287,38 @@ def test_a_corrupted_slot_in_a_large_batch_is_never_returned(daemon_thread, plan
             assert [bytes(x) for x in kv.fetch(BIG_LAYOUT, tokens)] == blocks[:bad]
 
 
+def test_a_plane_closes_while_a_cancelled_helper_waits_in_its_pool(tmp_path):
+    """A large batch whose helper is queued behind another job is copied by the calling
+    thread alone, and its cancelled helper holds no view of the segment: the plane
+    closes (unmapping the segment) as soon as the pool is free again."""
+    import threading
+
+    import xxhash
+
+    from kvstore.client._local import PARALLEL_MIN_BYTES, LocalPlane
+    from kvstore.tiers.segment import Segment
+
+    block, n = 1 << 20, PARALLEL_MIN_BYTES // (1 << 20) + 2
+    owner = Segment(block * n, str(tmp_path))
+    plane = LocalPlane(AttachedSegment(owner.path, owner.token), owner.token)
+    try:
+        plane._run([(np.zeros(1, np.uint8), np.ones(1, np.uint8))] * 2)  # small: no pool yet
+        from concurrent.futures import ThreadPoolExecutor
+        plane._pool = ThreadPoolExecutor(1)
+        release = threading.Event()
+        busy = plane._pool.submit(release.wait, 10)
+        blocks = [os.urandom(block) for _ in range(n)]
+        sums = plane.copy_in([i * block for i in range(n)], [memoryview(b) for b in blocks])
+        assert sums == [xxhash.xxh3_64_intdigest(b) for b in blocks]
+        release.set()
+        plane.close()  # at once: raises BufferError if a view of the segment were still held
+        assert busy.result(10) is True
+    finally:
+        release.set()
+        plane.close()
+        owner.close()
+
+
 def test_concurrent_batches_on_one_plane_copy_and_verify_each_block(tmp_path):
     """Several threads copying large batches through one mapping at once (the async client
     runs each call's copies in a thread): every block lands where it belongs, with the
