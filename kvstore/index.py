@@ -40,6 +40,7 @@ from kvstore.table import (
     READY,
     REMOVED,
     SSD_QUEUED,
+    PROBE_COMPILED,
     BlockTable,
     I64,
 )
@@ -465,13 +466,13 @@ class BlockIndex:
 
     def prefix_rows(self, namespace_id: bytes, packed: bytes) -> I64:
         """Rows of the longest READY prefix of a packed chain (N x 16-byte hashes, N x 16
-        bytes long) in the namespace: one vectorized probe."""
-        t = self.table
-        ns = t.known_ns(namespace_id)
+        bytes long) in the namespace: one probe of the key table, no object per block."""
+        ns = self.table.known_ns(namespace_id)
         if ns is None or not packed:
             return np.zeros(0, np.int64)
-        if len(packed) <= SCALAR_PROBE_MAX * HASH_BYTES:
+        if len(packed) <= SCALAR_PROBE_MAX * HASH_BYTES and not PROBE_COMPILED:
             # A short chain: scalar probes cost less than the batch probe's fixed numpy work.
+            t = self.table
             found: list[int] = []
             for h0, h1 in _iter_qq(packed):
                 row = t.find(ns, h0, h1)
@@ -479,10 +480,7 @@ class BlockIndex:
                     break
                 found.append(row)
             return np.array(found, np.int64)
-        q = np.frombuffer(packed, "<u8")
-        rows = t.find_rows(ns, q[0::2], q[1::2])
-        miss = np.flatnonzero(rows < 0)
-        return rows[: miss[0]] if len(miss) else rows
+        return self.table.prefix_rows(ns, packed)
 
     def longest_ready_prefix(self, keys: Sequence[bytes]) -> list[BlockEntry]:
         """Entries of the longest prefix of `keys` that is READY, in order."""

@@ -27,7 +27,12 @@ Each slot holds 31 bits of the key's hash as a tag next to the row, so a probe
 rejects other keys without touching their rows. Growth doubles the columns (np.zeros pages are resident only once written) and
 rebuilds the key table in one vectorized pass.
 
-Primitives: `new_row`, `index_row`, `unindex_row`, `find`, `find_rows`, `free_row`.
+A chain's longest indexed prefix (`prefix_rows`, what every lookup asks) is probed key by
+key in compiled code (kvstore/_probe.c, the same walk as `find`), stopping at the first
+absent key; where that module was not built, by `find_rows`.
+
+Primitives: `new_row`, `index_row`, `unindex_row`, `find`, `find_rows`, `prefix_rows`,
+`free_row`.
 """
 
 from __future__ import annotations
@@ -40,6 +45,12 @@ import numpy.typing as npt
 import xxhash
 
 from kvstore.tiers.base import Slot
+
+try:  # the compiled chain probe (kvstore/_probe.c); optional, `find_rows` serves without it
+    from kvstore import _probe
+except ImportError:  # pragma: no cover - where no C compiler was available at install
+    _probe = None  # type: ignore[assignment]
+PROBE_COMPILED = _probe is not None
 
 HASH_BYTES = 16
 KEY_BYTES = 2 * HASH_BYTES
@@ -445,6 +456,23 @@ class BlockTable:
         for k, i, t in zip(pend.tolist(), pos.tolist(), tag.tolist()):
             out[k] = self._walk(i, t, ns, int(q0[k]), int(q1[k]))
         return out
+
+    def prefix_rows(self, ns: int, packed: bytes, compiled: bool = True) -> I64:
+        """Rows of the longest prefix of a packed chain (N x 16-byte hashes) whose keys
+        (ns, hash) are all indexed. `compiled=False` takes the numpy probe (the reference
+        the compiled one is tested against)."""
+        n = len(packed) // HASH_BYTES
+        if not n or not self.count:
+            return np.zeros(0, np.int64)
+        if compiled and _probe is not None:
+            out = np.empty(n, np.int64)
+            k = _probe.prefix_rows(packed, self._slots, self.h0, self.h1, self.ns, self._shift, ns,
+                                   self._ns_fp_list[ns], len(self._ns_fp_list) > 1, out)
+            return out[:k]
+        q = np.frombuffer(packed, "<u8", 2 * n)
+        rows = self.find_rows(ns, q[0::2], q[1::2])
+        miss = np.flatnonzero(rows < 0)
+        return rows[: miss[0]] if len(miss) else rows
 
     def index_row(self, row: int) -> None:
         """Publish a row (it must be READY and its key absent)."""

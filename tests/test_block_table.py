@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.index import BlockEntry, BlockIndex, BlockState
-from kvstore.table import BlockTable
+from kvstore.table import PROBE_COMPILED, BlockTable
 from kvstore.tiers.base import Slot
 
 NS_A = bytes(range(16))
@@ -77,7 +77,37 @@ def test_table_matches_a_dict(trace: list[tuple[str, bytes, int]]) -> None:
         for i, row in enumerate(rows.tolist()):
             e = model.get(key(ns, i))
             assert row == (e.row if e is not None else -1)
+        # The compiled chain probe agrees with the numpy one on every prefix start.
+        for start in (0, 1, 17, 150, 299):
+            packed = b"".join(hashes[start:])
+            want = index.table.prefix_rows(nsid, packed, compiled=False).tolist()
+            assert index.table.prefix_rows(nsid, packed).tolist() == want
+            assert want == [model[key(ns, i)].row for i in range(start, start + len(want))]
+            assert start + len(want) == 301 or key(ns, start + len(want)) not in model
     assert sorted(e.key for e in index) == sorted(model)
+
+
+def test_the_chain_probe_is_compiled() -> None:
+    # `pip install -e .` builds kvstore/_probe.c; without it every lookup takes the
+    # slower numpy probe, which is correct but would quietly cost latency.
+    assert PROBE_COMPILED, "kvstore._probe was not built: is a C compiler with Python's headers installed?"
+
+
+def test_the_compiled_probe_refuses_arrays_that_are_not_a_key_table() -> None:
+    from kvstore import _probe
+
+    table = BlockTable(16)
+    out = np.empty(4, np.int64)
+    args = (table._slots, table.h0, table.h1, table.ns, table._shift, 0, 0, False)
+    assert _probe.prefix_rows(h(1), *args, out) == 0  # an empty table: nothing found
+    with pytest.raises(ValueError, match="whole number"):
+        _probe.prefix_rows(b"x" * 17, *args, out)
+    with pytest.raises(ValueError, match="shorter"):
+        _probe.prefix_rows(h(1) * 5, *args, out)
+    with pytest.raises(ValueError, match="one key table"):
+        _probe.prefix_rows(h(1), table._slots[:48], *args[1:], out)
+    with pytest.raises(BufferError):
+        _probe.prefix_rows(h(1), *args, bytes(32))  # not writable
 
 
 def test_prefix_rows_stop_at_the_first_missing_block() -> None:
