@@ -161,31 +161,78 @@ class StoreCounters:
     local_bytes_out: int = 0
 
 
-@dataclass(slots=True, eq=False)
+# Lookups whose touches may wait for the loop (see `StoreTier.defer_touch`).
+TOUCHES_QUEUED_MAX = 64
+
+
 class StoreTier:
     """A tier as the control plane sees it: bytes (`tier`), order (`policy`), counters.
 
     Watermarks are fractions of capacity: over `high_watermark` the migrator demotes
     until the tier is at or under `low_watermark`.
+
+    A lookup's hits reach the policy after its answer has gone out (`defer_touch`): the
+    touch is queued and applied by a loop callback, or at the latest by the next use of
+    `policy`, which applies whatever is queued first. So the policy sees exactly the
+    same calls in the same order as if each touch had been made on the spot; only the
+    reply no longer waits for it.
     """
 
-    tier: Tier
-    policy: EvictionPolicy
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
-    counters: TierCounters = field(default_factory=TierCounters)
-    draining: bool = False
+    __slots__ = ("tier", "_policy", "high_watermark", "low_watermark", "counters", "draining",
+                 "_touches", "_flush_scheduled")
 
-    def __post_init__(self) -> None:
-        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+    def __init__(self, tier: Tier, policy: EvictionPolicy, high_watermark: float = 0.95,
+                 low_watermark: float = 0.85) -> None:
+        if not 0.0 < low_watermark <= high_watermark <= 1.0:
             raise ValueError(
-                f"tier {self.tier.name}: watermarks must satisfy 0 < low <= high <= 1, "
-                f"got low={self.low_watermark} high={self.high_watermark}"
+                f"tier {tier.name}: watermarks must satisfy 0 < low <= high <= 1, "
+                f"got low={low_watermark} high={high_watermark}"
             )
+        self.tier = tier
+        self._policy = policy
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
+        self.counters = TierCounters()
+        self.draining = False
+        self._touches: list[np.ndarray[Any, Any]] = []
+        self._flush_scheduled = False
+
+    def __repr__(self) -> str:
+        return f"StoreTier({self.tier.name}, {self._policy.name})"
 
     @property
     def name(self) -> str:
         return self.tier.name
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The tier's policy, with every deferred touch applied."""
+        if self._touches:
+            self.apply_touches()
+        return self._policy
+
+    def defer_touch(self, rows: np.ndarray[Any, Any]) -> None:
+        """`policy.touch_rows(rows)`, applied soon after the running callback (at once
+        when no event loop runs), and in any case before the policy is used again."""
+        self._touches.append(rows)
+        if len(self._touches) >= TOUCHES_QUEUED_MAX:
+            self.apply_touches()  # many calls answered in one callback: catch up now
+            return
+        if self._flush_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.apply_touches()
+            return
+        self._flush_scheduled = True
+        loop.call_soon(self.apply_touches)
+
+    def apply_touches(self) -> None:
+        self._flush_scheduled = False
+        touches, self._touches = self._touches, []
+        for rows in touches:
+            self._policy.touch_rows(rows)
 
 
 @dataclass(slots=True, eq=False)
@@ -980,7 +1027,7 @@ class Store:
             if held:
                 # Tail first, so the head of a chain is the most recently used: a recency
                 # policy then evicts chain tails before the heads later blocks depend on.
-                st.policy.touch_rows(tail_first if held == n_hit else tail_first[tops_tail_first == tid])
+                st.defer_touch(tail_first if held == n_hit else tail_first[tops_tail_first == tid])
         return LookupResult(
             namespace_id=namespace_id,
             num_blocks=n_hit,

@@ -263,3 +263,39 @@ async def test_blocks_held_by_a_put_are_not_evicted_to_make_room_for_it():
     result, _ = await put(store, hashes)
     assert (result.stored, result.existing) == (1, 1)
     assert store.lookup(LAYOUT.namespace_id, hashes).num_blocks == 2
+
+
+async def test_a_lookups_touch_waits_for_the_reply_but_never_for_the_policys_next_use():
+    """Lookup hits reach the policy after the call returns (a loop callback), yet before
+    anything else uses the policy: the eviction that follows still sees them."""
+    touched: list[list[int]] = []
+
+    class Recording(LRUPolicy):
+        def touch_rows(self, rows):
+            touched.append(rows.tolist())
+            super().touch_rows(rows)
+
+    store = Store([StoreTier(HostTier(4 * BLOCK), Recording())], clock=ManualClock(1000.0))
+    a, b = chain(2, 0), chain(2, 100)
+    await put(store, a)
+    await put(store, b)
+    rows_a = [store._index.get(store.namespace(LAYOUT.namespace_id).namespace_id + h).row for h in a]
+    assert store.lookup(LAYOUT.namespace_id, a).num_blocks == 2
+    assert touched == []  # not yet: the caller answers first
+    await asyncio.sleep(0)
+    assert touched == [rows_a[::-1]]  # then the loop applies it (tail first)
+    # Touched again, and before the loop runs, a put needs room: the policy is brought up
+    # to date first, so the least recently used blocks (b's) are the ones evicted.
+    assert store.lookup(LAYOUT.namespace_id, a).num_blocks == 2
+    await put(store, chain(2, 200))
+    assert len(touched) == 2
+    assert store.lookup(LAYOUT.namespace_id, a).num_blocks == 2
+    assert store.lookup(LAYOUT.namespace_id, b).num_blocks == 0
+
+
+def test_without_an_event_loop_a_lookup_touches_at_once() -> None:
+    store = make_store()
+    asyncio.run(put(store, chain(2)))
+    st = store.tiers[0]
+    assert store.lookup(LAYOUT.namespace_id, chain(2)).num_blocks == 2
+    assert st._touches == []
