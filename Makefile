@@ -15,7 +15,7 @@ all: setup
 setup: $(VENV)/.installed $(STUBS)
 
 # torch is installed first and pinned, so no requirement can pull a multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml setup.py kvstore/_probe.c
+$(VENV)/.installed: pyproject.toml setup.py kvstore/_native.c
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "kvstore needs Python >= 3.11; set PYTHON=python3.11")'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0

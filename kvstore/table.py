@@ -28,7 +28,7 @@ rejects other keys without touching their rows. Growth doubles the columns (np.z
 rebuilds the key table in one vectorized pass.
 
 A chain's longest indexed prefix (`prefix_rows`, what every lookup asks) is probed key by
-key in compiled code (kvstore/_probe.c, the same walk as `find`), stopping at the first
+key in compiled code (kvstore/_native.c, the same walk as `find`), stopping at the first
 absent key; where that module was not built, by `find_rows`.
 
 Primitives: `new_row`, `index_row`, `unindex_row`, `find`, `find_rows`, `prefix_rows`,
@@ -46,11 +46,11 @@ import xxhash
 
 from kvstore.tiers.base import Slot
 
-try:  # the compiled chain probe (kvstore/_probe.c); optional, `find_rows` serves without it
-    from kvstore import _probe
+try:  # the compiled chain probe (kvstore/_native.c); optional, `find_rows` serves without it
+    from kvstore import _native
 except ImportError:  # pragma: no cover - where no C compiler was available at install
-    _probe = None  # type: ignore[assignment]
-PROBE_COMPILED = _probe is not None
+    _native = None  # type: ignore[assignment]
+PROBE_COMPILED = _native is not None
 
 HASH_BYTES = 16
 KEY_BYTES = 2 * HASH_BYTES
@@ -464,9 +464,9 @@ class BlockTable:
         n = len(packed) // HASH_BYTES
         if not n or not self.count:
             return np.zeros(0, np.int64)
-        if compiled and _probe is not None:
+        if compiled and _native is not None:
             out = np.empty(n, np.int64)
-            k = _probe.prefix_rows(packed, self._slots, self.h0, self.h1, self.ns, self._shift, ns,
+            k = _native.prefix_rows(packed, self._slots, self.h0, self.h1, self.ns, self._shift, ns,
                                    self._ns_fp_list[ns], len(self._ns_fp_list) > 1, out)
             return out[:k]
         q = np.frombuffer(packed, "<u8", 2 * n)

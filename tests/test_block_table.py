@@ -88,26 +88,26 @@ def test_table_matches_a_dict(trace: list[tuple[str, bytes, int]]) -> None:
 
 
 def test_the_chain_probe_is_compiled() -> None:
-    # `pip install -e .` builds kvstore/_probe.c; without it every lookup takes the
+    # `pip install -e .` builds kvstore/_native.c; without it every lookup takes the
     # slower numpy probe, which is correct but would quietly cost latency.
-    assert PROBE_COMPILED, "kvstore._probe was not built: is a C compiler with Python's headers installed?"
+    assert PROBE_COMPILED, "kvstore._native was not built: is a C compiler with Python's headers installed?"
 
 
 def test_the_compiled_probe_refuses_arrays_that_are_not_a_key_table() -> None:
-    from kvstore import _probe
+    from kvstore import _native
 
     table = BlockTable(16)
     out = np.empty(4, np.int64)
     args = (table._slots, table.h0, table.h1, table.ns, table._shift, 0, 0, False)
-    assert _probe.prefix_rows(h(1), *args, out) == 0  # an empty table: nothing found
+    assert _native.prefix_rows(h(1), *args, out) == 0  # an empty table: nothing found
     with pytest.raises(ValueError, match="whole number"):
-        _probe.prefix_rows(b"x" * 17, *args, out)
+        _native.prefix_rows(b"x" * 17, *args, out)
     with pytest.raises(ValueError, match="shorter"):
-        _probe.prefix_rows(h(1) * 5, *args, out)
+        _native.prefix_rows(h(1) * 5, *args, out)
     with pytest.raises(ValueError, match="one key table"):
-        _probe.prefix_rows(h(1), table._slots[:48], *args[1:], out)
+        _native.prefix_rows(h(1), table._slots[:48], *args[1:], out)
     with pytest.raises(BufferError):
-        _probe.prefix_rows(h(1), *args, bytes(32))  # not writable
+        _native.prefix_rows(h(1), *args, bytes(32))  # not writable
 
 
 def test_prefix_rows_stop_at_the_first_missing_block() -> None:
