@@ -23,6 +23,11 @@ from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2
 from kvstore.wire import RawChunk, encode_chunk
 
+try:  # compiled helpers (kvstore/_native.c); optional, with the same steps in Python
+    from kvstore import _native
+except ImportError:  # pragma: no cover - where no C compiler was available at install
+    _native = None  # type: ignore[assignment]
+
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 64 << 20
@@ -160,10 +165,22 @@ def layout_to_proto(layout: KVLayout) -> kvstore_pb2.Layout:
     )
 
 
+# Namespace messages of recent layouts: an engine names the same one or two layouts on
+# every call (a request copies the message it is given, so sharing one is safe).
+_NAMESPACES: dict[KVLayout, kvstore_pb2.Namespace] = {}
+_NAMESPACES_KEPT = 64
+
+
 def namespace_ref(layout: KVLayout) -> kvstore_pb2.Namespace:
     if not isinstance(layout, KVLayout):
         raise InvalidArgument(f"layout must be a KVLayout, got {type(layout).__name__}")
-    return kvstore_pb2.Namespace(layout=layout_to_proto(layout))
+    msg = _NAMESPACES.get(layout)
+    if msg is None:
+        msg = kvstore_pb2.Namespace(layout=layout_to_proto(layout))
+        if len(_NAMESPACES) >= _NAMESPACES_KEPT:
+            _NAMESPACES.clear()
+        _NAMESPACES[layout] = msg
+    return msg
 
 
 def block_keys(token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None) -> kvstore_pb2.BlockKeys:
@@ -186,6 +203,10 @@ def pack_hashes(block_hashes: Sequence[bytes]) -> bytes:
     """16-byte hashes joined in one C call; checked without a Python step per hash in
     the common case, and one by one (to say which) only when something is wrong."""
     hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
+    if _native is not None:
+        joined = _native.join_hashes(hashes)  # None unless each is a 16-byte bytes object
+        if joined is not None:
+            return joined
     try:
         packed = b"".join(hashes)
     except TypeError:
@@ -568,12 +589,25 @@ def packed_tier_names(packed: bytes) -> list[str]:
     return list(map(_TIER_NAME_BY_VALUE.get, packed, repeat("unknown", n)))
 
 
-def lookup_result(resp: kvstore_pb2.LookupResponse) -> LookupResult:
+def lookup_result(resp: kvstore_pb2.LookupResponse, asked: Sequence[bytes] | None = None,
+                  asked_packed: bytes = b"") -> LookupResult:
+    """The result of a Lookup. When it asked by hashes (`asked`, sent packed as
+    `asked_packed`), the answer's hashes are the asked chain's first ones: the caller's
+    own hash objects are handed back (checked by one compare of the packed bytes) instead
+    of cutting the answer into new ones."""
+    got = resp.block_hashes_packed
+    hashes: list[bytes] | None = None
+    if isinstance(asked, (list, tuple)) and got and _native is not None and asked_packed.startswith(got):
+        mine = list(asked[: len(got) // HASH_BYTES])
+        if _native.join_hashes(mine) == got:  # each one a 16-byte bytes object (one C pass)
+            hashes = mine
+    if hashes is None:
+        hashes = response_hashes(resp)
     return LookupResult(
         num_blocks=resp.num_blocks,
         num_tokens=resp.num_tokens,
         tiers=packed_tier_names(resp.tiers_packed) if resp.tiers_packed else tier_names(resp.tiers),
-        block_hashes=response_hashes(resp),
+        block_hashes=hashes,
         namespace_id=resp.namespace_id,
         lease_id=resp.lease_id,
     )

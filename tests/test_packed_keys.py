@@ -258,3 +258,35 @@ def test_token_bytes_is_little_endian_u32_and_names_bad_ids() -> None:
                        (b"\x01\x00\x00\x00", "pass packed bytes")):
         with pytest.raises(errors.InvalidArgument, match=match):
             token_bytes(bad)
+
+
+def test_hashes_are_joined_in_one_checked_pass():
+    from kvstore import _native
+    from kvstore.client._common import pack_hashes
+
+    hashes = [os.urandom(16) for _ in range(1000)]
+    assert _native.join_hashes(hashes) == b"".join(hashes) == pack_hashes(hashes) == pack_hashes(tuple(hashes))
+    assert _native.join_hashes([]) == b""
+    # Anything but 16-byte bytes objects is left to the Python path, which names the culprit
+    # or packs other bytes-like objects.
+    for bad in ([*hashes[:3], hashes[3][:15], hashes[4] + b"x"], [*hashes[:2], "x" * 16], [bytearray(16)]):
+        assert _native.join_hashes(bad) is None
+    with pytest.raises(errors.InvalidArgument, match=r"block_hashes\[3\] must be 16 bytes"):
+        pack_hashes([*hashes[:3], hashes[3][:15], hashes[4] + b"x"])
+    assert pack_hashes([bytearray(hashes[0]), hashes[1]]) == hashes[0] + hashes[1]
+    with pytest.raises(TypeError):
+        _native.join_hashes(7)
+
+
+async def test_a_lookup_by_hashes_hands_back_the_callers_hashes(seeded, layout):
+    *_, kv, tokens, _, hashes = seeded
+    other = [os.urandom(16) for _ in range(3)]
+    got = await kv.lookup(layout, block_hashes=hashes + other)
+    assert got.num_blocks == N and got.block_hashes == hashes
+    assert all(a is b for a, b in zip(got.block_hashes, hashes))  # the same objects, not copies
+    # Other sequences and bytes-like hashes answer the same, with bytes of their own.
+    for asked in (tuple(hashes), [bytearray(h) for h in hashes], iter(hashes)):
+        got = await kv.lookup(layout, block_hashes=asked)
+        assert got.block_hashes == hashes and all(type(h) is bytes for h in got.block_hashes)
+    assert (await kv.lookup(layout, block_hashes=other)).block_hashes == []
+    assert (await kv.lookup(layout, tokens)).block_hashes == hashes
