@@ -10,6 +10,10 @@ Per N (default 1M and 10M blocks), on a real daemon process (bench/scale_daemon.
   the Unix socket with the real SDK's default path (the daemon's local control lane);
   lookup_grpc_p50_us / lookup_grpc_p99_us / lookup_grpc_1block_p50_us: the same calls
   over gRPC on the same socket (`control_plane="grpc"`);
+* echo_p50_us / echo_p99_us: the floor those lookups stand on, measured in the same loop:
+  the same request bytes through a Unix socket to a process that answers as many bytes
+  as a Lookup answer and does nothing else; lookup_p50_vs_echo / lookup_p99_vs_echo are
+  the ratios (on a virtual machine, an idle core's wake-up is most of this floor);
 * lookup_1block_p50_us: the same RPC naming one block (the fixed cost of a call), and
   store_lookup_*: `Store.lookup` of the chains inside the daemon (the server's share);
 * gc_full_ms: one full collection of Python's cyclic GC in the daemon after the fill
@@ -152,6 +156,67 @@ def time_lookups(clients: list[Any], layout: Any, n: int, lookups: int) -> list[
     return list(zip(floors, times))
 
 
+ECHO_SERVER = """
+import asyncio, struct, sys
+HEAD = struct.Struct("<I")
+class Echo(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport, self.buf = transport, bytearray()
+    def data_received(self, data):
+        self.buf += data
+        while len(self.buf) >= 4:
+            n = HEAD.unpack_from(self.buf)[0]
+            if len(self.buf) < 4 + n:
+                return
+            # The request back, with one byte per block more: a Lookup answer's size.
+            body = bytes(self.buf[4:4 + n]) + bytes(n // 16)
+            del self.buf[:4 + n]
+            self.transport.write(HEAD.pack(len(body)) + body)
+async def main():
+    server = await asyncio.get_running_loop().create_unix_server(Echo, sys.argv[1])
+    print("ready", flush=True)
+    async with server:
+        await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+class EchoClient:
+    """The floor of a Lookup on this machine: the same request bytes (the chain packed)
+    through a Unix socket to a process that answers as many bytes as a Lookup answer
+    holds, doing nothing else (an asyncio protocol, as the daemon's control lane is).
+    It takes turns with the real clients, so it sees the same pacing and idle gaps."""
+
+    def __init__(self, workdir: str) -> None:
+        import socket
+        import struct
+
+        path = os.path.join(workdir, "echo.sock")
+        self._proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, path], stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None and self._proc.stdout.readline().strip() == "ready"
+        self._sock = socket.socket(socket.AF_UNIX)
+        self._sock.connect(path)
+        self._head = struct.Struct("<I")
+        self._buf = bytearray(1 << 16)
+
+    def lookup(self, layout: Any, block_hashes: list[bytes]) -> Any:
+        packed = b"".join(block_hashes)
+        self._sock.sendall(self._head.pack(len(packed)) + packed)
+        view = memoryview(self._buf)
+        got = 0
+        while got < 4 or got < 4 + self._head.unpack_from(self._buf)[0]:
+            k = self._sock.recv_into(view[got:])
+            if not k:
+                raise RuntimeError("the echo server closed the connection")
+            got += k
+        return argparse.Namespace(num_blocks=len(packed) // 16)
+
+    def close(self) -> None:
+        self._sock.close()
+        self._proc.kill()
+        self._proc.wait()
+
+
 def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks: int) -> dict[str, Any]:
     from kvstore.client import Client
 
@@ -168,9 +233,11 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
         layout = bench_layout(block_bytes)
         # The SDK's default path (the daemon's local control lane) and gRPC on the same
         # socket, taking turns over the same chains.
-        (floor, times), (floor_grpc, times_grpc) = time_lookups(
+        # And the floor: the same bytes through a Unix socket to a process that does nothing.
+        (floor, times), (floor_grpc, times_grpc), (_, times_echo) = time_lookups(
             [Client(f"unix:{daemon.socket}", data_plane="grpc"),
-             Client(f"unix:{daemon.socket}", data_plane="grpc", control_plane="grpc")], layout, n, lookups)
+             Client(f"unix:{daemon.socket}", data_plane="grpc", control_plane="grpc"),
+             EchoClient(workdir)], layout, n, lookups)
         server = daemon.command(f"lookups {n} {CHAIN} {lookups // 4}")
         collector = daemon.command("gc")
         evicted = daemon.command(f"fill {n} {evict_blocks} {CHAIN}")
@@ -189,6 +256,10 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
             "lookup_grpc_p50_us": percentile(times_grpc, 0.50) * 1e6,
             "lookup_grpc_p99_us": percentile(times_grpc, 0.99) * 1e6,
             "lookup_grpc_1block_p50_us": percentile(floor_grpc, 0.50) * 1e6,
+            "echo_p50_us": percentile(times_echo, 0.50) * 1e6,
+            "echo_p99_us": percentile(times_echo, 0.99) * 1e6,
+            "lookup_p50_vs_echo": percentile(times, 0.50) / percentile(times_echo, 0.50),
+            "lookup_p99_vs_echo": percentile(times, 0.99) / percentile(times_echo, 0.99),
             **server,
             **collector,
             # CPU time of the daemon process: what the metadata costs, undisturbed by other
@@ -361,18 +432,22 @@ def main() -> None:
     with open(args.out, "w") as fh:
         json.dump(doc, fh, indent=2)
     plot(rows, ssd, os.path.splitext(args.out)[0] + ".png")
-    header = (f"{'N':>11} {'RSS B/blk':>10} {'Lookup p50':>11} {'p99 us':>8} {'1-blk p50':>10} "
+    header = (f"{'N':>11} {'RSS B/blk':>10} {'Lookup p50':>11} {'p99 us':>8} {'echo p50':>9} {'p99 us':>7} "
+              f"{'1-blk p50':>10} "
               f"{'gRPC p50':>9} {'p99 us':>8} {'store p50':>10} {'p99 us':>8} {'put us/blk':>11} {'evict us/blk':>13}")
     print(header)
     for r in rows:
         print(f"{r['n_blocks']:>11,} {r['rss_bytes_per_block']:>10.0f} {r['lookup_p50_us']:>11.0f} "
-              f"{r['lookup_p99_us']:>8.0f} {r['lookup_1block_p50_us']:>10.0f} {r['lookup_grpc_p50_us']:>9.0f} "
+              f"{r['lookup_p99_us']:>8.0f} {r['echo_p50_us']:>9.0f} {r['echo_p99_us']:>7.0f} "
+              f"{r['lookup_1block_p50_us']:>10.0f} {r['lookup_grpc_p50_us']:>9.0f} "
               f"{r['lookup_grpc_p99_us']:>8.0f} {r['store_lookup_p50_us']:>10.0f} "
               f"{r['store_lookup_p99_us']:>8.0f} {r['put_us_per_block']:>11.2f} {r['evict_us_per_block']:>13.2f}")
     for r in rows:
         print(f"N={r['n_blocks']:,}: full GC {r['gc_full_ms']:.0f} ms wall, {r['gc_full_cpu_ms']:.0f} ms CPU, "
               f"{r['gc_tracked_objects']:,} objects tracked, {r['gc_frozen_objects']:,} frozen")
-    print("Lookup: SDK over the Unix socket (control lane), 1000-block chain; 1-blk: the same call for one block; "
+    print("Lookup: SDK over the Unix socket (control lane), 1000-block chain; echo: the same bytes each way through "
+          "a Unix socket to a process that does nothing else (the floor, same pacing); "
+          "1-blk: the same call for one block; "
           "gRPC: the same 1000-block lookups over gRPC on that socket; "
           "store: Store.lookup in the daemon. put/evict: daemon CPU time per block.")
     if ssd:

@@ -11,8 +11,9 @@
    overlap instead of coming one after another (a table of millions of blocks is far
    larger than the cache, and each key costs a miss on its slot and one on its row).
 
-   `join_hashes` (kvstore.client) packs a list of 16-byte hashes into N x 16 bytes, in
-   one pass that checks each item.
+   `join_hashes` (kvstore.client) packs a list of 16-byte hashes into N x 16 bytes, and
+   `pack_u32` (kvstore.hashing) a list of token ids into little-endian u32, each in one
+   pass that checks every item.
 
    Arrays come in through the buffer protocol (numpy arrays, memoryviews), so the module
    needs neither numpy's headers nor a particular numpy at build time. */
@@ -194,6 +195,52 @@ join_hashes(PyObject *self, PyObject *arg)
     return out;
 }
 
+/* pack_u32(items) -> bytes | None
+
+   items: a list or tuple. Its items as little-endian u32 (token ids) when every one is
+   an int in [0, 2**32); None otherwise (the caller's Python path then says what is
+   wrong). */
+static PyObject *
+pack_u32(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    if (!PyList_CheckExact(arg) && !PyTuple_CheckExact(arg))
+        Py_RETURN_NONE;
+    PyObject *seq = PySequence_Fast(arg, "items must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, 4 * n);
+    if (out == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = items[i];
+        if (!PyLong_Check(item))
+            goto refuse;
+        unsigned long long v = PyLong_AsUnsignedLongLong(item);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear(); /* negative, or past 64 bits */
+            goto refuse;
+        }
+        if (v > 0xFFFFFFFFULL)
+            goto refuse;
+        dst[4 * i] = (unsigned char)v;
+        dst[4 * i + 1] = (unsigned char)(v >> 8);
+        dst[4 * i + 2] = (unsigned char)(v >> 16);
+        dst[4 * i + 3] = (unsigned char)(v >> 24);
+    }
+    Py_DECREF(seq);
+    return out;
+refuse:
+    Py_DECREF(seq);
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"prefix_rows", prefix_rows, METH_VARARGS,
      "prefix_rows(packed, slots, h0, h1, ns_col, shift, ns, ns_fp, check_ns, out) -> count\n\n"
@@ -201,6 +248,9 @@ static PyMethodDef methods[] = {
     {"join_hashes", join_hashes, METH_O,
      "join_hashes(hashes) -> bytes | None\n\n"
      "The items packed (N x 16 bytes) if each is a 16-byte bytes object, else None."},
+    {"pack_u32", pack_u32, METH_O,
+     "pack_u32(items) -> bytes | None\n\n"
+     "A list or tuple of ints in [0, 2**32) as little-endian u32, else None."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -26,6 +26,11 @@ import xxhash
 
 from kvstore.errors import InvalidArgument
 
+try:  # compiled helpers (kvstore/_native.c); optional, with the same steps in Python
+    from kvstore import _native
+except ImportError:  # pragma: no cover - where no C compiler was available at install
+    _native = None  # type: ignore[assignment]
+
 if TYPE_CHECKING:
     from kvstore.layout import KVLayout
 
@@ -87,6 +92,10 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as packed little-endian u32 (the encoding the hash reads)."""
     if isinstance(token_ids, (bytes, bytearray, memoryview)):
         raise InvalidArgument("token ids must be integers; pass packed bytes to block_hashes_packed")
+    if _native is not None:
+        fast = _native.pack_u32(token_ids)  # a list or tuple of valid ids, in one C pass
+        if fast is not None:
+            return fast
     try:
         packed = array("I", token_ids)
     except OverflowError:

@@ -171,3 +171,23 @@ def test_tenant_namespace_vectors_from_doc():
         ref = public if not salt_bytes else xxhash.xxh3_128(
             b"kvstore.tenant.v1\x00" + struct.pack("<I", len(salt_bytes)) + salt_bytes + public).digest()
         assert _hexes(want)[0] == ref.hex() == tenant_namespace_id(public, salt_bytes).hex()
+
+
+def test_token_ids_pack_the_same_in_c_and_in_python():
+    import random
+    from array import array
+
+    from kvstore import _native
+    from kvstore.hashing import token_bytes
+
+    rng = random.Random(3)
+    tokens = [rng.randrange(1 << 32) for _ in range(5000)] + [0, (1 << 32) - 1, True]
+    want = array("I", tokens).tobytes()
+    assert _native.pack_u32(tokens) == _native.pack_u32(tuple(tokens)) == token_bytes(tokens) == want
+    assert token_bytes(iter(tokens)) == want  # other iterables: the Python path
+    assert _native.pack_u32([]) == b""
+    for bad in ([1, -1], [1, 1 << 32], [1, 1 << 70], [1, -(1 << 70)], [1, "a"], [1, 2.0], [None]):
+        assert _native.pack_u32(bad) is None
+        with pytest.raises(InvalidArgument):
+            token_bytes(bad)
+    assert _native.pack_u32(iter([1])) is None and _native.pack_u32(7) is None
