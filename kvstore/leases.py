@@ -19,13 +19,22 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
 from kvstore.index import BlockEntry
+from kvstore.table import REMOVED, BlockTable
 
 
 @dataclass(slots=True, eq=False)
 class Lease:
+    """A lease on rows of one block table: their pins (and readers, if it `holds_bytes`)
+    are counted up by one for as long as it lasts. Pinned rows are never recycled, so
+    the rows still name the same blocks when the lease ends."""
+
     lease_id: str
-    entries: list[BlockEntry]
+    table: BlockTable
+    rows: npt.NDArray[np.int64]
     expires_at: float
     holds_bytes: bool = False
     # The tenant the lease counts against (its namespace's tenant).
@@ -34,10 +43,11 @@ class Lease:
 
 
 class LeaseTable:
-    def __init__(self, end_read: Callable[[BlockEntry], None]) -> None:
-        # Called for each block of a bytes-holding lease when it ends; frees the slot of a
-        # block deleted meanwhile once its last reader is gone.
-        self._end_read = end_read
+    def __init__(self, readers_gone: Callable[[BlockEntry], None]) -> None:
+        # Called, when a bytes-holding lease ends, for each of its blocks that this left
+        # without readers and that has a slot to free (deleted, or a copy retired
+        # meanwhile): frees it, now that nobody reads it.
+        self._readers_gone = readers_gone
         self._leases: dict[str, Lease] = {}
         self._deadlines: list[tuple[float, str]] = []
         # Active leases per tenant; a tenant leaves the map when its last lease ends.
@@ -51,14 +61,17 @@ class LeaseTable:
         return self._per_tenant.get(tenant, 0)
 
     def acquire(
-        self, entries: list[BlockEntry], expires_at: float, holds_bytes: bool = False, tenant: str = "default"
+        self, table: BlockTable, rows: npt.NDArray[np.int64], expires_at: float, holds_bytes: bool = False,
+        tenant: str = "default",
     ) -> Lease:
-        lease = Lease(secrets.token_hex(12), entries, expires_at, holds_bytes, tenant)
+        """A lease on `rows` of `table` (current, indexed rows), counted in one array step
+        each for pins and readers, not a step per block."""
+        rows = np.array(rows, np.int64)  # the lease's own copy
+        lease = Lease(secrets.token_hex(12), table, rows, expires_at, holds_bytes, tenant)
         self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
-        for entry in entries:
-            entry.pins += 1
-            if holds_bytes:
-                entry.readers += 1
+        np.add.at(table.pins, rows, 1)
+        if holds_bytes:
+            np.add.at(table.readers, rows, 1)
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._deadlines, (expires_at, lease.lease_id))
         return lease
@@ -73,10 +86,21 @@ class LeaseTable:
             self._per_tenant[lease.tenant] = left
         else:
             del self._per_tenant[lease.tenant]
-        for entry in lease.entries:
-            entry.pins -= 1
-            if lease.holds_bytes:
-                self._end_read(entry)
+        t, rows = lease.table, lease.rows
+        if not len(rows):
+            return lease
+        assert int(t.pins[rows].min()) > 0, "pins below zero"
+        np.subtract.at(t.pins, rows, 1)
+        if lease.holds_bytes:
+            assert int(t.readers[rows].min()) > 0, "readers below zero"
+            np.subtract.at(t.readers, rows, 1)
+            idle = np.unique(rows[t.readers[rows] == 0])
+            # Of those, the ones with a slot to free: deleted, or with a retired copy.
+            gone = idle[(t.flags[idle] & REMOVED) != 0].tolist()
+            if t.retired:
+                gone += [r for r in idle.tolist() if r in t.retired and r not in gone]
+            for row in gone:
+                self._readers_gone(BlockEntry.of(t, row))
         return lease
 
     def expire(self, now: float) -> int:

@@ -577,14 +577,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         """The leading blocks of the held prefix that sit in `tier`, by offset, under a lease."""
         self._release_leases(request.release_lease_ids)
         ns_id = self._namespace(request.namespace)
-        hashes = self._hashes(ns_id, request.keys)
-        result, infos = self.store.lease_prefix(
-            ns_id, hashes, request.lease_ms or DEFAULT_LOCAL_LEASE_MS, tier=tier
+        keys = request.keys
+        chain = (keys.packed_hashes if keys.WhichOneof("keys") == "packed_hashes"
+                 else b"".join(self._hashes(ns_id, keys)))
+        result, offsets, checksums = self.store.lease_prefix(
+            ns_id, chain, request.lease_ms or DEFAULT_LOCAL_LEASE_MS, tier=tier
         )
         return kvstore_pb2.LocalFetchResponse(
             num_blocks=result.num_blocks,
-            offsets=[i.slot.offset for i in infos],
-            checksums=[i.checksum for i in infos],
+            offsets=offsets,
+            checksums=checksums,
             block_bytes=self.store.namespace(ns_id).layout.bytes_per_block,
             lease_id=self._lease_out(result.lease_id),
             namespace_id=ns_id,

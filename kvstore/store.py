@@ -400,7 +400,7 @@ class Store:
             st.policy.bind(table)
         self._tier_id_names = np.array(table.tier_names, dtype=object)
         self._tier_ids = {st.name: table.tier_id(st.name) for st in self.tiers}
-        self._leases = LeaseTable(self._release)
+        self._leases = LeaseTable(self._readers_gone)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         # Payload bytes per tenant and tier, and quotas (set by the daemon from its token file).
         self.tenancy = TenantLedger()
@@ -615,14 +615,19 @@ class Store:
     def _release(self, entry: BlockEntry) -> None:
         entry.readers -= 1
         if entry.readers == 0:
-            if entry.retired is not None:
-                for slot in entry.retired:
-                    self._tier_by_name[slot.tier].tier.free(slot)
-                entry.retired = None
-            if entry.removed:
-                for slot in entry.slots():
-                    self._tier_by_name[slot.tier].tier.free(slot)
-                entry.clear_slots()
+            self._readers_gone(entry)
+
+    def _readers_gone(self, entry: BlockEntry) -> None:
+        """The last reader of `entry` let go: free what was kept only for readers (a
+        retired copy; every copy of a deleted block)."""
+        if entry.retired is not None:
+            for slot in entry.retired:
+                self._tier_by_name[slot.tier].tier.free(slot)
+            entry.retired = None
+        if entry.removed:
+            for slot in entry.slots():
+                self._tier_by_name[slot.tier].tier.free(slot)
+            entry.clear_slots()
 
     def _add_location(self, entry: BlockEntry, st: StoreTier, slot: Slot) -> bool:
         """Record a landed, verified copy; False (and the slot freed) if it is not needed."""
@@ -990,22 +995,15 @@ class Store:
         """The longest READY prefix of a chain, given as hashes or packed (N x 16 bytes:
         what the wire carries, probed without cutting it into N objects)."""
         info = self.namespace(namespace_id)
-        if isinstance(hashes, bytes):
-            packed = hashes
-            n_asked = packed_count(packed)
-            self._check_count(n_asked, "block hashes")
-        else:
-            self.check_hashes(hashes)
-            packed = b"".join(hashes)
-            n_asked = len(hashes)
+        packed = self._packed_chain(hashes)
+        n_asked = len(packed) // HASH_BYTES
         self.expire_leases()
         # One vectorized probe of the block table, no Python step (nor object) per block.
         rows = self._index.prefix_rows(namespace_id, packed)
         n_hit = len(rows)
         lease_id = ""
         if n_hit and lease_ms > 0:
-            hit = [self._index.entry(r) for r in rows.tolist()]
-            lease_id = self._acquire_lease(hit, lease_ms, tenant=info.tenant).lease_id
+            lease_id = self._acquire_lease(rows, lease_ms, tenant=info.tenant).lease_id
         c = self.counters
         c.lookups += 1
         info.lookup_blocks += n_asked
@@ -1360,47 +1358,67 @@ class Store:
         entries = [e for h in hashes if (e := self._index.get(make_key(namespace_id, h))) is not None]
         if not entries:
             return PinResult("", 0, 0)
-        lease = self._acquire_lease(entries, ttl, tenant=info.tenant)
+        lease = self._acquire_lease(np.array([e.row for e in entries], np.int64), ttl, tenant=info.tenant)
         return PinResult(lease.lease_id, len(entries), min(ttl, self.limits.max_lease_ms))
 
     def lease_prefix(
-        self, namespace_id: bytes, hashes: Sequence[bytes], ttl_ms: int, tier: str
-    ) -> tuple[LookupResult, list[BlockInfo]]:
-        """The fetch of a co-located reader: the READY prefix of `hashes`, plus a
-        bytes-holding lease on its leading run of blocks in `tier`.
+        self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, ttl_ms: int, tier: str
+    ) -> tuple[LookupResult, list[int], list[int]]:
+        """The fetch of a co-located reader: the READY prefix of `hashes` (given one by one
+        or packed, as `lookup` takes them), plus a bytes-holding lease on its leading run
+        of blocks in `tier`, with their offsets in that tier and their checksums.
 
         The returned slots stay valid (never freed or reused) until the lease is released
         or expires, even if the blocks are deleted meanwhile. Counted as a fetch of the
         leased blocks, like `open_fetch`; blocks past the run are fetched separately.
+        Like `lookup`, one probe of the chain and array steps over its rows: no object
+        or Python step per block beyond the lease's hold on each.
         """
         info = self.namespace(namespace_id)
-        self.check_hashes(hashes)
+        packed = self._packed_chain(hashes)
         self.expire_leases()
-        entries = self._index.longest_ready_prefix([make_key(namespace_id, h) for h in hashes])
-        tops = [self._top_name(e) for e in entries]
-        local: list[BlockEntry] = []
-        for entry, top in zip(entries, tops):
-            if top != tier:
-                break
-            local.append(entry)
+        rows = self._index.prefix_rows(namespace_id, packed)
+        tops = self._top_ids(rows)
+        st = self._tier_by_name[tier]
+        tid = self._tier_ids[tier]
+        elsewhere = np.flatnonzero(tops != tid)
+        run = rows[: int(elsewhere[0])] if len(elsewhere) else rows
+        t = self._index.table
         lease_id = ""
-        if local:
-            lease_id = self._acquire_lease(local, ttl_ms, holds_bytes=True, tenant=info.tenant).lease_id
+        offsets: list[int] = []
+        checksums: list[int] = []
+        if len(run):
+            lease_id = self._acquire_lease(run, ttl_ms, holds_bytes=True, tenant=info.tenant).lease_id
+            lt, lo = t.lt[run], t.lo[run]
+            second = lt[:, 1] == tid
+            offsets = np.where(second, lo[:, 1], lo[:, 0]).tolist()
+            for i in np.flatnonzero(~second & (lt[:, 0] != tid)).tolist():
+                offsets[i] = BlockEntry.of(t, int(run[i])).locations[tier].offset  # a third copy, mid-move
+            checksums = t.csum[run].tolist()
+            nbytes = int(t.nbytes[run].sum())
+            self.counters.bytes_out += nbytes
+            self.counters.local_bytes_out += nbytes
+            st.defer_touch(run[::-1])
         self.counters.fetches += 1
-        self.counters.blocks_fetched += len(local)
-        self.counters.bytes_out += sum(e.nbytes for e in local)
-        self.counters.local_bytes_out += sum(e.nbytes for e in local)
-        for entry in reversed(local):
-            self._tier_by_name[tier].policy.touch(entry.key)
+        self.counters.blocks_fetched += len(run)
         result = LookupResult(
             namespace_id=namespace_id,
-            num_blocks=len(entries),
+            num_blocks=len(rows),
             block_size_tokens=info.layout.block_size_tokens,
-            tiers=tops,
-            hashes_packed=b"".join(hashes[: len(entries)]),
+            tiers=self._tier_id_names[tops].tolist(),
+            hashes_packed=packed[: len(rows) * HASH_BYTES],
             lease_id=lease_id,
         )
-        return result, [self._block_info(e) for e in local]
+        return result, offsets, checksums
+
+    def _packed_chain(self, hashes: Sequence[bytes] | bytes) -> bytes:
+        """A chain of hashes, given one by one or packed (N x 16 bytes), packed; its
+        length is checked against the per-call limit."""
+        if isinstance(hashes, bytes):
+            self._check_count(packed_count(hashes), "block hashes")
+            return hashes
+        self.check_hashes(hashes)
+        return b"".join(hashes)
 
     async def verify(self, namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[int, int]:
         """Re-check the named blocks against their checksums; drop and count the bad ones.
@@ -1464,10 +1482,11 @@ class Store:
         return self._leases.release(lease_id) is not None
 
     def _acquire_lease(
-        self, entries: list[BlockEntry], ttl_ms: int, holds_bytes: bool = False, tenant: str = "default"
+        self, rows: np.ndarray[Any, Any], ttl_ms: int, holds_bytes: bool = False, tenant: str = "default"
     ) -> Lease:
-        """A lease on `entries` counted against `tenant` (the namespace's tenant). Checked
-        before anything changes: a refused lease leaves no pin behind."""
+        """A lease on the blocks of `rows` (indexed rows of the block table) counted
+        against `tenant` (the namespace's tenant). Checked before anything changes: a
+        refused lease leaves no pin behind."""
         if ttl_ms < 0:
             raise InvalidArgument(f"lease time must be >= 0 ms, got {ttl_ms}")
         per_tenant = self.limits.max_leases_per_tenant
@@ -1481,7 +1500,7 @@ class Store:
                 f"{self.limits.max_leases} leases are active; release leases (Unpin) or wait for them to expire"
             )
         ttl_ms = min(ttl_ms, self.limits.max_lease_ms)
-        return self._leases.acquire(entries, self._clock() + ttl_ms / 1000.0, holds_bytes, tenant)
+        return self._leases.acquire(self._index.table, rows, self._clock() + ttl_ms / 1000.0, holds_bytes, tenant)
 
     def tenant_leases(self, tenant: str) -> int:
         """How many leases `tenant` has active (expired ones are dropped first)."""
