@@ -374,6 +374,9 @@ def plot(rows: list[dict[str, Any]], ssd: dict[str, Any], path: str) -> None:
         ax.plot(ns, [r[key] for r in rows], "o-", label="SDK over the socket" if key.startswith("lookup") else None)
         if key.startswith("lookup_p"):
             ax.plot(ns, [r["store_" + key] for r in rows], "s--", label="Store.lookup in the daemon")
+            echo = "echo_" + key.removeprefix("lookup_")
+            if all(echo in r for r in rows):
+                ax.plot(ns, [r[echo] for r in rows], "^:", label="floor: the same bytes, echoed")
             ax.legend(fontsize=8)
         if target is not None:
             ax.axhline(target, color="r", ls="--", lw=1, label=f"target {target}")
