@@ -589,17 +589,16 @@ def packed_tier_names(packed: bytes) -> list[str]:
     return list(map(_TIER_NAME_BY_VALUE.get, packed, repeat("unknown", n)))
 
 
-def lookup_result(resp: kvstore_pb2.LookupResponse, asked: Sequence[bytes] | None = None,
-                  asked_packed: bytes = b"") -> LookupResult:
-    """The result of a Lookup. When it asked by hashes (`asked`, sent packed as
-    `asked_packed`), the answer's hashes are the asked chain's first ones: the caller's
-    own hash objects are handed back (checked by one compare of the packed bytes) instead
-    of cutting the answer into new ones."""
+def lookup_result(resp: kvstore_pb2.LookupResponse, asked: Sequence[bytes] | None = None) -> LookupResult:
+    """The result of a Lookup. When it asked by hashes (`asked`), the answer's hashes are
+    the asked chain's first ones: the caller's own hash objects are handed back (checked
+    by one C pass that packs them and one compare with the answer's packed bytes)
+    instead of cutting the answer into new ones."""
     got = resp.block_hashes_packed
     hashes: list[bytes] | None = None
-    if isinstance(asked, (list, tuple)) and got and _native is not None and asked_packed.startswith(got):
+    if isinstance(asked, (list, tuple)) and got and _native is not None:
         mine = list(asked[: len(got) // HASH_BYTES])
-        if _native.join_hashes(mine) == got:  # each one a 16-byte bytes object (one C pass)
+        if _native.join_hashes(mine) == got:  # None unless each is a 16-byte bytes object
             hashes = mine
     if hashes is None:
         hashes = response_hashes(resp)

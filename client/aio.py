@@ -298,12 +298,10 @@ class AsyncClient:
                timeout_s: float | None = None) -> LookupResult:
         """Longest prefix of the blocks the daemon holds. `lease_ms` pins the hit until a fetch;
         `session_id` + `expect_reuse_within_s` hint that the session will be back for it."""
-        keys = block_keys(token_ids, block_hashes)
-        req = kvstore_pb2.LookupRequest(namespace=namespace_ref(layout), keys=keys,
+        req = kvstore_pb2.LookupRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes),
                                         lease_ms=lease_ms, hint=reuse_hint(session_id, expect_reuse_within_s))
         try:
-            return lookup_result(await self._unary("Lookup", req, timeout=self._t(timeout_s)), block_hashes,
-                                 keys.packed_hashes)
+            return lookup_result(await self._unary("Lookup", req, timeout=self._t(timeout_s)), block_hashes)
         except grpc.RpcError as exc:
             raise translate(exc) from None
 
