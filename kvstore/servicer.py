@@ -490,6 +490,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             self.store.free_slots(keep)
             return None
         res_id = self.local_puts.reserve(slots, block_bytes, self.store.free_slots, current_identity().tenant)
+        # The put after next will want as many slots again: evict for them while the client
+        # copies into these, rather than inside its next call.
+        self.store.make_room_soon(LOCAL_TIER, block_bytes * count, block_bytes)
         return kvstore_pb2.SlotReservation(reservation_id=res_id, offsets=[s.offset for s in slots],
                                            block_bytes=block_bytes, expires_in_ms=self.local_puts.ttl_ms)
 

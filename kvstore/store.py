@@ -424,6 +424,8 @@ class Store:
         self._ssd_idle.set()
         self._migrate_wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        # Background evictions making room ahead of expected puts, by tier name.
+        self._making_room: dict[str, asyncio.Task[None]] = {}
         self._recovered = False
         self._closed = False
 
@@ -487,9 +489,10 @@ class Store:
         if self._tasks and not await self.flush(flush_timeout_s):
             logger.warning("shutdown: %d SSD writes still pending after %.1fs; they are lost",
                            self.pending_ssd_writes, flush_timeout_s or 0.0)
-        for task in self._tasks:
+        tasks = self._tasks + list(self._making_room.values())
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             try:
                 await task
             except asyncio.CancelledError:
@@ -501,7 +504,7 @@ class Store:
         if self._closed:
             return
         self._closed = True
-        for task in self._tasks:
+        for task in self._tasks + list(self._making_room.values()):
             task.cancel()
         for st in self.tiers:
             st.tier.close()
@@ -1101,6 +1104,32 @@ class Store:
             self.free_slots(slots)
             raise
         return slots
+
+    def make_room_soon(self, tier: str, nbytes: int, block_bytes: int) -> None:
+        """Evict from memory tier `tier`, in the background and in its policy's order,
+        until `nbytes` of it are free: room for a put that is expected next (a writer's
+        next reserve-ahead), made while the writer copies instead of inside its call.
+        A put that comes first still makes room for itself, as always; a tier with
+        nothing evictable is left as it is."""
+        st = self._tier_by_name.get(tier)
+        if (st is None or self._closed or tier in self._making_room
+                or st.tier.capacity_bytes - st.tier.used_bytes >= nbytes):
+            return
+        task = asyncio.get_running_loop().create_task(self._make_room(st, nbytes, block_bytes),
+                                                      name=f"kvstore-room-{tier}")
+        self._making_room[tier] = task
+        task.add_done_callback(lambda _: self._making_room.pop(tier, None))
+
+    async def _make_room(self, st: StoreTier, nbytes: int, block_bytes: int) -> None:
+        await asyncio.sleep(0)  # after the answer that asked for it has gone out
+        try:
+            while st.tier.capacity_bytes - st.tier.used_bytes < nbytes:
+                await self._evict_one(st, block_bytes)
+                await asyncio.sleep(0)  # one eviction at a time: calls in between go first
+        except ResourceExhausted:
+            pass  # nothing evictable now: the next put makes its own room, or says why not
+        except Exception:  # task boundary: a failed eviction is the next put's to meet
+            logger.exception("making room in tier %s failed", st.name)
 
     def free_slots(self, slots: Sequence[Slot]) -> None:
         """Return reserved, never-published slots to their tiers."""

@@ -185,3 +185,35 @@ def test_reservations_belong_to_their_tenant_and_count_against_its_quota(tmp_pat
                 assert kv.put(layout, tokens_i, data).stored == 2
                 assert store.tenancy.usage("small").get("host", 0) <= 4 * layout.bytes_per_block
                 assert [bytes(b) for b in kv.fetch(layout, tokens_i)] == data
+
+
+def test_a_writer_finds_room_made_ahead_of_its_next_put(tmp_path, layout):
+    """With reserve_ahead, a full host tier is brought down in the background to room for
+    the writer's next reservation, while the writer copies: its next one-trip put then
+    finds its slots free. The blocks evicted are the policy's victims, as always, and
+    every stored block that remains is exact."""
+    import time
+    from dataclasses import replace
+
+    from tests.conftest import daemon_in_thread, make_config
+
+    block = layout.bytes_per_block
+    cfg = replace(make_config(tmp_path), host_capacity=12 * block)
+    with daemon_in_thread(cfg) as daemon, Client(daemon.unix_target, data_plane="local", reserve_ahead=2) as kv:
+        def host():
+            return next(t for t in kv.stats().tiers if t.name == "host")
+
+        puts = [(list(range(i * 100, i * 100 + 2 * layout.block_size_tokens)), _blocks(layout, 2))
+                for i in range(12)]
+        for tokens, blocks in puts:
+            assert kv.put(layout, tokens, blocks).stored == 2
+            # Stored blocks, the held reservation, and room for the next one.
+            deadline = time.monotonic() + 5
+            while host().used_bytes > (12 - 2) * block and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert host().used_bytes <= (12 - 2) * block
+        assert host().evictions > 0
+        held = [(t, b) for t, b in puts if kv.lookup(layout, t).num_blocks == 2]
+        assert held and puts[-1] in held  # the newest chain is never the victim
+        for tokens, blocks in held:
+            assert [bytes(b) for b in kv.fetch(layout, tokens)] == blocks
