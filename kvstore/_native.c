@@ -63,11 +63,14 @@ get(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int writable, const cha
     return 0;
 }
 
-/* prefix_rows(packed, slots, h0, h1, ns_col, shift, ns, ns_fp, check_ns, out) -> count
+/* prefix_rows(packed, slots, h0, h1, ns_col, shift, ns, ns_fp, check_ns, out, every=False)
+   -> count
 
    packed: N x 16 bytes (h0, h1 little-endian u64 each); slots: i64 key slots, a power of
    two long, each (tag << 32) | (row + 1), 0 when empty; h0, h1: u64 columns; ns_col: u32
-   column; shift: 64 - log2(len(slots)); out: writable i64, at least N long. */
+   column; shift: 64 - log2(len(slots)); out: writable i64, at least N long. With `every`,
+   an absent key does not stop the walk: its entry in `out` is -1 and the count is N
+   (`BlockTable.find_rows`). */
 static PyObject *
 prefix_rows(PyObject *self, PyObject *args)
 {
@@ -75,10 +78,10 @@ prefix_rows(PyObject *self, PyObject *args)
     PyObject *o_packed, *o_slots, *o_h0, *o_h1, *o_ns, *o_out;
     unsigned int shift, ns;
     unsigned long long ns_fp;
-    int check_ns;
+    int check_ns, every = 0;
     PyObject *result = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOIIKpO", &o_packed, &o_slots, &o_h0, &o_h1, &o_ns,
-                          &shift, &ns, &ns_fp, &check_ns, &o_out))
+    if (!PyArg_ParseTuple(args, "OOOOOIIKpO|p", &o_packed, &o_slots, &o_h0, &o_h1, &o_ns,
+                          &shift, &ns, &ns_fp, &check_ns, &o_out, &every))
         return NULL;
     Py_buffer packed, slots, h0, h1, nsc, out;
     if (get(o_packed, &packed, 16, 0, "packed hashes") < 0)
@@ -142,7 +145,7 @@ prefix_rows(PyObject *self, PyObject *args)
                 if (!(r >= 0 && H0[r] == q0 && H1[r] == q1 && (!check_ns || NS[r] == ns)))
                     r = walk(S, mask, nslots, H0, H1, NS, nrows, home[j] >> shift,
                              (int64_t)(home[j] & 0x7FFFFFFFULL), q0, q1, check_ns, ns);
-                if (r < 0)
+                if (r < 0 && !every)
                     goto done_probe;
                 o[found] = r;
             }
@@ -243,8 +246,9 @@ refuse:
 
 static PyMethodDef methods[] = {
     {"prefix_rows", prefix_rows, METH_VARARGS,
-     "prefix_rows(packed, slots, h0, h1, ns_col, shift, ns, ns_fp, check_ns, out) -> count\n\n"
-     "Write the rows of the longest indexed prefix of a packed chain into `out`; return its length."},
+     "prefix_rows(packed, slots, h0, h1, ns_col, shift, ns, ns_fp, check_ns, out, every=False) -> count\n\n"
+     "Write the rows of the longest indexed prefix of a packed chain into `out`; return its length.\n"
+     "With `every`, write the row of every key (-1 where absent) and return N."},
     {"join_hashes", join_hashes, METH_O,
      "join_hashes(hashes) -> bytes | None\n\n"
      "The items packed (N x 16 bytes) if each is a 16-byte bytes object, else None."},

@@ -400,15 +400,22 @@ class BlockTable:
         h0, h1 = _unpack_qq(key, HASH_BYTES)
         return self.find(ns, h0, h1)
 
-    def find_rows(self, ns: int, q0: U64, q1: U64) -> I64:
+    def find_rows(self, ns: int, q0: U64, q1: U64, compiled: bool = True) -> I64:
         """The indexed row of each key (ns, q0[i], q1[i]), or -1.
 
-        All keys probe a window of slots at once (a gather and a compare of tags); the
+        In compiled code where it was built (`compiled=False` takes the numpy probe,
+        the reference it is tested against). There, all keys probe a window of slots at once (a gather and a compare of tags); the
         few whose run is longer than the window, or whose tag matched another key, walk
         on one by one."""
         n = len(q0)
         out = np.full(n, -1, np.int64)
         if not n or not self.count:
+            return out
+        if compiled and _native is not None:
+            keys = np.empty((n, 2), "<u8")
+            keys[:, 0], keys[:, 1] = q0, q1
+            _native.prefix_rows(keys, self._slots, self.h0, self.h1, self.ns, self._shift, ns,
+                                self._ns_fp_list[ns], len(self._ns_fp_list) > 1, out, True)
             return out
         slots, mask = self._slots, self._mask
         hv = slot_hash_array(self._ns_fp_list[ns], q0, q1)
@@ -470,7 +477,7 @@ class BlockTable:
                                    self._ns_fp_list[ns], len(self._ns_fp_list) > 1, out)
             return out[:k]
         q = np.frombuffer(packed, "<u8", 2 * n)
-        rows = self.find_rows(ns, q[0::2], q[1::2])
+        rows = self.find_rows(ns, q[0::2], q[1::2], compiled=False)
         miss = np.flatnonzero(rows < 0)
         return rows[: miss[0]] if len(miss) else rows
 

@@ -74,6 +74,7 @@ def test_table_matches_a_dict(trace: list[tuple[str, bytes, int]]) -> None:
         if nsid is None:
             continue
         rows = index.table.find_rows(nsid, q[0::2].copy(), q[1::2].copy())
+        assert rows.tolist() == index.table.find_rows(nsid, q[0::2], q[1::2], compiled=False).tolist()
         for i, row in enumerate(rows.tolist()):
             e = model.get(key(ns, i))
             assert row == (e.row if e is not None else -1)
