@@ -238,6 +238,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         if n > limit:
             raise InvalidArgument(f"{n} block hashes in one call; the limit is {limit}: split the request")
 
+    def _packed_chain(self, ns_id: bytes, keys: kvstore_pb2.BlockKeys) -> bytes:
+        """The chain a request names, packed (N x 16 bytes) for the store, which checks its
+        length: as it came, or joined from the hashes `_hashes` has checked or made."""
+        if keys.WhichOneof("keys") == "packed_hashes":
+            return keys.packed_hashes
+        return b"".join(self._hashes(ns_id, keys))
+
     def _hashes(self, ns_id: bytes, keys: kvstore_pb2.BlockKeys) -> list[bytes]:
         which = keys.WhichOneof("keys")
         if which == "hashes" or which == "packed_hashes":
@@ -283,10 +290,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Lookup(self, request: kvstore_pb2.LookupRequest, context: grpc.aio.ServicerContext) -> kvstore_pb2.LookupResponse:
         ns_id = self._namespace(request.namespace)
         keys = request.keys
-        # The store takes the chain packed (its length checked there) rather than as N
-        # objects: as it came, or joined from hashes `_hashes` has checked or made.
-        chain = (keys.packed_hashes if keys.WhichOneof("keys") == "packed_hashes"
-                 else b"".join(self._hashes(ns_id, keys)))
+        chain = self._packed_chain(ns_id, keys)
         session = self._session(request.hint.session_id, request.hint.expect_reuse_within_s) \
             if request.HasField("hint") else ""
         r = self.store.lookup(ns_id, chain, request.lease_ms)
@@ -580,9 +584,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         """The leading blocks of the held prefix that sit in `tier`, by offset, under a lease."""
         self._release_leases(request.release_lease_ids)
         ns_id = self._namespace(request.namespace)
-        keys = request.keys
-        chain = (keys.packed_hashes if keys.WhichOneof("keys") == "packed_hashes"
-                 else b"".join(self._hashes(ns_id, keys)))
+        chain = self._packed_chain(ns_id, request.keys)
         result, offsets, checksums = self.store.lease_prefix(
             ns_id, chain, request.lease_ms or DEFAULT_LOCAL_LEASE_MS, tier=tier
         )
