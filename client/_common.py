@@ -20,13 +20,9 @@ from kvstore.config import DEFAULT_TCP_LISTEN, default_unix_socket
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, error_for_status
 from kvstore.hashing import HASH_BYTES, split_hashes, token_bytes
 from kvstore.layout import KVLayout
+from kvstore.native import native as _native
 from kvstore.v1 import kvstore_pb2
 from kvstore.wire import RawChunk, encode_chunk
-
-try:  # compiled helpers (kvstore/_native.c); optional, with the same steps in Python
-    from kvstore import _native
-except ImportError:  # pragma: no cover - where no C compiler was available at install
-    _native = None  # type: ignore[assignment]
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_CHUNK_BYTES = 1 << 20

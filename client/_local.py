@@ -1,13 +1,13 @@
 """The client side of the local data plane: map the daemon's host-tier segment and move
-block bytes with one copy, hashing each block while it is hot in cache.
+block bytes with one copy, hashing each block while it is in cache.
 
 `LocalPlane.attach(resp)` maps the segment named by a `LocalSegment` answer and checks
 its header token (proving it is this daemon's segment on this host). `copy_in` copies
 caller blocks into slots and returns their XXH3-64 checksums; `copy_out` copies slots
 into caller buffers and verifies each copy against the checksum the daemon recorded at
 put time, stopping at the first mismatch. The hash always reads the copy, so what is
-verified is exactly what the caller gets. numpy's copy and xxhash's streaming hash
-release the GIL, so a large batch is shared between the calling thread and a helper.
+verified is exactly what the caller gets. The copy and the hash run without the GIL, so
+a large batch is shared between the calling thread and a helper.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import xxhash
 
+from kvstore.native import XXH3, native
 from kvstore.tiers.segment import AttachedSegment
 from kvstore.v1 import kvstore_pb2
 
@@ -32,10 +33,14 @@ THREADS = 2
 def _copy_hash(dst: np.ndarray, src: np.ndarray) -> int:
     """Copy `src` into `dst`; the XXH3-64 of the copy.
 
-    One whole-block copy, then one hash of the copy (hashing each cache-sized piece right
-    after copying it was measured no faster). The hash goes through the streaming object:
-    its `update` releases the GIL in every xxhash release this package accepts, where the
-    one-shot `xxh3_64_intdigest` holds it in some, and two threads must hash at once."""
+    Compiled (kvstore/_native.c): the block is copied and hashed in 64 KiB pieces, each
+    hashed right after it is written, while it is still in cache, all without the GIL.
+    Without the compiled module: one whole-block copy, then one hash of the copy through
+    xxhash's streaming object, whose `update` releases the GIL in every xxhash release
+    this package accepts (the one-shot `xxh3_64_intdigest` holds it in some), so two
+    threads can hash at once."""
+    if XXH3:
+        return native.copy_hash(dst, src)
     np.copyto(dst, src)
     h = xxhash.xxh3_64()
     h.update(dst.data)

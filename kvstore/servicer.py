@@ -240,9 +240,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     def _packed_chain(self, ns_id: bytes, keys: kvstore_pb2.BlockKeys) -> bytes:
         """The chain a request names, packed (N x 16 bytes) for the store, which checks its
-        length: as it came, or joined from the hashes `_hashes` has checked or made."""
-        if keys.WhichOneof("keys") == "packed_hashes":
+        length: as it came, hashed from its tokens, or joined from the hashes it listed."""
+        which = keys.WhichOneof("keys")
+        if which == "packed_hashes":
             return keys.packed_hashes
+        if which == "tokens":
+            return self.store.chain_for_tokens(ns_id, self._chain_tokens(keys))
         return b"".join(self._hashes(ns_id, keys))
 
     def _hashes(self, ns_id: bytes, keys: kvstore_pb2.BlockKeys) -> list[bytes]:
@@ -250,10 +253,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         if which == "hashes" or which == "packed_hashes":
             return self._chain(keys, which)
         if which == "tokens":
-            if keys.tokens.first_block:
-                raise InvalidArgument("first_block is only meaningful in a Put")
-            return self.store.hashes_for_tokens(ns_id, self._packed_tokens(keys.tokens))
+            return self.store.hashes_for_tokens(ns_id, self._chain_tokens(keys))
         raise InvalidArgument("request names no blocks: set keys.packed_hashes, keys.hashes or keys.tokens")
+
+    def _chain_tokens(self, keys: kvstore_pb2.BlockKeys) -> bytes:
+        """The packed token ids of a request outside a Put, which names its chain from block 0."""
+        if keys.tokens.first_block:
+            raise InvalidArgument("first_block is only meaningful in a Put")
+        return self._packed_tokens(keys.tokens)
 
     def _put_keys(self, ns_id: bytes, header: kvstore_pb2.PutHeader) -> tuple[list[bytes], bytes | None]:
         which = header.keys.WhichOneof("keys")

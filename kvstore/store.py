@@ -54,7 +54,7 @@ import numpy as np
 
 from kvstore.checksum import checksum_batch, checksum_pieced
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvstore.hashing import HASH_BYTES, block_hashes_packed, packed_count, split_hashes, tenant_namespace_id
+from kvstore.hashing import HASH_BYTES, block_hashes_packed, chain_packed, packed_count, split_hashes, tenant_namespace_id
 from kvstore.index import BlockEntry, BlockIndex, BlockState, make_key
 from kvstore.table import HAS_PARENT, INDEXED, LIVE, READY, SSD_QUEUED, BlockTable
 from kvstore.layout import DTYPE_BYTES, KVLayout
@@ -565,14 +565,24 @@ class Store:
 
     def hashes_for_tokens(self, namespace_id: bytes, packed_tokens: bytes, max_blocks: int | None = None) -> list[bytes]:
         """Block hashes of tokens packed as little-endian u32 (at most `max_blocks` blocks)."""
+        return block_hashes_packed(*self._token_blocks(namespace_id, packed_tokens, max_blocks))
+
+    def chain_for_tokens(self, namespace_id: bytes, packed_tokens: bytes, max_blocks: int | None = None) -> bytes:
+        """`hashes_for_tokens` as one packed chain (N x 16 bytes), the form a lookup probes."""
+        return chain_packed(*self._token_blocks(namespace_id, packed_tokens, max_blocks))
+
+    def _token_blocks(self, namespace_id: bytes, packed_tokens: bytes,
+                      max_blocks: int | None) -> tuple[bytes, memoryview, int]:
+        """The chain's seed, the tokens of its full blocks (per-call limit checked) and the
+        block size."""
         info = self.namespace(namespace_id)
         step = info.layout.block_size_tokens * 4
         n_blocks = len(packed_tokens) // step
         if max_blocks is not None:
             n_blocks = min(n_blocks, max_blocks)
         self._check_count(n_blocks, "blocks of tokens")
-        return block_hashes_packed(info.chain_seed or namespace_id, memoryview(packed_tokens)[: n_blocks * step],
-                                   info.layout.block_size_tokens)
+        return (info.chain_seed or namespace_id, memoryview(packed_tokens)[: n_blocks * step],
+                info.layout.block_size_tokens)
 
     def check_hashes(self, hashes: Sequence[bytes]) -> None:
         self._check_count(len(hashes), "block hashes")

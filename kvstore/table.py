@@ -46,10 +46,7 @@ import xxhash
 
 from kvstore.tiers.base import Slot
 
-try:  # the compiled chain probe (kvstore/_native.c); optional, `find_rows` serves without it
-    from kvstore import _native
-except ImportError:  # pragma: no cover - where no C compiler was available at install
-    _native = None  # type: ignore[assignment]
+from kvstore.native import native as _native  # the compiled chain probe; `find_rows` serves without it
 PROBE_COMPILED = _native is not None
 
 HASH_BYTES = 16

@@ -88,7 +88,17 @@ def test_namespace_bytes_dump_in_doc():
     assert namespace_bytes(LAYOUTS["L1"]).hex() == "".join(dump.split())
 
 
-def test_block_vectors_from_doc():
+@pytest.fixture(params=["compiled", "python"])
+def hashing_path(request, monkeypatch):
+    """Each hashing test runs on the compiled chain (where XXH3 is bound) and on Python's."""
+    import kvstore.hashing
+
+    if request.param == "python":
+        monkeypatch.setattr(kvstore.hashing, "XXH3", False)
+    return request.param
+
+
+def test_block_vectors_from_doc(hashing_path):
     rows = _doc_table("blocks")
     assert len(rows) == 3
     for name, tokens_cell, extras_cell, hashes_cell in rows:
@@ -191,3 +201,46 @@ def test_token_ids_pack_the_same_in_c_and_in_python():
         with pytest.raises(InvalidArgument):
             token_bytes(bad)
     assert _native.pack_u32(iter([1])) is None and _native.pack_u32(7) is None
+
+
+def test_the_hashing_helpers_are_compiled():
+    """XXH3 is bound from the xxhash package's library wherever the compiled module is
+    built: CI fails here rather than quietly testing only the Python paths."""
+    from kvstore.native import XXH3
+
+    assert XXH3
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 256])
+def test_compiled_chains_match_python(block_size, monkeypatch):
+    import random
+
+    import kvstore.hashing
+    from kvstore.hashing import block_hashes_packed, chain_packed, token_bytes
+
+    rng = random.Random(block_size)
+    ns = bytes(rng.randrange(256) for _ in range(16))
+    for n_blocks in (0, 1, 63, 64, 65, 1000):
+        tokens = [rng.randrange(1 << 32) for _ in range(n_blocks * block_size + block_size // 2)]
+        packed = token_bytes(tokens)
+        compiled = block_hashes_packed(ns, packed, block_size)
+        whole = chain_packed(ns, packed, block_size)
+        with monkeypatch.context() as m:
+            m.setattr(kvstore.hashing, "XXH3", False)
+            python = block_hashes_packed(ns, packed, block_size)
+            assert chain_packed(ns, packed, block_size) == b"".join(python)
+        assert len(python) == n_blocks
+        assert compiled == python and whole == b"".join(python)
+        assert python == reference_block_hashes(ns, tokens, block_size, None)
+
+
+def test_compiled_chain_refuses_bad_arguments():
+    from kvstore.native import native
+
+    with pytest.raises(ValueError, match="16 bytes"):
+        native.chain_hashes(b"short", b"\0" * 64, 16)
+    for bst in (0, -1):
+        with pytest.raises(ValueError, match="positive"):
+            native.chain_hashes(b"\0" * 16, b"\0" * 64, bst)
+    with pytest.raises(TypeError):
+        native.chain_hashes(b"\0" * 16, [1, 2, 3], 1)

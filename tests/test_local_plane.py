@@ -11,6 +11,7 @@ from dataclasses import replace
 import grpc
 import numpy as np
 import pytest
+import xxhash
 
 from kvstore.client import AsyncClient, Client
 from kvstore.client._common import layout_to_proto
@@ -248,7 +249,37 @@ BIG_LAYOUT = KVLayout(model="big-blocks", dtype="uint8", num_layers=1, num_kv_he
 BIG_BATCH = 8
 
 
-def test_large_batches_give_identical_bytes_on_both_planes(daemon_thread):
+@pytest.mark.parametrize("nbytes", [0, 1, 65535, 65536, 65537, (1 << 20) + 3])
+def test_copy_and_hash_gives_the_copy_and_its_xxh3(nbytes):
+    from kvstore.native import XXH3, native
+
+    assert XXH3  # bound wherever the compiled module is built
+    src = np.frombuffer(os.urandom(nbytes), dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    assert native.copy_hash(dst, src) == xxhash.xxh3_64_intdigest(src.tobytes())
+    assert dst.tobytes() == src.tobytes()
+
+
+def test_copy_and_hash_refuses_bad_buffers():
+    from kvstore.native import native
+
+    with pytest.raises(ValueError, match="copy of 5 bytes into 4 bytes"):
+        native.copy_hash(bytearray(4), b"12345")
+    with pytest.raises((BufferError, TypeError)):
+        native.copy_hash(b"1234", b"1234")  # the destination is read-only
+
+
+@pytest.fixture(params=["compiled", "python"])
+def copy_path(request, monkeypatch):
+    """The client's copy-and-hash, compiled and in numpy/xxhash."""
+    import kvstore.client._local
+
+    if request.param == "python":
+        monkeypatch.setattr(kvstore.client._local, "XXH3", False)
+    return request.param
+
+
+def test_large_batches_give_identical_bytes_on_both_planes(daemon_thread, copy_path):
     assert BIG_LAYOUT.bytes_per_block * BIG_BATCH >= PARALLEL_MIN_BYTES  # the two-thread copy path
     a_tokens, b_tokens = list(range(16 * BIG_BATCH)), list(range(10_000, 10_000 + 16 * BIG_BATCH))
     a, b = blocks_for(BIG_LAYOUT, BIG_BATCH), blocks_for(BIG_LAYOUT, BIG_BATCH)
@@ -267,7 +298,7 @@ def test_large_batches_give_identical_bytes_on_both_planes(daemon_thread):
 
 
 @pytest.mark.parametrize("plane", ["local", "grpc"])
-def test_a_corrupted_slot_in_a_large_batch_is_never_returned(daemon_thread, plane):
+def test_a_corrupted_slot_in_a_large_batch_is_never_returned(daemon_thread, plane, copy_path):
     """A stray write into one slot of a batch: whichever plane fetches, the blocks before
     it come back intact, it and the ones after it do not, and the daemon drops it."""
     tokens = list(range(16 * BIG_BATCH))
