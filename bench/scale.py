@@ -7,13 +7,18 @@ Per N (default 1M and 10M blocks), on a real daemon process (bench/scale_daemon.
   (a benchmark instrument: capacity accounted exactly, bytes not stored);
 * rss_bytes_per_block: (VmRSS after the fill - VmRSS before) / N, from /proc/PID/status;
 * lookup_p50_us / lookup_p99_us: `Client.lookup` of an existing 1,000-block chain over
-  the Unix socket with the real SDK's default path (the daemon's local control lane);
-  lookup_grpc_p50_us / lookup_grpc_p99_us / lookup_grpc_1block_p50_us: the same calls
-  over gRPC on the same socket (`control_plane="grpc"`);
-* echo_p50_us / echo_p99_us: the floor those lookups stand on, measured in the same loop:
+  the Unix socket with the real SDK's default path (the daemon's local control lane),
+  closed loop: one client sends each call as soon as the previous answer is in;
+  lookup_grpc_p50_us / lookup_grpc_p99_us: the same calls over gRPC on the same socket
+  (`control_plane="grpc"`);
+* echo_p50_us / echo_p99_us: the floor those lookups stand on, measured the same way:
   the same request bytes through a Unix socket to a process that answers as many bytes
   as a Lookup answer and does nothing else; lookup_p50_vs_echo / lookup_p99_vs_echo are
-  the ratios (on a virtual machine, an idle core's wake-up is most of this floor);
+  the ratios;
+* lookup_paced_* / lookup_grpc_paced_* / echo_paced_*: the same three, paced: they take
+  turns call by call, so each call finds the other end idle since its previous call (on
+  a virtual machine an idle core's wake-up is then most of the time, floor included);
+  lookup_grpc_1block_p50_us: the paced gRPC call naming one block;
 * lookup_1block_p50_us: the same RPC naming one block (the fixed cost of a call), and
   store_lookup_*: `Store.lookup` of the chains inside the daemon (the server's share);
 * gc_full_ms: one full collection of Python's cyclic GC in the daemon after the fill
@@ -124,36 +129,61 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def time_lookups(clients: list[Any], layout: Any, n: int, lookups: int) -> list[tuple[list[float], list[float]]]:
-    """For each client: seconds per `lookup` naming one block, and naming a random existing
-    1,000-block chain (warm-up calls excluded). The clients take turns call by call, on
-    the same chains, so that each sees the same load and the same cache state; closes them."""
+    """Paced: for each client, seconds per `lookup` naming one block, and naming a random
+    existing 1,000-block chain (warm-up calls excluded). The clients take turns call by
+    call, on the same chains, so that each sees the same load and the same cache state;
+    each call therefore finds the other end idle since its previous one."""
     chains = n // CHAIN
     rng = random.Random(7)
     floors: list[list[float]] = [[] for _ in clients]
     times: list[list[float]] = [[] for _ in clients]
-    try:
-        one = [block_hash(0)]
-        for k in range(lookups // 4 + 50):  # the fixed cost of one Lookup call (1 block)
-            for client, floor in zip(clients, floors):
-                t = time.perf_counter()
-                client.lookup(layout, block_hashes=one)
-                if k >= 50:
-                    floor.append(time.perf_counter() - t)
-        for k in range(lookups + 100):
-            c = rng.randrange(chains)
-            hashes = [block_hash(j) for j in range(c * CHAIN, (c + 1) * CHAIN)]
-            for client, spent in zip(clients, times):
-                t = time.perf_counter()
-                r = client.lookup(layout, block_hashes=hashes)
-                dt = time.perf_counter() - t
-                if r.num_blocks != CHAIN:
-                    raise RuntimeError(f"chain {c}: lookup found {r.num_blocks} of {CHAIN} blocks")
-                if k >= 100:  # warm-up excluded
-                    spent.append(dt)
-    finally:
-        for client in clients:
-            client.close()
+    one = [block_hash(0)]
+    for k in range(lookups // 4 + 50):  # the fixed cost of one Lookup call (1 block)
+        for client, floor in zip(clients, floors):
+            t = time.perf_counter()
+            client.lookup(layout, block_hashes=one)
+            if k >= 50:
+                floor.append(time.perf_counter() - t)
+    for k in range(lookups + 100):
+        c = rng.randrange(chains)
+        hashes = [block_hash(j) for j in range(c * CHAIN, (c + 1) * CHAIN)]
+        for client, spent in zip(clients, times):
+            t = time.perf_counter()
+            r = client.lookup(layout, block_hashes=hashes)
+            dt = time.perf_counter() - t
+            check_found(r, c)
+            if k >= 100:  # warm-up excluded
+                spent.append(dt)
     return list(zip(floors, times))
+
+
+def time_closed_loop(clients: list[Any], layout: Any, n: int, lookups: int, run: int = 200) -> list[list[float]]:
+    """Closed loop: for each client, seconds per `lookup` of a random existing 1,000-block
+    chain, each call sent as soon as the previous answer is in (chains built in advance).
+    The clients take turns run by run (`run` calls back to back each), so each sees the
+    same phases of a shared machine; the first run of each is warm-up."""
+    rng = random.Random(11)
+    picks = [rng.randrange(n // CHAIN) for _ in range(min(lookups, 500))]
+    chains = [(c, [block_hash(j) for j in range(c * CHAIN, (c + 1) * CHAIN)]) for c in picks]
+    times: list[list[float]] = [[] for _ in clients]
+    k = 0
+    for r in range(lookups // run + 1):
+        for client, spent in zip(clients, times):
+            for i in range(run):
+                c, hashes = chains[(k + i) % len(chains)]
+                t = time.perf_counter()
+                res = client.lookup(layout, block_hashes=hashes)
+                dt = time.perf_counter() - t
+                check_found(res, c)
+                if r:
+                    spent.append(dt)
+        k += run
+    return times
+
+
+def check_found(result: Any, chain: int) -> None:
+    if result.num_blocks != CHAIN:
+        raise RuntimeError(f"chain {chain}: lookup found {result.num_blocks} of {CHAIN} blocks")
 
 
 ECHO_SERVER = """
@@ -234,10 +264,15 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
         # The SDK's default path (the daemon's local control lane) and gRPC on the same
         # socket, taking turns over the same chains.
         # And the floor: the same bytes through a Unix socket to a process that does nothing.
-        (floor, times), (floor_grpc, times_grpc), (_, times_echo) = time_lookups(
-            [Client(f"unix:{daemon.socket}", data_plane="grpc"),
-             Client(f"unix:{daemon.socket}", data_plane="grpc", control_plane="grpc"),
-             EchoClient(workdir)], layout, n, lookups)
+        clients = [Client(f"unix:{daemon.socket}", data_plane="grpc"),
+                   Client(f"unix:{daemon.socket}", data_plane="grpc", control_plane="grpc"),
+                   EchoClient(workdir)]
+        try:
+            times, times_grpc, times_echo = time_closed_loop(clients, layout, n, lookups)
+            (floor, paced), (floor_grpc, paced_grpc), (_, paced_echo) = time_lookups(clients, layout, n, lookups)
+        finally:
+            for client in clients:
+                client.close()
         server = daemon.command(f"lookups {n} {CHAIN} {lookups // 4}")
         collector = daemon.command("gc")
         evicted = daemon.command(f"fill {n} {evict_blocks} {CHAIN}")
@@ -260,6 +295,12 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
             "echo_p99_us": percentile(times_echo, 0.99) * 1e6,
             "lookup_p50_vs_echo": percentile(times, 0.50) / percentile(times_echo, 0.50),
             "lookup_p99_vs_echo": percentile(times, 0.99) / percentile(times_echo, 0.99),
+            "lookup_paced_p50_us": percentile(paced, 0.50) * 1e6,
+            "lookup_paced_p99_us": percentile(paced, 0.99) * 1e6,
+            "lookup_grpc_paced_p50_us": percentile(paced_grpc, 0.50) * 1e6,
+            "lookup_grpc_paced_p99_us": percentile(paced_grpc, 0.99) * 1e6,
+            "echo_paced_p50_us": percentile(paced_echo, 0.50) * 1e6,
+            "echo_paced_p99_us": percentile(paced_echo, 0.99) * 1e6,
             **server,
             **collector,
             # CPU time of the daemon process: what the metadata costs, undisturbed by other
@@ -371,12 +412,16 @@ def plot(rows: list[dict[str, Any]], ssd: dict[str, Any], path: str) -> None:
     fig, axes = plt.subplots(2, 3, figsize=(14, 8))
     # With no N measured (an SSD-rebuild-only run) only the rebuild panel has data.
     for ax, (key, title, target) in zip(axes.flat, figures if rows else []):
-        ax.plot(ns, [r[key] for r in rows], "o-", label="SDK over the socket" if key.startswith("lookup") else None)
+        ax.plot(ns, [r[key] for r in rows], "o-",
+                label="SDK over the socket, closed loop" if key.startswith("lookup") else None)
         if key.startswith("lookup_p"):
+            q = key.removeprefix("lookup_")
             ax.plot(ns, [r["store_" + key] for r in rows], "s--", label="Store.lookup in the daemon")
-            echo = "echo_" + key.removeprefix("lookup_")
-            if all(echo in r for r in rows):
-                ax.plot(ns, [r[echo] for r in rows], "^:", label="floor: the same bytes, echoed")
+            for name, style, label in (("echo_" + q, "^:", "floor: the same bytes, echoed"),
+                                       ("lookup_paced_" + q, "o-", "SDK, paced (idle between calls)"),
+                                       ("echo_paced_" + q, "v:", "floor, paced")):
+                if all(name in r for r in rows):
+                    ax.plot(ns, [r[name] for r in rows], style, label=label)
             ax.legend(fontsize=8)
         if target is not None:
             ax.axhline(target, color="r", ls="--", lw=1, label=f"target {target}")
@@ -424,7 +469,8 @@ def main() -> None:
     doc = {
         "fill_path": FILL_PATH,
         "lookup_path": ("kvstore.client.Client.lookup over the Unix socket (the local control lane; lookup_grpc_*: "
-                        "gRPC on the same socket), chains of 1000 existing blocks"),
+                        "gRPC on the same socket), chains of 1000 existing blocks; closed loop (each call sent "
+                        "when the previous answer is in), and *_paced_*: clients taking turns call by call"),
         "policy": args.policy,
         "block_bytes_accounted": args.block_bytes,
         "python": platform.python_version(),
@@ -436,22 +482,23 @@ def main() -> None:
         json.dump(doc, fh, indent=2)
     plot(rows, ssd, os.path.splitext(args.out)[0] + ".png")
     header = (f"{'N':>11} {'RSS B/blk':>10} {'Lookup p50':>11} {'p99 us':>8} {'echo p50':>9} {'p99 us':>7} "
-              f"{'1-blk p50':>10} "
+              f"{'paced p50':>10} {'p99 us':>8} {'echo p50':>9} {'p99 us':>7} "
               f"{'gRPC p50':>9} {'p99 us':>8} {'store p50':>10} {'p99 us':>8} {'put us/blk':>11} {'evict us/blk':>13}")
     print(header)
     for r in rows:
         print(f"{r['n_blocks']:>11,} {r['rss_bytes_per_block']:>10.0f} {r['lookup_p50_us']:>11.0f} "
               f"{r['lookup_p99_us']:>8.0f} {r['echo_p50_us']:>9.0f} {r['echo_p99_us']:>7.0f} "
-              f"{r['lookup_1block_p50_us']:>10.0f} {r['lookup_grpc_p50_us']:>9.0f} "
+              f"{r['lookup_paced_p50_us']:>10.0f} {r['lookup_paced_p99_us']:>8.0f} "
+              f"{r['echo_paced_p50_us']:>9.0f} {r['echo_paced_p99_us']:>7.0f} {r['lookup_grpc_p50_us']:>9.0f} "
               f"{r['lookup_grpc_p99_us']:>8.0f} {r['store_lookup_p50_us']:>10.0f} "
               f"{r['store_lookup_p99_us']:>8.0f} {r['put_us_per_block']:>11.2f} {r['evict_us_per_block']:>13.2f}")
     for r in rows:
         print(f"N={r['n_blocks']:,}: full GC {r['gc_full_ms']:.0f} ms wall, {r['gc_full_cpu_ms']:.0f} ms CPU, "
               f"{r['gc_tracked_objects']:,} objects tracked, {r['gc_frozen_objects']:,} frozen")
-    print("Lookup: SDK over the Unix socket (control lane), 1000-block chain; echo: the same bytes each way through "
-          "a Unix socket to a process that does nothing else (the floor, same pacing); "
-          "1-blk: the same call for one block; "
-          "gRPC: the same 1000-block lookups over gRPC on that socket; "
+    print("Lookup: SDK over the Unix socket (control lane), 1000-block chain, closed loop; echo: the same bytes "
+          "each way through a Unix socket to a process that does nothing else (the floor, measured the same way); "
+          "paced: the same calls taking turns call by call (each finds the other end idle); "
+          "gRPC: the same 1000-block lookups over gRPC on that socket, closed loop; "
           "store: Store.lookup in the daemon. put/evict: daemon CPU time per block.")
     if ssd:
         print(f"SSD rebuild of {ssd['ssd_records']:,} records: {ssd['rebuild_s_log']:.2f}s from the log, "
