@@ -1106,9 +1106,9 @@ class Store:
         st = self._tier_by_name.get(tier)
         if st is None or not st.tier.addressable:
             raise FailedPrecondition(f"this daemon has no {tier} memory tier")
-        slots: list[Slot] = []
+        slots = st.tier.allocate_many(nbytes, count)  # what fits now, in one step
         try:
-            for _ in range(count):
+            for _ in range(count - len(slots)):
                 slots.append(await self._allocate_put(nbytes, [st]))
         except BaseException:
             self.free_slots(slots)
@@ -1907,10 +1907,11 @@ class PutTxn:
                         await store._quota_room(self._info, st, self._quota_bytes)
                         store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
                         self._quota_held.append(st.name)
-            slots: list[Slot] = []
+            # What fits in the first landing tier now, in one step; then, per block, the
+            # next tier with room, or room made (no await and no coroutine where a tier has room).
+            slots: list[Slot] = landing[0].tier.allocate_many(nbytes, len(new)) if new else []
             try:
-                for _ in new:
-                    # Where a landing tier has room, no await (and no coroutine) per block.
+                for _ in range(len(new) - len(slots)):
                     slot = next((s for st in landing if (s := st.tier.allocate(nbytes)) is not None), None)
                     if slot is None:
                         slot = await store._allocate_put(nbytes, landing)

@@ -110,3 +110,20 @@ async def test_streamed_chunks_on_addressable_tiers(tier: Tier) -> None:
 def test_describe_is_strings(tier: Tier) -> None:
     facts = tier.describe()
     assert facts and all(isinstance(k, str) and isinstance(v, str) for k, v in facts.items())
+
+
+def test_allocate_many_accounts_like_allocate(tier: Tier) -> None:
+    """A batch of slots: distinct, in the tier, accounted as that many single ones, and
+    cut short (not failed) when the tier runs out; freeing them gives the room back."""
+    if not tier.addressable:
+        pytest.skip(f"{tier.name} stores whole blocks only")
+    first = tier.allocate_many(BLOCK, 10)
+    assert len(first) == 10 and len({s.offset for s in first}) == 10
+    assert all(s.tier == tier.name and s.size == tier.accounted_size(BLOCK) for s in first)
+    assert tier.used_bytes == 10 * tier.accounted_size(BLOCK) and tier.blocks == 10
+    rest = tier.allocate_many(BLOCK, 1000)
+    assert len(first) + len(rest) == CAPACITY // tier.accounted_size(BLOCK)
+    assert not tier.has_room(BLOCK) and tier.allocate_many(BLOCK, 1) == []
+    for slot in first + rest:
+        tier.free(slot)
+    assert tier.used_bytes == 0 and tier.blocks == 0

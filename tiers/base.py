@@ -83,6 +83,14 @@ class Tier(ABC):
             self._account(slot)
         return slot
 
+    def allocate_many(self, nbytes: int, count: int) -> list[Slot]:
+        """Up to `count` slots of `nbytes` (fewer when the tier runs out of room: the
+        caller evicts for the rest), as `allocate` gives them one by one."""
+        slots: list[Slot] = []
+        while len(slots) < count and (slot := self.allocate(nbytes)) is not None:
+            slots.append(slot)
+        return slots
+
     def _account(self, slot: Slot) -> None:
         self._used_bytes += slot.size
         self._blocks += 1

@@ -35,6 +35,18 @@ class SlabTier(Tier):
         size = self.accounted_size(nbytes)
         return Slot(self.name, offset, self._sizes.setdefault(size, size))
 
+    def allocate_many(self, nbytes: int, count: int) -> list[Slot]:
+        offsets = self._extents.allocate_many(nbytes, count)
+        if not offsets:
+            return []
+        size = self.accounted_size(nbytes)
+        size = self._sizes.setdefault(size, size)
+        name = self.name
+        self._used_bytes += size * len(offsets)
+        self._blocks += len(offsets)
+        assert self._used_bytes <= self.capacity_bytes, "tier accounting exceeded capacity"
+        return [Slot(name, offset, size) for offset in offsets]
+
     def _free(self, slot: Slot) -> None:
         self._extents.free(slot.offset, slot.size)
 
