@@ -179,6 +179,86 @@ e0:
     return result;
 }
 
+/* place_rows(rows, slots, h0, h1, ns_col, ns_fp, shift) -> count
+
+   Insert `rows` (i64; indexed keys absent from the table and distinct) into the key
+   slots, each at the first empty slot from its home, as `BlockTable.index_row` does one
+   row at a time: the numpy placement (`BlockTable._place`) stays as the reference and
+   the fallback. ns_fp: u64, each namespace's fingerprint by its id. The caller keeps the
+   table at most half full, so every probe ends at an empty slot. */
+static PyObject *
+place_rows(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *o_rows, *o_slots, *o_h0, *o_h1, *o_ns, *o_fp;
+    unsigned int shift;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOI", &o_rows, &o_slots, &o_h0, &o_h1, &o_ns, &o_fp, &shift))
+        return NULL;
+    Py_buffer rows, slots, h0, h1, nsc, fp;
+    if (get(o_rows, &rows, 8, 0, "rows") < 0)
+        return NULL;
+    if (get(o_slots, &slots, 8, 1, "slots") < 0)
+        goto e0;
+    if (get(o_h0, &h0, 8, 0, "h0") < 0)
+        goto e1;
+    if (get(o_h1, &h1, 8, 0, "h1") < 0)
+        goto e2;
+    if (get(o_ns, &nsc, 4, 0, "ns") < 0)
+        goto e3;
+    if (get(o_fp, &fp, 8, 0, "ns_fp") < 0)
+        goto e4;
+    Py_ssize_t n = rows.len / 8, nslots = slots.len / 8, nrows = h0.len / 8, nfp = fp.len / 8;
+    if (nslots == 0 || (nslots & (nslots - 1)) != 0 || shift == 0 || shift > 64
+        || ((Py_ssize_t)1 << (64 - shift)) != nslots || h1.len / 8 < nrows || nsc.len / 4 < nrows) {
+        PyErr_SetString(PyExc_ValueError, "the slots and columns do not describe one key table");
+        goto done;
+    }
+    {
+        const int64_t *R = (const int64_t *)rows.buf;
+        int64_t *S = (int64_t *)slots.buf;
+        const uint64_t *H0 = (const uint64_t *)h0.buf, *H1 = (const uint64_t *)h1.buf;
+        const uint64_t *FP = (const uint64_t *)fp.buf;
+        const uint32_t *NS = (const uint32_t *)nsc.buf;
+        const uint64_t mask = (uint64_t)nslots - 1;
+        /* Check everything first: a bad row must not leave the table half written. */
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if (R[j] < 0 || R[j] >= nrows || R[j] >= 0xFFFFFFFFLL || NS[R[j]] >= (uint64_t)nfp) {
+                PyErr_Format(PyExc_ValueError, "row %lld is not a row of this table", (long long)R[j]);
+                goto done;
+            }
+        }
+        for (Py_ssize_t j = 0; j < n; j++) {
+            int64_t r = R[j];
+            uint64_t hv = (H0[r] ^ FP[NS[r]] ^ (H1[r] * K1)) * C1;
+            uint64_t i = hv >> shift;
+            Py_ssize_t steps = 0;
+            while (S[i] != 0) {
+                i = (i + 1) & mask;
+                if (++steps == nslots) {
+                    PyErr_SetString(PyExc_ValueError, "the key table is full");
+                    goto done;
+                }
+            }
+            S[i] = ((int64_t)(hv & 0x7FFFFFFFULL) << 32) | (r + 1);
+        }
+        result = PyLong_FromSsize_t(n);
+    }
+done:
+    PyBuffer_Release(&fp);
+e4:
+    PyBuffer_Release(&nsc);
+e3:
+    PyBuffer_Release(&h1);
+e2:
+    PyBuffer_Release(&h0);
+e1:
+    PyBuffer_Release(&slots);
+e0:
+    PyBuffer_Release(&rows);
+    return result;
+}
+
 /* join_hashes(hashes) -> bytes | None
 
    hashes: a list or tuple. The N x 16 bytes of its items when every one is a bytes
@@ -512,6 +592,9 @@ static PyMethodDef methods[] = {
      "prefix_rows(packed, slots, h0, h1, ns_col, shift, ns, ns_fp, check_ns, out, every=False) -> count\n\n"
      "Write the rows of the longest indexed prefix of a packed chain into `out`; return its length.\n"
      "With `every`, write the row of every key (-1 where absent) and return N."},
+    {"place_rows", place_rows, METH_VARARGS,
+     "place_rows(rows, slots, h0, h1, ns_col, ns_fp, shift) -> count\n\n"
+     "Insert rows (absent, distinct keys) into the key slots at the first empty slot from each home."},
     {"join_hashes", join_hashes, METH_O,
      "join_hashes(hashes) -> bytes | None\n\n"
      "The items packed (N x 16 bytes) if each is a 16-byte bytes object, else None."},

@@ -48,6 +48,9 @@ from kvstore.tiers.base import Slot
 
 from kvstore.native import native as _native  # the compiled chain probe; `find_rows` serves without it
 PROBE_COMPILED = _native is not None
+# Whether rows enter the key table through the compiled placement (tests turn it off to
+# check the numpy one, which stays the reference).
+PLACE_COMPILED = True
 
 HASH_BYTES = 16
 KEY_BYTES = 2 * HASH_BYTES
@@ -343,9 +346,15 @@ class BlockTable:
         return ((hv & np.uint64(0x7FFFFFFF)).astype(np.int64) << 32) | (rows + 1)
 
     def _place(self, rows: I64) -> None:
-        """Insert rows known to be absent, all at once: each round, every pending row tries
-        its next slot; of rows that want the same empty slot, the first wins."""
+        """Insert rows known to be absent, all at once. Compiled: each at the first empty
+        slot from its home, row after row, as `index_row` does (at 32 rows, about 5 us
+        against 150). Otherwise in numpy rounds: each round, every pending row tries its
+        next slot; of rows that want the same empty slot, the first wins."""
         if not len(rows):
+            return
+        if PLACE_COMPILED and _native is not None:
+            _native.place_rows(np.ascontiguousarray(rows, np.int64), self._slots, self.h0, self.h1, self.ns,
+                               self.ns_fp, self._shift)
             return
         slots, mask = self._slots, self._mask
         hv = self._hash_of_rows(rows)

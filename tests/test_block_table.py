@@ -227,3 +227,57 @@ def test_weak_hashes_are_found() -> None:
     entries = [ready(index, NS_A + struct.pack("<QQ", 0, i << 40)) for i in range(4096)]
     rows = index.prefix_rows(NS_A, b"".join(struct.pack("<QQ", 0, i << 40) for i in range(4096)))
     assert rows.tolist() == [e.row for e in entries]
+
+
+def _ready_entry(index: BlockIndex, k: bytes) -> BlockEntry:
+    e = index.new_entry(k, None, 64, 7)
+    e.add_slot(Slot("host", 0, 64))
+    e.state = BlockState.READY
+    return e
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_batches_placed_compiled_or_in_numpy_are_all_found(compiled: bool, monkeypatch) -> None:
+    """Puts publish their blocks in batches (`add_many` -> `_place`), removals punch holes
+    (backward-shift deletion), growth re-places everything: with either placement, every
+    key is found at its own row and removed keys are not."""
+    import random
+
+    import kvstore.table
+
+    monkeypatch.setattr(kvstore.table, "PLACE_COMPILED", compiled)
+    rng = random.Random(5)
+    index = BlockIndex(BlockTable(16))
+    model: dict[bytes, BlockEntry] = {}
+    for step in range(60):
+        ns = rng.choice([NS_A, NS_B])
+        batch = [key(ns, i) for i in rng.sample(range(5000), 40)]
+        batch = [k for k in dict.fromkeys(batch) if k not in model]
+        entries = [_ready_entry(index, k) for k in batch]
+        index.add_many(entries)
+        model.update(zip(batch, entries))
+        for k in rng.sample(list(model), min(len(model), 15)):
+            assert index.remove(k) is not None
+            del model[k]
+    for ns in (NS_A, NS_B):
+        hashes = [h(i) for i in range(5000)]
+        q = np.frombuffer(b"".join(hashes), "<u8")
+        nsid = index.table.known_ns(ns)
+        rows = index.table.find_rows(nsid, q[0::2].copy(), q[1::2].copy()).tolist()
+        want = [model[key(ns, i)].row if key(ns, i) in model else -1 for i in range(5000)]
+        assert rows == want
+        assert rows == index.table.find_rows(nsid, q[0::2], q[1::2], compiled=False).tolist()
+    assert len(index) == len(model)
+
+
+def test_compiled_placement_refuses_rows_outside_the_table() -> None:
+    from kvstore.native import native
+
+    t = BlockTable(16)
+    before = t._slots.copy()
+    for bad in ([0, -1], [0, len(t.h0)]):
+        with pytest.raises(ValueError, match="not a row of this table"):
+            native.place_rows(np.array(bad, np.int64), t._slots, t.h0, t.h1, t.ns, t.ns_fp, t._shift)
+        assert np.array_equal(t._slots, before)  # nothing written
+    with pytest.raises(ValueError, match="one key table"):
+        native.place_rows(np.zeros(1, np.int64), t._slots, t.h0, t.h1, t.ns, t.ns_fp, t._shift + 1)
