@@ -259,6 +259,100 @@ e0:
     return result;
 }
 
+/* unindex_rows(rows, slots, h0, h1, ns_col, ns_fp, shift) -> count
+
+   Take `rows` (i64, each indexed) out of the key slots by backward-shift deletion, one
+   after another, as `BlockTable.unindex_row` does: an entry after the hole moves back
+   into it unless its home lies cyclically in (hole, entry]. Arguments as `place_rows`. */
+static PyObject *
+unindex_rows(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *o_rows, *o_slots, *o_h0, *o_h1, *o_ns, *o_fp;
+    unsigned int shift;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOI", &o_rows, &o_slots, &o_h0, &o_h1, &o_ns, &o_fp, &shift))
+        return NULL;
+    Py_buffer rows, slots, h0, h1, nsc, fp;
+    if (get(o_rows, &rows, 8, 0, "rows") < 0)
+        return NULL;
+    if (get(o_slots, &slots, 8, 1, "slots") < 0)
+        goto e0;
+    if (get(o_h0, &h0, 8, 0, "h0") < 0)
+        goto e1;
+    if (get(o_h1, &h1, 8, 0, "h1") < 0)
+        goto e2;
+    if (get(o_ns, &nsc, 4, 0, "ns") < 0)
+        goto e3;
+    if (get(o_fp, &fp, 8, 0, "ns_fp") < 0)
+        goto e4;
+    Py_ssize_t n = rows.len / 8, nslots = slots.len / 8, nrows = h0.len / 8, nfp = fp.len / 8;
+    if (nslots == 0 || (nslots & (nslots - 1)) != 0 || shift == 0 || shift > 64
+        || ((Py_ssize_t)1 << (64 - shift)) != nslots || h1.len / 8 < nrows || nsc.len / 4 < nrows) {
+        PyErr_SetString(PyExc_ValueError, "the slots and columns do not describe one key table");
+        goto done;
+    }
+    {
+        const int64_t *R = (const int64_t *)rows.buf;
+        int64_t *S = (int64_t *)slots.buf;
+        const uint64_t *H0 = (const uint64_t *)h0.buf, *H1 = (const uint64_t *)h1.buf;
+        const uint64_t *FP = (const uint64_t *)fp.buf;
+        const uint32_t *NS = (const uint32_t *)nsc.buf;
+        const uint64_t mask = (uint64_t)nslots - 1;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if (R[j] < 0 || R[j] >= nrows || NS[R[j]] >= (uint64_t)nfp) {
+                PyErr_Format(PyExc_ValueError, "row %lld is not a row of this table", (long long)R[j]);
+                goto done;
+            }
+        }
+        for (Py_ssize_t j = 0; j < n; j++) {
+            int64_t r = R[j];
+            uint64_t i = ((H0[r] ^ FP[NS[r]] ^ (H1[r] * K1)) * C1) >> shift;
+            Py_ssize_t steps = 0;
+            while ((S[i] & 0xFFFFFFFFLL) != r + 1) {
+                if (S[i] == 0 || ++steps == nslots) {
+                    PyErr_Format(PyExc_ValueError, "row %lld is not indexed", (long long)r);
+                    goto done;
+                }
+                i = (i + 1) & mask;
+            }
+            uint64_t hole = i, k = i;
+            for (;;) {
+                k = (k + 1) & mask;
+                int64_t e = S[k];
+                if (e == 0)
+                    break;
+                int64_t er = (e & 0xFFFFFFFFLL) - 1;
+                if (er < 0 || er >= nrows || NS[er] >= (uint64_t)nfp) {
+                    PyErr_SetString(PyExc_ValueError, "the key table names a row outside its columns");
+                    goto done;
+                }
+                uint64_t home = ((H0[er] ^ FP[NS[er]] ^ (H1[er] * K1)) * C1) >> shift;
+                /* Move back into the hole unless home lies cyclically in (hole, k]. */
+                if ((hole < k && (home <= hole || home > k)) || (hole > k && (home <= hole && home > k))) {
+                    S[hole] = e;
+                    hole = k;
+                }
+            }
+            S[hole] = 0;
+        }
+        result = PyLong_FromSsize_t(n);
+    }
+done:
+    PyBuffer_Release(&fp);
+e4:
+    PyBuffer_Release(&nsc);
+e3:
+    PyBuffer_Release(&h1);
+e2:
+    PyBuffer_Release(&h0);
+e1:
+    PyBuffer_Release(&slots);
+e0:
+    PyBuffer_Release(&rows);
+    return result;
+}
+
 /* join_hashes(hashes) -> bytes | None
 
    hashes: a list or tuple. The N x 16 bytes of its items when every one is a bytes
@@ -595,6 +689,9 @@ static PyMethodDef methods[] = {
     {"place_rows", place_rows, METH_VARARGS,
      "place_rows(rows, slots, h0, h1, ns_col, ns_fp, shift) -> count\n\n"
      "Insert rows (absent, distinct keys) into the key slots at the first empty slot from each home."},
+    {"unindex_rows", unindex_rows, METH_VARARGS,
+     "unindex_rows(rows, slots, h0, h1, ns_col, ns_fp, shift) -> count\n\n"
+     "Take indexed rows out of the key slots by backward-shift deletion."},
     {"join_hashes", join_hashes, METH_O,
      "join_hashes(hashes) -> bytes | None\n\n"
      "The items packed (N x 16 bytes) if each is a 16-byte bytes object, else None."},

@@ -76,6 +76,8 @@ FETCH_INLINE_BYTES = 4 * 1024 * 1024
 FETCH_AHEAD_BYTES = 8 * 1024 * 1024
 # How many blocks the SSD writer has in flight at once (its I/O pool does the work).
 SSD_WRITE_CONCURRENCY = 8
+# Victims evicted together when room is made for several blocks (`Store._evict_some`).
+EVICT_BATCH = 32
 
 
 class WritePolicy(enum.Enum):
@@ -826,13 +828,71 @@ class Store:
                 return slot
             await self._evict_one(st, entry.nbytes)
 
-    async def _allocate(self, st: StoreTier, nbytes: int) -> Slot:
-        """An empty slot in addressable tier `st`, demoting victims until one fits."""
+    async def _allocate(self, st: StoreTier, nbytes: int, want: int = 1) -> Slot:
+        """An empty slot in addressable tier `st`, demoting victims until one fits; `want`:
+        how many slots the caller is about to take, so that room for them is made at once."""
         while True:
             slot = st.tier.allocate(nbytes)
             if slot is not None:
                 return slot
-            await self._evict_one(st, nbytes)
+            await self._evict_some(st, nbytes, want)
+
+    async def _evict_some(self, st: StoreTier, nbytes: int, count: int) -> None:
+        """Make progress towards room for `count` blocks in `st`: where `st` is the last tier,
+        drop up to `count` victims in one batch (`_drop_last_copies`); otherwise, or for a
+        victim that is not simply the only copy of an indexed block, one `_evict_one` step."""
+        if count > 1 and self._below(st) is None and st is not self.ssd:
+            rows = self._take_victims(st, min(count, EVICT_BATCH))
+            if rows:
+                self._drop_last_copies(st, rows)
+                return
+        await self._evict_one(st, nbytes)
+
+    def _take_victims(self, st: StoreTier, count: int) -> list[int]:
+        """Up to `count` rows of the policy's victims in order, each taken out of the policy,
+        stopping before the first that `_drop_last_copies` cannot drop."""
+        t = self._index.table
+        tid = self._tier_ids[st.name]
+        rows: list[int] = []
+        policy = st.policy
+        for _ in range(count):
+            row = policy.victim_row(self._evictable_row)
+            if row is None or t.vlt[row, 1] or t.vlt[row, 0] != tid:
+                break
+            policy.remove_row(row)
+            rows.append(row)
+        return rows
+
+    def _drop_last_copies(self, st: StoreTier, taken: list[int]) -> None:
+        """Evict rows from the last tier `st`, each the only copy of an indexed block with no
+        reader and already out of `st`'s policy (`_take_victims`): `_drop_last_copy` for
+        many, with the table, the accounting and the events updated once per batch."""
+        t = self._index.table
+        rows = np.array(taken, np.int64)
+        nbytes = t.nbytes[rows].astype(np.int64)
+        offsets, sizes = t.lo[rows, 0].tolist(), t.ls[rows, 0].tolist()
+        t.lt[rows, 0] = 0
+        free = st.tier.free
+        name = st.name
+        for offset, size in zip(offsets, sizes):
+            free(Slot(name, offset, size))
+        ns = t.ns[rows]
+        hashes = [k[HASH_BYTES:] for k in t.keys(rows)] if self.observer is not None else []
+        t.unindex_rows(rows)
+        for n in np.unique(ns).tolist():
+            sel = ns == n
+            ns_id = t.ns_bytes[n]
+            gone = int(nbytes[sel].sum())
+            info = self._namespaces.get(ns_id)
+            if info is not None:
+                self.tenancy.add(info.tenant, name, -gone)
+                info.blocks -= int(sel.sum())
+                info.bytes -= gone
+            if self.observer is not None:
+                self.observer.blocks_removed(ns_id, [hashes[i] for i in np.flatnonzero(sel).tolist()], name)
+        st.counters.evictions += len(rows)
+        st.counters.drops += len(rows)
+        self.counters.evictions += len(rows)
 
     async def _evict_one(self, st: StoreTier, nbytes: int) -> None:
         """Make progress towards room in `st`: demote one victim, or empty one SSD region."""
@@ -1108,8 +1168,9 @@ class Store:
             raise FailedPrecondition(f"this daemon has no {tier} memory tier")
         slots = st.tier.allocate_many(nbytes, count)  # what fits now, in one step
         try:
-            for _ in range(count - len(slots)):
-                slots.append(await self._allocate_put(nbytes, [st]))
+            while len(slots) < count:
+                slots.append(await self._allocate_put(nbytes, [st], count - len(slots)))
+                slots += st.tier.allocate_many(nbytes, count - len(slots))  # the rest of the room made
         except BaseException:
             self.free_slots(slots)
             raise
@@ -1133,9 +1194,10 @@ class Store:
     async def _make_room(self, st: StoreTier, nbytes: int, block_bytes: int) -> None:
         await asyncio.sleep(0)  # after the answer that asked for it has gone out
         try:
-            while st.tier.capacity_bytes - st.tier.used_bytes < nbytes:
-                await self._evict_one(st, block_bytes)
-                await asyncio.sleep(0)  # one eviction at a time: calls in between go first
+            while (short := nbytes - (st.tier.capacity_bytes - st.tier.used_bytes)) > 0:
+                # A few blocks at a time: calls in between go first.
+                await self._evict_some(st, block_bytes, min(EVICT_BATCH, -(-short // block_bytes)))
+                await asyncio.sleep(0)
         except ResourceExhausted:
             pass  # nothing evictable now: the next put makes its own room, or says why not
         except Exception:  # task boundary: a failed eviction is the next put's to meet
@@ -1151,9 +1213,9 @@ class Store:
             return self.memory_tiers
         return [self._tier_by_name[self.migration.put_tier]]
 
-    async def _allocate_put(self, nbytes: int, landing: list[StoreTier]) -> Slot:
+    async def _allocate_put(self, nbytes: int, landing: list[StoreTier], want: int = 1) -> Slot:
         """A PENDING slot for a new block: the highest landing tier with room, else make room
-        in the first one."""
+        in the first one (for `want` blocks: the caller's next ones take the rest)."""
         for st in landing:
             slot = st.tier.allocate(nbytes)
             if slot is not None:
@@ -1162,10 +1224,10 @@ class Store:
         # of concurrent puts, which nothing can evict.
         for st in landing[:-1]:
             try:
-                return await self._allocate(st, nbytes)
+                return await self._allocate(st, nbytes, want)
             except ResourceExhausted:
                 continue
-        return await self._allocate(landing[-1], nbytes)
+        return await self._allocate(landing[-1], nbytes, want)
 
     def _publish(self, entries: list[BlockEntry]) -> None:
         through = self.ssd is not None and self.migration.write_policy is WritePolicy.THROUGH
@@ -1911,10 +1973,10 @@ class PutTxn:
             # next tier with room, or room made (no await and no coroutine where a tier has room).
             slots: list[Slot] = landing[0].tier.allocate_many(nbytes, len(new)) if new else []
             try:
-                for _ in range(len(new) - len(slots)):
+                for k in range(len(slots), len(new)):
                     slot = next((s for st in landing if (s := st.tier.allocate(nbytes)) is not None), None)
                     if slot is None:
-                        slot = await store._allocate_put(nbytes, landing)
+                        slot = await store._allocate_put(nbytes, landing, len(new) - k)
                         if self._done:  # aborted while making room
                             store._tier_by_name[slot.tier].tier.free(slot)
                             raise FailedPrecondition("this put was aborted")

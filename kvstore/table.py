@@ -535,6 +535,22 @@ class BlockTable:
         self.vflags[row] = (self.vflags[row] & ~INDEXED) | REMOVED
         self._push("dead", row)
 
+    def unindex_rows(self, rows: I64) -> None:
+        """`unindex_row` of each row (indexed, distinct), in compiled code where it was built."""
+        if not len(rows):
+            return
+        if not (PLACE_COMPILED and _native is not None):
+            for row in rows.tolist():
+                self.unindex_row(row)
+            return
+        assert np.all(self.flags[rows] & INDEXED), "only indexed rows are unindexed"
+        _native.unindex_rows(np.ascontiguousarray(rows, np.int64), self._slots, self.h0, self.h1, self.ns,
+                             self.ns_fp, self._shift)
+        self.count -= len(rows)
+        self.flags[rows] = (self.flags[rows] & ~np.uint8(INDEXED)) | REMOVED
+        for row in rows.tolist():
+            self._push("dead", row)
+
     def indexed_rows(self) -> I64:
         """Every published row, in row order."""
         return np.flatnonzero(self.flags[: self.high] & INDEXED).astype(np.int64)

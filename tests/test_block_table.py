@@ -238,9 +238,10 @@ def _ready_entry(index: BlockIndex, k: bytes) -> BlockEntry:
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_batches_placed_compiled_or_in_numpy_are_all_found(compiled: bool, monkeypatch) -> None:
-    """Puts publish their blocks in batches (`add_many` -> `_place`), removals punch holes
-    (backward-shift deletion), growth re-places everything: with either placement, every
-    key is found at its own row and removed keys are not."""
+    """Puts publish their blocks in batches (`add_many` -> `_place`), removals one at a
+    time and in batches punch holes (backward-shift deletion), growth re-places
+    everything: compiled or not, every key is found at its own row and removed keys are
+    not."""
     import random
 
     import kvstore.table
@@ -256,9 +257,12 @@ def test_batches_placed_compiled_or_in_numpy_are_all_found(compiled: bool, monke
         entries = [_ready_entry(index, k) for k in batch]
         index.add_many(entries)
         model.update(zip(batch, entries))
-        for k in rng.sample(list(model), min(len(model), 15)):
+        for k in rng.sample(list(model), min(len(model), 8)):
             assert index.remove(k) is not None
             del model[k]
+        # Evictions take many rows out at once (`unindex_rows`).
+        gone = rng.sample(list(model), min(len(model), 8))
+        index.table.unindex_rows(np.array([model.pop(k).row for k in gone], np.int64))
     for ns in (NS_A, NS_B):
         hashes = [h(i) for i in range(5000)]
         q = np.frombuffer(b"".join(hashes), "<u8")
@@ -273,11 +277,16 @@ def test_batches_placed_compiled_or_in_numpy_are_all_found(compiled: bool, monke
 def test_compiled_placement_refuses_rows_outside_the_table() -> None:
     from kvstore.native import native
 
-    t = BlockTable(16)
+    index = BlockIndex(BlockTable(16))
+    entry = ready(index, key(NS_A, 1))
+    t = index.table
     before = t._slots.copy()
-    for bad in ([0, -1], [0, len(t.h0)]):
-        with pytest.raises(ValueError, match="not a row of this table"):
-            native.place_rows(np.array(bad, np.int64), t._slots, t.h0, t.h1, t.ns, t.ns_fp, t._shift)
-        assert np.array_equal(t._slots, before)  # nothing written
+    for bad in ([entry.row, -1], [entry.row, len(t.h0)]):
+        for compiled in (native.place_rows, native.unindex_rows):
+            with pytest.raises(ValueError, match="not a row of this table"):
+                compiled(np.array(bad, np.int64), t._slots, t.h0, t.h1, t.ns, t.ns_fp, t._shift)
+            assert np.array_equal(t._slots, before)  # nothing written
+    with pytest.raises(ValueError, match="not indexed"):
+        native.unindex_rows(np.array([entry.row + 1], np.int64), t._slots, t.h0, t.h1, t.ns, t.ns_fp, t._shift)
     with pytest.raises(ValueError, match="one key table"):
         native.place_rows(np.zeros(1, np.int64), t._slots, t.h0, t.h1, t.ns, t.ns_fp, t._shift + 1)

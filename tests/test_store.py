@@ -299,3 +299,61 @@ def test_without_an_event_loop_a_lookup_touches_at_once() -> None:
     st = store.tiers[0]
     assert store.lookup(LAYOUT.namespace_id, chain(2)).num_blocks == 2
     assert st._touches == []
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.removed: list[tuple[bytes, bytes, str]] = []
+
+    def blocks_stored(self, namespace_id, block_hashes, tier):
+        pass
+
+    def blocks_removed(self, namespace_id, block_hashes, tier):
+        self.removed += [(namespace_id, h, tier) for h in block_hashes]
+
+    def blocks_moved(self, namespace_id, block_hashes, from_tier, to_tier):
+        pass
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "hint-arc", "s3fifo"])
+async def test_a_batch_eviction_drops_what_single_evictions_would(policy):
+    """Room for several blocks made in one batch (`reserve_slots`) against the same room
+    made one eviction at a time, on two stores given the same puts and lookups: the same
+    victims in the same order, the same counters, tenant usage, namespace totals and
+    events, and every block left fetches exactly."""
+    from kvstore.policies import make_policy
+
+    stores, events = [], []
+    for _ in range(2):
+        tier = HostTier(12 * BLOCK)
+        store = Store([StoreTier(tier, make_policy(policy))], clock=ManualClock(1000.0))
+        store.observer = _Events()
+        stores.append(store)
+        events.append(store.observer)
+    chains = [chain(3, start=100 * i) for i in range(4)]
+    payloads = {}
+    for store in stores:
+        for c in chains:
+            _, data = await put(store, c, [os.urandom(BLOCK) for _ in c])
+            payloads.setdefault(store, []).append(data)
+        store.lookup(LAYOUT.namespace_id, chains[1])  # a touch: chain 1 is not the oldest any more
+        store.lookup(LAYOUT.namespace_id, chains[0][:1])
+    batch, single = stores
+    st_b, st_s = batch.tiers[0], single.tiers[0]
+    slots = await batch.reserve_slots("host", BLOCK, 5)
+    assert len(slots) == 5 and st_b.counters.evictions == 5
+    for _ in range(5):
+        await single._evict_one(st_s, BLOCK)
+    assert events[0].removed == events[1].removed and len(events[0].removed) == 5
+    assert (st_b.counters.evictions, st_b.counters.drops) == (st_s.counters.evictions, st_s.counters.drops) == (5, 5)
+    assert batch.counters.evictions == single.counters.evictions == 5
+    info_b, info_s = batch.namespace(LAYOUT.namespace_id), single.namespace(LAYOUT.namespace_id)
+    assert batch.tenancy.usage(info_b.tenant) == single.tenancy.usage(info_s.tenant) == {"host": 7 * BLOCK}
+    assert (info_b.blocks, info_b.bytes) == (info_s.blocks, info_s.bytes) == (7, 7 * BLOCK)
+    assert st_b.tier.used_bytes == 12 * BLOCK and st_s.tier.used_bytes == 7 * BLOCK
+    for c, data_b, data_s in zip(chains, payloads[batch], payloads[single]):
+        held = batch.lookup(LAYOUT.namespace_id, c).num_blocks
+        assert held == single.lookup(LAYOUT.namespace_id, c).num_blocks
+        assert await fetch_all(batch, c[:held]) == data_b[:held]
+    batch.free_slots(slots)
+    assert st_b.tier.used_bytes == 7 * BLOCK
