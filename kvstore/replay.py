@@ -357,11 +357,16 @@ async def _drive_store(
                 await txn.commit(checksums=[0] * len(put))
         h = hints[i]
         if h is not None:
+            # Through the store's tier, which brings the policy up to date first (its
+            # touches and inserts reach it after each call returns), as the daemon does.
             if h.expect_reuse_within_s is None:
-                policy.end_session(h.session_id)
+                store.tiers[0].policy.end_session(h.session_id)
             else:
                 keys = [make_key(ns, b) for b in hashes[: h.blocks]]
-                policy.hint(keys, h.session_id, h.expect_reuse_within_s)
+                store.tiers[0].policy.hint(keys, h.session_id, h.expect_reuse_within_s)
+        # The request's touches and inserts reach the policy before the next request's
+        # bookkeeping (the daemon applies them right after each answer).
+        store.tiers[0].apply_deferred()
         if progress is not None and i % 500 == 0:
             progress(i)
     store.close()

@@ -163,8 +163,8 @@ class StoreCounters:
     local_bytes_out: int = 0
 
 
-# Lookups whose touches may wait for the loop (see `StoreTier.defer_touch`).
-TOUCHES_QUEUED_MAX = 64
+# Policy calls that may wait for the loop (see `StoreTier.defer_touch`).
+DEFERRED_MAX = 64
 
 
 class StoreTier:
@@ -173,15 +173,15 @@ class StoreTier:
     Watermarks are fractions of capacity: over `high_watermark` the migrator demotes
     until the tier is at or under `low_watermark`.
 
-    A lookup's hits reach the policy after its answer has gone out (`defer_touch`): the
-    touch is queued and applied by a loop callback, or at the latest by the next use of
-    `policy`, which applies whatever is queued first. So the policy sees exactly the
-    same calls in the same order as if each touch had been made on the spot; only the
-    reply no longer waits for it.
+    A lookup's hits and a put's new blocks reach the policy after the answer has gone out
+    (`defer_touch`, `defer_insert`): the call is queued and applied by a loop callback,
+    or at the latest by the next use of `policy`, which applies whatever is queued
+    first. So the policy sees exactly the same calls in the same order as if each had
+    been made on the spot; only the reply no longer waits for them.
     """
 
     __slots__ = ("tier", "_policy", "high_watermark", "low_watermark", "counters", "draining",
-                 "_touches", "_flush_scheduled")
+                 "_deferred", "_flush_scheduled")
 
     def __init__(self, tier: Tier, policy: EvictionPolicy, high_watermark: float = 0.95,
                  low_watermark: float = 0.85) -> None:
@@ -196,7 +196,7 @@ class StoreTier:
         self.low_watermark = low_watermark
         self.counters = TierCounters()
         self.draining = False
-        self._touches: list[np.ndarray[Any, Any]] = []
+        self._deferred: list[tuple[bool, np.ndarray[Any, Any]]] = []  # (insert, rows), in call order
         self._flush_scheduled = False
 
     def __repr__(self) -> str:
@@ -208,33 +208,43 @@ class StoreTier:
 
     @property
     def policy(self) -> EvictionPolicy:
-        """The tier's policy, with every deferred touch applied."""
-        if self._touches:
-            self.apply_touches()
+        """The tier's policy, with every deferred touch and insert applied."""
+        if self._deferred:
+            self.apply_deferred()
         return self._policy
 
     def defer_touch(self, rows: np.ndarray[Any, Any]) -> None:
         """`policy.touch_rows(rows)`, applied soon after the running callback (at once
         when no event loop runs), and in any case before the policy is used again."""
-        self._touches.append(rows)
-        if len(self._touches) >= TOUCHES_QUEUED_MAX:
-            self.apply_touches()  # many calls answered in one callback: catch up now
+        self._defer(False, rows)
+
+    def defer_insert(self, rows: np.ndarray[Any, Any]) -> None:
+        """`policy.insert_rows(rows)`, deferred as `defer_touch` is."""
+        self._defer(True, rows)
+
+    def _defer(self, insert: bool, rows: np.ndarray[Any, Any]) -> None:
+        self._deferred.append((insert, rows))
+        if len(self._deferred) >= DEFERRED_MAX:
+            self.apply_deferred()  # many calls answered in one callback: catch up now
             return
         if self._flush_scheduled:
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            self.apply_touches()
+            self.apply_deferred()
             return
         self._flush_scheduled = True
-        loop.call_soon(self.apply_touches)
+        loop.call_soon(self.apply_deferred)
 
-    def apply_touches(self) -> None:
+    def apply_deferred(self) -> None:
         self._flush_scheduled = False
-        touches, self._touches = self._touches, []
-        for rows in touches:
-            self._policy.touch_rows(rows)
+        touches, self._deferred = self._deferred, []
+        for insert, rows in touches:
+            if insert:
+                self._policy.insert_rows(rows)
+            else:
+                self._policy.touch_rows(rows)
 
 
 @dataclass(slots=True, eq=False)
@@ -1252,8 +1262,8 @@ class Store:
             if not has.any():
                 continue
             self.tenancy.add(info.tenant, st.name, int(nbytes[::-1][has].sum()))
-            # Tail first, for the same reason as in `lookup`.
-            st.policy.insert_rows(tail_first[has])
+            # Tail first, for the same reason as in `lookup`; after the answer (`defer_insert`).
+            st.defer_insert(tail_first[has])
         if self.observer is not None:
             tops = self._top_ids(rows)
             hashes = [k[HASH_BYTES:] for k in t.keys(rows)]

@@ -293,12 +293,46 @@ async def test_a_lookups_touch_waits_for_the_reply_but_never_for_the_policys_nex
     assert store.lookup(LAYOUT.namespace_id, b).num_blocks == 0
 
 
+async def test_a_puts_insert_reaches_the_policy_after_the_reply_and_in_call_order():
+    """New blocks enter the policy after the commit returns, queued with lookups' touches
+    in the order of the calls; anything that uses the policy first applies the queue, so
+    an eviction before the loop runs still sees every put and touch."""
+    calls: list[tuple[str, list[int]]] = []
+
+    class Recording(LRUPolicy):
+        def insert_rows(self, rows):
+            calls.append(("insert", rows.tolist()))
+            super().insert_rows(rows)
+
+        def touch_rows(self, rows):
+            calls.append(("touch", rows.tolist()))
+            super().touch_rows(rows)
+
+    store = Store([StoreTier(HostTier(4 * BLOCK), Recording())], clock=ManualClock(1000.0))
+    a, b, c = chain(2, 0), chain(2, 100), chain(2, 200)
+    await put(store, a)
+    assert calls == []  # not yet: the caller answers first
+    await asyncio.sleep(0)
+    ns = store.namespace(LAYOUT.namespace_id).namespace_id
+    rows = {h: store._index.get(ns + h).row for h in a}
+    assert calls == [("insert", [rows[a[1]], rows[a[0]]])]  # tail first
+    await put(store, b)
+    assert store.lookup(LAYOUT.namespace_id, a).num_blocks == 2  # a touched after b's insert
+    rows.update({h: store._index.get(ns + h).row for h in b})
+    # Before the loop runs, c needs room: the queue is applied first, in call order, so b
+    # (least recently used) is evicted, not a.
+    await put(store, c)
+    assert calls[1:3] == [("insert", [rows[b[1]], rows[b[0]]]), ("touch", [rows[a[1]], rows[a[0]]])]
+    assert store.lookup(LAYOUT.namespace_id, a).num_blocks == 2
+    assert store.lookup(LAYOUT.namespace_id, b).num_blocks == 0
+
+
 def test_without_an_event_loop_a_lookup_touches_at_once() -> None:
     store = make_store()
     asyncio.run(put(store, chain(2)))
     st = store.tiers[0]
     assert store.lookup(LAYOUT.namespace_id, chain(2)).num_blocks == 2
-    assert st._touches == []
+    assert st._deferred == []
 
 
 class _Events:
