@@ -304,16 +304,38 @@ class BlockTable:
         self.retired.pop(row, None)
         self._push("free", row)
 
+    def free_rows(self, rows: I64) -> None:
+        """`free_row` of each row (distinct, none indexed), in whole-array steps."""
+        if not len(rows):
+            return
+        assert not np.any(self.flags[rows] & INDEXED), "an indexed row is never freed"
+        self.gen[rows] += np.uint32(1)  # wraps at 2**32, as free_row's mask does
+        self.flags[rows] = 0
+        self.pins[rows] = 0
+        self.readers[rows] = 0
+        self.lt[rows] = 0
+        if self.extra_locs or self.retired:
+            for row in rows.tolist():
+                self.extra_locs.pop(row, None)
+                self.retired.pop(row, None)
+        n = self._nfree + len(rows)
+        if n > len(self._free):
+            bigger = np.zeros(max(64, 2 * n), np.int64)
+            bigger[: self._nfree] = self._free[: self._nfree]
+            self._free = bigger
+        self._free[self._nfree : n] = rows
+        self._nfree = n
+
     def _reap(self) -> None:
         """Recycle the removed rows that nothing holds any more (no pins, readers, queue)."""
         dead = self._dead[: self._ndead]
         idle = (self.pins[dead] == 0) & (self.readers[dead] == 0) & ((self.flags[dead] & SSD_QUEUED) == 0)
         held = dead[~idle]
-        for row in dead[idle].tolist():
-            if row in self.retired:
-                held = np.append(held, row)
-                continue
-            self.free_row(row)
+        gone = dead[idle]
+        if self.retired:  # rows still keeping a retired copy for a reader wait too
+            keep = np.fromiter((row in self.retired for row in gone.tolist()), bool, len(gone))
+            held, gone = np.concatenate([held, gone[keep]]), gone[~keep]
+        self.free_rows(gone)
         self._dead[: len(held)] = held
         self._ndead = len(held)
         # Rows still held are looked at again only once as many more have died: a long

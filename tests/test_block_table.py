@@ -290,3 +290,23 @@ def test_compiled_placement_refuses_rows_outside_the_table() -> None:
         native.unindex_rows(np.array([entry.row + 1], np.int64), t._slots, t.h0, t.h1, t.ns, t.ns_fp, t._shift)
     with pytest.raises(ValueError, match="one key table"):
         native.place_rows(np.zeros(1, np.int64), t._slots, t.h0, t.h1, t.ns, t.ns_fp, t._shift + 1)
+
+
+def test_reaping_frees_rows_as_free_row_does_and_keeps_retired_ones() -> None:
+    """Rows reaped in one step end as `free_row` leaves each (generation bumped, fields
+    cleared, back on the free list), except one still keeping a retired copy for a reader."""
+    index = BlockIndex(BlockTable(16))
+    entries = [ready(index, key(NS_A, i)) for i in range(300)]
+    keeper = entries[7]
+    index.table.retired[keeper.row] = [Slot("host", 0, 64)]
+    gens = index.table.gen.copy()
+    for e in entries:
+        index.remove_entry(e)
+    t = index.table
+    t._reap()
+    freed = [e.row for e in entries if e is not keeper]
+    assert sorted(t._free[: t._nfree].tolist()) == sorted(freed)
+    assert t._dead[: t._ndead].tolist() == [keeper.row]
+    assert np.array_equal(t.gen[freed], gens[freed] + 1) and t.gen[keeper.row] == gens[keeper.row]
+    assert not np.any(t.flags[freed]) and not np.any(t.lt[freed]) and not np.any(t.pins[freed])
+    assert t.flags[keeper.row] != 0 and keeper.row in t.retired
