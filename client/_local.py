@@ -5,9 +5,10 @@ block bytes with one copy, hashing each block while it is in cache.
 its header token (proving it is this daemon's segment on this host). `copy_in` copies
 caller blocks into slots and returns their XXH3-64 checksums; `copy_out` copies slots
 into caller buffers and verifies each copy against the checksum the daemon recorded at
-put time, stopping at the first mismatch. The hash always reads the copy, so what is
-verified is exactly what the caller gets. The copy and the hash run without the GIL, so
-a large batch is shared between the calling thread and a helper.
+put time, stopping at the first mismatch. On a fetch the hash reads the copy, so what
+is verified is exactly what the caller gets; on a put it reads the source as each piece
+is copied (see `_copy_hash`). The copy and the hash run without the GIL, so a large
+batch is shared between the calling thread and a helper.
 """
 
 from __future__ import annotations
@@ -30,17 +31,22 @@ PARALLEL_MIN_BYTES = 4 << 20
 THREADS = 2
 
 
-def _copy_hash(dst: np.ndarray, src: np.ndarray) -> int:
+def _copy_hash(dst: np.ndarray, src: np.ndarray, of_source: bool = False) -> int:
     """Copy `src` into `dst`; the XXH3-64 of the copy.
 
     Compiled (kvstore/_native.c): the block is copied and hashed in 64 KiB pieces, each
-    hashed right after it is written, while it is still in cache, all without the GIL.
+    hashed while it is still in cache, all without the GIL. With `of_source` (a put) the
+    pieces are written with stores that bypass the cache (the segment is not read back
+    here, and a cached store would first read each destination line from memory) and
+    the hash reads the source piece just loaded: the copy is exact, and every later read
+    of the block verifies what landed against this checksum, so a block the caller
+    changed while it was being copied is dropped when first read, never served.
     Without the compiled module: one whole-block copy, then one hash of the copy through
     xxhash's streaming object, whose `update` releases the GIL in every xxhash release
     this package accepts (the one-shot `xxh3_64_intdigest` holds it in some), so two
     threads can hash at once."""
     if XXH3:
-        return native.copy_hash(dst, src)
+        return native.copy_hash(dst, src, of_source)
     np.copyto(dst, src)
     h = xxhash.xxh3_64()
     h.update(dst.data)
@@ -83,13 +89,13 @@ class LocalPlane:
             raise ValueError(f"slot [{offset}, +{nbytes}) lies outside the daemon's segment")
         return self._data[offset : offset + nbytes]
 
-    def _run(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> list[int]:
+    def _run(self, pairs: list[tuple[np.ndarray, np.ndarray]], of_source: bool = False) -> list[int]:
         """`_copy_hash` of each (dst, src) pair, in order. A large batch is shared between
         the calling thread and THREADS - 1 helpers, each taking the next block as it
         finishes one (no per-block task or future, and an uneven core still gets work)."""
         total = sum(len(s) for _, s in pairs)
         if total < PARALLEL_MIN_BYTES or len(pairs) < 2 or THREADS < 2:
-            return [_copy_hash(d, s) for d, s in pairs]
+            return [_copy_hash(d, s, of_source) for d, s in pairs]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(THREADS - 1, thread_name_prefix="kvstore-copy")
         sums = [0] * len(pairs)
@@ -102,7 +108,7 @@ class LocalPlane:
 
         def work() -> None:
             for i in todo:
-                sums[i] = _copy_hash(*box[0][i])
+                sums[i] = _copy_hash(*box[0][i], of_source)
 
         helpers = [self._pool.submit(work) for _ in range(THREADS - 1)]
         try:
@@ -121,7 +127,7 @@ class LocalPlane:
         todo = [(i, off) for i, off in enumerate(offsets) if off >= 0]
         pairs = [(self._slot(off, len(blocks[i])), _as_array(blocks[i])) for i, off in todo]
         sums = [0] * len(offsets)
-        for (i, _), csum in zip(todo, self._run(pairs)):
+        for (i, _), csum in zip(todo, self._run(pairs, of_source=True)):
             sums[i] = csum
         return sums
 

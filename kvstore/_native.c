@@ -631,19 +631,49 @@ copy_piece(unsigned char *d, const unsigned char *s, size_t n)
 #endif
 }
 
-/* copy_hash(dst, src) -> int
+/* Copy n bytes with stores that bypass the cache where dst is 16-byte aligned (the
+   destination is not read back: a cached store would first read each line of it from
+   memory, a third of the copy's traffic). The caller fences before it publishes. */
+static void
+stream_piece(unsigned char *d, const unsigned char *s, size_t n)
+{
+#if defined(__SSE2__)
+    size_t i = 0;
+    if (((uintptr_t)d & 15) == 0) {
+        for (; i + 64 <= n; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+            _mm_stream_si128((__m128i *)(d + i), a);
+            _mm_stream_si128((__m128i *)(d + i + 16), b);
+            _mm_stream_si128((__m128i *)(d + i + 32), c);
+            _mm_stream_si128((__m128i *)(d + i + 48), e);
+        }
+    }
+    copy_piece(d + i, s + i, n - i);
+#else
+    memcpy(d, s, n);
+#endif
+}
+
+/* copy_hash(dst, src, of_source=False) -> int
 
    Copy `src` into `dst` (equal lengths) and return the XXH3-64 (seed 0) of the copy,
-   read back piece by piece right after each piece is written. Runs without the GIL. */
+   read back piece by piece right after each piece is written. With `of_source`, the
+   pieces are streamed past the cache (`stream_piece`) and the hash reads each source
+   piece right after it was copied, while it is in cache: the same value for an exact
+   copy, with a third less memory traffic. Runs without the GIL. */
 static PyObject *
 copy_hash(PyObject *self, PyObject *args)
 {
     (void)self;
     PyObject *dst_obj, *src_obj;
     Py_buffer dst, src;
+    int of_source = 0;
     if (!need_xxhash())
         return NULL;
-    if (!PyArg_ParseTuple(args, "OO", &dst_obj, &src_obj))
+    if (!PyArg_ParseTuple(args, "OO|p", &dst_obj, &src_obj, &of_source))
         return NULL;
     if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE) < 0)
         return NULL;
@@ -668,10 +698,19 @@ copy_hash(PyObject *self, PyObject *args)
     X.reset(st);
     for (Py_ssize_t off = 0; off < src.len; off += COPY_PIECE) {
         size_t len = (size_t)(src.len - off < COPY_PIECE ? src.len - off : COPY_PIECE);
-        copy_piece(d + off, s + off, len);
-        X.update(st, d + off, len);
+        if (of_source) {
+            stream_piece(d + off, s + off, len);
+            X.update(st, s + off, len);
+        } else {
+            copy_piece(d + off, s + off, len);
+            X.update(st, d + off, len);
+        }
     }
     sum = X.digest(st);
+#if defined(__SSE2__)
+    if (of_source)
+        _mm_sfence();
+#endif
     Py_END_ALLOW_THREADS
     X.state_free(st);
     out = PyLong_FromUnsignedLongLong(sum);
@@ -705,8 +744,8 @@ static PyMethodDef methods[] = {
      "chain_hashes(namespace, packed, block_size_tokens) -> bytes\n\n"
      "The chained XXH3-128 block hashes (N x 16 bytes) of packed u32 token ids."},
     {"copy_hash", copy_hash, METH_VARARGS,
-     "copy_hash(dst, src) -> int\n\n"
-     "Copy src into dst and return the XXH3-64 of the copy, without the GIL."},
+     "copy_hash(dst, src, of_source=False) -> int\n\n"
+     "Copy src into dst and return the XXH3-64 of the copy (read from src with of_source), without the GIL."},
     {NULL, NULL, 0, NULL},
 };
 

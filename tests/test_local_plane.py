@@ -256,8 +256,15 @@ def test_copy_and_hash_gives_the_copy_and_its_xxh3(nbytes):
     assert XXH3  # bound wherever the compiled module is built
     src = np.frombuffer(os.urandom(nbytes), dtype=np.uint8)
     dst = np.zeros(nbytes, dtype=np.uint8)
-    assert native.copy_hash(dst, src) == xxhash.xxh3_64_intdigest(src.tobytes())
+    want = xxhash.xxh3_64_intdigest(src.tobytes())
+    assert native.copy_hash(dst, src) == want
     assert dst.tobytes() == src.tobytes()
+    # Streamed past the cache and hashed from the source (a put), at every alignment.
+    for shift in (0, 1, 16):
+        room = np.zeros(nbytes + 32, dtype=np.uint8)
+        out = room[shift : shift + nbytes]
+        assert native.copy_hash(out, src, True) == want
+        assert out.tobytes() == src.tobytes() and not room[:shift].any() and not room[shift + nbytes :].any()
 
 
 def test_copy_and_hash_refuses_bad_buffers():
