@@ -720,6 +720,84 @@ done:
     return out;
 }
 
+/* frame_copy(prefixes, src, chunk) -> (messages, checksum)
+
+   `src` cut into pieces of `chunk` bytes (the last may be shorter), one per prefix: each
+   message is its prefix followed by a copy of its piece, made by copying into the new
+   bytes object and hashing that copy while it is in cache; the checksum is the XXH3-64
+   of all the copied pieces in order (the payload as sent). The copying runs without the
+   GIL. */
+static PyObject *
+frame_copy(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *prefixes, *src_obj;
+    Py_ssize_t chunk;
+    if (!need_xxhash())
+        return NULL;
+    if (!PyArg_ParseTuple(args, "O!On", &PyList_Type, &prefixes, &src_obj, &chunk))
+        return NULL;
+    if (chunk <= 0) {
+        PyErr_Format(PyExc_ValueError, "chunk must be positive, got %zd", chunk);
+        return NULL;
+    }
+    Py_buffer src;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *messages = NULL, *result = NULL;
+    void *st = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(prefixes);
+    Py_ssize_t need = src.len == 0 ? 1 : (src.len + chunk - 1) / chunk;
+    if (n != need) {
+        PyErr_Format(PyExc_ValueError, "%zd prefixes for %zd pieces", n, need);
+        goto done;
+    }
+    messages = PyList_New(n);
+    if (messages == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *prefix = PyList_GET_ITEM(prefixes, i);
+        if (!PyBytes_Check(prefix)) {
+            PyErr_SetString(PyExc_TypeError, "prefixes must be bytes");
+            goto done;
+        }
+        Py_ssize_t len = src.len - i * chunk < chunk ? src.len - i * chunk : chunk;
+        PyObject *m = PyBytes_FromStringAndSize(NULL, PyBytes_GET_SIZE(prefix) + len);
+        if (m == NULL)
+            goto done;
+        memcpy(PyBytes_AS_STRING(m), PyBytes_AS_STRING(prefix), (size_t)PyBytes_GET_SIZE(prefix));
+        PyList_SET_ITEM(messages, i, m);
+    }
+    st = X.state_new();
+    if (st == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t sum;
+    Py_BEGIN_ALLOW_THREADS
+    X.reset(st);
+    const unsigned char *s = src.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *m = PyList_GET_ITEM(messages, i);
+        Py_ssize_t len = src.len - i * chunk < chunk ? src.len - i * chunk : chunk;
+        unsigned char *d = (unsigned char *)PyBytes_AS_STRING(m) + (PyBytes_GET_SIZE(m) - len);
+        for (Py_ssize_t off = 0; off < len; off += COPY_PIECE) {
+            size_t piece = (size_t)(len - off < COPY_PIECE ? len - off : COPY_PIECE);
+            copy_piece(d + off, s + i * chunk + off, piece);
+            X.update(st, d + off, piece);
+        }
+    }
+    sum = X.digest(st);
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("(OK)", messages, (unsigned long long)sum);
+done:
+    if (st != NULL)
+        X.state_free(st);
+    Py_XDECREF(messages);
+    PyBuffer_Release(&src);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"prefix_rows", prefix_rows, METH_VARARGS,
      "prefix_rows(packed, slots, h0, h1, ns_col, shift, ns, ns_fp, check_ns, out, every=False) -> count\n\n"
@@ -746,6 +824,9 @@ static PyMethodDef methods[] = {
     {"copy_hash", copy_hash, METH_VARARGS,
      "copy_hash(dst, src, of_source=False) -> int\n\n"
      "Copy src into dst and return the XXH3-64 of the copy (read from src with of_source), without the GIL."},
+    {"frame_copy", frame_copy, METH_VARARGS,
+     "frame_copy(prefixes, src, chunk) -> (messages, checksum)\n\n"
+     "Each prefix followed by a copy of its chunk of src, and the XXH3-64 of the copied payload."},
     {NULL, NULL, 0, NULL},
 };
 

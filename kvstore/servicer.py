@@ -23,8 +23,9 @@ from kvstore.hashing import HASH_BYTES, block_hashes_packed, split_hashes, tenan
 from kvstore.info import render_info
 from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
 from kvstore.local import LocalPuts
+from kvstore.native import XXH3, native
 from kvstore.store import Framed, Store, StoreStatus, check_hint
-from kvstore.wire import RawChunk, encode_chunk
+from kvstore.wire import RawChunk, chunk_prefix, encode_chunk
 from kvstore.tiers.base import Slot
 from kvstore.tiers.segment import HEADER_BYTES, Segment
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
@@ -363,7 +364,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     def _frame(self, index: int, data: memoryview) -> Framed:
         """A block as chunk messages. Pure (no servicer or store state changes): for large
-        blocks the fetch calls it on a hashing thread."""
+        blocks the fetch calls it on a hashing thread. Compiled, each piece is copied into
+        its message and hashed there while in cache: one pass instead of a copy and a hash."""
+        if XXH3 and len(data):
+            sizes = [min(self.chunk_bytes, len(data) - start) for start in range(0, len(data), self.chunk_bytes)]
+            copied, checksum = native.frame_copy([chunk_prefix(index, n) for n in sizes], data, self.chunk_bytes)
+            return Framed(copied, [memoryview(m)[len(m) - n :] for m, n in zip(copied, sizes)], checksum)
         messages: list[bytes] = []
         payload: list[memoryview] = []
         for start in range(0, len(data), self.chunk_bytes):

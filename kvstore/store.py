@@ -1896,15 +1896,19 @@ def frame_and_checksum(frame: Callable[[int, memoryview], Framed], position: int
     """The block at stream `position` made into messages, and the checksum of the
     payload inside them (what is verified is what is sent)."""
     framed = frame(position, data)
+    if framed.checksum is not None:
+        return framed, framed.checksum
     return framed, checksum_pieced([framed.payload])[0]
 
 
 @dataclass(frozen=True, slots=True)
 class Framed:
-    """A block made into messages; `payload` views, in order, cover exactly its bytes."""
+    """A block made into messages; `payload` views, in order, cover exactly its bytes.
+    `checksum`: the payload's, where the framing took it while copying (else None)."""
 
     messages: list[bytes]
     payload: list[memoryview]
+    checksum: int | None = None
 
 
 def copy_frame(index: int, data: memoryview) -> Framed:

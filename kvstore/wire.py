@@ -65,8 +65,13 @@ def encode_chunk(block: int, data: bytes | memoryview) -> bytes:
     """The wire bytes of a chunk message (PutRequest or FetchResponse: same layout).
 
     Like protobuf, fields holding their default (block 0, empty data) are left out."""
-    inner = (_BLOCK_TAG + _varint(block) if block else b"") + (_DATA_TAG + _varint(len(data)) if len(data) else b"")
-    return b"".join((_CHUNK_TAG, _varint(len(inner) + len(data)), inner, data))
+    return chunk_prefix(block, len(data)) + data
+
+
+def chunk_prefix(block: int, size: int) -> bytes:
+    """The bytes of a chunk message before its `size` bytes of data."""
+    inner = (_BLOCK_TAG + _varint(block) if block else b"") + (_DATA_TAG + _varint(size) if size else b"")
+    return b"".join((_CHUNK_TAG, _varint(len(inner) + size), inner))
 
 
 def decode_chunk(raw: bytes) -> RawChunk | None:

@@ -35,3 +35,39 @@ def test_anything_else_falls_back_to_the_generic_parser():
     trailing = encode_chunk(1, b"abc") + b"\x18\x01"  # an unknown field after the chunk
     assert decode_chunk(trailing) is None
     assert decode_chunk(b"") is None and decode_chunk(b"\x12\xff") is None
+
+
+@pytest.mark.parametrize("size, chunk", [(0, 1 << 20), (1, 7), (100_000, 30_001), (1 << 20, 1 << 20), (3 << 20, 1 << 20)])
+def test_compiled_framing_matches_the_python_framing(size, chunk, monkeypatch):
+    """A block framed for a Fetch: the compiled copy-and-hash gives the same messages as
+    encoding each chunk in Python, and the checksum of the payload inside them."""
+    import kvstore.servicer
+    from kvstore.checksum import checksum
+    from kvstore.native import XXH3
+    from kvstore.servicer import KVStoreServicer
+
+    assert XXH3
+    data = memoryview(os.urandom(size))
+    servicer = KVStoreServicer.__new__(KVStoreServicer)  # `_frame` reads chunk_bytes only
+    servicer.chunk_bytes = chunk
+    compiled = servicer._frame(9, data)
+    monkeypatch.setattr(kvstore.servicer, "XXH3", False)
+    python = servicer._frame(9, data)
+    assert compiled.messages == python.messages
+    assert [bytes(p) for p in compiled.payload] == [bytes(p) for p in python.payload]
+    assert b"".join(bytes(p) for p in compiled.payload) == bytes(data)
+    assert python.checksum is None
+    assert compiled.checksum == (checksum(bytes(data)) if size else None)  # an empty block: no message
+    for message in compiled.messages:
+        assert kvstore_pb2.FetchResponse.FromString(message).chunk.block == 9
+
+
+def test_compiled_framing_refuses_mismatched_prefixes():
+    from kvstore.native import native
+
+    with pytest.raises(ValueError, match="2 prefixes for 3 pieces"):
+        native.frame_copy([b"", b""], b"x" * 9, 3)
+    with pytest.raises(ValueError, match="chunk must be positive"):
+        native.frame_copy([b""], b"x", 0)
+    with pytest.raises(TypeError):
+        native.frame_copy([1], b"x", 1)
