@@ -689,28 +689,14 @@ class Store:
 
     def _drop_last_copy(self, entry: BlockEntry, st: StoreTier) -> bool:
         """`_remove_location` of an indexed block's only copy, in `st`, with no reader (an
-        eviction from the last tier, the common case at scale), straight on the columns.
-        False, having done nothing, in any other case."""
+        eviction from the last tier, the common case at scale), straight on the columns
+        (`_drop_last_copies`). False, having done nothing, in any other case."""
         t, row = entry.table, entry.row
         if (t is not self._index.table or entry.stale or t.vreaders[row] or t.vlt[row, 1]
                 or t.vlt[row, 0] != self._tier_ids[st.name] or not t.vflags[row] & INDEXED):
             return False
-        nbytes = t.vnbytes[row]
-        ns_id = t.ns_bytes[t.vns[row]]
-        slot = Slot(st.name, t.vlo[row, 0], t.vls[row, 0])
-        t.vlt[row, 0] = 0
-        info = self._namespaces.get(ns_id)
-        if info is not None:
-            self.tenancy.add(info.tenant, st.name, -nbytes)
         st.policy.remove_row(row)
-        st.tier.free(slot)
-        t.unindex_row(row)
-        st.counters.drops += 1
-        if info is not None:
-            info.blocks -= 1
-            info.bytes -= nbytes
-        if self.observer is not None:
-            self.observer.blocks_removed(ns_id, [t.key(row)[HASH_BYTES:]], st.name)
+        self._drop_last_copies(st, [row])
         return True
 
     # Events for the observer (the daemon's event bus). Only READY blocks are reported:
@@ -855,6 +841,8 @@ class Store:
             rows = self._take_victims(st, min(count, EVICT_BATCH))
             if rows:
                 self._drop_last_copies(st, rows)
+                st.counters.evictions += len(rows)
+                self.counters.evictions += len(rows)
                 return
         await self._evict_one(st, nbytes)
 
@@ -874,9 +862,9 @@ class Store:
         return rows
 
     def _drop_last_copies(self, st: StoreTier, taken: list[int]) -> None:
-        """Evict rows from the last tier `st`, each the only copy of an indexed block with no
-        reader and already out of `st`'s policy (`_take_victims`): `_drop_last_copy` for
-        many, with the table, the accounting and the events updated once per batch."""
+        """Drop rows whose only copy is in `st`, each indexed, with no reader, and already
+        out of `st`'s policy, with the table, the accounting and the events updated once
+        for all of them (`_drop_last_copy` for one, `_evict_some` for a batch)."""
         t = self._index.table
         rows = np.array(taken, np.int64)
         nbytes = t.nbytes[rows].astype(np.int64)
@@ -900,9 +888,7 @@ class Store:
                 info.bytes -= gone
             if self.observer is not None:
                 self.observer.blocks_removed(ns_id, [hashes[i] for i in np.flatnonzero(sel).tolist()], name)
-        st.counters.evictions += len(rows)
         st.counters.drops += len(rows)
-        self.counters.evictions += len(rows)
 
     async def _evict_one(self, st: StoreTier, nbytes: int) -> None:
         """Make progress towards room in `st`: demote one victim, or empty one SSD region."""
