@@ -564,8 +564,8 @@ chain_hashes(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "namespace id must be 16 bytes, got %zd", ns.len);
         goto done;
     }
-    if (bst <= 0 || bst > (PY_SSIZE_T_MAX - 24) / 4) {
-        PyErr_Format(PyExc_ValueError, "block_size_tokens must be positive, got %zd", bst);
+    if (bst <= 0 || (unsigned long long)bst > 0xFFFFFFFFULL || bst > (PY_SSIZE_T_MAX - 24) / 4) {
+        PyErr_Format(PyExc_ValueError, "block_size_tokens must be positive and fit in 32 bits, got %zd", bst);
         goto done;
     }
     Py_ssize_t step = 4 * bst, n = tokens.len / step;

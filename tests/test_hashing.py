@@ -239,8 +239,8 @@ def test_compiled_chain_refuses_bad_arguments():
 
     with pytest.raises(ValueError, match="16 bytes"):
         native.chain_hashes(b"short", b"\0" * 64, 16)
-    for bst in (0, -1):
-        with pytest.raises(ValueError, match="positive"):
+    for bst in (0, -1, 1 << 32):
+        with pytest.raises(ValueError, match="positive and fit in 32 bits"):
             native.chain_hashes(b"\0" * 16, b"\0" * 64, bst)
     with pytest.raises(TypeError):
         native.chain_hashes(b"\0" * 16, [1, 2, 3], 1)
