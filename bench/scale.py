@@ -181,6 +181,11 @@ def time_closed_loop(clients: list[Any], layout: Any, n: int, lookups: int, run:
     return times
 
 
+def p50_p99(name: str, seconds: list[float]) -> dict[str, float]:
+    """`{name}_p50_us` and `{name}_p99_us` of call times in seconds."""
+    return {f"{name}_p50_us": percentile(seconds, 0.50) * 1e6, f"{name}_p99_us": percentile(seconds, 0.99) * 1e6}
+
+
 def check_found(result: Any, chain: int) -> None:
     if result.num_blocks != CHAIN:
         raise RuntimeError(f"chain {chain}: lookup found {result.num_blocks} of {CHAIN} blocks")
@@ -283,24 +288,18 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
             "rss_bytes_per_block": (rss - base) / n,
             "rss_baseline_bytes": base,
             "rss_filled_bytes": rss,
-            "lookup_p50_us": percentile(times, 0.50) * 1e6,
-            "lookup_p99_us": percentile(times, 0.99) * 1e6,
+            **p50_p99("lookup", times),
             "lookup_mean_us": statistics.fmean(times) * 1e6,
             "lookups": len(times),
             "lookup_1block_p50_us": percentile(floor, 0.50) * 1e6,
-            "lookup_grpc_p50_us": percentile(times_grpc, 0.50) * 1e6,
-            "lookup_grpc_p99_us": percentile(times_grpc, 0.99) * 1e6,
+            **p50_p99("lookup_grpc", times_grpc),
             "lookup_grpc_1block_p50_us": percentile(floor_grpc, 0.50) * 1e6,
-            "echo_p50_us": percentile(times_echo, 0.50) * 1e6,
-            "echo_p99_us": percentile(times_echo, 0.99) * 1e6,
+            **p50_p99("echo", times_echo),
             "lookup_p50_vs_echo": percentile(times, 0.50) / percentile(times_echo, 0.50),
             "lookup_p99_vs_echo": percentile(times, 0.99) / percentile(times_echo, 0.99),
-            "lookup_paced_p50_us": percentile(paced, 0.50) * 1e6,
-            "lookup_paced_p99_us": percentile(paced, 0.99) * 1e6,
-            "lookup_grpc_paced_p50_us": percentile(paced_grpc, 0.50) * 1e6,
-            "lookup_grpc_paced_p99_us": percentile(paced_grpc, 0.99) * 1e6,
-            "echo_paced_p50_us": percentile(paced_echo, 0.50) * 1e6,
-            "echo_paced_p99_us": percentile(paced_echo, 0.99) * 1e6,
+            **p50_p99("lookup_paced", paced),
+            **p50_p99("lookup_grpc_paced", paced_grpc),
+            **p50_p99("echo_paced", paced_echo),
             **server,
             **collector,
             # CPU time of the daemon process: what the metadata costs, undisturbed by other

@@ -179,177 +179,164 @@ e0:
     return result;
 }
 
+/* The arguments of `place_rows` and `unindex_rows`: rows (i64) and the key table they
+   belong to: slots (i64, written), h0, h1 (u64 columns), ns_col (u32 column), ns_fp (u64,
+   each namespace's fingerprint by its id), shift (64 - log2(len(slots))). */
+typedef struct {
+    Py_buffer buf[6]; /* rows, slots, h0, h1, ns_col, ns_fp */
+    int held;         /* how many of buf are held */
+    unsigned int shift;
+    Py_ssize_t n, nslots, nrows;
+    const int64_t *R;
+    int64_t *S;
+    const uint64_t *H0, *H1, *FP;
+    const uint32_t *NS;
+    uint64_t mask;
+} KeyTable;
+
+static void
+table_release(KeyTable *t)
+{
+    while (t->held > 0)
+        PyBuffer_Release(&t->buf[--t->held]);
+}
+
+/* Parse and check the arguments (every row inside the columns, with a namespace that has
+   a fingerprint) before anything is written; -1 with an exception, nothing held, if not. */
+static int
+table_get(PyObject *args, KeyTable *t)
+{
+    static const Py_ssize_t itemsize[6] = {8, 8, 8, 8, 4, 8};
+    static const char *const what[6] = {"rows", "slots", "h0", "h1", "ns", "ns_fp"};
+    PyObject *o[6];
+    t->held = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOOI", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &t->shift))
+        return -1;
+    for (int i = 0; i < 6; i++) {
+        if (get(o[i], &t->buf[i], itemsize[i], i == 1, what[i]) < 0) {
+            table_release(t);
+            return -1;
+        }
+        t->held++;
+    }
+    t->n = t->buf[0].len / 8;
+    t->nslots = t->buf[1].len / 8;
+    t->nrows = t->buf[2].len / 8;
+    Py_ssize_t nfp = t->buf[5].len / 8;
+    if (t->nslots == 0 || (t->nslots & (t->nslots - 1)) != 0 || t->shift == 0 || t->shift > 64
+        || ((Py_ssize_t)1 << (64 - t->shift)) != t->nslots || t->buf[3].len / 8 < t->nrows
+        || t->buf[4].len / 4 < t->nrows) {
+        PyErr_SetString(PyExc_ValueError, "the slots and columns do not describe one key table");
+        table_release(t);
+        return -1;
+    }
+    t->R = (const int64_t *)t->buf[0].buf;
+    t->S = (int64_t *)t->buf[1].buf;
+    t->H0 = (const uint64_t *)t->buf[2].buf;
+    t->H1 = (const uint64_t *)t->buf[3].buf;
+    t->NS = (const uint32_t *)t->buf[4].buf;
+    t->FP = (const uint64_t *)t->buf[5].buf;
+    t->mask = (uint64_t)t->nslots - 1;
+    for (Py_ssize_t j = 0; j < t->n; j++) {
+        int64_t r = t->R[j];
+        if (r < 0 || r >= t->nrows || r >= 0xFFFFFFFFLL || t->NS[r] >= (uint64_t)nfp) {
+            PyErr_Format(PyExc_ValueError, "row %lld is not a row of this table", (long long)r);
+            table_release(t);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The slot hash of row r (`BlockTable._hash_of_rows`). */
+static uint64_t
+row_hash(const KeyTable *t, int64_t r)
+{
+    return (t->H0[r] ^ t->FP[t->NS[r]] ^ (t->H1[r] * K1)) * C1;
+}
+
 /* place_rows(rows, slots, h0, h1, ns_col, ns_fp, shift) -> count
 
-   Insert `rows` (i64; indexed keys absent from the table and distinct) into the key
-   slots, each at the first empty slot from its home, as `BlockTable.index_row` does one
-   row at a time: the numpy placement (`BlockTable._place`) stays as the reference and
-   the fallback. ns_fp: u64, each namespace's fingerprint by its id. The caller keeps the
-   table at most half full, so every probe ends at an empty slot. */
+   Insert `rows` (indexed keys absent from the table and distinct) into the key slots,
+   each at the first empty slot from its home, as `BlockTable.index_row` does one row at
+   a time: the numpy placement (`BlockTable._place`) stays as the reference and the
+   fallback. The caller keeps the table at most half full, so every probe ends at an
+   empty slot. */
 static PyObject *
 place_rows(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o_rows, *o_slots, *o_h0, *o_h1, *o_ns, *o_fp;
-    unsigned int shift;
+    KeyTable t;
+    if (table_get(args, &t) < 0)
+        return NULL;
     PyObject *result = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOOI", &o_rows, &o_slots, &o_h0, &o_h1, &o_ns, &o_fp, &shift))
-        return NULL;
-    Py_buffer rows, slots, h0, h1, nsc, fp;
-    if (get(o_rows, &rows, 8, 0, "rows") < 0)
-        return NULL;
-    if (get(o_slots, &slots, 8, 1, "slots") < 0)
-        goto e0;
-    if (get(o_h0, &h0, 8, 0, "h0") < 0)
-        goto e1;
-    if (get(o_h1, &h1, 8, 0, "h1") < 0)
-        goto e2;
-    if (get(o_ns, &nsc, 4, 0, "ns") < 0)
-        goto e3;
-    if (get(o_fp, &fp, 8, 0, "ns_fp") < 0)
-        goto e4;
-    Py_ssize_t n = rows.len / 8, nslots = slots.len / 8, nrows = h0.len / 8, nfp = fp.len / 8;
-    if (nslots == 0 || (nslots & (nslots - 1)) != 0 || shift == 0 || shift > 64
-        || ((Py_ssize_t)1 << (64 - shift)) != nslots || h1.len / 8 < nrows || nsc.len / 4 < nrows) {
-        PyErr_SetString(PyExc_ValueError, "the slots and columns do not describe one key table");
-        goto done;
-    }
-    {
-        const int64_t *R = (const int64_t *)rows.buf;
-        int64_t *S = (int64_t *)slots.buf;
-        const uint64_t *H0 = (const uint64_t *)h0.buf, *H1 = (const uint64_t *)h1.buf;
-        const uint64_t *FP = (const uint64_t *)fp.buf;
-        const uint32_t *NS = (const uint32_t *)nsc.buf;
-        const uint64_t mask = (uint64_t)nslots - 1;
-        /* Check everything first: a bad row must not leave the table half written. */
-        for (Py_ssize_t j = 0; j < n; j++) {
-            if (R[j] < 0 || R[j] >= nrows || R[j] >= 0xFFFFFFFFLL || NS[R[j]] >= (uint64_t)nfp) {
-                PyErr_Format(PyExc_ValueError, "row %lld is not a row of this table", (long long)R[j]);
+    for (Py_ssize_t j = 0; j < t.n; j++) {
+        int64_t r = t.R[j];
+        uint64_t hv = row_hash(&t, r);
+        uint64_t i = hv >> t.shift;
+        Py_ssize_t steps = 0;
+        while (t.S[i] != 0) {
+            i = (i + 1) & t.mask;
+            if (++steps == t.nslots) {
+                PyErr_SetString(PyExc_ValueError, "the key table is full");
                 goto done;
             }
         }
-        for (Py_ssize_t j = 0; j < n; j++) {
-            int64_t r = R[j];
-            uint64_t hv = (H0[r] ^ FP[NS[r]] ^ (H1[r] * K1)) * C1;
-            uint64_t i = hv >> shift;
-            Py_ssize_t steps = 0;
-            while (S[i] != 0) {
-                i = (i + 1) & mask;
-                if (++steps == nslots) {
-                    PyErr_SetString(PyExc_ValueError, "the key table is full");
-                    goto done;
-                }
-            }
-            S[i] = ((int64_t)(hv & 0x7FFFFFFFULL) << 32) | (r + 1);
-        }
-        result = PyLong_FromSsize_t(n);
+        t.S[i] = ((int64_t)(hv & 0x7FFFFFFFULL) << 32) | (r + 1);
     }
+    result = PyLong_FromSsize_t(t.n);
 done:
-    PyBuffer_Release(&fp);
-e4:
-    PyBuffer_Release(&nsc);
-e3:
-    PyBuffer_Release(&h1);
-e2:
-    PyBuffer_Release(&h0);
-e1:
-    PyBuffer_Release(&slots);
-e0:
-    PyBuffer_Release(&rows);
+    table_release(&t);
     return result;
 }
 
 /* unindex_rows(rows, slots, h0, h1, ns_col, ns_fp, shift) -> count
 
-   Take `rows` (i64, each indexed) out of the key slots by backward-shift deletion, one
-   after another, as `BlockTable.unindex_row` does: an entry after the hole moves back
-   into it unless its home lies cyclically in (hole, entry]. Arguments as `place_rows`. */
+   Take `rows` (each indexed) out of the key slots by backward-shift deletion, one after
+   another, as `BlockTable.unindex_row` does: an entry after the hole moves back into it
+   unless its home lies cyclically in (hole, entry]. Arguments as `place_rows`. */
 static PyObject *
 unindex_rows(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o_rows, *o_slots, *o_h0, *o_h1, *o_ns, *o_fp;
-    unsigned int shift;
+    KeyTable t;
+    if (table_get(args, &t) < 0)
+        return NULL;
     PyObject *result = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOOI", &o_rows, &o_slots, &o_h0, &o_h1, &o_ns, &o_fp, &shift))
-        return NULL;
-    Py_buffer rows, slots, h0, h1, nsc, fp;
-    if (get(o_rows, &rows, 8, 0, "rows") < 0)
-        return NULL;
-    if (get(o_slots, &slots, 8, 1, "slots") < 0)
-        goto e0;
-    if (get(o_h0, &h0, 8, 0, "h0") < 0)
-        goto e1;
-    if (get(o_h1, &h1, 8, 0, "h1") < 0)
-        goto e2;
-    if (get(o_ns, &nsc, 4, 0, "ns") < 0)
-        goto e3;
-    if (get(o_fp, &fp, 8, 0, "ns_fp") < 0)
-        goto e4;
-    Py_ssize_t n = rows.len / 8, nslots = slots.len / 8, nrows = h0.len / 8, nfp = fp.len / 8;
-    if (nslots == 0 || (nslots & (nslots - 1)) != 0 || shift == 0 || shift > 64
-        || ((Py_ssize_t)1 << (64 - shift)) != nslots || h1.len / 8 < nrows || nsc.len / 4 < nrows) {
-        PyErr_SetString(PyExc_ValueError, "the slots and columns do not describe one key table");
-        goto done;
-    }
-    {
-        const int64_t *R = (const int64_t *)rows.buf;
-        int64_t *S = (int64_t *)slots.buf;
-        const uint64_t *H0 = (const uint64_t *)h0.buf, *H1 = (const uint64_t *)h1.buf;
-        const uint64_t *FP = (const uint64_t *)fp.buf;
-        const uint32_t *NS = (const uint32_t *)nsc.buf;
-        const uint64_t mask = (uint64_t)nslots - 1;
-        for (Py_ssize_t j = 0; j < n; j++) {
-            if (R[j] < 0 || R[j] >= nrows || NS[R[j]] >= (uint64_t)nfp) {
-                PyErr_Format(PyExc_ValueError, "row %lld is not a row of this table", (long long)R[j]);
+    for (Py_ssize_t j = 0; j < t.n; j++) {
+        int64_t r = t.R[j];
+        uint64_t i = row_hash(&t, r) >> t.shift;
+        Py_ssize_t steps = 0;
+        while ((t.S[i] & 0xFFFFFFFFLL) != r + 1) {
+            if (t.S[i] == 0 || ++steps == t.nslots) {
+                PyErr_Format(PyExc_ValueError, "row %lld is not indexed", (long long)r);
                 goto done;
             }
+            i = (i + 1) & t.mask;
         }
-        for (Py_ssize_t j = 0; j < n; j++) {
-            int64_t r = R[j];
-            uint64_t i = ((H0[r] ^ FP[NS[r]] ^ (H1[r] * K1)) * C1) >> shift;
-            Py_ssize_t steps = 0;
-            while ((S[i] & 0xFFFFFFFFLL) != r + 1) {
-                if (S[i] == 0 || ++steps == nslots) {
-                    PyErr_Format(PyExc_ValueError, "row %lld is not indexed", (long long)r);
-                    goto done;
-                }
-                i = (i + 1) & mask;
+        uint64_t hole = i, k = i;
+        for (;;) {
+            k = (k + 1) & t.mask;
+            int64_t e = t.S[k];
+            if (e == 0)
+                break;
+            int64_t er = (e & 0xFFFFFFFFLL) - 1;
+            if (er < 0 || er >= t.nrows || t.NS[er] >= (uint64_t)(t.buf[5].len / 8)) {
+                PyErr_SetString(PyExc_ValueError, "the key table names a row outside its columns");
+                goto done;
             }
-            uint64_t hole = i, k = i;
-            for (;;) {
-                k = (k + 1) & mask;
-                int64_t e = S[k];
-                if (e == 0)
-                    break;
-                int64_t er = (e & 0xFFFFFFFFLL) - 1;
-                if (er < 0 || er >= nrows || NS[er] >= (uint64_t)nfp) {
-                    PyErr_SetString(PyExc_ValueError, "the key table names a row outside its columns");
-                    goto done;
-                }
-                uint64_t home = ((H0[er] ^ FP[NS[er]] ^ (H1[er] * K1)) * C1) >> shift;
-                /* Move back into the hole unless home lies cyclically in (hole, k]. */
-                if ((hole < k && (home <= hole || home > k)) || (hole > k && (home <= hole && home > k))) {
-                    S[hole] = e;
-                    hole = k;
-                }
+            uint64_t home = row_hash(&t, er) >> t.shift;
+            /* Move back into the hole unless home lies cyclically in (hole, k]. */
+            if ((hole < k && (home <= hole || home > k)) || (hole > k && (home <= hole && home > k))) {
+                t.S[hole] = e;
+                hole = k;
             }
-            S[hole] = 0;
         }
-        result = PyLong_FromSsize_t(n);
+        t.S[hole] = 0;
     }
+    result = PyLong_FromSsize_t(t.n);
 done:
-    PyBuffer_Release(&fp);
-e4:
-    PyBuffer_Release(&nsc);
-e3:
-    PyBuffer_Release(&h1);
-e2:
-    PyBuffer_Release(&h0);
-e1:
-    PyBuffer_Release(&slots);
-e0:
-    PyBuffer_Release(&rows);
+    table_release(&t);
     return result;
 }
 
