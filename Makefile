@@ -79,10 +79,12 @@ bench-tiers: setup
 # put/lookup/fetch/delete/pin for SOAK_S seconds against a daemon with small tiers,
 # verifying every fetched byte. Fails on a mismatch, an unexpected error, daemon RSS
 # growth past its limit, or an unclean exit. Results: bench/results/soak.json.
+# SOAK_SSD=0: host memory only (evictions drop blocks, in batches).
 SOAK_S ?= 120
 SOAK_CLIENTS ?= 32
+SOAK_SSD ?= 96MiB
 soak: setup
-	$(PY) bench/soak.py --seconds $(SOAK_S) --clients $(SOAK_CLIENTS)
+	$(PY) bench/soak.py --seconds $(SOAK_S) --clients $(SOAK_CLIENTS) --ssd-capacity $(SOAK_SSD)
 
 # Property tests (tests/test_fuzz.py) with a larger budget than `make test`: FUZZ_EXAMPLES
 # state-machine runs against the in-process store, a tenth of that through the SDK

@@ -195,9 +195,10 @@ def rss_bytes(pid: int) -> dict[str, int]:
 def start_daemon(workdir: Path, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, str]:
     sock = workdir / "kv.sock"
     port = free_port()
+    ssd = (["--ssd-path", str(workdir / "ssd"), "--ssd-capacity", args.ssd_capacity, "--ssd-region-size", "4MiB"]
+           if args.ssd_capacity not in ("0", "none") else [])
     cmd = [sys.executable, str(ROOT / "server.py"), "--listen", f"unix:{sock},127.0.0.1:{port}",
-           "--host-capacity", args.host_capacity, "--ssd-path", str(workdir / "ssd"), "--ssd-capacity",
-           args.ssd_capacity, "--ssd-region-size", "4MiB", "--max-lease-ms", "5000", "--grace-s", "5",
+           "--host-capacity", args.host_capacity, *ssd, "--max-lease-ms", "5000", "--grace-s", "5",
            "--metrics-listen", "off", "--log-level", "warning"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     log = open(workdir / "daemon.log", "wb")
@@ -227,7 +228,8 @@ def main() -> int:
     p.add_argument("--processes", type=int, default=4, help="worker processes the clients are spread over")
     p.add_argument("--chains", type=int, default=600, help="distinct 8-block chains in the key space")
     p.add_argument("--host-capacity", default="32MiB")
-    p.add_argument("--ssd-capacity", default="96MiB")
+    p.add_argument("--ssd-capacity", default="96MiB",
+                   help="0: no SSD tier (host memory only: evictions drop blocks, in batches)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "soak.json"))
     args = p.parse_args()
     if args.clients < 1 or args.seconds <= 0:

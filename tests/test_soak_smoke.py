@@ -28,3 +28,16 @@ def test_short_soak_passes_and_reports(tmp_path: Path) -> None:
     assert doc["planes"] == {"local": 2, "grpc": 2}
     assert doc["blocks_verified"] > 0 and doc["ops_by_kind"].get("put", 0) > 0
     assert doc["daemon"]["host_demotions"] > 0  # the small host tier was under pressure
+
+
+def test_short_soak_without_an_ssd_tier_drops_under_pressure(tmp_path: Path) -> None:
+    """Host memory only, the default deployment: the full tier makes room by dropping
+    victims in batches while leases, pins and deletes go on; every fetched byte verifies."""
+    out = tmp_path / "soak.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--seconds", "4", "--clients", "4",
+                        "--processes", "1", "--chains", "60", "--host-capacity", "4MiB", "--ssd-capacity", "0",
+                        "--out", str(out)], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["passed"] and doc["mismatches"] == 0 and not doc["unexpected_errors"]
+    assert doc["blocks_verified"] > 0 and doc["daemon"]["evictions"] > 0 and doc["daemon"]["host_demotions"] == 0
