@@ -15,13 +15,18 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_short_soak_passes_and_reports(tmp_path: Path) -> None:
+def short_soak(tmp_path: Path, ssd_capacity: str) -> dict:
+    """Four seconds of bench/soak.py with four clients in one process; its result file."""
     out = tmp_path / "soak.json"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--seconds", "4", "--clients", "4",
-                        "--processes", "1", "--chains", "60", "--host-capacity", "4MiB", "--ssd-capacity", "16MiB",
-                        "--out", str(out)], capture_output=True, text=True, timeout=180)
+                        "--processes", "1", "--chains", "60", "--host-capacity", "4MiB", "--ssd-capacity",
+                        ssd_capacity, "--out", str(out)], capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
-    doc = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_short_soak_passes_and_reports(tmp_path: Path) -> None:
+    doc = short_soak(tmp_path, "16MiB")
     for key in ("ops", "ops_per_s", "p99_us", "mismatches", "errors_by_status", "rss_start_bytes", "rss_end_bytes"):
         assert key in doc
     assert doc["passed"] and doc["mismatches"] == 0 and not doc["unexpected_errors"]
@@ -33,11 +38,6 @@ def test_short_soak_passes_and_reports(tmp_path: Path) -> None:
 def test_short_soak_without_an_ssd_tier_drops_under_pressure(tmp_path: Path) -> None:
     """Host memory only, the default deployment: the full tier makes room by dropping
     victims in batches while leases, pins and deletes go on; every fetched byte verifies."""
-    out = tmp_path / "soak.json"
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--seconds", "4", "--clients", "4",
-                        "--processes", "1", "--chains", "60", "--host-capacity", "4MiB", "--ssd-capacity", "0",
-                        "--out", str(out)], capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stdout + r.stderr
-    doc = json.loads(out.read_text())
+    doc = short_soak(tmp_path, "0")
     assert doc["passed"] and doc["mismatches"] == 0 and not doc["unexpected_errors"]
     assert doc["blocks_verified"] > 0 and doc["daemon"]["evictions"] > 0 and doc["daemon"]["host_demotions"] == 0
