@@ -92,8 +92,12 @@ class Tier(ABC):
         return slots
 
     def _account(self, slot: Slot) -> None:
-        self._used_bytes += slot.size
-        self._blocks += 1
+        self._account_many(slot.size, 1)
+
+    def _account_many(self, size: int, count: int) -> None:
+        """Count `count` new slots of `size` accounted bytes each."""
+        self._used_bytes += size * count
+        self._blocks += count
         assert self._used_bytes <= self.capacity_bytes, "tier accounting exceeded capacity"
 
     def free(self, slot: Slot) -> None:

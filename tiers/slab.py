@@ -41,10 +41,8 @@ class SlabTier(Tier):
             return []
         size = self.accounted_size(nbytes)
         size = self._sizes.setdefault(size, size)
+        self._account_many(size, len(offsets))
         name = self.name
-        self._used_bytes += size * len(offsets)
-        self._blocks += len(offsets)
-        assert self._used_bytes <= self.capacity_bytes, "tier accounting exceeded capacity"
         return [Slot(name, offset, size) for offset in offsets]
 
     def _free(self, slot: Slot) -> None:
