@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 
 from kvstore.config import DEFAULT_TCP_LISTEN, default_unix_socket
-from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, error_for_status
+from kvstore.errors import FailedPrecondition, Internal, InvalidArgument, KVStoreError, error_for_status
 from kvstore.hashing import HASH_BYTES, split_hashes, token_bytes
 from kvstore.layout import KVLayout
 from kvstore.native import native as _native
@@ -585,17 +585,34 @@ def packed_tier_names(packed: bytes) -> list[str]:
     return list(map(_TIER_NAME_BY_VALUE.get, packed, repeat("unknown", n)))
 
 
-def lookup_result(resp: kvstore_pb2.LookupResponse, asked: Sequence[bytes] | None = None) -> LookupResult:
-    """The result of a Lookup. When it asked by hashes (`asked`), the answer's hashes are
-    the asked chain's first ones: the caller's own hash objects are handed back (checked
-    by one C pass that packs them and one compare with the answer's packed bytes)
-    instead of cutting the answer into new ones."""
+def lookup_keys(token_ids: Sequence[int] | None,
+                block_hashes: Sequence[bytes] | None) -> tuple[kvstore_pb2.BlockKeys, list[bytes] | None]:
+    """A Lookup's keys, and the caller's own hashes when the answer can hand them back as
+    they are (a list or tuple of 16-byte bytes objects): the request then asks the
+    daemon to leave them out of its answer (LookupRequest.omit_hashes)."""
+    if token_ids is None and isinstance(block_hashes, (list, tuple)) and _native is not None:
+        mine = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
+        joined = _native.join_hashes(mine)  # None unless each is a 16-byte bytes object
+        if joined is not None:
+            return packed_keys(joined), mine
+    return block_keys(token_ids, block_hashes), None
+
+
+def lookup_result(resp: kvstore_pb2.LookupResponse, mine: list[bytes] | None = None) -> LookupResult:
+    """The result of a Lookup. `mine`: the caller's hashes (`lookup_keys`), of which the
+    hits are the first ones; those very objects are handed back. A daemon that honours
+    `omit_hashes` sends none; one that predates it sends them, and they are checked
+    against the caller's (one C pass that packs them, one compare)."""
     got = resp.block_hashes_packed
     hashes: list[bytes] | None = None
-    if isinstance(asked, (list, tuple)) and got and _native is not None:
-        mine = list(asked[: len(got) // HASH_BYTES])
-        if _native.join_hashes(mine) == got:  # None unless each is a 16-byte bytes object
-            hashes = mine
+    if mine is not None:
+        n = resp.num_blocks
+        if n > len(mine):
+            raise Internal(f"the daemon answered {n} hits for a {len(mine)}-block chain")
+        if not got and not resp.block_hashes:
+            hashes = mine[:n]
+        elif _native is not None and _native.join_hashes(mine[:n]) == got:
+            hashes = mine[:n]
     if hashes is None:
         hashes = response_hashes(resp)
     return LookupResult(

@@ -11,6 +11,9 @@
    overlap instead of coming one after another (a table of millions of blocks is far
    larger than the cache, and each key costs a miss on its slot and one on its row).
 
+   `top_tiers` (kvstore.store) reads the top tier of each row a lookup found: one byte
+   per block, the form a lookup's answer carries.
+
    `join_hashes` (kvstore.client) packs a list of 16-byte hashes into N x 16 bytes, and
    `pack_u32` (kvstore.hashing) a list of token ids into little-endian u32, each in one
    pass that checks every item.
@@ -785,11 +788,65 @@ done:
     return result;
 }
 
+/* top_tiers(rows, lt, out) -> count
+   rows: i64; lt: two u8 tier ids per table row (its first and second copy, 0 for none);
+   out: writable u8, at least len(rows) long. Writes each row's top tier id (the lower
+   nonzero id of its two: ids follow the tier order) and returns how many rows hold a
+   second copy (a third, mid-move, is not in `lt`: the caller checks those rows). */
+static PyObject *
+top_tiers(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *o_rows, *o_lt, *o_out;
+    if (!PyArg_ParseTuple(args, "OOO", &o_rows, &o_lt, &o_out))
+        return NULL;
+    Py_buffer rows, lt, out;
+    PyObject *result = NULL;
+    if (get(o_rows, &rows, 8, 0, "rows") < 0)
+        return NULL;
+    if (get(o_lt, &lt, 2, 0, "lt") < 0)
+        goto e0;
+    if (get(o_out, &out, 1, 1, "out") < 0)
+        goto e1;
+    {
+        Py_ssize_t n = rows.len / 8, nrows = lt.len / 2, second = 0;
+        const int64_t *R = (const int64_t *)rows.buf;
+        const uint8_t *L = (const uint8_t *)lt.buf;
+        uint8_t *o = (uint8_t *)out.buf;
+        if (out.len < n) {
+            PyErr_SetString(PyExc_ValueError, "out is shorter than rows");
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t r = R[i];
+            if (r < 0 || r >= nrows) {
+                PyErr_Format(PyExc_IndexError, "row %lld is not a row of the table", (long long)r);
+                goto done;
+            }
+            uint8_t a = L[2 * r], b = L[2 * r + 1];
+            second += b != 0;
+            o[i] = b != 0 && b < a ? b : a;
+        }
+        result = PyLong_FromSsize_t(second);
+    }
+done:
+    PyBuffer_Release(&out);
+e1:
+    PyBuffer_Release(&lt);
+e0:
+    PyBuffer_Release(&rows);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"prefix_rows", prefix_rows, METH_VARARGS,
      "prefix_rows(packed, slots, h0, h1, ns_col, shift, ns, ns_fp, check_ns, out, every=False) -> count\n\n"
      "Write the rows of the longest indexed prefix of a packed chain into `out`; return its length.\n"
      "With `every`, write the row of every key (-1 where absent) and return N."},
+    {"top_tiers", top_tiers, METH_VARARGS,
+     "top_tiers(rows, lt, out) -> count\n\n"
+     "Write each row's top tier id (the lower nonzero of its two location tiers) into `out`;\n"
+     "return how many of the rows hold a second copy."},
     {"place_rows", place_rows, METH_VARARGS,
      "place_rows(rows, slots, h0, h1, ns_col, ns_fp, shift) -> count\n\n"
      "Insert rows (absent, distinct keys) into the key slots at the first empty slot from each home."},

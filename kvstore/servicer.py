@@ -7,6 +7,7 @@ status. No servicer method touches bytes beyond handing chunks to the store.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -51,11 +52,14 @@ def tier_enums(names: Sequence[str]) -> list[kvstore_pb2.Tier]:
     return list(map(TIER_ENUM.__getitem__, names))
 
 
-def tier_bytes(names: Sequence[str]) -> bytes:
-    """`tier_enums` packed one byte per block (LookupResponse.tiers_packed)."""
-    if names and names.count(names[0]) == len(names):
-        return bytes((TIER_ENUM[names[0]],)) * len(names)
-    return bytes(map(TIER_ENUM.__getitem__, names))
+@functools.lru_cache(maxsize=8)
+def tier_enum_table(names: tuple[str, ...]) -> bytes:
+    """A `bytes.translate` table from a store's tier ids (indexes into `names`) to Tier
+    values: a lookup's tier ids become LookupResponse.tiers_packed in one C pass."""
+    table = bytearray(256)
+    for tid, name in enumerate(names):
+        table[tid] = TIER_ENUM.get(name, kvstore_pb2.TIER_UNSPECIFIED)
+    return bytes(table)
 
 
 def packed_reply(keys: kvstore_pb2.BlockKeys) -> bool:
@@ -311,12 +315,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             lease_id=self._lease_out(r.lease_id),
             block_size_tokens=r.block_size_tokens,
         )
+        # The caller keeps the hashes it named: they need not come back (LookupRequest.omit_hashes).
+        omit = request.omit_hashes and keys.WhichOneof("keys") != "tokens"
         if not packed_reply(keys):
             resp.tiers.extend(tier_enums(r.tiers))
-            resp.block_hashes.extend(r.block_hashes)
+            if not omit:
+                resp.block_hashes.extend(r.block_hashes)
             return resp
-        resp.tiers_packed = tier_bytes(r.tiers)
-        resp.block_hashes_packed = r.hashes_packed
+        resp.tiers_packed = r.tier_ids.translate(tier_enum_table(r.tier_names))
+        if not omit:
+            resp.block_hashes_packed = r.hashes_packed
         return resp
 
     async def Put(

@@ -58,6 +58,7 @@ from kvstore.hashing import HASH_BYTES, block_hashes_packed, chain_packed, packe
 from kvstore.index import BlockEntry, BlockIndex, BlockState, make_key
 from kvstore.table import HAS_PARENT, INDEXED, LIVE, READY, SSD_QUEUED, BlockTable
 from kvstore.layout import DTYPE_BYTES, KVLayout
+from kvstore.native import native as _native
 from kvstore.leases import Lease, LeaseTable
 from kvstore.policies import EvictionPolicy
 from kvstore.tenancy import TenantLedger
@@ -267,13 +268,22 @@ class LookupResult:
     namespace_id: bytes
     num_blocks: int
     block_size_tokens: int
-    tiers: list[str]
+    tier_ids: bytes  # each hit's top tier, one byte per block: an index into `tier_names`
+    tier_names: tuple[str, ...]  # tier id -> name
     hashes_packed: bytes  # the hits' hashes, 16 bytes each, in chain order
     lease_id: str
 
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size_tokens
+
+    @property
+    def tiers(self) -> list[str]:
+        """Each hit's tier by name (where it is served from: its top copy)."""
+        ids, names = self.tier_ids, self.tier_names
+        if ids and ids.count(ids[:1]) == len(ids):  # one tier: the common case
+            return [names[ids[0]]] * len(ids)
+        return [names[i] for i in ids]
 
     @property
     def block_hashes(self) -> list[bytes]:
@@ -410,7 +420,7 @@ class Store:
         for st in self.tiers:
             table.tier_id(st.name)
             st.policy.bind(table)
-        self._tier_id_names = np.array(table.tier_names, dtype=object)
+        self._tier_id_names = tuple(table.tier_names)
         self._tier_ids = {st.name: table.tier_id(st.name) for st in self.tiers}
         self._leases = LeaseTable(self._readers_gone)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
@@ -1082,13 +1092,13 @@ class Store:
         c.miss_blocks += n_asked - n_hit
         # Where each block is served from: its top copy (tier ids follow the tier order).
         tops = self._top_ids(rows)
-        tier_names: list[str] = self._tier_id_names[tops].tolist()
-        per_tier = np.bincount(tops, minlength=len(self._tier_id_names)).tolist()
+        tier_ids = tops.tobytes()
+        single = not n_hit or tier_ids.count(tier_ids[:1]) == n_hit
         tail_first = rows[::-1]
         tops_tail_first = tops[::-1]
         for tid, st in enumerate(self.tiers, start=1):
             # A tier's hits are looked-up blocks served from it; its misses, the others.
-            held = per_tier[tid]
+            held = (n_hit if n_hit and tier_ids[0] == tid else 0) if single else tier_ids.count(tid)
             st.counters.hits += held
             st.counters.misses += n_asked - held
             if held:
@@ -1099,20 +1109,28 @@ class Store:
             namespace_id=namespace_id,
             num_blocks=n_hit,
             block_size_tokens=info.layout.block_size_tokens,
-            tiers=tier_names,
+            tier_ids=tier_ids,
+            tier_names=self._tier_id_names,
             hashes_packed=packed[: n_hit * HASH_BYTES],
             lease_id=lease_id,
         )
 
     def _top_ids(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        """The tier id of each row's top copy (the lowest id: ids follow the tier order)."""
+        """The tier id of each row's top copy (the lowest id: ids follow the tier order),
+        as u8."""
         t = self._index.table
-        # Both location tiers of a row in one 16-bit gather: the first in the low byte.
-        both = t.lt.view("<u2")[:, 0][rows]
-        if not len(both) or int(both.max()) < 256:  # one copy each: the common case
-            return both.astype(np.int64)
-        first, second = both & 0xFF, both >> 8
-        tops = np.where((second != 0) & (second < first), second, first).astype(np.int64)
+        if _native is not None:
+            tops = np.empty(len(rows), np.uint8)
+            if not _native.top_tiers(np.ascontiguousarray(rows, np.int64), t.lt, tops) or not t.extra_locs:
+                return tops
+            second = t.lt[rows, 1].astype(np.int64)
+        else:
+            # Both location tiers of a row in one 16-bit gather: the first in the low byte.
+            both = t.lt.view("<u2")[:, 0][rows]
+            if not len(both) or int(both.max()) < 256:  # one copy each: the common case
+                return both.astype(np.uint8)
+            first, second = both & 0xFF, both >> 8
+            tops = np.where((second != 0) & (second < first), second, first).astype(np.uint8)
         if t.extra_locs:  # a third copy, for the moment of a move
             for i in np.flatnonzero(second != 0).tolist():
                 extra = t.extra_locs.get(int(rows[i]))
@@ -1502,7 +1520,8 @@ class Store:
             namespace_id=namespace_id,
             num_blocks=len(rows),
             block_size_tokens=info.layout.block_size_tokens,
-            tiers=self._tier_id_names[tops].tolist(),
+            tier_ids=tops.tobytes(),
+            tier_names=self._tier_id_names,
             hashes_packed=packed[: len(rows) * HASH_BYTES],
             lease_id=lease_id,
         )

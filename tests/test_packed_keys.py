@@ -14,7 +14,7 @@ import xxhash
 
 from kvstore import errors
 from kvstore.client import AsyncClient
-from kvstore.client._common import layout_to_proto, packed_tier_names
+from kvstore.client._common import layout_to_proto, lookup_keys, lookup_result, packed_tier_names
 from kvstore.daemon import Daemon
 from kvstore.hashing import block_hashes, block_hashes_packed, namespace_id, split_hashes, token_bytes
 from kvstore.layout import KVLayout
@@ -90,6 +90,45 @@ async def test_lookup_answers_in_the_form_asked(seeded, layout):
     mixed.packed_reply = True
     got = await stub.Lookup(kvstore_pb2.LookupRequest(namespace=ns(layout), keys=mixed))
     assert (got.num_blocks, list(got.block_hashes), got.block_hashes_packed) == (N, [], b"".join(hashes))
+
+
+async def test_lookup_leaves_out_the_hashes_a_caller_named_when_asked(seeded, layout):
+    stub, _, _, tokens, _, hashes = seeded
+    chain = hashes + [os.urandom(16)]  # one block past what is held
+    host = kvstore_pb2.TIER_HOST
+    for keys, tiers in ((packed(chain), ([], bytes([host]) * N)), (repeated(chain), ([host] * N, b""))):
+        got = await stub.Lookup(kvstore_pb2.LookupRequest(namespace=ns(layout), keys=keys, omit_hashes=True))
+        assert got.num_blocks == N and not got.block_hashes and not got.block_hashes_packed
+        assert (list(got.tiers), got.tiers_packed) == tiers
+    # A chain named by token ids: only the daemon has its hashes, so they come back anyway.
+    tok = kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(token_ids=tokens), packed_reply=True)
+    got = await stub.Lookup(kvstore_pb2.LookupRequest(namespace=ns(layout), keys=tok, omit_hashes=True))
+    assert got.block_hashes_packed == b"".join(hashes)
+
+
+def test_a_lookup_result_reads_hashes_from_daemons_that_send_them_or_not():
+    hashes = [os.urandom(16) for _ in range(4)]
+    keys, mine = lookup_keys(None, hashes)
+    assert mine is hashes and keys.packed_hashes == b"".join(hashes)
+    host = bytes([kvstore_pb2.TIER_HOST])
+    # A daemon that honours omit_hashes: the caller's own objects, the first num_blocks.
+    r = lookup_result(kvstore_pb2.LookupResponse(num_blocks=3, tiers_packed=host * 3), mine)
+    assert r.block_hashes == hashes[:3] and all(a is b for a, b in zip(r.block_hashes, hashes))
+    assert r.tiers == ["host"] * 3
+    # One that predates it sends them back: checked, then the caller's objects again.
+    r = lookup_result(kvstore_pb2.LookupResponse(num_blocks=2, block_hashes_packed=b"".join(hashes[:2])), mine)
+    assert r.block_hashes == hashes[:2] and r.block_hashes[0] is hashes[0]
+    # Hashes that are not the caller's are what the answer says, never the caller's.
+    other = [os.urandom(16) for _ in range(2)]
+    r = lookup_result(kvstore_pb2.LookupResponse(num_blocks=2, block_hashes_packed=b"".join(other)), mine)
+    assert r.block_hashes == other
+    with pytest.raises(errors.Internal, match="5 hits for a 4-block chain"):
+        lookup_result(kvstore_pb2.LookupResponse(num_blocks=5), mine)
+    # Forms the answer cannot hand back as they are ask for the hashes.
+    for asked in ([bytearray(h) for h in hashes], iter(hashes)):
+        keys, mine = lookup_keys(None, asked)
+        assert mine is None and keys.packed_hashes == b"".join(hashes)
+    assert lookup_keys(None, tuple(hashes))[1] == hashes
 
 
 async def test_local_fetch_answers_its_hashes_in_the_form_asked(seeded, layout):

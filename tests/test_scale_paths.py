@@ -184,3 +184,21 @@ def test_gc_freezer_freezes_after_enough_new_blocks() -> None:
         assert ref() is None
     finally:
         gc.unfreeze()
+
+
+def test_top_tiers_refuses_rows_outside_the_table() -> None:
+    import numpy as np
+
+    from kvstore.native import native
+
+    if native is None:
+        pytest.skip("the compiled helpers were not built")
+    lt = np.array([[2, 0], [2, 3], [3, 1]], np.uint8)
+    out = np.empty(3, np.uint8)
+    assert native.top_tiers(np.array([0, 1, 2], np.int64), lt, out) == 2
+    assert out.tolist() == [2, 2, 1]
+    for bad in (3, -1):
+        with pytest.raises(IndexError, match="not a row of the table"):
+            native.top_tiers(np.array([0, bad], np.int64), lt, out)
+    with pytest.raises(ValueError, match="shorter"):
+        native.top_tiers(np.array([0, 1], np.int64), lt, np.empty(1, np.uint8))

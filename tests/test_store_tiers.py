@@ -17,6 +17,7 @@ from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
 from kvstore.policies import make_policy
 from kvstore.store import MigrationConfig, MigrationStatus, Store, StoreTier, WritePolicy
+from kvstore.tiers.base import Slot
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.ssd import SsdTier
 
@@ -193,3 +194,40 @@ async def test_a_block_being_read_is_not_lost_to_migration(store: Store) -> None
         # Held by the open fetch: the migrator can find no victim in the full top tier.
         assert await store.migrate_once(store.tiers[0]) is MigrationStatus.FAIL
         assert [b async for b in stream] == blocks
+
+
+async def test_top_tier_of_each_hit_is_the_same_compiled_or_not(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup reads each hit's top tier in one compiled pass; the numpy form is the
+    reference, for rows with one copy, with two (written through to SSD), and with a
+    third for the moment of a move."""
+    import numpy as np
+
+    import kvstore.store as store_module
+
+    hs = hashes(16)
+    blocks = [os.urandom(BLOCK) for _ in hs]
+    for i in range(0, 16, 4):
+        await put(store, hs[i : i + 4], blocks[i : i + 4])
+    await store.flush(10)
+    ns = store.register(LAYOUT)
+    rows = store._index.prefix_rows(ns, b"".join(hs))
+    assert len(rows) == 16
+    t = store._index.table
+    assert (t.lt[rows, 1] != 0).any() and len(set(where(store, hs))) > 1  # two copies, several tiers
+    first = store._top_ids(rows)
+    result = store.lookup(ns, hs)
+    # A third copy (in the top tier, mid-move) of a block with two below it.
+    moving = next(int(r) for r, v in zip(rows.tolist(), first.tolist()) if v > 1 and t.lt[r, 1])
+    t.extra_locs[moving] = [Slot("hbm", 0, BLOCK)]
+    try:
+        compiled = store._top_ids(rows)
+        monkeypatch.setattr(store_module, "_native", None)
+        reference = store._top_ids(rows)
+    finally:
+        del t.extra_locs[moving]
+    assert compiled.dtype == reference.dtype == np.uint8
+    assert compiled.tolist() == reference.tolist()
+    assert compiled.tolist() == [1 if int(r) == moving else v for r, v in zip(rows.tolist(), first.tolist())]
+    assert store._top_ids(rows).tolist() == first.tolist()
+    # What the lookup answered: each block's top tier, by id and by name.
+    assert result.tiers == [t.tier_names[i] for i in first.tolist()] == [store.block(ns, h).tier for h in hs]
