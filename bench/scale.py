@@ -203,8 +203,9 @@ class Echo(asyncio.Protocol):
             n = HEAD.unpack_from(self.buf)[0]
             if len(self.buf) < 4 + n:
                 return
-            # The request back, with one byte per block more: a Lookup answer's size.
-            body = bytes(self.buf[4:4 + n]) + bytes(n // 16)
+            # One byte per block: a Lookup answer's size (its tiers; the caller keeps its
+            # hashes, LookupRequest.omit_hashes).
+            body = bytes(n // 16)
             del self.buf[:4 + n]
             self.transport.write(HEAD.pack(len(body)) + body)
 async def main():
