@@ -23,8 +23,11 @@ Per N (default 1M and 10M blocks), on a real daemon process (bench/scale_daemon.
   store_lookup_*: `Store.lookup` of the chains inside the daemon (the server's share);
 * gc_full_ms: one full collection of Python's cyclic GC in the daemon after the fill
   (the stall an automatic one would cause; the daemon freezes the index out of it);
-* put_us_per_block: daemon CPU time per block over the last 5% of the fill (wall time
-  next to it as put_wall_us_per_block: on a shared machine wall time also counts waits);
+* put_us_per_block: daemon CPU time per block of a put (begin_put through commit and the
+  policy inserts it defers), the median of the puts in the last 5% of the fill: the
+  cost at this size (wall time next to it as put_wall_us_per_block: on a shared machine
+  wall time also counts waits); put_mean_us_per_block is the mean over the same puts,
+  and put_fill_us_per_block the mean over the whole fill (key table growth included);
 * evict_us_per_block: with the tier full, more blocks are put; each needs one eviction
   (policy victim, demote/drop, index removal), timed (CPU, and wall) around the store's
   eviction step.
@@ -307,11 +310,13 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
             # processes on a shared machine. The wall-clock figures are kept next to them.
             "put_us_per_block": filled["tail_cpu_us_per_block"],
             "put_wall_us_per_block": filled["tail_us_per_block"],
+            "put_mean_us_per_block": filled["tail_mean_cpu_us_per_block"],
+            "put_fill_us_per_block": filled["fill_cpu_us_per_block"],
             "fill_seconds": filled["seconds"],
             "evict_us_per_block": evicted["evict_cpu_seconds"] / evicted["evictions"] * 1e6,
             "evict_wall_us_per_block": evicted["evict_seconds"] / evicted["evictions"] * 1e6,
             "evictions": evicted["evictions"],
-            "put_under_pressure_us_per_block": evicted["cpu_seconds"] / evict_blocks * 1e6,
+            "put_under_pressure_us_per_block": evicted["fill_cpu_us_per_block"],
         }
     finally:
         daemon.close()
@@ -493,13 +498,18 @@ def main() -> None:
               f"{r['lookup_grpc_p99_us']:>8.0f} {r['store_lookup_p50_us']:>10.0f} "
               f"{r['store_lookup_p99_us']:>8.0f} {r['put_us_per_block']:>11.2f} {r['evict_us_per_block']:>13.2f}")
     for r in rows:
+        print(f"N={r['n_blocks']:,}: put CPU us/block: median {r['put_us_per_block']:.2f}, mean "
+              f"{r['put_mean_us_per_block']:.2f} (last 5% of the fill), {r['put_fill_us_per_block']:.2f} "
+              f"over the whole fill; under pressure (one eviction each) {r['put_under_pressure_us_per_block']:.2f}")
+    for r in rows:
         print(f"N={r['n_blocks']:,}: full GC {r['gc_full_ms']:.0f} ms wall, {r['gc_full_cpu_ms']:.0f} ms CPU, "
               f"{r['gc_tracked_objects']:,} objects tracked, {r['gc_frozen_objects']:,} frozen")
     print("Lookup: SDK over the Unix socket (control lane), 1000-block chain, closed loop; echo: the same bytes "
-          "each way through a Unix socket to a process that does nothing else (the floor, measured the same way); "
+          "through a Unix socket to a process that answers as many bytes as a Lookup and does nothing else "
+          "(the floor, measured the same way); "
           "paced: the same calls taking turns call by call (each finds the other end idle); "
           "gRPC: the same 1000-block lookups over gRPC on that socket, closed loop; "
-          "store: Store.lookup in the daemon. put/evict: daemon CPU time per block.")
+          "store: Store.lookup in the daemon. put: daemon CPU time per block of a put (median); evict: per eviction.")
     if ssd:
         print(f"SSD rebuild of {ssd['ssd_records']:,} records: {ssd['rebuild_s_log']:.2f}s from the log, "
               f"{ssd['rebuild_s_snapshot']:.2f}s from the snapshot")
