@@ -259,13 +259,20 @@ def test_ghost_list_is_a_fifo_set() -> None:
     assert g.contains_many(probe).tolist() == [True] * min(50, len(model)) + [False]
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("seed", range(6))
-def test_row_lists_compact_step_by_step_and_keep_their_order(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_row_lists_compact_step_by_step_and_keep_their_order(seed: int, compiled: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Small logs compact (or grow) incrementally here (the daemon's start at 4096
     entries): every list must read exactly as an OrderedDict after the same steps, while a
-    compaction or growth copy runs and after it, and no append may do more than its share."""
+    compaction or growth copy runs and after it, and no append may do more than its share.
+    Batches and compaction steps run compiled (`kvstore._native`) and in array steps."""
     from kvstore.policies import rows as rows_mod
 
+    if compiled and rows_mod._native is None:
+        pytest.skip("the compiled helpers were not built")
+    if not compiled:
+        monkeypatch.setattr(rows_mod, "_native", None)
     monkeypatch.setattr(rows_mod, "COMPACT_FROM", 64)
     monkeypatch.setattr(rows_mod, "COMPACT_MIN", 3)
     lists = rows_mod.RowLists(2)
@@ -297,6 +304,15 @@ def test_row_lists_compact_step_by_step_and_keep_their_order(seed: int, monkeypa
                 for other in (1, 2):
                     ref[other].pop(r, None)
                 ref[which][r] = None
+        elif op < 0.55:
+            # A touch: rows in no list stay out.
+            rs = [rng.randrange(universe) for _ in range(rng.randrange(1, 40))]
+            lists.touch_many(which, np.array(rs, np.int64))
+            for r in rs:
+                if any(r in ref[w] for w in (1, 2)):
+                    for other in (1, 2):
+                        ref[other].pop(r, None)
+                    ref[which][r] = None
         elif op < 0.7:
             r = rng.randrange(universe)
             lists.append(which, r)
@@ -321,3 +337,30 @@ def test_row_lists_compact_step_by_step_and_keep_their_order(seed: int, monkeypa
     assert running > 100, "the trace never ran an incremental compaction or growth"
     assert steps and grows, "both the compaction and the growth copy must have run"
     assert max(steps + grows) <= rows_mod.COMPACT_RATE * 40 + 3
+
+
+def test_compiled_row_steps_refuse_what_would_write_out_of_bounds() -> None:
+    from kvstore.native import native
+
+    if native is None:
+        pytest.skip("the compiled helpers were not built")
+    log, lst, pos = np.zeros(4, np.int32), np.zeros(8, np.uint8), np.zeros(8, np.int32)
+    moved = np.zeros(3, np.int64)
+    assert native.rows_append(log, lst, pos, 1, 0, np.array([5, 6], np.int64), False, moved) == 2
+    assert log[:2].tolist() == [5, 6] and lst[5] == lst[6] == 1 and pos[6] == 1
+    # A touch moves tracked rows only; each leaves the list it was in.
+    assert native.rows_append(log, lst, pos, 2, 2, np.array([3, 5], np.int64), True, moved) == 3
+    assert moved.tolist() == [0, 1, 0] and lst[5] == 2 and pos[5] == 2 and lst[3] == 0
+    with pytest.raises(IndexError, match="past the lists' rows"):
+        native.rows_append(log, lst, pos, 1, 0, np.array([8], np.int64), False, moved)
+    with pytest.raises(ValueError, match="no room"):
+        native.rows_append(log, lst, pos, 1, 3, np.array([1, 2], np.int64), False, moved)
+    with pytest.raises(ValueError, match="bad list id"):
+        native.rows_append(log, lst, pos, 3, 0, np.array([1], np.int64), False, moved)
+    # Compaction keeps the valid entries in order: row 6 (list 1, at 1); row 5 moved on.
+    assert native.rows_compact(log, lst, pos, 1, 0, 0, 3, None) == 1
+    assert log[0] == 6 and pos[6] == 0
+    with pytest.raises(ValueError, match="cursors"):
+        native.rows_compact(log, lst, pos, 1, 2, 1, 3, None)
+    with pytest.raises(ValueError, match="cursors"):
+        native.rows_compact(log, lst, pos, 1, 0, 0, 5, None)

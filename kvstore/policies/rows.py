@@ -5,8 +5,8 @@
 log of rows; appending a row that is already somewhere leaves its old log entry stale
 (the row's position no longer points at it). The valid entries of a log, in log order,
 are exactly an OrderedDict's keys after the same inserts and `move_to_end`s, so the
-order is the same one an OrderedDict-based policy keeps. Appending a batch is one
-vectorized step.
+order is the same one an OrderedDict-based policy keeps. Appending a batch is one pass
+of compiled code (`kvstore._native.rows_append`), or a few array steps without it.
 
 Stale entries are skipped lazily at the head, and squeezed out incrementally: once a log
 is two-thirds full, every append also compacts a few times as many entries as it adds,
@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from kvstore.native import native as _native  # appends and compaction steps in one pass each
 from kvstore.policies.base import BlockKey, Clock, EvictionPolicy
 from kvstore.table import BlockTable, fmix64, fmix64_array, opaque_key_hash
 
@@ -155,13 +156,16 @@ class RowLists:
         log = self._logs[which]
         w, r, tail = self._cw[which], self._cr[which], self._tail[which]
         stop = min(tail, r + budget)
-        live = self._valid(which, r, stop)  # a copy: safe to write below `stop`
-        n = len(live)
-        log[w:w + n] = live
         into = self._into[which]
-        if into is not None:
-            into[w:w + n] = live  # entries below w never change again: mirror them
-        self.pos[live] = _arange32(w, n)
+        if _native is not None:
+            n = _native.rows_compact(log, self.lst, self.pos, which, w, r, stop, into) - w
+        else:
+            live = self._valid(which, r, stop)  # a copy: safe to write below `stop`
+            n = len(live)
+            log[w:w + n] = live
+            if into is not None:
+                into[w:w + n] = live  # entries below w never change again: mirror them
+            self.pos[live] = _arange32(w, n)
         if self._head[which] > w:
             self._head[which] = w  # valid entries now sit from w on
         w += n
@@ -224,6 +228,9 @@ class RowLists:
     def touch_many(self, which: int, rows: I64) -> None:
         """`append` to list `which` each of `rows` that is in some list now (a policy's
         touch: untracked rows stay out), in order."""
+        if _native is not None and len(rows) > SCALAR_APPEND_MAX:
+            self._append_compiled(which, rows, True)
+            return
         held = self.lst[rows]
         tracked = held != 0
         if tracked.all():
@@ -240,6 +247,9 @@ class RowLists:
         if n <= SCALAR_APPEND_MAX:  # a few rows: plain appends cost less than the array steps
             for row in rows.tolist():
                 self.append(which, row)
+            return
+        if _native is not None:
+            self._append_compiled(which, rows, False)
             return
         self._room(which, n)
         tail = self._tail[which]
@@ -261,6 +271,20 @@ class RowLists:
         self.lst[rows] = which
         self._tail[which] = tail + n
         self.size[which] += n
+
+    def _append_compiled(self, which: int, rows: I64, tracked_only: bool) -> None:
+        """`append` each row in order, in one compiled pass: a row named twice leaves its
+        earlier entry stale, as any moved row does (the array steps drop it instead)."""
+        self._room(which, len(rows))
+        moved = np.zeros(len(self.size), np.int64)
+        tail = self._tail[which]
+        end = _native.rows_append(self._logs[which], self.lst, self.pos, which, tail,
+                                  np.ascontiguousarray(rows, np.int64), tracked_only, moved)
+        size = self.size
+        for other, k in enumerate(moved.tolist()):
+            size[other] -= k
+        size[which] += end - tail
+        self._tail[which] = end
 
     def distinct_untracked(self, rows: I64) -> bool:
         """Whether `rows`, none of them in a list, are all different (no sort: an untracked
