@@ -40,7 +40,6 @@ import asyncio
 import enum
 import gc
 import logging
-import operator
 import struct
 import time
 from collections import deque
@@ -66,8 +65,6 @@ from kvstore.tiers.base import BlockMeta, Slot, Tier
 from kvstore.tiers.copiers import make_copier
 
 logger = logging.getLogger(__name__)
-
-_ENTRY_ROW = operator.attrgetter("row")
 
 # A fetch copies and verifies each block right before sending it: on the event loop up
 # to FETCH_INLINE_BYTES per block (a thread hand-off per block costs more than the copy
@@ -1243,14 +1240,14 @@ class Store:
                 continue
         return await self._allocate(landing[-1], nbytes, want)
 
-    def _publish(self, entries: list[BlockEntry]) -> None:
+    def _publish(self, rows: np.ndarray[Any, Any]) -> None:
+        """Make a put's PENDING rows READY (in chain order)."""
         through = self.ssd is not None and self.migration.write_policy is WritePolicy.THROUGH
-        if not entries:
+        if not len(rows):
             self._migrate_wakeup.set()
             return
         t = self._index.table
         # One put's blocks: one namespace, columns updated in whole-array steps.
-        rows = np.fromiter(map(_ENTRY_ROW, entries), np.int64, len(entries))
         tail_first = rows[::-1]
         t.flags[rows] |= READY
         info = self._namespaces[t.ns_bytes[int(t.vns[rows[0]])]]
@@ -1259,7 +1256,6 @@ class Store:
         info.blocks += len(rows)
         info.bytes += int(nbytes.sum())
         lt = t.lt[tail_first]
-        assert all(e.table is t for e in entries), "a put's entries live in the store's table"
         self._index.add_rows(tail_first)
         for tid, st in enumerate(self.tiers, start=1):
             has = (lt[:, 0] == tid) | (lt[:, 1] == tid)
@@ -1278,7 +1274,7 @@ class Store:
             # Head first: the SSD writer follows queue order, so a crash can cut a chain
             # short but never leave its later blocks without its start.
             t.flags[rows] |= SSD_QUEUED
-            self._ssd_queue.extend(entries)
+            self._ssd_queue.extend(BlockEntry.of(t, row) for row in rows.tolist())
         if through:
             self._ssd_idle.clear()
             self._ssd_wakeup.set()
@@ -1927,6 +1923,8 @@ class PutTxn:
 
     Blocks must arrive in order (chunks of block i, then of block i+1). A block already
     READY when the put began is accepted and discarded without being stored again.
+    Its blocks are rows of the block table (an array), each with its slot: no object
+    per block beyond the slot the tier handed out.
     """
 
     def __init__(
@@ -1937,14 +1935,13 @@ class PutTxn:
         self._hashes = hashes
         self.block_bytes = info.layout.bytes_per_block
         self._itemsize = DTYPE_BYTES.get(info.layout.dtype, 1)
-        ns = info.namespace_id
-        self._keys = [make_key(ns, h) for h in hashes]
+        n = self._n = len(hashes)
         q = np.frombuffer(b"".join(hashes), "<u8")
         self._q0, self._q1 = q[0::2], q[1::2]
         self._parent_hash = parent_hash or None
-        first_parent = make_key(ns, parent_hash) if parent_hash else None
-        self._parents: list[bytes | None] = [first_parent, *self._keys[:-1]]
-        self._entries: list[BlockEntry | None] = [None] * len(hashes)
+        # Each block's PENDING row and slot; -1 and None for a block present before the put.
+        self._rows = np.full(n, -1, np.int64)
+        self._slots: list[Slot | None] = [None] * n
         # Blocks already READY when the put began, held so that making room for the new
         # blocks cannot evict them (the put would otherwise report them present when not).
         self._held: list[BlockEntry] = []
@@ -2054,16 +2051,20 @@ class PutTxn:
         t.lt[rows, 1] = 0
         t.lo[rows, 0] = [s.offset for s in slots]
         t.ls[rows, 0] = [s.size for s in slots]
-        for i, row in zip(new, rows.tolist()):
-            self._entries[i] = index.entry(row)
+        self._rows[at] = rows
+        if len(new) == self._n:
+            self._slots = list(slots)
+        else:
+            for i, slot in zip(new, slots):
+                self._slots[i] = slot
 
     async def adopt(self, filled: Sequence[Slot]) -> list[Slot]:
         """Instead of `reserve`: take slots from `Store.reserve_slots` that a co-located
         client already filled, block i in `filled[i]`. Returns the slots of blocks already
         present (their bytes are not needed), which stay the caller's. The tenant's quota
         applies as in `reserve`; if this raises, no slot was taken."""
-        if len(filled) != len(self._keys):
-            raise InvalidArgument(f"{len(filled)} filled slots for a put of {len(self._keys)} blocks")
+        if len(filled) != self._n:
+            raise InvalidArgument(f"{len(filled)} filled slots for a put of {self._n} blocks")
         store = self._store
         new = self._hold_present()
         quotas = store.tenancy.quotas.get(self._info.tenant)
@@ -2079,16 +2080,12 @@ class PutTxn:
         new_set = set(new)
         return [slot for i, slot in enumerate(filled) if i not in new_set]
 
-    def _slot(self, entry: BlockEntry) -> Slot:
-        (slot,) = entry.slots()
-        return slot
-
     async def write(self, block: int, data: bytes | memoryview) -> None:
         """Append `data` to block `block`'s payload."""
         if self._done:
             raise FailedPrecondition("this put has already finished")
-        if not 0 <= block < len(self._keys):
-            raise InvalidArgument(f"chunk for block {block}, but the put carries {len(self._keys)} blocks")
+        if not 0 <= block < self._n:
+            raise InvalidArgument(f"chunk for block {block}, but the put carries {self._n} blocks")
         if block < self._current:
             raise InvalidArgument(f"chunk for block {block} after block {self._current} began; send blocks in order")
         while self._current < block:
@@ -2101,20 +2098,19 @@ class PutTxn:
                 f"{self.block_bytes} bytes (layout {self._info.layout.model}, "
                 f"{self._info.layout.block_size_tokens} tokens); check the layout you sent"
             )
-        entry = self._entries[block]
-        if entry is not None:
-            slot = self._slot(entry)
+        slot = self._slots[block]
+        if slot is not None:
             await self._store._tier_by_name[slot.tier].tier.write(slot, offset, data)
         self._received[block] = offset + len(data)
 
     def slots(self) -> list[Slot | None]:
         """Where each block's bytes must land; None for blocks already present."""
-        return [self._slot(e) if e is not None else None for e in self._entries]
+        return list(self._slots)
 
     def mark_written(self) -> None:
         """Every byte was written into the slots by someone else (a co-located client)."""
-        self._received = [self.block_bytes] * len(self._keys)
-        self._current = len(self._keys) - 1
+        self._received = [self.block_bytes] * self._n
+        self._current = self._n - 1
 
     def _check_complete(self, block: int) -> None:
         got = self._received[block]
@@ -2132,49 +2128,42 @@ class PutTxn:
         wrong one cannot cause a wrong block to be served: every read verifies.
         """
         store = self._store
-        for i in range(len(self._keys)):
-            self._check_complete(i)
-        pending = [e for e in self._entries if e is not None]
+        n = self._n
+        if self._received.count(self.block_bytes) != n:
+            for i in range(n):
+                self._check_complete(i)
+        new_at = np.flatnonzero(self._rows >= 0)
+        rows = self._rows[new_at]
+        every = len(new_at) == n
         tiers = store._tier_by_name
+        t = store._index.table
         if checksums is not None:
-            if len(checksums) != len(self._keys):
-                raise InvalidArgument(f"{len(checksums)} checksums for a put of {len(self._keys)} blocks")
-            sums = [checksums[i] for i, e in enumerate(self._entries) if e is not None]
+            if len(checksums) != n:
+                raise InvalidArgument(f"{len(checksums)} checksums for a put of {n} blocks")
+            sums = checksums if every else [checksums[i] for i in new_at.tolist()]
         else:
-            slots = [self._slot(e) for e in pending]
-            views = [tiers[s.tier].tier.view(s, e.nbytes) for s, e in zip(slots, pending)]
+            slots = [slot for slot in self._slots if slot is not None]  # the new blocks', in order
+            sizes = t.nbytes[rows].tolist()
+            views = [tiers[s.tier].tier.view(s, nb) for s, nb in zip(slots, sizes)]
             if any(v is None for v in views):
                 # Not host-visible (HBM): the tier's read completes only after the device
                 # copy has, so the checksum covers bytes that have landed.
-                datas: list[bytes | memoryview] = [
-                    await tiers[s.tier].tier.read(s, e.nbytes) for s, e in zip(slots, pending)
-                ]
+                datas: list[bytes | memoryview] = [await tiers[s.tier].tier.read(s, nb) for s, nb in zip(slots, sizes)]
             else:
                 datas = [v for v in views if v is not None]
             sums = await checksum_batch(datas, store._executor)
         if self._done:  # aborted while checksumming (cancelled call)
             raise FailedPrecondition("this put was aborted")
-        stored = existing = 0
-        publish: list[BlockEntry] = []
-        t = store._index.table
-        rows = np.fromiter(map(_ENTRY_ROW, pending), np.int64, len(pending))
         t.csum[rows] = np.array(sums, np.uint64)
         # Published by a concurrent put since this one began: one probe for all.
-        raced = set(rows[t.find_rows(t.ns_id(self._info.namespace_id), t.h0[rows], t.h1[rows]) >= 0].tolist())
-        for i, maybe in enumerate(self._entries):
-            if maybe is None or maybe.row in raced:
-                # Present before the put began, or published by a concurrent put since.
-                existing += 1
-                if maybe is not None:
-                    slot = self._slot(maybe)
-                    tiers[slot.tier].tier.free(slot)
-                    maybe.clear_slots()
-                    store._index.table.free_row(maybe.row)
-                    self._entries[i] = None
-            else:
-                publish.append(maybe)
-                stored += 1
-        store._publish(publish)
+        raced = t.find_rows(t.ns_id(self._info.namespace_id), t.h0[rows], t.h1[rows]) >= 0
+        if raced.any():
+            for k in np.flatnonzero(raced).tolist():
+                self._drop_pending(int(new_at[k]))
+            rows = rows[~raced]
+        stored = len(rows)
+        existing = n - stored
+        store._publish(rows)
         self._done = True
         self._release_held()
         c = store.counters
@@ -2193,13 +2182,19 @@ class PutTxn:
         self._done = True
         self._release_held()
         self._store.counters.put_failures += 1
-        for i, entry in enumerate(self._entries):
-            if entry is not None:
-                slot = self._slot(entry)
-                self._store._tier_by_name[slot.tier].tier.free(slot)
-                entry.clear_slots()
-                self._store._index.table.free_row(entry.row)
-                self._entries[i] = None
+        for i in np.flatnonzero(self._rows >= 0).tolist():
+            self._drop_pending(i)
+
+    def _drop_pending(self, i: int) -> None:
+        """Free block i's PENDING slot and row (the put will not publish it)."""
+        slot, row = self._slots[i], int(self._rows[i])
+        assert slot is not None and row >= 0
+        self._store._tier_by_name[slot.tier].tier.free(slot)
+        t = self._store._index.table
+        BlockEntry.of(t, row).clear_slots()
+        t.free_row(row)
+        self._slots[i] = None
+        self._rows[i] = -1
 
     def _release_held(self) -> None:
         for tier in self._quota_held:

@@ -202,3 +202,60 @@ def test_top_tiers_refuses_rows_outside_the_table() -> None:
             native.top_tiers(np.array([0, bad], np.int64), lt, out)
     with pytest.raises(ValueError, match="shorter"):
         native.top_tiers(np.array([0, 1], np.int64), lt, np.empty(1, np.uint8))
+
+
+def _bench_module(name: str):  # type: ignore[no-untyped-def]
+    import importlib
+    import sys
+
+    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module(name)
+
+
+def test_metadata_only_tier_allocates_a_batch_as_one_by_one() -> None:
+    """The scale bench's instrument tier hands out a batch exactly as single allocations."""
+    tier_cls = _bench_module("scale_daemon").MetadataOnlyTier
+    batch, single = tier_cls(50, 4), tier_cls(50, 4)
+    rng = random.Random(1)
+    held_b: list[Slot] = []
+    held_s: list[Slot] = []
+    for _ in range(400):
+        if rng.random() < 0.5:
+            k = rng.randrange(1, 8)
+            got = batch.allocate_many(4, k)
+            want: list[Slot] = []
+            while len(want) < k and (slot := single.allocate(4)) is not None:
+                want.append(slot)
+            assert got == want
+            held_b += got
+            held_s += want
+        elif held_b:
+            i = rng.randrange(len(held_b))
+            batch.free(held_b.pop(i))
+            single.free(held_s.pop(i))
+        assert (batch.used_bytes, batch.blocks) == (single.used_bytes, single.blocks)
+    assert batch.allocate_many(5, 3) == []  # larger than a slot
+
+
+def test_scale_bench_runs_end_to_end(tmp_path: Path) -> None:
+    """`make bench-scale` at a tiny N: a real daemon, lookups, puts, evictions and an SSD
+    rebuild, and every figure the issue names in its JSON."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "scale.py"
+    out = tmp_path / "scale.json"
+    subprocess.run([sys.executable, str(script), "--n", "2000", "--ssd-records", "2000", "--lookups", "100",
+                    "--evict-blocks", "1000", "--ssd-dir", str(tmp_path), "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    doc = json.loads(out.read_text())
+    (row,) = doc["results"]
+    assert row["n_blocks"] == 2000 and row["evictions"] >= 1000 and row["lookups"] > 0
+    assert isinstance(row["rss_bytes_per_block"], float)  # at this N, within the noise of the heap
+    for name in ("lookup_p50_us", "lookup_p99_us", "put_us_per_block", "evict_us_per_block", "rebuild_s_log",
+                 "rebuild_s_snapshot"):
+        assert isinstance(row[name], float) and row[name] > 0, name
+    assert row["lookup_p50_us"] <= row["lookup_p99_us"]
