@@ -882,7 +882,7 @@ class Store:
         for offset, size in zip(offsets, sizes):
             free(Slot(name, offset, size))
         ns = t.ns[rows]
-        hashes = [k[HASH_BYTES:] for k in t.keys(rows)] if self.observer is not None else []
+        hashes = t.hashes(rows) if self.observer is not None else []
         t.unindex_rows(rows)
         for n in np.unique(ns).tolist():
             sel = ns == n
@@ -1266,7 +1266,10 @@ class Store:
             st.defer_insert(tail_first[has])
         if self.observer is not None:
             tops = self._top_ids(rows)
-            hashes = [k[HASH_BYTES:] for k in t.keys(rows)]
+            hashes = t.hashes(rows)
+            if len(tops) and tops.min() == tops.max():  # one tier: the common case
+                self.observer.blocks_stored(info.namespace_id, hashes, t.tier_names[int(tops[0])])
+                tops = tops[:0]
             for tid in np.unique(tops).tolist():
                 sel = np.flatnonzero(tops == tid).tolist()
                 self.observer.blocks_stored(info.namespace_id, [hashes[i] for i in sel], t.tier_names[tid])
