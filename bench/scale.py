@@ -9,6 +9,7 @@ Per N (default 1M and 10M blocks), on a real daemon process (bench/scale_daemon.
 * lookup_p50_us / lookup_p99_us: `Client.lookup` of an existing 1,000-block chain over
   the Unix socket with the real SDK's default path (the daemon's local control lane),
   closed loop: one client sends each call as soon as the previous answer is in;
+  lookup_steal_pct: the share of CPU time the hypervisor took meanwhile (/proc/stat);
   lookup_grpc_p50_us / lookup_grpc_p99_us: the same calls over gRPC on the same socket
   (`control_plane="grpc"`);
 * echo_p50_us / echo_p99_us: the floor those lookups stand on, measured the same way:
@@ -78,6 +79,22 @@ def parse_n(text: str) -> int:
     elif text.endswith("m"):
         mult, text = 1_000_000, text[:-1]
     return int(float(text) * mult)
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(steal, total) jiffies of all CPUs from /proc/stat, (0, 0) where it is not there:
+    the time the hypervisor ran something else while this machine wanted a CPU."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def steal_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
+    total = after[1] - before[1]
+    return 100.0 * (after[0] - before[0]) / total if total > 0 else 0.0
 
 
 def vm_rss(pid: int) -> int:
@@ -278,7 +295,9 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
                    Client(f"unix:{daemon.socket}", data_plane="grpc", control_plane="grpc"),
                    EchoClient(workdir)]
         try:
+            ticks = cpu_ticks()
             times, times_grpc, times_echo = time_closed_loop(clients, layout, n, lookups)
+            steal = steal_pct(ticks, cpu_ticks())
             (floor, paced), (floor_grpc, paced_grpc), (_, paced_echo) = time_lookups(clients, layout, n, lookups)
         finally:
             for client in clients:
@@ -295,6 +314,9 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
             "rss_filled_bytes": rss,
             **p50_p99("lookup", times),
             "lookup_mean_us": statistics.fmean(times) * 1e6,
+            # CPU time the hypervisor took from this machine while the closed-loop
+            # lookups ran (/proc/stat "steal"): their latencies are only as steady as this.
+            "lookup_steal_pct": steal,
             "lookups": len(times),
             "lookup_1block_p50_us": percentile(floor, 0.50) * 1e6,
             **p50_p99("lookup_grpc", times_grpc),
@@ -498,6 +520,9 @@ def main() -> None:
               f"{r['echo_paced_p50_us']:>9.0f} {r['echo_paced_p99_us']:>7.0f} {r['lookup_grpc_p50_us']:>9.0f} "
               f"{r['lookup_grpc_p99_us']:>8.0f} {r['store_lookup_p50_us']:>10.0f} "
               f"{r['store_lookup_p99_us']:>8.0f} {r['put_us_per_block']:>11.2f} {r['evict_us_per_block']:>13.2f}")
+    for r in rows:
+        print(f"N={r['n_blocks']:,}: CPU stolen by the hypervisor during the closed-loop lookups: "
+              f"{r['lookup_steal_pct']:.1f}%")
     for r in rows:
         print(f"N={r['n_blocks']:,}: put CPU us/block: median {r['put_us_per_block']:.2f}, mean "
               f"{r['put_mean_us_per_block']:.2f} (last 5% of the fill), {r['put_fill_us_per_block']:.2f} "
