@@ -141,6 +141,9 @@ class BenchDaemon(Daemon):
         return tiers, absent
 
 
+TAIL_PUTS = 200
+
+
 def emit(doc: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(doc) + "\n")
     sys.stdout.flush()
@@ -150,14 +153,17 @@ async def fill(daemon: BenchDaemon, ns: bytes, first: int, count: int, chain: in
     """Put blocks first..first+count-1, one put per `chain` blocks. Each put is timed (CPU
     and wall) from `begin_put` through `commit` and the policy inserts it defers, so the
     driver's own work (making the hashes) is not counted. The cost at this size is the
-    median of the puts in the last 5% of the fill: one put's figure swings with what the
-    machine does meanwhile, and a put that grows the key table pays for a whole doubling
-    (amortized over the fill, counted in `fill_cpu_us_per_block`)."""
+    median of the puts in the last 5% of the fill (at least TAIL_PUTS puts; all of a
+    smaller fill): one put's figure swings with what the machine does meanwhile, and a
+    put that grows the key table pays for a whole doubling (amortized over the fill,
+    counted in `fill_cpu_us_per_block`)."""
     store = daemon.store
     assert store is not None
     t0 = time.perf_counter()
     evict0, evict_s0, evict_c0 = timer["n"], timer["s"], timer["cpu"]
-    tail_from = first + count - max(chain, count // 20)  # the last 5%: the cost at this size
+    # The last 5% (the cost at this size), and at least TAIL_PUTS puts: a median of fewer
+    # is at the mercy of a few milliseconds of a shared machine.
+    tail_from = first + count - max(chain * TAIL_PUTS, count // 20)
     cpu_total = 0.0
     tail: list[tuple[float, float, int]] = []  # (cpu, wall, blocks) of each put in the last 5%
     i = first

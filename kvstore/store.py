@@ -1090,12 +1090,11 @@ class Store:
         # Where each block is served from: its top copy (tier ids follow the tier order).
         tops = self._top_ids(rows)
         tier_ids = tops.tobytes()
-        single = not n_hit or tier_ids.count(tier_ids[:1]) == n_hit
         tail_first = rows[::-1]
         tops_tail_first = tops[::-1]
         for tid, st in enumerate(self.tiers, start=1):
             # A tier's hits are looked-up blocks served from it; its misses, the others.
-            held = (n_hit if n_hit and tier_ids[0] == tid else 0) if single else tier_ids.count(tid)
+            held = tier_ids.count(tid)
             st.counters.hits += held
             st.counters.misses += n_asked - held
             if held:
@@ -1267,12 +1266,11 @@ class Store:
         if self.observer is not None:
             tops = self._top_ids(rows)
             hashes = t.hashes(rows)
-            if len(tops) and tops.min() == tops.max():  # one tier: the common case
-                self.observer.blocks_stored(info.namespace_id, hashes, t.tier_names[int(tops[0])])
-                tops = tops[:0]
-            for tid in np.unique(tops).tolist():
-                sel = np.flatnonzero(tops == tid).tolist()
-                self.observer.blocks_stored(info.namespace_id, [hashes[i] for i in sel], t.tier_names[tid])
+            tids = np.unique(tops).tolist()
+            for tid in tids:
+                # One tier (the common case): every hash, without a pass to pick them.
+                chosen = hashes if len(tids) == 1 else [hashes[i] for i in np.flatnonzero(tops == tid).tolist()]
+                self.observer.blocks_stored(info.namespace_id, chosen, t.tier_names[tid])
         if through:
             # Head first: the SSD writer follows queue order, so a crash can cut a chain
             # short but never leave its later blocks without its start.
