@@ -25,11 +25,10 @@ Per N (default 1M and 10M blocks), on a real daemon process (bench/scale_daemon.
 * gc_full_ms: one full collection of Python's cyclic GC in the daemon after the fill
   (the stall an automatic one would cause; the daemon freezes the index out of it);
 * put_us_per_block: daemon CPU time per block of a put (begin_put through commit and the
-  policy inserts it defers), the median of the puts in the last 5% of the fill (at
-  least 200 puts): the cost at this size (wall time next to it as
-  put_wall_us_per_block: on a shared machine wall time also counts waits);
-  put_mean_us_per_block is the mean over the same puts, and put_fill_us_per_block the
-  mean over the whole fill (key table growth included);
+  policy inserts it defers), the median of the last puts of the fill (the last 10%, at
+  most 200,000 blocks), which the daemons of all N put in ten rounds taking turns, so
+  every N is sampled across the same phases of the machine; put_mean_us_per_block is their mean,
+  and put_fill_us_per_block the mean over the whole fill (key table growth included);
 * evict_us_per_block: with the tier full, more blocks are put; each needs one eviction
   (policy victim, demote/drop, index removal), timed (CPU, and wall) around the store's
   eviction step.
@@ -67,6 +66,8 @@ from scale_daemon import bench_layout, block_hash  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 CHAIN = 1000
+# Blocks at the end of each fill whose puts are timed, in rounds taking turns across N.
+TAIL_BLOCKS = 200_000
 FILL_PATH = ("in-process filler inside the daemon process: Store.begin_put -> PutTxn.reserve -> "
              "mark_written -> commit(checksums), chains of 1000 blocks, into MetadataOnlyTier "
              "(benchmark instrument: capacity accounted, bytes not stored)")
@@ -275,19 +276,51 @@ class EchoClient:
         self._proc.wait()
 
 
-def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks: int) -> dict[str, Any]:
+class Filling:
+    """One N's daemon, filled short of N by the last `tail` blocks, which `timed_tails`
+    puts in rounds that take turns with the other N's daemons."""
+
+    def __init__(self, n: int, block_bytes: int, policy: str, tail: int) -> None:
+        self.n = n
+        self.workdir = tempfile.mkdtemp(prefix="kvstore-scale-")
+        self.daemon = DaemonProc(n, block_bytes, policy, self.workdir)
+        time.sleep(0.5)
+        self.base_rss = vm_rss(self.daemon.pid)
+        self.tail = max(CHAIN, min(tail, n // 10) // CHAIN * CHAIN)  # at least one put (N >= 2 chains)
+        self.filled = self.daemon.command(f"fill 0 {n - self.tail} {CHAIN}")
+        self.put_samples: list[float] = []  # CPU us per block of each timed put
+
+    def close(self) -> None:
+        self.daemon.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def timed_tails(fillings: list[Filling], rounds: int = 10) -> None:
+    """The last blocks of every N, put in `rounds` rounds in which the daemons take turns,
+    so that each N's put cost is sampled across the same phases of a shared machine: on
+    a 2-core virtual machine one put's CPU time moves by +-30% from one second to the
+    next, more than the cost moves from 1M to 10M blocks."""
+    done = {f.n: 0 for f in fillings}
+    for r in range(rounds):
+        for f in fillings:
+            upto = f.tail * (r + 1) // rounds // CHAIN * CHAIN
+            count = upto - done[f.n]
+            if count <= 0:
+                continue
+            got = f.daemon.command(f"fill {f.n - f.tail + done[f.n]} {count} {CHAIN}")
+            f.put_samples += got["put_cpu_us_per_block"]
+            done[f.n] = upto
+
+
+def measure_n(f: Filling, block_bytes: int, lookups: int, evict_blocks: int) -> dict[str, Any]:
     from kvstore.client import Client
 
-    workdir = tempfile.mkdtemp(prefix="kvstore-scale-")
-    daemon = DaemonProc(n, block_bytes, policy, workdir)
+    n, daemon, workdir, filled, base = f.n, f.daemon, f.workdir, f.filled, f.base_rss
     try:
         time.sleep(0.5)
-        base = vm_rss(daemon.pid)
-        filled = daemon.command(f"fill 0 {n} {CHAIN}")
-        time.sleep(0.5)
         rss = vm_rss(daemon.pid)
-        print(f"  N={n:,}: filled in {filled['seconds']:.1f}s, RSS {base / 2**20:.0f} -> {rss / 2**20:.0f} MiB",
-              flush=True)
+        print(f"  N={n:,}: filled in {filled['seconds']:.1f}s (the last {f.tail:,} blocks in rounds), "
+              f"RSS {base / 2**20:.0f} -> {rss / 2**20:.0f} MiB", flush=True)
         layout = bench_layout(block_bytes)
         # The SDK's default path (the daemon's local control lane) and gRPC on the same
         # socket, taking turns over the same chains.
@@ -332,9 +365,9 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
             **collector,
             # CPU time of the daemon process: what the metadata costs, undisturbed by other
             # processes on a shared machine. The wall-clock figures are kept next to them.
-            "put_us_per_block": filled["tail_cpu_us_per_block"],
-            "put_wall_us_per_block": filled["tail_us_per_block"],
-            "put_mean_us_per_block": filled["tail_mean_cpu_us_per_block"],
+            "put_us_per_block": statistics.median(f.put_samples),
+            "put_mean_us_per_block": statistics.fmean(f.put_samples),
+            "puts_timed": len(f.put_samples),
             "put_fill_us_per_block": filled["fill_cpu_us_per_block"],
             "fill_seconds": filled["seconds"],
             "evict_us_per_block": evicted["evict_cpu_seconds"] / evicted["evictions"] * 1e6,
@@ -343,8 +376,7 @@ def measure_n(n: int, block_bytes: int, policy: str, lookups: int, evict_blocks:
             "put_under_pressure_us_per_block": evicted["fill_cpu_us_per_block"],
         }
     finally:
-        daemon.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        f.close()
 
 
 class InlineExecutor(Executor):
@@ -481,12 +513,23 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(RESULTS, "scale.json"))
     args = ap.parse_args()
     ns = [parse_n(x) for x in args.n.split(",") if x.strip()]
+    if any(n < 2 * CHAIN for n in ns):
+        raise SystemExit(f"N must be at least {2 * CHAIN}")
+    fillings: list[Filling] = []
     rows = []
-    for n in ns:
-        if n < CHAIN:
-            raise SystemExit(f"N must be at least {CHAIN}")
-        print(f"scale: N={n:,} blocks ...", flush=True)
-        rows.append(measure_n(n, args.block_bytes, args.policy, args.lookups, min(args.evict_blocks, n)))
+    try:
+        for n in ns:
+            print(f"scale: N={n:,} blocks: filling ...", flush=True)
+            fillings.append(Filling(n, args.block_bytes, args.policy, TAIL_BLOCKS))
+        print("scale: the last puts of each N, taking turns ...", flush=True)
+        timed_tails(fillings)
+        while fillings:
+            f = fillings.pop(0)
+            print(f"scale: N={f.n:,} blocks ...", flush=True)
+            rows.append(measure_n(f, args.block_bytes, args.lookups, min(args.evict_blocks, f.n)))
+    finally:
+        for f in fillings:
+            f.close()
     ssd: dict[str, Any] = {}
     records = parse_n(args.ssd_records)
     if records:
@@ -526,7 +569,7 @@ def main() -> None:
               f"{r['lookup_steal_pct']:.1f}%")
     for r in rows:
         print(f"N={r['n_blocks']:,}: put CPU us/block: median {r['put_us_per_block']:.2f}, mean "
-              f"{r['put_mean_us_per_block']:.2f} (last 5% of the fill, at least 200 puts), {r['put_fill_us_per_block']:.2f} "
+              f"{r['put_mean_us_per_block']:.2f} (the last {r['puts_timed']} puts, in rounds across N), {r['put_fill_us_per_block']:.2f} "
               f"over the whole fill; under pressure (one eviction each) {r['put_under_pressure_us_per_block']:.2f}")
     for r in rows:
         print(f"N={r['n_blocks']:,}: full GC {r['gc_full_ms']:.0f} ms wall, {r['gc_full_cpu_ms']:.0f} ms CPU, "

@@ -20,9 +20,9 @@ socket, with its host tier, policies, lease sweeper and event bus.
 Protocol (one JSON object per line on stdout):
   start:  {"ready": true, "pid": ..., "socket": ...}
   `fill FIRST COUNT CHAIN` -> fills blocks FIRST..FIRST+COUNT-1 in chains of CHAIN blocks
-        (each chain one put) and answers {"filled", "seconds", "tail_cpu_us_per_block",
-        "tail_us_per_block", "tail_mean_cpu_us_per_block", "fill_cpu_us_per_block",
-        "evictions", "evict_seconds", "evict_cpu_seconds"}
+        (each chain one put) and answers {"filled", "seconds", "put_cpu_us_per_block"
+        (each put's CPU time per block), "fill_cpu_us_per_block", "evictions",
+        "evict_seconds", "evict_cpu_seconds"}
   `lookups NBLOCKS CHAIN COUNT` -> times COUNT `Store.lookup` calls of existing chains
         in the daemon process (the server's share of a Lookup, without gRPC)
   `gc` -> times one full collection of the cyclic GC in the daemon
@@ -141,31 +141,21 @@ class BenchDaemon(Daemon):
         return tiers, absent
 
 
-TAIL_PUTS = 200
-
-
 def emit(doc: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(doc) + "\n")
     sys.stdout.flush()
 
 
 async def fill(daemon: BenchDaemon, ns: bytes, first: int, count: int, chain: int, timer: dict[str, float]) -> dict[str, Any]:
-    """Put blocks first..first+count-1, one put per `chain` blocks. Each put is timed (CPU
-    and wall) from `begin_put` through `commit` and the policy inserts it defers, so the
-    driver's own work (making the hashes) is not counted. The cost at this size is the
-    median of the puts in the last 5% of the fill (at least TAIL_PUTS puts; all of a
-    smaller fill): one put's figure swings with what the machine does meanwhile, and a
-    put that grows the key table pays for a whole doubling (amortized over the fill,
-    counted in `fill_cpu_us_per_block`)."""
+    """Put blocks first..first+count-1, one put per `chain` blocks. Each put is timed (CPU)
+    from `begin_put` through `commit` and the policy inserts it defers, so the driver's
+    own work (making the hashes) is not counted."""
     store = daemon.store
     assert store is not None
     t0 = time.perf_counter()
     evict0, evict_s0, evict_c0 = timer["n"], timer["s"], timer["cpu"]
-    # The last 5% (the cost at this size), and at least TAIL_PUTS puts: a median of fewer
-    # is at the mercy of a few milliseconds of a shared machine.
-    tail_from = first + count - max(chain * TAIL_PUTS, count // 20)
+    per_put: list[float] = []  # CPU us per block of each put
     cpu_total = 0.0
-    tail: list[tuple[float, float, int]] = []  # (cpu, wall, blocks) of each put in the last 5%
     i = first
     end = first + count
     while i < end:
@@ -173,29 +163,22 @@ async def fill(daemon: BenchDaemon, ns: bytes, first: int, count: int, chain: in
         hashes = [block_hash(j) for j in range(i, i + n)]
         # Distinct 64-bit checksums, as real blocks have (their ints cost memory too).
         sums = [int.from_bytes(h[:8], "little") for h in hashes]
-        w, c = time.perf_counter(), time.process_time()
+        c = time.process_time()
         txn = store.begin_put(ns, hashes, None, tier=TIER_NAME)
         await txn.reserve()
         txn.mark_written()
         await txn.commit(sums)
         for st in store.tiers:
             st.apply_deferred()  # the policy inserts the put left for after its answer
-        c1, w1 = time.process_time(), time.perf_counter()
-        cpu_total += c1 - c
-        if i + n > tail_from:
-            tail.append((c1 - c, w1 - w, n))
+        spent = time.process_time() - c
+        cpu_total += spent
+        per_put.append(spent / n * 1e6)
         i += n
         await asyncio.sleep(0)  # let the loop run its other work between puts, as it would
-    t1 = time.perf_counter()
-    per_block = sorted(cpu / n for cpu, _, n in tail)
-    per_block_wall = sorted(wall / n for _, wall, n in tail)
     return {
         "filled": count,
-        "seconds": t1 - t0,
-        "tail_puts": len(tail),
-        "tail_cpu_us_per_block": per_block[len(per_block) // 2] * 1e6,
-        "tail_us_per_block": per_block_wall[len(per_block_wall) // 2] * 1e6,
-        "tail_mean_cpu_us_per_block": sum(cpu for cpu, _, _ in tail) / sum(n for _, _, n in tail) * 1e6,
+        "seconds": time.perf_counter() - t0,
+        "put_cpu_us_per_block": per_put,
         "fill_cpu_us_per_block": cpu_total / count * 1e6,
         "evictions": int(timer["n"] - evict0),
         "evict_seconds": timer["s"] - evict_s0,
