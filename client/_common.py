@@ -609,9 +609,8 @@ def lookup_result(resp: kvstore_pb2.LookupResponse, mine: list[bytes] | None = N
         n = resp.num_blocks
         if n > len(mine):
             raise Internal(f"the daemon answered {n} hits for a {len(mine)}-block chain")
-        if not got and not resp.block_hashes:
-            hashes = mine[:n]
-        elif _native is not None and _native.join_hashes(mine[:n]) == got:
+        # `mine` exists only where the compiled helpers do (`lookup_keys`).
+        if (not got and not resp.block_hashes) or _native.join_hashes(mine[:n]) == got:
             hashes = mine[:n]
     if hashes is None:
         hashes = response_hashes(resp)
