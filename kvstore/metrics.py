@@ -141,6 +141,19 @@ class StoreCollector(Collector):
             yield GaugeMetricFamily("kvstore_event_subscribers", "WatchEvents streams open", value=self._bus.subscribers)
 
 
+class CallsInFlight:
+    """Calls of one method being handled now. A plain count, changed only on the event
+    loop's thread and read when the gauge is scraped: a call pays no lock for it."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def value(self) -> float:
+        return float(self.n)
+
+
 class Metrics:
     """The daemon's registry. `store_getter` returns None once the store is closed."""
 
@@ -158,12 +171,22 @@ class Metrics:
         self.rpcs_in_flight = Gauge(
             "kvstore_rpcs_in_flight", "RPCs being handled now, by method", ["method"], registry=self.registry
         )
+        self._calls: dict[str, CallsInFlight] = {}
+
+    def in_flight(self, method: str) -> CallsInFlight:
+        """The count of `method`'s calls being handled now, shared by gRPC and the control
+        lane, and read by `kvstore_rpcs_in_flight` when scraped."""
+        calls = self._calls.get(method)
+        if calls is None:
+            calls = self._calls[method] = CallsInFlight()
+            self.rpcs_in_flight.labels(method).set_function(calls.value)
+        return calls
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
     def interceptor(self) -> MetricsInterceptor:
-        return MetricsInterceptor(self.rpc_seconds, self.rpcs_in_flight)
+        return MetricsInterceptor(self.rpc_seconds, self.in_flight)
 
 
 def _code_name(context: grpc.aio.ServicerContext, failed: bool, cancelled: bool = False) -> str:
@@ -180,7 +203,7 @@ def _code_name(context: grpc.aio.ServicerContext, failed: bool, cancelled: bool 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
     """Observes each RPC's duration (for streams: until the stream ends) with its status."""
 
-    def __init__(self, histogram: Histogram, in_flight: Gauge) -> None:
+    def __init__(self, histogram: Histogram, in_flight: Callable[[str], CallsInFlight]) -> None:
         self._histogram = histogram
         self._in_flight = in_flight
         self._cache = WrapCache()
@@ -198,14 +221,14 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         histogram = self._histogram
-        in_flight = self._in_flight.labels(method)
+        in_flight = self._in_flight(method)
 
         def unary(inner: UnaryBehavior) -> UnaryBehavior:
             async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 start = time.perf_counter()
                 failed = True
                 cancelled = False
-                in_flight.inc()
+                in_flight.n += 1
                 try:
                     result = await inner(request, context)
                     failed = False
@@ -214,7 +237,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                     cancelled = True  # the client went away or the server is stopping
                     raise
                 finally:
-                    in_flight.dec()
+                    in_flight.n -= 1
                     histogram.labels(method, _code_name(context, failed, cancelled)).observe(time.perf_counter() - start)
 
             return behavior
@@ -224,7 +247,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                 start = time.perf_counter()
                 failed = True
                 cancelled = False
-                in_flight.inc()
+                in_flight.n += 1
                 try:
                     async for response in inner(request, context):
                         yield response
@@ -233,7 +256,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                     cancelled = True
                     raise
                 finally:
-                    in_flight.dec()
+                    in_flight.n -= 1
                     histogram.labels(method, _code_name(context, failed, cancelled)).observe(time.perf_counter() - start)
 
             return behavior
