@@ -560,7 +560,8 @@ class Daemon:
                                addr.path, path)
                 continue
             _prepare_unix_path(path)
-            lane = LaneServer(servicer, self.auth, self._gate, self.metrics, self.config.max_message_bytes)
+            lane = LaneServer(servicer, self.auth, self._gate, self.metrics, self.config.max_message_bytes,
+                              deferral=servicer.store.deferral)
             try:
                 await lane.start(path)
             except OSError as exc:

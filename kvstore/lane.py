@@ -51,6 +51,7 @@ from kvstore.laneproto import (
 )
 from kvstore.lifecycle import REFUSAL, DrainGate
 from kvstore.metrics import Metrics
+from kvstore.store import PolicyDeferral
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +85,12 @@ class LaneServer:
     """Serves the KVStore servicer's unary methods on one Unix socket."""
 
     def __init__(self, servicer: Any, auth: AuthInterceptor, gate: DrainGate, metrics: Metrics,
-                 max_frame_bytes: int, max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_frame_bytes: int, max_connections: int = MAX_CONNECTIONS,
+                 deferral: PolicyDeferral | None = None) -> None:
         self.auth = auth
+        # The store's deferred policy calls (a lookup's touch), applied here once each
+        # answer is written, rather than in a turn of the event loop of their own.
+        self.deferral = deferral if deferral is not None else PolicyDeferral()
         self.gate = gate
         self.metrics = metrics
         self.max_frame_bytes = max_frame_bytes
@@ -353,13 +358,18 @@ class _Connection(asyncio.Protocol):
                 self.transport.resume_reading()
 
     def dispatch(self, mid: int, payload: bytes) -> None:
-        """Start one call; answer it now if it completes without suspending."""
+        """Start one call; answer it now if it completes without suspending. What the
+        call deferred to the store's policies is applied after that (`PolicyDeferral`)."""
         coro = self.server._call(mid, payload, self.token)
+        deferral = self.server.deferral
+        deferral.hold()
         try:
             yielded = coro.send(None)
         except StopIteration as stop:
             self.write(*stop.value)
             return
+        finally:
+            deferral.release()
         self.task = asyncio.get_running_loop().create_task(_finish(coro, yielded))
         self.task.add_done_callback(self._finished)
 

@@ -165,6 +165,37 @@ class StoreCounters:
 DEFERRED_MAX = 64
 
 
+class PolicyDeferral:
+    """Who applies the tiers' deferred policy calls. By default a loop callback after the
+    running one (`call_soon`). A server that answers a call and can apply them itself
+    right after (the control lane) `hold`s it around the call and `release`s it once the
+    answer is written: the calls are then applied in that same callback, which saves the
+    event loop a turn per call. Every tier of a store shares its store's."""
+
+    __slots__ = ("held", "_pending")
+
+    def __init__(self) -> None:
+        self.held = False
+        self._pending: list[StoreTier] = []
+
+    def hold(self) -> None:
+        self.held = True
+
+    def take(self, tier: StoreTier) -> bool:
+        """Whether the holder applies `tier`'s deferred calls (else the tier schedules them)."""
+        if self.held:
+            self._pending.append(tier)
+        return self.held
+
+    def release(self) -> None:
+        """Apply what was deferred while held, in the order the tiers deferred it."""
+        self.held = False
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for tier in pending:
+                tier.apply_deferred()
+
+
 class StoreTier:
     """A tier as the control plane sees it: bytes (`tier`), order (`policy`), counters.
 
@@ -179,7 +210,7 @@ class StoreTier:
     """
 
     __slots__ = ("tier", "_policy", "high_watermark", "low_watermark", "counters", "draining",
-                 "_deferred", "_flush_scheduled")
+                 "_deferred", "_flush_scheduled", "deferral")
 
     def __init__(self, tier: Tier, policy: EvictionPolicy, high_watermark: float = 0.95,
                  low_watermark: float = 0.85) -> None:
@@ -196,6 +227,7 @@ class StoreTier:
         self.draining = False
         self._deferred: list[tuple[bool, np.ndarray[Any, Any]]] = []  # (insert, rows), in call order
         self._flush_scheduled = False
+        self.deferral = PolicyDeferral()  # its store's, once in one
 
     def __repr__(self) -> str:
         return f"StoreTier({self.tier.name}, {self._policy.name})"
@@ -226,6 +258,9 @@ class StoreTier:
             self.apply_deferred()  # many calls answered in one callback: catch up now
             return
         if self._flush_scheduled:
+            return
+        if self.deferral.take(self):
+            self._flush_scheduled = True
             return
         try:
             loop = asyncio.get_running_loop()
@@ -397,6 +432,10 @@ class Store:
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be distinct, got {names}")
+        # Who applies the tiers' deferred policy calls (`PolicyDeferral`): one for the store.
+        self.deferral = PolicyDeferral()
+        for t in self.tiers:
+            t.deferral = self.deferral
         inclusive = [t for t in self.tiers if not t.tier.addressable]
         if len(inclusive) > 1 or (inclusive and inclusive[0] is not self.tiers[-1]):
             raise ValueError("at most one non-addressable (SSD) tier, and it must be the last")

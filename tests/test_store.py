@@ -327,6 +327,40 @@ async def test_a_puts_insert_reaches_the_policy_after_the_reply_and_in_call_orde
     assert store.lookup(LAYOUT.namespace_id, b).num_blocks == 0
 
 
+async def test_a_held_deferral_applies_the_touch_on_release_without_a_loop_turn():
+    """A server that answers a call and then applies its touches itself (the control lane)
+    holds the store's deferral around the call: nothing is scheduled on the loop, and
+    `release` applies the touches, in call order, at once."""
+    touched: list[list[int]] = []
+
+    class Recording(LRUPolicy):
+        def touch_rows(self, rows):
+            touched.append(rows.tolist())
+            super().touch_rows(rows)
+
+    store = Store([StoreTier(HostTier(4 * BLOCK), Recording())], clock=ManualClock(1000.0))
+    a, b = chain(2, 0), chain(2, 100)
+    await put(store, a)
+    await put(store, b)
+    await asyncio.sleep(0)  # the puts' inserts
+    ns = store.namespace(LAYOUT.namespace_id).namespace_id
+    rows = {h: store._index.get(ns + h).row for h in a + b}
+    loop = asyncio.get_running_loop()
+    ready = len(loop._ready)  # type: ignore[attr-defined]
+    store.deferral.hold()
+    assert store.lookup(LAYOUT.namespace_id, a).num_blocks == 2
+    assert store.lookup(LAYOUT.namespace_id, b).num_blocks == 2
+    assert touched == [] and len(loop._ready) == ready  # type: ignore[attr-defined]
+    store.deferral.release()
+    assert touched == [[rows[a[1]], rows[a[0]]], [rows[b[1]], rows[b[0]]]]
+    assert not store.deferral.held and store.tiers[0]._deferred == []
+    # Released, the next lookup's touch goes back to a loop callback.
+    assert store.lookup(LAYOUT.namespace_id, a).num_blocks == 2
+    assert len(touched) == 2
+    await asyncio.sleep(0)
+    assert len(touched) == 3
+
+
 def test_without_an_event_loop_a_lookup_touches_at_once() -> None:
     store = make_store()
     asyncio.run(put(store, chain(2)))
