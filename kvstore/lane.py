@@ -57,6 +57,10 @@ logger = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 1024
+# Room offered to each read of a connection's socket (more when a larger frame is being
+# received); a buffer grown past RECEIVE_KEEP for a large frame is dropped once emptied.
+RECEIVE_CHUNK = 1 << 16
+RECEIVE_KEEP = 1 << 20
 # Answers larger than this wait for the socket to drain before the next call is read.
 WRITE_HIGH_WATER = 1 << 20
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -253,17 +257,24 @@ async def _finish(coro: Any, yielded: Any) -> Any:
             return stop.value
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(asyncio.BufferedProtocol):
     """One lane connection: frames are cut out of the received bytes as they arrive and
     each call is started at once, in the loop's callback for those bytes. A call that
     completes without suspending (a Lookup, most control calls) is answered right there,
     with no task and no further trip through the event loop; one that suspends is run on
-    as a task, and the frames after it wait for it, so answers keep their order."""
+    as a task, and the frames after it wait for it, so answers keep their order.
+
+    The socket is read into the connection's own buffer (`get_buffer`), which is reused
+    from call to call: a plain protocol would be handed a new bytes object per read, made
+    from a fresh allocation of the transport's largest read size, which costs a small
+    call more than everything else it does on the way in."""
 
     def __init__(self, server: LaneServer) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
+        self.buf = bytearray(RECEIVE_CHUNK)
+        self.start = 0  # the first byte not taken yet
+        self.end = 0  # the end of the bytes received
         self.admitted = False
         self.token: str | None = None
         self.task: asyncio.Task[Any] | None = None
@@ -287,12 +298,38 @@ class _Connection(asyncio.Protocol):
             return
         self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self.abort)
 
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """Where the next read lands: the free tail of the buffer, with room for at least
+        RECEIVE_CHUNK bytes or the rest of the frame being received (the buffer is never
+        resized in place, as the view handed out may outlive this call)."""
+        buf, start, end = self.buf, self.start, self.end
+        if start == end:
+            start = end = self.start = self.end = 0
+            if len(buf) > RECEIVE_KEEP:  # an empty buffer grown for a large frame
+                buf = self.buf = bytearray(RECEIVE_CHUNK)
+        want = RECEIVE_CHUNK
+        if end - start >= HEADER.size:
+            # The rest of the frame under way, as far as take_frames will accept it.
+            length = min(HEADER.unpack_from(buf, start)[0], self.server.max_frame_bytes)
+            want = max(want, start + HEADER.size + length - end)
+        if len(buf) - end < want:
+            unread = end - start
+            if unread + want <= len(buf):
+                buf[:unread] = buf[start:end]  # same size: moves the bytes, never resizes
+            else:
+                grown = bytearray(max(2 * len(buf), unread + want))
+                grown[:unread] = buf[start:end]
+                buf = self.buf = grown
+            self.start, self.end = 0, unread
+            end = unread
+        return memoryview(buf)[end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.end += nbytes
         self.take_frames()
 
     def eof_received(self) -> bool | None:
-        if len(self.buf):
+        if self.end > self.start:
             logger.debug("lane connection closed inside a frame")
         return None  # close our side too
 
@@ -319,8 +356,9 @@ class _Connection(asyncio.Protocol):
         buf = self.buf
         size = HEADER.size
         server = self.server
-        while not self.closing and self.task is None and not self.write_paused and len(buf) >= size:
-            length, kind = HEADER.unpack_from(buf)
+        while not self.closing and self.task is None and not self.write_paused and self.end - self.start >= size:
+            start = self.start
+            length, kind = HEADER.unpack_from(buf, start)
             if not self.admitted:
                 if kind != HELLO or not len(MAGIC) <= length <= MAX_HELLO_BYTES:
                     self.refuse(InvalidArgument(
@@ -332,10 +370,10 @@ class _Connection(asyncio.Protocol):
                     f"a control lane request of {length} bytes is larger than max_message_bytes "
                     f"({server.max_frame_bytes}); send fewer blocks per call"))
                 return
-            if len(buf) < size + length:
+            if self.end - start < size + length:
                 break
-            payload = bytes(buf[size:size + length])
-            del buf[:size + length]
+            payload = bytes(memoryview(buf)[start + size:start + size + length])
+            self.start = start + size + length
             if self.admitted:
                 self.dispatch(kind, payload)
                 continue
@@ -350,7 +388,7 @@ class _Connection(asyncio.Protocol):
             self.write(0, HELLO_ANSWER.pack(MAGIC, server.max_frame_bytes))
         if self.task is not None or self.write_paused:
             # Waiting: keep at most one more whole frame buffered.
-            if len(buf) > server.max_frame_bytes + 2 * size:
+            if self.end - self.start > server.max_frame_bytes + 2 * size:
                 self._pause_reading()
         elif self.read_paused:
             self.read_paused = False
