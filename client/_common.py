@@ -585,21 +585,29 @@ def packed_tier_names(packed: bytes) -> list[str]:
     return list(map(_TIER_NAME_BY_VALUE.get, packed, repeat("unknown", n)))
 
 
-def lookup_keys(token_ids: Sequence[int] | None,
-                block_hashes: Sequence[bytes] | None) -> tuple[kvstore_pb2.BlockKeys, list[bytes] | None]:
-    """A Lookup's keys, and the caller's own hashes when the answer can hand them back as
-    they are (a list or tuple of 16-byte bytes objects): the request then asks the
-    daemon to leave them out of its answer (LookupRequest.omit_hashes)."""
+def lookup_request(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
+                   lease_ms: int = 0, hint: kvstore_pb2.ReuseHint | None = None,
+                   ) -> tuple[kvstore_pb2.LookupRequest, list[bytes] | None]:
+    """A Lookup request, and the caller's own hashes when the answer can hand them back as
+    they are (a list or tuple of 16-byte bytes objects): the request then asks the daemon
+    to leave them out of its answer (LookupRequest.omit_hashes). The packed chain is
+    written into the request's keys in place, not copied in from a message of its own."""
+    req = kvstore_pb2.LookupRequest(namespace=namespace_ref(layout), lease_ms=lease_ms, hint=hint)
     if token_ids is None and isinstance(block_hashes, (list, tuple)) and _native is not None:
         mine = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
         joined = _native.join_hashes(mine)  # None unless each is a 16-byte bytes object
         if joined is not None:
-            return packed_keys(joined), mine
-    return block_keys(token_ids, block_hashes), None
+            keys = req.keys
+            keys.packed_hashes = joined
+            keys.packed_reply = True
+            req.omit_hashes = True
+            return req, mine
+    req.keys.CopyFrom(block_keys(token_ids, block_hashes))
+    return req, None
 
 
 def lookup_result(resp: kvstore_pb2.LookupResponse, mine: list[bytes] | None = None) -> LookupResult:
-    """The result of a Lookup. `mine`: the caller's hashes (`lookup_keys`), of which the
+    """The result of a Lookup. `mine`: the caller's hashes (`lookup_request`), of which the
     hits are the first ones; those very objects are handed back. A daemon that honours
     `omit_hashes` sends none; one that predates it sends them, and they are checked
     against the caller's (one C pass that packs them, one compare)."""
@@ -609,7 +617,7 @@ def lookup_result(resp: kvstore_pb2.LookupResponse, mine: list[bytes] | None = N
         n = resp.num_blocks
         if n > len(mine):
             raise Internal(f"the daemon answered {n} hits for a {len(mine)}-block chain")
-        # `mine` exists only where the compiled helpers do (`lookup_keys`).
+        # `mine` exists only where the compiled helpers do (`lookup_request`).
         if (not got and not resp.block_hashes) or _native.join_hashes(mine[:n]) == got:
             hashes = mine[:n]
     if hashes is None:

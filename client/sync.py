@@ -28,7 +28,7 @@ from kvstore.client._common import (
     fetch_keys,
     host_blocks,
     keep_held,
-    lookup_keys,
+    lookup_request,
     lookup_result,
     may_be_local,
     namespace_ref,
@@ -260,10 +260,8 @@ class Client:
                timeout_s: float | None = None) -> LookupResult:
         """Longest prefix of the blocks the daemon holds. `lease_ms` pins the hit until a fetch;
         `session_id` + `expect_reuse_within_s` hint that the session will be back for it."""
-        keys, mine = lookup_keys(token_ids, block_hashes)
-        req = kvstore_pb2.LookupRequest(namespace=namespace_ref(layout), keys=keys,
-                                        lease_ms=lease_ms, hint=reuse_hint(session_id, expect_reuse_within_s),
-                                        omit_hashes=mine is not None)
+        req, mine = lookup_request(layout, token_ids, block_hashes, lease_ms,
+                                   reuse_hint(session_id, expect_reuse_within_s))
         try:
             return lookup_result(self._unary("Lookup", req, timeout=self._t(timeout_s)), mine)
         except grpc.RpcError as exc:

@@ -14,7 +14,7 @@ import xxhash
 
 from kvstore import errors
 from kvstore.client import AsyncClient
-from kvstore.client._common import layout_to_proto, lookup_keys, lookup_result, packed_tier_names
+from kvstore.client._common import layout_to_proto, lookup_request, lookup_result, packed_tier_names
 from kvstore.daemon import Daemon
 from kvstore.hashing import block_hashes, block_hashes_packed, namespace_id, split_hashes, token_bytes
 from kvstore.layout import KVLayout
@@ -106,10 +106,11 @@ async def test_lookup_leaves_out_the_hashes_a_caller_named_when_asked(seeded, la
     assert got.block_hashes_packed == b"".join(hashes)
 
 
-def test_a_lookup_result_reads_hashes_from_daemons_that_send_them_or_not():
+def test_a_lookup_result_reads_hashes_from_daemons_that_send_them_or_not(layout):
     hashes = [os.urandom(16) for _ in range(4)]
-    keys, mine = lookup_keys(None, hashes)
-    assert mine is hashes and keys.packed_hashes == b"".join(hashes)
+    req, mine = lookup_request(layout, None, hashes, lease_ms=5)
+    assert mine is hashes and req.keys.packed_hashes == b"".join(hashes)
+    assert req.omit_hashes and req.keys.packed_reply and req.lease_ms == 5
     host = bytes([kvstore_pb2.TIER_HOST])
     # A daemon that honours omit_hashes: the caller's own objects, the first num_blocks.
     r = lookup_result(kvstore_pb2.LookupResponse(num_blocks=3, tiers_packed=host * 3), mine)
@@ -126,9 +127,14 @@ def test_a_lookup_result_reads_hashes_from_daemons_that_send_them_or_not():
         lookup_result(kvstore_pb2.LookupResponse(num_blocks=5), mine)
     # Forms the answer cannot hand back as they are ask for the hashes.
     for asked in ([bytearray(h) for h in hashes], iter(hashes)):
-        keys, mine = lookup_keys(None, asked)
-        assert mine is None and keys.packed_hashes == b"".join(hashes)
-    assert lookup_keys(None, tuple(hashes))[1] == hashes
+        req, mine = lookup_request(layout, None, asked)
+        assert mine is None and req.keys.packed_hashes == b"".join(hashes) and not req.omit_hashes
+    assert lookup_request(layout, None, tuple(hashes))[1] == hashes
+    # Token ids: the daemon computes the hashes, so they come back.
+    req, mine = lookup_request(layout, [1, 2, 3], None)
+    assert mine is None and req.keys.WhichOneof("keys") == "tokens" and not req.omit_hashes
+    with pytest.raises(errors.InvalidArgument, match="exactly one"):
+        lookup_request(layout, [1], hashes)
 
 
 async def test_local_fetch_answers_its_hashes_in_the_form_asked(seeded, layout):
