@@ -6,10 +6,13 @@
    arrays, with the same slot hash: the numpy batch probe (`find_rows`) stays as the
    reference and as the fallback where this module was not built.
 
-   Keys are probed in groups: the slots of a group are prefetched, then the rows its
-   slots name, then each key is checked in order, so the cache misses of a group's keys
-   overlap instead of coming one after another (a table of millions of blocks is far
-   larger than the cache, and each key costs a miss on its slot and one on its row).
+   A key is looked for first in the row after the previous key's: a chain put in one
+   call fills consecutive rows, whose columns are then read in order, from cache. Keys
+   not found that way are probed in groups: the slots of a group are prefetched, then the
+   rows its slots name, then each key is checked in order, so the cache misses of a
+   group's keys overlap instead of coming one after another (a table of millions of
+   blocks is far larger than the cache, and each key costs a miss on its slot and one on
+   its row).
 
    `top_tiers` (kvstore.store) reads the top tier of each row a lookup found: one byte
    per block, the form a lookup's answer carries.
@@ -81,27 +84,36 @@ get(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int writable, const cha
     return 0;
 }
 
-/* prefix_rows(packed, slots, h0, h1, ns_col, shift, ns, ns_fp, check_ns, out, every=False)
-   -> count
+/* prefix_rows(packed, slots, h0, h1, ns_col, shift, ns, ns_fp, check_ns, out, every=False,
+               flags=None, indexed=0) -> count
 
    packed: N x 16 bytes (h0, h1 little-endian u64 each); slots: i64 key slots, a power of
    two long, each (tag << 32) | (row + 1), 0 when empty; h0, h1: u64 columns; ns_col: u32
    column; shift: 64 - log2(len(slots)); out: writable i64, at least N long. With `every`,
    an absent key does not stop the walk: its entry in `out` is -1 and the count is N
-   (`BlockTable.find_rows`). */
+   (`BlockTable.find_rows`).
+
+   With `flags` (the u8 row flags) and `indexed` (the flag of a row in the key table), a
+   key is first looked for in the row after the previous key's: the blocks of a chain put
+   in one call sit in consecutive rows, and those rows' columns are read in order, from
+   cache, where each probe of the key table is a miss. A key found there is the one the
+   key table names, as an indexed key has exactly one row. From the first key not found
+   there, a group of keys is probed in the key table as above, and the walk in row order
+   resumes after it. */
 static PyObject *
 prefix_rows(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o_packed, *o_slots, *o_h0, *o_h1, *o_ns, *o_out;
-    unsigned int shift, ns;
+    PyObject *o_packed, *o_slots, *o_h0, *o_h1, *o_ns, *o_out, *o_flags = Py_None;
+    unsigned int shift, ns, indexed = 0;
     unsigned long long ns_fp;
     int check_ns, every = 0;
     PyObject *result = NULL;
-    if (!PyArg_ParseTuple(args, "OOOOOIIKpO|p", &o_packed, &o_slots, &o_h0, &o_h1, &o_ns,
-                          &shift, &ns, &ns_fp, &check_ns, &o_out, &every))
+    if (!PyArg_ParseTuple(args, "OOOOOIIKpO|pOI", &o_packed, &o_slots, &o_h0, &o_h1, &o_ns,
+                          &shift, &ns, &ns_fp, &check_ns, &o_out, &every, &o_flags, &indexed))
         return NULL;
-    Py_buffer packed, slots, h0, h1, nsc, out;
+    Py_buffer packed, slots, h0, h1, nsc, out, fl;
+    fl.obj = NULL;
     if (get(o_packed, &packed, 16, 0, "packed hashes") < 0)
         return NULL;
     if (get(o_slots, &slots, 8, 0, "slots") < 0)
@@ -114,6 +126,8 @@ prefix_rows(PyObject *self, PyObject *args)
         goto e3;
     if (get(o_out, &out, 8, 1, "out") < 0)
         goto e4;
+    if (o_flags != Py_None && get(o_flags, &fl, 1, 0, "flags") < 0)
+        goto e5;
 
     Py_ssize_t n = packed.len / 16, nslots = slots.len / 8, nrows = h0.len / 8;
     Py_ssize_t found = 0;
@@ -122,7 +136,8 @@ prefix_rows(PyObject *self, PyObject *args)
         goto done;
     }
     if (nslots == 0 || (nslots & (nslots - 1)) != 0 || shift == 0 || shift > 64
-        || ((Py_ssize_t)1 << (64 - shift)) != nslots || h1.len / 8 < nrows || nsc.len / 4 < nrows) {
+        || ((Py_ssize_t)1 << (64 - shift)) != nslots || h1.len / 8 < nrows || nsc.len / 4 < nrows
+        || (fl.obj != NULL && (fl.len < nrows || indexed == 0 || indexed > 255))) {
         PyErr_SetString(PyExc_ValueError, "the slots and columns do not describe one key table");
         goto done;
     }
@@ -131,13 +146,31 @@ prefix_rows(PyObject *self, PyObject *args)
         const int64_t *S = (const int64_t *)slots.buf;
         const uint64_t *H0 = (const uint64_t *)h0.buf, *H1 = (const uint64_t *)h1.buf;
         const uint32_t *NS = (const uint32_t *)nsc.buf;
+        const uint8_t *F = fl.obj != NULL ? (const uint8_t *)fl.buf : NULL;
         int64_t *o = (int64_t *)out.buf;
         const uint64_t mask = (uint64_t)nslots - 1;
         uint64_t home[GROUP];
         int64_t cand[GROUP];
+        int64_t prev = -1; /* the row of the key before, -1 when absent or not yet probed */
         while (found < n) {
-            Py_ssize_t g = n - found < GROUP ? n - found : GROUP;
+            if (F != NULL && prev >= 0) {
+                /* The keys that sit in the rows after the previous key's, one after another. */
+                while (found < n && prev + 1 < nrows) {
+                    int64_t r = prev + 1;
+                    uint64_t q0, q1;
+                    memcpy(&q0, p + 16 * found, 8);
+                    memcpy(&q1, p + 16 * found + 8, 8);
+                    if (!(H0[r] == q0 && H1[r] == q1 && (F[r] & indexed) && (!check_ns || NS[r] == ns)))
+                        break;
+                    o[found++] = prev = r;
+                }
+                if (found == n)
+                    break;
+            }
             const unsigned char *q = p + 16 * found;
+            Py_ssize_t g = n - found < GROUP ? n - found : GROUP;
+            if (F != NULL && found == 0)
+                g = 1; /* the first key alone: the keys after it are most often in the rows after */
             for (Py_ssize_t j = 0; j < g; j++) {
                 uint64_t q0, q1;
                 memcpy(&q0, q + 16 * j, 8); /* x86-64 and aarch64 are little-endian */
@@ -165,13 +198,16 @@ prefix_rows(PyObject *self, PyObject *args)
                              (int64_t)(home[j] & 0x7FFFFFFFULL), q0, q1, check_ns, ns);
                 if (r < 0 && !every)
                     goto done_probe;
-                o[found] = r;
+                o[found] = prev = r;
             }
         }
     }
 done_probe:
     result = PyLong_FromSsize_t(found);
 done:
+    if (fl.obj != NULL)
+        PyBuffer_Release(&fl);
+e5:
     PyBuffer_Release(&out);
 e4:
     PyBuffer_Release(&nsc);
@@ -1000,9 +1036,11 @@ e0:
 
 static PyMethodDef methods[] = {
     {"prefix_rows", prefix_rows, METH_VARARGS,
-     "prefix_rows(packed, slots, h0, h1, ns_col, shift, ns, ns_fp, check_ns, out, every=False) -> count\n\n"
+     "prefix_rows(packed, slots, h0, h1, ns_col, shift, ns, ns_fp, check_ns, out, every=False, flags=None,\n"
+     "            indexed=0) -> count\n\n"
      "Write the rows of the longest indexed prefix of a packed chain into `out`; return its length.\n"
-     "With `every`, write the row of every key (-1 where absent) and return N."},
+     "With `every`, write the row of every key (-1 where absent) and return N. With `flags`, look\n"
+     "for each key in the row after the previous key's first (rows flagged `indexed` only)."},
     {"top_tiers", top_tiers, METH_VARARGS,
      "top_tiers(rows, lt, out) -> count\n\n"
      "Write each row's top tier id (the lower nonzero of its two location tiers) into `out`;\n"

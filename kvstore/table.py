@@ -29,7 +29,10 @@ rebuilds the key table in one vectorized pass.
 
 A chain's longest indexed prefix (`prefix_rows`, what every lookup asks) is probed key by
 key in compiled code (kvstore/_native.c, the same walk as `find`), stopping at the first
-absent key; where that module was not built, by `find_rows`.
+absent key; where that module was not built, by `find_rows`. There, each key is first
+looked for in the row after the previous key's, if that row is INDEXED: the blocks of a
+chain put in one call sit in consecutive rows, and reading those rows in order costs
+far less than a cache miss per key in the key table.
 
 Primitives: `new_row`, `index_row`, `unindex_row`, `find`, `find_rows`, `prefix_rows`,
 `free_row`.
@@ -444,7 +447,7 @@ class BlockTable:
             keys = np.empty((n, 2), "<u8")
             keys[:, 0], keys[:, 1] = q0, q1
             _native.prefix_rows(keys, self._slots, self.h0, self.h1, self.ns, self._shift, ns,
-                                self._ns_fp_list[ns], len(self._ns_fp_list) > 1, out, True)
+                                self._ns_fp_list[ns], len(self._ns_fp_list) > 1, out, True, self.flags, INDEXED)
             return out
         slots, mask = self._slots, self._mask
         hv = slot_hash_array(self._ns_fp_list[ns], q0, q1)
@@ -502,8 +505,11 @@ class BlockTable:
             return np.zeros(0, np.int64)
         if compiled and _native is not None:
             out = np.empty(n, np.int64)
+            # Each key is looked for first in the row after the previous key's (a chain put
+            # in one call fills consecutive rows), then in the key table.
             k = _native.prefix_rows(packed, self._slots, self.h0, self.h1, self.ns, self._shift, ns,
-                                   self._ns_fp_list[ns], len(self._ns_fp_list) > 1, out)
+                                   self._ns_fp_list[ns], len(self._ns_fp_list) > 1, out, False, self.flags,
+                                   INDEXED)
             return out[:k]
         q = np.frombuffer(packed, "<u8", 2 * n)
         rows = self.find_rows(ns, q[0::2], q[1::2], compiled=False)

@@ -109,6 +109,12 @@ def test_the_compiled_probe_refuses_arrays_that_are_not_a_key_table() -> None:
         _native.prefix_rows(h(1), table._slots[:48], *args[1:], out)
     with pytest.raises(BufferError):
         _native.prefix_rows(h(1), *args, bytes(32))  # not writable
+    # The row flags, for the walk in row order: one per row, and a flag to look for.
+    assert _native.prefix_rows(h(1), *args, out, False, table.flags, 32) == 0
+    with pytest.raises(ValueError, match="one key table"):
+        _native.prefix_rows(h(1), *args, out, False, table.flags[:1], 32)
+    with pytest.raises(ValueError, match="one key table"):
+        _native.prefix_rows(h(1), *args, out, False, table.flags, 0)
 
 
 def test_prefix_rows_stop_at_the_first_missing_block() -> None:
@@ -119,6 +125,40 @@ def test_prefix_rows_stop_at_the_first_missing_block() -> None:
     assert rows.tolist() == [e.row for e in entries[:3]]
     assert index.prefix_rows(NS_B, h(0)).tolist() == []  # another namespace: same hashes, other keys
     assert index.prefix_rows(NS_A, b"").tolist() == []
+
+
+def test_a_chain_is_found_in_row_order_only_where_those_rows_are_indexed() -> None:
+    """The compiled probe looks for each key first in the row after the previous key's
+    (a chain put in one call fills consecutive rows). It must give what the key table
+    gives wherever that next row holds the key without being its indexed row: a removed
+    block (its columns still hold the key), a pending one, another namespace's."""
+    index = BlockIndex()
+    t = index.table
+    rows = [ready(index, key(NS_A, i)).row for i in range(6)]
+    assert rows == list(range(6))  # rows 0-5, in chain order
+    pending = index.new_entry(key(NS_A, 6), None, 64, 7)  # row 6: the key, not published
+    other = ready(index, key(NS_B, 7))  # row 7: the next hash, in another namespace
+    a7 = ready(index, key(NS_A, 7))  # row 8
+    index.remove(key(NS_A, 3))  # row 3 keeps its columns but leaves the key table
+    a3 = ready(index, key(NS_A, 3))  # republished in a row of its own
+    assert (pending.row, other.row, a7.row) == (6, 7, 8) and a3.row not in rows
+    ns_a, ns_b = t.known_ns(NS_A), t.known_ns(NS_B)
+
+    def both(ns: int, hashes: list[bytes]) -> list[int]:
+        packed = b"".join(hashes)
+        want = t.prefix_rows(ns, packed, compiled=False).tolist()
+        assert t.prefix_rows(ns, packed).tolist() == want
+        q = np.frombuffer(packed, "<u8")
+        every = t.find_rows(ns, q[0::2].copy(), q[1::2].copy()).tolist()
+        assert every == t.find_rows(ns, q[0::2], q[1::2], compiled=False).tolist()
+        return want
+
+    assert both(ns_a, [h(i) for i in range(8)]) == [0, 1, 2, a3.row, 4, 5]  # stops at the pending block
+    pending.state = BlockState.READY
+    index.add(pending)
+    assert both(ns_a, [h(i) for i in range(8)]) == [0, 1, 2, a3.row, 4, 5, 6, 8]  # row 7 is NS_B's
+    assert both(ns_b, [h(7)]) == [7]
+    assert both(ns_b, [h(6), h(7)]) == []
 
 
 def test_rows_are_recycled_only_when_nothing_holds_them() -> None:
