@@ -22,6 +22,9 @@ Per N (default 1M and 10M blocks), on a real daemon process (bench/scale_daemon.
   lookup_grpc_1block_p50_us: the paced gRPC call naming one block;
 * lookup_1block_p50_us: the same RPC naming one block (the fixed cost of a call), and
   store_lookup_*: `Store.lookup` of the chains inside the daemon (the server's share);
+  store_lookup_scattered_*: the same for chains of as many blocks drawn at random from
+  the table (blocks put one by one among other chains' do not sit in consecutive rows,
+  so the probe cannot read them in row order: each key costs a probe of the key table);
 * gc_full_ms: one full collection of Python's cyclic GC in the daemon after the fill
   (the stall an automatic one would cause; the daemon freezes the index out of it);
 * put_us_per_block: daemon CPU time per block of a put (begin_put through commit and the
@@ -478,6 +481,9 @@ def plot(rows: list[dict[str, Any]], ssd: dict[str, Any], path: str) -> None:
         if key.startswith("lookup_p"):
             q = key.removeprefix("lookup_")
             ax.plot(ns, [r["store_" + key] for r in rows], "s--", label="Store.lookup in the daemon")
+            scattered = "store_lookup_scattered_" + q
+            if all(scattered in r for r in rows):
+                ax.plot(ns, [r[scattered] for r in rows], "d--", label="Store.lookup, blocks drawn at random")
             for name, style, label in (("echo_" + q, "^:", "floor: the same bytes, echoed"),
                                        ("lookup_paced_" + q, "o-", "SDK, paced (idle between calls)"),
                                        ("echo_paced_" + q, "v:", "floor, paced")):
@@ -571,6 +577,10 @@ def main() -> None:
         print(f"N={r['n_blocks']:,}: put CPU us/block: median {r['put_us_per_block']:.2f}, mean "
               f"{r['put_mean_us_per_block']:.2f} (the last {r['puts_timed']} puts, in rounds across N), {r['put_fill_us_per_block']:.2f} "
               f"over the whole fill; under pressure (one eviction each) {r['put_under_pressure_us_per_block']:.2f}")
+    for r in rows:
+        print(f"N={r['n_blocks']:,}: Store.lookup of a chain of {CHAIN} blocks drawn at random (not in row order): "
+              f"p50 {r['store_lookup_scattered_p50_us']:.0f} us, p99 {r['store_lookup_scattered_p99_us']:.0f} us "
+              f"(a chain as it was put: p50 {r['store_lookup_p50_us']:.0f} us)")
     for r in rows:
         print(f"N={r['n_blocks']:,}: full GC {r['gc_full_ms']:.0f} ms wall, {r['gc_full_cpu_ms']:.0f} ms CPU, "
               f"{r['gc_tracked_objects']:,} objects tracked, {r['gc_frozen_objects']:,} frozen")

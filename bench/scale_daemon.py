@@ -24,7 +24,8 @@ Protocol (one JSON object per line on stdout):
         (each put's CPU time per block), "fill_cpu_us_per_block", "evictions",
         "evict_seconds", "evict_cpu_seconds"}
   `lookups NBLOCKS CHAIN COUNT` -> times COUNT `Store.lookup` calls of existing chains
-        in the daemon process (the server's share of a Lookup, without gRPC)
+        in the daemon process (the server's share of a Lookup, without gRPC), then as
+        many of chains of blocks drawn at random (see `time_lookups`)
   `gc` -> times one full collection of the cyclic GC in the daemon
   `quit` -> stops the daemon gracefully.
 Block i's hash is `block_hash(i)`, so the driver can look up chains that exist.
@@ -190,28 +191,40 @@ def time_lookups(daemon: BenchDaemon, ns: bytes, n_blocks: int, chain: int, coun
     """`Store.lookup` of existing chains in the daemon process: the server's own share of a
     Lookup, without gRPC (wall and CPU time, per call). The policy touches a lookup leaves
     for after its reply (`StoreTier.defer_touch`) are applied inside each timing: this
-    is all the work a Lookup costs the daemon."""
+    is all the work a Lookup costs the daemon.
+
+    Two kinds of chains: the chains as they were put (each in one call, so in consecutive
+    rows, which the probe reads in order), and "scattered" ones of as many blocks drawn
+    at random from the whole table (the layout of blocks put one by one, interleaved with
+    other chains: each key then costs a probe of the key table)."""
     import random
 
     store = daemon.store
     assert store is not None
     rng = random.Random(11)
-    wall, cpu = [], []
-    for _ in range(count):
-        c = rng.randrange(n_blocks // chain)
-        # Packed, as the servicer hands a Lookup's chain to the store.
-        packed = b"".join([block_hash(j) for j in range(c * chain, (c + 1) * chain)])
-        t, p = time.perf_counter(), time.process_time()
-        r = store.lookup(ns, packed)
-        for st in store.tiers:
-            st.apply_deferred()
-        wall.append(time.perf_counter() - t)
-        cpu.append(time.process_time() - p)
-        assert r.num_blocks == chain
-    wall.sort()
-    cpu.sort()
-    return {"store_lookup_p50_us": wall[len(wall) // 2] * 1e6, "store_lookup_p99_us": wall[int(len(wall) * 0.99)] * 1e6,
-            "store_lookup_cpu_p50_us": cpu[len(cpu) // 2] * 1e6}
+    out: dict[str, Any] = {}
+    for name in ("store_lookup", "store_lookup_scattered"):
+        wall, cpu = [], []
+        for _ in range(count):
+            if name == "store_lookup":
+                c = rng.randrange(n_blocks // chain)
+                blocks = range(c * chain, (c + 1) * chain)
+            else:
+                blocks = [rng.randrange(n_blocks) for _ in range(chain)]
+            # Packed, as the servicer hands a Lookup's chain to the store.
+            packed = b"".join([block_hash(j) for j in blocks])
+            t, p = time.perf_counter(), time.process_time()
+            r = store.lookup(ns, packed)
+            for st in store.tiers:
+                st.apply_deferred()
+            wall.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - p)
+            assert r.num_blocks == chain
+        wall.sort()
+        cpu.sort()
+        out.update({f"{name}_p50_us": wall[len(wall) // 2] * 1e6, f"{name}_p99_us": wall[int(len(wall) * 0.99)] * 1e6,
+                    f"{name}_cpu_p50_us": cpu[len(cpu) // 2] * 1e6})
+    return out
 
 
 async def main() -> None:

@@ -256,6 +256,6 @@ def test_scale_bench_runs_end_to_end(tmp_path: Path) -> None:
     assert row["n_blocks"] == 2000 and row["evictions"] >= 1000 and row["lookups"] > 0
     assert isinstance(row["rss_bytes_per_block"], float)  # at this N, within the noise of the heap
     for name in ("lookup_p50_us", "lookup_p99_us", "put_us_per_block", "evict_us_per_block", "rebuild_s_log",
-                 "rebuild_s_snapshot"):
+                 "rebuild_s_snapshot", "store_lookup_p50_us", "store_lookup_scattered_p50_us"):
         assert isinstance(row[name], float) and row[name] > 0, name
     assert row["lookup_p50_us"] <= row["lookup_p99_us"] and 0 <= row["lookup_steal_pct"] <= 100
