@@ -50,6 +50,11 @@
 /* Keys probed together (see the module note). */
 #define GROUP 32
 
+/* How far ahead the loops over rows in no particular order (a touch, a compaction step,
+   a lookup's tiers) prefetch the columns of the rows to come: each such row is a likely
+   cache miss in a table of millions, and the misses then overlap. */
+#define AHEAD 16
+
 /* Linear probing from slot i for the key; its row or -1 (`BlockTable._walk`). */
 static int64_t
 walk(const int64_t *S, uint64_t mask, Py_ssize_t nslots, const uint64_t *H0, const uint64_t *H1,
@@ -179,13 +184,25 @@ prefix_rows(PyObject *self, PyObject *args)
                 __builtin_prefetch(&S[home[j] >> shift]);
             }
             for (Py_ssize_t j = 0; j < g; j++) {
-                /* The row the home slot names if its tag matches; checked below. */
-                int64_t e = S[home[j] >> shift];
-                int64_t r = (e & 0xFFFFFFFFLL) - 1;
-                cand[j] = (e >> 32) == (int64_t)(home[j] & 0x7FFFFFFFULL) && r >= 0 && r < nrows ? r : -1;
-                if (cand[j] >= 0) {
-                    __builtin_prefetch(&H0[r]);
-                    __builtin_prefetch(&H1[r]);
+                /* The row of the first slot from home whose tag matches (home is where most
+                   keys sit; the few slots after it are mostly in the same cache line), so
+                   that its columns are fetched with the others'; checked below. */
+                uint64_t i = home[j] >> shift;
+                const int64_t tag = (int64_t)(home[j] & 0x7FFFFFFFULL);
+                cand[j] = -1;
+                for (int k = 0; k < 8; k++, i = (i + 1) & mask) {
+                    int64_t e = S[i];
+                    if (e == 0)
+                        break;
+                    if ((e >> 32) == tag) {
+                        int64_t r = (e & 0xFFFFFFFFLL) - 1;
+                        if (r >= 0 && r < nrows) {
+                            cand[j] = r;
+                            __builtin_prefetch(&H0[r]);
+                            __builtin_prefetch(&H1[r]);
+                        }
+                        break;
+                    }
                 }
             }
             for (Py_ssize_t j = 0; j < g; j++, found++) {
@@ -863,6 +880,8 @@ top_tiers(PyObject *self, PyObject *args)
                 PyErr_Format(PyExc_IndexError, "row %lld is not a row of the table", (long long)r);
                 goto done;
             }
+            if (i + AHEAD < n && R[i + AHEAD] >= 0 && R[i + AHEAD] < nrows)
+                __builtin_prefetch(&L[2 * R[i + AHEAD]]);
             uint8_t a = L[2 * r], b = L[2 * r + 1];
             second += b != 0;
             o[i] = b != 0 && b < a ? b : a;
@@ -955,6 +974,10 @@ rows_append(PyObject *self, PyObject *args)
                 PyErr_Format(PyExc_IndexError, "row %lld is past the lists' rows", (long long)r);
                 goto done;
             }
+            if (i + AHEAD < n && R[i + AHEAD] >= 0 && R[i + AHEAD] < L.nrows) {
+                __builtin_prefetch(&lst[R[i + AHEAD]], 1);
+                __builtin_prefetch(&pos[R[i + AHEAD]], 1);
+            }
             uint8_t old = lst[r];
             if (old == 0 && tracked_only)
                 continue;
@@ -1016,6 +1039,10 @@ rows_compact(PyObject *self, PyObject *args)
         }
         for (Py_ssize_t i = r; i < stop; i++) {
             int32_t e = log[i];
+            if (i + AHEAD < stop && log[i + AHEAD] >= 0 && log[i + AHEAD] < L.nrows) {
+                __builtin_prefetch(&lst[log[i + AHEAD]]);
+                __builtin_prefetch(&pos[log[i + AHEAD]], 1);
+            }
             if (e < 0 || e >= L.nrows || lst[e] != which || pos[e] != i)
                 continue; /* stale */
             log[w] = e;
