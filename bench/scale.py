@@ -220,19 +220,30 @@ def check_found(result: Any, chain: int) -> None:
 ECHO_SERVER = """
 import asyncio, struct, sys
 HEAD = struct.Struct("<I")
-class Echo(asyncio.Protocol):
+class Echo(asyncio.BufferedProtocol):
+    # Read into a buffer of its own, as the daemon's control lane does (kvstore.lane).
     def connection_made(self, transport):
-        self.transport, self.buf = transport, bytearray()
-    def data_received(self, data):
-        self.buf += data
-        while len(self.buf) >= 4:
+        self.transport, self.buf, self.end = transport, bytearray(1 << 16), 0
+    def get_buffer(self, sizehint):
+        if self.end >= 4:
+            need = 4 + HEAD.unpack_from(self.buf)[0]
+            if need > len(self.buf):
+                grown = bytearray(need)
+                grown[:self.end] = self.buf[:self.end]
+                self.buf = grown
+        return memoryview(self.buf)[self.end:]
+    def buffer_updated(self, nbytes):
+        self.end += nbytes
+        while self.end >= 4:
             n = HEAD.unpack_from(self.buf)[0]
-            if len(self.buf) < 4 + n:
+            if self.end < 4 + n:
                 return
             # One byte per block: a Lookup answer's size (its tiers; the caller keeps its
             # hashes, LookupRequest.omit_hashes).
             body = bytes(n // 16)
-            del self.buf[:4 + n]
+            rest = self.end - 4 - n
+            self.buf[:rest] = self.buf[4 + n:self.end]
+            self.end = rest
             self.transport.write(HEAD.pack(len(body)) + body)
 async def main():
     server = await asyncio.get_running_loop().create_unix_server(Echo, sys.argv[1])
@@ -246,8 +257,9 @@ asyncio.run(main())
 class EchoClient:
     """The floor of a Lookup on this machine: the same request bytes (the chain packed)
     through a Unix socket to a process that answers as many bytes as a Lookup answer
-    holds, doing nothing else (an asyncio protocol, as the daemon's control lane is).
-    It takes turns with the real clients, so it sees the same pacing and idle gaps."""
+    holds, doing nothing else (an asyncio buffered protocol reading into a buffer of its
+    own, as the daemon's control lane does). It takes turns with the real clients, so it
+    sees the same pacing and idle gaps."""
 
     def __init__(self, workdir: str) -> None:
         import socket
