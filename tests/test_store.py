@@ -265,9 +265,8 @@ async def test_blocks_held_by_a_put_are_not_evicted_to_make_room_for_it():
     assert store.lookup(LAYOUT.namespace_id, hashes).num_blocks == 2
 
 
-async def test_a_lookups_touch_waits_for_the_reply_but_never_for_the_policys_next_use():
-    """Lookup hits reach the policy after the call returns (a loop callback), yet before
-    anything else uses the policy: the eviction that follows still sees them."""
+def touch_recording_store() -> tuple[Store, list[list[int]]]:
+    """A store of four blocks whose policy records the rows of each touch, in order."""
     touched: list[list[int]] = []
 
     class Recording(LRUPolicy):
@@ -275,7 +274,13 @@ async def test_a_lookups_touch_waits_for_the_reply_but_never_for_the_policys_nex
             touched.append(rows.tolist())
             super().touch_rows(rows)
 
-    store = Store([StoreTier(HostTier(4 * BLOCK), Recording())], clock=ManualClock(1000.0))
+    return Store([StoreTier(HostTier(4 * BLOCK), Recording())], clock=ManualClock(1000.0)), touched
+
+
+async def test_a_lookups_touch_waits_for_the_reply_but_never_for_the_policys_next_use():
+    """Lookup hits reach the policy after the call returns (a loop callback), yet before
+    anything else uses the policy: the eviction that follows still sees them."""
+    store, touched = touch_recording_store()
     a, b = chain(2, 0), chain(2, 100)
     await put(store, a)
     await put(store, b)
@@ -331,14 +336,7 @@ async def test_a_held_deferral_applies_the_touch_on_release_without_a_loop_turn(
     """A server that answers a call and then applies its touches itself (the control lane)
     holds the store's deferral around the call: nothing is scheduled on the loop, and
     `release` applies the touches, in call order, at once."""
-    touched: list[list[int]] = []
-
-    class Recording(LRUPolicy):
-        def touch_rows(self, rows):
-            touched.append(rows.tolist())
-            super().touch_rows(rows)
-
-    store = Store([StoreTier(HostTier(4 * BLOCK), Recording())], clock=ManualClock(1000.0))
+    store, touched = touch_recording_store()
     a, b = chain(2, 0), chain(2, 100)
     await put(store, a)
     await put(store, b)
