@@ -57,8 +57,8 @@ logger = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 1024
-# Room offered to each read of a connection's socket (more when a larger frame is being
-# received); a buffer grown past RECEIVE_KEEP for a large frame is dropped once emptied.
+# Room offered at least to each read of a connection's socket; a buffer grown past
+# RECEIVE_KEEP for a large frame is dropped once emptied.
 RECEIVE_CHUNK = 1 << 16
 RECEIVE_KEEP = 1 << 20
 # Answers larger than this wait for the socket to drain before the next call is read.
@@ -299,25 +299,21 @@ class _Connection(asyncio.BufferedProtocol):
         self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self.abort)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        """Where the next read lands: the free tail of the buffer, with room for at least
-        RECEIVE_CHUNK bytes or the rest of the frame being received (the buffer is never
-        resized in place, as the view handed out may outlive this call)."""
+        """Where the next read lands: the free tail of the buffer, at least RECEIVE_CHUNK
+        bytes. To make room the unread bytes move to the front, or into a buffer twice
+        as large, so it grows with the bytes that arrive, never with what a header
+        announces; never resized in place, as the view handed out may outlive this call."""
         buf, start, end = self.buf, self.start, self.end
         if start == end:
             start = end = self.start = self.end = 0
             if len(buf) > RECEIVE_KEEP:  # an empty buffer grown for a large frame
                 buf = self.buf = bytearray(RECEIVE_CHUNK)
-        want = RECEIVE_CHUNK
-        if end - start >= HEADER.size:
-            # The rest of the frame under way, as far as take_frames will accept it.
-            length = min(HEADER.unpack_from(buf, start)[0], self.server.max_frame_bytes)
-            want = max(want, start + HEADER.size + length - end)
-        if len(buf) - end < want:
+        if len(buf) - end < RECEIVE_CHUNK:
             unread = end - start
-            if unread + want <= len(buf):
+            if unread + RECEIVE_CHUNK <= len(buf):
                 buf[:unread] = buf[start:end]  # same size: moves the bytes, never resizes
             else:
-                grown = bytearray(max(2 * len(buf), unread + want))
+                grown = bytearray(max(2 * len(buf), unread + RECEIVE_CHUNK))
                 grown[:unread] = buf[start:end]
                 buf = self.buf = grown
             self.start, self.end = 0, unread

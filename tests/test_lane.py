@@ -412,42 +412,48 @@ def test_pipelined_calls_are_answered_in_order_when_one_waits(daemon_thread, lay
             assert code == 0 and kvstore_pb2.VerifyResponse.FromString(payload).verified == 3
 
 
-def test_frames_of_any_size_arriving_in_any_pieces_are_read_whole(daemon_thread, layout):
-    """The lane reads into a buffer of its own: frames larger than one read, frames cut
+def test_frames_of_any_size_arriving_in_any_pieces_are_read_whole(tmp_path, layout):
+    """The lane reads into a buffer of its own: frames many reads long, frames cut
     anywhere (down to single bytes), and many frames in one read all come out whole; the
-    connection keeps serving small frames after a large one."""
+    connection keeps serving small frames after a large one (its buffer, grown past
+    RECEIVE_KEEP for it, is then dropped)."""
+    from kvstore.lane import RECEIVE_KEEP
+
     hashes = [os.urandom(16) for _ in range(3)]
-    with Client(daemon_thread.unix_target, data_plane="grpc") as kv:
-        kv.put(layout, None, blocks_for(layout, 3), block_hashes=hashes)
-    ns = kvstore_pb2.Namespace(layout=layout_to_proto(layout))
+    with daemon_in_thread(make_config(tmp_path, max_blocks_per_call=100_000)) as running:
+        with Client(running.unix_target, data_plane="grpc") as kv:
+            kv.put(layout, None, blocks_for(layout, 3), block_hashes=hashes)
+        ns = kvstore_pb2.Namespace(layout=layout_to_proto(layout))
 
-    def lookup(chain: list[bytes]) -> bytes:
-        keys = kvstore_pb2.BlockKeys(packed_hashes=b"".join(chain), packed_reply=True)
-        return frame(METHOD_IDS["Lookup"], kvstore_pb2.LookupRequest(namespace=ns, keys=keys).SerializeToString())
+        def lookup(chain: list[bytes]) -> bytes:
+            keys = kvstore_pb2.BlockKeys(packed_hashes=b"".join(chain), packed_reply=True)
+            return frame(METHOD_IDS["Lookup"], kvstore_pb2.LookupRequest(namespace=ns, keys=keys).SerializeToString())
 
-    large = lookup(hashes + [os.urandom(16) for _ in range(4093)])  # past one read's room (64 KiB)
-    small = [lookup(hashes[:n]) for n in (1, 2, 3)]
-    with contextlib.closing(raw_conn(lane_of(daemon_thread))) as sock:
-        def answers(expected: list[int]) -> None:
-            for n in expected:
-                code, payload = read_frame(sock)
-                assert code == 0, payload
-                resp = kvstore_pb2.LookupResponse.FromString(payload)
-                assert resp.num_blocks == n and resp.block_hashes_packed == b"".join(hashes[:n])
+        large = lookup(hashes + [os.urandom(16) for _ in range(80_000)])
+        assert len(large) > RECEIVE_KEEP
+        small = [lookup(hashes[:n]) for n in (1, 2, 3)]
+        with contextlib.closing(raw_conn(lane_of(running))) as sock:
+            def answers(expected: list[int]) -> None:
+                for n in expected:
+                    code, payload = read_frame(sock)
+                    assert code == 0, payload
+                    resp = kvstore_pb2.LookupResponse.FromString(payload)
+                    assert resp.num_blocks == n and resp.block_hashes_packed == b"".join(hashes[:n])
 
-        sock.sendall(large)
-        answers([3])
-        # One byte at a time, across a frame boundary.
-        for i in range(len(small[0]) + 5):
-            sock.sendall((small[0] + small[1])[i:i + 1])
-        sock.sendall((small[0] + small[1])[len(small[0]) + 5:])
-        answers([1, 2])
-        # A large frame in uneven pieces, with small frames before and after it in the same reads.
-        stream = small[2] + large + small[0] + small[1] + large + small[2]
-        cuts = [0, 7, len(small[2]) + 3, 40_000, 70_000, 100_000, len(stream)]
-        for lo, hi in zip(cuts, cuts[1:]):
-            sock.sendall(stream[lo:hi])
-        answers([3, 3, 1, 2, 3, 3])
+            sock.sendall(large)
+            answers([3])
+            # One byte at a time, across a frame boundary.
+            pair = small[0] + small[1]
+            for i in range(len(small[0]) + 5):
+                sock.sendall(pair[i:i + 1])
+            sock.sendall(pair[len(small[0]) + 5:])
+            answers([1, 2])
+            # Large frames in uneven pieces, with small frames around them in the same reads.
+            stream = small[2] + large + small[0] + small[1] + large + small[2]
+            cuts = [0, 7, len(small[2]) + 3, 70_000, 700_000, len(large) + 50, 2_000_000, len(stream)]
+            for lo, hi in zip(cuts, cuts[1:]):
+                sock.sendall(stream[lo:hi])
+            answers([3, 3, 1, 2, 3, 3])
 
 
 def test_request_limits_are_the_same_as_over_grpc(tmp_path, layout):
