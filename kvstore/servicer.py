@@ -44,14 +44,6 @@ TIER_BY_ENUM = {v: k for k, v in TIER_ENUM.items()}
 LAYOUT_IDS_KEPT = 1024
 
 
-def tier_enums(names: Sequence[str]) -> list[kvstore_pb2.Tier]:
-    """The Tier values of a lookup's blocks; one repeated value when they all sit in one
-    tier (the common case), without a dictionary step per block."""
-    if names and names.count(names[0]) == len(names):
-        return [TIER_ENUM[names[0]]] * len(names)
-    return list(map(TIER_ENUM.__getitem__, names))
-
-
 @functools.lru_cache(maxsize=8)
 def tier_enum_table(names: tuple[str, ...]) -> bytes:
     """A `bytes.translate` table from a store's tier ids (indexes into `names`) to Tier
@@ -317,12 +309,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         )
         # The caller keeps the hashes it named: they need not come back (LookupRequest.omit_hashes).
         omit = request.omit_hashes and keys.WhichOneof("keys") != "tokens"
+        # Tier values, one byte per block, in either form of the answer.
+        tiers = r.tier_ids.translate(tier_enum_table(r.tier_names))
         if not packed_reply(keys):
-            resp.tiers.extend(tier_enums(r.tiers))
+            resp.tiers.extend(tiers)
             if not omit:
                 resp.block_hashes.extend(r.block_hashes)
             return resp
-        resp.tiers_packed = r.tier_ids.translate(tier_enum_table(r.tier_names))
+        resp.tiers_packed = tiers
         if not omit:
             resp.block_hashes_packed = r.hashes_packed
         return resp
