@@ -3,7 +3,7 @@
 
 import sys
 
-from kvstore.cli import main
+from kvstore.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["serve", *sys.argv[1:]]))

@@ -221,7 +221,7 @@ ECHO_SERVER = """
 import asyncio, struct, sys
 HEAD = struct.Struct("<I")
 class Echo(asyncio.BufferedProtocol):
-    # Read into a buffer of its own, as the daemon's control lane does (kvstore.lane).
+    # Read into a buffer of its own, as the daemon's control lane does (kvstore.server.lane).
     def connection_made(self, transport):
         self.transport, self.buf, self.end = transport, bytearray(1 << 16), 0
     def get_buffer(self, sizehint):
@@ -409,9 +409,9 @@ class InlineExecutor(Executor):
 
 
 async def _ssd_rebuild(records: int, directory: str) -> dict[str, Any]:
-    from kvstore.policies import make_policy
-    from kvstore.store import Store, StoreTier
-    from kvstore.tiers.base import BlockMeta
+    from kvstore.core.policies import make_policy
+    from kvstore.core.store import Store, StoreTier
+    from kvstore.core.tier import BlockMeta
     from kvstore.tiers.memory import MemoryTier
     from kvstore.tiers.ssd import SsdTier
 

@@ -14,7 +14,7 @@ its config can select them):
   insert, policy insert, namespace accounting), which is the path of a co-located
   client's put, without the gRPC round trip per call.
 
-Everything else is the production daemon: `kvstore.daemon.Daemon` serving gRPC on a Unix
+Everything else is the production daemon: `kvstore.server.daemon.Daemon` serving gRPC on a Unix
 socket, with its host tier, policies, lease sweeper and event bus.
 
 Protocol (one JSON object per line on stdout):
@@ -43,13 +43,13 @@ import sys
 import time
 from typing import Any
 
-from kvstore.config import load_config
-from kvstore.daemon import Daemon
+from kvstore.core.policies import make_policy
+from kvstore.core.store import StoreTier
+from kvstore.core.tier import Slot, Tier
 from kvstore.errors import DataLoss
 from kvstore.layout import KVLayout
-from kvstore.policies import make_policy
-from kvstore.store import StoreTier
-from kvstore.tiers.base import Slot, Tier
+from kvstore.server.config import load_config
+from kvstore.server.daemon import Daemon
 
 TIER_NAME = "memory"  # reported as TIER_MEMORY over the wire
 

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from kvstore.checksum import checksum
-from kvstore.tiers.base import BlockMeta
+from kvstore.core.tier import BlockMeta
 from kvstore.tiers.ssd import SsdTier
 
 BLOCK = 1 << 20

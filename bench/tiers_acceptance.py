@@ -25,8 +25,8 @@ import time
 
 import numpy as np
 
+from kvstore.cli.main import message_to_dict
 from kvstore.client import Client
-from kvstore.cli import message_to_dict
 from kvstore.errors import KVStoreError
 from kvstore.layout import KVLayout
 from kvstore.tiers.ssd import RECORD

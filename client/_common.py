@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvstore.config import DEFAULT_TCP_LISTEN, default_unix_socket
+from kvstore.addresses import DEFAULT_TCP_LISTEN, default_unix_socket
 from kvstore.errors import FailedPrecondition, Internal, InvalidArgument, KVStoreError, error_for_status
 from kvstore.hashing import HASH_BYTES, split_hashes, token_bytes
 from kvstore.layout import KVLayout

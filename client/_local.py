@@ -21,7 +21,7 @@ import numpy as np
 import xxhash
 
 from kvstore.native import XXH3, native
-from kvstore.tiers.segment import AttachedSegment
+from kvstore.shm import AttachedSegment
 from kvstore.v1 import kvstore_pb2
 
 logger = logging.getLogger(__name__)

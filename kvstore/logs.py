@@ -1,18 +1,28 @@
 """Log set-up for the daemon and the CLI: text for people, JSON lines for collectors.
 
-Primitives: `setup_logging(level, fmt)`, `JsonFormatter`. Every record carries the
-request id from the interceptor's contextvar. JSON lines hold the standard fields
-(`ts`, `level`, `logger`, `msg`, `request_id`) plus `exc` when a traceback is attached;
-nothing from the environment is ever added.
+Primitives: `setup_logging(level, fmt)`, `JsonFormatter`, and `request_id`, the
+contextvar the per-call pipeline sets so every record carries the call's request id.
+JSON lines hold the standard fields (`ts`, `level`, `logger`, `msg`, `request_id`) plus
+`exc` when a traceback is attached; nothing from the environment is ever added.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import time
 
-from kvstore.interceptors import RequestIdFilter
+request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds `request_id` to every log record so formats can print it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id.get()
+        return True
+
 
 # `extra=` keys a JSON line carries as structured fields (e.g. the effective config at start).
 STRUCTURED_EXTRAS = ("config",)

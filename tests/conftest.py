@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from kvstore.config import Config, load_config
-from kvstore.daemon import Daemon
 from kvstore.layout import KVLayout
+from kvstore.server.config import Config, load_config
+from kvstore.server.daemon import Daemon
 
 SMALL_LAYOUT = KVLayout(
     model="test/tiny", dtype="float16", num_layers=2, num_kv_heads=2, head_dim=16, block_size_tokens=4

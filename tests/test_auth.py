@@ -11,12 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvstore.auth import hash_token, new_token, parse_token_file
 from kvstore.client import Client
 from kvstore.client._common import layout_to_proto
 from kvstore.client.admin import AdminClient
-from kvstore.config import load_config
-from kvstore.daemon import Daemon
 from kvstore.errors import (
     ConfigError,
     FailedPrecondition,
@@ -25,6 +22,9 @@ from kvstore.errors import (
     Unauthenticated,
 )
 from kvstore.hashing import block_hashes, tenant_namespace_id
+from kvstore.server.auth import hash_token, new_token, parse_token_file
+from kvstore.server.config import load_config
+from kvstore.server.daemon import Daemon
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tests.conftest import daemon_in_thread, make_config
 
@@ -139,7 +139,7 @@ def test_token_file_readable_by_its_group_is_warned_about(tenants, caplog):
 def test_token_new_cli_prints_a_working_entry(tmp_path, capsys):
     import json
 
-    from kvstore.cli import main
+    from kvstore.cli.main import main
 
     assert main(["token", "new", "--tenant", "team-a", "--role", "admin", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -182,7 +182,7 @@ def test_allow_remote_is_refused_with_what_replaced_it(tmp_path):
 
 
 def test_allow_remote_flag_says_what_replaced_it(capsys):
-    from kvstore.cli import main
+    from kvstore.cli.main import main
 
     assert main(["serve", "--allow-remote"]) == 2
     assert "allow_remote was replaced" in capsys.readouterr().err
@@ -211,7 +211,7 @@ def test_calls_need_a_valid_token(auth_daemon, layout, tenants):
 
 
 def test_health_needs_no_token(auth_daemon, capsys):
-    from kvstore.cli import main
+    from kvstore.cli.main import main
 
     assert main(["health", "--target", auth_daemon.unix_target]) == 0
 
@@ -227,7 +227,7 @@ def test_admin_rpcs_need_the_admin_role(auth_daemon, tenants):
 
 
 def test_cli_reads_the_token_from_a_file_or_the_environment(auth_daemon, tenants, tmp_path, capsys, monkeypatch):
-    from kvstore.cli import main
+    from kvstore.cli.main import main
 
     token_file = tmp_path / "ops.token"
     token_file.write_text(tenants.tokens["ops"] + "\n")
@@ -665,7 +665,7 @@ def test_session_ids_are_per_tenant(tmp_path, layout, tenants):
 
 
 def test_serve_help_lists_the_security_flags(capsys):
-    from kvstore.cli import main
+    from kvstore.cli.main import main
 
     with pytest.raises(SystemExit) as exited:
         main(["serve", "--help"])
@@ -680,7 +680,7 @@ def test_serve_help_lists_the_security_flags(capsys):
 def test_token_new_can_append_to_the_token_file(tmp_path, capsys):
     import json
 
-    from kvstore.cli import main
+    from kvstore.cli.main import main
 
     path = tmp_path / "tokens.toml"
     assert main(["token", "new", "--tenant", "a", "--file", str(path), "--json"]) == 0

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.index import BlockEntry, BlockIndex, BlockState
-from kvstore.table import PROBE_COMPILED, BlockTable
-from kvstore.tiers.base import Slot
+from kvstore.core.index import BlockEntry, BlockIndex, BlockState
+from kvstore.core.table import PROBE_COMPILED, BlockTable
+from kvstore.core.tier import Slot
 
 NS_A = bytes(range(16))
 NS_B = bytes(range(16, 32))
@@ -284,9 +284,9 @@ def test_batches_placed_compiled_or_in_numpy_are_all_found(compiled: bool, monke
     not."""
     import random
 
-    import kvstore.table
+    import kvstore.core.table
 
-    monkeypatch.setattr(kvstore.table, "PLACE_COMPILED", compiled)
+    monkeypatch.setattr(kvstore.core.table, "PLACE_COMPILED", compiled)
     rng = random.Random(5)
     index = BlockIndex(BlockTable(16))
     model: dict[bytes, BlockEntry] = {}

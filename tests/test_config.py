@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from kvstore.config import load_config
-from kvstore.daemon import Daemon, parse_listen
 from kvstore.errors import ConfigError
+from kvstore.server.config import load_config
+from kvstore.server.daemon import Daemon, parse_listen
 from kvstore.units import human_bytes, parse_size
 
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvstore.tiers.base import Tier
-from kvstore.tiers.copiers import BounceCopier, Copier, MemcpyCopier, make_copier
+from kvstore.core.tier import Copier, Tier
+from kvstore.tiers.copiers import BounceCopier, MemcpyCopier, make_copier
 from kvstore.tiers.cuda import cuda_available
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.memory import MemoryTier

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.cli import main as cli_main
+from kvstore.cli.main import main as cli_main
 from kvstore.client import AsyncClient, Client
-from kvstore.config import Config
-from kvstore.daemon import Daemon
 from kvstore.layout import KVLayout
+from kvstore.server.config import Config
+from kvstore.server.daemon import Daemon
 from kvstore.tiers.cuda import cuda_available
 from kvstore.tiers.ssd import RECORD, SNAPSHOT_NAME
 
@@ -61,6 +61,7 @@ async def test_overflow_to_ssd_keeps_every_block_fetchable(daemon) -> None:  # t
             hit = await kv.lookup(LAYOUT, tokens)
             assert hit.num_blocks == len(blocks)
             assert await kv.fetch(LAYOUT, tokens) == blocks
+        assert await daemon.store.flush(10)  # write-through is asynchronous: let it finish
         t = tiers_by_name(await kv.stats())
         assert t["host"].used_bytes <= t["host"].capacity_bytes
         assert t["host"].demotions > 0 and t["ssd"].io_mode in ("direct", "buffered")
@@ -159,8 +160,8 @@ async def test_hbm_configured_without_cuda_is_reported_absent(tmp_path: Path) ->
 
 
 def test_tier_settings_are_checked_before_start(tmp_path: Path) -> None:
-    from kvstore.config import load_config
     from kvstore.errors import ConfigError
+    from kvstore.server.config import load_config
 
     with pytest.raises(ConfigError, match="host_low_watermark"):
         load_config({"host_low_watermark": "0.9", "host_high_watermark": "0.5"}, env={})

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-import kvstore.store as store_mod
+import kvstore.core.store as store_mod
+from kvstore.core.policies import LRUPolicy, make_policy
+from kvstore.core.store import Framed, MigrationConfig, Store, StoreTier, copy_frame
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
-from kvstore.policies import LRUPolicy, make_policy
-from kvstore.store import Framed, MigrationConfig, Store, StoreTier, copy_frame
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.ssd import SsdTier

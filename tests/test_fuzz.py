@@ -29,11 +29,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from kvstore.client import Client
 from kvstore.client.admin import AdminClient
+from kvstore.core.policies import LRUPolicy
+from kvstore.core.store import Store, StoreLimits, StoreTier
 from kvstore.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvstore.hashing import HASH_BYTES, block_hashes
 from kvstore.layout import KVLayout
-from kvstore.policies import LRUPolicy
-from kvstore.store import Store, StoreLimits, StoreTier
 from kvstore.tiers.host import HostTier
 from tests.conftest import daemon_in_thread, make_config
 from tests.fakes import ManualClock

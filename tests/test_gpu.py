@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.core.policies import make_policy
+from kvstore.core.store import MigrationConfig, Store, StoreTier, WritePolicy
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
-from kvstore.policies import make_policy
-from kvstore.store import MigrationConfig, Store, StoreTier, WritePolicy
 from kvstore.tiers.cuda import cuda_available
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.ssd import SsdTier

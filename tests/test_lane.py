@@ -18,7 +18,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvstore.auth import new_token
 from kvstore.client import AsyncClient, Client
 from kvstore.client._common import layout_to_proto
 from kvstore.errors import (
@@ -31,6 +30,7 @@ from kvstore.errors import (
     Unavailable,
 )
 from kvstore.laneproto import HEADER, HELLO_ANSWER, MAGIC, METHOD_IDS, frame, lane_path
+from kvstore.server.auth import new_token
 from kvstore.v1 import kvstore_pb2
 from tests.conftest import daemon_in_thread, make_config
 
@@ -417,7 +417,7 @@ def test_frames_of_any_size_arriving_in_any_pieces_are_read_whole(tmp_path, layo
     anywhere (down to single bytes), and many frames in one read all come out whole; the
     connection keeps serving small frames after a large one (its buffer, grown past
     RECEIVE_KEEP for it, is then dropped)."""
-    from kvstore.lane import RECEIVE_KEEP
+    from kvstore.server.lane import RECEIVE_KEEP
 
     hashes = [os.urandom(16) for _ in range(3)]
     with daemon_in_thread(make_config(tmp_path, max_blocks_per_call=100_000)) as running:

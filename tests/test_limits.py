@@ -11,8 +11,8 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.client._common import layout_to_proto
-from kvstore.daemon import Daemon
 from kvstore.layout import KVLayout
+from kvstore.server.daemon import Daemon
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tests.conftest import daemon_in_thread, make_config
 

@@ -18,7 +18,7 @@ from kvstore.client._common import layout_to_proto
 from kvstore.client._local import PARALLEL_MIN_BYTES
 from kvstore.errors import FailedPrecondition
 from kvstore.layout import KVLayout
-from kvstore.tiers.segment import AttachedSegment
+from kvstore.shm import AttachedSegment
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 
@@ -182,9 +182,9 @@ def test_abandoned_local_put_is_invisible_and_rolled_back(daemon_thread, layout)
 
 
 async def test_local_puts_expire_on_their_own(layout):
-    from kvstore.local import LocalPuts
-    from kvstore.policies import LRUPolicy
-    from kvstore.store import Store, StoreTier
+    from kvstore.core.policies import LRUPolicy
+    from kvstore.core.store import Store, StoreTier
+    from kvstore.server.local_puts import LocalPuts
     from kvstore.tiers.host import HostTier
 
     now = [0.0]

@@ -14,7 +14,7 @@ import xxhash
 from kvstore.client import AsyncClient, Client
 from kvstore.client._common import layout_to_proto
 from kvstore.errors import InvalidArgument
-from kvstore.tiers.segment import AttachedSegment
+from kvstore.shm import AttachedSegment
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 
@@ -138,7 +138,7 @@ async def test_async_client_puts_in_one_trip_too(daemon, layout):
 
 def _token_file(path, entries: dict[str, str]) -> dict[str, str]:
     """A token file with one client tenant per entry (name -> extra TOML); their tokens."""
-    from kvstore.auth import new_token
+    from kvstore.server.auth import new_token
 
     tokens, lines = {}, []
     for name, extra in entries.items():

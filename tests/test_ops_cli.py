@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.cli import main
+from kvstore.cli.main import main
 from kvstore.client import Client
 
 N_BLOCKS = 6
@@ -224,7 +224,7 @@ def test_import_refuses_damaged_files(daemon_thread, layout, capsys, tmp_path):
 
 
 def test_stats_table_shows_fields_of_newer_daemons():
-    from kvstore.cli_ops import format_stats
+    from kvstore.cli.ops import format_stats
 
     tier = {"name": "ssd", "present": True, "reason": "", "capacity_bytes": 1 << 30, "used_bytes": 1 << 29,
             "blocks": 10, "hits": 3, "misses": 1, "evictions": 0, "checksum_failures": 0, "policy": "lru",

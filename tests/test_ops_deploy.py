@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from kvstore.client import AsyncClient
-from kvstore.config import FIELDS, load_config
+from kvstore.server.config import FIELDS, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 # Exported only once the store counts migrations (the tiered store); absent before.

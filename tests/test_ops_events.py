@@ -15,9 +15,9 @@ import pytest
 from kvstore.client import AsyncClient, Client
 from kvstore.client.admin import AdminClient
 from kvstore.client.events import BlockTracker
+from kvstore.core.store import BlockGroup
 from kvstore.errors import ResourceExhausted, Unavailable
-from kvstore.events import MAX_SUBSCRIBERS, EventBus, EventKind
-from kvstore.store import BlockGroup
+from kvstore.server.events import MAX_SUBSCRIBERS, EventBus, EventKind
 from kvstore.v1 import admin_pb2, admin_pb2_grpc
 
 NS = b"n" * 16
@@ -166,7 +166,7 @@ def test_tracker_follows_a_daemon_through_a_resync(daemon_thread, layout):
 
 
 async def test_demotion_to_ssd_is_a_moved_event(tmp_path, layout):
-    from kvstore.daemon import Daemon
+    from kvstore.server.daemon import Daemon
     from tests.conftest import make_config
 
     d = Daemon(make_config(tmp_path, ssd_path=str(tmp_path / "ssd"), ssd_capacity=64 << 20, ssd_region_size=1 << 20))

@@ -26,8 +26,8 @@ from kvstore.client import Client
 from kvstore.client._common import namespace_ref
 from kvstore.client._local import LocalPlane
 from kvstore.client.admin import AdminClient
-from kvstore.config import Config
 from kvstore.errors import Cancelled, ConfigError, KVStoreError, Unavailable
+from kvstore.server.config import Config
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 DEADLINE_S = 30.0

@@ -14,9 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import AsyncClient
-from kvstore.config import load_config
-from kvstore.daemon import Daemon
 from kvstore.errors import ConfigError
+from kvstore.server.config import load_config
+from kvstore.server.daemon import Daemon
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 
@@ -125,8 +125,8 @@ def test_migration_and_drop_counters_are_exported_when_the_store_has_them():
     kvstore_migrations_total and kvstore_tier_drops_total without further wiring."""
     from types import SimpleNamespace
 
-    from kvstore.metrics import Metrics
-    from kvstore.store import StoreCounters, StoreStatus, TierStatus
+    from kvstore.core.store import StoreCounters, StoreStatus, TierStatus
+    from kvstore.server.metrics import Metrics
 
     counters = SimpleNamespace(hits=5, misses=1, evictions=0, checksum_failures=0, promotions=3, demotions=4, drops=2)
     status = StoreStatus(

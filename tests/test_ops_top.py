@@ -75,7 +75,7 @@ def test_top_without_a_terminal_prints_frames(daemon_thread):
 
 
 def test_top_shows_migration_rates_when_the_daemon_counts_them():
-    from kvstore.cli_top import Sample, rates, render
+    from kvstore.cli.top import Sample, rates, render
 
     def sample(at: float, promotions: int, demotions: int) -> Sample:
         tier = {"name": "host", "present": True, "reason": "", "capacity_bytes": 100, "used_bytes": 50, "blocks": 5,

@@ -15,9 +15,9 @@ import xxhash
 from kvstore import errors
 from kvstore.client import AsyncClient
 from kvstore.client._common import layout_to_proto, lookup_request, lookup_result, packed_tier_names
-from kvstore.daemon import Daemon
 from kvstore.hashing import block_hashes, block_hashes_packed, namespace_id, split_hashes, token_bytes
 from kvstore.layout import KVLayout
+from kvstore.server.daemon import Daemon
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 from tests.conftest import make_config
 

@@ -10,11 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.core.policies import (
+    DEFAULT_POLICY,
+    POLICIES,
+    EvictionPolicy,
+    PrefixAwarePolicy,
+    make_policy,
+    parse_tier_policies,
+)
 from kvstore.errors import ConfigError
-from kvstore.policies import DEFAULT_POLICY, POLICIES, EvictionPolicy, PrefixAwarePolicy, make_policy, parse_tier_policies
-from tests.fakes import ManualClock, always, key as k
-
-
+from tests.fakes import ManualClock, always
+from tests.fakes import key as k
 
 
 @pytest.fixture(params=sorted(POLICIES))

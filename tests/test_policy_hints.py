@@ -6,9 +6,10 @@ import math
 
 import pytest
 
+from kvstore.core.policies import POLICIES, HintedPolicy, make_policy
 from kvstore.errors import ConfigError, InvalidArgument
-from kvstore.policies import POLICIES, HintedPolicy, make_policy
-from tests.fakes import ManualClock, always, key as k
+from tests.fakes import ManualClock, always
+from tests.fakes import key as k
 
 HINTED = sorted(n for n in POLICIES if issubclass(POLICIES[n], HintedPolicy))
 

@@ -15,13 +15,13 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvstore.index import BlockIndex, BlockState
-from kvstore.policies import make_policy
-from kvstore.policies.arc import ARCPolicy
-from kvstore.policies.base import EvictionPolicy
-from kvstore.policies.lru import LRUPolicy
-from kvstore.policies.rows import GhostList
-from kvstore.tiers.base import Slot
+from kvstore.core.index import BlockIndex, BlockState
+from kvstore.core.policies import make_policy
+from kvstore.core.policies.arc import ARCPolicy
+from kvstore.core.policies.base import EvictionPolicy
+from kvstore.core.policies.lru import LRUPolicy
+from kvstore.core.policies.rows import GhostList
+from kvstore.core.tier import Slot
 
 NS = bytes(16)
 
@@ -267,7 +267,7 @@ def test_row_lists_compact_step_by_step_and_keep_their_order(seed: int, compiled
     entries): every list must read exactly as an OrderedDict after the same steps, while a
     compaction or growth copy runs and after it, and no append may do more than its share.
     Batches and compaction steps run compiled (`kvstore._native`) and in array steps."""
-    from kvstore.policies import rows as rows_mod
+    from kvstore.core.policies import rows as rows_mod
 
     if compiled and rows_mod._native is None:
         pytest.skip("the compiled helpers were not built")

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.errors import ConfigError, InvalidArgument
-from kvstore.replay import (
+from kvstore.core.replay import (
     Hint,
     HintSpec,
     capacity_from_fraction,
@@ -18,6 +17,7 @@ from kvstore.replay import (
     replay,
     replay_opt,
 )
+from kvstore.errors import ConfigError, InvalidArgument
 
 REAL_TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "conversation_trace.jsonl"
 

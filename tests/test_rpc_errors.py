@@ -162,7 +162,7 @@ async def test_put_range_beyond_tokens(seeded, layout):
 async def test_too_many_blocks_in_one_call(tmp_path, layout):
     from dataclasses import replace
 
-    from kvstore.daemon import Daemon
+    from kvstore.server.daemon import Daemon
     from tests.conftest import make_config
 
     d = Daemon(replace(make_config(tmp_path), max_blocks_per_call=4))

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.index import BlockEntry, BlockIndex, BlockState
-from kvstore.policies import make_policy
-from kvstore.policies.arc import ARCPolicy
-from kvstore.tiers.base import Slot
+from kvstore.core.index import BlockEntry, BlockIndex, BlockState
+from kvstore.core.policies import make_policy
+from kvstore.core.policies.arc import ARCPolicy
+from kvstore.core.tier import Slot
 from kvstore.tiers.ssd import SNAPSHOT_NAME
 from tests.test_ssd_tier import make, put_many
 
@@ -158,7 +158,7 @@ async def test_snapshot_round_trip_keeps_parents_and_accounting(tmp_path: Path) 
 def test_gc_freezer_freezes_after_enough_new_blocks() -> None:
     import gc
 
-    from kvstore.daemon import GcFreezer
+    from kvstore.server.daemon import GcFreezer
 
     gc.unfreeze()
     freezer = GcFreezer(min_blocks=100, growth=0.25)

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from kvstore.tiers.segment import AttachedSegment, Segment, remove_stale_segments
+from kvstore.shm import AttachedSegment
+from kvstore.tiers.segment import Segment, remove_stale_segments
 
 
 def test_segment_is_private_and_attachable(tmp_path):

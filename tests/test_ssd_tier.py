@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kvstore.checksum import checksum
+from kvstore.core.tier import BlockMeta, Slot
 from kvstore.errors import DataLoss
-from kvstore.tiers.base import BlockMeta, Slot
 from kvstore.tiers.codec import Codec, decode, encode
 from kvstore.tiers.ssd import RECORD, SNAPSHOT_NAME, SsdTier
 

@@ -8,11 +8,11 @@ import os
 
 import pytest
 
+from kvstore.core.policies import LRUPolicy
+from kvstore.core.store import Store, StoreLimits, StoreTier
 from kvstore.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvstore.hashing import block_hashes
 from kvstore.layout import KVLayout
-from kvstore.policies import LRUPolicy
-from kvstore.store import Store, StoreLimits, StoreTier
 from kvstore.tiers.host import HostTier
 from tests.fakes import ManualClock
 
@@ -387,7 +387,7 @@ async def test_a_batch_eviction_drops_what_single_evictions_would(policy):
     made one eviction at a time, on two stores given the same puts and lookups: the same
     victims in the same order, the same counters, tenant usage, namespace totals and
     events, and every block left fetches exactly."""
-    from kvstore.policies import make_policy
+    from kvstore.core.policies import make_policy
 
     stores, events = [], []
     for _ in range(2):

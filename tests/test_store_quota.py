@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.core.policies import LRUPolicy
+from kvstore.core.store import Store, StoreTier
 from kvstore.errors import ResourceExhausted
 from kvstore.hashing import block_hashes
 from kvstore.layout import KVLayout
-from kvstore.policies import LRUPolicy
-from kvstore.store import Store, StoreTier
 from kvstore.tiers.host import HostTier
 
 LAYOUT = KVLayout(model="unit", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=64, block_size_tokens=4)
@@ -88,8 +88,8 @@ async def test_usage_matches_the_index_through_random_moves(tmp_path):
     import asyncio
     import random
 
-    from kvstore.policies import make_policy
-    from kvstore.store import MigrationConfig
+    from kvstore.core.policies import make_policy
+    from kvstore.core.store import MigrationConfig
     from kvstore.tiers.memory import MemoryTier
     from kvstore.tiers.ssd import SsdTier
 
@@ -164,8 +164,8 @@ async def test_usage_matches_the_index_through_random_moves(tmp_path):
 async def test_a_block_deleted_while_it_is_demoted_is_not_subtracted_twice(tmp_path):
     import asyncio
 
-    from kvstore.policies import make_policy
-    from kvstore.store import MigrationConfig, WritePolicy
+    from kvstore.core.policies import make_policy
+    from kvstore.core.store import MigrationConfig, WritePolicy
     from kvstore.tiers.memory import MemoryTier
     from kvstore.tiers.ssd import SsdTier
 
@@ -198,7 +198,7 @@ async def test_a_block_deleted_while_it_is_demoted_is_not_subtracted_twice(tmp_p
 
 
 def test_ledger_counts_held_bytes_against_quotas_only():
-    from kvstore.tenancy import TenantLedger
+    from kvstore.core.tenancy import TenantLedger
 
     ledger = TenantLedger()
     ledger.quotas = {"t": {"host": 100}}

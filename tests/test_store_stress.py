@@ -10,11 +10,11 @@ import hashlib
 import random
 from pathlib import Path
 
+from kvstore.core.policies import make_policy
+from kvstore.core.store import MigrationConfig, Store, StoreTier
 from kvstore.errors import ResourceExhausted
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
-from kvstore.policies import make_policy
-from kvstore.store import MigrationConfig, Store, StoreTier
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.ssd import SsdTier
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.core.policies import make_policy
+from kvstore.core.store import MigrationConfig, MigrationStatus, Store, StoreTier, WritePolicy
+from kvstore.core.tier import Slot
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
-from kvstore.policies import make_policy
-from kvstore.store import MigrationConfig, MigrationStatus, Store, StoreTier, WritePolicy
-from kvstore.tiers.base import Slot
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.ssd import SsdTier
 
@@ -202,7 +202,7 @@ async def test_top_tier_of_each_hit_is_the_same_compiled_or_not(store: Store, mo
     third for the moment of a move."""
     import numpy as np
 
-    import kvstore.store as store_module
+    import kvstore.core.store as store_module
 
     hs = hashes(16)
     blocks = [os.urandom(BLOCK) for _ in hs]

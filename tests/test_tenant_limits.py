@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.core.policies import LRUPolicy
+from kvstore.core.store import Store, StoreLimits, StoreTier
 from kvstore.errors import ResourceExhausted
 from kvstore.hashing import block_hashes
 from kvstore.layout import KVLayout
-from kvstore.policies import LRUPolicy
-from kvstore.store import Store, StoreLimits, StoreTier
 from kvstore.tiers.host import HostTier
 from tests.fakes import ManualClock
 

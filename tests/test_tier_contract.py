@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.checksum import checksum
-from kvstore.tiers.base import BlockMeta, Tier
+from kvstore.core.tier import BlockMeta, Tier
 from kvstore.tiers.cuda import cuda_available
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.memory import MemoryTier

@@ -12,7 +12,7 @@ import pytest
 from kvstore.client import Client
 from kvstore.client.admin import AdminClient
 from kvstore.errors import ConfigError, KVStoreError, Unauthenticated
-from kvstore.config import load_config
+from kvstore.server.config import load_config
 from tests.conftest import daemon_in_thread, make_config
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make certificates")
@@ -55,7 +55,7 @@ def test_tls_listener_serves_clients_that_trust_its_ca(tmp_path, pki, layout):
         with Client(running.tcp_target, tls_ca=str(pki / "other.pem"), data_plane="grpc", timeout_s=3) as wrong:
             with pytest.raises(KVStoreError):
                 wrong.lookup(layout, list(range(8)))
-        from kvstore.cli import main
+        from kvstore.cli.main import main
 
         assert main(["health", "--target", running.tcp_target, "--tls-ca", str(pki / "ca.pem")]) == 0
         # The Unix socket stays plain (its file mode is its boundary); TLS settings given
@@ -79,7 +79,7 @@ def test_mtls_needs_a_client_certificate(tmp_path, pki, layout):
 
 
 def test_tls_and_a_token_together(tmp_path, pki, layout):
-    from kvstore.auth import new_token
+    from kvstore.server.auth import new_token
 
     token, token_hash = new_token()
     tokens = tmp_path / "tokens.toml"
@@ -103,7 +103,7 @@ def test_tls_settings_are_checked_together():
 
 
 def test_unreadable_certificate_stops_the_daemon(tmp_path):
-    from kvstore.daemon import Daemon
+    from kvstore.server.daemon import Daemon
 
     with pytest.raises(ConfigError, match="cannot read tls_key"):
         Daemon(make_config(tmp_path, tls_cert=str(tmp_path / "none.pem"), tls_key=str(tmp_path / "none.key")))

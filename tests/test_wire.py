@@ -41,17 +41,17 @@ def test_anything_else_falls_back_to_the_generic_parser():
 def test_compiled_framing_matches_the_python_framing(size, chunk, monkeypatch):
     """A block framed for a Fetch: the compiled copy-and-hash gives the same messages as
     encoding each chunk in Python, and the checksum of the payload inside them."""
-    import kvstore.servicer
+    import kvstore.server.servicer
     from kvstore.checksum import checksum
     from kvstore.native import XXH3
-    from kvstore.servicer import KVStoreServicer
+    from kvstore.server.servicer import KVStoreServicer
 
     assert XXH3
     data = memoryview(os.urandom(size))
     servicer = KVStoreServicer.__new__(KVStoreServicer)  # `_frame` reads chunk_bytes only
     servicer.chunk_bytes = chunk
     compiled = servicer._frame(9, data)
-    monkeypatch.setattr(kvstore.servicer, "XXH3", False)
+    monkeypatch.setattr(kvstore.server.servicer, "XXH3", False)
     python = servicer._frame(9, data)
     assert compiled.messages == python.messages
     assert [bytes(p) for p in compiled.payload] == [bytes(p) for p in python.payload]

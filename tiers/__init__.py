@@ -1,6 +1,6 @@
 """Tier implementations (the data plane): where block bytes live and how they move."""
 
-from kvstore.tiers.base import Slot, Tier
+from kvstore.core.tier import Slot, Tier
 from kvstore.tiers.host import HostTier
 
 __all__ = ["HostTier", "Slot", "Tier"]

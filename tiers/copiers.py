@@ -12,24 +12,13 @@ built (`make_copier`), after vLLM's per-medium transfer handlers:
 The SSD tier is not addressable and has no copier: blocks reach it through its own
 `put_block` (encode, append) and leave it through `get_block` (read, decode).
 
-A copier moves bytes only; the store verifies checksums on either side and publishes
+The `Copier` contract is in `kvstore.core.tier`. A copier moves bytes only; the store verifies checksums on either side and publishes
 the new location after `copy` returned (for CUDA copies: after the event completed).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
-from kvstore.tiers.base import Slot, Tier
-
-
-class Copier(ABC):
-    """Moves `nbytes` from `src_slot` of `src` into the start of `dst_slot` of `dst`."""
-
-    name: str = "copier"
-
-    @abstractmethod
-    async def copy(self, src: Tier, src_slot: Slot, dst: Tier, dst_slot: Slot, nbytes: int) -> None: ...
+from kvstore.core.tier import Copier, Slot, Tier
 
 
 class MemcpyCopier(Copier):

@@ -31,8 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstore.tiers.base import Slot, Tier
-from kvstore.tiers.copiers import Copier
+from kvstore.core.tier import Copier, Slot, Tier
 from kvstore.tiers.cuda import wait_event
 from kvstore.tiers.slab import SlabTier
 

@@ -6,13 +6,9 @@ The file's mode is the access control: 0600 means only the daemon's user (and ro
 open it, which is exactly the set of local peers that could attach to the daemon's
 process anyway.
 
-Layout: a 4 KiB header, then the data area that tier offsets are relative to.
-
-    magic    8 bytes  b"KVSTSEG1"
-    token   16 bytes  random; returned by the daemon over RPC, so a client proves it
-                      mapped the daemon's segment (same host, same daemon) before use
-    data_offset  u64  where the data area starts (4096)
-    capacity     u64  bytes in the data area
+This is the daemon's side: creating, populating and removing segments. The layout
+(a 4 KiB header, then the data area) and the client's attachment are the shared
+protocol in `kvstore.shm`.
 
 Segments are named `kvstore-<pid>-<random>`; at start-up the daemon removes segments
 left by daemons of the same user that are no longer running (a crash leaves its file
@@ -26,22 +22,13 @@ import mmap
 import os
 import re
 import secrets
-import struct
 import tempfile
-import threading
 import weakref
-from dataclasses import dataclass
+
+from kvstore.shm import HEADER, HEADER_BYTES, MAGIC, MappedSegment
 
 logger = logging.getLogger(__name__)
 
-# madvise(MADV_POPULATE_WRITE), Linux >= 5.14: fault pages in writable without touching
-# their contents. Not exported by Python 3.11's mmap module.
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-POPULATE_CHUNK_BYTES = 64 << 20
-
-MAGIC = b"KVSTSEG1"
-HEADER_BYTES = 4096
-_HEADER = struct.Struct("<8s16sQQ")
 _NAME = re.compile(r"^kvstore-(\d+)-[0-9a-f]{12}$")
 
 
@@ -52,20 +39,6 @@ def default_shm_dir() -> str:
 def free_bytes(directory: str) -> int:
     st = os.statvfs(directory)
     return st.f_bavail * st.f_frsize
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentHeader:
-    token: bytes
-    data_offset: int
-    capacity: int
-
-
-def read_header(buf: memoryview | bytes) -> SegmentHeader:
-    magic, token, data_offset, capacity = _HEADER.unpack_from(buf, 0)
-    if magic != MAGIC:
-        raise ValueError("not a kvstore segment (bad magic)")
-    return SegmentHeader(token, data_offset, capacity)
 
 
 def _unlink_quietly(path: str) -> None:
@@ -104,39 +77,7 @@ def remove_stale_segments(directory: str) -> int:
     return removed
 
 
-class _Mapped:
-    """A mapping of a segment file, owned or attached; can fault its pages in."""
-
-    _map: mmap.mmap
-    path: str
-    #: "no" until populate() runs, then "running", "yes", "stopped" or "unsupported".
-    populated: str = "no"
-
-    def populate(self, stop: threading.Event | None = None) -> bool:
-        """Fault every page in now, so puts do not pay a page fault per 4 KiB later
-        (measured: fresh tmpfs pages take writes at a tenth of the speed of mapped ones).
-
-        Safe while blocks are being written: it never touches contents. Runs in chunks so
-        a shutdown (`stop`) interrupts it promptly. Returns False where the kernel lacks
-        MADV_POPULATE_WRITE (pages then fault in on first use, as before).
-        """
-        size = len(self._map)
-        self.populated = "running"
-        for start in range(0, size, POPULATE_CHUNK_BYTES):
-            if stop is not None and stop.is_set():
-                self.populated = "stopped"
-                return False
-            try:
-                self._map.madvise(MADV_POPULATE_WRITE, start, min(POPULATE_CHUNK_BYTES, size - start))
-            except (OSError, ValueError) as exc:
-                logger.info("cannot prefault segment %s (%s); pages fault in on first use", self.path, exc)
-                self.populated = "unsupported"
-                return False
-        self.populated = "yes"
-        return True
-
-
-class Segment(_Mapped):
+class Segment(MappedSegment):
     """A created (owned) segment: mapped read-write, unlinked on close."""
 
     def __init__(self, capacity_bytes: int, directory: str | None = None) -> None:
@@ -158,7 +99,7 @@ class Segment(_Mapped):
         # The file holds memory until unlinked: make sure it goes even if close() is
         # never called (garbage collection, interpreter exit).
         self._unlink = weakref.finalize(self, _unlink_quietly, self.path)
-        _HEADER.pack_into(self._map, 0, MAGIC, self.token, HEADER_BYTES, capacity_bytes)
+        HEADER.pack_into(self._map, 0, MAGIC, self.token, HEADER_BYTES, capacity_bytes)
         self._view = memoryview(self._map)
         self.data = self._view[HEADER_BYTES:]
 
@@ -167,51 +108,3 @@ class Segment(_Mapped):
         self._view.release()
         self._map.close()
         self._unlink()
-
-
-class AttachedSegment(_Mapped):
-    """Another process's segment, mapped by path; read-write so a client can fill slots
-    it was handed. Checks the magic and the token the owner announced.
-
-    Each process maps pages into its own page tables on first touch, so an attached
-    mapping is slow until populated too; `populate_in_background` does that without
-    delaying the caller."""
-
-    def __init__(self, path: str, token: bytes) -> None:
-        self.path = path
-        self._stop = threading.Event()
-        self._populator: threading.Thread | None = None
-        fd = os.open(path, os.O_RDWR)
-        try:
-            size = os.fstat(fd).st_size
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self._view = memoryview(self._map)
-        header = read_header(self._view)
-        if header.token != token:
-            self.close()
-            raise ValueError(f"segment {path} belongs to another daemon (token mismatch)")
-        self.data = self._view[header.data_offset : header.data_offset + header.capacity]
-        self.capacity = header.capacity
-
-    def wait_populated(self, timeout_s: float | None = None) -> bool:
-        """Block until a background populate has finished; True if it did in time."""
-        if self._populator is None:
-            return True
-        self._populator.join(timeout_s)
-        return not self._populator.is_alive()
-
-    def populate_in_background(self) -> None:
-        self._populator = threading.Thread(target=self.populate, args=(self._stop,), name="kvstore-populate",
-                                           daemon=True)
-        self._populator.start()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._populator is not None:
-            self._populator.join()
-        if hasattr(self, "data"):
-            self.data.release()
-        self._view.release()
-        self._map.close()

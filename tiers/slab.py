@@ -10,7 +10,7 @@ event loop, which owns the slab, so no lock is needed.
 
 from __future__ import annotations
 
-from kvstore.tiers.base import Slot, Tier
+from kvstore.core.tier import Slot, Tier
 from kvstore.tiers.extents import ExtentAllocator
 
 

@@ -53,8 +53,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
+from kvstore.core.tier import BlockMeta, Slot, Tier
 from kvstore.errors import ConfigError, DataLoss
-from kvstore.tiers.base import BlockMeta, Slot, Tier
 from kvstore.tiers.codec import Codec, Encoded, decode, encode
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,500 @@
+"""The block index: which READY blocks exist, where, and with what checksum.
+
+Control plane only: metadata on the event loop, no bytes, no locks. A key is the 16-byte
+namespace id followed by the 16-byte block hash. Only READY blocks are in the index;
+a block being put is PENDING inside its put transaction and is invisible until the
+whole transaction commits (publish after the data lands).
+
+Per-tier presence: an entry has one `Slot` per tier that holds a copy (`locations`,
+keyed by tier name). The memory tiers (HBM, host, memory) are exclusive among
+themselves: a move adds the new location and only then removes the old one, so a block
+is readable somewhere at every instant. The SSD tier is inclusive: its copy stays
+next to a memory copy until the SSD tier itself evicts it. The entry leaves the index
+when its last location goes. Reads are served from the highest location (the store
+knows the tier order).
+
+A location removed while readers still hold the entry is `retired`: its bytes are freed
+when the last reader lets go, never under a read in flight.
+
+Storage: every block is a row of a columnar `BlockTable` (kvstore.core.table), not an object.
+A `BlockEntry` is a small handle (table, row, generation) made on demand, whose
+properties read and write the row, so the store's per-block code reads as before; the
+bulk paths (a lookup's prefix probe, a put's publish, a restart) work on arrays of rows.
+
+Primitives: `get`, `add`, `remove`, `prefix_rows`, `longest_ready_prefix`.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+
+import numpy as np
+
+from kvstore.core.table import (
+    HAS_PARENT,
+    HASH_BYTES,
+    I64,
+    INDEXED,
+    KEY_BYTES,
+    PROBE_COMPILED,
+    READY,
+    REMOVED,
+    SSD_QUEUED,
+    BlockTable,
+)
+from kvstore.core.tier import Slot
+
+_new_entry = object.__new__
+_unpack_qq = struct.Struct("<QQ").unpack_from
+_iter_qq = struct.Struct("<QQ").iter_unpack
+# Chains up to this long are probed key by key (see `BlockIndex.prefix_rows`).
+SCALAR_PROBE_MAX = 16
+
+
+class BlockState(enum.Enum):
+    PENDING = "pending"  # bytes are landing; owned by a put transaction
+    READY = "ready"  # fully written and checksummed; visible to lookups
+
+
+# Entries made outside an index (tests, a put before it publishes) live here until an
+# index adopts them.
+_DETACHED = BlockTable(16)
+
+
+class BlockEntry:
+    """A handle on one block's row of a `BlockTable`: (table, row, generation).
+
+    The metadata lives in the table's columns; this object is made on demand and holds
+    nothing else, so the index costs no Python object per block. Mutable through its
+    properties (`entry.pins += 1` writes the column). A handle whose row has been
+    recycled (its generation moved on) reads as removed, with no pins, readers or copies.
+    """
+
+    __slots__ = ("_t", "_row", "_gen")
+
+    def __init__(
+        self,
+        key: bytes,
+        parent: bytes | None,
+        nbytes: int,
+        checksum: int,
+        locations: Mapping[str, Slot] | None = None,
+        state: BlockState = BlockState.PENDING,
+        *,
+        itemsize: int = 2,
+        pins: int = 0,
+        readers: int = 0,
+        table: BlockTable | None = None,
+    ) -> None:
+        t = table if table is not None else _DETACHED
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a block key is {KEY_BYTES} bytes (namespace id + block hash), got {len(key)}")
+        h0, h1 = _unpack_qq(key, HASH_BYTES)
+        row = t.new_row(t.ns_id(key[:HASH_BYTES]), h0, h1)
+        self._t = t
+        self._row = row
+        self._gen = t.vgen[row]
+        if parent is not None:
+            self.parent = parent
+        t.vnbytes[row] = nbytes
+        t.vcsum[row] = checksum
+        t.vitem[row] = itemsize
+        t.vpins[row] = pins
+        t.vreaders[row] = readers
+        if state is BlockState.READY:
+            t.vflags[row] |= READY
+        if locations:
+            for name, slot in locations.items():
+                assert slot.tier == name, f"slot of tier {slot.tier} filed under {name}"
+                self.add_slot(slot)
+
+    @classmethod
+    def of(cls, table: BlockTable, row: int) -> BlockEntry:
+        self = _new_entry(cls)
+        self._t = table
+        self._row = row
+        self._gen = int(table.vgen[row])
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, BlockEntry) and self._t is other._t and self._row == other._row
+                and self._gen == other._gen)
+
+    def __hash__(self) -> int:
+        return hash((id(self._t), self._row, self._gen))
+
+    def __repr__(self) -> str:
+        return (f"BlockEntry(key={self.key.hex()}, state={self.state.value}, tiers={self.tier_names()}, "
+                f"pins={self.pins}, readers={self.readers}, removed={self.removed})")
+
+    @property
+    def row(self) -> int:
+        return self._row
+
+    @property
+    def table(self) -> BlockTable:
+        return self._t
+
+    @property
+    def stale(self) -> bool:
+        """The row was recycled: this handle's block is gone."""
+        return self._t.gen[self._row] != self._gen
+
+    def _live(self) -> int:
+        assert self._t.gen[self._row] == self._gen, "write through a stale block handle"
+        return self._row
+
+    # -- fields
+
+    @property
+    def key(self) -> bytes:
+        return self._t.key(self._row)
+
+    @property
+    def parent(self) -> bytes | None:
+        return self._t.parent_key(self._row)
+
+    @parent.setter
+    def parent(self, parent: bytes | None) -> None:
+        t, row = self._t, self._live()
+        if parent is None:
+            t.vflags[row] &= ~HAS_PARENT & 0xFF
+            return
+        if len(parent) != KEY_BYTES or t.known_ns(parent[:HASH_BYTES]) != t.vns[row]:
+            raise ValueError("a block's parent is a key of the same namespace")
+        t.vph0[row], t.vph1[row] = _unpack_qq(parent, HASH_BYTES)
+        t.vflags[row] |= HAS_PARENT
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._t.nbytes[self._row])
+
+    @property
+    def checksum(self) -> int:
+        return int(self._t.csum[self._row])
+
+    @checksum.setter
+    def checksum(self, value: int) -> None:
+        self._t.csum[self._live()] = value
+
+    @property
+    def itemsize(self) -> int:
+        return int(self._t.item[self._row])
+
+    @property
+    def state(self) -> BlockState:
+        return BlockState.READY if self._t.flags[self._row] & READY else BlockState.PENDING
+
+    @state.setter
+    def state(self, value: BlockState) -> None:
+        t, row = self._t, self._live()
+        if value is BlockState.READY:
+            t.vflags[row] |= READY
+        else:
+            t.vflags[row] &= ~READY & 0xFF
+
+    @property
+    def pins(self) -> int:
+        t, row = self._t, self._row
+        return t.vpins[row] if t.vgen[row] == self._gen else 0
+
+    @pins.setter
+    def pins(self, value: int) -> None:
+        assert value >= 0, "pins below zero"
+        self._t.pins[self._live()] = value
+
+    @property
+    def readers(self) -> int:
+        t, row = self._t, self._row
+        return t.vreaders[row] if t.vgen[row] == self._gen else 0
+
+    @readers.setter
+    def readers(self, value: int) -> None:
+        assert value >= 0, "readers below zero"
+        self._t.readers[self._live()] = value
+
+    @property
+    def removed(self) -> bool:
+        t, row = self._t, self._row
+        return t.vgen[row] != self._gen or bool(t.vflags[row] & REMOVED)
+
+    @property
+    def ssd_queued(self) -> bool:
+        t, row = self._t, self._row
+        return t.vgen[row] == self._gen and bool(t.vflags[row] & SSD_QUEUED)
+
+    @ssd_queued.setter
+    def ssd_queued(self, value: bool) -> None:
+        t, row = self._t, self._row
+        if t.vgen[row] != self._gen:
+            return  # recycled: nothing of it is queued any more
+        if value:
+            t.vflags[row] |= SSD_QUEUED
+        else:
+            t.vflags[row] &= ~SSD_QUEUED & 0xFF
+
+    @property
+    def retired(self) -> list[Slot] | None:
+        if self.stale:
+            return None
+        return self._t.retired.get(self._row)
+
+    @retired.setter
+    def retired(self, value: list[Slot] | None) -> None:
+        row = self._live()
+        if value is None:
+            self._t.retired.pop(row, None)
+        else:
+            self._t.retired[row] = value
+
+    @property
+    def evictable(self) -> bool:
+        t, row = self._t, self._row
+        return (t.vgen[row] == self._gen and t.vpins[row] == 0 and t.vreaders[row] == 0
+                and bool(t.vflags[row] & READY))
+
+    # -- locations (one Slot per tier holding a copy, in the order they were added)
+
+    @property
+    def locations(self) -> Locations:
+        """The copies by tier name, as a mutable mapping view (no copy)."""
+        return Locations(self)
+
+    def slots(self) -> tuple[Slot, ...]:
+        t, row = self._t, self._row
+        if t.vgen[row] != self._gen:
+            return ()
+        a, b = t.vlt[row, 0], t.vlt[row, 1]
+        if not a:
+            return ()
+        names = t.tier_names
+        first = Slot(names[a], t.vlo[row, 0], t.vls[row, 0])
+        if not b:
+            return (first,)
+        second = Slot(names[b], t.vlo[row, 1], t.vls[row, 1])
+        extra = t.extra_locs.get(row)
+        return (first, second, *extra) if extra else (first, second)
+
+    def tier_names(self) -> list[str]:
+        return [s.tier for s in self.slots()]
+
+    def only_tier(self) -> str | None:
+        """The tier of the single copy, or None when there are none or several (the fast path)."""
+        t, row = self._t, self._row
+        if t.vgen[row] != self._gen:
+            return None
+        a, b = t.vlt[row, 0], t.vlt[row, 1]
+        return t.tier_names[a] if a and not b else None
+
+    def slot_in(self, tier: str) -> Slot | None:
+        for s in self.slots():
+            if s.tier == tier:
+                return s
+        return None
+
+    def add_slot(self, slot: Slot) -> None:
+        """Record a copy; replaces the copy in the same tier, if any."""
+        rest = [s for s in self.slots() if s.tier != slot.tier]
+        self._set([*rest, slot])
+
+    def pop_slot(self, tier: str) -> Slot:
+        slot = self.slot_in(tier)
+        if slot is None:
+            raise KeyError(tier)
+        self._set([s for s in self.slots() if s.tier != tier])
+        return slot
+
+    def clear_slots(self) -> None:
+        if not self.stale:
+            self._set([])
+
+    def _set(self, slots: list[Slot]) -> None:
+        t, row = self._t, self._live()
+        lt, lo, ls = t.lt, t.lo, t.ls
+        for i in range(2):
+            if i < len(slots):
+                s = slots[i]
+                lt[row, i] = t.tier_id(s.tier)
+                lo[row, i] = s.offset
+                ls[row, i] = s.size
+            else:
+                lt[row, i] = 0
+        if len(slots) > 2:
+            t.extra_locs[row] = slots[2:]
+        else:
+            t.extra_locs.pop(row, None)
+
+    def retire(self, slot: Slot) -> None:
+        retired = self.retired
+        if retired is None:
+            self.retired = [slot]
+        else:
+            retired.append(slot)
+
+    def _move_to(self, table: BlockTable) -> None:
+        """Copy this (detached) entry's row into `table` and point the handle there."""
+        src, row = self._t, self._live()
+        key, parent, slots, retired = self.key, self.parent, self.slots(), self.retired
+        h0, h1 = _unpack_qq(key, HASH_BYTES)
+        new = table.new_row(table.ns_id(key[:HASH_BYTES]), h0, h1)
+        for col in ("csum", "nbytes", "item", "pins", "readers"):
+            getattr(table, col)[new] = getattr(src, col)[row]
+        table.vflags[new] |= int(src.vflags[row]) & (READY | REMOVED | SSD_QUEUED)
+        src.free_row(row)
+        self._t, self._row, self._gen = table, new, int(table.vgen[new])
+        self.parent = parent
+        self._set(list(slots))
+        if retired:
+            self.retired = list(retired)
+
+
+class Locations(MutableMapping[str, Slot]):
+    """A dict-like view of an entry's copies by tier name."""
+
+    __slots__ = ("_entry",)
+
+    def __init__(self, entry: BlockEntry) -> None:
+        self._entry = entry
+
+    def __getitem__(self, tier: str) -> Slot:
+        slot = self._entry.slot_in(tier)
+        if slot is None:
+            raise KeyError(tier)
+        return slot
+
+    def __setitem__(self, tier: str, slot: Slot) -> None:
+        if slot.tier != tier:
+            raise ValueError(f"slot of tier {slot.tier} filed under {tier}")
+        self._entry.add_slot(slot)
+
+    def __delitem__(self, tier: str) -> None:
+        self._entry.pop_slot(tier)
+
+    def __contains__(self, tier: object) -> bool:
+        return isinstance(tier, str) and self._entry.slot_in(tier) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entry.tier_names())
+
+    def __len__(self) -> int:
+        return len(self._entry.slots())
+
+    def clear(self) -> None:
+        self._entry.clear_slots()
+
+
+def make_key(namespace_id: bytes, block_hash: bytes) -> bytes:
+    return namespace_id + block_hash
+
+
+class BlockIndex:
+    """READY blocks by key: the published rows of a `BlockTable`."""
+
+    def __init__(self, table: BlockTable | None = None) -> None:
+        self.table = table if table is not None else BlockTable()
+
+    def __len__(self) -> int:
+        return self.table.count
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and self.table.find_key(key) >= 0
+
+    def __iter__(self) -> Iterator[BlockEntry]:
+        t = self.table
+        return (BlockEntry.of(t, row) for row in t.indexed_rows().tolist())
+
+    def entry(self, row: int) -> BlockEntry:
+        return BlockEntry.of(self.table, row)
+
+    def new_entry(self, key: bytes, parent: bytes | None, nbytes: int, checksum: int, *,
+                  itemsize: int = 2) -> BlockEntry:
+        """A PENDING entry with its row in this index's table (published by `add`)."""
+        return BlockEntry(key, parent, nbytes, checksum, itemsize=itemsize, table=self.table)
+
+    def get(self, key: bytes) -> BlockEntry | None:
+        row = self.table.find_key(key)
+        return None if row < 0 else BlockEntry.of(self.table, row)
+
+    def _adopt(self, entry: BlockEntry) -> None:
+        if entry._t is not self.table:
+            entry._move_to(self.table)
+
+    def add(self, entry: BlockEntry) -> None:
+        assert entry.state is BlockState.READY, "only READY blocks enter the index"
+        self._adopt(entry)
+        self.table.index_row(entry._row)
+
+    def add_many(self, entries: Sequence[BlockEntry]) -> None:
+        """`add` each entry (a put's blocks), checked, then inserted in one step."""
+        for e in entries:
+            assert e.state is BlockState.READY, "only READY blocks enter the index"
+            self._adopt(e)
+        rows = np.fromiter((e._row for e in entries), np.int64, len(entries))
+        self.add_rows(rows)
+
+    def add_rows(self, rows: I64) -> None:
+        """Publish READY rows of this index's table in one vectorized step."""
+        t = self.table
+        if not len(rows):
+            return
+        assert np.all(t.flags[rows] & READY), "only READY blocks enter the index"
+        h0, h1, ns = t.h0[rows], t.h1[rows], t.ns[rows]
+        if len(np.unique(h0)) != len(rows):  # the full check only where a half collides
+            keys = np.empty((len(rows), 3), np.uint64)
+            keys[:, 0], keys[:, 1], keys[:, 2] = h0, h1, ns
+            assert len(np.unique(keys, axis=0)) == len(rows), "a key is published at most once"
+        first = int(ns[0])
+        for n in ([first] if np.all(ns == first) else np.unique(ns).tolist()):
+            sel = ns == n
+            assert not np.any(t.find_rows(n, h0[sel], h1[sel]) >= 0), "a key is published at most once"
+        t.index_rows(rows)
+
+    def remove(self, key: bytes) -> BlockEntry | None:
+        row = self.table.find_key(key)
+        if row < 0:
+            return None
+        self.table.unindex_row(row)
+        return BlockEntry.of(self.table, row)
+
+    def remove_entry(self, entry: BlockEntry) -> None:
+        """Unpublish an indexed entry (it then reads as removed)."""
+        t, row = entry._t, entry._row
+        if t is self.table and not entry.stale and t.vflags[row] & INDEXED:
+            t.unindex_row(row)
+
+    def prefix_rows(self, namespace_id: bytes, packed: bytes) -> I64:
+        """Rows of the longest READY prefix of a packed chain (N x 16-byte hashes, N x 16
+        bytes long) in the namespace: one probe of the key table, no object per block."""
+        ns = self.table.known_ns(namespace_id)
+        if ns is None or not packed:
+            return np.zeros(0, np.int64)
+        if len(packed) <= SCALAR_PROBE_MAX * HASH_BYTES and not PROBE_COMPILED:
+            # A short chain: scalar probes cost less than the batch probe's fixed numpy work.
+            t = self.table
+            found: list[int] = []
+            for h0, h1 in _iter_qq(packed):
+                row = t.find(ns, h0, h1)
+                if row < 0:
+                    break
+                found.append(row)
+            return np.array(found, np.int64)
+        return self.table.prefix_rows(ns, packed)
+
+    def longest_ready_prefix(self, keys: Sequence[bytes]) -> list[BlockEntry]:
+        """Entries of the longest prefix of `keys` that is READY, in order."""
+        t = self.table
+        out: list[BlockEntry] = []
+        if not keys:
+            return out
+        ns_id = keys[0][:HASH_BYTES]
+        if all(len(k) == KEY_BYTES for k in keys) and all(k[:HASH_BYTES] == ns_id for k in keys):
+            rows = self.prefix_rows(ns_id, b"".join([k[HASH_BYTES:] for k in keys]))
+            return [BlockEntry.of(t, r) for r in rows.tolist()]
+        for key in keys:
+            row = t.find_key(key)
+            if row < 0:
+                break
+            out.append(BlockEntry.of(t, row))
+        return out

@@ -1,0 +1,116 @@
+"""Leases: short, self-expiring pins that keep blocks from being evicted.
+
+A lookup may take a lease on the blocks it promised so that the fetch that follows
+cannot lose them; `Pin` takes a longer one on purpose. Every lease has a deadline, so a
+client that vanishes never leaks a pin. Expiry is driven by the store (on each call and
+by a periodic sweep) through a heap ordered by deadline; a released lease leaves a stale
+heap item that the sweep skips.
+
+A lease never blocks a delete: an explicit delete wins, and releasing a lease over a
+deleted block is a no-op. A lease that `holds_bytes` (handed to a client that reads the
+block's slot directly through shared memory) also counts as a reader, so a deleted
+block's slot is not reused until that lease ends.
+"""
+
+from __future__ import annotations
+
+import heapq
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvstore.core.index import BlockEntry
+from kvstore.core.table import REMOVED, BlockTable
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    """A lease on rows of one block table: their pins (and readers, if it `holds_bytes`)
+    are counted up by one for as long as it lasts. Pinned rows are never recycled, so
+    the rows still name the same blocks when the lease ends."""
+
+    lease_id: str
+    table: BlockTable
+    rows: npt.NDArray[np.int64]
+    expires_at: float
+    holds_bytes: bool = False
+    # The tenant the lease counts against (its namespace's tenant).
+    tenant: str = "default"
+    released: bool = field(default=False)
+
+
+class LeaseTable:
+    def __init__(self, readers_gone: Callable[[BlockEntry], None]) -> None:
+        # Called, when a bytes-holding lease ends, for each of its blocks that this left
+        # without readers and that has a slot to free (deleted, or a copy retired
+        # meanwhile): frees it, now that nobody reads it.
+        self._readers_gone = readers_gone
+        self._leases: dict[str, Lease] = {}
+        self._deadlines: list[tuple[float, str]] = []
+        # Active leases per tenant; a tenant leaves the map when its last lease ends.
+        self._per_tenant: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def held(self, tenant: str) -> int:
+        """How many leases `tenant` has active."""
+        return self._per_tenant.get(tenant, 0)
+
+    def acquire(
+        self, table: BlockTable, rows: npt.NDArray[np.int64], expires_at: float, holds_bytes: bool = False,
+        tenant: str = "default",
+    ) -> Lease:
+        """A lease on `rows` of `table` (current, indexed rows), counted in one array step
+        each for pins and readers, not a step per block."""
+        rows = np.array(rows, np.int64)  # the lease's own copy
+        lease = Lease(secrets.token_hex(12), table, rows, expires_at, holds_bytes, tenant)
+        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+        np.add.at(table.pins, rows, 1)
+        if holds_bytes:
+            np.add.at(table.readers, rows, 1)
+        self._leases[lease.lease_id] = lease
+        heapq.heappush(self._deadlines, (expires_at, lease.lease_id))
+        return lease
+
+    def release(self, lease_id: str) -> Lease | None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return None
+        lease.released = True
+        left = self._per_tenant[lease.tenant] - 1
+        if left:
+            self._per_tenant[lease.tenant] = left
+        else:
+            del self._per_tenant[lease.tenant]
+        t, rows = lease.table, lease.rows
+        if not len(rows):
+            return lease
+        assert int(t.pins[rows].min()) > 0, "pins below zero"
+        np.subtract.at(t.pins, rows, 1)
+        if lease.holds_bytes:
+            assert int(t.readers[rows].min()) > 0, "readers below zero"
+            np.subtract.at(t.readers, rows, 1)
+            idle = np.unique(rows[t.readers[rows] == 0])
+            # Of those, the ones with a slot to free: deleted, or with a retired copy.
+            gone = idle[(t.flags[idle] & REMOVED) != 0].tolist()
+            if t.retired:
+                gone += [r for r in idle.tolist() if r in t.retired and r not in gone]
+            for row in gone:
+                self._readers_gone(BlockEntry.of(t, row))
+        return lease
+
+    def expire(self, now: float) -> int:
+        """Release every lease whose deadline has passed; returns how many."""
+        expired = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, lease_id = heapq.heappop(self._deadlines)
+            if self.release(lease_id) is not None:
+                expired += 1
+        return expired
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines[0][0] if self._deadlines else None

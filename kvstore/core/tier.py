@@ -1,0 +1,169 @@
+"""The `Tier` contract: a place that holds block bytes, with exact accounting.
+
+A tier is data plane only: it stores, loads and frees whole blocks at a `Slot`, and
+knows nothing of leases, policies or other tiers (the store's control plane does). The
+base class owns capacity accounting; an implementation provides the `_primitives`.
+
+Two levels of the contract:
+- Every tier: `has_room`, `put_block` (store a whole block, None when there is no room),
+  `get_block` (a copy of its bytes), `free`, `close`, `describe`. This is what the
+  store uses to move blocks between tiers, and what the contract suite checks.
+- Addressable tiers (`addressable = True`: memory, host, HBM) also let a caller
+  `allocate` a slot and `write` chunks into it as they arrive (the streaming put path),
+  and may hand out a zero-copy `view`.
+
+Writes and reads are coroutines so that tiers whose bytes move off the event loop
+(SSD files, CUDA streams) share one interface with the memory-addressable ones.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+
+class Slot(NamedTuple):
+    """Where a block's bytes live inside one tier. `size` is the accounted size.
+
+    Immutable and compared by value. A named tuple rather than a frozen dataclass: the
+    same 64 bytes, but made several times faster (an index holds millions, and a
+    restart makes one per block).
+    """
+
+    tier: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    """What a tier may record next to a block's bytes (the SSD log writes it to disk).
+
+    `key` is namespace id + block hash (32 bytes); `parent` the previous block's key in
+    its chain, if any; `checksum` the XXH3-64 of the uncompressed bytes; `itemsize` the
+    element size of the KV dtype, which the SSD codec's byte-plane shuffle uses.
+    """
+
+    key: bytes
+    parent: bytes | None
+    checksum: int
+    itemsize: int = 2
+
+
+class Tier(ABC):
+    """One level of the hierarchy: capacity, accounting, and byte movement."""
+
+    #: The tier's name in config, stats and the proto enum: hbm, host, ssd, memory.
+    name: str
+    #: Whether `allocate`/`write`/`view` work (bytes addressable at an offset).
+    addressable: ClassVar[bool] = True
+    #: Whether `view` returns host memory (copiers memcpy between such tiers).
+    has_host_view: ClassVar[bool] = False
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._used_bytes = 0
+        self._blocks = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used_bytes
+
+    @property
+    def blocks(self) -> int:
+        return self._blocks
+
+    def allocate(self, nbytes: int) -> Slot | None:
+        """Reserve room for `nbytes`; None when no free extent fits (the caller evicts)."""
+        slot = self._allocate(nbytes)
+        if slot is not None:
+            self._account(slot)
+        return slot
+
+    def allocate_many(self, nbytes: int, count: int) -> list[Slot]:
+        """Up to `count` slots of `nbytes` (fewer when the tier runs out of room: the
+        caller evicts for the rest), as `allocate` gives them one by one."""
+        slots: list[Slot] = []
+        while len(slots) < count and (slot := self.allocate(nbytes)) is not None:
+            slots.append(slot)
+        return slots
+
+    def _account(self, slot: Slot) -> None:
+        self._account_many(slot.size, 1)
+
+    def _account_many(self, size: int, count: int) -> None:
+        """Count `count` new slots of `size` accounted bytes each."""
+        self._used_bytes += size * count
+        self._blocks += count
+        assert self._used_bytes <= self.capacity_bytes, "tier accounting exceeded capacity"
+
+    def free(self, slot: Slot) -> None:
+        self._free(slot)
+        self._used_bytes -= slot.size
+        self._blocks -= 1
+        assert self._used_bytes >= 0 and self._blocks >= 0, "tier accounting went negative"
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a block of `nbytes` could ever fit, even with everything evicted."""
+        return self.accounted_size(nbytes) <= self.capacity_bytes
+
+    def accounted_size(self, nbytes: int) -> int:
+        """How many bytes of capacity a block of `nbytes` takes (alignment included)."""
+        return nbytes
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether `put_block`/`allocate` of `nbytes` would succeed now without evicting."""
+        return self.capacity_bytes - self._used_bytes >= self.accounted_size(nbytes)
+
+    async def put_block(self, meta: BlockMeta, data: bytes | memoryview) -> Slot | None:
+        """Store a whole block; None when there is no room (the caller evicts and retries)."""
+        slot = self.allocate(len(data))
+        if slot is None:
+            return None
+        try:
+            await self.write(slot, 0, data)
+        except BaseException:
+            self.free(slot)
+            raise
+        return slot
+
+    async def get_block(self, slot: Slot, nbytes: int) -> bytes:
+        """A copy of the block's `nbytes` uncompressed bytes (the caller verifies them)."""
+        return await self.read(slot, nbytes)
+
+    @abstractmethod
+    def _allocate(self, nbytes: int) -> Slot | None: ...
+
+    @abstractmethod
+    def _free(self, slot: Slot) -> None: ...
+
+    @abstractmethod
+    async def write(self, slot: Slot, offset: int, data: memoryview | bytes) -> None:
+        """Copy `data` into the slot at `offset`."""
+
+    @abstractmethod
+    async def read(self, slot: Slot, nbytes: int) -> bytes:
+        """A copy of the first `nbytes` of the slot."""
+
+    def view(self, slot: Slot, nbytes: int) -> memoryview | None:
+        """A zero-copy view of the slot for memory-addressable tiers, else None."""
+        return None
+
+    def close(self) -> None:
+        """Release the tier's memory or files. The tier is unusable afterwards."""
+
+    def describe(self) -> dict[str, str]:
+        """Facts for `Info` and logs (backing, pinned, direct I/O...)."""
+        return {}
+
+
+class Copier(ABC):
+    """Moves `nbytes` from `src_slot` of `src` into the start of `dst_slot` of `dst`."""
+
+    name: str = "copier"
+
+    @abstractmethod
+    async def copy(self, src: Tier, src_slot: Slot, dst: Tier, dst_slot: Slot, nbytes: int) -> None: ...

@@ -1,0 +1,170 @@
+"""The operator RPCs of `kvstore.v1.Admin`: namespaces, evict, flush, config, events.
+
+Translation only, like the other servicers: each RPC maps to one store, runtime-config
+or event-bus call. Nothing here runs code supplied by a caller or reveals the process
+environment; config reads return the daemon's own settings only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+
+import grpc
+
+from kvstore.core.store import RemovalResult, Store
+from kvstore.errors import InvalidArgument
+from kvstore.hashing import HASH_BYTES
+from kvstore.layout import KVLayout
+from kvstore.server.events import EventBus, EventKind
+from kvstore.server.info import SECTIONS, render_info
+from kvstore.server.runtime import ConfigValue, RuntimeConfig
+from kvstore.server.servicer import AdminServicer
+from kvstore.v1 import admin_pb2, kvstore_pb2
+
+INFO_SECTIONS = (*SECTIONS, "events", "tenants")
+
+# Block references per ListBlocks message: 32 bytes each, far under the message cap.
+LIST_BLOCKS_BATCH = 8192
+
+EVENT_KIND = {
+    EventKind.STORED: admin_pb2.EVENT_STORED,
+    EventKind.REMOVED: admin_pb2.EVENT_REMOVED,
+    EventKind.MOVED: admin_pb2.EVENT_MOVED,
+    EventKind.RESYNC: admin_pb2.EVENT_RESYNC,
+}
+
+
+def _field(v: ConfigValue, live: bool) -> admin_pb2.ConfigField:
+    return admin_pb2.ConfigField(
+        name=v.field.name, value=v.text, kind=v.field.kind, bounds=v.bounds, runtime=live, help=v.field.help
+    )
+
+
+def layout_to_proto(lay: KVLayout) -> kvstore_pb2.Layout:
+    return kvstore_pb2.Layout(
+        model=lay.model, revision=lay.revision, lora_id=lay.lora_id, dtype=lay.dtype, num_layers=lay.num_layers,
+        num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim, block_size_tokens=lay.block_size_tokens,
+        kv_layout=lay.kv_layout, tp_rank=lay.tp_rank, tp_size=lay.tp_size, block_bytes=lay.block_bytes,
+    )
+
+
+def _removal(r: RemovalResult) -> admin_pb2.RemovalResponse:
+    return admin_pb2.RemovalResponse(blocks=r.blocks, removed_bytes=r.removed_bytes)
+
+
+class OpsAdminServicer(AdminServicer):
+    def __init__(
+        self,
+        store: Store,
+        runtime: RuntimeConfig,
+        bus: EventBus,
+        absent_tiers: Sequence[tuple[str, str]] = (),
+        calls_in_flight: Callable[[], Mapping[str, int]] | None = None,
+    ) -> None:
+        super().__init__(store, runtime.as_dict(), absent_tiers)
+        self.runtime = runtime
+        self.bus = bus
+        self._calls_in_flight = calls_in_flight
+
+    async def Info(self, request: admin_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> admin_pb2.InfoResponse:
+        section = request.section.strip().lower()
+        if section and section not in INFO_SECTIONS:
+            raise InvalidArgument(f"unknown info section {section!r}; choose one of: {', '.join(INFO_SECTIONS)}")
+        if section == "events":
+            return admin_pb2.InfoResponse(text=self._events_section())
+        if section == "tenants":
+            return admin_pb2.InfoResponse(text=self._tenants_section())
+        # The config section shows the settings as they are now, after SetConfig or SIGHUP.
+        text = render_info(
+            self.store, time.monotonic() - self.started, self.runtime.as_dict(), self.absent_tiers, section
+        )
+        if not section:
+            text = text.rstrip("\n") + "\n\n" + self._events_section() + "\n" + self._tenants_section()
+        return admin_pb2.InfoResponse(text=text)
+
+    def _events_section(self) -> str:
+        bus = self.bus
+        return "\n".join([
+            "# Events", f"event_subscribers:{bus.subscribers}", f"events_published:{bus.published}",
+            f"events_dropped:{bus.dropped}", f"events_queue:{bus.queue_size}", "",
+        ])
+
+    def _tenants_section(self) -> str:
+        """One line per tenant: bytes held and quota per tier, namespaces, calls in flight."""
+        calls = self._calls_in_flight() if self._calls_in_flight is not None else {}
+        per_tenant: dict[str, int] = {}
+        for ns in self.store.namespaces():
+            per_tenant[ns.tenant] = per_tenant.get(ns.tenant, 0) + 1
+        lines = ["# Tenants"]
+        ledger = self.store.tenancy
+        for tenant in sorted(set(per_tenant) | ledger.tenants() | set(calls)):
+            usage = ledger.usage(tenant)
+            quota = ledger.quotas.get(tenant, {})
+            parts = [f"namespaces={per_tenant.get(tenant, 0)}", f"calls_in_flight={calls.get(tenant, 0)}"]
+            parts += [f"{tier}_bytes={usage.get(tier, 0)}" for tier in sorted(set(usage) | set(quota))]
+            parts += [f"{tier}_quota={q}" for tier, q in sorted(quota.items())]
+            lines.append(f"tenant_{tenant}:" + ",".join(parts))
+        return "\n".join(lines) + "\n"
+
+    async def ListNamespaces(
+        self, request: admin_pb2.ListNamespacesRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListNamespacesResponse:
+        out = [
+            admin_pb2.NamespaceStats(
+                namespace_id=ns.namespace_id, layout=layout_to_proto(ns.layout),
+                block_bytes=ns.layout.bytes_per_block, blocks=ns.blocks, used_bytes=ns.bytes,
+                lookup_blocks=ns.lookup_blocks, hit_blocks=ns.hit_blocks, tenant=ns.tenant,
+            )
+            for ns in self.store.namespaces()
+        ]
+        return admin_pb2.ListNamespacesResponse(namespaces=out)
+
+    async def ListBlocks(
+        self, request: admin_pb2.ListBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admin_pb2.ListBlocksResponse]:
+        refs = self.store.namespace_blocks(request.namespace_id)
+        for start in range(0, len(refs), LIST_BLOCKS_BATCH):
+            batch = refs[start : start + LIST_BLOCKS_BATCH]
+            yield admin_pb2.ListBlocksResponse(
+                blocks=[admin_pb2.BlockRef(hash=r.block_hash, parent_hash=r.parent_hash) for r in batch]
+            )
+
+    async def Evict(self, request: admin_pb2.EvictRequest, context: grpc.aio.ServicerContext) -> admin_pb2.RemovalResponse:
+        if not request.tier:
+            raise InvalidArgument("name the tier to evict from (see `kvstore stats` for tier names)")
+        return _removal(await self.store.evict_bytes(request.tier, request.target_bytes))
+
+    async def Flush(self, request: admin_pb2.FlushRequest, context: grpc.aio.ServicerContext) -> admin_pb2.RemovalResponse:
+        return _removal(self.store.purge(request.namespace_id or None))
+
+    async def GetConfig(
+        self, request: admin_pb2.GetConfigRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetConfigResponse:
+        values = self.runtime.get(request.name)
+        return admin_pb2.GetConfigResponse(fields=[_field(v, self.runtime.is_live(v.field)) for v in values])
+
+    async def SetConfig(
+        self, request: admin_pb2.SetConfigRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.SetConfigResponse:
+        previous = self.runtime.set(request.name, request.value)
+        (now,) = self.runtime.get(request.name)
+        return admin_pb2.SetConfigResponse(field=_field(now, True), previous=previous.text)
+
+    async def WatchEvents(
+        self, request: admin_pb2.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admin_pb2.Event]:
+        ns = request.namespace_id
+        if ns and len(ns) != HASH_BYTES:
+            raise InvalidArgument(f"namespace_id must be {HASH_BYTES} bytes (or empty for all), got {len(ns)}")
+        # Snapshot and subscription in one synchronous step: no event falls between them.
+        snapshot = self.store.block_groups() if request.snapshot else ()
+        sub = self.bus.subscribe(ns, request.queue_size, snapshot)
+        try:
+            async for e in sub:
+                yield admin_pb2.Event(
+                    seq=e.seq, kind=EVENT_KIND[e.kind], namespace_id=e.namespace_id, block_hashes=e.block_hashes,
+                    tier=e.tier, from_tier=e.from_tier, dropped=e.dropped,
+                )
+        finally:
+            sub.close()

@@ -1,0 +1,384 @@
+"""Tenants and bearer tokens: the token file, the table built from it, and the server
+interceptor that puts the caller's identity into a contextvar.
+
+Primitives: `parse_token_file(path) -> TokenTable`, `TokenTable.authenticate(token)`,
+`new_token() -> (token, hash)`, `AuthInterceptor`, `current_identity()`.
+
+The token file is TOML, one `[[tenant]]` table per tenant (see SECURITY.md):
+
+    [[tenant]]
+    name = "team-a"
+    role = "client"                    # or "admin"
+    tokens = ["sha256:<salt hex>:<digest hex>"]
+    quota = { host = "8GiB", ssd = "200GiB" }   # optional, bytes per tier
+    local_plane = true                 # optional: may map the shared-memory segment
+    salt = "team-a"                    # optional: namespace salt (default: the name)
+
+Tokens are 256-bit random strings made by `kvstore token new`; the file holds only a
+salted SHA-256 of each. A fast hash is enough for secrets of that entropy (slow KDFs
+protect guessable passwords, which these are not), and it keeps per-call cost small.
+Comparison is `hmac.compare_digest` over every entry, so timing does not tell which
+entry a token nearly matched.
+
+Without a token file the daemon has one tenant, `default`, with the admin role and an
+empty salt: namespace ids are the public ones from docs/hashing.md, as before tenancy.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import stat
+import tomllib
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvstore.errors import ConfigError, KVStoreError, PermissionDenied, ResourceExhausted, Unauthenticated
+from kvstore.server.interceptors import StreamBehavior, UnaryBehavior, WrapCache, wrap_handler
+from kvstore.units import parse_size
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("client", "admin")
+QUOTA_TIERS = ("hbm", "host", "ssd")
+DEFAULT_TENANT = "default"
+HASH_SCHEME = "sha256"
+TOKEN_PREFIX = "kvs_"
+# Calls that need no token: load balancers and kubelets probe health without one.
+OPEN_SERVICES = ("/grpc.health.v1.Health/",)
+ADMIN_SERVICE = "/kvstore.v1.Admin/"
+# The shared-memory plane, and the device (CUDA IPC) plane: both hand a client memory
+# that holds every tenant's blocks.
+LOCAL_METHODS = ("LocalSegment", "LocalPut", "LocalCommit", "LocalFetch", "DeviceSegment", "DevicePut",
+                 "DeviceFetch")
+MAX_TOKEN_CHARS = 256
+# Bound on the memo of tokens already checked (cleared on every reload).
+MEMO_ENTRIES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who is calling: a tenant, its role, and what the tenant may use."""
+
+    tenant: str
+    role: str
+    salt: bytes = b""
+    quota: Mapping[str, int] = field(default_factory=dict)
+    local_plane: bool = True
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+
+# With auth off every caller is this identity: one tenant, today's namespace ids.
+DEFAULT_IDENTITY = Identity(DEFAULT_TENANT, "admin", b"", {}, True)
+
+_identity: contextvars.ContextVar[Identity] = contextvars.ContextVar("kvstore_identity", default=DEFAULT_IDENTITY)
+
+
+def current_identity() -> Identity:
+    """The caller of the RPC being served (the default identity outside of one)."""
+    return _identity.get()
+
+
+def hash_token(token: str, salt: bytes | None = None) -> str:
+    """`sha256:<salt hex>:<digest hex>` of `token` (a fresh 16-byte salt unless given)."""
+    salt = secrets.token_bytes(16) if salt is None else salt
+    digest = hashlib.sha256(salt + token.encode("utf-8")).hexdigest()
+    return f"{HASH_SCHEME}:{salt.hex()}:{digest}"
+
+
+def new_token() -> tuple[str, str]:
+    """A new random token and the hash to store for it."""
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    return token, hash_token(token)
+
+
+def entry_text(tenant: str, role: str, token_hash: str) -> str:
+    """The token-file lines that grant `token_hash` to `tenant` with `role`."""
+    return f'[[tenant]]\nname = "{tenant}"\nrole = "{role}"\ntokens = ["{token_hash}"]\n'
+
+
+@dataclass(frozen=True, slots=True)
+class _StoredHash:
+    salt: bytes
+    digest: bytes
+    identity: Identity
+
+
+def _parse_hash(text: Any, where: str) -> tuple[bytes, bytes]:
+    if not isinstance(text, str):
+        raise ConfigError(f"{where}: a token hash must be a string like 'sha256:<salt hex>:<digest hex>'")
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] != HASH_SCHEME:
+        raise ConfigError(
+            f"{where}: {text[:20]!r}... is not 'sha256:<salt hex>:<digest hex>'; make one with `kvstore token new` "
+            "(never put a plain token in the file)"
+        )
+    try:
+        salt, digest = bytes.fromhex(parts[1]), bytes.fromhex(parts[2])
+    except ValueError:
+        raise ConfigError(f"{where}: the salt and digest of a token hash must be hex") from None
+    if len(salt) < 8 or len(digest) != 32:
+        raise ConfigError(f"{where}: a token hash needs a salt of 8+ bytes and a 32-byte SHA-256 digest")
+    return salt, digest
+
+
+def _valid_name(name: Any) -> bool:
+    return isinstance(name, str) and 0 < len(name) <= 64 and all(c.isalnum() or c in "-_." for c in name)
+
+
+class TokenTable:
+    """Token hashes -> identities, built from one reading of the token file."""
+
+    def __init__(self, entries: list[_StoredHash], identities: list[Identity]) -> None:
+        self._entries = entries
+        self.identities = {i.tenant: i for i in identities}
+        self._memo: dict[str, Identity | None] = {}
+
+    def __len__(self) -> int:
+        return len(self.identities)
+
+    def authenticate(self, token: str) -> Identity | None:
+        """The identity `token` grants, or None. Checks every entry (constant shape)."""
+        memo = self._memo.get(token, False)
+        if memo is not False:
+            return memo  # type: ignore[return-value]
+        raw = token.encode("utf-8")
+        found: Identity | None = None
+        for entry in self._entries:
+            digest = hashlib.sha256(entry.salt + raw).digest()
+            if hmac.compare_digest(digest, entry.digest) and found is None:
+                found = entry.identity
+        if len(self._memo) >= MEMO_ENTRIES:
+            self._memo.clear()
+        self._memo[token] = found
+        return found
+
+    def quotas(self) -> dict[str, dict[str, int]]:
+        return {t: dict(i.quota) for t, i in self.identities.items() if i.quota}
+
+
+def check_file_mode(path: str) -> None:
+    """Refuse a token file that any user may read or write, or its group may write (a
+    writable file is a way in); warn when its group may read it (what Kubernetes makes
+    of a Secret mounted with fsGroup)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(f"auth_token_file {path} does not exist; create it with `kvstore token new`") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read auth_token_file {path}: {exc.strerror}") from None
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & (stat.S_IRWXO | stat.S_IWGRP):
+        raise ConfigError(
+            f"auth_token_file {path} is accessible to other users (mode {mode:04o}); run `chmod 600 {path}`"
+        )
+    if mode & stat.S_IRGRP:
+        logger.warning("auth_token_file %s is readable by its group (mode %04o); 0600 or 0400 is safer", path, mode)
+
+
+def parse_token_file(path: str) -> TokenTable:
+    """Read and validate the token file; any problem is a `ConfigError` naming it."""
+    check_file_mode(path)
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"auth_token_file {path} cannot be read: {exc}") from None
+    unknown = sorted(set(data) - {"tenant"})
+    if unknown:
+        raise ConfigError(f"auth_token_file {path}: unknown key(s) {', '.join(unknown)}; only [[tenant]] tables")
+    tenants = data.get("tenant", [])
+    if not isinstance(tenants, list) or not tenants:
+        raise ConfigError(f"auth_token_file {path} has no [[tenant]] entries; add one with `kvstore token new`")
+    entries: list[_StoredHash] = []
+    identities: list[Identity] = []
+    salts: dict[bytes, str] = {}
+    for n, raw in enumerate(tenants):
+        where = f"auth_token_file {path}, tenant #{n + 1}"
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: must be a table")
+        extra = sorted(set(raw) - {"name", "role", "tokens", "token", "quota", "local_plane", "salt"})
+        if extra:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(extra)}")
+        name = raw.get("name")
+        if not _valid_name(name):
+            raise ConfigError(f"{where}: name must be 1-64 letters, digits, '-', '_' or '.', got {name!r}")
+        assert isinstance(name, str)
+        where = f"auth_token_file {path}, tenant {name!r}"
+        if name in {i.tenant for i in identities}:
+            raise ConfigError(f"{where}: appears twice; list all its tokens in one entry")
+        role = raw.get("role", "client")
+        if role not in ROLES:
+            raise ConfigError(f"{where}: role must be one of {', '.join(ROLES)}, got {role!r}")
+        hashes = raw.get("tokens", [])
+        if "token" in raw:
+            hashes = [*hashes, raw["token"]]
+        if not isinstance(hashes, list) or not hashes:
+            raise ConfigError(f"{where}: has no tokens; add tokens = [\"sha256:...\"] from `kvstore token new`")
+        quota: dict[str, int] = {}
+        raw_quota = raw.get("quota", {})
+        if not isinstance(raw_quota, dict):
+            raise ConfigError(f"{where}: quota must be a table like {{ host = \"8GiB\" }}")
+        for tier, size in raw_quota.items():
+            if tier not in QUOTA_TIERS:
+                raise ConfigError(f"{where}: quota names tier {tier!r}; tiers are {', '.join(QUOTA_TIERS)}")
+            try:
+                quota[tier] = parse_size(size)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{where}: quota.{tier}: {exc}") from None
+        salt_text = raw.get("salt", name)
+        if not isinstance(salt_text, str) or len(salt_text) > 256:
+            raise ConfigError(f"{where}: salt must be a string of at most 256 characters")
+        salt = salt_text.encode("utf-8")
+        if salt in salts:
+            raise ConfigError(f"{where}: salt is the same as tenant {salts[salt]!r}'s; they would share blocks")
+        salts[salt] = name
+        local_plane = raw.get("local_plane", False)
+        if not isinstance(local_plane, bool):
+            raise ConfigError(f"{where}: local_plane must be true or false")
+        identity = Identity(name, role, salt, quota, local_plane)
+        identities.append(identity)
+        for text in hashes:
+            s, d = _parse_hash(text, where)
+            entries.append(_StoredHash(s, d, identity))
+    return TokenTable(entries, identities)
+
+
+def bearer_token(metadata: Any) -> str | None:
+    for key, value in metadata or ():
+        if key == "authorization" and isinstance(value, str):
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer" and token and len(token) <= MAX_TOKEN_CHARS:
+                return token.strip()
+            return ""
+    return None
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticates every call but health checks, enforces roles and a per-tenant cap on
+    calls in flight, and sets the identity for the servicers.
+
+    `table` None means auth is off: every caller is `DEFAULT_IDENTITY` (still counted
+    against the in-flight cap)."""
+
+    def __init__(self, table: TokenTable | None, max_calls_per_tenant: int, unix_socket_tenant: str = "") -> None:
+        self.table = table
+        self.max_calls_per_tenant = max_calls_per_tenant
+        self.unix_socket_tenant = unix_socket_tenant
+        self.in_flight: dict[str, int] = {}
+        self._cache = WrapCache()
+
+    def _authenticate(self, table: TokenTable, token: str | None, on_unix_socket: bool) -> Identity:
+        if token is None:
+            if self.unix_socket_tenant and on_unix_socket:
+                # The socket is 0600: whoever connected runs as the daemon's uid.
+                unix_identity = table.identities.get(self.unix_socket_tenant)
+                if unix_identity is not None:
+                    return unix_identity
+            raise Unauthenticated(
+                "this daemon requires a token: send metadata 'authorization: Bearer <token>' "
+                "(SDK: token=..., CLI: --token-file or KVSTORE_TOKEN)"
+            )
+        found = table.authenticate(token) if token else None
+        if found is None:
+            raise Unauthenticated("the bearer token is not valid for this daemon; ask its operator for one")
+        return found
+
+    def identify(self, method: str, token: str | None, on_unix_socket: bool) -> Identity:
+        """Who a call of `method` (a gRPC method path) carrying `token` (None: no token;
+        "": a malformed one) is, and whether it may make that call; raises
+        `Unauthenticated` or `PermissionDenied`. Shared by gRPC calls and the local lane."""
+        identity = DEFAULT_IDENTITY if self.table is None else self._authenticate(self.table, token, on_unix_socket)
+        if method.startswith(ADMIN_SERVICE) and not identity.is_admin:
+            raise PermissionDenied(f"{method} needs the admin role; tenant {identity.tenant!r} has role {identity.role}")
+        if not identity.local_plane and method.rsplit("/", 1)[-1] in LOCAL_METHODS:
+            raise PermissionDenied(
+                f"tenant {identity.tenant!r} may not use the shared-memory or device data plane (local_plane = "
+                "false in the token file); use Put and Fetch"
+            )
+        return identity
+
+    def admit(self, method: str, token: str | None, on_unix_socket: bool) -> Identity:
+        """`identify`, then count the call against the tenant's cap on calls in flight
+        (`ResourceExhausted` past it), and make the identity current for the handler.
+        Every admitted call must be ended with `leave`."""
+        identity = self.identify(method, token, on_unix_socket)
+        self._enter(identity)
+        _identity.set(identity)
+        return identity
+
+    def leave(self, identity: Identity) -> None:
+        self._exit(identity)
+
+    def _enter(self, identity: Identity) -> None:
+        n = self.in_flight.get(identity.tenant, 0)
+        if n >= self.max_calls_per_tenant:
+            raise ResourceExhausted(
+                f"tenant {identity.tenant!r} has {n} calls in flight, the most max_calls_per_tenant allows; "
+                "wait for some to finish"
+            )
+        self.in_flight[identity.tenant] = n + 1
+
+    def _exit(self, identity: Identity) -> None:
+        n = self.in_flight.get(identity.tenant, 1) - 1
+        if n:
+            self.in_flight[identity.tenant] = n
+        else:
+            self.in_flight.pop(identity.tenant, None)
+
+    async def _admit(self, method: str, context: grpc.aio.ServicerContext) -> Identity:
+        """Identify the caller and count its call in flight, or abort the call with the
+        refusal's status; the identity is then current for the call's handler."""
+        try:
+            return self.admit(method, bearer_token(context.invocation_metadata()), context.peer().startswith("unix:"))
+        except KVStoreError as exc:
+            logger.debug("%s refused for %s: %s: %s", method, context.peer(), exc.code.name, exc)
+            await context.abort(exc.code, str(exc))
+            raise  # abort raises; this keeps type checkers sure no identity is returned
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(OPEN_SERVICES):
+            return handler
+        return self._cache.get(method, handler, lambda: self._wrap(method, handler))
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        admit = self._admit
+
+        def unary(inner: UnaryBehavior) -> UnaryBehavior:
+            async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                identity = await admit(method, context)
+                try:
+                    return await inner(request, context)
+                finally:
+                    self._exit(identity)
+
+            return behavior
+
+        def stream(inner: StreamBehavior) -> StreamBehavior:
+            async def behavior(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                identity = await admit(method, context)
+                try:
+                    async for response in inner(request, context):
+                        yield response
+                finally:
+                    self._exit(identity)
+
+            return behavior
+
+        return wrap_handler(handler, unary, stream)

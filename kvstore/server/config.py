@@ -1,0 +1,356 @@
+"""The daemon's configuration: one declarative table, one spelling per setting.
+
+Precedence: embedded defaults < TOML file (`--config`) < `KVSTORE_*` environment <
+command-line flags. Each field appears in the TOML file as `name`, in the environment as
+`KVSTORE_NAME`, and on the command line as `--name` (underscores become dashes).
+Sizes accept "4GiB"-style text and are stored as int bytes. Bounds are checked here, so
+a bad value stops the daemon before it binds anything, with a message naming the field,
+the source and the allowed range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvstore.addresses import DEFAULT_TCP_LISTEN, default_unix_socket
+from kvstore.core.policies import DEFAULT_POLICY
+from kvstore.core.policies.hints import DEFAULT_HINT_BUDGET_FRACTION
+from kvstore.errors import ConfigError
+from kvstore.units import human_bytes, parse_size
+
+AUTO = "auto"
+
+
+def default_listen() -> list[str]:
+    return [f"unix:{default_unix_socket()}", DEFAULT_TCP_LISTEN]
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    name: str
+    kind: str  # size | int | float | str | bool | list
+    default: Any
+    help: str
+    lo: float | None = None
+    hi: float | None = None
+    choices: tuple[str, ...] = ()
+    runtime: bool = False  # may change while the daemon runs
+    metavar: str | None = None
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("listen", "list", None, "addresses to serve on: unix:PATH and/or HOST:PORT (comma-separated); "
+          f"default: a Unix socket under the runtime dir and {DEFAULT_TCP_LISTEN}", metavar="ADDR[,ADDR]"),
+    Field("host_capacity", "size", AUTO, "bytes of host memory for blocks, e.g. 4GiB; 'auto' = min(4GiB, half of "
+          "available memory)", lo=1 << 20, hi=1 << 50, metavar="SIZE"),
+    Field("shm_dir", "str", "", "tmpfs directory for the host tier's shared-memory segment (default /dev/shm)",
+          metavar="DIR"),
+    Field("local_lane", "bool", True, "serve the local control lane (SOCKET.lane, mode 0600) next to each Unix "
+          "socket: co-located clients' unary calls without gRPC's per-call cost (see docs/local-data-plane.md)"),
+    Field("host_prefault", "bool", True, "map the host tier's pages in at start (in the background) so puts "
+          "never pay page faults; commits the memory up front"),
+    Field("policy", "str", DEFAULT_POLICY, "eviction policy: one name for every tier, or per tier as "
+          "host=arc,ssd=lru (lru, arc, s3fifo, prefix-*, hint-*; see docs/policies.md)", metavar="SPEC"),
+    Field("hint_budget", "float", DEFAULT_HINT_BUDGET_FRACTION, "most of a tier (fraction of its blocks) that "
+          "client reuse hints may protect", lo=0.0, hi=1.0, runtime=True),
+    Field("hbm_capacity", "size", 0, "bytes of GPU memory for blocks (0: no HBM tier); needs CUDA",
+          lo=0, hi=1 << 50, metavar="SIZE"),
+    Field("gpu", "int", 0, "CUDA device index of the HBM tier", lo=0, hi=1023),
+    Field("ssd_path", "str", "", "directory of the SSD tier's region log (empty: no SSD tier)", metavar="DIR"),
+    Field("ssd_capacity", "size", 16 << 30, "bytes of SSD for blocks (whole regions)", lo=1 << 20, hi=1 << 56,
+          metavar="SIZE"),
+    Field("ssd_region_size", "size", 64 << 20, "size of one SSD log region (the unit of reclaim)",
+          lo=64 << 10, hi=1 << 34, metavar="SIZE"),
+    Field("ssd_write_policy", "str", "through", "through: every put is also written to SSD in the background; "
+          "back: blocks reach SSD only when demoted", choices=("through", "back")),
+    Field("ssd_io", "str", "auto", "SSD file I/O: auto (O_DIRECT where supported), direct, buffered",
+          choices=("auto", "direct", "buffered")),
+    Field("ssd_io_threads", "int", 4, "threads doing SSD file I/O and codec work", lo=1, hi=64),
+    Field("ssd_compress", "bool", True, "byte-plane shuffle + lz4 on SSD records (kept only when it saves >= 5%)"),
+    Field("put_tier", "str", "auto", "where puts land: auto (the highest memory tier with room), hbm, host",
+          choices=("auto", "hbm", "host")),
+    Field("promote_on_hit", "bool", True, "copy a block served from SSD into the top memory tier if it has headroom"),
+    Field("hbm_high_watermark", "float", 0.95, "HBM use fraction that starts demotion to host", lo=0.01, hi=1.0),
+    Field("hbm_low_watermark", "float", 0.85, "HBM use fraction where demotion stops", lo=0.01, hi=1.0),
+    Field("host_high_watermark", "float", 0.95, "host use fraction that starts demotion to SSD (or drops)",
+          lo=0.01, hi=1.0),
+    Field("host_low_watermark", "float", 0.85, "host use fraction where demotion stops", lo=0.01, hi=1.0),
+    Field("migration_batch_blocks", "int", 64, "most blocks one migration step moves", lo=1, hi=1 << 20),
+    Field("max_blocks_per_call", "int", 4096, "most blocks one request may name", lo=1, hi=1 << 20, runtime=True),
+    Field("max_message_bytes", "size", 16 << 20, "largest gRPC message accepted or sent", lo=1 << 20, hi=1 << 30,
+          metavar="SIZE"),
+    Field("chunk_bytes", "size", 1 << 20, "payload bytes per streamed message", lo=4096, hi=1 << 30, metavar="SIZE"),
+    Field("max_lease_ms", "int", 600_000, "longest lease or pin a client may take", lo=1, hi=86_400_000, runtime=True),
+    Field("default_pin_ms", "int", 30_000, "pin duration when a Pin request names none", lo=1, hi=86_400_000,
+          runtime=True),
+    Field("max_leases", "int", 65_536, "most leases active at once", lo=1, hi=1 << 24),
+    Field("max_leases_per_tenant", "int", 16_384, "with a token file: most leases (lookup leases, pins, fetch "
+          "leases) one tenant may hold at once", lo=1, hi=1 << 24),
+    Field("max_namespaces", "int", 4096, "most namespaces (distinct layouts) held at once", lo=1, hi=1 << 20),
+    Field("max_namespaces_per_tenant", "int", 1024, "with a token file: most namespaces one tenant may hold",
+          lo=1, hi=1 << 20),
+    Field("checksum_threads", "int", 2, "threads hashing large batches off the event loop", lo=1, hi=64),
+    Field("grace_s", "float", 10.0, "seconds in-flight calls get to finish on SIGTERM", lo=0, hi=3600),
+    Field("log_level", "str", "info", "log level", choices=("debug", "info", "warning", "error"), runtime=True),
+    Field("log_format", "str", "text", "log line format: text for people, json for log collectors (one object a "
+          "line)", choices=("text", "json")),
+    Field("metrics_listen", "str", "127.0.0.1:9464", "HOST:PORT of the Prometheus /metrics endpoint, or 'off'; "
+          "non-loopback needs metrics_remote", metavar="HOST:PORT|off"),
+    Field("events_queue", "int", 4096, "events buffered per WatchEvents subscriber before it is marked for "
+          "resync (a slow consumer never blocks the store)", lo=1, hi=1 << 20, runtime=True),
+    Field("auth_token_file", "str", "", "token file (TOML, mode 0600) mapping bearer tokens to tenants and roles; "
+          "required to listen on a non-loopback address; reloaded on SIGHUP (see SECURITY.md)", metavar="FILE"),
+    Field("unix_socket_tenant", "str", "", "with a token file: the tenant that calls arriving on the Unix socket "
+          "without a token act as (the socket is 0600: only the daemon's uid can connect); empty: they need a token",
+          metavar="TENANT"),
+    Field("tls_cert", "str", "", "PEM certificate chain for TCP listeners (with tls_key: TCP is served over TLS)",
+          metavar="FILE"),
+    Field("tls_key", "str", "", "PEM private key for tls_cert", metavar="FILE"),
+    Field("tls_client_ca", "str", "", "PEM CA bundle: TCP clients must present a certificate it signed (mTLS)",
+          metavar="FILE"),
+    Field("insecure_remote", "bool", False, "allow a non-loopback TCP listener without TLS (tokens then cross the "
+          "network in clear text; only on a trusted network)"),
+    Field("metrics_remote", "bool", False, "allow metrics_listen on a non-loopback address (the endpoint has no "
+          "authentication; it shows counters and tier usage, no keys, tenants or data)"),
+    Field("max_calls_per_tenant", "int", 1024, "most calls (streams included) one tenant may have in flight",
+          lo=1, hi=1 << 20),
+    Field("max_streams_per_connection", "int", 256, "most concurrent HTTP/2 streams one client connection may "
+          "open (further calls wait in the client)", lo=1, hi=1 << 20),
+    Field("max_tokens_per_call", "int", 1 << 20, "most token ids one request may carry", lo=1, hi=1 << 28,
+          runtime=True),
+    Field("max_block_bytes", "size", 256 << 20, "largest block payload a layout may describe", lo=1 << 10,
+          hi=1 << 31, metavar="SIZE"),
+)
+
+# Settings that were replaced, with what to use instead.
+RETIRED = {
+    "allow_remote": "allow_remote was replaced: a non-loopback listener needs auth_token_file (and TLS via "
+                    "tls_cert/tls_key, or insecure_remote = true); a non-loopback metrics_listen needs "
+                    "metrics_remote = true. See SECURITY.md",
+}
+
+FIELD_BY_NAME = {f.name: f for f in FIELDS}
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    listen: tuple[str, ...]
+    host_capacity: int | str  # int bytes, or "auto" until the daemon resolves it
+    shm_dir: str
+    local_lane: bool
+    host_prefault: bool
+    policy: str
+    hint_budget: float
+    hbm_capacity: int
+    gpu: int
+    ssd_path: str
+    ssd_capacity: int
+    ssd_region_size: int
+    ssd_write_policy: str
+    ssd_io: str
+    ssd_io_threads: int
+    ssd_compress: bool
+    put_tier: str
+    promote_on_hit: bool
+    hbm_high_watermark: float
+    hbm_low_watermark: float
+    host_high_watermark: float
+    host_low_watermark: float
+    migration_batch_blocks: int
+    max_blocks_per_call: int
+    max_message_bytes: int
+    chunk_bytes: int
+    max_lease_ms: int
+    default_pin_ms: int
+    max_leases: int
+    max_leases_per_tenant: int
+    max_namespaces: int
+    max_namespaces_per_tenant: int
+    checksum_threads: int
+    grace_s: float
+    log_level: str
+    log_format: str
+    metrics_listen: str
+    events_queue: int
+    auth_token_file: str
+    unix_socket_tenant: str
+    tls_cert: str
+    tls_key: str
+    tls_client_ca: str
+    insecure_remote: bool
+    metrics_remote: bool
+    max_calls_per_tenant: int
+    max_streams_per_connection: int
+    max_tokens_per_call: int
+    max_block_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _convert(field: Field, raw: Any, source: str) -> Any:
+    where = f"{field.name} (from {source})"
+    try:
+        if field.kind == "list":
+            items = [s.strip() for s in raw.split(",")] if isinstance(raw, str) else list(raw)
+            items = [s for s in items if s]
+            if not items or not all(isinstance(s, str) for s in items):
+                raise ValueError("expected one or more addresses")
+            return tuple(items)
+        if field.kind == "size":
+            if isinstance(raw, str) and raw.strip().lower() == AUTO and field.default == AUTO:
+                return AUTO
+            value: Any = parse_size(raw)
+        elif field.kind == "int":
+            if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+                raise ValueError(f"expected an integer, got {raw!r}")
+            value = int(raw)
+        elif field.kind == "float":
+            if isinstance(raw, bool):
+                raise ValueError(f"expected a number, got {raw!r}")
+            value = float(raw)
+        elif field.kind == "bool":
+            if isinstance(raw, bool):
+                value = raw
+            elif str(raw).strip().lower() in ("1", "true", "yes", "on"):
+                value = True
+            elif str(raw).strip().lower() in ("0", "false", "no", "off"):
+                value = False
+            else:
+                raise ValueError(f"expected true or false, got {raw!r}")
+        else:
+            value = str(raw).strip()
+            if field.choices and value.lower() not in field.choices:
+                raise ValueError(f"expected one of {', '.join(field.choices)}, got {raw!r}")
+            if field.choices:
+                value = value.lower()
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"bad value for {where}: {exc}") from None
+    if field.lo is not None and value < field.lo or field.hi is not None and value > field.hi:
+        raise ConfigError(f"{where} = {raw!r} is out of bounds {format_bounds(field)}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One `--flag` per field; unset flags stay None so lower layers show through."""
+    parser.add_argument("--config", metavar="FILE", help="TOML file with settings (flags and env override it)")
+    for f in FIELDS:
+        flag = "--" + f.name.replace("_", "-")
+        text = f.help.replace("%", "%%")  # argparse %-formats help text
+        if f.kind == "bool":
+            parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=text)
+        else:
+            parser.add_argument(flag, dest=f.name, default=None, metavar=f.metavar, help=text)
+    for name in RETIRED:  # accepted only to say what replaced them
+        parser.add_argument("--" + name.replace("_", "-"), dest="retired_" + name, action="store_true",
+                            help=argparse.SUPPRESS)
+
+
+def load_config(
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | None = None,
+    defaults: Callable[[], list[str]] = default_listen,
+) -> Config:
+    """Merge defaults < TOML < env < flags into a validated `Config`."""
+    flags = flags or {}
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {f.name: f.default for f in FIELDS}
+    values["listen"] = tuple(defaults())
+    path = flags.get("config") or env.get("KVSTORE_CONFIG") or config_file
+    if path:
+        for key, raw in read_toml(path).items():
+            values[key] = _convert(FIELD_BY_NAME[key], raw, f"file {path}")
+    for key, message in RETIRED.items():
+        if flags.get("retired_" + key):
+            raise ConfigError(f"--{key.replace('_', '-')}: {message}")
+        if env.get("KVSTORE_" + key.upper()):
+            raise ConfigError(f"env KVSTORE_{key.upper()}: {message}")
+    for f in FIELDS:
+        raw = env.get("KVSTORE_" + f.name.upper())
+        if raw is not None and raw != "":
+            values[f.name] = _convert(f, raw, f"env KVSTORE_{f.name.upper()}")
+    for f in FIELDS:
+        raw = flags.get(f.name)
+        if raw is not None:
+            values[f.name] = _convert(f, raw, "--" + f.name.replace("_", "-"))
+    if values["chunk_bytes"] > values["max_message_bytes"] - 4096:
+        raise ConfigError(
+            f"chunk_bytes ({values['chunk_bytes']}) must leave room under max_message_bytes "
+            f"({values['max_message_bytes']}) for the message envelope"
+        )
+    for tier in ("hbm", "host"):
+        lo, hi = values[f"{tier}_low_watermark"], values[f"{tier}_high_watermark"]
+        if lo > hi:
+            raise ConfigError(f"{tier}_low_watermark ({lo}) must not exceed {tier}_high_watermark ({hi})")
+    if values["unix_socket_tenant"] and not values["auth_token_file"]:
+        raise ConfigError("unix_socket_tenant names a tenant of the token file: set auth_token_file too")
+    if bool(values["tls_cert"]) != bool(values["tls_key"]):
+        raise ConfigError("tls_cert and tls_key go together: set both (TLS) or neither")
+    if values["tls_client_ca"] and not values["tls_cert"]:
+        raise ConfigError("tls_client_ca (mTLS) needs tls_cert and tls_key too")
+    return Config(**values)
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """The settings in a TOML file, checked for unknown keys."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
+    section = data.get("kvstore", data)
+    if not isinstance(section, dict):
+        raise ConfigError(f"config file {path}: [kvstore] must be a table")
+    unknown = sorted(set(section) - set(FIELD_BY_NAME))
+    for key in unknown:
+        if key in RETIRED:
+            raise ConfigError(f"config file {path}: {RETIRED[key]}")
+    if unknown:
+        known = ", ".join(sorted(FIELD_BY_NAME))
+        raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}; known: {known}")
+    return dict(section)
+
+
+def describe_fields() -> Sequence[Field]:
+    return FIELDS
+
+
+def parse_field(name: str, raw: Any, source: str) -> Any:
+    """One field's value from text, converted and bounds-checked like the other sources."""
+    field = FIELD_BY_NAME.get(name)
+    if field is None:
+        raise ConfigError(f"unknown setting {name!r}; known: {', '.join(sorted(FIELD_BY_NAME))}")
+    return _convert(field, raw, source)
+
+
+def format_value(value: Any) -> str:
+    """A field's value as a person writes it (lists comma-joined, bools lower-case)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def format_bounds(field: Field) -> str:
+    if field.choices:
+        return "|".join(field.choices)
+    if field.lo is None and field.hi is None:
+        return ""
+
+    def show(v: float | None) -> str:
+        if v is None:
+            return ""
+        if field.kind == "size":
+            return human_bytes(int(v))
+        return str(int(v)) if field.kind == "int" or float(v).is_integer() else f"{v:g}"
+
+    return f"[{show(field.lo)}, {show(field.hi)}]"

@@ -1,0 +1,441 @@
+"""The daemon's side of the local control lane (framing in `kvstore.laneproto`).
+
+A Unix stream socket next to each gRPC Unix socket, served on the daemon's event loop by
+a protocol that runs each call as soon as its frame is whole (see `_Connection`). It exists because a grpc-python unary call costs several hundred
+microseconds of per-call machinery on each side, which is most of a co-located
+engine's `Lookup` and of the local data plane's per-batch control calls.
+
+Each call goes through the same steps a gRPC call does, in the same order, and through
+the same objects: the metrics histogram and in-flight gauge (same method labels), the
+drain gate (refused with UNAVAILABLE while shutting down, LocalCommit excepted, and
+waited for), a request id for the logs, the auth admission step
+(`AuthInterceptor.admit`: token -> tenant, role and `local_plane` checks, the per-tenant
+cap on calls in flight), then the gRPC servicer's own method with the parsed request.
+Errors travel as (status code, message), exactly what the gRPC path would answer.
+
+Who may connect: the socket is created 0600 before it listens (in the socket
+directory, which is 0700), and each connection's peer credentials (SO_PEERCRED) must
+name the daemon's uid or root, the same set of processes that may map the shared
+segment. The client's first frame carries its bearer token; the tenant is
+authenticated then and again, against the current token table, on every call (so a
+token revoked by a reload stops working on open connections too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvstore.core.store import PolicyDeferral
+from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, ResourceExhausted
+from kvstore.laneproto import (
+    HEADER,
+    HELLO,
+    HELLO_ANSWER,
+    MAGIC,
+    MAX_HELLO_BYTES,
+    METHOD_IDS,
+    REQUEST_TYPES,
+    method_path,
+)
+from kvstore.logs import request_id
+from kvstore.server.auth import MAX_TOKEN_CHARS, AuthInterceptor
+from kvstore.server.lifecycle import REFUSAL, DrainGate
+from kvstore.server.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 1024
+# Room offered at least to each read of a connection's socket; a buffer grown past
+# RECEIVE_KEEP for a large frame is dropped once emptied.
+RECEIVE_CHUNK = 1 << 16
+RECEIVE_KEEP = 1 << 20
+# Answers larger than this wait for the socket to drain before the next call is read.
+WRITE_HIGH_WATER = 1 << 20
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+Handler = Callable[[Any, Any], Awaitable[Any]]
+
+
+class _Method:
+    __slots__ = ("name", "path", "request_type", "handler", "in_flight", "observed")
+
+    def __init__(self, name: str, handler: Handler, metrics: Metrics) -> None:
+        self.name = name
+        self.path = method_path(name)
+        self.request_type = REQUEST_TYPES[name]
+        self.handler = handler
+        self.in_flight = metrics.in_flight(name)
+        self.observed: dict[grpc.StatusCode, Any] = {}  # histogram children by status
+
+
+def peer_uid(sock: socket.socket) -> int:
+    _pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return uid
+
+
+class LaneServer:
+    """Serves the KVStore servicer's unary methods on one Unix socket."""
+
+    def __init__(self, servicer: Any, auth: AuthInterceptor, gate: DrainGate, metrics: Metrics,
+                 max_frame_bytes: int, max_connections: int = MAX_CONNECTIONS,
+                 deferral: PolicyDeferral | None = None) -> None:
+        self.auth = auth
+        # The store's deferred policy calls (a lookup's touch), applied here once each
+        # answer is written, rather than in a turn of the event loop of their own.
+        self.deferral = deferral if deferral is not None else PolicyDeferral()
+        self.gate = gate
+        self.metrics = metrics
+        self.max_frame_bytes = max_frame_bytes
+        self.max_connections = max_connections
+        self.uid = os.getuid()
+        self.path = ""
+        self.calls = 0
+        # Request ids for the logs, as gRPC calls get them: unique within this daemon's run
+        # (a random prefix per server, then the call's number), without a syscall per call.
+        self._id_prefix = f"{secrets.token_hex(3)}-"
+        self._methods = {mid: _Method(name, getattr(servicer, name), metrics) for name, mid in METHOD_IDS.items()}
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[_Connection] = set()
+
+    async def start(self, path: str) -> None:
+        """Listen on `path` (a stale socket there must already be cleared). The socket is
+        bound and made 0600 before it listens, so nobody can connect in between."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            try:
+                os.chmod(path, 0o600)
+                loop = asyncio.get_running_loop()
+                self._server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
+            except BaseException:
+                os.unlink(path)
+                raise
+        except BaseException:
+            sock.close()
+            raise
+        self.path = path
+
+    async def close(self) -> None:
+        """Stop listening, end every connection and remove the socket file."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        pending = [c.task for c in self._connections if c.task is not None]
+        for conn in list(self._connections):
+            conn.abort()
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        self._connections.clear()
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = ""
+
+    def admit_peer(self, uid: int) -> KVStoreError | None:
+        """The refusal of a new connection from a process of `uid`, or None."""
+        if uid not in (self.uid, 0):
+            logger.warning("lane connection from uid %d refused (only uid %d and root may connect)", uid, self.uid)
+            return PermissionDenied(
+                f"the control lane admits only the daemon's uid ({self.uid}) and root; this process runs as uid {uid}")
+        if len(self._connections) > self.max_connections:
+            return ResourceExhausted(
+                f"the control lane has {self.max_connections} connections open, the most it serves; use gRPC")
+        return None
+
+    def hello(self, payload: bytes) -> tuple[KVStoreError | None, str | None]:
+        """A hello frame's payload: (the refusal to answer, or None; the client's token,
+        None if it sent none)."""
+        if payload[: len(MAGIC)] != MAGIC:
+            return InvalidArgument("not a kvstore control lane hello (bad magic)"), None
+        try:
+            text = payload[len(MAGIC):].decode("utf-8")
+        except UnicodeDecodeError:
+            text = "\0"  # not a token anyone holds: refused below like a wrong one
+        # As for gRPC metadata: no token is None, a malformed one "" (refused when auth is on).
+        token: str | None = None if not text else ("" if len(text) > MAX_TOKEN_CHARS else text)
+        try:
+            self.auth.identify(method_path("Lookup"), token, True)
+        except KVStoreError as exc:
+            logger.debug("lane hello refused: %s: %s", exc.code.name, exc)
+            return exc, None
+        return None, token
+
+    async def _call(self, mid: int, payload: bytes, token: str | None) -> tuple[int, bytes]:
+        """One call, through the same steps as a gRPC call (see the module docstring)."""
+        method = self._methods.get(mid)
+        if method is None:
+            return grpc.StatusCode.UNIMPLEMENTED.value[0], f"method id {mid} is not served on the control lane".encode()
+        self.calls += 1
+        number = self.calls
+        start = time.perf_counter()
+        method.in_flight.n += 1
+        code = grpc.StatusCode.OK
+        out = b""
+        try:
+            if self.gate.refuses(method.path):
+                code, out = grpc.StatusCode.UNAVAILABLE, REFUSAL.encode()
+                return code.value[0], out
+            self.gate.enter()
+            try:
+                request_id.set(f"{self._id_prefix}{number:x}")
+                try:
+                    identity = self.auth.admit(method.path, token, True)
+                except KVStoreError as exc:
+                    logger.debug("%s refused on the control lane: %s: %s", method.path, exc.code.name, exc)
+                    raise
+                try:
+                    try:
+                        request = method.request_type.FromString(payload)
+                    except DecodeError:
+                        raise InvalidArgument(f"the {method.name} request does not parse") from None
+                    response = await method.handler(request, None)
+                    out = response.SerializeToString()
+                    if len(out) > self.max_frame_bytes:
+                        raise ResourceExhausted(
+                            f"the {method.name} answer is {len(out)} bytes, more than max_message_bytes "
+                            f"({self.max_frame_bytes}); ask for fewer blocks per call")
+                finally:
+                    self.auth.leave(identity)
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED  # the daemon is stopping
+                raise
+            except KVStoreError as exc:
+                logger.debug("%s failed: %s: %s", method.path, exc.code.name, exc)
+                code, out = exc.code, str(exc).encode()
+            except Exception:  # task boundary: map, log, answer
+                logger.exception("%s failed unexpectedly", method.path)
+                code = grpc.StatusCode.INTERNAL
+                out = f"internal error in {method.path}; see the daemon's log".encode()
+            finally:
+                self.gate.leave()
+            return code.value[0], out
+        finally:
+            method.in_flight.n -= 1
+            child = method.observed.get(code)
+            if child is None:
+                child = method.observed[code] = self.metrics.rpc_seconds.labels(method.name, code.name)
+            child.observe(time.perf_counter() - start)
+
+
+async def _finish(coro: Any, yielded: Any) -> Any:
+    """Run on, as a task, a coroutine that `_Connection.dispatch` started by hand and that
+    suspended on `yielded` (a future, or None for a bare yield)."""
+    while True:
+        thrown: BaseException | None = None
+        try:
+            if yielded is None:
+                await asyncio.sleep(0)
+            else:
+                # As a task's step does with a future its coroutine yields: mark it taken
+                # (else awaiting it again reads as a bare yield), then wait for it here.
+                yielded._asyncio_future_blocking = False
+                await yielded
+        except asyncio.CancelledError as exc:
+            if yielded is None or not yielded.done():
+                thrown = exc  # this task was cancelled: pass it in
+        except BaseException:  # the coroutine reads the future's error itself
+            pass
+        try:
+            yielded = coro.send(None) if thrown is None else coro.throw(thrown)
+        except StopIteration as stop:
+            return stop.value
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One lane connection: frames are cut out of the received bytes as they arrive and
+    each call is started at once, in the loop's callback for those bytes. A call that
+    completes without suspending (a Lookup, most control calls) is answered right there,
+    with no task and no further trip through the event loop; one that suspends is run on
+    as a task, and the frames after it wait for it, so answers keep their order.
+
+    The socket is read into the connection's own buffer (`get_buffer`), which is reused
+    from call to call: a plain protocol would be handed a new bytes object per read, made
+    from a fresh allocation of the transport's largest read size, which costs a small
+    call more than everything else it does on the way in."""
+
+    def __init__(self, server: LaneServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray(RECEIVE_CHUNK)
+        self.start = 0  # the first byte not taken yet
+        self.end = 0  # the end of the bytes received
+        self.admitted = False
+        self.token: str | None = None
+        self.task: asyncio.Task[Any] | None = None
+        self.closing = False
+        self.write_paused = False
+        self.read_paused = False
+        self._hello_timer: asyncio.TimerHandle | None = None
+
+    # --- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        server = self.server
+        server._connections.add(self)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        sock = transport.get_extra_info("socket")
+        refusal = server.admit_peer(peer_uid(sock) if sock is not None else -1)
+        if refusal is not None:
+            self.refuse(refusal)
+            return
+        self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self.abort)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """Where the next read lands: the free tail of the buffer, at least RECEIVE_CHUNK
+        bytes. To make room the unread bytes move to the front, or into a buffer twice
+        as large, so it grows with the bytes that arrive, never with what a header
+        announces; never resized in place, as the view handed out may outlive this call."""
+        buf, start, end = self.buf, self.start, self.end
+        if start == end:
+            start = end = self.start = self.end = 0
+            if len(buf) > RECEIVE_KEEP:  # an empty buffer grown for a large frame
+                buf = self.buf = bytearray(RECEIVE_CHUNK)
+        if len(buf) - end < RECEIVE_CHUNK:
+            unread = end - start
+            if unread + RECEIVE_CHUNK <= len(buf):
+                buf[:unread] = buf[start:end]  # same size: moves the bytes, never resizes
+            else:
+                grown = bytearray(max(2 * len(buf), unread + RECEIVE_CHUNK))
+                grown[:unread] = buf[start:end]
+                buf = self.buf = grown
+            self.start, self.end = 0, unread
+            end = unread
+        return memoryview(buf)[end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.end += nbytes
+        self.take_frames()
+
+    def eof_received(self) -> bool | None:
+        if self.end > self.start:
+            logger.debug("lane connection closed inside a frame")
+        return None  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self.server._connections.discard(self)
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        if self.task is not None:
+            self.task.cancel()  # the daemon is stopping, or the client went away
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self._pause_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self.take_frames()
+
+    # --- frames
+
+    def take_frames(self) -> None:
+        """Answer every whole frame received, in order, until a call suspends."""
+        buf = self.buf
+        size = HEADER.size
+        server = self.server
+        while not self.closing and self.task is None and not self.write_paused and self.end - self.start >= size:
+            start = self.start
+            length, kind = HEADER.unpack_from(buf, start)
+            if not self.admitted:
+                if kind != HELLO or not len(MAGIC) <= length <= MAX_HELLO_BYTES:
+                    self.refuse(InvalidArgument(
+                        "a control lane connection must start with a hello frame (kvstore.laneproto)"))
+                    return
+            elif length > server.max_frame_bytes:
+                # Never read (or keep) what the peer says it will send past the limit.
+                self.refuse(ResourceExhausted(
+                    f"a control lane request of {length} bytes is larger than max_message_bytes "
+                    f"({server.max_frame_bytes}); send fewer blocks per call"))
+                return
+            if self.end - start < size + length:
+                break
+            payload = bytes(memoryview(buf)[start + size:start + size + length])
+            self.start = start + size + length
+            if self.admitted:
+                self.dispatch(kind, payload)
+                continue
+            refusal, self.token = server.hello(payload)
+            if refusal is not None:
+                self.refuse(refusal)
+                return
+            self.admitted = True
+            if self._hello_timer is not None:
+                self._hello_timer.cancel()
+                self._hello_timer = None
+            self.write(0, HELLO_ANSWER.pack(MAGIC, server.max_frame_bytes))
+        if self.task is not None or self.write_paused:
+            # Waiting: keep at most one more whole frame buffered.
+            if self.end - self.start > server.max_frame_bytes + 2 * size:
+                self._pause_reading()
+        elif self.read_paused:
+            self.read_paused = False
+            if self.transport is not None:
+                self.transport.resume_reading()
+
+    def dispatch(self, mid: int, payload: bytes) -> None:
+        """Start one call; answer it now if it completes without suspending. What the
+        call deferred to the store's policies is applied after that (`PolicyDeferral`)."""
+        coro = self.server._call(mid, payload, self.token)
+        deferral = self.server.deferral
+        deferral.hold()
+        try:
+            yielded = coro.send(None)
+        except StopIteration as stop:
+            self.write(*stop.value)
+            return
+        finally:
+            deferral.release()
+        self.task = asyncio.get_running_loop().create_task(_finish(coro, yielded))
+        self.task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        self.task = None
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:  # `_call` answers every error itself: this is a bug
+            logger.error("lane call failed", exc_info=exc)
+            self.abort()
+            return
+        self.write(*task.result())
+        self.take_frames()
+
+    def write(self, code: int, out: bytes) -> None:
+        if self.transport is not None and not self.closing:
+            self.transport.write(HEADER.pack(len(out), code) + out)
+
+    def refuse(self, exc: KVStoreError) -> None:
+        """Answer `exc` and hang up (after the answer is sent)."""
+        self.write(exc.code.value[0], str(exc).encode())
+        self.closing = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        self.closing = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _pause_reading(self) -> None:
+        if not self.read_paused and self.transport is not None:
+            self.read_paused = True
+            self.transport.pause_reading()

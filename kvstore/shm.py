@@ -1,0 +1,127 @@
+"""The shared-memory segment protocol: what a daemon's host-tier segment looks like to
+anyone who maps it, and a client's read-write attachment to it.
+
+The daemon creates the segment (`kvstore.tiers.segment.Segment`); a client on the same
+host maps it by path (`AttachedSegment`) after the daemon told it the path and token over
+RPC. Layout: a 4 KiB header, then the data area that tier offsets are relative to.
+
+    magic    8 bytes  b"KVSTSEG1"
+    token   16 bytes  random; returned by the daemon over RPC, so a client proves it
+                      mapped the daemon's segment (same host, same daemon) before use
+    data_offset  u64  where the data area starts (4096)
+    capacity     u64  bytes in the data area
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+import threading
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+# madvise(MADV_POPULATE_WRITE), Linux >= 5.14: fault pages in writable without touching
+# their contents. Not exported by Python 3.11's mmap module.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+POPULATE_CHUNK_BYTES = 64 << 20
+
+MAGIC = b"KVSTSEG1"
+HEADER_BYTES = 4096
+HEADER = struct.Struct("<8s16sQQ")
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentHeader:
+    token: bytes
+    data_offset: int
+    capacity: int
+
+
+def read_header(buf: memoryview | bytes) -> SegmentHeader:
+    magic, token, data_offset, capacity = HEADER.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise ValueError("not a kvstore segment (bad magic)")
+    return SegmentHeader(token, data_offset, capacity)
+
+
+class MappedSegment:
+    """A mapping of a segment file, owned or attached; can fault its pages in."""
+
+    _map: mmap.mmap
+    path: str
+    #: "no" until populate() runs, then "running", "yes", "stopped" or "unsupported".
+    populated: str = "no"
+
+    def populate(self, stop: threading.Event | None = None) -> bool:
+        """Fault every page in now, so puts do not pay a page fault per 4 KiB later
+        (measured: fresh tmpfs pages take writes at a tenth of the speed of mapped ones).
+
+        Safe while blocks are being written: it never touches contents. Runs in chunks so
+        a shutdown (`stop`) interrupts it promptly. Returns False where the kernel lacks
+        MADV_POPULATE_WRITE (pages then fault in on first use, as before).
+        """
+        size = len(self._map)
+        self.populated = "running"
+        for start in range(0, size, POPULATE_CHUNK_BYTES):
+            if stop is not None and stop.is_set():
+                self.populated = "stopped"
+                return False
+            try:
+                self._map.madvise(MADV_POPULATE_WRITE, start, min(POPULATE_CHUNK_BYTES, size - start))
+            except (OSError, ValueError) as exc:
+                logger.info("cannot prefault segment %s (%s); pages fault in on first use", self.path, exc)
+                self.populated = "unsupported"
+                return False
+        self.populated = "yes"
+        return True
+
+
+class AttachedSegment(MappedSegment):
+    """Another process's segment, mapped by path; read-write so a client can fill slots
+    it was handed. Checks the magic and the token the owner announced.
+
+    Each process maps pages into its own page tables on first touch, so an attached
+    mapping is slow until populated too; `populate_in_background` does that without
+    delaying the caller."""
+
+    def __init__(self, path: str, token: bytes) -> None:
+        self.path = path
+        self._stop = threading.Event()
+        self._populator: threading.Thread | None = None
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._view = memoryview(self._map)
+        header = read_header(self._view)
+        if header.token != token:
+            self.close()
+            raise ValueError(f"segment {path} belongs to another daemon (token mismatch)")
+        self.data = self._view[header.data_offset : header.data_offset + header.capacity]
+        self.capacity = header.capacity
+
+    def wait_populated(self, timeout_s: float | None = None) -> bool:
+        """Block until a background populate has finished; True if it did in time."""
+        if self._populator is None:
+            return True
+        self._populator.join(timeout_s)
+        return not self._populator.is_alive()
+
+    def populate_in_background(self) -> None:
+        self._populator = threading.Thread(target=self.populate, args=(self._stop,), name="kvstore-populate",
+                                           daemon=True)
+        self._populator.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._populator is not None:
+            self._populator.join()
+        if hasattr(self, "data"):
+            self.data.release()
+        self._view.release()
+        self._map.close()
