@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from kvstore.addresses import DEFAULT_TCP_LISTEN, default_unix_socket
+from kvstore.convert import TIER_BY_NAME, TIER_NAMES, layout_to_proto
 from kvstore.errors import FailedPrecondition, Internal, InvalidArgument, KVStoreError, error_for_status
 from kvstore.hashing import HASH_BYTES, split_hashes, token_bytes
 from kvstore.layout import KVLayout
@@ -27,13 +28,6 @@ from kvstore.wire import RawChunk, encode_chunk
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 64 << 20
-
-TIER_NAMES = {
-    kvstore_pb2.TIER_HBM: "hbm",
-    kvstore_pb2.TIER_HOST: "host",
-    kvstore_pb2.TIER_SSD: "ssd",
-    kvstore_pb2.TIER_MEMORY: "memory",
-}
 
 # Idempotent calls are retried by the channel on UNAVAILABLE; Put is not (a client stream
 # cannot be replayed without buffering every byte).
@@ -127,7 +121,6 @@ class PrefetchResult:
     skipped: int  # no room could be made in the target tier
 
 
-TIER_BY_NAME = {name: value for value, name in TIER_NAMES.items()}
 
 
 def prefetch_request(
@@ -142,23 +135,6 @@ def prefetch_request(
 def prefetch_result(resp: kvstore_pb2.PrefetchResponse) -> PrefetchResult:
     return PrefetchResult(TIER_NAMES.get(resp.tier, "unknown"), resp.requested, resp.raised, resp.already,
                           resp.missing, resp.skipped)
-
-
-def layout_to_proto(layout: KVLayout) -> kvstore_pb2.Layout:
-    return kvstore_pb2.Layout(
-        model=layout.model,
-        revision=layout.revision,
-        lora_id=layout.lora_id,
-        dtype=layout.dtype,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        block_size_tokens=layout.block_size_tokens,
-        kv_layout=layout.kv_layout,
-        tp_rank=layout.tp_rank,
-        tp_size=layout.tp_size,
-        block_bytes=layout.block_bytes,
-    )
 
 
 # Namespace messages of recent layouts: an engine names the same one or two layouts on

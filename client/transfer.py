@@ -30,10 +30,10 @@ from typing import BinaryIO
 
 from kvstore.checksum import checksum
 from kvstore.client.admin import AdminClient
+from kvstore.convert import layout_from_proto, layout_to_proto
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
-from kvstore.v1 import kvstore_pb2
 
 MAGIC = b"KVSTORE-EXPORT\nv1\n"
 NO_PARENT = b"\0" * HASH_BYTES
@@ -70,17 +70,6 @@ class ExportHeader:
 LAYOUT_FIELDS = tuple(f.name for f in fields(KVLayout) if f.init)
 
 
-def _layout_proto(layout: KVLayout) -> kvstore_pb2.Layout:
-    return kvstore_pb2.Layout(**{name: getattr(layout, name) for name in LAYOUT_FIELDS})
-
-
-def _layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
-    values = {name: getattr(msg, name) for name in LAYOUT_FIELDS}
-    values["tp_size"] = values["tp_size"] or 1
-    values["kv_layout"] = values["kv_layout"] or KVLayout.__dataclass_fields__["kv_layout"].default
-    return KVLayout(**values)
-
-
 def _batch_count(block_bytes: int) -> int:
     return max(1, BATCH_BYTES // max(1, block_bytes))
 
@@ -92,7 +81,7 @@ def export_namespace(admin: AdminClient, namespace_id: bytes, out: BinaryIO, pro
     if namespace_id not in known:
         raise InvalidArgument(f"namespace {namespace_id.hex()} is not known to the daemon; see `kvstore ls`")
     ns = known[namespace_id]
-    layout = _layout_from_proto(ns.layout)
+    layout = layout_from_proto(ns.layout)
     refs = admin.list_blocks(namespace_id)
     if total is not None:
         total(len(refs))
@@ -184,7 +173,7 @@ def _records(src: BinaryIO, header: ExportHeader) -> Iterator[_Record]:
 def import_namespace(admin: AdminClient, src: BinaryIO, progress: Progress | None = None) -> ImportResult:
     """Put every block of an export file into the daemon, in chained batches."""
     header = read_header(src)
-    layout = _layout_proto(header.layout)
+    layout = layout_to_proto(header.layout)
     step = _batch_count(header.block_bytes)
     blocks = stored = existing = 0
     run: list[_Record] = []

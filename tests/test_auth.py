@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from kvstore.client import Client
-from kvstore.client._common import layout_to_proto
 from kvstore.client.admin import AdminClient
+from kvstore.convert import layout_to_proto
 from kvstore.errors import (
     ConfigError,
     FailedPrecondition,

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from kvstore.client import AsyncClient, Client
-from kvstore.client._common import layout_to_proto
+from kvstore.convert import layout_to_proto
 from kvstore.errors import (
     FailedPrecondition,
     InvalidArgument,

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from kvstore.client import Client
-from kvstore.client._common import layout_to_proto
+from kvstore.convert import layout_to_proto
 from kvstore.layout import KVLayout
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc

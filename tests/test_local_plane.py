@@ -14,8 +14,8 @@ import pytest
 import xxhash
 
 from kvstore.client import AsyncClient, Client
-from kvstore.client._common import layout_to_proto
 from kvstore.client._local import PARALLEL_MIN_BYTES
+from kvstore.convert import layout_to_proto
 from kvstore.errors import FailedPrecondition
 from kvstore.layout import KVLayout
 from kvstore.shm import AttachedSegment

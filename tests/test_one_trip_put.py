@@ -12,7 +12,7 @@ import pytest
 import xxhash
 
 from kvstore.client import AsyncClient, Client
-from kvstore.client._common import layout_to_proto
+from kvstore.convert import layout_to_proto
 from kvstore.errors import InvalidArgument
 from kvstore.shm import AttachedSegment
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc

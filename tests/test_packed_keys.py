@@ -14,7 +14,8 @@ import xxhash
 
 from kvstore import errors
 from kvstore.client import AsyncClient
-from kvstore.client._common import layout_to_proto, lookup_request, lookup_result, packed_tier_names
+from kvstore.client._common import lookup_request, lookup_result, packed_tier_names
+from kvstore.convert import layout_to_proto
 from kvstore.hashing import block_hashes, block_hashes_packed, namespace_id, split_hashes, token_bytes
 from kvstore.layout import KVLayout
 from kvstore.server.daemon import Daemon

@@ -13,7 +13,7 @@ import pytest
 
 from kvstore import errors
 from kvstore.client import AsyncClient
-from kvstore.client._common import layout_to_proto
+from kvstore.convert import layout_to_proto
 from kvstore.layout import KVLayout
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 

@@ -12,15 +12,15 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import grpc
 
+from kvstore.convert import layout_to_proto
 from kvstore.core.store import RemovalResult, Store
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import HASH_BYTES
-from kvstore.layout import KVLayout
 from kvstore.server.events import EventBus, EventKind
 from kvstore.server.info import SECTIONS, render_info
 from kvstore.server.runtime import ConfigValue, RuntimeConfig
 from kvstore.server.servicer import AdminServicer
-from kvstore.v1 import admin_pb2, kvstore_pb2
+from kvstore.v1 import admin_pb2
 
 INFO_SECTIONS = (*SECTIONS, "events", "tenants")
 
@@ -38,14 +38,6 @@ EVENT_KIND = {
 def _field(v: ConfigValue, live: bool) -> admin_pb2.ConfigField:
     return admin_pb2.ConfigField(
         name=v.field.name, value=v.text, kind=v.field.kind, bounds=v.bounds, runtime=live, help=v.field.help
-    )
-
-
-def layout_to_proto(lay: KVLayout) -> kvstore_pb2.Layout:
-    return kvstore_pb2.Layout(
-        model=lay.model, revision=lay.revision, lora_id=lay.lora_id, dtype=lay.dtype, num_layers=lay.num_layers,
-        num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim, block_size_tokens=lay.block_size_tokens,
-        kv_layout=lay.kv_layout, tp_rank=lay.tp_rank, tp_size=lay.tp_size, block_bytes=lay.block_bytes,
     )
 
 

@@ -18,11 +18,12 @@ from typing import Any
 import grpc
 
 from kvstore import __version__
+from kvstore.convert import TIER_BY_NAME, TIER_NAMES, layout_from_proto
 from kvstore.core.store import Framed, Store, StoreStatus, check_hint
 from kvstore.core.tier import Slot
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstore.hashing import HASH_BYTES, block_hashes_packed, split_hashes, tenant_namespace_id, token_bytes
-from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
+from kvstore.layout import KVLayout
 from kvstore.native import XXH3, native
 from kvstore.server.auth import current_identity
 from kvstore.server.info import render_info
@@ -31,15 +32,6 @@ from kvstore.shm import HEADER_BYTES
 from kvstore.tiers.segment import Segment
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 from kvstore.wire import RawChunk, chunk_prefix, encode_chunk
-
-TIER_ENUM = {
-    "hbm": kvstore_pb2.TIER_HBM,
-    "host": kvstore_pb2.TIER_HOST,
-    "ssd": kvstore_pb2.TIER_SSD,
-    "memory": kvstore_pb2.TIER_MEMORY,
-}
-TIER_BY_ENUM = {v: k for k, v in TIER_ENUM.items()}
-
 
 # Layouts whose namespace id the servicer remembers (see KVStoreServicer._namespace).
 LAYOUT_IDS_KEPT = 1024
@@ -51,7 +43,7 @@ def tier_enum_table(names: tuple[str, ...]) -> bytes:
     values: a lookup's tier ids become LookupResponse.tiers_packed in one C pass."""
     table = bytearray(256)
     for tid, name in enumerate(names):
-        table[tid] = TIER_ENUM.get(name, kvstore_pb2.TIER_UNSPECIFIED)
+        table[tid] = TIER_BY_NAME.get(name, kvstore_pb2.TIER_UNSPECIFIED)
     return bytes(table)
 
 
@@ -67,23 +59,6 @@ def hash_fields(hashes: Sequence[bytes] | bytes, packed: bool) -> dict[str, Any]
     if isinstance(hashes, bytes):
         return {"block_hashes_packed": hashes} if packed else {"block_hashes": split_hashes(hashes)}
     return {"block_hashes_packed": b"".join(hashes)} if packed else {"block_hashes": hashes}
-
-
-def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
-    return KVLayout(
-        model=msg.model,
-        revision=msg.revision,
-        lora_id=msg.lora_id,
-        dtype=msg.dtype,
-        num_layers=msg.num_layers,
-        num_kv_heads=msg.num_kv_heads,
-        head_dim=msg.head_dim,
-        block_size_tokens=msg.block_size_tokens,
-        kv_layout=msg.kv_layout or DEFAULT_KV_LAYOUT,
-        tp_rank=msg.tp_rank,
-        tp_size=msg.tp_size or 1,
-        block_bytes=msg.block_bytes,
-    )
 
 
 LOCAL_TIER = "host"
@@ -418,10 +393,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     ) -> kvstore_pb2.PrefetchResponse:
         ns_id = self._namespace(request.namespace)
         hashes = self._hashes(ns_id, request.keys)
-        tier = TIER_BY_ENUM.get(request.tier, "") if request.tier else ""
+        tier = TIER_NAMES.get(request.tier, "") if request.tier else ""
         r = await self.store.prefetch(ns_id, hashes, tier)
         return kvstore_pb2.PrefetchResponse(
-            tier=TIER_ENUM[r.tier], requested=r.requested, raised=r.raised, already=r.already, missing=r.missing,
+            tier=TIER_BY_NAME[r.tier], requested=r.requested, raised=r.raised, already=r.already, missing=r.missing,
             skipped=r.skipped,
         )
 

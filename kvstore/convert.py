@@ -1,0 +1,55 @@
+"""Conversions between the proto messages and kvstore's own types, written once for the
+SDK and the daemon: `KVLayout` <-> `Layout`, and tier names <-> the `Tier` enum.
+
+Tier names are the ones config, stats and events use ("hbm", "host", "ssd", "memory");
+the enum is what Lookup, Prefetch and the local planes carry.
+"""
+
+from __future__ import annotations
+
+from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
+from kvstore.v1 import kvstore_pb2
+
+TIER_BY_NAME: dict[str, int] = {
+    "hbm": kvstore_pb2.TIER_HBM,
+    "host": kvstore_pb2.TIER_HOST,
+    "ssd": kvstore_pb2.TIER_SSD,
+    "memory": kvstore_pb2.TIER_MEMORY,
+}
+TIER_NAMES: dict[int, str] = {value: name for name, value in TIER_BY_NAME.items()}
+
+
+def layout_to_proto(layout: KVLayout) -> kvstore_pb2.Layout:
+    return kvstore_pb2.Layout(
+        model=layout.model,
+        revision=layout.revision,
+        lora_id=layout.lora_id,
+        dtype=layout.dtype,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size_tokens=layout.block_size_tokens,
+        kv_layout=layout.kv_layout,
+        tp_rank=layout.tp_rank,
+        tp_size=layout.tp_size,
+        block_bytes=layout.block_bytes,
+    )
+
+
+def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
+    """The layout a message names; unset `kv_layout` and `tp_size` take their defaults,
+    as a client written from the proto alone leaves them."""
+    return KVLayout(
+        model=msg.model,
+        revision=msg.revision,
+        lora_id=msg.lora_id,
+        dtype=msg.dtype,
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        block_size_tokens=msg.block_size_tokens,
+        kv_layout=msg.kv_layout or DEFAULT_KV_LAYOUT,
+        tp_rank=msg.tp_rank,
+        tp_size=msg.tp_size or 1,
+        block_bytes=msg.block_bytes,
+    )
