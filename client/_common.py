@@ -20,6 +20,7 @@ from kvstore.addresses import DEFAULT_TCP_LISTEN, default_unix_socket
 from kvstore.convert import TIER_BY_NAME, TIER_NAMES, layout_to_proto
 from kvstore.errors import FailedPrecondition, Internal, InvalidArgument, KVStoreError, error_for_status
 from kvstore.hashing import HASH_BYTES, split_hashes, token_bytes
+from kvstore.laneproto import IDEMPOTENT
 from kvstore.layout import KVLayout
 from kvstore.native import native as _native
 from kvstore.v1 import kvstore_pb2
@@ -29,9 +30,10 @@ DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 64 << 20
 
-# Idempotent calls are retried by the channel on UNAVAILABLE; Put is not (a client stream
-# cannot be replayed without buffering every byte).
-_RETRY_METHODS = ["Lookup", "Fetch", "Delete", "Pin", "Unpin", "Prefetch"]
+# Idempotent calls (laneproto.IDEMPOTENT, the one list) are retried by the channel on
+# UNAVAILABLE.
+_KVSTORE_METHODS = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].methods_by_name
+_RETRY_METHODS = sorted(m for m in IDEMPOTENT if m in _KVSTORE_METHODS)
 _SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [

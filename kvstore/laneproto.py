@@ -50,9 +50,14 @@ _service = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"]
 REQUEST_TYPES = {name: getattr(kvstore_pb2, _service.methods_by_name[name].input_type.name) for name in METHODS}
 RESPONSE_TYPES = {name: getattr(kvstore_pb2, _service.methods_by_name[name].output_type.name) for name in METHODS}
 
-# Methods a client may send again after a connection broke mid-call (the daemon may or
-# may not have run them): the ones the gRPC channel also retries, and reads.
-IDEMPOTENT = frozenset({"Lookup", "Delete", "Pin", "Unpin", "Prefetch", "Verify", "LocalSegment", "DeviceSegment"})
+# Methods a client may send again after a connection broke mid-call or the daemon
+# answered UNAVAILABLE (it may or may not have run them): reads, and verbs whose second
+# run changes nothing a first run did not (a second Pin takes a second lease that
+# expires on its own). The one list: the lane client resends these, and the SDK's gRPC
+# retry policy names the KVStore methods among them. Put is not here: a client stream
+# cannot be replayed without buffering every byte.
+IDEMPOTENT = frozenset({"Lookup", "Fetch", "Delete", "Pin", "Unpin", "Prefetch", "Verify", "LocalSegment",
+                        "DeviceSegment"})
 
 
 def method_path(name: str) -> str:
