@@ -10,13 +10,13 @@ from __future__ import annotations
 from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
 from kvstore.v1 import kvstore_pb2
 
-TIER_BY_NAME: dict[str, int] = {
+TIER_BY_NAME: dict[str, kvstore_pb2.Tier] = {
     "hbm": kvstore_pb2.TIER_HBM,
     "host": kvstore_pb2.TIER_HOST,
     "ssd": kvstore_pb2.TIER_SSD,
     "memory": kvstore_pb2.TIER_MEMORY,
 }
-TIER_NAMES: dict[int, str] = {value: name for name, value in TIER_BY_NAME.items()}
+TIER_NAMES: dict[kvstore_pb2.Tier, str] = {value: name for name, value in TIER_BY_NAME.items()}
 
 
 def layout_to_proto(layout: KVLayout) -> kvstore_pb2.Layout:
