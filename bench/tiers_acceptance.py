@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from kvstore.cli.main import message_to_dict
+from kvstore.cli.common import message_to_dict
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
 from kvstore.layout import KVLayout

@@ -1,8 +1,8 @@
-"""Operator commands of the `kvstore` CLI: stats, ls, evict, flush, pin, unpin, config,
-events (and `top`, in `kvstore.cli.top`).
+"""Operator commands of the `kvstore` CLI: health, info, stats, ls, evict, flush, pin,
+unpin, config, events, export, import (and `top`, in `kvstore.cli.top`).
 
 Every command prints a table for people (rich, plain when not a terminal) or, with
-`--json`, one JSON document for machines; exit codes follow `kvstore.cli` (0 success,
+`--json`, one JSON document for machines; exit codes follow `kvstore.cli.common` (0 success,
 1 the daemon refused or cannot be reached, 2 a wrong command line). `register` adds the
 commands to the CLI's parser; the functions here only format and translate.
 """
@@ -17,12 +17,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.cli.common import (
+    EXIT_ERROR,
+    EXIT_OK,
+    ClientCommand,
+    add_client_options,
+    emit,
+    message_to_record,
+    open_admin,
+    open_client,
+)
 from kvstore.units import human_bytes, parse_size
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 ABSENT = "-"
-
-ClientCommand = Callable[[str, str, Callable[[argparse.Namespace], int]], argparse.ArgumentParser]
 
 
 # ------------------------------------------------------------------ rendering
@@ -57,20 +64,6 @@ def _looks_numeric(cell: str) -> bool:
     return cell == ABSENT or (cell[:1].isdigit() and not any(c.isalpha() for c in cell.rstrip("BKMGTi")))
 
 
-def emit(args: argparse.Namespace, data: Any, text: str) -> None:
-    print(json.dumps(data, indent=2, sort_keys=False) if args.json else text)
-
-
-def message_to_dict(msg: Any) -> Any:
-    from kvstore.cli.main import message_to_dict as convert
-
-    out = convert(msg)
-    for key in ("namespace_id",):
-        if isinstance(out.get(key), bytes):
-            out[key] = out[key].hex()
-    return out
-
-
 def ratio(hits: int, total: int) -> float:
     return hits / total if total else 0.0
 
@@ -100,11 +93,50 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _admin(args: argparse.Namespace) -> Any:
-    from kvstore.client.admin import AdminClient
+# ------------------------------------------------------------------ health, info
 
-    return AdminClient(args.target, timeout_s=args.timeout, token_file=args.token_file, tls_ca=args.tls_ca,
-                       tls_cert=args.tls_cert, tls_key=args.tls_key)
+
+def cmd_health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvstore.client._auth import Security, sync_channel
+    from kvstore.client._common import resolve_target
+
+    target = resolve_target(args.target)
+    # Health needs no token, but a TLS listener still needs the roots.
+    security = Security.resolve(None, None, args.tls_ca, args.tls_cert, args.tls_key)
+    with sync_channel(target, Security(tls_ca=security.tls_ca, tls_cert=security.tls_cert,
+                                       tls_key=security.tls_key), []) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            status = "UNREACHABLE" if exc.code() == grpc.StatusCode.UNAVAILABLE else exc.code().name
+            emit(args, {"target": target, "status": status, "detail": exc.details()}, f"{status}: {exc.details()}")
+            return EXIT_ERROR
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    emit(args, {"target": target, "status": status}, f"{status} ({target})")
+    return EXIT_OK if resp.status == health_pb2.HealthCheckResponse.SERVING else EXIT_ERROR
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    with open_client(args) as kv:
+        text = kv.info(args.section or "")
+    if args.json:
+        sections: dict[str, dict[str, str]] = {}
+        current: dict[str, str] = {}
+        for line in text.splitlines():
+            if line.startswith("# "):
+                current = sections.setdefault(line[2:].strip().lower(), {})
+            elif ":" in line:
+                key, _, value = line.partition(":")
+                current[key] = value
+        print(json.dumps(sections, indent=2))
+    else:
+        print(text.rstrip())
+    return EXIT_OK
 
 
 # ------------------------------------------------------------------ stats
@@ -232,9 +264,9 @@ def format_stats(stats: dict[str, Any], namespaces: Sequence[dict[str, Any]] | N
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    with _admin(args) as admin:
-        stats = message_to_dict(admin.stats())
-        namespaces = [message_to_dict(n) for n in admin.list_namespaces()] if args.by_namespace else None
+    with open_admin(args) as admin:
+        stats = message_to_record(admin.stats())
+        namespaces = [message_to_record(n) for n in admin.list_namespaces()] if args.by_namespace else None
     if namespaces is not None:
         stats["by_namespace"] = namespaces
     emit(args, stats, format_stats(stats, namespaces))
@@ -242,8 +274,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with _admin(args) as admin:
-        namespaces = [message_to_dict(n) for n in admin.list_namespaces()]
+    with open_admin(args) as admin:
+        namespaces = [message_to_record(n) for n in admin.list_namespaces()]
     text = render_table("", NS_DETAIL_COLUMNS, namespace_rows(namespaces, detail=True)) if namespaces else \
         "no namespaces yet (a client's first Lookup or Put registers its layout)"
     emit(args, {"namespaces": namespaces}, text)
@@ -254,7 +286,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
-    with _admin(args) as admin:
+    with open_admin(args) as admin:
         r = admin.evict(args.tier, args.bytes)
     data = {"tier": args.tier, "target_bytes": args.bytes, "blocks": r.blocks, "removed_bytes": r.removed_bytes}
     short = " (nothing else evictable: the rest is pinned or in use)" if r.removed_bytes < args.bytes else ""
@@ -273,7 +305,7 @@ def confirm(question: str) -> bool:
 
 def cmd_flush(args: argparse.Namespace) -> int:
     ns: bytes = args.namespace or b""
-    with _admin(args) as admin:
+    with open_admin(args) as admin:
         if not args.yes:
             if ns:
                 known = {n.namespace_id: n for n in admin.list_namespaces()}
@@ -300,7 +332,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
-    with _admin(args) as admin:
+    with open_admin(args) as admin:
         r = admin.pin(args.namespace, args.hashes, args.ttl_ms)
     data = {"lease_id": r.lease_id, "pinned": r.pinned, "expires_in_ms": r.expires_in_ms}
     text = (f"pinned {r.pinned} of {len(args.hashes)} blocks for {r.expires_in_ms} ms; lease {r.lease_id}"
@@ -310,7 +342,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
 
 def cmd_unpin(args: argparse.Namespace) -> int:
-    with _admin(args) as admin:
+    with open_admin(args) as admin:
         released = admin.unpin(args.lease_id)
     emit(args, {"lease_id": args.lease_id, "released": released},
          f"released lease {args.lease_id}" if released else f"lease {args.lease_id} is unknown or already expired")
@@ -325,7 +357,7 @@ def _field_dict(f: Any) -> dict[str, Any]:
 
 
 def cmd_config_get(args: argparse.Namespace) -> int:
-    with _admin(args) as admin:
+    with open_admin(args) as admin:
         fields = [_field_dict(f) for f in admin.get_config(args.name or "")]
     if args.name and not args.json:
         print(fields[0]["value"])
@@ -336,7 +368,7 @@ def cmd_config_get(args: argparse.Namespace) -> int:
 
 
 def cmd_config_set(args: argparse.Namespace) -> int:
-    with _admin(args) as admin:
+    with open_admin(args) as admin:
         r = admin.set_config(args.name, args.value)
     emit(args, {"name": r.field.name, "value": r.field.value, "previous": r.previous},
          f"{r.field.name}: {r.previous} -> {r.field.value}")
@@ -381,7 +413,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     from kvstore.errors import DeadlineExceeded
 
     seen = 0
-    with _admin(args) as admin:
+    with open_admin(args) as admin:
         try:
             for e in admin.watch_events(args.namespace or b"", snapshot=args.snapshot, timeout_s=args.duration):
                 line = {"seq": e.seq, "kind": EVENT_NAMES.get(e.kind, str(e.kind)),
@@ -443,7 +475,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"kvstore export: cannot write {tmp}: {exc.strerror}", file=sys.stderr)
         return EXIT_ERROR
-    with _admin(args) as admin, _ProgressBar("export") as bar:
+    with open_admin(args) as admin, _ProgressBar("export") as bar:
         try:
             with out:
                 r = export_namespace(admin, args.namespace, out, bar.advance, bar.total)
@@ -470,7 +502,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         header = read_header(src)
         total = estimate_blocks(args.file, header, src.tell())
         src.seek(0)
-        with _admin(args) as admin, _ProgressBar("import") as bar:
+        with open_admin(args) as admin, _ProgressBar("import") as bar:
             bar.total(total)
             r = import_namespace(admin, src, bar.advance)
     emit(args, {"file": args.file, "namespace_id": header.namespace_id.hex(), "blocks": r.blocks,
@@ -539,8 +571,6 @@ def register(sub: Any, client_command: ClientCommand) -> None:
 
 
 def _nested(sub: Any, name: str, help_text: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
-    from kvstore.cli.main import add_client_options
-
     p = sub.add_parser(name, help=help_text)
     add_client_options(p)
     p.set_defaults(func=func)

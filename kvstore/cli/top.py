@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.cli.common import EXIT_OK, message_to_record, open_admin
 from kvstore.units import human_bytes
 
 BAR_WIDTH = 30
@@ -131,10 +132,9 @@ def render(target: str, cur: Sample, r: Rates, error: str = "", hint: str = "(q 
 
 
 def take_sample(admin: Any) -> Sample:
-    from kvstore.cli.ops import message_to_dict
 
-    stats = message_to_dict(admin.stats())
-    namespaces = [message_to_dict(n) for n in admin.list_namespaces()]
+    stats = message_to_record(admin.stats())
+    namespaces = [message_to_record(n) for n in admin.list_namespaces()]
     return Sample(time.monotonic(), stats, namespaces)
 
 
@@ -182,7 +182,6 @@ class KeyReader:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from kvstore.cli.ops import EXIT_OK, _admin
     from kvstore.errors import KVStoreError
 
     interval = max(0.1, args.interval)
@@ -190,7 +189,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     clear = sys.stdout.isatty() and not args.json and os.environ.get("TERM", "") != "dumb"
     prev: Sample | None = None
     shown = 0
-    with _admin(args) as admin, KeyReader() as keys:
+    with open_admin(args) as admin, KeyReader() as keys:
         cur = take_sample(admin)  # fails (exit 1) if the daemon cannot be reached at all
         error = ""
         try:

@@ -1,0 +1,74 @@
+"""The daemon-side commands: `kvstore serve` (also `python server.py`) and `kvstore token new`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+
+from kvstore.cli.common import EXIT_ERROR, EXIT_OK, EXIT_USAGE
+from kvstore.errors import KVStoreError
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvstore.server.config import load_config
+    from kvstore.server.daemon import serve, tune_malloc
+
+    try:
+        config = load_config(vars(args))
+    except KVStoreError as exc:
+        print(f"kvstore: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    from kvstore.logs import setup_logging
+
+    setup_logging(config.log_level, config.log_format)
+    if not tune_malloc():
+        logging.getLogger("kvstore").debug("malloc thresholds left as they are")
+    try:
+        asyncio.run(serve(config, reload=lambda: load_config(vars(args))))
+    except KVStoreError as exc:
+        print(f"kvstore: cannot start: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as exc:  # a path or device the settings name is unusable
+        logging.getLogger("kvstore").debug("daemon failed", exc_info=True)
+        print(f"kvstore: cannot start: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK
+
+
+def cmd_token_new(args: argparse.Namespace) -> int:
+    import os
+
+    from kvstore.server.auth import _valid_name, entry_text, new_token, parse_token_file
+
+    if not _valid_name(args.tenant):
+        print(f"kvstore token new: tenant name {args.tenant!r} must be 1-64 letters, digits, '-', '_' or '.'",
+              file=sys.stderr)
+        return EXIT_USAGE
+    token, token_hash = new_token()
+    entry = entry_text(args.tenant, args.role, token_hash)
+    if args.file:
+        if os.path.exists(args.file):
+            # The file must be one the daemon would accept, and the tenant new to it.
+            if args.tenant in parse_token_file(args.file).identities:
+                raise KVStoreError(f"tenant {args.tenant!r} is already in {args.file}; add this hash to its "
+                                   f"tokens list by hand: {token_hash}")
+        fd = os.open(args.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a") as fh:
+            fh.write("\n" + entry)
+    if args.json:
+        print(json.dumps({"tenant": args.tenant, "role": args.role, "token": token, "hash": token_hash,
+                          "entry": entry}, indent=2))
+        return EXIT_OK
+    print(f"token (shown once; give it to the client, e.g. as KVSTORE_TOKEN):\n{token}\n")
+    if args.file:
+        print(f"appended to {args.file}; send the daemon SIGHUP (systemctl reload kvstore) to use it:\n")
+    else:
+        print("add to the token file (an existing tenant: append the hash to its tokens list), then send the "
+              "daemon SIGHUP:\n")
+    print(entry, end="")
+    return EXIT_OK
