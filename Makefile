@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTOS := $(wildcard proto/kvstore/v1/*.proto)
 STUBS := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
+# The compiled module's sources: editing one reinstalls, which rebuilds it.
+NATIVE_SOURCES := $(wildcard kvstore/_native/*.c kvstore/_native/*.h)
 # Extra arguments for the daemon, e.g. `make run ARGS="--host-capacity 8GiB"`.
 ARGS ?=
 PYTEST_ARGS ?=
@@ -15,7 +17,7 @@ all: setup
 setup: $(VENV)/.installed $(STUBS)
 
 # torch is installed first and pinned, so no requirement can pull a multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml setup.py kvstore/_native.c
+$(VENV)/.installed: pyproject.toml setup.py $(NATIVE_SOURCES)
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "kvstore needs Python >= 3.11; set PYTHON=python3.11")'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0

@@ -34,7 +34,7 @@ THREADS = 2
 def _copy_hash(dst: np.ndarray, src: np.ndarray, of_source: bool = False) -> int:
     """Copy `src` into `dst`; the XXH3-64 of the copy.
 
-    Compiled (kvstore/_native.c): the block is copied and hashed in 64 KiB pieces, each
+    Compiled (kvstore/_native/xxh.c): the block is copied and hashed in 64 KiB pieces, each
     hashed while it is still in cache, all without the GIL. With `of_source` (a put) the
     pieces are written with stores that bypass the cache (the segment is not read back
     here, and a cached store would first read each destination line from memory) and

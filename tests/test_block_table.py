@@ -89,32 +89,64 @@ def test_table_matches_a_dict(trace: list[tuple[str, bytes, int]]) -> None:
 
 
 def test_the_chain_probe_is_compiled() -> None:
-    # `pip install -e .` builds kvstore/_native.c; without it every lookup takes the
+    # `pip install -e .` builds kvstore/_native/; without it every lookup takes the
     # slower numpy probe, which is correct but would quietly cost latency.
     assert PROBE_COMPILED, "kvstore._native was not built: is a C compiler with Python's headers installed?"
 
 
 def test_the_compiled_probe_refuses_arrays_that_are_not_a_key_table() -> None:
-    from kvstore import _native
+    from kvstore.native import native as _native
 
+    if _native is None:
+        pytest.skip("the compiled helpers were not built")
     table = BlockTable(16)
+    table.ns_id(NS_A)
     out = np.empty(4, np.int64)
-    args = (table._slots, table.h0, table.h1, table.ns, table._shift, 0, 0, False)
-    assert _native.prefix_rows(h(1), *args, out) == 0  # an empty table: nothing found
+    cols = table.key_columns
+    slots, shift, h0, h1, ns, ns_fp, flags = cols
+    assert _native.prefix_rows(h(1), cols, 0, out) == 0  # an empty table: nothing found
     with pytest.raises(ValueError, match="whole number"):
-        _native.prefix_rows(b"x" * 17, *args, out)
+        _native.prefix_rows(b"x" * 17, cols, 0, out)
     with pytest.raises(ValueError, match="shorter"):
-        _native.prefix_rows(h(1) * 5, *args, out)
+        _native.prefix_rows(h(1) * 5, cols, 0, out)
     with pytest.raises(ValueError, match="one key table"):
-        _native.prefix_rows(h(1), table._slots[:48], *args[1:], out)
+        _native.prefix_rows(h(1), (slots[:48], *cols[1:]), 0, out)
+    with pytest.raises(ValueError, match="one key table"):
+        _native.prefix_rows(h(1), (slots, shift + 1, *cols[2:]), 0, out)
+    with pytest.raises(TypeError, match="tuple"):
+        _native.prefix_rows(h(1), cols[:6], 0, out)
+    with pytest.raises(TypeError, match="tuple"):
+        _native.prefix_rows(h(1), list(cols), 0, out)
     with pytest.raises(BufferError):
-        _native.prefix_rows(h(1), *args, bytes(32))  # not writable
+        _native.prefix_rows(h(1), cols, 0, bytes(32))  # not writable
+    with pytest.raises(ValueError, match="not interned"):
+        _native.prefix_rows(h(1), cols, 1, out)  # a namespace id with no fingerprint
     # The row flags, for the walk in row order: one per row, and a flag to look for.
-    assert _native.prefix_rows(h(1), *args, out, False, table.flags, 32) == 0
+    assert _native.prefix_rows(h(1), cols, 0, out, False, 32) == 0
     with pytest.raises(ValueError, match="one key table"):
-        _native.prefix_rows(h(1), *args, out, False, table.flags[:1], 32)
-    with pytest.raises(ValueError, match="one key table"):
-        _native.prefix_rows(h(1), *args, out, False, table.flags, 0)
+        _native.prefix_rows(h(1), (*cols[:6], flags[:1]), 0, out, False, 32)
+    with pytest.raises(ValueError, match="row flag"):
+        _native.prefix_rows(h(1), cols, 0, out, False, 256)
+
+
+def test_the_key_columns_follow_growth_rehash_and_new_namespaces() -> None:
+    """The compiled calls' one argument names the arrays the table holds now: it is
+    rebuilt when they are replaced, and left alone otherwise."""
+    index = BlockIndex(BlockTable(16))
+    t = index.table
+    entries = [ready(index, key(NS_A, 0))]
+    cols = t.key_columns
+    entries.append(ready(index, key(NS_A, 1)))
+    assert t.key_columns is cols  # no new tuple per call or per block
+    entries += [ready(index, key(NS_A, i)) for i in range(2, 200)]  # grows the columns, rehashes
+    assert t.key_columns is not cols
+    slots, shift, h0, h1, ns, ns_fp, flags = t.key_columns
+    assert h0 is t.h0 and h1 is t.h1 and ns is t.ns and flags is t.flags and ns_fp is t.ns_fp
+    assert len(slots) >= 2 * len(index) and 1 << (64 - shift) == len(slots)
+    ready(index, key(NS_B, 0))  # a new namespace: a new fingerprint array
+    assert t.key_columns[5] is t.ns_fp and len(t.ns_fp) == 2
+    chain = b"".join(h(i) for i in range(200))
+    assert index.prefix_rows(NS_A, chain).tolist() == [e.row for e in entries]
 
 
 def test_prefix_rows_stop_at_the_first_missing_block() -> None:
@@ -317,19 +349,22 @@ def test_batches_placed_compiled_or_in_numpy_are_all_found(compiled: bool, monke
 def test_compiled_placement_refuses_rows_outside_the_table() -> None:
     from kvstore.native import native
 
+    if native is None:
+        pytest.skip("the compiled helpers were not built")
     index = BlockIndex(BlockTable(16))
     entry = ready(index, key(NS_A, 1))
     t = index.table
-    before = t._slots.copy()
+    slots, shift = t.key_columns[:2]
+    before = slots.copy()
     for bad in ([entry.row, -1], [entry.row, len(t.h0)]):
         for compiled in (native.place_rows, native.unindex_rows):
             with pytest.raises(ValueError, match="not a row of this table"):
-                compiled(np.array(bad, np.int64), t._slots, t.h0, t.h1, t.ns, t.ns_fp, t._shift)
-            assert np.array_equal(t._slots, before)  # nothing written
+                compiled(np.array(bad, np.int64), t.key_columns)
+            assert np.array_equal(slots, before)  # nothing written
     with pytest.raises(ValueError, match="not indexed"):
-        native.unindex_rows(np.array([entry.row + 1], np.int64), t._slots, t.h0, t.h1, t.ns, t.ns_fp, t._shift)
+        native.unindex_rows(np.array([entry.row + 1], np.int64), t.key_columns)
     with pytest.raises(ValueError, match="one key table"):
-        native.place_rows(np.zeros(1, np.int64), t._slots, t.h0, t.h1, t.ns, t.ns_fp, t._shift + 1)
+        native.place_rows(np.zeros(1, np.int64), (slots, shift + 1, *t.key_columns[2:]))
 
 
 def test_reaping_frees_rows_as_free_row_does_and_keeps_retired_ones() -> None:

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from kvstore.core.policies import (
     DEFAULT_POLICY,
     POLICIES,
+    ARCPolicy,
     EvictionPolicy,
+    HintedPolicy,
     PrefixAwarePolicy,
     make_policy,
     parse_tier_policies,
@@ -39,10 +41,23 @@ def drain(policy: EvictionPolicy) -> list[bytes]:
     return order
 
 
-def test_registry_names_match_classes() -> None:
-    for name, cls in POLICIES.items():
-        assert cls.name == name
+def test_registry_names_match_the_policies_built() -> None:
+    for name, recipe in POLICIES.items():
+        assert recipe.name == name == make_policy(name, ManualClock()).name
     assert DEFAULT_POLICY in POLICIES
+    # Every base order, bare and under each wrapping; names compose left to right.
+    assert set(POLICIES) == {f"{w}{base}" for w in ("", "prefix-", "hint-", "hint-prefix-")
+                             for base in ("lru", "arc", "s3fifo")}
+
+
+def test_a_composed_name_is_its_wrappers_around_its_base() -> None:
+    # hint-prefix-arc -> HintedPolicy over PrefixAwarePolicy over ARCPolicy
+    policy = make_policy("hint-prefix-arc", ManualClock())
+    assert isinstance(policy, HintedPolicy)
+    assert isinstance(policy.base, PrefixAwarePolicy) and isinstance(policy.base.base, ARCPolicy)
+    assert policy.clock is policy.base.clock is policy.base.base.clock
+    assert isinstance(make_policy("prefix-s3fifo", ManualClock()), PrefixAwarePolicy)
+    assert not isinstance(make_policy("arc", ManualClock()), (HintedPolicy, PrefixAwarePolicy))
 
 
 def test_empty_policy_has_no_victim(policy: EvictionPolicy) -> None:
@@ -186,7 +201,7 @@ def test_random_operations_keep_the_contract(name: str, script: list[tuple[str, 
 
 # -- prefix-aware ordering ---------------------------------------------------------------
 
-PREFIX_POLICIES = sorted(n for n in POLICIES if issubclass(POLICIES[n], PrefixAwarePolicy))
+PREFIX_POLICIES = sorted(n for n in POLICIES if POLICIES[n].prefix)
 
 
 @pytest.mark.parametrize("name", PREFIX_POLICIES)

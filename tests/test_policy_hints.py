@@ -11,7 +11,7 @@ from kvstore.errors import ConfigError, InvalidArgument
 from tests.fakes import ManualClock, always
 from tests.fakes import key as k
 
-HINTED = sorted(n for n in POLICIES if issubclass(POLICIES[n], HintedPolicy))
+HINTED = sorted(n for n in POLICIES if POLICIES[n].hint)
 
 
 

@@ -28,7 +28,7 @@ rejects other keys without touching their rows. Growth doubles the columns (np.z
 rebuilds the key table in one vectorized pass.
 
 A chain's longest indexed prefix (`prefix_rows`, what every lookup asks) is probed key by
-key in compiled code (kvstore/_native.c, the same walk as `find`), stopping at the first
+key in compiled code (kvstore/_native/table.c, the same walk as `find`), stopping at the first
 absent key; where that module was not built, by `find_rows`. There, each key is first
 looked for in the row after the previous key's, if that row is INDEXED: the blocks of a
 chain put in one call sit in consecutive rows, and reading those rows in order costs
@@ -195,6 +195,8 @@ class BlockTable:
         self._mask = 0
         self._shift = 64
         self.count = 0
+        # What the compiled key-table calls read, as one argument (see `_bind_key_columns`).
+        self.key_columns: tuple[object, ...] = ()
         self._grow(max(16, capacity))
         self._rehash(64)
 
@@ -211,6 +213,7 @@ class BlockTable:
             fp = namespace_fingerprint(namespace_id)
             self._ns_fp_list.append(fp)
             self.ns_fp = np.array(self._ns_fp_list, np.uint64)
+            self._bind_key_columns()
         return i
 
     def known_ns(self, namespace_id: bytes) -> int | None:
@@ -238,6 +241,7 @@ class BlockTable:
             # several times cheaper than numpy's scalar indexing.
             setattr(self, "v" + name, new.data)
         self.cap = cap
+        self._bind_key_columns()
 
     def _push(self, which: str, row: int) -> None:
         arr = self._free if which == "free" else self._dead
@@ -352,6 +356,12 @@ class BlockTable:
 
     # ------------------------------------------------------------------ key table
 
+    def _bind_key_columns(self) -> None:
+        """Rebuild `key_columns`, the one argument of the compiled key-table calls:
+        (slots, shift, h0, h1, ns, ns_fp, flags). Called whenever one of these arrays is
+        replaced (growth, a rehash, a new namespace), never per call."""
+        self.key_columns = (self._slots, self._shift, self.h0, self.h1, self.ns, self.ns_fp, self.flags)
+
     def _hash_of_rows(self, rows: I64) -> U64:
         return slot_hash_array(self.ns_fp[self.ns[rows]], self.h0[rows], self.h1[rows])
 
@@ -365,6 +375,7 @@ class BlockTable:
         self._vslots = self._slots.data
         self._mask = size - 1
         self._shift = 64 - bits
+        self._bind_key_columns()
         self._place(self.indexed_rows())
 
     def _entries(self, hv: U64, rows: I64) -> I64:
@@ -379,8 +390,7 @@ class BlockTable:
         if not len(rows):
             return
         if PLACE_COMPILED and _native is not None:
-            _native.place_rows(np.ascontiguousarray(rows, np.int64), self._slots, self.h0, self.h1, self.ns,
-                               self.ns_fp, self._shift)
+            _native.place_rows(np.ascontiguousarray(rows, np.int64), self.key_columns)
             return
         slots, mask = self._slots, self._mask
         hv = self._hash_of_rows(rows)
@@ -446,8 +456,7 @@ class BlockTable:
         if compiled and _native is not None:
             keys = np.empty((n, 2), "<u8")
             keys[:, 0], keys[:, 1] = q0, q1
-            _native.prefix_rows(keys, self._slots, self.h0, self.h1, self.ns, self._shift, ns,
-                                self._ns_fp_list[ns], len(self._ns_fp_list) > 1, out, True, self.flags, INDEXED)
+            _native.prefix_rows(keys, self.key_columns, ns, out, True, INDEXED)
             return out
         slots, mask = self._slots, self._mask
         hv = slot_hash_array(self._ns_fp_list[ns], q0, q1)
@@ -507,9 +516,7 @@ class BlockTable:
             out = np.empty(n, np.int64)
             # Each key is looked for first in the row after the previous key's (a chain put
             # in one call fills consecutive rows), then in the key table.
-            k = _native.prefix_rows(packed, self._slots, self.h0, self.h1, self.ns, self._shift, ns,
-                                   self._ns_fp_list[ns], len(self._ns_fp_list) > 1, out, False, self.flags,
-                                   INDEXED)
+            k = _native.prefix_rows(packed, self.key_columns, ns, out, False, INDEXED)
             return out[:k]
         q = np.frombuffer(packed, "<u8", 2 * n)
         rows = self.find_rows(ns, q[0::2], q[1::2], compiled=False)
@@ -573,8 +580,7 @@ class BlockTable:
                 self.unindex_row(row)
             return
         assert np.all(self.flags[rows] & INDEXED), "only indexed rows are unindexed"
-        _native.unindex_rows(np.ascontiguousarray(rows, np.int64), self._slots, self.h0, self.h1, self.ns,
-                             self.ns_fp, self._shift)
+        _native.unindex_rows(np.ascontiguousarray(rows, np.int64), self.key_columns)
         self.count -= len(rows)
         self.flags[rows] = (self.flags[rows] & ~np.uint8(INDEXED)) | REMOVED
         for row in rows.tolist():

@@ -1,51 +1,63 @@
 """Eviction policies, each behind the `EvictionPolicy` interface.
 
 `make_policy(name, clock)` builds one by its configured name; `parse_tier_policies`
-reads a per-tier choice such as ``host=arc,ssd=lru``. New policies register in
-`POLICIES` below (an explicit table, not a decorator registry).
+reads a per-tier choice such as ``host=arc,ssd=lru``. `POLICIES` below is the table of
+every valid name (an explicit table, not a decorator registry): a new base order joins
+`BASES`, and gets every wrapping with it.
 
 Names compose left to right: ``hint-`` protects hinted blocks, ``prefix-`` keeps
-ancestors while a descendant stays, and the last word is the base order.
+ancestors while a descendant stays, and the last word is the base order. `make_policy`
+builds a name the same way, each wrapper around the policy named after it
+(``hint-prefix-arc`` is a `HintedPolicy` over a `PrefixAwarePolicy` over an `ARCPolicy`).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from kvstore.core.policies.arc import ARCPolicy
 from kvstore.core.policies.base import BlockKey, Clock, EvictionPolicy
-from kvstore.core.policies.hints import (
-    DEFAULT_HINT_BUDGET_FRACTION,
-    HintedARCPolicy,
-    HintedLRUPolicy,
-    HintedPolicy,
-    HintedPrefixARCPolicy,
-    HintedPrefixLRUPolicy,
-    HintedPrefixS3FIFOPolicy,
-    HintedS3FIFOPolicy,
-    HintStats,
-)
+from kvstore.core.policies.hints import DEFAULT_HINT_BUDGET_FRACTION, HintedPolicy, HintStats
 from kvstore.core.policies.lru import LRUPolicy
-from kvstore.core.policies.prefix import PrefixARCPolicy, PrefixAwarePolicy, PrefixLRUPolicy, PrefixS3FIFOPolicy
+from kvstore.core.policies.prefix import PrefixAwarePolicy
 from kvstore.core.policies.s3fifo import S3FIFOPolicy
 from kvstore.errors import ConfigError
 
-POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls
-    for cls in (
-        LRUPolicy,
-        ARCPolicy,
-        S3FIFOPolicy,
-        PrefixLRUPolicy,
-        PrefixARCPolicy,
-        PrefixS3FIFOPolicy,
-        HintedLRUPolicy,
-        HintedARCPolicy,
-        HintedS3FIFOPolicy,
-        HintedPrefixLRUPolicy,
-        HintedPrefixARCPolicy,
-        HintedPrefixS3FIFOPolicy,
-    )
+# The base orders, each a policy by itself and the last word of a composed name.
+BASES: tuple[type[EvictionPolicy], ...] = (LRUPolicy, ARCPolicy, S3FIFOPolicy)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyRecipe:
+    """A base order and the wrappers around it: `prefix` next to the base, `hint` outside."""
+
+    base: type[EvictionPolicy]
+    prefix: bool = False
+    hint: bool = False
+
+    @property
+    def name(self) -> str:
+        words = [HintedPolicy.word] if self.hint else []
+        if self.prefix:
+            words.append(PrefixAwarePolicy.word)
+        return "-".join([*words, self.base.name])
+
+    def build(self, clock: Clock, hint_budget_fraction: float) -> EvictionPolicy:
+        policy = self.base(clock)
+        if self.prefix:
+            policy = PrefixAwarePolicy(policy)
+        if self.hint:
+            policy = HintedPolicy(policy, budget_fraction=hint_budget_fraction)
+        return policy
+
+
+# Every base order bare, then under each wrapping: (prefix, hint).
+_WRAPPINGS = ((False, False), (True, False), (False, True), (True, True))
+
+POLICIES: dict[str, PolicyRecipe] = {
+    recipe.name: recipe
+    for recipe in (PolicyRecipe(base, prefix, hint) for prefix, hint in _WRAPPINGS for base in BASES)
 }
 
 # Measured on the conversation trace (docs/policies.md): ARC is the best order without
@@ -64,17 +76,13 @@ def make_policy(
 ) -> EvictionPolicy:
     """The policy registered as `name`; `hint_budget_fraction` applies to ``hint-*`` ones."""
     try:
-        cls = POLICIES[name]
+        recipe = POLICIES[name]
     except KeyError:
         known = ", ".join(sorted(POLICIES))
         raise ConfigError(f"unknown eviction policy {name!r}; choose one of: {known}") from None
-    if issubclass(cls, HintedPolicy):
-        if not 0.0 <= hint_budget_fraction <= 1.0:
-            raise ConfigError(
-                f"hint budget fraction must be within [0, 1], got {hint_budget_fraction!r}"
-            )
-        return cls(clock, budget_fraction=hint_budget_fraction)
-    return cls(clock)
+    if recipe.hint and not 0.0 <= hint_budget_fraction <= 1.0:
+        raise ConfigError(f"hint budget fraction must be within [0, 1], got {hint_budget_fraction!r}")
+    return recipe.build(clock, hint_budget_fraction)
 
 
 def parse_tier_policies(spec: str) -> dict[str, str]:
@@ -104,6 +112,7 @@ def parse_tier_policies(spec: str) -> dict[str, str]:
 
 __all__ = [
     "ARCPolicy",
+    "BASES",
     "BlockKey",
     "Clock",
     "DEFAULT_HINT_BUDGET_FRACTION",
@@ -113,6 +122,7 @@ __all__ = [
     "HintedPolicy",
     "LRUPolicy",
     "POLICIES",
+    "PolicyRecipe",
     "PrefixAwarePolicy",
     "S3FIFOPolicy",
     "TIERS",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -34,7 +34,9 @@ Rows = npt.NDArray[np.int64]
 class EvictionPolicy(ABC):
     """Orders the READY blocks of one tier for eviction."""
 
-    name: ClassVar[str]
+    # The configured name: a class attribute of a base order, set per instance by a
+    # wrapper from its base's ("hint-" + "arc").
+    name: str
 
     def __init__(self, clock: Clock = time.monotonic) -> None:
         self.clock = clock

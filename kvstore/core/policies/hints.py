@@ -36,16 +36,11 @@ from __future__ import annotations
 
 import heapq
 import math
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvstore.core.policies.arc import ARCPolicy
-from kvstore.core.policies.base import BlockKey, Clock, EvictionPolicy, Rows
-from kvstore.core.policies.lru import LRUPolicy
-from kvstore.core.policies.prefix import PrefixARCPolicy, PrefixLRUPolicy, PrefixS3FIFOPolicy
-from kvstore.core.policies.s3fifo import S3FIFOPolicy
+from kvstore.core.policies.base import BlockKey, EvictionPolicy, Rows
 from kvstore.core.table import BlockTable
 from kvstore.errors import InvalidArgument
 
@@ -87,23 +82,20 @@ class _Grant:
 
 
 class HintedPolicy(EvictionPolicy):
-    """Protects hinted blocks until their deadline, inside a budget; base order otherwise."""
+    """Protects hinted blocks until their deadline, inside a budget; `base`'s order
+    otherwise. Named ``hint-`` and its base's name; reads time from its base's clock."""
 
-    name = "hint"
-    base_policy: ClassVar[type[EvictionPolicy]] = LRUPolicy
+    # What this wrapper puts before its base's name.
+    word: ClassVar[str] = "hint"
 
-    def __init__(
-        self,
-        clock: Clock = time.monotonic,
-        base: EvictionPolicy | None = None,
-        budget_fraction: float = DEFAULT_HINT_BUDGET_FRACTION,
-    ) -> None:
-        super().__init__(clock)
+    def __init__(self, base: EvictionPolicy, budget_fraction: float = DEFAULT_HINT_BUDGET_FRACTION) -> None:
+        super().__init__(base.clock)
         if not 0.0 <= budget_fraction <= 1.0:
             raise InvalidArgument(
                 f"hint budget fraction must be within [0, 1], got {budget_fraction!r}"
             )
-        self._base = base if base is not None else self.base_policy(clock)
+        self.name = f"{self.word}-{base.name}"
+        self._base = base
         self.budget_fraction = budget_fraction
         self._grants: dict[str, _Grant] = {}
         self._protected: dict[BlockKey, int] = {}
@@ -124,6 +116,11 @@ class HintedPolicy(EvictionPolicy):
         self._trust = 1.0
         # Protected blocks hit while protected: their grants were worth it.
         self._hit_protected: set[BlockKey] = set()
+
+    @property
+    def base(self) -> EvictionPolicy:
+        """The policy this one wraps."""
+        return self._base
 
     # -- hints ---------------------------------------------------------------------
 
@@ -327,32 +324,3 @@ class HintedPolicy(EvictionPolicy):
     def __contains__(self, key: object) -> bool:
         return key in self._parked or key in self._base
 
-
-class HintedLRUPolicy(HintedPolicy):
-    name = "hint-lru"
-    base_policy = LRUPolicy
-
-
-class HintedARCPolicy(HintedPolicy):
-    name = "hint-arc"
-    base_policy = ARCPolicy
-
-
-class HintedS3FIFOPolicy(HintedPolicy):
-    name = "hint-s3fifo"
-    base_policy = S3FIFOPolicy
-
-
-class HintedPrefixLRUPolicy(HintedPolicy):
-    name = "hint-prefix-lru"
-    base_policy = PrefixLRUPolicy
-
-
-class HintedPrefixARCPolicy(HintedPolicy):
-    name = "hint-prefix-arc"
-    base_policy = PrefixARCPolicy
-
-
-class HintedPrefixS3FIFOPolicy(HintedPolicy):
-    name = "hint-prefix-s3fifo"
-    base_policy = PrefixS3FIFOPolicy

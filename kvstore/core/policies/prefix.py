@@ -10,29 +10,31 @@ Primitives: `parent` and child counts per key; the base policy's order among lea
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import ClassVar
 
-from kvstore.core.policies.arc import ARCPolicy
-from kvstore.core.policies.base import BlockKey, Clock, EvictionPolicy
-from kvstore.core.policies.lru import LRUPolicy
-from kvstore.core.policies.s3fifo import S3FIFOPolicy
+from kvstore.core.policies.base import BlockKey, EvictionPolicy
 
 
 class PrefixAwarePolicy(EvictionPolicy):
-    """Leaves first, in the order of `base_policy`."""
+    """Leaves first, in the order of `base`. Named ``prefix-`` and its base's name."""
 
-    name = "prefix"
-    base_policy: ClassVar[type[EvictionPolicy]] = LRUPolicy
+    # What this wrapper puts before its base's name.
+    word: ClassVar[str] = "prefix"
 
-    def __init__(self, clock: Clock = time.monotonic, base: EvictionPolicy | None = None) -> None:
-        super().__init__(clock)
-        self._base = base if base is not None else self.base_policy(clock)
+    def __init__(self, base: EvictionPolicy) -> None:
+        super().__init__(base.clock)
+        self.name = f"{self.word}-{base.name}"
+        self._base = base
         self._parent: dict[BlockKey, BlockKey | None] = {}
         # Children counted whether or not the parent is tracked yet: blocks of one
         # request arrive tail first, so a child can precede its parent.
         self._children: dict[BlockKey, int] = {}
+
+    @property
+    def base(self) -> EvictionPolicy:
+        """The policy this one wraps."""
+        return self._base
 
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
         if key not in self._parent:
@@ -74,17 +76,3 @@ class PrefixAwarePolicy(EvictionPolicy):
     def __contains__(self, key: object) -> bool:
         return key in self._base
 
-
-class PrefixLRUPolicy(PrefixAwarePolicy):
-    name = "prefix-lru"
-    base_policy = LRUPolicy
-
-
-class PrefixARCPolicy(PrefixAwarePolicy):
-    name = "prefix-arc"
-    base_policy = ARCPolicy
-
-
-class PrefixS3FIFOPolicy(PrefixAwarePolicy):
-    name = "prefix-s3fifo"
-    base_policy = S3FIFOPolicy
