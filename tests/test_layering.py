@@ -49,7 +49,6 @@ ALLOWLIST: set[tuple[str, str]] = {
     ("kvstore.server.daemon", "kvstore.tiers.host"),
     ("kvstore.server.daemon", "kvstore.tiers.segment"),
     ("kvstore.server.daemon", "kvstore.tiers.ssd"),
-    ("kvstore.server.servicer", "kvstore.tiers.segment"),
 }
 
 

@@ -2,5 +2,6 @@
 
 from kvstore.core.tier import Slot, Tier
 from kvstore.tiers.host import HostTier
+from kvstore.tiers.segment import Segment
 
-__all__ = ["HostTier", "Slot", "Tier"]
+__all__ = ["HostTier", "Segment", "Slot", "Tier"]

@@ -45,15 +45,19 @@ from kvstore.core.store import MigrationConfig, Store, StoreLimits, StoreTier, W
 from kvstore.core.tier import Tier
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.laneproto import lane_path
-from kvstore.server.admin import OpsAdminServicer
+from kvstore.server.admin import AdminServicer
 from kvstore.server.auth import AuthInterceptor, TokenTable, parse_token_file
 from kvstore.server.config import AUTO, Config
+from kvstore.server.device_plane import DevicePlane
 from kvstore.server.events import EventBus
 from kvstore.server.interceptors import ErrorInterceptor
 from kvstore.server.lane import LaneServer
+from kvstore.server.lease_tags import LeaseTags
 from kvstore.server.lifecycle import DrainGate
+from kvstore.server.local_plane import LocalPlane
 from kvstore.server.local_puts import LocalPuts
 from kvstore.server.metrics import Metrics, MetricsServer
+from kvstore.server.requests import RequestResolver
 from kvstore.server.runtime import RuntimeConfig
 from kvstore.server.servicer import KVStoreServicer
 from kvstore.tiers.host import HostTier
@@ -472,14 +476,16 @@ class Daemon:
         assert isinstance(host_tier, HostTier)
         self._local_puts = LocalPuts()
         auth_on = self.tokens is not None
-        servicer = KVStoreServicer(self.store, cfg.chunk_bytes, host_tier.segment, self._local_puts,
-                                   max_tokens_per_call=cfg.max_tokens_per_call, max_block_bytes=cfg.max_block_bytes,
-                                   lease_key=secrets.token_bytes(32) if auth_on else None,
-                                   max_namespaces_per_tenant=cfg.max_namespaces_per_tenant if auth_on else None)
-        self.runtime.register("max_tokens_per_call", lambda value: setattr(servicer, "max_tokens_per_call", value))
+        resolver = RequestResolver(
+            self.store, LeaseTags(secrets.token_bytes(32) if auth_on else None),
+            max_tokens_per_call=cfg.max_tokens_per_call, max_block_bytes=cfg.max_block_bytes,
+            max_namespaces_per_tenant=cfg.max_namespaces_per_tenant if auth_on else None)
+        self.runtime.register("max_tokens_per_call", lambda value: setattr(resolver, "max_tokens_per_call", value))
+        local = LocalPlane(self.store, resolver, host_tier.segment, self._local_puts)
+        servicer = KVStoreServicer(self.store, resolver, local, DevicePlane(self.store, local), cfg.chunk_bytes)
         add_kvstore_servicer(servicer, server)
         admin_pb2_grpc.add_AdminServicer_to_server(
-            OpsAdminServicer(self.store, self.runtime, self.events, absent, lambda: self.auth.in_flight), server
+            AdminServicer(self.store, self.runtime, self.events, absent, lambda: self.auth.in_flight), server
         )
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
