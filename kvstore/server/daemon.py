@@ -46,17 +46,18 @@ from kvstore.core.tier import Tier
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.laneproto import lane_path
 from kvstore.server.admin import AdminServicer
-from kvstore.server.auth import AuthInterceptor, TokenTable, parse_token_file
+from kvstore.server.auth import Authenticator, TokenTable, parse_token_file
 from kvstore.server.config import AUTO, Config
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.events import EventBus
-from kvstore.server.interceptors import ErrorInterceptor
+from kvstore.server.interceptors import PipelineInterceptor
 from kvstore.server.lane import LaneServer
 from kvstore.server.lease_tags import LeaseTags
 from kvstore.server.lifecycle import DrainGate
 from kvstore.server.local_plane import LocalPlane
 from kvstore.server.local_puts import LocalPuts
 from kvstore.server.metrics import Metrics, MetricsServer
+from kvstore.server.pipeline import Pipeline
 from kvstore.server.requests import RequestResolver
 from kvstore.server.runtime import RuntimeConfig
 from kvstore.server.servicer import KVStoreServicer
@@ -337,7 +338,7 @@ class Daemon:
             )
         if self.tokens is not None and config.unix_socket_tenant:
             _check_unix_tenant(self.tokens, config.unix_socket_tenant, config.auth_token_file)
-        self.auth = AuthInterceptor(self.tokens, config.max_calls_per_tenant, config.unix_socket_tenant)
+        self.auth = Authenticator(self.tokens, config.max_calls_per_tenant, config.unix_socket_tenant)
         self.bound: list[str] = []
         self.bound_lanes: list[str] = []  # socket paths of the local control lanes
         self.store: Store | None = None
@@ -356,6 +357,7 @@ class Daemon:
         self._gate = DrainGate()
         self.runtime: RuntimeConfig | None = None
         self.metrics = Metrics(lambda: self.store, self.events)
+        self.pipeline = Pipeline(self._gate, self.auth, self.metrics)
         self._metrics_server: MetricsServer | None = None
         self.metrics_address = ""  # HOST:PORT once the endpoint is up; empty when off
         self._metrics_addr = metrics_addr
@@ -460,10 +462,7 @@ class Daemon:
             self.store.tenancy.quotas = self.tokens.quotas()
         self.runtime = RuntimeConfig(cfg, self.store, self.events)
         server = grpc.aio.server(
-            # Metrics outermost, so it sees the status the error interceptor set.
-            # The drain gate next, so refused calls are counted too. Auth innermost, so
-            # the identity it sets is in the servicer's context.
-            interceptors=[self.metrics.interceptor(), self._gate, ErrorInterceptor(), self.auth],
+            interceptors=[PipelineInterceptor(self.pipeline)],
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
@@ -566,8 +565,7 @@ class Daemon:
                                addr.path, path)
                 continue
             _prepare_unix_path(path)
-            lane = LaneServer(servicer, self.auth, self._gate, self.metrics, self.config.max_message_bytes,
-                              deferral=servicer.store.deferral)
+            lane = LaneServer(servicer, self.pipeline, self.config.max_message_bytes, deferral=servicer.store.deferral)
             try:
                 await lane.start(path)
             except OSError as exc:
