@@ -46,8 +46,6 @@ ALLOWLIST: set[tuple[str, str]] = {
     ("kvstore.core.store", "kvstore.tiers.copiers"),
     ("kvstore.server.daemon", "kvstore.tiers.cuda"),
     ("kvstore.server.daemon", "kvstore.tiers.hbm"),
-    ("kvstore.server.daemon", "kvstore.tiers.host"),
-    ("kvstore.server.daemon", "kvstore.tiers.segment"),
     ("kvstore.server.daemon", "kvstore.tiers.ssd"),
 }
 

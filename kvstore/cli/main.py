@@ -25,7 +25,8 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.server.config import load_config
-    from kvstore.server.daemon import serve, tune_malloc
+    from kvstore.server.daemon import serve
+    from kvstore.server.host_resources import tune_malloc
 
     try:
         config = load_config(vars(args))

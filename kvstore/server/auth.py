@@ -251,6 +251,14 @@ def parse_token_file(path: str) -> TokenTable:
     return TokenTable(entries, identities)
 
 
+def check_unix_tenant(table: TokenTable, tenant: str, path: str) -> None:
+    """Refuse a `unix_socket_tenant` that is not a tenant of the token file at `path`."""
+    if tenant not in table.identities:
+        raise ConfigError(
+            f"unix_socket_tenant {tenant!r} is not a tenant of {path}; known: {', '.join(sorted(table.identities))}"
+        )
+
+
 def bearer_token(metadata: Any) -> str | None:
     """The token of gRPC metadata's `authorization: Bearer <token>`: None when there is
     none, "" when it is malformed (refused like a wrong one)."""
