@@ -41,12 +41,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.errors import ConfigError, PermissionDenied, ResourceExhausted, Unauthenticated
+from kvstore.tiers import TIER_KINDS
 from kvstore.units import parse_size
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("client", "admin")
-QUOTA_TIERS = ("hbm", "host", "ssd")
+QUOTA_TIERS = TIER_KINDS
 DEFAULT_TENANT = "default"
 HASH_SCHEME = "sha256"
 TOKEN_PREFIX = "kvs_"

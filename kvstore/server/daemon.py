@@ -42,7 +42,6 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.core.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, parse_tier_policies
 from kvstore.core.store import MigrationConfig, Store, StoreLimits, StoreTier, WritePolicy
-from kvstore.core.tier import Tier
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.laneproto import lane_path
 from kvstore.server.admin import AdminServicer
@@ -63,7 +62,7 @@ from kvstore.server.pipeline import Pipeline
 from kvstore.server.requests import RequestResolver
 from kvstore.server.runtime import RuntimeConfig
 from kvstore.server.servicer import KVStoreServicer
-from kvstore.tiers import HostTier, default_shm_dir, remove_stale_segments
+from kvstore.tiers import HBM, HOST, HostTier, Tier, TierSettings, build_tiers, default_shm_dir, remove_stale_segments
 from kvstore.units import human_bytes
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 from kvstore.wire import add_kvstore_servicer
@@ -131,46 +130,30 @@ class Daemon:
         return make_policy(name, hint_budget_fraction=self.config.hint_budget)
 
     def _build_tiers(self, host_capacity: int, shm_dir: str) -> tuple[list[StoreTier], list[tuple[str, str]]]:
-        """The tiers, top first, and the absent ones with the reason (shown in stats)."""
+        """The tiers, top first, each with its policy and watermarks, and the absent ones
+        with the reason (shown in stats). What was built is closed if this fails."""
         cfg = self.config
-        built: list[Tier] = []
-        tiers: list[StoreTier] = []
-        absent: list[tuple[str, str]] = []
+        if cfg.ssd_path:
+            check_disk_capacity(cfg.ssd_path, cfg.ssd_capacity)
+        built, absent = build_tiers(TierSettings(
+            host_capacity_bytes=host_capacity, shm_dir=shm_dir, hbm_capacity_bytes=cfg.hbm_capacity, gpu=cfg.gpu,
+            ssd_path=cfg.ssd_path, ssd_capacity_bytes=cfg.ssd_capacity, ssd_region_size_bytes=cfg.ssd_region_size,
+            ssd_io=cfg.ssd_io, ssd_io_threads=cfg.ssd_io_threads, ssd_compress=cfg.ssd_compress,
+        ))
         try:
-            if cfg.hbm_capacity <= 0:
-                absent.append(("hbm", "not configured (--hbm-capacity 0)"))
-            else:
-                from kvstore.tiers.cuda import cuda_unavailable_reason
-
-                reason = cuda_unavailable_reason(cfg.gpu)
-                if reason:
-                    absent.append(("hbm", reason))
-                    logger.warning("hbm tier absent: %s", reason)
-                else:
-                    from kvstore.tiers.hbm import HbmTier
-
-                    hbm = HbmTier(cfg.hbm_capacity, device=cfg.gpu)
-                    built.append(hbm)
-                    tiers.append(StoreTier(hbm, self._policy("hbm"), cfg.hbm_high_watermark,
-                                           cfg.hbm_low_watermark))
-            host = HostTier(host_capacity, shm_dir=shm_dir)
-            built.append(host)
-            tiers.append(StoreTier(host, self._policy("host"), cfg.host_high_watermark, cfg.host_low_watermark))
-            if cfg.ssd_path:
-                from kvstore.tiers.ssd import SsdTier
-
-                check_disk_capacity(cfg.ssd_path, cfg.ssd_capacity)
-                ssd = SsdTier(cfg.ssd_path, cfg.ssd_capacity, region_size=cfg.ssd_region_size, io_mode=cfg.ssd_io,
-                              io_threads=cfg.ssd_io_threads, compress=cfg.ssd_compress)
-                built.append(ssd)
-                tiers.append(StoreTier(ssd, self._policy("ssd")))
-            else:
-                absent.append(("ssd", "not configured (--ssd-path)"))
+            return [self._store_tier(tier) for tier in built], absent
         except BaseException:
-            for tier in built:
+            for tier in reversed(built):
                 tier.close()
             raise
-        return tiers, absent
+
+    def _store_tier(self, tier: Tier) -> StoreTier:
+        """`tier` with its policy and the watermarks configured for its kind (the last
+        tier drops its victims and keeps the defaults)."""
+        cfg = self.config
+        watermarks = {HBM: (cfg.hbm_high_watermark, cfg.hbm_low_watermark),
+                      HOST: (cfg.host_high_watermark, cfg.host_low_watermark)}.get(tier.name, ())
+        return StoreTier(tier, self._policy(tier.name), *watermarks)
 
     async def start(self) -> None:
         """Build and serve everything; on any failure, tear down what was built, in reverse."""
@@ -183,7 +166,7 @@ class Daemon:
         shm_dir = cfg.shm_dir or default_shm_dir()
         remove_stale_segments(shm_dir)
         host_capacity = resolve_host_capacity(cfg.host_capacity, shm_dir)
-        if cfg.put_tier == "hbm" and cfg.hbm_capacity <= 0:
+        if cfg.put_tier == HBM and cfg.hbm_capacity <= 0:
             raise ConfigError("put_tier is hbm but there is no HBM tier; set --hbm-capacity or --put-tier auto")
         # The executor outlives the store: the store's last SSD writes hash on it.
         self._executor = ThreadPoolExecutor(cfg.checksum_threads, thread_name_prefix="kvstore-checksum")
@@ -226,7 +209,7 @@ class Daemon:
         stack.callback(self._local_puts.abort_all)  # a put left open rolls back before the store closes
         await self._start_metrics(stack)
         # The host tier is not the first one when an HBM tier sits above it.
-        host_tier = next(st.tier for st in store.tiers if st.name == "host")
+        host_tier = next(st.tier for st in store.tiers if st.name == HOST)
         assert isinstance(host_tier, HostTier)
         server, servicer = self._services(store, host_tier, absent)
         await self._start_grpc(stack, server)

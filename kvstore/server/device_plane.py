@@ -18,10 +18,11 @@ from typing import Any
 from kvstore.core.store import Store
 from kvstore.errors import FailedPrecondition
 from kvstore.server.local_plane import LocalPlane
+from kvstore.tiers import HBM
 from kvstore.v1 import kvstore_pb2
 
 # The tier the device plane serves from and puts into.
-DEVICE_TIER = "hbm"
+DEVICE_TIER = HBM
 
 
 class DevicePlane:

@@ -34,10 +34,11 @@ from kvstore.server.auth import current_identity
 from kvstore.server.local_puts import LocalPuts
 from kvstore.server.requests import RequestResolver, hash_fields, packed_reply
 from kvstore.shm import HEADER_BYTES
-from kvstore.tiers import Segment
+from kvstore.tiers import HOST, Segment
 from kvstore.v1 import kvstore_pb2
 
-LOCAL_TIER = "host"
+# The tier the shared-memory plane serves from and puts into.
+LOCAL_TIER = HOST
 # Leases a local call may end on the side (clients batch the releases of their fetches).
 MAX_PIGGYBACK_RELEASES = 64
 DEFAULT_LOCAL_LEASE_MS = 10_000
