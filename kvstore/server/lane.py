@@ -1,9 +1,10 @@
 """The daemon's side of the local control lane (framing in `kvstore.laneproto`).
 
 A Unix stream socket next to each gRPC Unix socket, served on the daemon's event loop by
-a protocol that runs each call as soon as its frame is whole (see `_Connection`). It exists because a grpc-python unary call costs several hundred
-microseconds of per-call machinery on each side, which is most of a co-located
-engine's `Lookup` and of the local data plane's per-batch control calls.
+a protocol that runs each call as soon as its frame is whole (see `_Connection`). It
+exists because a grpc-python unary call costs several hundred microseconds of per-call
+machinery on each side, which is most of a co-located engine's `Lookup` and of the local
+data plane's per-batch control calls.
 
 Each call goes through the per-call pipeline a gRPC call goes through
 (`kvstore.server.pipeline`: metrics, drain gate, request id, auth admission, error
