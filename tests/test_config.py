@@ -9,7 +9,8 @@ import pytest
 
 from kvstore.errors import ConfigError
 from kvstore.server.config import load_config
-from kvstore.server.daemon import Daemon, parse_listen
+from kvstore.server.daemon import Daemon
+from kvstore.server.listen import parse_listen
 from kvstore.units import human_bytes, parse_size
 
 
@@ -111,6 +112,35 @@ async def test_refuses_a_port_in_use(config):
             await Daemon(replace(config, listen=(f"127.0.0.1:{port}",))).start()
     finally:
         holder.close()
+
+
+async def test_a_failed_start_leaves_nothing_behind(config, tmp_path):
+    """A start that fails late (the TCP address is taken, after the tiers, the store, the
+    metrics endpoint and the Unix socket were made) unwinds all of it: no socket file, no
+    shared-memory segment, the metrics port closed, and the next start succeeds."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    sock = tmp_path / "late.sock"
+    cfg = replace(config, shm_dir=str(shm), listen=(f"unix:{sock}", f"127.0.0.1:{port}"))
+    failed = Daemon(cfg)
+    try:
+        with pytest.raises(ConfigError, match="in use"):
+            await failed.start()
+    finally:
+        holder.close()
+    assert not sock.exists()
+    assert list(shm.iterdir()) == []
+    host, _, metrics_port = failed.metrics_address.rpartition(":")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, int(metrics_port)), timeout=5).close()
+    d = Daemon(replace(cfg, listen=(f"unix:{sock}", "127.0.0.1:0")))
+    await d.start()
+    await d.stop(grace_s=0)
+    assert not sock.exists() and list(shm.iterdir()) == []
 
 
 async def test_refuses_a_live_unix_socket_and_replaces_a_stale_one(daemon, config, tmp_path):

@@ -177,3 +177,37 @@ async def test_ssd_capacity_beyond_the_disk_refuses_to_start(tmp_path: Path) -> 
     d = Daemon(replace(ssd_config(tmp_path), ssd_capacity=1 << 56))
     with pytest.raises(ConfigError, match="ssd_capacity"):
         await d.start()
+
+
+def test_tier_kinds_have_one_name_everywhere() -> None:
+    """The registry's kinds are the names the proto's Tier enum, the policy specs and the
+    token file's quotas use: a new kind is added to the registry, and these follow."""
+    from kvstore.convert import TIER_BY_NAME
+    from kvstore.core.policies import TIERS
+    from kvstore.server.auth import QUOTA_TIERS
+    from kvstore.tiers import TIER_KINDS
+
+    assert set(TIER_KINDS) <= set(TIER_BY_NAME)
+    assert tuple(TIERS) == TIER_KINDS == QUOTA_TIERS
+
+
+def test_build_tiers_names_the_absent_and_closes_what_it_built_on_failure(tmp_path: Path) -> None:
+    from kvstore.tiers import HOST, SSD, TierSettings, build_host, build_tiers
+
+    settings = TierSettings(host_capacity_bytes=1 << 20, shm_dir=str(tmp_path))
+    built, absent = build_tiers(settings)
+    try:
+        assert [t.name for t in built] == ["host"]
+        assert [kind for kind, _ in absent] == ["hbm", "ssd"]
+        assert all("not configured" in reason for _, reason in absent)
+    finally:
+        for tier in built:
+            tier.close()
+    assert list(tmp_path.iterdir()) == []
+
+    def broken(settings: TierSettings) -> str:
+        raise OSError("the disk is gone")
+
+    with pytest.raises(OSError, match="the disk is gone"):
+        build_tiers(settings, {HOST: build_host, SSD: broken})
+    assert list(tmp_path.iterdir()) == []  # the host tier's segment was closed and removed

@@ -44,12 +44,6 @@ TORCH_MODULES = {"kvstore.client.tensors", "kvstore.client._device", "kvstore.cl
 # Violations being worked off; must end empty.
 ALLOWLIST: set[tuple[str, str]] = {
     ("kvstore.core.store", "kvstore.tiers.copiers"),
-    ("kvstore.server.daemon", "kvstore.tiers.cuda"),
-    ("kvstore.server.daemon", "kvstore.tiers.hbm"),
-    ("kvstore.server.daemon", "kvstore.tiers.host"),
-    ("kvstore.server.daemon", "kvstore.tiers.segment"),
-    ("kvstore.server.daemon", "kvstore.tiers.ssd"),
-    ("kvstore.server.servicer", "kvstore.tiers.segment"),
 }
 
 

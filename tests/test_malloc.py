@@ -1,4 +1,4 @@
-"""The daemon's allocator thresholds (kvstore.server.daemon.tune_malloc, docs/operations.md)."""
+"""The daemon's allocator thresholds (kvstore.server.host_resources.tune_malloc, docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from kvstore.server.daemon import tune_malloc
+from kvstore.server.host_resources import tune_malloc
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt thresholds are glibc's")

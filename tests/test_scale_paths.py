@@ -158,7 +158,7 @@ async def test_snapshot_round_trip_keeps_parents_and_accounting(tmp_path: Path) 
 def test_gc_freezer_freezes_after_enough_new_blocks() -> None:
     import gc
 
-    from kvstore.server.daemon import GcFreezer
+    from kvstore.server.host_resources import GcFreezer
 
     gc.unfreeze()
     freezer = GcFreezer(min_blocks=100, growth=0.25)

@@ -383,7 +383,7 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     try:
         set_keys = set(read_toml(args.file))
         cfg = load_config({"config": args.file}, env={})
-        from kvstore.server.daemon import check_exposure
+        from kvstore.server.listen import check_exposure
 
         # Addresses are checked the way the daemon checks them (loopback unless auth is set up),
         # and so is the token file.

@@ -14,7 +14,8 @@ from kvstore.errors import KVStoreError
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.server.config import load_config
-    from kvstore.server.daemon import serve, tune_malloc
+    from kvstore.server.daemon import serve
+    from kvstore.server.host_resources import tune_malloc
 
     try:
         config = load_config(vars(args))

@@ -1,8 +1,13 @@
-"""The operator RPCs of `kvstore.v1.Admin`: namespaces, evict, flush, config, events.
+"""The `kvstore.v1.Admin` servicer: stats, INFO, namespaces, blocks, evict, flush,
+config, events.
 
-Translation only, like the other servicers: each RPC maps to one store, runtime-config
-or event-bus call. Nothing here runs code supplied by a caller or reveals the process
-environment; config reads return the daemon's own settings only.
+Primitives: `AdminServicer`, `stats_to_proto(status, uptime_s, absent)`.
+
+Each RPC maps to one store, runtime-config or event-bus call; what it adds is the
+rendering (the StatsResponse, the INFO text with its events and tenants sections).
+Nothing here runs code supplied by a caller or reveals the process environment; config
+reads return the daemon's own settings only. Only admins reach these methods (the
+per-call pipeline's auth step).
 """
 
 from __future__ import annotations
@@ -12,15 +17,15 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import grpc
 
+from kvstore import __version__
 from kvstore.convert import layout_to_proto
-from kvstore.core.store import RemovalResult, Store
+from kvstore.core.store import RemovalResult, Store, StoreStatus
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import HASH_BYTES
 from kvstore.server.events import EventBus, EventKind
 from kvstore.server.info import SECTIONS, render_info
 from kvstore.server.runtime import ConfigValue, RuntimeConfig
-from kvstore.server.servicer import AdminServicer
-from kvstore.v1 import admin_pb2
+from kvstore.v1 import admin_pb2, admin_pb2_grpc
 
 INFO_SECTIONS = (*SECTIONS, "events", "tenants")
 
@@ -45,7 +50,63 @@ def _removal(r: RemovalResult) -> admin_pb2.RemovalResponse:
     return admin_pb2.RemovalResponse(blocks=r.blocks, removed_bytes=r.removed_bytes)
 
 
-class OpsAdminServicer(AdminServicer):
+def stats_to_proto(status: StoreStatus, uptime_s: float, absent: Sequence[tuple[str, str]] = ()) -> admin_pb2.StatsResponse:
+    c = status.counters
+    tiers = [
+        admin_pb2.TierStats(
+            name=t.name,
+            present=True,
+            capacity_bytes=t.capacity_bytes,
+            used_bytes=t.used_bytes,
+            blocks=t.blocks,
+            hits=t.counters.hits,
+            misses=t.counters.misses,
+            evictions=t.counters.evictions,
+            checksum_failures=t.counters.checksum_failures,
+            policy=t.policy,
+            promotions=t.counters.promotions,
+            demotions=t.counters.demotions,
+            drops=t.counters.drops,
+            pending_writes=t.pending_writes,
+            io_mode=t.facts.get("io_mode", ""),
+            pinned=t.facts.get("pinned") == "yes",
+            facts=t.facts,
+        )
+        for t in status.tiers
+    ]
+    tiers += [admin_pb2.TierStats(name=name, present=False, reason=reason) for name, reason in absent]
+    return admin_pb2.StatsResponse(
+        tiers=tiers,
+        counters=admin_pb2.StoreCounters(
+            lookups=c.lookups,
+            lookup_blocks=c.lookup_blocks,
+            hit_blocks=c.hit_blocks,
+            miss_blocks=c.miss_blocks,
+            puts=c.puts,
+            blocks_stored=c.blocks_stored,
+            blocks_existing=c.blocks_existing,
+            bytes_in=c.bytes_in,
+            fetches=c.fetches,
+            blocks_fetched=c.blocks_fetched,
+            bytes_out=c.bytes_out,
+            deletes=c.deletes,
+            evictions=c.evictions,
+            checksum_failures=c.checksum_failures,
+            leases_active=status.leases_active,
+            put_failures=c.put_failures,
+            prefetches=c.prefetches,
+            ssd_write_failures=c.ssd_write_failures,
+        ),
+        namespaces=status.namespaces,
+        uptime_s=uptime_s,
+        version=__version__,
+    )
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    """`absent_tiers`: (name, reason) of the tiers the daemon could not or was not told to
+    build; `calls_in_flight`: the calls each tenant has in flight now."""
+
     def __init__(
         self,
         store: Store,
@@ -54,10 +115,15 @@ class OpsAdminServicer(AdminServicer):
         absent_tiers: Sequence[tuple[str, str]] = (),
         calls_in_flight: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
-        super().__init__(store, runtime.as_dict(), absent_tiers)
+        self.store = store
         self.runtime = runtime
         self.bus = bus
+        self.absent_tiers = list(absent_tiers)
         self._calls_in_flight = calls_in_flight
+        self.started = time.monotonic()
+
+    async def Stats(self, request: admin_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.StatsResponse:
+        return stats_to_proto(self.store.stats(), time.monotonic() - self.started, self.absent_tiers)
 
     async def Info(self, request: admin_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> admin_pb2.InfoResponse:
         section = request.section.strip().lower()

@@ -1,8 +1,10 @@
-"""Tenants and bearer tokens: the token file, the table built from it, and the server
-interceptor that puts the caller's identity into a contextvar.
+"""Tenants and bearer tokens: the token file, the table built from it, and the
+admission of calls that puts the caller's identity into a contextvar.
 
 Primitives: `parse_token_file(path) -> TokenTable`, `TokenTable.authenticate(token)`,
-`new_token() -> (token, hash)`, `AuthInterceptor`, `current_identity()`.
+`new_token() -> (token, hash)`, `Authenticator` (`identify`, `admit`/`leave`: the auth
+step of the per-call pipeline, `kvstore.server.pipeline`), `bearer_token(metadata)`,
+`current_identity()`.
 
 The token file is TOML, one `[[tenant]]` table per tenant (see SECURITY.md):
 
@@ -34,25 +36,21 @@ import os
 import secrets
 import stat
 import tomllib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
-from kvstore.errors import ConfigError, KVStoreError, PermissionDenied, ResourceExhausted, Unauthenticated
-from kvstore.server.interceptors import StreamBehavior, UnaryBehavior, WrapCache, wrap_handler
+from kvstore.errors import ConfigError, PermissionDenied, ResourceExhausted, Unauthenticated
+from kvstore.tiers import TIER_KINDS
 from kvstore.units import parse_size
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("client", "admin")
-QUOTA_TIERS = ("hbm", "host", "ssd")
+QUOTA_TIERS = TIER_KINDS
 DEFAULT_TENANT = "default"
 HASH_SCHEME = "sha256"
 TOKEN_PREFIX = "kvs_"
-# Calls that need no token: load balancers and kubelets probe health without one.
-OPEN_SERVICES = ("/grpc.health.v1.Health/",)
 ADMIN_SERVICE = "/kvstore.v1.Admin/"
 # The shared-memory plane, and the device (CUDA IPC) plane: both hand a client memory
 # that holds every tenant's blocks.
@@ -254,7 +252,17 @@ def parse_token_file(path: str) -> TokenTable:
     return TokenTable(entries, identities)
 
 
+def check_unix_tenant(table: TokenTable, tenant: str, path: str) -> None:
+    """Refuse a `unix_socket_tenant` that is not a tenant of the token file at `path`."""
+    if tenant not in table.identities:
+        raise ConfigError(
+            f"unix_socket_tenant {tenant!r} is not a tenant of {path}; known: {', '.join(sorted(table.identities))}"
+        )
+
+
 def bearer_token(metadata: Any) -> str | None:
+    """The token of gRPC metadata's `authorization: Bearer <token>`: None when there is
+    none, "" when it is malformed (refused like a wrong one)."""
     for key, value in metadata or ():
         if key == "authorization" and isinstance(value, str):
             scheme, _, token = value.partition(" ")
@@ -264,19 +272,19 @@ def bearer_token(metadata: Any) -> str | None:
     return None
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Authenticates every call but health checks, enforces roles and a per-tenant cap on
-    calls in flight, and sets the identity for the servicers.
+class Authenticator:
+    """Authenticates calls, enforces roles and a per-tenant cap on calls in flight, and
+    sets the identity for the servicers. Health checks never reach it (they carry no
+    token: see `kvstore.server.pipeline.OPEN_SERVICES`).
 
     `table` None means auth is off: every caller is `DEFAULT_IDENTITY` (still counted
-    against the in-flight cap)."""
+    against the in-flight cap). `table` is replaced when the token file is reloaded."""
 
     def __init__(self, table: TokenTable | None, max_calls_per_tenant: int, unix_socket_tenant: str = "") -> None:
         self.table = table
         self.max_calls_per_tenant = max_calls_per_tenant
         self.unix_socket_tenant = unix_socket_tenant
         self.in_flight: dict[str, int] = {}
-        self._cache = WrapCache()
 
     def _authenticate(self, table: TokenTable, token: str | None, on_unix_socket: bool) -> Identity:
         if token is None:
@@ -317,9 +325,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         _identity.set(identity)
         return identity
 
-    def leave(self, identity: Identity) -> None:
-        self._exit(identity)
-
     def _enter(self, identity: Identity) -> None:
         n = self.in_flight.get(identity.tenant, 0)
         if n >= self.max_calls_per_tenant:
@@ -329,56 +334,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             )
         self.in_flight[identity.tenant] = n + 1
 
-    def _exit(self, identity: Identity) -> None:
+    def leave(self, identity: Identity) -> None:
+        """An admitted call of `identity` ended."""
         n = self.in_flight.get(identity.tenant, 1) - 1
         if n:
             self.in_flight[identity.tenant] = n
         else:
             self.in_flight.pop(identity.tenant, None)
-
-    async def _admit(self, method: str, context: grpc.aio.ServicerContext) -> Identity:
-        """Identify the caller and count its call in flight, or abort the call with the
-        refusal's status; the identity is then current for the call's handler."""
-        try:
-            return self.admit(method, bearer_token(context.invocation_metadata()), context.peer().startswith("unix:"))
-        except KVStoreError as exc:
-            logger.debug("%s refused for %s: %s: %s", method, context.peer(), exc.code.name, exc)
-            await context.abort(exc.code, str(exc))
-            raise  # abort raises; this keeps type checkers sure no identity is returned
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method.startswith(OPEN_SERVICES):
-            return handler
-        return self._cache.get(method, handler, lambda: self._wrap(method, handler))
-
-    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        admit = self._admit
-
-        def unary(inner: UnaryBehavior) -> UnaryBehavior:
-            async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                identity = await admit(method, context)
-                try:
-                    return await inner(request, context)
-                finally:
-                    self._exit(identity)
-
-            return behavior
-
-        def stream(inner: StreamBehavior) -> StreamBehavior:
-            async def behavior(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                identity = await admit(method, context)
-                try:
-                    async for response in inner(request, context):
-                        yield response
-                finally:
-                    self._exit(identity)
-
-            return behavior
-
-        return wrap_handler(handler, unary, stream)

@@ -21,6 +21,7 @@ from kvstore.addresses import DEFAULT_TCP_LISTEN, default_unix_socket
 from kvstore.core.policies import DEFAULT_POLICY
 from kvstore.core.policies.hints import DEFAULT_HINT_BUDGET_FRACTION
 from kvstore.errors import ConfigError
+from kvstore.tiers import HBM, HOST
 from kvstore.units import human_bytes, parse_size
 
 AUTO = "auto"
@@ -73,7 +74,7 @@ FIELDS: tuple[Field, ...] = (
     Field("ssd_io_threads", "int", 4, "threads doing SSD file I/O and codec work", lo=1, hi=64),
     Field("ssd_compress", "bool", True, "byte-plane shuffle + lz4 on SSD records (kept only when it saves >= 5%)"),
     Field("put_tier", "str", "auto", "where puts land: auto (the highest memory tier with room), hbm, host",
-          choices=("auto", "hbm", "host")),
+          choices=(AUTO, HBM, HOST)),
     Field("promote_on_hit", "bool", True, "copy a block served from SSD into the top memory tier if it has headroom"),
     Field("hbm_high_watermark", "float", 0.95, "HBM use fraction that starts demotion to host", lo=0.01, hi=1.0),
     Field("hbm_low_watermark", "float", 0.85, "HBM use fraction where demotion stops", lo=0.01, hi=1.0),
@@ -284,7 +285,7 @@ def load_config(
             f"chunk_bytes ({values['chunk_bytes']}) must leave room under max_message_bytes "
             f"({values['max_message_bytes']}) for the message envelope"
         )
-    for tier in ("hbm", "host"):
+    for tier in (HBM, HOST):  # the tiers with watermarks of their own
         lo, hi = values[f"{tier}_low_watermark"], values[f"{tier}_high_watermark"]
         if lo > hi:
             raise ConfigError(f"{tier}_low_watermark ({lo}) must not exceed {tier}_high_watermark ({hi})")

@@ -1,41 +1,58 @@
-"""Server interceptor: request ids in a contextvar, and `KVStoreError` -> gRPC status.
+"""The per-call pipeline (`kvstore.server.pipeline`) as one gRPC server interceptor.
 
-Servicers raise `kvstore.errors` exceptions; this is the one place they become a status
-with the exception's message. Anything else that escapes a handler is a bug: it is
-logged with its traceback and answered INTERNAL without leaking internals.
+Primitives: `PipelineInterceptor(pipeline)`.
+
+Each method's handler is wrapped once (`WrapCache`) in a behavior that reads what the
+pipeline needs from the call (the `x-request-id` and `authorization` metadata, whether
+the peer came through a Unix socket), runs the steps around the handler, and turns an
+error into `context.abort(code, message)`. A handler that aborted by itself (grpc's
+health servicer does) keeps its status; the metrics read it from the context.
 """
 
 from __future__ import annotations
 
-import logging
+import asyncio
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
-from kvstore.errors import KVStoreError
-from kvstore.logs import request_id
+from kvstore.server.auth import bearer_token
+from kvstore.server.pipeline import CallSteps, Pipeline
 
-logger = logging.getLogger(__name__)
+UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+StreamBehavior = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
 
-def _request_id(context: grpc.aio.ServicerContext) -> str:
-    for key, value in context.invocation_metadata() or ():
-        if key == "x-request-id" and isinstance(value, str) and 0 < len(value) <= 64:
+MAX_REQUEST_ID_CHARS = 64
+_STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def request_id_of(metadata: Any) -> str:
+    """The caller's `x-request-id` (1 to 64 characters), or a fresh random one."""
+    for key, value in metadata or ():
+        if key == "x-request-id" and isinstance(value, str) and 0 < len(value) <= MAX_REQUEST_ID_CHARS:
             return value
     return secrets.token_hex(6)
 
 
-async def _abort(context: grpc.aio.ServicerContext, method: str, exc: BaseException) -> None:
-    if isinstance(exc, KVStoreError):
-        logger.debug("%s failed: %s: %s", method, exc.code.name, exc)
-        await context.abort(exc.code, str(exc))
-    logger.exception("%s failed unexpectedly", method)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the daemon's log")
+def _status(context: grpc.aio.ServicerContext, failed: bool) -> grpc.StatusCode:
+    """The status a call ended with, as the context holds it: an enum once a handler
+    aborted or set one, else the core's int (0 for OK)."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if isinstance(code, int) and not failed:
+        return _STATUS_BY_VALUE.get(code, grpc.StatusCode.UNKNOWN)
+    return grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
 
 
-UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
-StreamBehavior = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+def _enter(steps: CallSteps, context: grpc.aio.ServicerContext) -> Any:
+    metadata = context.invocation_metadata()
+    if steps.open:
+        return steps.enter(None, False, request_id_of(metadata))
+    return steps.enter(bearer_token(metadata), context.peer().startswith("unix:"), request_id_of(metadata))
 
 
 def wrap_handler(
@@ -57,8 +74,8 @@ def wrap_handler(
 
 class WrapCache:
     """Each method's wrapped handler, made once instead of on every call (closures and a
-    handler object per interceptor per call are a measurable share of a small RPC). An
-    entry is reused only while the inner handler is the same object."""
+    handler object per call are a measurable share of a small RPC). An entry is reused
+    only while the inner handler is the same object."""
 
     def __init__(self) -> None:
         self._by_method: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
@@ -73,8 +90,9 @@ class WrapCache:
         return wrapped
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self) -> None:
+class PipelineInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, pipeline: Pipeline) -> None:
+        self._pipeline = pipeline
         self._cache = WrapCache()
 
     async def intercept_service(
@@ -85,33 +103,57 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        method = handler_call_details.method
-        return self._cache.get(method, handler, lambda: self._wrap(method, handler))
+        path = handler_call_details.method
+        return self._cache.get(path, handler, lambda: _wrap(self._pipeline.bind(path), handler))
 
-    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        def unary(inner: UnaryBehavior) -> UnaryBehavior:
-            async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                request_id.set(_request_id(context))
-                try:
-                    return await inner(request, context)
-                except Exception as exc:  # task boundary: map, log, answer
-                    if isinstance(exc, grpc.aio.AbortError):
-                        raise
-                    await _abort(context, method, exc)
 
-            return behavior
+def _wrap(steps: CallSteps, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def unary(inner: UnaryBehavior) -> UnaryBehavior:
+        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            start = time.perf_counter()
+            identity = None
+            code = grpc.StatusCode.OK
+            try:
+                identity = _enter(steps, context)
+                response = await inner(request, context)
+                code = _status(context, False)
+                return response
+            except grpc.aio.AbortError:
+                code = _status(context, True)
+                raise
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED  # the client went away or the server is stopping
+                raise
+            except Exception as exc:  # task boundary: map, log, answer
+                code, message = steps.failed(exc)
+                await context.abort(code, message)
+            finally:
+                steps.leave(identity, code, start)
 
-        def stream(inner: StreamBehavior) -> StreamBehavior:
-            async def behavior(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                request_id.set(_request_id(context))
-                try:
-                    async for response in inner(request, context):
-                        yield response
-                except Exception as exc:  # task boundary: map, log, answer
-                    if isinstance(exc, grpc.aio.AbortError):
-                        raise
-                    await _abort(context, method, exc)
+        return behavior
 
-            return behavior
+    def stream(inner: StreamBehavior) -> StreamBehavior:
+        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            start = time.perf_counter()
+            identity = None
+            code = grpc.StatusCode.OK
+            try:
+                identity = _enter(steps, context)
+                async for response in inner(request, context):
+                    yield response
+                code = _status(context, False)
+            except grpc.aio.AbortError:
+                code = _status(context, True)
+                raise
+            except (asyncio.CancelledError, GeneratorExit):
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as exc:  # task boundary: map, log, answer
+                code, message = steps.failed(exc)
+                await context.abort(code, message)
+            finally:
+                steps.leave(identity, code, start)
 
-        return wrap_handler(handler, unary, stream)
+        return behavior
+
+    return wrap_handler(handler, unary, stream)

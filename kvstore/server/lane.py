@@ -1,17 +1,26 @@
 """The daemon's side of the local control lane (framing in `kvstore.laneproto`).
 
 A Unix stream socket next to each gRPC Unix socket, served on the daemon's event loop by
-a protocol that runs each call as soon as its frame is whole (see `_Connection`). It exists because a grpc-python unary call costs several hundred
-microseconds of per-call machinery on each side, which is most of a co-located
-engine's `Lookup` and of the local data plane's per-batch control calls.
+a protocol that runs each call as soon as its frame is whole (see `_Connection`). It
+exists because a grpc-python unary call costs several hundred microseconds of per-call
+machinery on each side, which is most of a co-located engine's `Lookup` and of the local
+data plane's per-batch control calls.
 
-Each call goes through the same steps a gRPC call does, in the same order, and through
-the same objects: the metrics histogram and in-flight gauge (same method labels), the
-drain gate (refused with UNAVAILABLE while shutting down, LocalCommit excepted, and
-waited for), a request id for the logs, the auth admission step
-(`AuthInterceptor.admit`: token -> tenant, role and `local_plane` checks, the per-tenant
-cap on calls in flight), then the gRPC servicer's own method with the parsed request.
-Errors travel as (status code, message), exactly what the gRPC path would answer.
+Each call goes through the per-call pipeline a gRPC call goes through
+(`kvstore.server.pipeline`: metrics, drain gate, request id, auth admission, error
+mapping), bound to the same per-method objects, then the gRPC servicer's own method with
+the parsed request and `context=None` (the servicers' rule: no unary method reads its
+context). Errors travel as (status code, message), exactly what the gRPC path would
+answer. Request ids are this server's random prefix and the call's number.
+
+Two seams reach past the servicer, on purpose:
+- The core's `PolicyDeferral`: a lookup's policy touch is deferred by the store and
+  applied here once the answer is written, rather than before it or in a loop turn of its
+  own (`_Connection.dispatch`).
+- asyncio's task protocol: a call is started by hand (`coro.send`) in the callback that
+  received its frame, so a call that never suspends costs no task and no loop turn; one
+  that suspends is handed to a task that finishes it (`_finish`), which must speak the
+  protocol a task's step speaks to the futures a coroutine yields.
 
 Who may connect: the socket is created 0600 before it listens (in the socket
 directory, which is 0700), and each connection's peer credentials (SO_PEERCRED) must
@@ -36,6 +45,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+# The core's after-reply policy calls (see the module docstring): the one import of it.
 from kvstore.core.store import PolicyDeferral
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, ResourceExhausted
 from kvstore.laneproto import (
@@ -48,10 +58,8 @@ from kvstore.laneproto import (
     REQUEST_TYPES,
     method_path,
 )
-from kvstore.logs import request_id
-from kvstore.server.auth import MAX_TOKEN_CHARS, AuthInterceptor
-from kvstore.server.lifecycle import REFUSAL, DrainGate
-from kvstore.server.metrics import Metrics
+from kvstore.server.auth import MAX_TOKEN_CHARS
+from kvstore.server.pipeline import CallSteps, Pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -69,15 +77,13 @@ Handler = Callable[[Any, Any], Awaitable[Any]]
 
 
 class _Method:
-    __slots__ = ("name", "path", "request_type", "handler", "in_flight", "observed")
+    __slots__ = ("name", "request_type", "handler", "steps")
 
-    def __init__(self, name: str, handler: Handler, metrics: Metrics) -> None:
+    def __init__(self, name: str, handler: Handler, steps: CallSteps) -> None:
         self.name = name
-        self.path = method_path(name)
         self.request_type = REQUEST_TYPES[name]
         self.handler = handler
-        self.in_flight = metrics.in_flight(name)
-        self.observed: dict[grpc.StatusCode, Any] = {}  # histogram children by status
+        self.steps = steps
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -88,15 +94,12 @@ def peer_uid(sock: socket.socket) -> int:
 class LaneServer:
     """Serves the KVStore servicer's unary methods on one Unix socket."""
 
-    def __init__(self, servicer: Any, auth: AuthInterceptor, gate: DrainGate, metrics: Metrics,
-                 max_frame_bytes: int, max_connections: int = MAX_CONNECTIONS,
-                 deferral: PolicyDeferral | None = None) -> None:
-        self.auth = auth
+    def __init__(self, servicer: Any, pipeline: Pipeline, max_frame_bytes: int,
+                 max_connections: int = MAX_CONNECTIONS, deferral: PolicyDeferral | None = None) -> None:
+        self.auth = pipeline.auth
         # The store's deferred policy calls (a lookup's touch), applied here once each
         # answer is written, rather than in a turn of the event loop of their own.
         self.deferral = deferral if deferral is not None else PolicyDeferral()
-        self.gate = gate
-        self.metrics = metrics
         self.max_frame_bytes = max_frame_bytes
         self.max_connections = max_connections
         self.uid = os.getuid()
@@ -105,7 +108,8 @@ class LaneServer:
         # Request ids for the logs, as gRPC calls get them: unique within this daemon's run
         # (a random prefix per server, then the call's number), without a syscall per call.
         self._id_prefix = f"{secrets.token_hex(3)}-"
-        self._methods = {mid: _Method(name, getattr(servicer, name), metrics) for name, mid in METHOD_IDS.items()}
+        self._methods = {mid: _Method(name, getattr(servicer, name), pipeline.bind(method_path(name)))
+                         for name, mid in METHOD_IDS.items()}
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
 
@@ -177,65 +181,48 @@ class LaneServer:
         return None, token
 
     async def _call(self, mid: int, payload: bytes, token: str | None) -> tuple[int, bytes]:
-        """One call, through the same steps as a gRPC call (see the module docstring)."""
+        """One call, through the per-call pipeline (see the module docstring)."""
         method = self._methods.get(mid)
         if method is None:
             return grpc.StatusCode.UNIMPLEMENTED.value[0], f"method id {mid} is not served on the control lane".encode()
         self.calls += 1
-        number = self.calls
+        steps = method.steps
         start = time.perf_counter()
-        method.in_flight.n += 1
+        identity = None
         code = grpc.StatusCode.OK
         out = b""
         try:
-            if self.gate.refuses(method.path):
-                code, out = grpc.StatusCode.UNAVAILABLE, REFUSAL.encode()
-                return code.value[0], out
-            self.gate.enter()
+            identity = steps.enter(token, True, f"{self._id_prefix}{self.calls:x}")
             try:
-                request_id.set(f"{self._id_prefix}{number:x}")
-                try:
-                    identity = self.auth.admit(method.path, token, True)
-                except KVStoreError as exc:
-                    logger.debug("%s refused on the control lane: %s: %s", method.path, exc.code.name, exc)
-                    raise
-                try:
-                    try:
-                        request = method.request_type.FromString(payload)
-                    except DecodeError:
-                        raise InvalidArgument(f"the {method.name} request does not parse") from None
-                    response = await method.handler(request, None)
-                    out = response.SerializeToString()
-                    if len(out) > self.max_frame_bytes:
-                        raise ResourceExhausted(
-                            f"the {method.name} answer is {len(out)} bytes, more than max_message_bytes "
-                            f"({self.max_frame_bytes}); ask for fewer blocks per call")
-                finally:
-                    self.auth.leave(identity)
-            except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED  # the daemon is stopping
-                raise
-            except KVStoreError as exc:
-                logger.debug("%s failed: %s: %s", method.path, exc.code.name, exc)
-                code, out = exc.code, str(exc).encode()
-            except Exception:  # task boundary: map, log, answer
-                logger.exception("%s failed unexpectedly", method.path)
-                code = grpc.StatusCode.INTERNAL
-                out = f"internal error in {method.path}; see the daemon's log".encode()
-            finally:
-                self.gate.leave()
-            return code.value[0], out
+                request = method.request_type.FromString(payload)
+            except DecodeError:
+                raise InvalidArgument(f"the {method.name} request does not parse") from None
+            response = await method.handler(request, None)
+            out = response.SerializeToString()
+            if len(out) > self.max_frame_bytes:
+                raise ResourceExhausted(
+                    f"the {method.name} answer is {len(out)} bytes, more than max_message_bytes "
+                    f"({self.max_frame_bytes}); ask for fewer blocks per call")
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED  # the daemon is stopping
+            raise
+        except Exception as exc:  # task boundary: map, log, answer
+            code, message = steps.failed(exc)
+            out = message.encode()
         finally:
-            method.in_flight.n -= 1
-            child = method.observed.get(code)
-            if child is None:
-                child = method.observed[code] = self.metrics.rpc_seconds.labels(method.name, code.name)
-            child.observe(time.perf_counter() - start)
+            steps.leave(identity, code, start)
+        return code.value[0], out
 
 
 async def _finish(coro: Any, yielded: Any) -> Any:
     """Run on, as a task, a coroutine that `_Connection.dispatch` started by hand and that
-    suspended on `yielded` (a future, or None for a bare yield)."""
+    suspended on `yielded` (a future, or None for a bare yield).
+
+    This is what `asyncio.Task.__step` does with what a coroutine yields, written out
+    because the first step ran outside any task: a yielded future has
+    `_asyncio_future_blocking` set (asyncio's own marker that a coroutine is waiting on
+    it), which a task clears before it waits. The alternative, a task per call, costs a
+    loop turn and a task object for every call, most of which (a Lookup) never suspend."""
     while True:
         thrown: BaseException | None = None
         try:

@@ -1,8 +1,9 @@
 """Prometheus metrics: `kvstore_*` names, served at `/metrics` on a loopback HTTP port.
 
 Primitives: `Metrics` (a prometheus-client registry: a collector that reads the store's
-counters at scrape time, plus the RPC latency histogram), `MetricsInterceptor` (times
-every RPC), `MetricsServer` (a minimal HTTP/1.1 endpoint on the daemon's event loop).
+counters at scrape time, plus the RPC latency histogram and in-flight gauge that the
+per-call pipeline feeds), `MetricsServer` (a minimal HTTP/1.1 endpoint on the daemon's
+event loop).
 
 Why a collector and not counters incremented in the store: the store already keeps
 exact counters for `stats` and `info`; reading them at scrape time keeps one source of
@@ -19,16 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from kvstore import __version__
-from kvstore.server.interceptors import StreamBehavior, UnaryBehavior, WrapCache, wrap_handler
 
 if TYPE_CHECKING:
     from kvstore.core.store import Store
@@ -184,84 +183,6 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
-
-    def interceptor(self) -> MetricsInterceptor:
-        return MetricsInterceptor(self.rpc_seconds, self.in_flight)
-
-
-def _code_name(context: grpc.aio.ServicerContext, failed: bool, cancelled: bool = False) -> str:
-    if cancelled:
-        return grpc.StatusCode.CANCELLED.name
-    code = context.code()
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    if isinstance(code, int) and not failed:
-        return grpc.StatusCode.OK.name if code == 0 else str(code)
-    return "UNKNOWN" if failed else "OK"
-
-
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Observes each RPC's duration (for streams: until the stream ends) with its status."""
-
-    def __init__(self, histogram: Histogram, in_flight: Callable[[str], CallsInFlight]) -> None:
-        self._histogram = histogram
-        self._in_flight = in_flight
-        self._cache = WrapCache()
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        path = handler_call_details.method
-        return self._cache.get(path, handler, lambda: self._wrap(path.rsplit("/", 1)[-1], handler))
-
-    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        histogram = self._histogram
-        in_flight = self._in_flight(method)
-
-        def unary(inner: UnaryBehavior) -> UnaryBehavior:
-            async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                start = time.perf_counter()
-                failed = True
-                cancelled = False
-                in_flight.n += 1
-                try:
-                    result = await inner(request, context)
-                    failed = False
-                    return result
-                except asyncio.CancelledError:
-                    cancelled = True  # the client went away or the server is stopping
-                    raise
-                finally:
-                    in_flight.n -= 1
-                    histogram.labels(method, _code_name(context, failed, cancelled)).observe(time.perf_counter() - start)
-
-            return behavior
-
-        def stream(inner: StreamBehavior) -> StreamBehavior:
-            async def behavior(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                start = time.perf_counter()
-                failed = True
-                cancelled = False
-                in_flight.n += 1
-                try:
-                    async for response in inner(request, context):
-                        yield response
-                    failed = False
-                except (asyncio.CancelledError, GeneratorExit):
-                    cancelled = True
-                    raise
-                finally:
-                    in_flight.n -= 1
-                    histogram.labels(method, _code_name(context, failed, cancelled)).observe(time.perf_counter() - start)
-
-            return behavior
-
-        return wrap_handler(handler, unary, stream)
 
 
 # A scrape request is one short line plus a few headers; anything larger is not a scraper.

@@ -1,0 +1,148 @@
+"""What the daemon takes from the machine: memory and disk checked before the tiers are
+built, the C allocator's thresholds, and the garbage collector kept off the index.
+
+Primitives: `available_memory_bytes()`, `resolve_host_capacity(value, shm_dir)`,
+`check_disk_capacity(path, capacity)` (each refuses, naming the setting, a capacity the
+machine cannot give), `tune_malloc()`, `GcFreezer`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import logging
+import os
+
+from kvstore.errors import ConfigError
+from kvstore.server.config import AUTO
+from kvstore.tiers import free_bytes
+from kvstore.units import human_bytes
+
+logger = logging.getLogger(__name__)
+
+AUTO_HOST_CAPACITY = 4 << 30
+# See GcFreezer.
+GC_FREEZE_MIN_BLOCKS = 100_000
+GC_FREEZE_GROWTH = 0.25
+# See tune_malloc. glibc's mallopt parameters.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MALLOC_MMAP_THRESHOLD = 4 << 20
+MALLOC_TRIM_THRESHOLD = 256 << 20
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def resolve_host_capacity(value: int | str, shm_dir: str) -> int:
+    """The host tier's size: `auto` picks min(4GiB, half of available memory, 90% of the
+    shared-memory directory's free space); an explicit size must fit both."""
+    available = available_memory_bytes()
+    try:
+        shm_free = free_bytes(shm_dir)
+    except OSError as exc:
+        raise ConfigError(f"cannot use shm_dir {shm_dir}: {exc.strerror}; point --shm-dir at a tmpfs directory") from None
+    if value == AUTO:
+        return min(AUTO_HOST_CAPACITY, available // 2, shm_free * 9 // 10)
+    assert isinstance(value, int)
+    if value > available:
+        raise ConfigError(
+            f"host_capacity {human_bytes(value)} is more than this machine's available memory "
+            f"({human_bytes(available)}); lower --host-capacity"
+        )
+    if value > shm_free:
+        # A tmpfs that fills up kills the daemon with SIGBUS on the next write: refuse now.
+        raise ConfigError(
+            f"host_capacity {human_bytes(value)} does not fit in {shm_dir} ({human_bytes(shm_free)} free); "
+            "lower --host-capacity, enlarge the tmpfs, or point --shm-dir at a bigger one"
+        )
+    return value
+
+
+def check_disk_capacity(path: str, capacity: int) -> None:
+    """Refuse an SSD capacity the filesystem cannot hold (existing region files count as held)."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.statvfs(path)
+        names = os.listdir(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot use ssd_path {path}: {exc.strerror}; choose a writable directory") from None
+    free = st.f_bavail * st.f_frsize
+    held = 0
+    for name in names:
+        if name.startswith("region-"):
+            try:
+                held += os.stat(os.path.join(path, name)).st_blocks * 512
+            except OSError:
+                pass
+    if capacity > free + held:
+        raise ConfigError(
+            f"ssd_capacity {human_bytes(capacity)} is more than the filesystem of {path} can hold "
+            f"({human_bytes(free + held)} free or already ours); lower --ssd-capacity or choose another --ssd-path"
+        )
+
+
+def tune_malloc() -> bool:
+    """Keep block-sized buffers (a gRPC message of a 1 MiB chunk, its joined payload) in
+    the C heap once freed, instead of returning them to the kernel and faulting fresh
+    pages in for the next message: glibc's mmap and trim thresholds move with the
+    allocation pattern, so they are fixed at 4 MiB and 256 MiB (the figures are in
+    docs/operations.md). Larger allocations (the block table's columns at scale) are
+    still mmapped. Skipped off glibc and when the operator set glibc's own
+    MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_. Returns whether the thresholds were set.
+    """
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = getattr(libc, "mallopt", None)
+    except OSError:
+        return False
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD))
+
+
+class GcFreezer:
+    """Keeps the cyclic garbage collector off the block index.
+
+    Index entries are long-lived and hold no reference cycles, yet every full collection
+    walks all of them: a stall of the event loop that grows with the index. Once at least
+    `GC_FREEZE_MIN_BLOCKS` blocks were stored since the last time, and at least a
+    `GC_FREEZE_GROWTH` share of the index, the young generations are collected and
+    everything alive is frozen (`gc.freeze`): later collections skip it. A frozen object
+    is still freed by reference counting when its block leaves; only cyclic garbage
+    already in the oldest generation at that moment is kept.
+    """
+
+    def __init__(self, min_blocks: int = GC_FREEZE_MIN_BLOCKS, growth: float = GC_FREEZE_GROWTH) -> None:
+        self.min_blocks = min_blocks
+        self.growth = growth
+        self.freezes = 0
+        self._stored_at_freeze = 0
+
+    def frozen_at(self, stored_total: int) -> None:
+        """Count from here: everything up to `stored_total` blocks is frozen already."""
+        self._stored_at_freeze = stored_total
+
+    def maybe_freeze(self, stored_total: int, indexed: int) -> bool:
+        """`stored_total`: blocks ever stored or recovered; `indexed`: blocks in the index now."""
+        fresh = stored_total - self._stored_at_freeze
+        if fresh < self.min_blocks or fresh < self.growth * indexed:
+            return False
+        gc.collect(1)
+        gc.freeze()
+        self._stored_at_freeze = stored_total
+        self.freezes += 1
+        logger.debug("gc: %d objects frozen after %d new blocks", gc.get_freeze_count(), fresh)
+        return True

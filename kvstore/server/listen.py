@@ -1,0 +1,172 @@
+"""Where the daemon listens, and what exposing it beyond this host requires.
+
+Primitives: `ListenAddress`, `parse_listen(text)`, `check_exposure(config)` (the listen
+and metrics addresses, refused when they would expose the daemon without a token file,
+TLS or the operator's explicit consent), `tls_credentials(config)`,
+`prepare_unix_path(path)` (its directory 0700, a stale socket cleared, a live one
+refused), `bind(server, addr, tls)`.
+
+Safe by default: a Unix socket and loopback TCP need nothing; any other TCP address
+needs authentication, and TLS unless `insecure_remote`; the metrics endpoint has no
+authentication, so it leaves loopback only with `metrics_remote`.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import os
+import socket
+import stat
+from dataclasses import dataclass
+
+import grpc
+
+from kvstore.errors import ConfigError
+from kvstore.server.config import Config
+
+
+@dataclass(frozen=True, slots=True)
+class ListenAddress:
+    kind: str  # "unix" or "tcp"
+    path: str = ""
+    host: str = ""
+    port: int = 0
+
+    @property
+    def grpc_target(self) -> str:
+        if self.kind == "unix":
+            return f"unix:{self.path}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def parse_listen(addr: str) -> ListenAddress:
+    """`unix:PATH`, `unix:///PATH`, `HOST:PORT` or `[V6]:PORT` -> `ListenAddress`."""
+    if addr.startswith("unix:"):
+        path = addr[len("unix:"):]
+        if path.startswith("//"):
+            path = path[2:]
+        if not path:
+            raise ConfigError(f"listen address {addr!r} has no socket path; write unix:/path/to/kvstore.sock")
+        return ListenAddress("unix", path=os.path.abspath(path))
+    host, sep, port_text = addr.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"listen address {addr!r} is neither unix:PATH nor HOST:PORT")
+    host = host.strip("[]")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"listen address {addr!r} has a port that is not a number") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"listen address {addr!r}: port must be in [0, 65535]")
+    return ListenAddress("tcp", host=host, port=port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(config: Config) -> tuple[list[ListenAddress], ListenAddress | None]:
+    """The listen and metrics addresses, refused when they expose the daemon beyond this
+    host without what that needs: a token file for gRPC, and TLS unless `insecure_remote`;
+    `metrics_remote` for the (unauthenticated) metrics endpoint."""
+    addresses = [parse_listen(a) for a in config.listen]
+    for addr in addresses:
+        if addr.kind != "tcp" or is_loopback(addr.host):
+            continue
+        if not config.auth_token_file:
+            raise ConfigError(
+                f"listen address {addr.grpc_target} is not loopback, and serving other hosts needs "
+                "authentication: set --auth-token-file (tokens from `kvstore token new`; see SECURITY.md)"
+            )
+        if not config.tls_cert and not config.insecure_remote:
+            raise ConfigError(
+                f"listen address {addr.grpc_target} is not loopback and TLS is off, so tokens would cross the "
+                "network in clear text: set --tls-cert and --tls-key, or --insecure-remote on a trusted network"
+            )
+    metrics_addr = None
+    if config.metrics_listen.strip().lower() != "off":
+        metrics_addr = parse_listen(config.metrics_listen)
+        if metrics_addr.kind != "tcp":
+            raise ConfigError(f"metrics_listen {config.metrics_listen!r} must be HOST:PORT or 'off'")
+        if not is_loopback(metrics_addr.host) and not config.metrics_remote:
+            raise ConfigError(
+                f"metrics_listen {config.metrics_listen!r} is not loopback and the metrics endpoint has no "
+                "authentication: set --metrics-remote to serve it to other hosts, or use a loopback address"
+            )
+    return addresses, metrics_addr
+
+
+def _read_pem(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
+def tls_credentials(config: Config) -> grpc.ServerCredentials | None:
+    """The TCP listeners' TLS credentials (None: TLS off); with `tls_client_ca`, clients
+    must present a certificate it signed."""
+    if not config.tls_cert:
+        return None
+    client_ca = _read_pem(config.tls_client_ca, "tls_client_ca") if config.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(_read_pem(config.tls_key, "tls_key"), _read_pem(config.tls_cert, "tls_cert"))],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
+def prepare_unix_path(path: str) -> None:
+    """Create the socket's directory (0700) and clear a stale socket, refusing a live one."""
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create socket directory {directory}: {exc.strerror}") from None
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"{path} exists and is not a socket; choose another --listen path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError as exc:
+        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            os.unlink(path)  # left behind by a daemon that did not shut down cleanly
+            return
+        raise ConfigError(f"cannot check socket {path}: {exc.strerror}") from None
+    else:
+        raise ConfigError(f"{path} is in use by another running daemon; stop it or choose another --listen path")
+    finally:
+        probe.close()
+
+
+def bind(server: grpc.aio.Server, addr: ListenAddress, tls: grpc.ServerCredentials | None) -> str:
+    """Add `addr` to `server` (TLS on TCP when `tls`); returns the target bound (a TCP
+    port 0 resolved). A Unix socket is made 0600; the caller removes it once the server
+    has stopped."""
+    if addr.kind == "unix":
+        prepare_unix_path(addr.path)
+    try:
+        if addr.kind == "tcp" and tls is not None:
+            port = server.add_secure_port(addr.grpc_target, tls)
+        else:
+            port = server.add_insecure_port(addr.grpc_target)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot listen on {addr.grpc_target}: {exc}; is it in use? choose another --listen") from None
+    if addr.kind == "unix":
+        os.chmod(addr.path, 0o600)
+        return addr.grpc_target
+    if port == 0:
+        raise ConfigError(f"cannot listen on {addr.grpc_target}: address in use or not available")
+    return ListenAddress("tcp", host=addr.host, port=port).grpc_target

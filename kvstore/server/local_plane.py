@@ -1,0 +1,241 @@
+"""The shared-memory data plane's calls: LocalSegment, LocalPut, LocalCommit, LocalFetch.
+
+Primitives: `LocalPlane` (`segment()`, `put(request)`, `commit(request)`, `fetch(request)`,
+and `begin_put` / `lease_blocks` for a given tier, which the device plane shares).
+The open puts and reservations themselves are kept in `kvstore.server.local_puts`.
+
+A co-located client moves block bytes by memcpy into and out of the host tier's segment;
+these calls carry only offsets. A fetch leases the leading blocks held in the tier and
+answers their offsets and checksums; the lease ends on the side of a later call
+(`release_lease_ids`) or by expiry. A put takes two round trips (LocalPut reserves
+PENDING slots, the client copies, LocalCommit publishes) or, in steady state, one:
+
+The one-trip put. A put or commit may ask for `reserve_ahead` empty slots, held as a
+reservation for the client's next put; that put copies into them first and then
+commits once, naming the reservation and the put's header (`_commit_reserved`). The
+slots of a reservation belong to exactly one owner at every step, so each is freed
+exactly once, whatever fails:
+- while the reservation is open: `LocalPuts` (expiry and shutdown free them);
+- once taken, until the put adopts the filled ones: this call (any failure frees all);
+- after the adoption: the put owns the filled slots (its abort frees them), this call
+  the spare ones (freed on failure, or passed on as the next reservation);
+- a put that reuses a reservation it does not need (`reuse_reservation_id`) takes its
+  slots as spares for the next reservation, or frees them if they do not fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstore.core.store import Store
+from kvstore.core.tier import Slot
+from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstore.server.auth import current_identity
+from kvstore.server.local_puts import LocalPuts
+from kvstore.server.requests import RequestResolver, hash_fields, packed_reply
+from kvstore.shm import HEADER_BYTES
+from kvstore.tiers import HOST, Segment
+from kvstore.v1 import kvstore_pb2
+
+# The tier the shared-memory plane serves from and puts into.
+LOCAL_TIER = HOST
+# Leases a local call may end on the side (clients batch the releases of their fetches).
+MAX_PIGGYBACK_RELEASES = 64
+DEFAULT_LOCAL_LEASE_MS = 10_000
+# Empty slots one reservation may hold for a client's next put (one-trip puts).
+MAX_RESERVE_AHEAD = 1024
+
+
+class LocalPlane:
+    def __init__(self, store: Store, resolver: RequestResolver, segment: Segment | None, puts: LocalPuts) -> None:
+        self.store = store
+        self.resolver = resolver
+        self._segment = segment
+        # The daemon's own table: its sweep and shutdown must see these puts.
+        self.puts = puts
+
+    def require_segment(self) -> Segment:
+        if self._segment is None:
+            raise FailedPrecondition("this daemon has no shared-memory segment; use Put and Fetch")
+        return self._segment
+
+    def segment(self) -> kvstore_pb2.LocalSegmentResponse:
+        seg = self.require_segment()
+        return kvstore_pb2.LocalSegmentResponse(
+            path=seg.path, token=seg.token, data_offset=HEADER_BYTES, capacity_bytes=seg.capacity
+        )
+
+    async def put(self, request: kvstore_pb2.LocalPutRequest) -> kvstore_pb2.LocalPutResponse:
+        self.require_segment()
+        return await self.begin_put(request, LOCAL_TIER)
+
+    async def fetch(self, request: kvstore_pb2.LocalFetchRequest) -> kvstore_pb2.LocalFetchResponse:
+        self.require_segment()
+        return self.lease_blocks(request, LOCAL_TIER)
+
+    def release_leases(self, lease_ids: Sequence[str]) -> None:
+        if len(lease_ids) > MAX_PIGGYBACK_RELEASES:
+            raise InvalidArgument(
+                f"{len(lease_ids)} leases to release in one call; at most {MAX_PIGGYBACK_RELEASES} (use Unpin)"
+            )
+        untag = self.resolver.tags.untag
+        for tagged in lease_ids:
+            lease_id = untag(tagged)
+            if lease_id:
+                self.store.unpin(lease_id)
+
+    async def begin_put(self, request: kvstore_pb2.LocalPutRequest, tier: str) -> kvstore_pb2.LocalPutResponse:
+        """Reserve PENDING slots in `tier` for a co-located client to copy into."""
+        resolver, store = self.resolver, self.store
+        self.release_leases(request.release_lease_ids)
+        ns_id = resolver.namespace(request.header.namespace)
+        hashes, parent = resolver.put_keys(ns_id, request.header)
+        resolver.put_session(request.header)  # checked now; applied at commit
+        txn = store.begin_put(ns_id, hashes, parent, tier=tier)
+        await txn.reserve()
+        tenant = current_identity().tenant
+        txn_id = self.puts.begin(txn, request.header, tenant)
+        resp = kvstore_pb2.LocalPutResponse(
+            txn_id=txn_id,
+            offsets=[-1 if slot is None else slot.offset for slot in txn.slots()],
+            block_bytes=txn.block_bytes,
+            namespace_id=ns_id,
+            expires_in_ms=self.puts.ttl_ms,
+            **hash_fields(hashes, packed_reply(request.header.keys)),
+        )
+        spare: list[Slot] = []
+        if request.reuse_reservation_id:
+            old = self.puts.pop_reservation(request.reuse_reservation_id, tenant)
+            if old is not None:
+                if old.block_bytes == txn.block_bytes and tier == LOCAL_TIER:
+                    spare = old.slots
+                else:
+                    store.free_slots(old.slots)
+        if request.reserve_ahead and tier == LOCAL_TIER:
+            reservation = await self._reserve_ahead(txn.block_bytes, request.reserve_ahead, spare)
+            if reservation is not None:
+                resp.reservation.CopyFrom(reservation)
+        else:
+            store.free_slots(spare)
+        return resp
+
+    async def _reserve_ahead(self, block_bytes: int, count: int,
+                             spare: list[Slot]) -> kvstore_pb2.SlotReservation | None:
+        """Hold `count` empty host slots (reusing `spare` ones first) for the client's next
+        put. None when no room can be made: the next put then takes two round trips."""
+        store = self.store
+        if count > MAX_RESERVE_AHEAD:
+            store.free_slots(spare)
+            raise InvalidArgument(f"reserve_ahead is {count}; at most {MAX_RESERVE_AHEAD} slots")
+        keep, extra = spare[:count], spare[count:]
+        store.free_slots(extra)
+        try:
+            slots = keep + await store.reserve_slots(LOCAL_TIER, block_bytes, count - len(keep))
+        except ResourceExhausted:
+            store.free_slots(keep)
+            return None
+        res_id = self.puts.reserve(slots, block_bytes, store.free_slots, current_identity().tenant)
+        # The put after next will want as many slots again: evict for them while the client
+        # copies into these, rather than inside its next call.
+        store.make_room_soon(LOCAL_TIER, block_bytes * count, block_bytes)
+        return kvstore_pb2.SlotReservation(reservation_id=res_id, offsets=[s.offset for s in slots],
+                                           block_bytes=block_bytes, expires_in_ms=self.puts.ttl_ms)
+
+    async def commit(self, request: kvstore_pb2.LocalCommitRequest) -> kvstore_pb2.PutResponse:
+        """Publish (or abort) a put begun by LocalPut, or a one-trip put into a reservation."""
+        if request.reservation_id:
+            return await self._commit_reserved(request)
+        open_put = self.puts.take(request.txn_id, current_identity().tenant)
+        txn = open_put.txn
+        if request.abort:
+            txn.abort()
+            return kvstore_pb2.PutResponse()
+        try:
+            txn.mark_written()
+            result = await txn.commit(list(request.checksums))
+        except BaseException:
+            txn.abort()
+            raise
+        header = open_put.header
+        if header is not None:
+            session = self.resolver.put_session(header)
+            if session:
+                self.store.hint(result.namespace_id, result.block_hashes, session, header.hint.expect_reuse_within_s)
+        packed = header is not None and packed_reply(header.keys)
+        return kvstore_pb2.PutResponse(
+            stored=result.stored, existing=result.existing, namespace_id=result.namespace_id,
+            **hash_fields(result.block_hashes, packed),
+        )
+
+    async def _commit_reserved(self, request: kvstore_pb2.LocalCommitRequest) -> kvstore_pb2.PutResponse:
+        """A put in one round trip: its blocks already sit in the slots of a reservation
+        (who frees which slot when: see the module docstring)."""
+        store, resolver = self.store, self.resolver
+        res = self.puts.take_reservation(request.reservation_id, current_identity().tenant)
+        if request.abort:
+            store.free_slots(res.slots)
+            return kvstore_pb2.PutResponse()
+        header = request.header
+        try:
+            self.require_segment()
+            self.release_leases(request.release_lease_ids)
+            ns_id = resolver.namespace(header.namespace)
+            hashes, parent = resolver.put_keys(ns_id, header)
+            session = resolver.put_session(header)
+            block_bytes = store.namespace(ns_id).layout.bytes_per_block
+            if block_bytes != res.block_bytes:
+                raise InvalidArgument(f"the reservation holds {res.block_bytes}-byte slots; this namespace's "
+                                      f"blocks are {block_bytes} bytes; put them with LocalPut")
+            if len(hashes) > len(res.slots):
+                raise InvalidArgument(f"a put of {len(hashes)} blocks into a reservation of {len(res.slots)} "
+                                      "slots; put them with LocalPut")
+            txn = store.begin_put(ns_id, hashes, parent, tier=LOCAL_TIER)
+        except BaseException:
+            store.free_slots(res.slots)
+            raise
+        filled, spare = res.slots[: len(hashes)], res.slots[len(hashes) :]
+        try:
+            spare = await txn.adopt(filled) + spare
+        except BaseException:
+            txn.abort()  # adopt took no slot
+            store.free_slots(res.slots)
+            raise
+        try:
+            txn.mark_written()
+            result = await txn.commit(list(request.checksums))
+        except BaseException:
+            txn.abort()  # frees the adopted slots
+            store.free_slots(spare)
+            raise
+        if session:
+            store.hint(result.namespace_id, result.block_hashes, session, header.hint.expect_reuse_within_s)
+        resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
+                                       namespace_id=result.namespace_id,
+                                       **hash_fields(result.block_hashes, packed_reply(header.keys)))
+        if request.reserve_ahead:
+            reservation = await self._reserve_ahead(block_bytes, request.reserve_ahead, spare)
+            if reservation is not None:
+                resp.reservation.CopyFrom(reservation)
+        else:
+            store.free_slots(spare)
+        return resp
+
+    def lease_blocks(self, request: kvstore_pb2.LocalFetchRequest, tier: str) -> kvstore_pb2.LocalFetchResponse:
+        """The leading blocks of the held prefix that sit in `tier`, by offset, under a lease."""
+        resolver = self.resolver
+        self.release_leases(request.release_lease_ids)
+        ns_id = resolver.namespace(request.namespace)
+        chain = resolver.chain(ns_id, request.keys)
+        result, offsets, checksums = self.store.lease_prefix(
+            ns_id, chain, request.lease_ms or DEFAULT_LOCAL_LEASE_MS, tier=tier
+        )
+        return kvstore_pb2.LocalFetchResponse(
+            num_blocks=result.num_blocks,
+            offsets=offsets,
+            checksums=checksums,
+            block_bytes=self.store.namespace(ns_id).layout.bytes_per_block,
+            lease_id=resolver.tags.tag(result.lease_id),
+            namespace_id=ns_id,
+            block_size_tokens=result.block_size_tokens,
+            **hash_fields(result.hashes_packed, packed_reply(request.keys)),
+        )

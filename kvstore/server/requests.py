@@ -1,0 +1,221 @@
+"""The server's request boundary: what a request names, resolved into what the store takes.
+
+Primitives: `RequestResolver` (`namespace(ref)`, `chain(ns_id, keys)`, `hashes(ns_id,
+keys)`, `put_keys(ns_id, header)`, `session(...)`, `put_session(header)`, and the
+caller's lease ids through `tags`), and the answer helpers `packed_reply(keys)` and
+`hash_fields(hashes, packed)`.
+
+This is the one place the servicers validate input, and it checks only what the store
+never sees or cannot check: a layout's size against `max_block_bytes` and the tenant's
+namespace cap before it is registered, a tenant's right to a namespace id, the token
+count of a call, the shape of packed fields before they are cut into objects, and the
+block range a put's tokens name. What the store receives it checks itself (namespace
+ids, hash sizes and the per-call block limit, hint values), so those are not checked
+here again. Every failure is a `kvstore.errors` exception.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.convert import layout_from_proto
+from kvstore.core.store import Store, check_hint
+from kvstore.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvstore.hashing import HASH_BYTES, block_hashes_packed, split_hashes, tenant_namespace_id, token_bytes
+from kvstore.layout import KVLayout
+from kvstore.server.auth import current_identity
+from kvstore.server.lease_tags import LeaseTags
+from kvstore.v1 import kvstore_pb2
+
+# Layouts whose namespace id the resolver remembers (see RequestResolver.namespace).
+LAYOUT_IDS_KEPT = 1024
+# The hint window EndSession's session id is checked with (it names no window).
+END_SESSION_WINDOW_S = 1.0
+
+
+def packed_reply(keys: kvstore_pb2.BlockKeys) -> bool:
+    """Whether a request's answer carries its block hashes packed (`block_hashes_packed`)
+    rather than in the repeated field older clients read (see BlockKeys.packed_reply)."""
+    return keys.packed_reply or keys.WhichOneof("keys") == "packed_hashes"
+
+
+def hash_fields(hashes: Sequence[bytes] | bytes, packed: bool) -> dict[str, Any]:
+    """A response's block hash field, in the form the request asked for, from hashes given
+    one by one or already packed (N x 16 bytes)."""
+    if isinstance(hashes, bytes):
+        return {"block_hashes_packed": hashes} if packed else {"block_hashes": split_hashes(hashes)}
+    return {"block_hashes_packed": b"".join(hashes)} if packed else {"block_hashes": hashes}
+
+
+class RequestResolver:
+    """Namespace refs, block keys and session ids of requests, for one store.
+
+    `max_tokens_per_call` may change while the daemon runs (SetConfig, SIGHUP)."""
+
+    def __init__(self, store: Store, tags: LeaseTags, *, max_tokens_per_call: int = 1 << 20,
+                 max_block_bytes: int = 256 << 20, max_namespaces_per_tenant: int | None = None) -> None:
+        self.store = store
+        self.tags = tags
+        self.max_tokens_per_call = max_tokens_per_call
+        self.max_block_bytes = max_block_bytes
+        self.max_namespaces_per_tenant = max_namespaces_per_tenant
+        # (tenant, salt, layout message bytes) -> namespace id: an engine names its layout
+        # in every call, and parsing, checking and hashing it each time cost more than a
+        # short lookup itself. Only layouts that passed the checks below are kept.
+        self._layout_ids: dict[tuple[str, bytes, bytes], bytes] = {}
+
+    # -------------------------------------------------------------- namespaces
+
+    def namespace(self, ref: kvstore_pb2.Namespace) -> bytes:
+        """The caller's namespace: a layout is filed under the caller's tenant (salted id);
+        an id must name a namespace of the caller's tenant (admins may name any)."""
+        who = current_identity()
+        which = ref.WhichOneof("ref")
+        if which == "layout":
+            wire = ref.layout.SerializeToString()
+            known = self._layout_ids.get((who.tenant, who.salt, wire))
+            if known is not None and self.store.has_namespace(known):
+                return known
+            layout = layout_from_proto(ref.layout)
+            if layout.bytes_per_block > self.max_block_bytes:
+                raise InvalidArgument(
+                    f"the layout describes {layout.bytes_per_block} bytes per block, more than max_block_bytes "
+                    f"({self.max_block_bytes}); use smaller blocks (fewer tokens per block)"
+                )
+            if self.max_namespaces_per_tenant is not None:
+                self._check_tenant_namespaces(layout, who.tenant, who.salt)
+            ns_id = self.store.register(layout, who.tenant, who.salt)
+            if len(self._layout_ids) >= LAYOUT_IDS_KEPT:
+                self._layout_ids.clear()
+            self._layout_ids[(who.tenant, who.salt, wire)] = ns_id
+            return ns_id
+        if which == "id":
+            info = self.store.namespace(ref.id)
+            if info.tenant != who.tenant and not who.is_admin:
+                # The same answer as for an unknown id: another tenant's ids are not confirmed.
+                raise NotFound(
+                    f"namespace {ref.id.hex()} is not known to this daemon; "
+                    "send the full layout instead of its id (the daemon forgets namespaces on restart)"
+                )
+            return info.namespace_id
+        raise InvalidArgument("request names no namespace: set namespace.layout (or namespace.id once registered)")
+
+    def _check_tenant_namespaces(self, layout: KVLayout, tenant: str, salt: bytes) -> None:
+        """Refuse a tenant's new namespace past `max_namespaces_per_tenant` (counted only
+        when the namespace is new, so the common path is one dictionary lookup)."""
+        if self.store.has_namespace(tenant_namespace_id(layout.namespace_id, salt)):
+            return
+        limit = self.max_namespaces_per_tenant
+        assert limit is not None
+        held = sum(1 for ns in self.store.namespaces() if ns.tenant == tenant)
+        if held >= limit:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} already holds {held} namespaces, the most max_namespaces_per_tenant allows; "
+                "ask an operator to flush unused ones"
+            )
+
+    # -------------------------------------------------------------- block keys
+
+    def chain(self, ns_id: bytes, keys: kvstore_pb2.BlockKeys) -> bytes | list[bytes]:
+        """The chain a lookup-like request names, for `Store.lookup` / `lease_prefix`
+        (which check it): packed as it came, hashed from its tokens, or the hashes listed."""
+        which = keys.WhichOneof("keys")
+        if which == "packed_hashes":
+            return keys.packed_hashes
+        if which == "tokens":
+            return self.store.chain_for_tokens(ns_id, self._chain_tokens(keys))
+        if which == "hashes":
+            return list(keys.hashes.hashes)
+        raise InvalidArgument("request names no blocks: set keys.packed_hashes, keys.hashes or keys.tokens")
+
+    def hashes(self, ns_id: bytes, keys: kvstore_pb2.BlockKeys) -> list[bytes]:
+        """The block hashes a request names, one object each."""
+        which = keys.WhichOneof("keys")
+        if which == "packed_hashes":
+            return self._split(keys.packed_hashes)
+        if which == "hashes":
+            return list(keys.hashes.hashes)
+        if which == "tokens":
+            return self.store.hashes_for_tokens(ns_id, self._chain_tokens(keys))
+        raise InvalidArgument("request names no blocks: set keys.packed_hashes, keys.hashes or keys.tokens")
+
+    def put_keys(self, ns_id: bytes, header: kvstore_pb2.PutHeader) -> tuple[list[bytes], bytes | None]:
+        """A put's block hashes and the hash of the block before them (None at a chain's start)."""
+        keys = header.keys
+        which = keys.WhichOneof("keys")
+        if which == "hashes" or which == "packed_hashes":
+            hashes = self._split(keys.packed_hashes) if which == "packed_hashes" else list(keys.hashes.hashes)
+            if header.num_blocks and header.num_blocks != len(hashes):
+                raise InvalidArgument(f"num_blocks is {header.num_blocks} but {len(hashes)} hashes were sent")
+            return hashes, header.parent_hash or None
+        if which == "tokens":
+            tokens = keys.tokens
+            packed = self._packed_tokens(tokens)
+            first, count = tokens.first_block, header.num_blocks
+            info = self.store.namespace(ns_id)
+            bst = info.layout.block_size_tokens
+            n_tokens = len(packed) // 4
+            full = n_tokens // bst
+            if count == 0:
+                count = full - first
+            if count <= 0 or first + count > full:
+                raise InvalidArgument(
+                    f"the put covers blocks [{first}, {first + max(count, 0)}) but {n_tokens} tokens "
+                    f"make {full} full blocks of {bst} tokens; send the whole prefix up to the last block"
+                )
+            self._check_block_count(count)  # before hashing
+            # The prefix before `first` is hashed too (the chain needs it) but not bounded
+            # by the per-call block limit: it names no blocks of this put.
+            all_hashes = block_hashes_packed(info.chain_seed or ns_id, memoryview(packed)[: (first + count) * bst * 4],
+                                             bst)
+            return all_hashes[first : first + count], all_hashes[first - 1] if first else None
+        raise InvalidArgument("put header names no blocks: set keys.packed_hashes, keys.hashes or keys.tokens")
+
+    def _split(self, packed: bytes) -> list[bytes]:
+        if len(packed) % HASH_BYTES == 0:
+            # Bounded before the hashes are cut out; each is 16 bytes by construction.
+            self._check_block_count(len(packed) // HASH_BYTES)
+        return split_hashes(packed)  # names the length when it is not a multiple of 16
+
+    def _check_block_count(self, n: int) -> None:
+        limit = self.store.limits.max_blocks_per_call
+        if n > limit:
+            raise InvalidArgument(f"{n} block hashes in one call; the limit is {limit}: split the request")
+
+    def _chain_tokens(self, keys: kvstore_pb2.BlockKeys) -> bytes:
+        """The packed token ids of a request outside a Put, which names its chain from block 0."""
+        if keys.tokens.first_block:
+            raise InvalidArgument("first_block is only meaningful in a Put")
+        return self._packed_tokens(keys.tokens)
+
+    def _packed_tokens(self, tokens: kvstore_pb2.TokenIds) -> bytes:
+        n = len(tokens.packed_u32le) // 4 + len(tokens.token_ids)
+        if n > self.max_tokens_per_call:
+            raise InvalidArgument(
+                f"{n} token ids in one call; the limit is max_tokens_per_call = {self.max_tokens_per_call}: "
+                "send fewer tokens (a lookup needs only the prefix it asks about)"
+            )
+        if tokens.packed_u32le:
+            if len(tokens.token_ids):
+                raise InvalidArgument("set token_ids or packed_u32le, not both")
+            if len(tokens.packed_u32le) % 4:
+                raise InvalidArgument(f"packed_u32le is {len(tokens.packed_u32le)} bytes, not a multiple of 4")
+            return tokens.packed_u32le
+        return token_bytes(tokens.token_ids)
+
+    # -------------------------------------------------------------- sessions
+
+    def session(self, session_id: str, expect_reuse_within_s: float = END_SESSION_WINDOW_S) -> str:
+        """The policies' key for the caller's session id, checked here: with auth on the
+        store sees only a digest of it (`LeaseTags.session`)."""
+        check_hint(session_id, expect_reuse_within_s)
+        return self.tags.session(session_id)
+
+    def put_session(self, header: kvstore_pb2.PutHeader) -> str:
+        """The session key of a put's hint ("" without one), checked before the put
+        begins, so a bad hint refuses the put instead of failing it after its blocks
+        were stored."""
+        if not header.HasField("hint"):
+            return ""
+        return self.session(header.hint.session_id, header.hint.expect_reuse_within_s)
