@@ -37,7 +37,6 @@ hold a block exclusively among themselves; an SSD tier, if any, is last and incl
 from __future__ import annotations
 
 import asyncio
-import enum
 import gc
 import logging
 import struct
@@ -46,15 +45,35 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from kvstore.checksum import checksum_batch, checksum_pieced
 from kvstore.core.index import BlockEntry, BlockIndex, BlockState, make_key
 from kvstore.core.leases import Lease, LeaseTable
-from kvstore.core.policies import EvictionPolicy
+from kvstore.core.results import (
+    BlockGroup,
+    BlockInfo,
+    BlockRef,
+    LookupResult,
+    MigrationConfig,
+    MigrationStatus,
+    NamespaceInfo,
+    PinResult,
+    PrefetchResult,
+    PutResult,
+    RemovalResult,
+    StoreCounters,
+    StoreLimits,
+    StoreObserver,
+    StoreStatus,
+    TierCounters,
+    TierStatus,
+    WritePolicy,
+)
+from kvstore.core.store_tier import PolicyDeferral, StoreTier
 from kvstore.core.table import HAS_PARENT, INDEXED, LIVE, READY, SSD_QUEUED, BlockTable
 from kvstore.core.tenancy import TenantLedger
 from kvstore.core.tier import BlockMeta, Slot, Tier
@@ -84,18 +103,6 @@ SSD_WRITE_CONCURRENCY = 8
 # Victims evicted together when room is made for several blocks (`Store._evict_some`).
 EVICT_BATCH = 32
 
-
-class WritePolicy(enum.Enum):
-    THROUGH = "through"  # every published block is also written to SSD, in the background
-    BACK = "back"  # a block reaches SSD only when it is demoted
-
-
-class MigrationStatus(enum.Enum):
-    OK = "ok"  # the tier is under its low watermark (or was never over the high one)
-    RUNNING = "running"  # a batch moved blocks; more remain above the low watermark
-    FAIL = "fail"  # over the watermark but nothing is evictable (all pinned or moving)
-
-
 MAX_SESSION_ID_CHARS = 128
 MAX_HINT_S = 86_400.0
 
@@ -107,320 +114,6 @@ def check_hint(session_id: str, expect_reuse_within_s: float) -> None:
         raise InvalidArgument(
             f"expect_reuse_within_s must be in (0, {MAX_HINT_S:g}] seconds, got {expect_reuse_within_s!r}"
         )
-
-
-@dataclass(frozen=True, slots=True)
-class StoreLimits:
-    max_blocks_per_call: int = 4096
-    max_namespaces: int = 4096
-    max_leases: int = 65536
-    # Most leases one tenant may hold at once (None: only `max_leases` applies).
-    max_leases_per_tenant: int | None = None
-    max_lease_ms: int = 600_000
-    default_pin_ms: int = 30_000
-
-
-@dataclass(frozen=True, slots=True)
-class MigrationConfig:
-    """How blocks move between tiers."""
-
-    write_policy: WritePolicy = WritePolicy.THROUGH
-    # Where puts land: "auto" = the highest addressable tier with room, else a tier name.
-    put_tier: str = "auto"
-    promote_on_hit: bool = True
-    batch_blocks: int = 64
-    tick_s: float = 0.05
-
-
-@dataclass(slots=True)
-class TierCounters:
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    checksum_failures: int = 0
-    promotions: int = 0  # blocks copied into this tier from a lower one
-    demotions: int = 0  # blocks moved from this tier to a lower one
-    drops: int = 0  # blocks that left the store from this tier (their last copy)
-
-
-@dataclass(slots=True)
-class StoreCounters:
-    lookups: int = 0
-    lookup_blocks: int = 0
-    hit_blocks: int = 0
-    miss_blocks: int = 0
-    puts: int = 0
-    put_failures: int = 0
-    blocks_stored: int = 0
-    blocks_existing: int = 0
-    bytes_in: int = 0
-    fetches: int = 0
-    blocks_fetched: int = 0
-    bytes_out: int = 0
-    deletes: int = 0
-    evictions: int = 0
-    checksum_failures: int = 0
-    prefetches: int = 0
-    ssd_write_failures: int = 0
-    # The parts of bytes_in / bytes_out that moved through the shared-memory plane
-    # (the rest went as gRPC bytes); metrics label throughput by plane with them.
-    local_bytes_in: int = 0
-    local_bytes_out: int = 0
-
-
-# Policy calls that may wait for the loop (see `StoreTier.defer_touch`).
-DEFERRED_MAX = 64
-
-
-class PolicyDeferral:
-    """Who applies the tiers' deferred policy calls. By default a loop callback after the
-    running one (`call_soon`). A server that answers a call and can apply them itself
-    right after (the control lane) `hold`s it around the call and `release`s it once the
-    answer is written: the calls are then applied in that same callback, which saves the
-    event loop a turn per call. Every tier of a store shares its store's."""
-
-    __slots__ = ("held", "_pending")
-
-    def __init__(self) -> None:
-        self.held = False
-        self._pending: list[StoreTier] = []
-
-    def hold(self) -> None:
-        self.held = True
-
-    def take(self, tier: StoreTier) -> bool:
-        """Whether the holder applies `tier`'s deferred calls (else the tier schedules them)."""
-        if self.held:
-            self._pending.append(tier)
-        return self.held
-
-    def release(self) -> None:
-        """Apply what was deferred while held, in the order the tiers deferred it."""
-        self.held = False
-        if self._pending:
-            pending, self._pending = self._pending, []
-            for tier in pending:
-                tier.apply_deferred()
-
-
-class StoreTier:
-    """A tier as the control plane sees it: bytes (`tier`), order (`policy`), counters.
-
-    Watermarks are fractions of capacity: over `high_watermark` the migrator demotes
-    until the tier is at or under `low_watermark`.
-
-    A lookup's hits and a put's new blocks reach the policy after the answer has gone out
-    (`defer_touch`, `defer_insert`): the call is queued and applied by a loop callback,
-    or at the latest by the next use of `policy`, which applies whatever is queued
-    first. So the policy sees exactly the same calls in the same order as if each had
-    been made on the spot; only the reply no longer waits for them.
-    """
-
-    __slots__ = ("tier", "_policy", "high_watermark", "low_watermark", "counters", "draining",
-                 "_deferred", "_flush_scheduled", "deferral")
-
-    def __init__(self, tier: Tier, policy: EvictionPolicy, high_watermark: float = 0.95,
-                 low_watermark: float = 0.85) -> None:
-        if not 0.0 < low_watermark <= high_watermark <= 1.0:
-            raise ValueError(
-                f"tier {tier.name}: watermarks must satisfy 0 < low <= high <= 1, "
-                f"got low={low_watermark} high={high_watermark}"
-            )
-        self.tier = tier
-        self._policy = policy
-        self.high_watermark = high_watermark
-        self.low_watermark = low_watermark
-        self.counters = TierCounters()
-        self.draining = False
-        self._deferred: list[tuple[bool, np.ndarray[Any, Any]]] = []  # (insert, rows), in call order
-        self._flush_scheduled = False
-        self.deferral = PolicyDeferral()  # its store's, once in one
-
-    def __repr__(self) -> str:
-        return f"StoreTier({self.tier.name}, {self._policy.name})"
-
-    @property
-    def name(self) -> str:
-        return self.tier.name
-
-    @property
-    def policy(self) -> EvictionPolicy:
-        """The tier's policy, with every deferred touch and insert applied."""
-        if self._deferred:
-            self.apply_deferred()
-        return self._policy
-
-    def defer_touch(self, rows: np.ndarray[Any, Any]) -> None:
-        """`policy.touch_rows(rows)`, applied soon after the running callback (at once
-        when no event loop runs), and in any case before the policy is used again."""
-        self._defer(False, rows)
-
-    def defer_insert(self, rows: np.ndarray[Any, Any]) -> None:
-        """`policy.insert_rows(rows)`, deferred as `defer_touch` is."""
-        self._defer(True, rows)
-
-    def _defer(self, insert: bool, rows: np.ndarray[Any, Any]) -> None:
-        self._deferred.append((insert, rows))
-        if len(self._deferred) >= DEFERRED_MAX:
-            self.apply_deferred()  # many calls answered in one callback: catch up now
-            return
-        if self._flush_scheduled:
-            return
-        if self.deferral.take(self):
-            self._flush_scheduled = True
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self.apply_deferred()
-            return
-        self._flush_scheduled = True
-        loop.call_soon(self.apply_deferred)
-
-    def apply_deferred(self) -> None:
-        self._flush_scheduled = False
-        touches, self._deferred = self._deferred, []
-        for insert, rows in touches:
-            if insert:
-                self._policy.insert_rows(rows)
-            else:
-                self._policy.touch_rows(rows)
-
-
-@dataclass(slots=True, eq=False)
-class NamespaceInfo:
-    namespace_id: bytes
-    layout: KVLayout
-    # The owner, and the public id that starts its hash chains (the namespace id itself
-    # for the default tenant; see kvstore.hashing.tenant_namespace_id).
-    tenant: str = "default"
-    chain_seed: bytes = b""
-    blocks: int = 0
-    bytes: int = 0
-    # Which engines get value from the cache: per-namespace block hit ratio for operators.
-    lookup_blocks: int = 0
-    hit_blocks: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    namespace_id: bytes
-    num_blocks: int
-    block_size_tokens: int
-    tier_ids: bytes  # each hit's top tier, one byte per block: an index into `tier_names`
-    tier_names: tuple[str, ...]  # tier id -> name
-    hashes_packed: bytes  # the hits' hashes, 16 bytes each, in chain order
-    lease_id: str
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size_tokens
-
-    @property
-    def tiers(self) -> list[str]:
-        """Each hit's tier by name (where it is served from: its top copy)."""
-        ids, names = self.tier_ids, self.tier_names
-        if ids and ids.count(ids[:1]) == len(ids):  # one tier: the common case
-            return [names[ids[0]]] * len(ids)
-        return [names[i] for i in ids]
-
-    @property
-    def block_hashes(self) -> list[bytes]:
-        return split_hashes(self.hashes_packed)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockInfo:
-    """A snapshot of one READY block's metadata, for operators and diagnostics."""
-
-    tier: str
-    slot: Slot
-    nbytes: int
-    checksum: int
-    pins: int
-    tiers: list[str] = field(default_factory=list)  # every tier holding a copy, top first
-
-
-@dataclass(frozen=True, slots=True)
-class PutResult:
-    namespace_id: bytes
-    stored: int
-    existing: int
-    block_hashes: list[bytes]
-
-
-@dataclass(frozen=True, slots=True)
-class PinResult:
-    lease_id: str
-    pinned: int
-    expires_in_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchResult:
-    tier: str
-    requested: int
-    raised: int  # copied or moved up into the tier by this call
-    already: int  # were in the tier (or above it) already
-    missing: int  # not in the store, or failed verification on the way up
-    skipped: int = 0  # no room in the target: everything there pinned, held or PENDING
-
-
-@dataclass(frozen=True, slots=True)
-class TierStatus:
-    name: str
-    capacity_bytes: int
-    used_bytes: int
-    blocks: int
-    policy: str
-    counters: TierCounters
-    facts: dict[str, str]
-    pending_writes: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class RemovalResult:
-    blocks: int
-    removed_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRef:
-    block_hash: bytes
-    parent_hash: bytes  # b"" for the first block of a chain
-
-
-@dataclass(frozen=True, slots=True)
-class BlockGroup:
-    """Blocks of one namespace in one tier (what a resyncing event consumer reloads)."""
-
-    namespace_id: bytes
-    tier: str
-    block_hashes: tuple[bytes, ...]
-
-
-class StoreObserver(Protocol):
-    """Told synchronously, on the loop, when blocks appear, leave or change tier; must not block.
-
-    `blocks_stored` when blocks become READY, `blocks_removed` when a block leaves the
-    daemon (its last copy), `blocks_moved` when migration moves a block between tiers.
-    """
-
-    def blocks_stored(self, namespace_id: bytes, block_hashes: Sequence[bytes], tier: str) -> None: ...
-
-    def blocks_removed(self, namespace_id: bytes, block_hashes: Sequence[bytes], tier: str) -> None: ...
-
-    def blocks_moved(self, namespace_id: bytes, block_hashes: Sequence[bytes], from_tier: str, to_tier: str) -> None: ...
-
-
-
-
-@dataclass(frozen=True, slots=True)
-class StoreStatus:
-    tiers: list[TierStatus]
-    counters: StoreCounters
-    namespaces: int
-    leases_active: int
 
 
 class Store:

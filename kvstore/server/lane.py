@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvstore.core.store import PolicyDeferral
+from kvstore.core.store_tier import PolicyDeferral
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, ResourceExhausted
 from kvstore.laneproto import (
     HEADER,
