@@ -18,6 +18,7 @@ from kvstore.core.store import MigrationConfig, MigrationStatus, Store, StoreTie
 from kvstore.core.tier import Slot
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
+from kvstore.tiers.copiers import make_copier
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.ssd import SsdTier
 
@@ -35,7 +36,8 @@ def build(tmp_path: Path, *, top_blocks: int = 4, host_blocks: int = 8, ssd: boo
     if ssd:
         tiers.append(StoreTier(SsdTier(str(tmp_path / "ssd"), 1 << 20, region_size=64 << 10, io_threads=2),
                                make_policy("lru")))
-    return Store(tiers, migration=MigrationConfig(write_policy=policy, promote_on_hit=promote, tick_s=3600))
+    return Store(tiers, migration=MigrationConfig(write_policy=policy, promote_on_hit=promote, tick_s=3600),
+                 make_copier=make_copier)
 
 
 @pytest.fixture
@@ -87,6 +89,25 @@ async def test_puts_overflow_down_the_hierarchy_and_all_fetch_byte_exact(store: 
         t = tier_stats(store, name)
         assert t.used_bytes <= t.capacity_bytes
     assert tier_stats(store, "ssd").blocks == 20  # write-through: every block reached SSD
+
+
+async def test_without_a_copier_choice_moves_between_memory_tiers_bounce_exactly() -> None:
+    """A store given no copier choice moves blocks between memory tiers by `read` and
+    `write` (the contract's `BounceCopier`): demoted and raised again, bytes stay exact."""
+    tiers = [StoreTier(MemoryTier(4 * BLOCK, name="hbm"), make_policy("lru"), 0.5, 0.25),
+             StoreTier(MemoryTier(8 * BLOCK, name="host"), make_policy("lru"), 0.9, 0.5)]
+    store = Store(tiers, migration=MigrationConfig(tick_s=3600))
+    try:
+        hs = hashes(4)
+        blocks = [os.urandom(BLOCK) for _ in hs]
+        await put(store, hs, blocks)
+        assert await store.migrate_once(tiers[0]) is MigrationStatus.OK
+        assert where(store, hs).count("host") == 3
+        assert (await store.prefetch(store.register(LAYOUT), hs, "hbm")).raised == 3
+        assert where(store, hs) == ["hbm"] * 4
+        assert await fetch(store, hs) == blocks
+    finally:
+        await store.aclose()
 
 
 async def test_lower_tier_hit_is_served_and_promoted(store: Store) -> None:

@@ -76,7 +76,7 @@ from kvstore.core.results import (
 from kvstore.core.store_tier import PolicyDeferral, StoreTier
 from kvstore.core.table import HAS_PARENT, INDEXED, LIVE, READY, SSD_QUEUED, BlockTable
 from kvstore.core.tenancy import TenantLedger
-from kvstore.core.tier import BlockMeta, Slot, Tier
+from kvstore.core.tier import BlockMeta, BounceCopier, Copier, Slot, Tier
 from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstore.hashing import (
     HASH_BYTES,
@@ -88,7 +88,6 @@ from kvstore.hashing import (
 )
 from kvstore.layout import DTYPE_BYTES, KVLayout
 from kvstore.native import native as _native
-from kvstore.tiers.copiers import make_copier
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +115,10 @@ def check_hint(session_id: str, expect_reuse_within_s: float) -> None:
         )
 
 
+def _bounce(src: Tier, dst: Tier) -> Copier:
+    return BounceCopier()
+
+
 class Store:
     def __init__(
         self,
@@ -125,7 +128,11 @@ class Store:
         executor: Executor | None = None,
         clock: Callable[[], float] = time.monotonic,
         migration: MigrationConfig | None = None,
+        make_copier: Callable[[Tier, Tier], Copier] | None = None,
     ) -> None:
+        """`make_copier` picks the copier for each pair of memory tiers (the data plane's
+        choice, e.g. `kvstore.tiers.copiers.make_copier`); by default every pair bounces
+        bytes through `read` and `write` (`BounceCopier`)."""
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.tiers = list(tiers)
@@ -136,13 +143,21 @@ class Store:
         self.deferral = PolicyDeferral()
         for t in self.tiers:
             t.deferral = self.deferral
-        inclusive = [t for t in self.tiers if not t.tier.addressable]
+        for t in self.tiers:
+            if t.tier.addressable == t.tier.inclusive:
+                raise ValueError(
+                    f"tier {t.name} is {'both' if t.tier.addressable else 'neither'} addressable "
+                    f"{'and' if t.tier.addressable else 'nor'} inclusive; a store takes addressable tiers "
+                    "that hold blocks exclusively (memory) and at most one inclusive tier that is not (SSD)"
+                )
+        inclusive = [t for t in self.tiers if t.tier.inclusive]
         if len(inclusive) > 1 or (inclusive and inclusive[0] is not self.tiers[-1]):
-            raise ValueError("at most one non-addressable (SSD) tier, and it must be the last")
+            raise ValueError("at most one inclusive (SSD) tier, and it must be the last")
         self.memory_tiers = [t for t in self.tiers if t.tier.addressable]
         if not self.memory_tiers:
             raise ValueError("a store needs at least one addressable tier for puts to land in")
-        self.ssd: StoreTier | None = inclusive[0] if inclusive else None
+        # The inclusive tier (the SSD), where write-through writes; None without one.
+        self.inclusive: StoreTier | None = inclusive[0] if inclusive else None
         self.migration = migration or MigrationConfig()
         if self.migration.put_tier != "auto" and self.migration.put_tier not in {t.name for t in self.memory_tiers}:
             raise ValueError(f"put tier {self.migration.put_tier!r} is not one of this store's memory tiers")
@@ -166,7 +181,7 @@ class Store:
         # Set by the daemon (the event bus); None in embedded and unit-test stores.
         self.observer: StoreObserver | None = None
         self._copiers = {
-            (a.name, b.name): make_copier(a.tier, b.tier)
+            (a.name, b.name): (make_copier or _bounce)(a.tier, b.tier)
             for a in self.memory_tiers
             for b in self.memory_tiers
             if a is not b
@@ -190,40 +205,38 @@ class Store:
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        """Recover the SSD tier's blocks, then start the migrator and the SSD writer."""
-        if self.ssd is not None:
-            recover = getattr(self.ssd.tier, "recover", None)
-            if recover is not None:
-                # A rebuild allocates an object or two per block, all long-lived: the cyclic
-                # collector would rescan the growing index again and again (most of a rebuild's
-                # time at a million blocks). Paused while it runs; afterwards the rebuilt index
-                # is frozen out of the collector's reach, since it holds no cycles to collect.
-                collecting = gc.isenabled()
-                gc.disable()
-                try:
-                    report = await recover()
-                    self._index_recovered(report)
-                finally:
-                    if collecting:
-                        gc.enable()
-                if len(report):
-                    gc.freeze()
-                self._recovered = bool(len(report))
-                self.ssd.counters.checksum_failures += report.checksum_failures
+        """Index the blocks the tiers recovered, then start the migrator and the SSD writer."""
+        # A rebuild allocates an object or two per block, all long-lived: the cyclic
+        # collector would rescan the growing index again and again. Paused while it runs;
+        # afterwards the rebuilt index is frozen out of the collector's reach, since it
+        # holds no cycles to collect.
+        collecting = gc.isenabled()
+        gc.disable()
+        recovered = 0
+        try:
+            for st in self.tiers:
+                report = await st.tier.recover()
+                if report is None:
+                    continue
+                rows = self._index.table.add_recovered(st.name, report.records)
+                st.policy.insert_rows(rows)
+                recovered += len(rows)
+                st.counters.checksum_failures += report.checksum_failures
                 self.counters.checksum_failures += report.checksum_failures
+        finally:
+            if collecting:
+                gc.enable()
+        if recovered:
+            gc.freeze()
+        self._recovered = bool(recovered)
+        if self.inclusive is not None:
             self._tasks.append(asyncio.create_task(self._ssd_writer(), name="kvstore-ssd-writer"))
         if len(self.tiers) > 1:
             self._tasks.append(asyncio.create_task(self._migrator(), name="kvstore-migrator"))
 
-    def _index_recovered(self, report: Any) -> None:
-        """Index the SSD tier's recovered blocks (a `kvstore.tiers.ssd.RecoveryReport`)."""
-        assert self.ssd is not None
-        rows = load_recovered(self._index.table, self.ssd.name, report)
-        self.ssd.policy.insert_rows(rows)
-
     async def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued SSD write has landed; False if `timeout_s` passed first."""
-        if self.ssd is None:
+        if self.inclusive is None:
             return True
         try:
             await asyncio.wait_for(self._ssd_idle.wait(), timeout_s)
@@ -583,7 +596,9 @@ class Store:
         """Make progress towards room for `count` blocks in `st`: where `st` is the last tier,
         drop up to `count` victims in one batch (`_drop_last_copies`); otherwise, or for a
         victim that is not simply the only copy of an indexed block, one `_evict_one` step."""
-        if count > 1 and self._below(st) is None and st is not self.ssd:
+        # Slots of an addressable tier give their room back one by one, so a batch of
+        # victims dropped at once makes room for as many blocks.
+        if count > 1 and st.tier.addressable and self._below(st) is None:
             rows = self._take_victims(st, min(count, EVICT_BATCH))
             if rows:
                 self._drop_last_copies(st, rows)
@@ -637,7 +652,8 @@ class Store:
         st.counters.drops += len(rows)
 
     async def _evict_one(self, st: StoreTier, nbytes: int) -> None:
-        """Make progress towards room in `st`: demote one victim, or empty one SSD region."""
+        """Make progress towards room in `st`: demote one victim, or (in the last tier) drop
+        it with whatever shares its room."""
         row = st.policy.victim_row(self._evictable_row)
         if row is None:
             raise ResourceExhausted(
@@ -645,17 +661,20 @@ class Store:
                 "block in it is pinned or being moved; retry later, release leases, or add capacity"
             )
         entry = self._index.entry(row)
-        if st is self.ssd:
-            # Region-level reclaim: a region frees only when all its records are dead,
-            # so evict the victim's whole region (what of it is evictable) at once.
-            region_keys = getattr(st.tier, "region_keys", None)
-            keys = region_keys(entry.locations[st.name]) if region_keys is not None else [entry.key]
-            for k in keys:
-                e = self._index.get(k)
-                if e is not None and e.evictable and e.slot_in(st.name) is not None:
-                    self._evict_location(e, st)
+        if self._below(st) is not None:
+            await self._demote(entry, st)
             return
-        await self._demote(entry, st)
+        # Region-level reclaim: a tier that frees whole regions (the SSD log) gets a
+        # region back only when all its records are dead, so the victim's whole region
+        # goes at once (what of it is evictable).
+        keys = st.tier.region_keys(entry.locations[st.name], entry.key)
+        if len(keys) == 1:  # the victim's room alone: every memory tier
+            self._evict_location(entry, st)
+            return
+        for k in keys:
+            e = self._index.get(k)
+            if e is not None and e.evictable and e.slot_in(st.name) is not None:
+                self._evict_location(e, st)
 
     def _evict_location(self, entry: BlockEntry, st: StoreTier) -> None:
         st.counters.evictions += 1
@@ -678,7 +697,7 @@ class Store:
         self._hold(entry)
         try:
             try:
-                if lower is self.ssd:
+                if not lower.tier.addressable:  # a whole-block write (the SSD)
                     data = await self._read_verified(entry, st)
                     if data is None:
                         return True
@@ -712,23 +731,23 @@ class Store:
     async def _ensure_on_ssd(self, entry: BlockEntry, data: bytes) -> bool:
         """Write `entry` to SSD unless it is there or already being written (then wait for
         that write). True when the block has an SSD copy afterwards. The caller holds it."""
-        assert self.ssd is not None
-        if self.ssd.name in entry.locations:
+        assert self.inclusive is not None
+        if self.inclusive.name in entry.locations:
             return True
-        if self._quota_exceeded(entry, self.ssd):
+        if self._quota_exceeded(entry, self.inclusive):
             return False  # over the tenant's SSD quota: the block stays (or ends) in memory only
         pending = self._ssd_writing.get(entry.key)
         if pending is not None:
             await asyncio.shield(pending)
-            return self.ssd.name in entry.locations
+            return self.inclusive.name in entry.locations
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._ssd_writing[entry.key] = done
-        self._quota_incoming(entry, self.ssd, entry.nbytes)
+        self._quota_incoming(entry, self.inclusive, entry.nbytes)
         try:
-            slot = await self._place(self.ssd, entry, data)
-            return self._add_location(entry, self.ssd, slot)
+            slot = await self._place(self.inclusive, entry, data)
+            return self._add_location(entry, self.inclusive, slot)
         finally:
-            self._quota_incoming(entry, self.ssd, -entry.nbytes)
+            self._quota_incoming(entry, self.inclusive, -entry.nbytes)
             del self._ssd_writing[entry.key]
             done.set_result(None)
 
@@ -755,7 +774,7 @@ class Store:
             self._quota_incoming(entry, dst, -entry.nbytes)
 
     async def _copy_into_counted(self, entry: BlockEntry, src: StoreTier, dst: StoreTier) -> Slot | None:
-        if src is self.ssd:
+        if not src.tier.addressable:  # no copier from it: a whole-block read (the SSD)
             data = await self._read_verified(entry, src)
             if data is None:
                 return None
@@ -800,7 +819,7 @@ class Store:
         if not self._add_location(entry, target, slot):
             return False
         target.counters.promotions += 1
-        if src is not self.ssd and src.name in entry.locations:
+        if not src.tier.inclusive and src.name in entry.locations:
             self._remove_location(entry, src)  # memory tiers are exclusive: a move
         return True
 
@@ -980,7 +999,7 @@ class Store:
 
     def _publish(self, rows: np.ndarray[Any, Any]) -> None:
         """Make a put's PENDING rows READY (in chain order)."""
-        through = self.ssd is not None and self.migration.write_policy is WritePolicy.THROUGH
+        through = self.inclusive is not None and self.migration.write_policy is WritePolicy.THROUGH
         if not len(rows):
             self._migrate_wakeup.set()
             return
@@ -1040,11 +1059,11 @@ class Store:
                 self._ssd_inflight -= len(batch)
 
     async def _write_through(self, entry: BlockEntry) -> None:
-        assert self.ssd is not None
+        assert self.inclusive is not None
         if not entry.ssd_queued:
             return
         src = self.top_tier(entry)
-        if entry.removed or self.ssd.name in entry.locations or src is None:
+        if entry.removed or self.inclusive.name in entry.locations or src is None:
             # Out of the queue with nothing to write: its row may be recycled once removed.
             entry.ssd_queued = False
             return
@@ -1448,7 +1467,7 @@ class Store:
                     policy=st.policy.name,
                     counters=TierCounters(**{k: getattr(st.counters, k) for k in TierCounters.__slots__}),
                     facts=st.tier.describe(),
-                    pending_writes=self.pending_ssd_writes if st is self.ssd else 0,
+                    pending_writes=self.pending_ssd_writes if st is self.inclusive else 0,
                 )
                 for st in self.tiers
             ],
@@ -1570,7 +1589,7 @@ class FetchStream:
         """
         store = self._store
         entries = self._entries
-        promote = store.migration.promote_on_hit and store.ssd is not None
+        promote = store.migration.promote_on_hit and store.inclusive is not None
         off_loop = store._executor is not None
         # Blocks without views are read ahead, concurrently: reads have been started for
         # the blocks before `ahead_end`, which hold `ahead_bytes` from the current one on.
@@ -1610,7 +1629,7 @@ class FetchStream:
                 served.append((st, entry))
                 store.counters.blocks_fetched += 1
                 store.counters.bytes_out += len(view)
-                if promote and st is store.ssd:
+                if promote and st.tier.inclusive:
                     await store._promote_on_hit(entry, bytes(data))  # SSD reads are bytes already: no copy
                 yield framed
         finally:
@@ -1943,38 +1962,3 @@ class PutTxn:
         for entry in self._held:
             self._store._release(entry)
         self._held.clear()
-
-
-def load_recovered(table: BlockTable, tier: str, report: Any) -> np.ndarray[Any, Any]:
-    """Index the blocks of a `kvstore.tiers.ssd.RecoveryReport` (one copy each, in `tier`)
-    as new rows of `table`, in whole-column steps; returns their rows in report order."""
-    rec = report.records
-    n = len(rec)
-    if not n:
-        return np.zeros(0, np.int64)
-    rows = table.new_rows(n)
-    # Per key: namespace id (2 words), block hash (2 words).
-    words = np.ascontiguousarray(rec["key"]).view("<u8").reshape(n, 4)
-    ns_words = words[:, :2]
-    if np.all(ns_words == ns_words[0]):  # one namespace: the common case, no sort
-        table.ns[rows] = table.ns_id(ns_words[0].tobytes())
-    else:
-        uniq, inverse = np.unique(np.ascontiguousarray(ns_words).view([("a", "<u8"), ("b", "<u8")]).ravel(),
-                                  return_inverse=True)
-        ids = np.array([table.ns_id(u.tobytes()) for u in uniq], np.uint32)
-        table.ns[rows] = ids[inverse.ravel()]
-    table.h0[rows] = words[:, 2]
-    table.h1[rows] = words[:, 3]
-    parents = np.ascontiguousarray(rec["parent"]).view("<u8").reshape(n, 2)
-    table.ph0[rows] = parents[:, 0]
-    table.ph1[rows] = parents[:, 1]
-    # A parent is always of the block's own namespace (the record keeps only its hash).
-    table.flags[rows] = np.where(rec["has_parent"] != 0, LIVE | READY | HAS_PARENT, LIVE | READY).astype(np.uint8)
-    table.csum[rows] = rec["checksum"]
-    table.nbytes[rows] = rec["raw_len"]
-    table.item[rows] = rec["itemsize"]
-    table.lt[rows, 0] = table.tier_id(tier)
-    table.lo[rows, 0] = rec["offset"]
-    table.ls[rows, 0] = rec["size"]
-    table.index_rows(rows)
-    return rows

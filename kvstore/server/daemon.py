@@ -56,6 +56,7 @@ from kvstore.server.local_puts import LocalPuts
 from kvstore.server.metrics import Metrics, MetricsServer
 from kvstore.server.runtime import RuntimeConfig
 from kvstore.server.servicer import KVStoreServicer
+from kvstore.tiers import make_copier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.segment import default_shm_dir, free_bytes, remove_stale_segments
 from kvstore.units import human_bytes
@@ -443,6 +444,7 @@ class Daemon:
                 default_pin_ms=cfg.default_pin_ms,
             ),
             executor=self._executor,
+            make_copier=make_copier,
         )
         try:
             await self.store.start()
