@@ -88,7 +88,7 @@ def corrupt(store: Store, h: bytes) -> None:
 
 
 def readers(store: Store, hs: list[bytes]) -> list[int]:
-    index = store._index  # noqa: SLF001 - the hold count is the property under test
+    index = store.index
     return [index.get(store_mod.make_key(LAYOUT.namespace_id, h)).readers for h in hs]
 
 

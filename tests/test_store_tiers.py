@@ -223,7 +223,7 @@ async def test_top_tier_of_each_hit_is_the_same_compiled_or_not(store: Store, mo
     third for the moment of a move."""
     import numpy as np
 
-    import kvstore.core.store as store_module
+    import kvstore.core.index as index_module
 
     hs = hashes(16)
     blocks = [os.urandom(BLOCK) for _ in hs]
@@ -231,24 +231,24 @@ async def test_top_tier_of_each_hit_is_the_same_compiled_or_not(store: Store, mo
         await put(store, hs[i : i + 4], blocks[i : i + 4])
     await store.flush(10)
     ns = store.register(LAYOUT)
-    rows = store._index.prefix_rows(ns, b"".join(hs))
+    rows = store.index.prefix_rows(ns, b"".join(hs))
     assert len(rows) == 16
-    t = store._index.table
+    t = store.index.table
     assert (t.lt[rows, 1] != 0).any() and len(set(where(store, hs))) > 1  # two copies, several tiers
-    first = store._top_ids(rows)
+    first = store.index.top_ids(rows)
     result = store.lookup(ns, hs)
     # A third copy (in the top tier, mid-move) of a block with two below it.
     moving = next(int(r) for r, v in zip(rows.tolist(), first.tolist()) if v > 1 and t.lt[r, 1])
     t.extra_locs[moving] = [Slot("hbm", 0, BLOCK)]
     try:
-        compiled = store._top_ids(rows)
-        monkeypatch.setattr(store_module, "_native", None)
-        reference = store._top_ids(rows)
+        compiled = store.index.top_ids(rows)
+        monkeypatch.setattr(index_module, "_native", None)
+        reference = store.index.top_ids(rows)
     finally:
         del t.extra_locs[moving]
     assert compiled.dtype == reference.dtype == np.uint8
     assert compiled.tolist() == reference.tolist()
     assert compiled.tolist() == [1 if int(r) == moving else v for r, v in zip(rows.tolist(), first.tolist())]
-    assert store._top_ids(rows).tolist() == first.tolist()
+    assert store.index.top_ids(rows).tolist() == first.tolist()
     # What the lookup answered: each block's top tier, by id and by name.
     assert result.tiers == [t.tier_names[i] for i in first.tolist()] == [store.block(ns, h).tier for h in hs]

@@ -165,14 +165,15 @@ class Store:
         self.counters = StoreCounters()
         self._executor = executor
         self._clock = clock
-        self._index = BlockIndex()
-        table = self._index.table
+        self.index = BlockIndex()
+        table = self.index.table
         # Tier ids in the table follow the tier order, so the top copy is the lowest id.
         for st in self.tiers:
             table.tier_id(st.name)
             st.policy.bind(table)
         self._tier_id_names = tuple(table.tier_names)
         self._tier_ids = {st.name: table.tier_id(st.name) for st in self.tiers}
+        self._evictable_row = self.index.evictable_row  # the victim predicate, bound once
         self._leases = LeaseTable(self._readers_gone)
         self._namespaces: dict[bytes, NamespaceInfo] = {}
         # Payload bytes per tenant and tier, and quotas (set by the daemon from its token file).
@@ -218,7 +219,7 @@ class Store:
                 report = await st.tier.recover()
                 if report is None:
                     continue
-                rows = self._index.table.add_recovered(st.name, report.records)
+                rows = self.index.table.add_recovered(st.name, report.records)
                 st.policy.insert_rows(rows)
                 recovered += len(rows)
                 st.counters.checksum_failures += report.checksum_failures
@@ -247,7 +248,7 @@ class Store:
     @property
     def indexed_blocks(self) -> int:
         """READY blocks in the index (each counted once, whatever tiers hold it)."""
-        return len(self._index)
+        return len(self.index)
 
     @property
     def pending_ssd_writes(self) -> int:
@@ -296,22 +297,12 @@ class Store:
             if self._recovered:
                 # Blocks recovered from SSD carry their namespace id but not its layout;
                 # the first request that sends the layout adopts them.
-                t = self._index.table
-                nsid = t.known_ns(ns_id)
-                if nsid is not None:
-                    rows = t.indexed_rows()
-                    rows = rows[t.ns[rows] == nsid]
-                    nbytes = t.nbytes[rows].astype(np.int64)
-                    info.blocks += len(rows)
-                    info.bytes += int(nbytes.sum())
-                    lt = t.lt[rows]
-                    for name, tid in self._tier_ids.items():
-                        held = (lt[:, 0] == tid) | (lt[:, 1] == tid)
-                        if held.any():
-                            self.tenancy.add(tenant, name, int(nbytes[held].sum()))
-                    for row in t.extra_locs.keys() & set(rows.tolist()):
-                        for slot in t.extra_locs[row]:
-                            self.tenancy.add(tenant, slot.tier, t.vnbytes[row])
+                usage = self.index.namespace_usage(ns_id)
+                if usage is not None:
+                    info.blocks += usage.blocks
+                    info.bytes += usage.nbytes
+                    for name, nbytes in usage.by_tier.items():
+                        self.tenancy.add(tenant, name, nbytes)
             self._namespaces[ns_id] = info
             logger.info("namespace %s registered: model=%s dtype=%s block=%d tokens / %d bytes",
                         ns_id.hex(), layout.model, layout.dtype, layout.block_size_tokens, layout.bytes_per_block)
@@ -439,7 +430,7 @@ class Store:
         else:
             st.tier.free(slot)
         if not entry.slots() and not entry.removed:
-            self._index.remove_entry(entry)
+            self.index.remove_entry(entry)
             st.counters.drops += 1
             self._forget(entry)
             self._removed(entry, st.name)
@@ -450,12 +441,10 @@ class Store:
         """`_remove_location` of an indexed block's only copy, in `st`, with no reader (an
         eviction from the last tier, the common case at scale), straight on the columns
         (`_drop_last_copies`). False, having done nothing, in any other case."""
-        t, row = entry.table, entry.row
-        if (t is not self._index.table or entry.stale or t.vreaders[row] or t.vlt[row, 1]
-                or t.vlt[row, 0] != self._tier_ids[st.name] or not t.vflags[row] & INDEXED):
+        if not self.index.sole_copy(entry, self._tier_ids[st.name]):
             return False
-        st.policy.remove_row(row)
-        self._drop_last_copies(st, [row])
+        st.policy.remove_row(entry.row)
+        self._drop_last_copies(st, [entry.row])
         return True
 
     # Events for the observer (the daemon's event bus). Only READY blocks are reported:
@@ -520,7 +509,7 @@ class Store:
                     f"{over}, and its blocks there are pinned or in use; release leases, delete blocks, "
                     "or raise the quota in the token file"
                 )
-            entry = self._index.get(key)
+            entry = self.index.get(key)
             assert entry is not None
             await self._demote(entry, st)
 
@@ -538,7 +527,7 @@ class Store:
             self._account(entry, name, -entry.nbytes)  # before the index marks it removed
         for name in entry.locations:
             self._tier_by_name[name].policy.remove_row(entry.row)
-        self._index.remove_entry(entry)
+        self.index.remove_entry(entry)
         self._forget(entry)
         if entry.readers == 0:
             for slot in entry.slots():
@@ -546,13 +535,8 @@ class Store:
             entry.clear_slots()
 
     def _evictable(self, key: bytes) -> bool:
-        entry = self._index.get(key)
+        entry = self.index.get(key)
         return entry is not None and entry.evictable
-
-    def _evictable_row(self, row: int) -> bool:
-        t = self._index.table
-        return (row >= 0 and t.vpins[row] == 0 and t.vreaders[row] == 0
-                and (t.vflags[row] & (READY | INDEXED)) == (READY | INDEXED))
 
     # ----------------------------------------------------------------- moving bytes
 
@@ -610,13 +594,13 @@ class Store:
     def _take_victims(self, st: StoreTier, count: int) -> list[int]:
         """Up to `count` rows of the policy's victims in order, each taken out of the policy,
         stopping before the first that `_drop_last_copies` cannot drop."""
-        t = self._index.table
         tid = self._tier_ids[st.name]
+        only_copy_in = self.index.only_copy_in
         rows: list[int] = []
         policy = st.policy
         for _ in range(count):
             row = policy.victim_row(self._evictable_row)
-            if row is None or t.vlt[row, 1] or t.vlt[row, 0] != tid:
+            if row is None or not only_copy_in(row, tid):
                 break
             policy.remove_row(row)
             rows.append(row)
@@ -626,29 +610,16 @@ class Store:
         """Drop rows whose only copy is in `st`, each indexed, with no reader, and already
         out of `st`'s policy, with the table, the accounting and the events updated once
         for all of them (`_drop_last_copy` for one, `_evict_some` for a batch)."""
-        t = self._index.table
+        observer = self.observer
         rows = np.array(taken, np.int64)
-        nbytes = t.nbytes[rows].astype(np.int64)
-        offsets, sizes = t.lo[rows, 0].tolist(), t.ls[rows, 0].tolist()
-        t.lt[rows, 0] = 0
-        free = st.tier.free
-        name = st.name
-        for offset, size in zip(offsets, sizes):
-            free(Slot(name, offset, size))
-        ns = t.ns[rows]
-        hashes = t.hashes(rows) if self.observer is not None else []
-        t.unindex_rows(rows)
-        for n in np.unique(ns).tolist():
-            sel = ns == n
-            ns_id = t.ns_bytes[n]
-            gone = int(nbytes[sel].sum())
-            info = self._namespaces.get(ns_id)
+        for gone in self.index.remove_sole_copies(rows, st.tier.free, observer is not None):
+            info = self._namespaces.get(gone.namespace_id)
             if info is not None:
-                self.tenancy.add(info.tenant, name, -gone)
-                info.blocks -= int(sel.sum())
-                info.bytes -= gone
-            if self.observer is not None:
-                self.observer.blocks_removed(ns_id, [hashes[i] for i in np.flatnonzero(sel).tolist()], name)
+                self.tenancy.add(info.tenant, st.name, -gone.nbytes)
+                info.blocks -= gone.blocks
+                info.bytes -= gone.nbytes
+            if observer is not None:
+                observer.blocks_removed(gone.namespace_id, gone.hashes, st.name)
         st.counters.drops += len(rows)
 
     async def _evict_one(self, st: StoreTier, nbytes: int) -> None:
@@ -660,7 +631,7 @@ class Store:
                 f"tier {st.name} is full ({st.tier.used_bytes} of {st.tier.capacity_bytes} bytes) and every "
                 "block in it is pinned or being moved; retry later, release leases, or add capacity"
             )
-        entry = self._index.entry(row)
+        entry = self.index.entry(row)
         if self._below(st) is not None:
             await self._demote(entry, st)
             return
@@ -672,7 +643,7 @@ class Store:
             self._evict_location(entry, st)
             return
         for k in keys:
-            e = self._index.get(k)
+            e = self.index.get(k)
             if e is not None and e.evictable and e.slot_in(st.name) is not None:
                 self._evict_location(e, st)
 
@@ -833,7 +804,7 @@ class Store:
         n_asked = len(packed) // HASH_BYTES
         self.expire_leases()
         # One vectorized probe of the block table, no Python step (nor object) per block.
-        rows = self._index.prefix_rows(namespace_id, packed)
+        rows = self.index.prefix_rows(namespace_id, packed)
         n_hit = len(rows)
         lease_id = ""
         if n_hit and lease_ms > 0:
@@ -846,7 +817,7 @@ class Store:
         c.hit_blocks += n_hit
         c.miss_blocks += n_asked - n_hit
         # Where each block is served from: its top copy (tier ids follow the tier order).
-        tops = self._top_ids(rows)
+        tops = self.index.top_ids(rows)
         tier_ids = tops.tobytes()
         tail_first = rows[::-1]
         tops_tail_first = tops[::-1]
@@ -869,31 +840,8 @@ class Store:
             lease_id=lease_id,
         )
 
-    def _top_ids(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        """The tier id of each row's top copy (the lowest id: ids follow the tier order),
-        as u8."""
-        t = self._index.table
-        if _native is not None:
-            tops = np.empty(len(rows), np.uint8)
-            if not _native.top_tiers(np.ascontiguousarray(rows, np.int64), t.lt, tops) or not t.extra_locs:
-                return tops
-            second = t.lt[rows, 1].astype(np.int64)
-        else:
-            # Both location tiers of a row in one 16-bit gather: the first in the low byte.
-            both = t.lt.view("<u2")[:, 0][rows]
-            if not len(both) or int(both.max()) < 256:  # one copy each: the common case
-                return both.astype(np.uint8)
-            first, second = both & 0xFF, both >> 8
-            tops = np.where((second != 0) & (second < first), second, first).astype(np.uint8)
-        if t.extra_locs:  # a third copy, for the moment of a move
-            for i in np.flatnonzero(second != 0).tolist():
-                extra = t.extra_locs.get(int(rows[i]))
-                if extra:
-                    tops[i] = min([int(tops[i])] + [t.tier_id(s.tier) for s in extra])
-        return tops
-
     def block(self, namespace_id: bytes, block_hash: bytes) -> BlockInfo | None:
-        entry = self._index.get(make_key(namespace_id, block_hash))
+        entry = self.index.get(make_key(namespace_id, block_hash))
         if entry is None:
             return None
         return self._block_info(entry)
@@ -997,43 +945,38 @@ class Store:
                 continue
         return await self._allocate(landing[-1], nbytes, want)
 
-    def _publish(self, rows: np.ndarray[Any, Any]) -> None:
+    def _publish(self, info: NamespaceInfo, rows: np.ndarray[Any, Any]) -> None:
         """Make a put's PENDING rows READY (in chain order)."""
         through = self.inclusive is not None and self.migration.write_policy is WritePolicy.THROUGH
         if not len(rows):
             self._migrate_wakeup.set()
             return
-        t = self._index.table
-        # One put's blocks: one namespace, columns updated in whole-array steps.
+        # One put's blocks: one namespace, one copy each, published in whole-array steps.
         tail_first = rows[::-1]
-        t.flags[rows] |= READY
-        info = self._namespaces[t.ns_bytes[int(t.vns[rows[0]])]]
-        assert np.all(t.ns[rows] == t.vns[rows[0]]), "a put's blocks share a namespace"
-        nbytes = t.nbytes[rows].astype(np.int64)
+        self.index.publish(tail_first)
+        nbytes = self.index.nbytes_of(tail_first)
         info.blocks += len(rows)
         info.bytes += int(nbytes.sum())
-        lt = t.lt[tail_first]
-        self._index.add_rows(tail_first)
+        tops = self.index.top_ids(rows)
+        tops_tail_first = tops[::-1]
         for tid, st in enumerate(self.tiers, start=1):
-            has = (lt[:, 0] == tid) | (lt[:, 1] == tid)
+            has = tops_tail_first == tid
             if not has.any():
                 continue
-            self.tenancy.add(info.tenant, st.name, int(nbytes[::-1][has].sum()))
+            self.tenancy.add(info.tenant, st.name, int(nbytes[has].sum()))
             # Tail first, for the same reason as in `lookup`; after the answer (`defer_insert`).
             st.defer_insert(tail_first[has])
         if self.observer is not None:
-            tops = self._top_ids(rows)
-            hashes = t.hashes(rows)
+            hashes = self.index.table.hashes(rows)
             tids = np.unique(tops).tolist()
             for tid in tids:
                 # One tier (the common case): every hash, without a pass to pick them.
                 chosen = hashes if len(tids) == 1 else [hashes[i] for i in np.flatnonzero(tops == tid).tolist()]
-                self.observer.blocks_stored(info.namespace_id, chosen, t.tier_names[tid])
+                self.observer.blocks_stored(info.namespace_id, chosen, self._tier_id_names[tid])
         if through:
             # Head first: the SSD writer follows queue order, so a crash can cut a chain
             # short but never leave its later blocks without its start.
-            t.flags[rows] |= SSD_QUEUED
-            self._ssd_queue.extend(BlockEntry.of(t, row) for row in rows.tolist())
+            self._ssd_queue.extend(self.index.queue_ssd_writes(rows))
         if through:
             self._ssd_idle.clear()
             self._ssd_wakeup.set()
@@ -1117,7 +1060,7 @@ class Store:
             row = st.policy.victim_row(self._evictable_row)
             if row is None:
                 return MigrationStatus.FAIL
-            await self._demote(self._index.entry(row), st)
+            await self._demote(self.index.entry(row), st)
             moved += 1
         if st.tier.used_bytes > target:
             return MigrationStatus.RUNNING
@@ -1136,7 +1079,7 @@ class Store:
         info = self.namespace(namespace_id)
         self.check_hashes(hashes)
         self.expire_leases()
-        entries = self._index.longest_ready_prefix([make_key(namespace_id, h) for h in hashes])
+        entries = self.index.longest_ready_prefix([make_key(namespace_id, h) for h in hashes])
         self.counters.fetches += 1
         return FetchStream(self, entries, info.layout.bytes_per_block, lease_id)
 
@@ -1178,7 +1121,7 @@ class Store:
         self.counters.prefetches += 1
         raised = already = missing = skipped = 0
         for h in hashes:
-            entry = self._index.get(make_key(namespace_id, h))
+            entry = self.index.get(make_key(namespace_id, h))
             src = self.top_tier(entry) if entry is not None else None
             if entry is None or src is None:
                 missing += 1
@@ -1212,7 +1155,7 @@ class Store:
         self.check_hashes(hashes)
         deleted = 0
         for h in hashes:
-            entry = self._index.get(make_key(namespace_id, h))
+            entry = self.index.get(make_key(namespace_id, h))
             if entry is not None:
                 self._drop(entry)
                 deleted += 1
@@ -1225,7 +1168,7 @@ class Store:
         self.check_hashes(hashes)
         self.expire_leases()
         ttl = ttl_ms or self.limits.default_pin_ms
-        entries = [e for h in hashes if (e := self._index.get(make_key(namespace_id, h))) is not None]
+        entries = [e for h in hashes if (e := self.index.get(make_key(namespace_id, h))) is not None]
         if not entries:
             return PinResult("", 0, 0)
         lease = self._acquire_lease(np.array([e.row for e in entries], np.int64), ttl, tenant=info.tenant)
@@ -1247,25 +1190,20 @@ class Store:
         info = self.namespace(namespace_id)
         packed = self._packed_chain(hashes)
         self.expire_leases()
-        rows = self._index.prefix_rows(namespace_id, packed)
-        tops = self._top_ids(rows)
+        rows = self.index.prefix_rows(namespace_id, packed)
+        tops = self.index.top_ids(rows)
         st = self._tier_by_name[tier]
         tid = self._tier_ids[tier]
         elsewhere = np.flatnonzero(tops != tid)
         run = rows[: int(elsewhere[0])] if len(elsewhere) else rows
-        t = self._index.table
         lease_id = ""
         offsets: list[int] = []
         checksums: list[int] = []
         if len(run):
             lease_id = self._acquire_lease(run, ttl_ms, holds_bytes=True, tenant=info.tenant).lease_id
-            lt, lo = t.lt[run], t.lo[run]
-            second = lt[:, 1] == tid
-            offsets = np.where(second, lo[:, 1], lo[:, 0]).tolist()
-            for i in np.flatnonzero(~second & (lt[:, 0] != tid)).tolist():
-                offsets[i] = BlockEntry.of(t, int(run[i])).locations[tier].offset  # a third copy, mid-move
-            checksums = t.csum[run].tolist()
-            nbytes = int(t.nbytes[run].sum())
+            offsets = self.index.offsets_in(run, tid)
+            checksums = self.index.checksums_of(run)
+            nbytes = int(self.index.nbytes_of(run).sum())
             self.counters.bytes_out += nbytes
             self.counters.local_bytes_out += nbytes
             st.defer_touch(run[::-1])
@@ -1299,7 +1237,7 @@ class Store:
         """
         self.namespace(namespace_id)
         self.check_hashes(hashes)
-        entries = [e for h in hashes if (e := self._index.get(make_key(namespace_id, h))) is not None]
+        entries = [e for h in hashes if (e := self.index.get(make_key(namespace_id, h))) is not None]
         verified = dropped = 0
         for entry in entries:
             self._hold(entry)
@@ -1334,7 +1272,7 @@ class Store:
         by_tier: dict[str, list[bytes]] = {}
         present = 0
         for h in hashes:
-            entry = self._index.get(make_key(namespace_id, h))
+            entry = self.index.get(make_key(namespace_id, h))
             if entry is not None:
                 present += 1
                 for name in entry.locations:  # every copy is protected where it lives
@@ -1371,7 +1309,7 @@ class Store:
                 f"{self.limits.max_leases} leases are active; release leases (Unpin) or wait for them to expire"
             )
         ttl_ms = min(ttl_ms, self.limits.max_lease_ms)
-        return self._leases.acquire(self._index.table, rows, self._clock() + ttl_ms / 1000.0, holds_bytes, tenant)
+        return self._leases.acquire(self.index.table, rows, self._clock() + ttl_ms / 1000.0, holds_bytes, tenant)
 
     def tenant_leases(self, tenant: str) -> int:
         """How many leases `tenant` has active (expired ones are dropped first)."""
@@ -1388,7 +1326,7 @@ class Store:
         The operator's `kvstore flush`."""
         if namespace_id is not None:
             self.namespace(namespace_id)
-        doomed = [e for e in self._index if namespace_id is None or e.key[:HASH_BYTES] == namespace_id]
+        doomed = [e for e in self.index if namespace_id is None or e.key[:HASH_BYTES] == namespace_id]
         for entry in doomed:
             self._drop(entry)
         self.counters.deletes += len(doomed)
@@ -1427,7 +1365,7 @@ class Store:
         """Every READY block of a namespace, parents before children, chains consecutive
         (depth-first from each root), so the list replays as chained puts."""
         self.namespace(namespace_id)
-        entries = [e for e in self._index if e.key[:HASH_BYTES] == namespace_id]
+        entries = [e for e in self.index if e.key[:HASH_BYTES] == namespace_id]
         present = {e.key for e in entries}
         children: dict[bytes, list[BlockEntry]] = {}
         roots = []
@@ -1449,7 +1387,7 @@ class Store:
         """Every READY block, grouped by namespace and the tier it is served from (a
         point-in-time snapshot)."""
         groups: dict[tuple[bytes, str], list[bytes]] = {}
-        for entry in self._index:
+        for entry in self.index:
             groups.setdefault((entry.key[:HASH_BYTES], self._top_name(entry)), []).append(entry.key[HASH_BYTES:])
         return [BlockGroup(ns, tier, tuple(hashes)) for (ns, tier), hashes in groups.items()]
 
@@ -1767,10 +1705,9 @@ class PutTxn:
     def _hold_present(self) -> list[int]:
         """Hold the blocks of this put that are READY already; the others' positions."""
         store = self._store
-        t = store._index.table
-        present = t.find_rows(t.ns_id(self._info.namespace_id), self._q0, self._q1)
+        present = store.index.find_chain(self._info.namespace_id, self._q0, self._q1)
         for row in present[present >= 0].tolist():
-            entry = store._index.entry(row)
+            entry = store.index.entry(row)
             store._hold(entry)
             self._held.append(entry)
         return np.flatnonzero(present < 0).tolist()
@@ -1780,36 +1717,9 @@ class PutTxn:
         whole-column steps."""
         if not new:
             return
-        store = self._store
-        index = store._index
-        t = index.table
         at = np.array(new, np.int64)
-        rows = t.take_rows(len(new))
-        t.ns[rows] = t.ns_id(self._info.namespace_id)
-        t.h0[rows] = self._q0[at]
-        t.h1[rows] = self._q1[at]
-        # The parent of block i is block i - 1 of this put, or the put's parent for block 0.
-        prev = at - 1
-        chained = prev >= 0
-        t.ph0[rows[chained]] = self._q0[prev[chained]]
-        t.ph1[rows[chained]] = self._q1[prev[chained]]
-        flags = np.full(len(rows), LIVE, np.uint8)
-        flags[chained] |= HAS_PARENT
-        if self._parent_hash is not None and not chained[0]:
-            t.vph0[rows[0]], t.vph1[rows[0]] = struct.unpack("<QQ", self._parent_hash)
-            flags[0] |= HAS_PARENT
-        t.flags[rows] = flags
-        t.nbytes[rows] = self.block_bytes
-        t.item[rows] = self._itemsize
-        t.csum[rows] = 0
-        names = {s.tier for s in slots}
-        if len(names) == 1:
-            t.lt[rows, 0] = t.tier_id(next(iter(names)))
-        else:
-            t.lt[rows, 0] = [t.tier_id(s.tier) for s in slots]
-        t.lt[rows, 1] = 0
-        t.lo[rows, 0] = [s.offset for s in slots]
-        t.ls[rows, 0] = [s.size for s in slots]
+        rows = self._store.index.add_pending(self._info.namespace_id, self._q0, self._q1, at, self._parent_hash,
+                                              self.block_bytes, self._itemsize, slots)
         self._rows[at] = rows
         if len(new) == self._n:
             self._slots = list(slots)
@@ -1895,34 +1805,34 @@ class PutTxn:
         rows = self._rows[new_at]
         every = len(new_at) == n
         tiers = store._tier_by_name
-        t = store._index.table
+        index = store.index
         if checksums is not None:
             if len(checksums) != n:
                 raise InvalidArgument(f"{len(checksums)} checksums for a put of {n} blocks")
             sums = checksums if every else [checksums[i] for i in new_at.tolist()]
         else:
             slots = [slot for slot in self._slots if slot is not None]  # the new blocks', in order
-            sizes = t.nbytes[rows].tolist()
-            views = [tiers[s.tier].tier.view(s, nb) for s, nb in zip(slots, sizes)]
+            nb = self.block_bytes
+            views = [tiers[s.tier].tier.view(s, nb) for s in slots]
             if any(v is None for v in views):
                 # Not host-visible (HBM): the tier's read completes only after the device
                 # copy has, so the checksum covers bytes that have landed.
-                datas: list[bytes | memoryview] = [await tiers[s.tier].tier.read(s, nb) for s, nb in zip(slots, sizes)]
+                datas: list[bytes | memoryview] = [await tiers[s.tier].tier.read(s, nb) for s in slots]
             else:
                 datas = [v for v in views if v is not None]
             sums = await checksum_batch(datas, store._executor)
         if self._done:  # aborted while checksumming (cancelled call)
             raise FailedPrecondition("this put was aborted")
-        t.csum[rows] = np.array(sums, np.uint64)
+        index.set_checksums(rows, sums)
         # Published by a concurrent put since this one began: one probe for all.
-        raced = t.find_rows(t.ns_id(self._info.namespace_id), t.h0[rows], t.h1[rows]) >= 0
+        raced = index.published_already(self._info.namespace_id, rows)
         if raced.any():
             for k in np.flatnonzero(raced).tolist():
                 self._drop_pending(int(new_at[k]))
             rows = rows[~raced]
         stored = len(rows)
         existing = n - stored
-        store._publish(rows)
+        store._publish(self._info, rows)
         self._done = True
         self._release_held()
         c = store.counters
@@ -1949,9 +1859,7 @@ class PutTxn:
         slot, row = self._slots[i], int(self._rows[i])
         assert slot is not None and row >= 0
         self._store._tier_by_name[slot.tier].tier.free(slot)
-        t = self._store._index.table
-        BlockEntry.of(t, row).clear_slots()
-        t.free_row(row)
+        self._store.index.discard_pending(row)
         self._slots[i] = None
         self._rows[i] = -1
 
