@@ -73,6 +73,7 @@ from kvstore.core.results import (
     TierStatus,
     WritePolicy,
 )
+from kvstore.core.namespaces import NamespaceRegistry, check_hint
 from kvstore.core.store_tier import PolicyDeferral, StoreTier
 from kvstore.core.table import HAS_PARENT, INDEXED, LIVE, READY, SSD_QUEUED, BlockTable
 from kvstore.core.tenancy import TenantLedger
@@ -101,19 +102,6 @@ FETCH_AHEAD_BYTES = 8 * 1024 * 1024
 SSD_WRITE_CONCURRENCY = 8
 # Victims evicted together when room is made for several blocks (`Store._evict_some`).
 EVICT_BATCH = 32
-
-MAX_SESSION_ID_CHARS = 128
-MAX_HINT_S = 86_400.0
-
-
-def check_hint(session_id: str, expect_reuse_within_s: float) -> None:
-    if not session_id or len(session_id) > MAX_SESSION_ID_CHARS:
-        raise InvalidArgument(f"session_id must be 1 to {MAX_SESSION_ID_CHARS} characters; use one per conversation")
-    if not 0 < expect_reuse_within_s <= MAX_HINT_S:  # also false for NaN
-        raise InvalidArgument(
-            f"expect_reuse_within_s must be in (0, {MAX_HINT_S:g}] seconds, got {expect_reuse_within_s!r}"
-        )
-
 
 def _bounce(src: Tier, dst: Tier) -> Copier:
     return BounceCopier()
@@ -161,7 +149,7 @@ class Store:
         self.migration = migration or MigrationConfig()
         if self.migration.put_tier != "auto" and self.migration.put_tier not in {t.name for t in self.memory_tiers}:
             raise ValueError(f"put tier {self.migration.put_tier!r} is not one of this store's memory tiers")
-        self.limits = limits or StoreLimits()
+        self._limits = limits or StoreLimits()
         self.counters = StoreCounters()
         self._executor = executor
         self._clock = clock
@@ -175,9 +163,9 @@ class Store:
         self._tier_ids = {st.name: table.tier_id(st.name) for st in self.tiers}
         self._evictable_row = self.index.evictable_row  # the victim predicate, bound once
         self._leases = LeaseTable(self._readers_gone)
-        self._namespaces: dict[bytes, NamespaceInfo] = {}
         # Payload bytes per tenant and tier, and quotas (set by the daemon from its token file).
         self.tenancy = TenantLedger()
+        self.registry = NamespaceRegistry(self.index, self.tenancy, self._limits)
         self._tier_by_name = {t.name: t for t in self.tiers}
         # Set by the daemon (the event bus); None in embedded and unit-test stores.
         self.observer: StoreObserver | None = None
@@ -200,8 +188,17 @@ class Store:
         self._tasks: list[asyncio.Task[None]] = []
         # Background evictions making room ahead of expected puts, by tier name.
         self._making_room: dict[str, asyncio.Task[None]] = {}
-        self._recovered = False
         self._closed = False
+
+    @property
+    def limits(self) -> StoreLimits:
+        return self._limits
+
+    @limits.setter
+    def limits(self, value: StoreLimits) -> None:
+        """Replaced whole at runtime (SetConfig, SIGHUP): every later call sees the new limits."""
+        self._limits = value
+        self.registry.limits = value
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -229,7 +226,6 @@ class Store:
                 gc.enable()
         if recovered:
             gc.freeze()
-        self._recovered = bool(recovered)
         if self.inclusive is not None:
             self._tasks.append(asyncio.create_task(self._ssd_writer(), name="kvstore-ssd-writer"))
         if len(self.tiers) > 1:
@@ -285,78 +281,28 @@ class Store:
 
     def register(self, layout: KVLayout, tenant: str = "default", salt: bytes = b"") -> bytes:
         """Record a layout for `tenant`; returns its namespace id (salted by `salt`). Idempotent."""
-        public_id = layout.namespace_id
-        ns_id = tenant_namespace_id(public_id, salt)
-        if ns_id not in self._namespaces:
-            if len(self._namespaces) >= self.limits.max_namespaces:
-                raise ResourceExhausted(
-                    f"the daemon already holds {self.limits.max_namespaces} namespaces; "
-                    "flush unused ones or raise max_namespaces"
-                )
-            info = NamespaceInfo(ns_id, layout, tenant=tenant, chain_seed=public_id)
-            if self._recovered:
-                # Blocks recovered from SSD carry their namespace id but not its layout;
-                # the first request that sends the layout adopts them.
-                usage = self.index.namespace_usage(ns_id)
-                if usage is not None:
-                    info.blocks += usage.blocks
-                    info.bytes += usage.nbytes
-                    for name, nbytes in usage.by_tier.items():
-                        self.tenancy.add(tenant, name, nbytes)
-            self._namespaces[ns_id] = info
-            logger.info("namespace %s registered: model=%s dtype=%s block=%d tokens / %d bytes",
-                        ns_id.hex(), layout.model, layout.dtype, layout.block_size_tokens, layout.bytes_per_block)
-        return ns_id
+        return self.registry.register(layout, tenant, salt)
 
     def has_namespace(self, namespace_id: bytes) -> bool:
-        return namespace_id in self._namespaces
+        return self.registry.has(namespace_id)
 
     def namespace(self, namespace_id: bytes) -> NamespaceInfo:
-        if len(namespace_id) != HASH_BYTES:
-            raise InvalidArgument(f"namespace id must be {HASH_BYTES} bytes, got {len(namespace_id)}")
-        info = self._namespaces.get(namespace_id)
-        if info is None:
-            raise NotFound(
-                f"namespace {namespace_id.hex()} is not known to this daemon; "
-                "send the full layout instead of its id (the daemon forgets namespaces on restart)"
-            )
-        return info
+        return self.registry.namespace(namespace_id)
 
     def namespaces(self) -> list[NamespaceInfo]:
-        return list(self._namespaces.values())
+        return self.registry.all()
 
     def hashes_for_tokens(self, namespace_id: bytes, packed_tokens: bytes, max_blocks: int | None = None) -> list[bytes]:
         """Block hashes of tokens packed as little-endian u32 (at most `max_blocks` blocks)."""
-        return block_hashes_packed(*self._token_blocks(namespace_id, packed_tokens, max_blocks))
+        return self.registry.hashes_for_tokens(namespace_id, packed_tokens, max_blocks)
 
     def chain_for_tokens(self, namespace_id: bytes, packed_tokens: bytes, max_blocks: int | None = None) -> bytes:
         """`hashes_for_tokens` as one packed chain (N x 16 bytes), the form a lookup probes."""
-        return chain_packed(*self._token_blocks(namespace_id, packed_tokens, max_blocks))
-
-    def _token_blocks(self, namespace_id: bytes, packed_tokens: bytes,
-                      max_blocks: int | None) -> tuple[bytes, memoryview, int]:
-        """The chain's seed, the tokens of its full blocks (per-call limit checked) and the
-        block size."""
-        info = self.namespace(namespace_id)
-        step = info.layout.block_size_tokens * 4
-        n_blocks = len(packed_tokens) // step
-        if max_blocks is not None:
-            n_blocks = min(n_blocks, max_blocks)
-        self._check_count(n_blocks, "blocks of tokens")
-        return (info.chain_seed or namespace_id, memoryview(packed_tokens)[: n_blocks * step],
-                info.layout.block_size_tokens)
+        return self.registry.chain_for_tokens(namespace_id, packed_tokens, max_blocks)
 
     def check_hashes(self, hashes: Sequence[bytes]) -> None:
-        self._check_count(len(hashes), "block hashes")
-        if hashes and set(map(len, hashes)) != {HASH_BYTES}:  # one C-level pass in the common case
-            i, h = next((i, h) for i, h in enumerate(hashes) if len(h) != HASH_BYTES)
-            raise InvalidArgument(f"block hash {i} is {len(h)} bytes; every block hash is {HASH_BYTES} bytes")
-
-    def _check_count(self, n: int, what: str) -> None:
-        if n > self.limits.max_blocks_per_call:
-            raise InvalidArgument(
-                f"{n} {what} in one call; the limit is {self.limits.max_blocks_per_call}: split the request"
-            )
+        """The per-call limit and the hash size, checked as every verb checks them."""
+        self.registry.check_hashes(hashes)
 
     # ----------------------------------------------------------------- locations
 
@@ -466,18 +412,18 @@ class Store:
     def _account(self, entry: BlockEntry, tier: str, nbytes: int) -> None:
         if entry.removed or entry.state is not BlockState.READY:
             return
-        info = self._namespaces.get(entry.key[:HASH_BYTES])
+        info = self.registry.get(entry.key[:HASH_BYTES])
         if info is not None:
             self.tenancy.add(info.tenant, tier, nbytes)
 
     def _quota_exceeded(self, entry: BlockEntry, st: StoreTier) -> str:
         """Why one more copy of `entry` in `st` would take its tenant over quota; empty if not."""
-        info = self._namespaces.get(entry.key[:HASH_BYTES]) if self.tenancy.quotas else None
+        info = self.registry.get(entry.key[:HASH_BYTES]) if self.tenancy.quotas else None
         return self.tenancy.exceeded(info.tenant, st.name, entry.nbytes) if info is not None else ""
 
     def _quota_incoming(self, entry: BlockEntry, st: StoreTier, nbytes: int) -> None:
         """Count (or, with a negative `nbytes`, stop counting) a copy on its way into `st`."""
-        info = self._namespaces.get(entry.key[:HASH_BYTES])
+        info = self.registry.get(entry.key[:HASH_BYTES])
         if info is not None:
             if nbytes > 0:
                 self.tenancy.hold(info.tenant, st.name, nbytes)
@@ -497,7 +443,7 @@ class Store:
                 f"tenant {info.tenant!r}: this put needs {need} bytes in tier {st.name}, more than the tenant's "
                 f"whole {st.name} quota of {quota} bytes; put fewer blocks per call or raise the quota"
             )
-        owned = {i.namespace_id for i in self._namespaces.values() if i.tenant == info.tenant}
+        owned = self.registry.owned_by(info.tenant)
 
         def own(key: bytes) -> bool:
             return key[:HASH_BYTES] in owned and self._evictable(key)
@@ -514,7 +460,7 @@ class Store:
             await self._demote(entry, st)
 
     def _forget(self, entry: BlockEntry) -> None:
-        info = self._namespaces.get(entry.key[:HASH_BYTES])
+        info = self.registry.get(entry.key[:HASH_BYTES])
         if info is not None:
             info.blocks -= 1
             info.bytes -= entry.nbytes
@@ -613,7 +559,7 @@ class Store:
         observer = self.observer
         rows = np.array(taken, np.int64)
         for gone in self.index.remove_sole_copies(rows, st.tier.free, observer is not None):
-            info = self._namespaces.get(gone.namespace_id)
+            info = self.registry.get(gone.namespace_id)
             if info is not None:
                 self.tenancy.add(info.tenant, st.name, -gone.nbytes)
                 info.blocks -= gone.blocks
@@ -800,7 +746,7 @@ class Store:
         """The longest READY prefix of a chain, given as hashes or packed (N x 16 bytes:
         what the wire carries, probed without cutting it into N objects)."""
         info = self.namespace(namespace_id)
-        packed = self._packed_chain(hashes)
+        packed = self.registry.packed_chain(hashes)
         n_asked = len(packed) // HASH_BYTES
         self.expire_leases()
         # One vectorized probe of the block table, no Python step (nor object) per block.
@@ -1167,12 +1113,12 @@ class Store:
         info = self.namespace(namespace_id)
         self.check_hashes(hashes)
         self.expire_leases()
-        ttl = ttl_ms or self.limits.default_pin_ms
+        ttl = ttl_ms or self._limits.default_pin_ms
         entries = [e for h in hashes if (e := self.index.get(make_key(namespace_id, h))) is not None]
         if not entries:
             return PinResult("", 0, 0)
         lease = self._acquire_lease(np.array([e.row for e in entries], np.int64), ttl, tenant=info.tenant)
-        return PinResult(lease.lease_id, len(entries), min(ttl, self.limits.max_lease_ms))
+        return PinResult(lease.lease_id, len(entries), min(ttl, self._limits.max_lease_ms))
 
     def lease_prefix(
         self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, ttl_ms: int, tier: str
@@ -1188,7 +1134,7 @@ class Store:
         or Python step per block beyond the lease's hold on each.
         """
         info = self.namespace(namespace_id)
-        packed = self._packed_chain(hashes)
+        packed = self.registry.packed_chain(hashes)
         self.expire_leases()
         rows = self.index.prefix_rows(namespace_id, packed)
         tops = self.index.top_ids(rows)
@@ -1219,15 +1165,6 @@ class Store:
             lease_id=lease_id,
         )
         return result, offsets, checksums
-
-    def _packed_chain(self, hashes: Sequence[bytes] | bytes) -> bytes:
-        """A chain of hashes, given one by one or packed (N x 16 bytes), packed; its
-        length is checked against the per-call limit."""
-        if isinstance(hashes, bytes):
-            self._check_count(packed_count(hashes), "block hashes")
-            return hashes
-        self.check_hashes(hashes)
-        return b"".join(hashes)
 
     async def verify(self, namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[int, int]:
         """Re-check the named blocks against their checksums; drop and count the bad ones.
@@ -1298,17 +1235,17 @@ class Store:
         refused lease leaves no pin behind."""
         if ttl_ms < 0:
             raise InvalidArgument(f"lease time must be >= 0 ms, got {ttl_ms}")
-        per_tenant = self.limits.max_leases_per_tenant
+        per_tenant = self._limits.max_leases_per_tenant
         if per_tenant is not None and (held := self._leases.held(tenant)) >= per_tenant:
             raise ResourceExhausted(
                 f"tenant {tenant!r} has {held} leases active, the most max_leases_per_tenant ({per_tenant}) allows; "
                 "release leases (Unpin) or wait for them to expire"
             )
-        if len(self._leases) >= self.limits.max_leases:
+        if len(self._leases) >= self._limits.max_leases:
             raise ResourceExhausted(
-                f"{self.limits.max_leases} leases are active; release leases (Unpin) or wait for them to expire"
+                f"{self._limits.max_leases} leases are active; release leases (Unpin) or wait for them to expire"
             )
-        ttl_ms = min(ttl_ms, self.limits.max_lease_ms)
+        ttl_ms = min(ttl_ms, self._limits.max_lease_ms)
         return self._leases.acquire(self.index.table, rows, self._clock() + ttl_ms / 1000.0, holds_bytes, tenant)
 
     def tenant_leases(self, tenant: str) -> int:
@@ -1410,7 +1347,7 @@ class Store:
                 for st in self.tiers
             ],
             counters=StoreCounters(**{k: getattr(self.counters, k) for k in StoreCounters.__slots__}),
-            namespaces=len(self._namespaces),
+            namespaces=len(self.registry),
             leases_active=len(self._leases),
         )
 
