@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.checksum import checksum_batch, checksum_pieced
+from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex, BlockState, make_key
 from kvstore.core.leases import Lease, LeaseTable
 from kvstore.core.results import (
@@ -162,13 +163,12 @@ class Store:
         self._tier_id_names = tuple(table.tier_names)
         self._tier_ids = {st.name: table.tier_id(st.name) for st in self.tiers}
         self._evictable_row = self.index.evictable_row  # the victim predicate, bound once
-        self._leases = LeaseTable(self._readers_gone)
         # Payload bytes per tenant and tier, and quotas (set by the daemon from its token file).
         self.tenancy = TenantLedger()
         self.registry = NamespaceRegistry(self.index, self.tenancy, self._limits)
+        self.copies = CopyBook(self.index, self.tiers, self.registry, self.tenancy, self.counters)
+        self._leases = LeaseTable(self.copies.readers_gone)
         self._tier_by_name = {t.name: t for t in self.tiers}
-        # Set by the daemon (the event bus); None in embedded and unit-test stores.
-        self.observer: StoreObserver | None = None
         self._copiers = {
             (a.name, b.name): (make_copier or _bounce)(a.tier, b.tier)
             for a in self.memory_tiers
@@ -199,6 +199,19 @@ class Store:
         """Replaced whole at runtime (SetConfig, SIGHUP): every later call sees the new limits."""
         self._limits = value
         self.registry.limits = value
+
+    @property
+    def observer(self) -> StoreObserver | None:
+        """Told of blocks stored, moved and removed (the daemon's event bus); None by default."""
+        return self.copies.observer
+
+    @observer.setter
+    def observer(self, observer: StoreObserver | None) -> None:
+        self.copies.observer = observer
+
+    def top_tier(self, entry: BlockEntry) -> StoreTier | None:
+        """The highest tier holding a copy of `entry` (where reads are served from)."""
+        return self.copies.top_tier(entry)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -306,129 +319,9 @@ class Store:
 
     # ----------------------------------------------------------------- locations
 
-    def _top_name(self, entry: BlockEntry) -> str:
-        name = entry.only_tier()
-        if name is not None:  # one copy: the common case, on the lookup hot path
-            return name
-        st = self.top_tier(entry)
-        assert st is not None, "an indexed block has a location"
-        return st.name
-
-    def _block_info(self, entry: BlockEntry) -> BlockInfo:
-        top = self._top_name(entry)
-        return BlockInfo(top, entry.locations[top], entry.nbytes, entry.checksum, entry.pins,
-                         sorted(entry.locations, key=self._rank.__getitem__))
-
-    def top_tier(self, entry: BlockEntry) -> StoreTier | None:
-        """The highest tier holding a copy of `entry` (where reads are served from)."""
-        for st in self.tiers:
-            if entry.slot_in(st.name) is not None:
-                return st
-        return None
-
     def _below(self, st: StoreTier) -> StoreTier | None:
         i = self._rank[st.name] + 1
         return self.tiers[i] if i < len(self.tiers) else None
-
-    def _hold(self, entry: BlockEntry) -> None:
-        entry.readers += 1
-
-    def _release(self, entry: BlockEntry) -> None:
-        entry.readers -= 1
-        if entry.readers == 0:
-            self._readers_gone(entry)
-
-    def _readers_gone(self, entry: BlockEntry) -> None:
-        """The last reader of `entry` let go: free what was kept only for readers (a
-        retired copy; every copy of a deleted block)."""
-        if entry.retired is not None:
-            for slot in entry.retired:
-                self._tier_by_name[slot.tier].tier.free(slot)
-            entry.retired = None
-        if entry.removed:
-            for slot in entry.slots():
-                self._tier_by_name[slot.tier].tier.free(slot)
-            entry.clear_slots()
-
-    def _add_location(self, entry: BlockEntry, st: StoreTier, slot: Slot) -> bool:
-        """Record a landed, verified copy; False (and the slot freed) if it is not needed."""
-        if entry.removed or entry.slot_in(st.name) is not None:
-            st.tier.free(slot)
-            return False
-        was_top = self._top_name(entry) if entry.slots() else ""
-        entry.add_slot(slot)
-        self._account(entry, st.name, entry.nbytes)
-        st.policy.insert(entry.key, entry.parent)
-        if was_top and self._rank[st.name] < self._rank[was_top]:
-            self._moved(entry, was_top, st.name)  # promoted: now served from higher up
-        return True
-
-    def _remove_location(self, entry: BlockEntry, st: StoreTier) -> None:
-        """Take one copy away; the entry leaves the index with its last copy."""
-        if self._drop_last_copy(entry, st):
-            return
-        was_top = self._top_name(entry)
-        slot = entry.pop_slot(st.name)
-        self._account(entry, st.name, -entry.nbytes)
-        st.policy.remove_row(entry.row)
-        if entry.readers:
-            entry.retire(slot)
-        else:
-            st.tier.free(slot)
-        if not entry.slots() and not entry.removed:
-            self.index.remove_entry(entry)
-            st.counters.drops += 1
-            self._forget(entry)
-            self._removed(entry, st.name)
-        elif entry.slots() and was_top == st.name:
-            self._moved(entry, st.name, self._top_name(entry))  # demoted (or its top copy dropped)
-
-    def _drop_last_copy(self, entry: BlockEntry, st: StoreTier) -> bool:
-        """`_remove_location` of an indexed block's only copy, in `st`, with no reader (an
-        eviction from the last tier, the common case at scale), straight on the columns
-        (`_drop_last_copies`). False, having done nothing, in any other case."""
-        if not self.index.sole_copy(entry, self._tier_ids[st.name]):
-            return False
-        st.policy.remove_row(entry.row)
-        self._drop_last_copies(st, [entry.row])
-        return True
-
-    # Events for the observer (the daemon's event bus). Only READY blocks are reported:
-    # what a router may have heard of.
-
-    def _moved(self, entry: BlockEntry, from_tier: str, to_tier: str) -> None:
-        if self.observer is not None and entry.state is BlockState.READY:
-            self.observer.blocks_moved(entry.key[:HASH_BYTES], [entry.key[HASH_BYTES:]], from_tier, to_tier)
-
-    def _removed(self, entry: BlockEntry, tier: str) -> None:
-        if self.observer is not None and entry.state is BlockState.READY:
-            self.observer.blocks_removed(entry.key[:HASH_BYTES], [entry.key[HASH_BYTES:]], tier)
-
-    # Tenancy: usage and quotas. A READY copy counts against its namespace's tenant in the
-    # tier that holds it; copies of namespaces not registered yet (recovered from SSD)
-    # count from the moment a request registers them. A removed entry counts for nothing
-    # (its copies stopped counting when it was dropped, though readers may still hold them).
-
-    def _account(self, entry: BlockEntry, tier: str, nbytes: int) -> None:
-        if entry.removed or entry.state is not BlockState.READY:
-            return
-        info = self.registry.get(entry.key[:HASH_BYTES])
-        if info is not None:
-            self.tenancy.add(info.tenant, tier, nbytes)
-
-    def _quota_exceeded(self, entry: BlockEntry, st: StoreTier) -> str:
-        """Why one more copy of `entry` in `st` would take its tenant over quota; empty if not."""
-        info = self.registry.get(entry.key[:HASH_BYTES]) if self.tenancy.quotas else None
-        return self.tenancy.exceeded(info.tenant, st.name, entry.nbytes) if info is not None else ""
-
-    def _quota_incoming(self, entry: BlockEntry, st: StoreTier, nbytes: int) -> None:
-        """Count (or, with a negative `nbytes`, stop counting) a copy on its way into `st`."""
-        info = self.registry.get(entry.key[:HASH_BYTES])
-        if info is not None:
-            if nbytes > 0:
-                self.tenancy.hold(info.tenant, st.name, nbytes)
-            else:
-                self.tenancy.release(info.tenant, st.name, -nbytes)
 
     async def _quota_room(self, info: NamespaceInfo, st: StoreTier, need: int) -> None:
         """Make `need` more bytes of `info.tenant`'s quota in `st` free by evicting the
@@ -459,27 +352,6 @@ class Store:
             assert entry is not None
             await self._demote(entry, st)
 
-    def _forget(self, entry: BlockEntry) -> None:
-        info = self.registry.get(entry.key[:HASH_BYTES])
-        if info is not None:
-            info.blocks -= 1
-            info.bytes -= entry.nbytes
-
-    def _drop(self, entry: BlockEntry) -> None:
-        """Remove a block from the index and every tier; bytes go when no reader holds them."""
-        if entry.locations:
-            self._removed(entry, self._top_name(entry))
-        for name in entry.locations:
-            self._account(entry, name, -entry.nbytes)  # before the index marks it removed
-        for name in entry.locations:
-            self._tier_by_name[name].policy.remove_row(entry.row)
-        self.index.remove_entry(entry)
-        self._forget(entry)
-        if entry.readers == 0:
-            for slot in entry.slots():
-                self._tier_by_name[slot.tier].tier.free(slot)
-            entry.clear_slots()
-
     def _evictable(self, key: bytes) -> bool:
         entry = self.index.get(key)
         return entry is not None and entry.evictable
@@ -496,11 +368,11 @@ class Store:
             data = await st.tier.get_block(slot, entry.nbytes)
         except DataLoss as exc:
             logger.warning("block %s in tier %s: %s", entry.key.hex(), st.name, exc)
-            self._checksum_failed(entry, st)
+            self.copies.drop_bad_copy(entry, st)
             return None
         got = (await checksum_batch([data], self._executor))[0]
         if got != entry.checksum:
-            self._checksum_failed(entry, st)
+            self.copies.drop_bad_copy(entry, st)
             return None
         return data
 
@@ -531,7 +403,7 @@ class Store:
         if count > 1 and st.tier.addressable and self._below(st) is None:
             rows = self._take_victims(st, min(count, EVICT_BATCH))
             if rows:
-                self._drop_last_copies(st, rows)
+                self.copies.drop_last_copies(st, rows)
                 st.counters.evictions += len(rows)
                 self.counters.evictions += len(rows)
                 return
@@ -551,22 +423,6 @@ class Store:
             policy.remove_row(row)
             rows.append(row)
         return rows
-
-    def _drop_last_copies(self, st: StoreTier, taken: list[int]) -> None:
-        """Drop rows whose only copy is in `st`, each indexed, with no reader, and already
-        out of `st`'s policy, with the table, the accounting and the events updated once
-        for all of them (`_drop_last_copy` for one, `_evict_some` for a batch)."""
-        observer = self.observer
-        rows = np.array(taken, np.int64)
-        for gone in self.index.remove_sole_copies(rows, st.tier.free, observer is not None):
-            info = self.registry.get(gone.namespace_id)
-            if info is not None:
-                self.tenancy.add(info.tenant, st.name, -gone.nbytes)
-                info.blocks -= gone.blocks
-                info.bytes -= gone.nbytes
-            if observer is not None:
-                observer.blocks_removed(gone.namespace_id, gone.hashes, st.name)
-        st.counters.drops += len(rows)
 
     async def _evict_one(self, st: StoreTier, nbytes: int) -> None:
         """Make progress towards room in `st`: demote one victim, or (in the last tier) drop
@@ -596,7 +452,7 @@ class Store:
     def _evict_location(self, entry: BlockEntry, st: StoreTier) -> None:
         st.counters.evictions += 1
         self.counters.evictions += 1
-        self._remove_location(entry, st)
+        self.copies.remove_location(entry, st)
 
     async def _demote(self, entry: BlockEntry, st: StoreTier) -> bool:
         """Move `entry` out of `st` to the next tier down; the last tier drops it.
@@ -609,9 +465,9 @@ class Store:
             return True
         if entry.slot_in(lower.name) is not None:  # already below (the inclusive SSD copy)
             st.counters.demotions += 1
-            self._remove_location(entry, st)
+            self.copies.remove_location(entry, st)
             return True
-        self._hold(entry)
+        self.copies.hold(entry)
         try:
             try:
                 if not lower.tier.addressable:  # a whole-block write (the SSD)
@@ -623,7 +479,7 @@ class Store:
                     slot = await self._copy_into(entry, st, lower)
                     if slot is None:
                         return True
-                    landed = self._add_location(entry, lower, slot)
+                    landed = self.copies.add_location(entry, lower, slot)
             except ResourceExhausted:
                 landed = False
             except OSError as exc:
@@ -640,10 +496,10 @@ class Store:
                 return True
             if st.name in entry.locations:
                 st.counters.demotions += 1
-                self._remove_location(entry, st)
+                self.copies.remove_location(entry, st)
             return True
         finally:
-            self._release(entry)
+            self.copies.release(entry)
 
     async def _ensure_on_ssd(self, entry: BlockEntry, data: bytes) -> bool:
         """Write `entry` to SSD unless it is there or already being written (then wait for
@@ -651,7 +507,7 @@ class Store:
         assert self.inclusive is not None
         if self.inclusive.name in entry.locations:
             return True
-        if self._quota_exceeded(entry, self.inclusive):
+        if self.copies.quota_exceeded(entry, self.inclusive):
             return False  # over the tenant's SSD quota: the block stays (or ends) in memory only
         pending = self._ssd_writing.get(entry.key)
         if pending is not None:
@@ -659,12 +515,12 @@ class Store:
             return self.inclusive.name in entry.locations
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._ssd_writing[entry.key] = done
-        self._quota_incoming(entry, self.inclusive, entry.nbytes)
+        self.copies.quota_incoming(entry, self.inclusive, entry.nbytes)
         try:
             slot = await self._place(self.inclusive, entry, data)
-            return self._add_location(entry, self.inclusive, slot)
+            return self.copies.add_location(entry, self.inclusive, slot)
         finally:
-            self._quota_incoming(entry, self.inclusive, -entry.nbytes)
+            self.copies.quota_incoming(entry, self.inclusive, -entry.nbytes)
             del self._ssd_writing[entry.key]
             done.set_result(None)
 
@@ -679,16 +535,16 @@ class Store:
         """A verified copy of `entry` from `src` in a new slot of addressable tier `dst`
         (making room there). None when the source copy failed verification (it is dropped
         and counted). The caller holds the entry and publishes the slot."""
-        over = self._quota_exceeded(entry, dst)
+        over = self.copies.quota_exceeded(entry, dst)
         if over:
             raise ResourceExhausted(over)
         # Counted as incoming until this returns: the caller adds the location without
         # awaiting in between.
-        self._quota_incoming(entry, dst, entry.nbytes)
+        self.copies.quota_incoming(entry, dst, entry.nbytes)
         try:
             return await self._copy_into_counted(entry, src, dst)
         finally:
-            self._quota_incoming(entry, dst, -entry.nbytes)
+            self.copies.quota_incoming(entry, dst, -entry.nbytes)
 
     async def _copy_into_counted(self, entry: BlockEntry, src: StoreTier, dst: StoreTier) -> Slot | None:
         if not src.tier.addressable:  # no copier from it: a whole-block read (the SSD)
@@ -705,7 +561,7 @@ class Store:
         # Verify the source where it is host-visible, before it crosses; else the
         # destination after it crossed (a device copy is checked once it is on the host).
         if await self._verify_view(entry, src, entry.locations[src.name]) is False:
-            self._checksum_failed(entry, src)
+            self.copies.drop_bad_copy(entry, src)
             return None
         slot = await self._allocate(dst, entry.nbytes)
         try:
@@ -715,7 +571,7 @@ class Store:
                                                          entry.nbytes)
             if await self._verify_view(entry, dst, slot) is False:
                 dst.tier.free(slot)
-                self._checksum_failed(entry, src)
+                self.copies.drop_bad_copy(entry, src)
                 return None
         except BaseException:
             dst.tier.free(slot)
@@ -724,7 +580,7 @@ class Store:
 
     async def _raise(self, entry: BlockEntry, target: StoreTier) -> bool:
         """Copy `entry` up into `target` (moving it out of a lower memory tier). Caller holds it."""
-        src = self.top_tier(entry)
+        src = self.copies.top_tier(entry)
         if src is None:
             return False
         try:
@@ -733,11 +589,11 @@ class Store:
             return False
         if slot is None:
             return False
-        if not self._add_location(entry, target, slot):
+        if not self.copies.add_location(entry, target, slot):
             return False
         target.counters.promotions += 1
         if not src.tier.inclusive and src.name in entry.locations:
-            self._remove_location(entry, src)  # memory tiers are exclusive: a move
+            self.copies.remove_location(entry, src)  # memory tiers are exclusive: a move
         return True
 
     # ----------------------------------------------------------------- lookup
@@ -790,7 +646,7 @@ class Store:
         entry = self.index.get(make_key(namespace_id, block_hash))
         if entry is None:
             return None
-        return self._block_info(entry)
+        return self.copies.block_info(entry)
 
     # ----------------------------------------------------------------- put
 
@@ -898,27 +754,8 @@ class Store:
             self._migrate_wakeup.set()
             return
         # One put's blocks: one namespace, one copy each, published in whole-array steps.
-        tail_first = rows[::-1]
-        self.index.publish(tail_first)
-        nbytes = self.index.nbytes_of(tail_first)
-        info.blocks += len(rows)
-        info.bytes += int(nbytes.sum())
-        tops = self.index.top_ids(rows)
-        tops_tail_first = tops[::-1]
-        for tid, st in enumerate(self.tiers, start=1):
-            has = tops_tail_first == tid
-            if not has.any():
-                continue
-            self.tenancy.add(info.tenant, st.name, int(nbytes[has].sum()))
-            # Tail first, for the same reason as in `lookup`; after the answer (`defer_insert`).
-            st.defer_insert(tail_first[has])
-        if self.observer is not None:
-            hashes = self.index.table.hashes(rows)
-            tids = np.unique(tops).tolist()
-            for tid in tids:
-                # One tier (the common case): every hash, without a pass to pick them.
-                chosen = hashes if len(tids) == 1 else [hashes[i] for i in np.flatnonzero(tops == tid).tolist()]
-                self.observer.blocks_stored(info.namespace_id, chosen, self._tier_id_names[tid])
+        self.index.publish(rows[::-1])
+        self.copies.published(info, rows)
         if through:
             # Head first: the SSD writer follows queue order, so a crash can cut a chain
             # short but never leave its later blocks without its start.
@@ -951,12 +788,12 @@ class Store:
         assert self.inclusive is not None
         if not entry.ssd_queued:
             return
-        src = self.top_tier(entry)
+        src = self.copies.top_tier(entry)
         if entry.removed or self.inclusive.name in entry.locations or src is None:
             # Out of the queue with nothing to write: its row may be recycled once removed.
             entry.ssd_queued = False
             return
-        self._hold(entry)
+        self.copies.hold(entry)
         try:
             data = await self._read_verified(entry, src)
             if data is None:
@@ -972,7 +809,7 @@ class Store:
             logger.exception("ssd write of block %s failed", entry.key.hex())
         finally:
             entry.ssd_queued = False
-            self._release(entry)
+            self.copies.release(entry)
 
     async def _migrator(self) -> None:
         """The periodic driver: one bounded batch per over-watermark tier per tick."""
@@ -1029,17 +866,10 @@ class Store:
         self.counters.fetches += 1
         return FetchStream(self, entries, info.layout.bytes_per_block, lease_id)
 
-    def _checksum_failed(self, entry: BlockEntry, st: StoreTier) -> None:
-        st.counters.checksum_failures += 1
-        self.counters.checksum_failures += 1
-        logger.warning("block %s in tier %s failed verification; that copy is dropped", entry.key.hex(), st.name)
-        if st.name in entry.locations and not entry.removed:
-            self._remove_location(entry, st)
-
     async def _promote_on_hit(self, entry: BlockEntry, data: bytes) -> None:
         """After a verified read from SSD: keep a memory copy if the top tier has headroom."""
         top = self.memory_tiers[0]
-        if entry.removed or top.name in entry.locations or self._quota_exceeded(entry, top):
+        if entry.removed or top.name in entry.locations or self.copies.quota_exceeded(entry, top):
             return
         if top.tier.used_bytes + top.tier.accounted_size(entry.nbytes) > top.high_watermark * top.tier.capacity_bytes:
             return
@@ -1051,7 +881,7 @@ class Store:
         except BaseException:
             top.tier.free(slot)
             raise
-        if self._add_location(entry, top, slot):
+        if self.copies.add_location(entry, top, slot):
             top.counters.promotions += 1
 
     # ----------------------------------------------------------------- prefetch
@@ -1068,7 +898,7 @@ class Store:
         raised = already = missing = skipped = 0
         for h in hashes:
             entry = self.index.get(make_key(namespace_id, h))
-            src = self.top_tier(entry) if entry is not None else None
+            src = self.copies.top_tier(entry) if entry is not None else None
             if entry is None or src is None:
                 missing += 1
                 continue
@@ -1076,7 +906,7 @@ class Store:
                 already += 1
                 target.policy.touch(entry.key)
                 continue
-            self._hold(entry)
+            self.copies.hold(entry)
             try:
                 if await self._raise(entry, target):
                     raised += 1
@@ -1090,7 +920,7 @@ class Store:
                 skipped = len(hashes) - raised - already - missing
                 break
             finally:
-                self._release(entry)
+                self.copies.release(entry)
         return PrefetchResult(target.name, len(hashes), raised, already, missing, skipped)
 
     # ----------------------------------------------------------------- delete, pins
@@ -1103,7 +933,7 @@ class Store:
         for h in hashes:
             entry = self.index.get(make_key(namespace_id, h))
             if entry is not None:
-                self._drop(entry)
+                self.copies.drop(entry)
                 deleted += 1
         self.counters.deletes += deleted
         return deleted
@@ -1177,7 +1007,7 @@ class Store:
         entries = [e for h in hashes if (e := self.index.get(make_key(namespace_id, h))) is not None]
         verified = dropped = 0
         for entry in entries:
-            self._hold(entry)
+            self.copies.hold(entry)
         try:
             # Every copy, not only the one served first: a bad SSD copy would be served
             # once the memory copy is gone.
@@ -1194,7 +1024,7 @@ class Store:
                     verified += 1
         finally:
             for entry in entries:
-                self._release(entry)
+                self.copies.release(entry)
         return verified, dropped
 
     def hint(self, namespace_id: bytes, hashes: Sequence[bytes], session_id: str, expect_reuse_within_s: float) -> int:
@@ -1265,7 +1095,7 @@ class Store:
             self.namespace(namespace_id)
         doomed = [e for e in self.index if namespace_id is None or e.key[:HASH_BYTES] == namespace_id]
         for entry in doomed:
-            self._drop(entry)
+            self.copies.drop(entry)
         self.counters.deletes += len(doomed)
         if doomed:
             logger.info("purged %d blocks%s", len(doomed), f" of namespace {namespace_id.hex()}" if namespace_id else "")
@@ -1325,7 +1155,7 @@ class Store:
         point-in-time snapshot)."""
         groups: dict[tuple[bytes, str], list[bytes]] = {}
         for entry in self.index:
-            groups.setdefault((entry.key[:HASH_BYTES], self._top_name(entry)), []).append(entry.key[HASH_BYTES:])
+            groups.setdefault((entry.key[:HASH_BYTES], self.copies.top_name(entry)), []).append(entry.key[HASH_BYTES:])
         return [BlockGroup(ns, tier, tuple(hashes)) for (ns, tier), hashes in groups.items()]
 
     # ----------------------------------------------------------------- stats
@@ -1380,7 +1210,7 @@ class FetchStream:
         self._reads: dict[int, asyncio.Task[tuple[StoreTier, bytes | None]]] = {}
         self._jobs: set[Future[tuple[Framed, int]]] = set()
         for entry in entries:
-            store._hold(entry)
+            store.copies.hold(entry)
 
     async def __aenter__(self) -> FetchStream:
         return self
@@ -1401,7 +1231,7 @@ class FetchStream:
             wait_futures([job for job in self._jobs if not job.cancel()])
             self._jobs.clear()
         for entry in self._entries:
-            self._store._release(entry)
+            self._store.copies.release(entry)
         if self._lease_id:
             self._store._leases.release(self._lease_id)
 
@@ -1425,7 +1255,7 @@ class FetchStream:
             return st, await st.tier.get_block(entry.locations[st.name], entry.nbytes)
         except DataLoss as exc:
             logger.warning("block %s in tier %s: %s", entry.key.hex(), st.name, exc)
-            self._store._checksum_failed(entry, st)
+            self._store.copies.drop_bad_copy(entry, st)
             return st, None
 
     def _start_read(self, position: int) -> None:
@@ -1499,7 +1329,7 @@ class FetchStream:
                 if entry.removed:
                     return  # deleted while we read it: it no longer exists
                 if got != entry.checksum:
-                    store._checksum_failed(entry, st)
+                    store.copies.drop_bad_copy(entry, st)
                     return
                 served.append((st, entry))
                 store.counters.blocks_fetched += 1
@@ -1645,7 +1475,7 @@ class PutTxn:
         present = store.index.find_chain(self._info.namespace_id, self._q0, self._q1)
         for row in present[present >= 0].tolist():
             entry = store.index.entry(row)
-            store._hold(entry)
+            store.copies.hold(entry)
             self._held.append(entry)
         return np.flatnonzero(present < 0).tolist()
 
@@ -1805,5 +1635,5 @@ class PutTxn:
             self._store.tenancy.release(self._info.tenant, tier, self._quota_bytes)
         self._quota_held.clear()
         for entry in self._held:
-            self._store._release(entry)
+            self._store.copies.release(entry)
         self._held.clear()
