@@ -54,6 +54,7 @@ from kvstore.checksum import checksum_batch, checksum_pieced
 from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex, BlockState, make_key
 from kvstore.core.leases import Lease, LeaseTable
+from kvstore.core.placement import EVICT_BATCH, Placement
 from kvstore.core.results import (
     BlockGroup,
     BlockInfo,
@@ -101,8 +102,6 @@ FETCH_INLINE_BYTES = 4 * 1024 * 1024
 FETCH_AHEAD_BYTES = 8 * 1024 * 1024
 # How many blocks the SSD writer has in flight at once (its I/O pool does the work).
 SSD_WRITE_CONCURRENCY = 8
-# Victims evicted together when room is made for several blocks (`Store._evict_some`).
-EVICT_BATCH = 32
 
 def _bounce(src: Tier, dst: Tier) -> Copier:
     return BounceCopier()
@@ -169,18 +168,17 @@ class Store:
         self.copies = CopyBook(self.index, self.tiers, self.registry, self.tenancy, self.counters)
         self._leases = LeaseTable(self.copies.readers_gone)
         self._tier_by_name = {t.name: t for t in self.tiers}
-        self._copiers = {
+        copiers = {
             (a.name, b.name): (make_copier or _bounce)(a.tier, b.tier)
             for a in self.memory_tiers
             for b in self.memory_tiers
             if a is not b
         }
+        self.placement = Placement(self.index, self.copies, self.registry, self.tenancy, self.counters, self.tiers,
+                                   self.migration, copiers, executor)
         self._rank = {t.name: i for i, t in enumerate(self.tiers)}
         self._ssd_queue: deque[BlockEntry] = deque()
         self._ssd_inflight = 0
-        # Blocks being written to SSD right now, so a demotion and the write-through
-        # writer never write the same block twice.
-        self._ssd_writing: dict[bytes, asyncio.Future[None]] = {}
         self._ssd_wakeup = asyncio.Event()
         self._ssd_idle = asyncio.Event()
         self._ssd_idle.set()
@@ -319,282 +317,7 @@ class Store:
 
     # ----------------------------------------------------------------- locations
 
-    def _below(self, st: StoreTier) -> StoreTier | None:
-        i = self._rank[st.name] + 1
-        return self.tiers[i] if i < len(self.tiers) else None
-
-    async def _quota_room(self, info: NamespaceInfo, st: StoreTier, need: int) -> None:
-        """Make `need` more bytes of `info.tenant`'s quota in `st` free by evicting the
-        tenant's own evictable blocks there (cache semantics); ResourceExhausted if its
-        blocks there are pinned, leased or in flight."""
-        ledger = self.tenancy
-        quota = ledger.quota(info.tenant, st.name)
-        if quota is None:
-            return
-        if need > quota:
-            raise ResourceExhausted(
-                f"tenant {info.tenant!r}: this put needs {need} bytes in tier {st.name}, more than the tenant's "
-                f"whole {st.name} quota of {quota} bytes; put fewer blocks per call or raise the quota"
-            )
-        owned = self.registry.owned_by(info.tenant)
-
-        def own(key: bytes) -> bool:
-            return key[:HASH_BYTES] in owned and self._evictable(key)
-
-        while over := ledger.exceeded(info.tenant, st.name, need):
-            key = st.policy.victim(own)
-            if key is None:
-                raise ResourceExhausted(
-                    f"{over}, and its blocks there are pinned or in use; release leases, delete blocks, "
-                    "or raise the quota in the token file"
-                )
-            entry = self.index.get(key)
-            assert entry is not None
-            await self._demote(entry, st)
-
-    def _evictable(self, key: bytes) -> bool:
-        entry = self.index.get(key)
-        return entry is not None and entry.evictable
-
     # ----------------------------------------------------------------- moving bytes
-
-    async def _read_verified(self, entry: BlockEntry, st: StoreTier) -> bytes | None:
-        """The bytes of `entry`'s copy in `st`, verified; None (copy dropped, counted) if bad.
-
-        The caller holds the entry.
-        """
-        slot = entry.locations[st.name]
-        try:
-            data = await st.tier.get_block(slot, entry.nbytes)
-        except DataLoss as exc:
-            logger.warning("block %s in tier %s: %s", entry.key.hex(), st.name, exc)
-            self.copies.drop_bad_copy(entry, st)
-            return None
-        got = (await checksum_batch([data], self._executor))[0]
-        if got != entry.checksum:
-            self.copies.drop_bad_copy(entry, st)
-            return None
-        return data
-
-    async def _place(self, st: StoreTier, entry: BlockEntry, data: bytes | memoryview) -> Slot:
-        """Store `data` as `entry` in `st`, demoting (or dropping) victims until it fits."""
-        meta = BlockMeta(entry.key, entry.parent, entry.checksum, entry.itemsize)
-        while True:
-            slot = await st.tier.put_block(meta, data)
-            if slot is not None:
-                return slot
-            await self._evict_one(st, entry.nbytes)
-
-    async def _allocate(self, st: StoreTier, nbytes: int, want: int = 1) -> Slot:
-        """An empty slot in addressable tier `st`, demoting victims until one fits; `want`:
-        how many slots the caller is about to take, so that room for them is made at once."""
-        while True:
-            slot = st.tier.allocate(nbytes)
-            if slot is not None:
-                return slot
-            await self._evict_some(st, nbytes, want)
-
-    async def _evict_some(self, st: StoreTier, nbytes: int, count: int) -> None:
-        """Make progress towards room for `count` blocks in `st`: where `st` is the last tier,
-        drop up to `count` victims in one batch (`_drop_last_copies`); otherwise, or for a
-        victim that is not simply the only copy of an indexed block, one `_evict_one` step."""
-        # Slots of an addressable tier give their room back one by one, so a batch of
-        # victims dropped at once makes room for as many blocks.
-        if count > 1 and st.tier.addressable and self._below(st) is None:
-            rows = self._take_victims(st, min(count, EVICT_BATCH))
-            if rows:
-                self.copies.drop_last_copies(st, rows)
-                st.counters.evictions += len(rows)
-                self.counters.evictions += len(rows)
-                return
-        await self._evict_one(st, nbytes)
-
-    def _take_victims(self, st: StoreTier, count: int) -> list[int]:
-        """Up to `count` rows of the policy's victims in order, each taken out of the policy,
-        stopping before the first that `_drop_last_copies` cannot drop."""
-        tid = self._tier_ids[st.name]
-        only_copy_in = self.index.only_copy_in
-        rows: list[int] = []
-        policy = st.policy
-        for _ in range(count):
-            row = policy.victim_row(self._evictable_row)
-            if row is None or not only_copy_in(row, tid):
-                break
-            policy.remove_row(row)
-            rows.append(row)
-        return rows
-
-    async def _evict_one(self, st: StoreTier, nbytes: int) -> None:
-        """Make progress towards room in `st`: demote one victim, or (in the last tier) drop
-        it with whatever shares its room."""
-        row = st.policy.victim_row(self._evictable_row)
-        if row is None:
-            raise ResourceExhausted(
-                f"tier {st.name} is full ({st.tier.used_bytes} of {st.tier.capacity_bytes} bytes) and every "
-                "block in it is pinned or being moved; retry later, release leases, or add capacity"
-            )
-        entry = self.index.entry(row)
-        if self._below(st) is not None:
-            await self._demote(entry, st)
-            return
-        # Region-level reclaim: a tier that frees whole regions (the SSD log) gets a
-        # region back only when all its records are dead, so the victim's whole region
-        # goes at once (what of it is evictable).
-        keys = st.tier.region_keys(entry.locations[st.name], entry.key)
-        if len(keys) == 1:  # the victim's room alone: every memory tier
-            self._evict_location(entry, st)
-            return
-        for k in keys:
-            e = self.index.get(k)
-            if e is not None and e.evictable and e.slot_in(st.name) is not None:
-                self._evict_location(e, st)
-
-    def _evict_location(self, entry: BlockEntry, st: StoreTier) -> None:
-        st.counters.evictions += 1
-        self.counters.evictions += 1
-        self.copies.remove_location(entry, st)
-
-    async def _demote(self, entry: BlockEntry, st: StoreTier) -> bool:
-        """Move `entry` out of `st` to the next tier down; the last tier drops it.
-
-        True when `st` no longer holds the block.
-        """
-        lower = self._below(st)
-        if lower is None:
-            self._evict_location(entry, st)
-            return True
-        if entry.slot_in(lower.name) is not None:  # already below (the inclusive SSD copy)
-            st.counters.demotions += 1
-            self.copies.remove_location(entry, st)
-            return True
-        self.copies.hold(entry)
-        try:
-            try:
-                if not lower.tier.addressable:  # a whole-block write (the SSD)
-                    data = await self._read_verified(entry, st)
-                    if data is None:
-                        return True
-                    landed = await self._ensure_on_ssd(entry, data)
-                else:
-                    slot = await self._copy_into(entry, st, lower)
-                    if slot is None:
-                        return True
-                    landed = self.copies.add_location(entry, lower, slot)
-            except ResourceExhausted:
-                landed = False
-            except OSError as exc:
-                # The SSD refused the write (disk full, I/O error): as if there were no room
-                # below. The put that needs this slot must not fail for it.
-                self.counters.ssd_write_failures += 1
-                logger.warning("ssd write of block %s failed (%s); not demoted", entry.key.hex(), exc)
-                landed = False
-            if not landed and lower.name not in entry.locations:
-                # Nothing below can take it: dropping is what the last tier would do.
-                logger.debug("no room below %s for %s; dropped", st.name, entry.key.hex())
-                if st.name in entry.locations and not entry.removed:
-                    self._evict_location(entry, st)
-                return True
-            if st.name in entry.locations:
-                st.counters.demotions += 1
-                self.copies.remove_location(entry, st)
-            return True
-        finally:
-            self.copies.release(entry)
-
-    async def _ensure_on_ssd(self, entry: BlockEntry, data: bytes) -> bool:
-        """Write `entry` to SSD unless it is there or already being written (then wait for
-        that write). True when the block has an SSD copy afterwards. The caller holds it."""
-        assert self.inclusive is not None
-        if self.inclusive.name in entry.locations:
-            return True
-        if self.copies.quota_exceeded(entry, self.inclusive):
-            return False  # over the tenant's SSD quota: the block stays (or ends) in memory only
-        pending = self._ssd_writing.get(entry.key)
-        if pending is not None:
-            await asyncio.shield(pending)
-            return self.inclusive.name in entry.locations
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._ssd_writing[entry.key] = done
-        self.copies.quota_incoming(entry, self.inclusive, entry.nbytes)
-        try:
-            slot = await self._place(self.inclusive, entry, data)
-            return self.copies.add_location(entry, self.inclusive, slot)
-        finally:
-            self.copies.quota_incoming(entry, self.inclusive, -entry.nbytes)
-            del self._ssd_writing[entry.key]
-            done.set_result(None)
-
-    async def _verify_view(self, entry: BlockEntry, st: StoreTier, slot: Slot) -> bool | None:
-        """Checksum of a host-visible copy against the entry's; None when not host-visible."""
-        view = st.tier.view(slot, entry.nbytes)
-        if view is None:
-            return None
-        return (await checksum_batch([view], self._executor))[0] == entry.checksum
-
-    async def _copy_into(self, entry: BlockEntry, src: StoreTier, dst: StoreTier) -> Slot | None:
-        """A verified copy of `entry` from `src` in a new slot of addressable tier `dst`
-        (making room there). None when the source copy failed verification (it is dropped
-        and counted). The caller holds the entry and publishes the slot."""
-        over = self.copies.quota_exceeded(entry, dst)
-        if over:
-            raise ResourceExhausted(over)
-        # Counted as incoming until this returns: the caller adds the location without
-        # awaiting in between.
-        self.copies.quota_incoming(entry, dst, entry.nbytes)
-        try:
-            return await self._copy_into_counted(entry, src, dst)
-        finally:
-            self.copies.quota_incoming(entry, dst, -entry.nbytes)
-
-    async def _copy_into_counted(self, entry: BlockEntry, src: StoreTier, dst: StoreTier) -> Slot | None:
-        if not src.tier.addressable:  # no copier from it: a whole-block read (the SSD)
-            data = await self._read_verified(entry, src)
-            if data is None:
-                return None
-            slot = await self._allocate(dst, entry.nbytes)
-            try:
-                await dst.tier.write(slot, 0, data)
-            except BaseException:
-                dst.tier.free(slot)
-                raise
-            return slot
-        # Verify the source where it is host-visible, before it crosses; else the
-        # destination after it crossed (a device copy is checked once it is on the host).
-        if await self._verify_view(entry, src, entry.locations[src.name]) is False:
-            self.copies.drop_bad_copy(entry, src)
-            return None
-        slot = await self._allocate(dst, entry.nbytes)
-        try:
-            if src.name not in entry.locations:  # taken away (deleted) while room was made
-                raise FailedPrecondition(f"block {entry.key.hex()} left tier {src.name} during a copy")
-            await self._copiers[src.name, dst.name].copy(src.tier, entry.locations[src.name], dst.tier, slot,
-                                                         entry.nbytes)
-            if await self._verify_view(entry, dst, slot) is False:
-                dst.tier.free(slot)
-                self.copies.drop_bad_copy(entry, src)
-                return None
-        except BaseException:
-            dst.tier.free(slot)
-            raise
-        return slot
-
-    async def _raise(self, entry: BlockEntry, target: StoreTier) -> bool:
-        """Copy `entry` up into `target` (moving it out of a lower memory tier). Caller holds it."""
-        src = self.copies.top_tier(entry)
-        if src is None:
-            return False
-        try:
-            slot = await self._copy_into(entry, src, target)
-        except FailedPrecondition:
-            return False
-        if slot is None:
-            return False
-        if not self.copies.add_location(entry, target, slot):
-            return False
-        target.counters.promotions += 1
-        if not src.tier.inclusive and src.name in entry.locations:
-            self.copies.remove_location(entry, src)  # memory tiers are exclusive: a move
-        return True
 
     # ----------------------------------------------------------------- lookup
 
@@ -687,7 +410,7 @@ class Store:
         slots = st.tier.allocate_many(nbytes, count)  # what fits now, in one step
         try:
             while len(slots) < count:
-                slots.append(await self._allocate_put(nbytes, [st], count - len(slots)))
+                slots.append(await self.placement.allocate_put(nbytes, [st], count - len(slots)))
                 slots += st.tier.allocate_many(nbytes, count - len(slots))  # the rest of the room made
         except BaseException:
             self.free_slots(slots)
@@ -714,7 +437,7 @@ class Store:
         try:
             while (short := nbytes - (st.tier.capacity_bytes - st.tier.used_bytes)) > 0:
                 # A few blocks at a time: calls in between go first.
-                await self._evict_some(st, block_bytes, min(EVICT_BATCH, -(-short // block_bytes)))
+                await self.placement.evict_some(st, block_bytes, min(EVICT_BATCH, -(-short // block_bytes)))
                 await asyncio.sleep(0)
         except ResourceExhausted:
             pass  # nothing evictable now: the next put makes its own room, or says why not
@@ -725,27 +448,6 @@ class Store:
         """Return reserved, never-published slots to their tiers."""
         for slot in slots:
             self._tier_by_name[slot.tier].tier.free(slot)
-
-    def _landing_tiers(self) -> list[StoreTier]:
-        if self.migration.put_tier == "auto":
-            return self.memory_tiers
-        return [self._tier_by_name[self.migration.put_tier]]
-
-    async def _allocate_put(self, nbytes: int, landing: list[StoreTier], want: int = 1) -> Slot:
-        """A PENDING slot for a new block: the highest landing tier with room, else make room
-        in the first one (for `want` blocks: the caller's next ones take the rest)."""
-        for st in landing:
-            slot = st.tier.allocate(nbytes)
-            if slot is not None:
-                return slot
-        # Make room in the first tier that can: the top one may be full of PENDING slots
-        # of concurrent puts, which nothing can evict.
-        for st in landing[:-1]:
-            try:
-                return await self._allocate(st, nbytes, want)
-            except ResourceExhausted:
-                continue
-        return await self._allocate(landing[-1], nbytes, want)
 
     def _publish(self, info: NamespaceInfo, rows: np.ndarray[Any, Any]) -> None:
         """Make a put's PENDING rows READY (in chain order)."""
@@ -795,10 +497,10 @@ class Store:
             return
         self.copies.hold(entry)
         try:
-            data = await self._read_verified(entry, src)
+            data = await self.placement.read_verified(entry, src)
             if data is None:
                 return
-            await self._ensure_on_ssd(entry, data)
+            await self.placement.ensure_inclusive_copy(entry, data)
         except asyncio.CancelledError:
             raise
         except OSError as exc:  # disk full or failing: expected, and one line per block is enough
@@ -823,7 +525,7 @@ class Store:
                 # The last tier only evicts on demand: dropping ahead of need would lose
                 # hits for nothing, since no tier below is waiting for the room.
                 for st in self.memory_tiers:
-                    if self._below(st) is not None and await self.migrate_once(st) is MigrationStatus.RUNNING:
+                    if self.placement.below(st) is not None and await self.migrate_once(st) is MigrationStatus.RUNNING:
                         self._migrate_wakeup.set()  # more to do: no need to wait a tick
             except asyncio.CancelledError:
                 raise
@@ -843,7 +545,7 @@ class Store:
             row = st.policy.victim_row(self._evictable_row)
             if row is None:
                 return MigrationStatus.FAIL
-            await self._demote(self.index.entry(row), st)
+            await self.placement.demote(self.index.entry(row), st)
             moved += 1
         if st.tier.used_bytes > target:
             return MigrationStatus.RUNNING
@@ -865,24 +567,6 @@ class Store:
         entries = self.index.longest_ready_prefix([make_key(namespace_id, h) for h in hashes])
         self.counters.fetches += 1
         return FetchStream(self, entries, info.layout.bytes_per_block, lease_id)
-
-    async def _promote_on_hit(self, entry: BlockEntry, data: bytes) -> None:
-        """After a verified read from SSD: keep a memory copy if the top tier has headroom."""
-        top = self.memory_tiers[0]
-        if entry.removed or top.name in entry.locations or self.copies.quota_exceeded(entry, top):
-            return
-        if top.tier.used_bytes + top.tier.accounted_size(entry.nbytes) > top.high_watermark * top.tier.capacity_bytes:
-            return
-        slot = top.tier.allocate(entry.nbytes)
-        if slot is None:
-            return
-        try:
-            await top.tier.write(slot, 0, data)
-        except BaseException:
-            top.tier.free(slot)
-            raise
-        if self.copies.add_location(entry, top, slot):
-            top.counters.promotions += 1
 
     # ----------------------------------------------------------------- prefetch
 
@@ -908,7 +592,7 @@ class Store:
                 continue
             self.copies.hold(entry)
             try:
-                if await self._raise(entry, target):
+                if await self.placement.raise_into(entry, target):
                     raised += 1
                 elif target.name in entry.locations:
                     already += 1
@@ -1016,7 +700,7 @@ class Store:
                 for st in [t for t in self.tiers if t.name in entry.locations]:
                     if entry.removed:
                         break
-                    if await self._read_verified(entry, st) is None:
+                    if await self.placement.read_verified(entry, st) is None:
                         bad = True
                 if bad:
                     dropped += 1
@@ -1118,7 +802,7 @@ class Store:
             used = st.tier.used_bytes
             progress = c.evictions + c.demotions
             try:
-                await self._evict_one(st, 0)
+                await self.placement.evict_one(st, 0)
             except ResourceExhausted:
                 break  # everything left is pinned or in use
             freed += max(0, used - st.tier.used_bytes)
@@ -1335,7 +1019,7 @@ class FetchStream:
                 store.counters.blocks_fetched += 1
                 store.counters.bytes_out += len(view)
                 if promote and st.tier.inclusive:
-                    await store._promote_on_hit(entry, bytes(data))  # SSD reads are bytes already: no copy
+                    await store.placement.promote_on_hit(entry, bytes(data))  # SSD reads are bytes already: no copy
                 yield framed
         finally:
             for task in self._reads.values():
@@ -1429,7 +1113,7 @@ class PutTxn:
         """Allocate PENDING slots for the blocks not already present (making room as needed)."""
         store = self._store
         new = self._hold_present()
-        landing = [self._tier] if self._tier is not None else store._landing_tiers()
+        landing = [self._tier] if self._tier is not None else store.placement.landing_tiers()
         room = sum(st.tier.capacity_bytes for st in landing)
         need = len(new) * landing[0].tier.accounted_size(self.block_bytes)
         if need > room:
@@ -1446,7 +1130,7 @@ class PutTxn:
                 self._quota_bytes = len(new) * self.block_bytes
                 for st in landing:
                     if st.name in quotas:
-                        await store._quota_room(self._info, st, self._quota_bytes)
+                        await store.placement.quota_room(self._info, st, self._quota_bytes)
                         store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
                         self._quota_held.append(st.name)
             # What fits in the first landing tier now, in one step; then, per block, the
@@ -1456,7 +1140,7 @@ class PutTxn:
                 for k in range(len(slots), len(new)):
                     slot = next((s for st in landing if (s := st.tier.allocate(nbytes)) is not None), None)
                     if slot is None:
-                        slot = await store._allocate_put(nbytes, landing, len(new) - k)
+                        slot = await store.placement.allocate_put(nbytes, landing, len(new) - k)
                         if self._done:  # aborted while making room
                             store._tier_by_name[slot.tier].tier.free(slot)
                             raise FailedPrecondition("this put was aborted")
@@ -1505,11 +1189,11 @@ class PutTxn:
         new = self._hold_present()
         quotas = store.tenancy.quotas.get(self._info.tenant)
         if quotas and new:
-            landing = [self._tier] if self._tier is not None else store._landing_tiers()
+            landing = [self._tier] if self._tier is not None else store.placement.landing_tiers()
             self._quota_bytes = len(new) * self.block_bytes
             for st in landing:
                 if st.name in quotas:
-                    await store._quota_room(self._info, st, self._quota_bytes)
+                    await store.placement.quota_room(self._info, st, self._quota_bytes)
                     store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
                     self._quota_held.append(st.name)
         self._make_entries(new, [filled[i] for i in new])
