@@ -75,6 +75,7 @@ from kvstore.core.results import (
     TierStatus,
     WritePolicy,
 )
+from kvstore.core.migration import Migrator
 from kvstore.core.namespaces import NamespaceRegistry, check_hint
 from kvstore.core.store_tier import PolicyDeferral, StoreTier
 from kvstore.core.table import HAS_PARENT, INDEXED, LIVE, READY, SSD_QUEUED, BlockTable
@@ -177,15 +178,8 @@ class Store:
         self.placement = Placement(self.index, self.copies, self.registry, self.tenancy, self.counters, self.tiers,
                                    self.migration, copiers, executor)
         self._rank = {t.name: i for i, t in enumerate(self.tiers)}
-        self._ssd_queue: deque[BlockEntry] = deque()
-        self._ssd_inflight = 0
-        self._ssd_wakeup = asyncio.Event()
-        self._ssd_idle = asyncio.Event()
-        self._ssd_idle.set()
-        self._migrate_wakeup = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-        # Background evictions making room ahead of expected puts, by tier name.
-        self._making_room: dict[str, asyncio.Task[None]] = {}
+        self.migrator = Migrator(self.index, self.copies, self.placement, self.counters, self.tiers, self.migration,
+                                 self.expire_leases)
         self._closed = False
 
     @property
@@ -237,20 +231,11 @@ class Store:
                 gc.enable()
         if recovered:
             gc.freeze()
-        if self.inclusive is not None:
-            self._tasks.append(asyncio.create_task(self._ssd_writer(), name="kvstore-ssd-writer"))
-        if len(self.tiers) > 1:
-            self._tasks.append(asyncio.create_task(self._migrator(), name="kvstore-migrator"))
+        self.migrator.start()
 
     async def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued SSD write has landed; False if `timeout_s` passed first."""
-        if self.inclusive is None:
-            return True
-        try:
-            await asyncio.wait_for(self._ssd_idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
+        return await self.migrator.flush(timeout_s)
 
     @property
     def indexed_blocks(self) -> int:
@@ -259,32 +244,23 @@ class Store:
 
     @property
     def pending_ssd_writes(self) -> int:
-        return len(self._ssd_queue) + self._ssd_inflight
+        return self.migrator.pending_writes
 
     async def aclose(self, flush_timeout_s: float | None = 30.0) -> None:
         """Graceful stop: flush pending SSD writes, stop background tasks, close tiers."""
         if self._closed:
             return
-        if self._tasks and not await self.flush(flush_timeout_s):
+        if self.migrator.running and not await self.flush(flush_timeout_s):
             logger.warning("shutdown: %d SSD writes still pending after %.1fs; they are lost",
                            self.pending_ssd_writes, flush_timeout_s or 0.0)
-        tasks = self._tasks + list(self._making_room.values())
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-        self._tasks.clear()
+        await self.migrator.stop()
         self.close()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for task in self._tasks + list(self._making_room.values()):
-            task.cancel()
+        self.migrator.cancel()
         for st in self.tiers:
             st.tier.close()
 
@@ -418,31 +394,9 @@ class Store:
         return slots
 
     def make_room_soon(self, tier: str, nbytes: int, block_bytes: int) -> None:
-        """Evict from memory tier `tier`, in the background and in its policy's order,
-        until `nbytes` of it are free: room for a put that is expected next (a writer's
-        next reserve-ahead), made while the writer copies instead of inside its call.
-        A put that comes first still makes room for itself, as always; a tier with
-        nothing evictable is left as it is."""
-        st = self._tier_by_name.get(tier)
-        if (st is None or self._closed or tier in self._making_room
-                or st.tier.capacity_bytes - st.tier.used_bytes >= nbytes):
-            return
-        task = asyncio.get_running_loop().create_task(self._make_room(st, nbytes, block_bytes),
-                                                      name=f"kvstore-room-{tier}")
-        self._making_room[tier] = task
-        task.add_done_callback(lambda _: self._making_room.pop(tier, None))
-
-    async def _make_room(self, st: StoreTier, nbytes: int, block_bytes: int) -> None:
-        await asyncio.sleep(0)  # after the answer that asked for it has gone out
-        try:
-            while (short := nbytes - (st.tier.capacity_bytes - st.tier.used_bytes)) > 0:
-                # A few blocks at a time: calls in between go first.
-                await self.placement.evict_some(st, block_bytes, min(EVICT_BATCH, -(-short // block_bytes)))
-                await asyncio.sleep(0)
-        except ResourceExhausted:
-            pass  # nothing evictable now: the next put makes its own room, or says why not
-        except Exception:  # task boundary: a failed eviction is the next put's to meet
-            logger.exception("making room in tier %s failed", st.name)
+        """Evict from memory tier `tier` in the background until `nbytes` of it are free:
+        room for a put that is expected next (`Migrator.make_room_soon`)."""
+        self.migrator.make_room_soon(tier, nbytes, block_bytes)
 
     def free_slots(self, slots: Sequence[Slot]) -> None:
         """Return reserved, never-published slots to their tiers."""
@@ -451,106 +405,17 @@ class Store:
 
     def _publish(self, info: NamespaceInfo, rows: np.ndarray[Any, Any]) -> None:
         """Make a put's PENDING rows READY (in chain order)."""
-        through = self.inclusive is not None and self.migration.write_policy is WritePolicy.THROUGH
-        if not len(rows):
-            self._migrate_wakeup.set()
-            return
-        # One put's blocks: one namespace, one copy each, published in whole-array steps.
-        self.index.publish(rows[::-1])
-        self.copies.published(info, rows)
-        if through:
-            # Head first: the SSD writer follows queue order, so a crash can cut a chain
-            # short but never leave its later blocks without its start.
-            self._ssd_queue.extend(self.index.queue_ssd_writes(rows))
-        if through:
-            self._ssd_idle.clear()
-            self._ssd_wakeup.set()
-        self._migrate_wakeup.set()
+        if len(rows):
+            # One put's blocks: one namespace, one copy each, published in whole-array steps.
+            self.index.publish(rows[::-1])
+            self.copies.published(info, rows)
+        self.migrator.published(rows)
 
     # ----------------------------------------------------------------- background work
 
-    async def _ssd_writer(self) -> None:
-        """Drain the write-through queue in put order, a few blocks in flight at a time."""
-        while True:
-            if not self._ssd_queue and self._ssd_inflight == 0:
-                self._ssd_idle.set()
-                self._ssd_wakeup.clear()
-                await self._ssd_wakeup.wait()
-                continue
-            batch: list[BlockEntry] = []
-            while self._ssd_queue and len(batch) < SSD_WRITE_CONCURRENCY:
-                batch.append(self._ssd_queue.popleft())
-            self._ssd_inflight += len(batch)
-            try:
-                await asyncio.gather(*(self._write_through(e) for e in batch))
-            finally:
-                self._ssd_inflight -= len(batch)
-
-    async def _write_through(self, entry: BlockEntry) -> None:
-        assert self.inclusive is not None
-        if not entry.ssd_queued:
-            return
-        src = self.copies.top_tier(entry)
-        if entry.removed or self.inclusive.name in entry.locations or src is None:
-            # Out of the queue with nothing to write: its row may be recycled once removed.
-            entry.ssd_queued = False
-            return
-        self.copies.hold(entry)
-        try:
-            data = await self.placement.read_verified(entry, src)
-            if data is None:
-                return
-            await self.placement.ensure_inclusive_copy(entry, data)
-        except asyncio.CancelledError:
-            raise
-        except OSError as exc:  # disk full or failing: expected, and one line per block is enough
-            self.counters.ssd_write_failures += 1
-            logger.warning("ssd write of block %s failed (%s); it stays in memory only", entry.key.hex(), exc)
-        except Exception:  # task boundary: the block stays in memory, unwritten
-            self.counters.ssd_write_failures += 1
-            logger.exception("ssd write of block %s failed", entry.key.hex())
-        finally:
-            entry.ssd_queued = False
-            self.copies.release(entry)
-
-    async def _migrator(self) -> None:
-        """The periodic driver: one bounded batch per over-watermark tier per tick."""
-        while True:
-            try:
-                await asyncio.wait_for(self._migrate_wakeup.wait(), self.migration.tick_s)
-            except TimeoutError:
-                pass
-            self._migrate_wakeup.clear()
-            try:
-                # The last tier only evicts on demand: dropping ahead of need would lose
-                # hits for nothing, since no tier below is waiting for the room.
-                for st in self.memory_tiers:
-                    if self.placement.below(st) is not None and await self.migrate_once(st) is MigrationStatus.RUNNING:
-                        self._migrate_wakeup.set()  # more to do: no need to wait a tick
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # task boundary: keep migrating next tick
-                logger.exception("migration batch failed")
-
     async def migrate_once(self, st: StoreTier) -> MigrationStatus:
         """Demote at most `batch_blocks` victims of `st` if it is over its high watermark."""
-        cap = st.tier.capacity_bytes
-        if not st.draining:
-            if st.tier.used_bytes <= st.high_watermark * cap:
-                return MigrationStatus.OK
-            st.draining = True
-        target = st.low_watermark * cap
-        moved = 0
-        while st.tier.used_bytes > target and moved < self.migration.batch_blocks:
-            row = st.policy.victim_row(self._evictable_row)
-            if row is None:
-                return MigrationStatus.FAIL
-            await self.placement.demote(self.index.entry(row), st)
-            moved += 1
-        if st.tier.used_bytes > target:
-            return MigrationStatus.RUNNING
-        st.draining = False
-        return MigrationStatus.OK
+        return await self.migrator.migrate_once(st)
 
     # ----------------------------------------------------------------- fetch
 
