@@ -55,6 +55,7 @@ from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex, BlockState, make_key
 from kvstore.core.leases import Lease, LeaseTable
 from kvstore.core.placement import EVICT_BATCH, Placement
+from kvstore.core.put import PutPath, PutTxn
 from kvstore.core.results import (
     BlockGroup,
     BlockInfo,
@@ -180,6 +181,8 @@ class Store:
         self._rank = {t.name: i for i, t in enumerate(self.tiers)}
         self.migrator = Migrator(self.index, self.copies, self.placement, self.counters, self.tiers, self.migration,
                                  self.expire_leases)
+        self.puts = PutPath(self.index, self.copies, self.placement, self.migrator, self.tenancy, self.counters,
+                            self.tiers, executor)
         self._closed = False
 
     @property
@@ -358,58 +361,23 @@ class Store:
         """
         info = self.namespace(namespace_id)
         self.check_hashes(hashes)
-        if parent_hash is not None and len(parent_hash) != HASH_BYTES:
-            raise InvalidArgument(f"parent hash must be {HASH_BYTES} bytes, got {len(parent_hash)}")
-        if not hashes:
-            raise InvalidArgument("a put must carry at least one block")
-        if len(set(hashes)) != len(hashes):
-            # Two PENDING entries for one key would both be published: refuse up front.
-            seen: dict[bytes, int] = {}
-            for i, h in enumerate(hashes):
-                if h in seen:
-                    raise InvalidArgument(f"block hash {i} names the same block as block hash {seen[h]}; "
-                                          "a put names each block only once")
-                seen[h] = i
         self.expire_leases()
-        target = self._tier_by_name.get(tier) if tier is not None else None
-        if tier is not None and (target is None or not target.tier.addressable):
-            raise FailedPrecondition(f"this daemon has no {tier} memory tier")
-        return PutTxn(self, info, list(hashes), parent_hash, target)
+        return self.puts.begin(info, hashes, parent_hash, tier)
 
     async def reserve_slots(self, tier: str, nbytes: int, count: int) -> list[Slot]:
-        """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet
-        (making room as a put would): a co-located client fills them ahead of the put that
-        names them (`PutTxn.adopt`). The caller frees what it does not adopt."""
-        st = self._tier_by_name.get(tier)
-        if st is None or not st.tier.addressable:
-            raise FailedPrecondition(f"this daemon has no {tier} memory tier")
-        slots = st.tier.allocate_many(nbytes, count)  # what fits now, in one step
-        try:
-            while len(slots) < count:
-                slots.append(await self.placement.allocate_put(nbytes, [st], count - len(slots)))
-                slots += st.tier.allocate_many(nbytes, count - len(slots))  # the rest of the room made
-        except BaseException:
-            self.free_slots(slots)
-            raise
-        return slots
+        """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet: a
+        co-located client fills them ahead of the put that names them (`PutTxn.adopt`).
+        The caller frees what it does not adopt (`free_slots`)."""
+        return await self.puts.reserve_slots(tier, nbytes, count)
+
+    def free_slots(self, slots: Sequence[Slot]) -> None:
+        """Return reserved, never-published slots to their tiers."""
+        self.puts.free_slots(slots)
 
     def make_room_soon(self, tier: str, nbytes: int, block_bytes: int) -> None:
         """Evict from memory tier `tier` in the background until `nbytes` of it are free:
         room for a put that is expected next (`Migrator.make_room_soon`)."""
         self.migrator.make_room_soon(tier, nbytes, block_bytes)
-
-    def free_slots(self, slots: Sequence[Slot]) -> None:
-        """Return reserved, never-published slots to their tiers."""
-        for slot in slots:
-            self._tier_by_name[slot.tier].tier.free(slot)
-
-    def _publish(self, info: NamespaceInfo, rows: np.ndarray[Any, Any]) -> None:
-        """Make a put's PENDING rows READY (in chain order)."""
-        if len(rows):
-            # One put's blocks: one namespace, one copy each, published in whole-array steps.
-            self.index.publish(rows[::-1])
-            self.copies.published(info, rows)
-        self.migrator.published(rows)
 
     # ----------------------------------------------------------------- background work
 
@@ -929,260 +897,3 @@ def copy_frame(index: int, data: memoryview) -> Framed:
     """One message: a plain copy of the block."""
     copy = bytes(data)
     return Framed([copy], [memoryview(copy)])
-
-
-class PutTxn:
-    """One put in flight: PENDING slots that become READY all together on `commit`.
-
-    Blocks must arrive in order (chunks of block i, then of block i+1). A block already
-    READY when the put began is accepted and discarded without being stored again.
-    Its blocks are rows of the block table (an array), each with its slot: no object
-    per block beyond the slot the tier handed out.
-    """
-
-    def __init__(
-        self, store: Store, info: NamespaceInfo, hashes: list[bytes], parent_hash: bytes | None, tier: StoreTier | None
-    ) -> None:
-        self._store = store
-        self._info = info
-        self._hashes = hashes
-        self.block_bytes = info.layout.bytes_per_block
-        self._itemsize = DTYPE_BYTES.get(info.layout.dtype, 1)
-        n = self._n = len(hashes)
-        q = np.frombuffer(b"".join(hashes), "<u8")
-        self._q0, self._q1 = q[0::2], q[1::2]
-        self._parent_hash = parent_hash or None
-        # Each block's PENDING row and slot; -1 and None for a block present before the put.
-        self._rows = np.full(n, -1, np.int64)
-        self._slots: list[Slot | None] = [None] * n
-        # Blocks already READY when the put began, held so that making room for the new
-        # blocks cannot evict them (the put would otherwise report them present when not).
-        self._held: list[BlockEntry] = []
-        self._received = [0] * len(hashes)
-        self._current = 0
-        self._done = False
-        self._tier = tier
-        # Tiers where this put holds its bytes against the tenant's quota, until it ends.
-        self._quota_held: list[str] = []
-        self._quota_bytes = 0
-
-    async def __aenter__(self) -> PutTxn:
-        await self.reserve()
-        return self
-
-    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if not self._done:
-            self.abort()
-
-    async def reserve(self) -> None:
-        """Allocate PENDING slots for the blocks not already present (making room as needed)."""
-        store = self._store
-        new = self._hold_present()
-        landing = [self._tier] if self._tier is not None else store.placement.landing_tiers()
-        room = sum(st.tier.capacity_bytes for st in landing)
-        need = len(new) * landing[0].tier.accounted_size(self.block_bytes)
-        if need > room:
-            raise ResourceExhausted(
-                f"this put needs {need} bytes but the tiers puts land in ({', '.join(t.name for t in landing)}) "
-                f"hold {room}; put fewer blocks per call or raise their capacity"
-            )
-        try:
-            nbytes = self.block_bytes
-            quotas = store.tenancy.quotas.get(self._info.tenant)
-            if quotas and new:
-                # The put must fit the tenant's quota in every tier it may land in; its
-                # bytes count there from when room is made until it commits or aborts.
-                self._quota_bytes = len(new) * self.block_bytes
-                for st in landing:
-                    if st.name in quotas:
-                        await store.placement.quota_room(self._info, st, self._quota_bytes)
-                        store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
-                        self._quota_held.append(st.name)
-            # What fits in the first landing tier now, in one step; then, per block, the
-            # next tier with room, or room made (no await and no coroutine where a tier has room).
-            slots: list[Slot] = landing[0].tier.allocate_many(nbytes, len(new)) if new else []
-            try:
-                for k in range(len(slots), len(new)):
-                    slot = next((s for st in landing if (s := st.tier.allocate(nbytes)) is not None), None)
-                    if slot is None:
-                        slot = await store.placement.allocate_put(nbytes, landing, len(new) - k)
-                        if self._done:  # aborted while making room
-                            store._tier_by_name[slot.tier].tier.free(slot)
-                            raise FailedPrecondition("this put was aborted")
-                    slots.append(slot)
-            except BaseException:
-                store.free_slots(slots)
-                raise
-            self._make_entries(new, slots)
-        except BaseException:
-            self.abort()
-            raise
-
-    def _hold_present(self) -> list[int]:
-        """Hold the blocks of this put that are READY already; the others' positions."""
-        store = self._store
-        present = store.index.find_chain(self._info.namespace_id, self._q0, self._q1)
-        for row in present[present >= 0].tolist():
-            entry = store.index.entry(row)
-            store.copies.hold(entry)
-            self._held.append(entry)
-        return np.flatnonzero(present < 0).tolist()
-
-    def _make_entries(self, new: list[int], slots: Sequence[Slot]) -> None:
-        """PENDING rows for blocks `new` (positions in the put), block i in slots[i], in
-        whole-column steps."""
-        if not new:
-            return
-        at = np.array(new, np.int64)
-        rows = self._store.index.add_pending(self._info.namespace_id, self._q0, self._q1, at, self._parent_hash,
-                                              self.block_bytes, self._itemsize, slots)
-        self._rows[at] = rows
-        if len(new) == self._n:
-            self._slots = list(slots)
-        else:
-            for i, slot in zip(new, slots):
-                self._slots[i] = slot
-
-    async def adopt(self, filled: Sequence[Slot]) -> list[Slot]:
-        """Instead of `reserve`: take slots from `Store.reserve_slots` that a co-located
-        client already filled, block i in `filled[i]`. Returns the slots of blocks already
-        present (their bytes are not needed), which stay the caller's. The tenant's quota
-        applies as in `reserve`; if this raises, no slot was taken."""
-        if len(filled) != self._n:
-            raise InvalidArgument(f"{len(filled)} filled slots for a put of {self._n} blocks")
-        store = self._store
-        new = self._hold_present()
-        quotas = store.tenancy.quotas.get(self._info.tenant)
-        if quotas and new:
-            landing = [self._tier] if self._tier is not None else store.placement.landing_tiers()
-            self._quota_bytes = len(new) * self.block_bytes
-            for st in landing:
-                if st.name in quotas:
-                    await store.placement.quota_room(self._info, st, self._quota_bytes)
-                    store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
-                    self._quota_held.append(st.name)
-        self._make_entries(new, [filled[i] for i in new])
-        new_set = set(new)
-        return [slot for i, slot in enumerate(filled) if i not in new_set]
-
-    async def write(self, block: int, data: bytes | memoryview) -> None:
-        """Append `data` to block `block`'s payload."""
-        if self._done:
-            raise FailedPrecondition("this put has already finished")
-        if not 0 <= block < self._n:
-            raise InvalidArgument(f"chunk for block {block}, but the put carries {self._n} blocks")
-        if block < self._current:
-            raise InvalidArgument(f"chunk for block {block} after block {self._current} began; send blocks in order")
-        while self._current < block:
-            self._check_complete(self._current)
-            self._current += 1
-        offset = self._received[block]
-        if offset + len(data) > self.block_bytes:
-            raise InvalidArgument(
-                f"block {block} got {offset + len(data)} bytes, but a block of this namespace is "
-                f"{self.block_bytes} bytes (layout {self._info.layout.model}, "
-                f"{self._info.layout.block_size_tokens} tokens); check the layout you sent"
-            )
-        slot = self._slots[block]
-        if slot is not None:
-            await self._store._tier_by_name[slot.tier].tier.write(slot, offset, data)
-        self._received[block] = offset + len(data)
-
-    def slots(self) -> list[Slot | None]:
-        """Where each block's bytes must land; None for blocks already present."""
-        return list(self._slots)
-
-    def mark_written(self) -> None:
-        """Every byte was written into the slots by someone else (a co-located client)."""
-        self._received = [self.block_bytes] * self._n
-        self._current = self._n - 1
-
-    def _check_complete(self, block: int) -> None:
-        got = self._received[block]
-        if got != self.block_bytes:
-            raise InvalidArgument(
-                f"block {block} got {got} bytes, but a block of this namespace is {self.block_bytes} bytes; "
-                "check the layout you sent"
-            )
-
-    async def commit(self, checksums: Sequence[int] | None = None) -> PutResult:
-        """Verify every block is complete, checksum, and publish. Read-your-writes holds on return.
-
-        `checksums` (one per block of the put, in order) are taken as given instead of
-        hashing the slots: a co-located client hashes its source while copying it in. A
-        wrong one cannot cause a wrong block to be served: every read verifies.
-        """
-        store = self._store
-        n = self._n
-        if self._received.count(self.block_bytes) != n:
-            for i in range(n):
-                self._check_complete(i)
-        new_at = np.flatnonzero(self._rows >= 0)
-        rows = self._rows[new_at]
-        every = len(new_at) == n
-        tiers = store._tier_by_name
-        index = store.index
-        if checksums is not None:
-            if len(checksums) != n:
-                raise InvalidArgument(f"{len(checksums)} checksums for a put of {n} blocks")
-            sums = checksums if every else [checksums[i] for i in new_at.tolist()]
-        else:
-            slots = [slot for slot in self._slots if slot is not None]  # the new blocks', in order
-            nb = self.block_bytes
-            views = [tiers[s.tier].tier.view(s, nb) for s in slots]
-            if any(v is None for v in views):
-                # Not host-visible (HBM): the tier's read completes only after the device
-                # copy has, so the checksum covers bytes that have landed.
-                datas: list[bytes | memoryview] = [await tiers[s.tier].tier.read(s, nb) for s in slots]
-            else:
-                datas = [v for v in views if v is not None]
-            sums = await checksum_batch(datas, store._executor)
-        if self._done:  # aborted while checksumming (cancelled call)
-            raise FailedPrecondition("this put was aborted")
-        index.set_checksums(rows, sums)
-        # Published by a concurrent put since this one began: one probe for all.
-        raced = index.published_already(self._info.namespace_id, rows)
-        if raced.any():
-            for k in np.flatnonzero(raced).tolist():
-                self._drop_pending(int(new_at[k]))
-            rows = rows[~raced]
-        stored = len(rows)
-        existing = n - stored
-        store._publish(self._info, rows)
-        self._done = True
-        self._release_held()
-        c = store.counters
-        c.puts += 1
-        c.blocks_stored += stored
-        c.blocks_existing += existing
-        c.bytes_in += stored * self.block_bytes
-        if checksums is not None:  # the client wrote the bytes into the segment itself
-            c.local_bytes_in += stored * self.block_bytes
-        return PutResult(self._info.namespace_id, stored, existing, list(self._hashes))
-
-    def abort(self) -> None:
-        """Free every PENDING slot. Nothing of this put was ever visible."""
-        if self._done:
-            return
-        self._done = True
-        self._release_held()
-        self._store.counters.put_failures += 1
-        for i in np.flatnonzero(self._rows >= 0).tolist():
-            self._drop_pending(i)
-
-    def _drop_pending(self, i: int) -> None:
-        """Free block i's PENDING slot and row (the put will not publish it)."""
-        slot, row = self._slots[i], int(self._rows[i])
-        assert slot is not None and row >= 0
-        self._store._tier_by_name[slot.tier].tier.free(slot)
-        self._store.index.discard_pending(row)
-        self._slots[i] = None
-        self._rows[i] = -1
-
-    def _release_held(self) -> None:
-        for tier in self._quota_held:
-            self._store.tenancy.release(self._info.tenant, tier, self._quota_bytes)
-        self._quota_held.clear()
-        for entry in self._held:
-            self._store.copies.release(entry)
-        self._held.clear()
