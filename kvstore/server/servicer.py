@@ -19,7 +19,9 @@ import grpc
 
 from kvstore import __version__
 from kvstore.convert import TIER_BY_NAME, TIER_NAMES, layout_from_proto
-from kvstore.core.store import Framed, Store, StoreStatus, check_hint
+from kvstore.core.namespaces import check_hint
+from kvstore.core.results import StoreStatus
+from kvstore.core.store import Store
 from kvstore.core.tier import Slot
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstore.hashing import HASH_BYTES, block_hashes_packed, split_hashes, tenant_namespace_id, token_bytes
@@ -31,7 +33,7 @@ from kvstore.server.local_puts import LocalPuts
 from kvstore.shm import HEADER_BYTES
 from kvstore.tiers.segment import Segment
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
-from kvstore.wire import RawChunk, chunk_prefix, encode_chunk
+from kvstore.wire import Framed, RawChunk, chunk_prefix, encode_chunk
 
 # Layouts whose namespace id the servicer remembers (see KVStoreServicer._namespace).
 LAYOUT_IDS_KEPT = 1024
