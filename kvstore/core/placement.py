@@ -26,7 +26,8 @@ time them).
 
 Primitives: `read_verified`, `allocate`/`allocate_put`, `evict_some`/`evict_one`,
 `demote`, `ensure_inclusive_copy`, `copy_into`, `raise_into`, `promote_on_hit`,
-`quota_room`, `landing_tiers`.
+`quota_room`, `landing_tiers`; and the two operator-facing loops over them, `prefetch`
+and `evict_bytes`.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from concurrent.futures import Executor
 
 from kvstore.checksum import checksum_batch
 from kvstore.core.copies import CopyBook
-from kvstore.core.index import BlockEntry, BlockIndex
+from kvstore.core.index import BlockEntry, BlockIndex, make_key
 from kvstore.core.namespaces import NamespaceRegistry
-from kvstore.core.results import MigrationConfig, NamespaceInfo, StoreCounters
+from kvstore.core.results import MigrationConfig, NamespaceInfo, PrefetchResult, RemovalResult, StoreCounters
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.tenancy import TenantLedger
 from kvstore.core.tier import BlockMeta, Copier, Slot
@@ -393,3 +394,52 @@ class Placement:
             entry = self._index.get(key)
             assert entry is not None
             await self.demote(entry, st)
+
+    async def prefetch(self, namespace_id: bytes, hashes: Sequence[bytes], target: StoreTier) -> PrefetchResult:
+        """Raise the named blocks that are present into memory tier `target`."""
+        raised = already = missing = skipped = 0
+        for h in hashes:
+            entry = self._index.get(make_key(namespace_id, h))
+            src = self._copies.top_tier(entry) if entry is not None else None
+            if entry is None or src is None:
+                missing += 1
+                continue
+            if self._rank[src.name] <= self._rank[target.name]:
+                already += 1
+                target.policy.touch(entry.key)
+                continue
+            self._copies.hold(entry)
+            try:
+                if await self.raise_into(entry, target):
+                    raised += 1
+                elif target.name in entry.locations:
+                    already += 1
+                else:
+                    missing += 1
+            except ResourceExhausted:
+                # A prefetch is advice: with no room to make, the block stays where it
+                # is (still served from there) and the rest are not worth trying.
+                skipped = len(hashes) - raised - already - missing
+                break
+            finally:
+                self._copies.release(entry)
+        return PrefetchResult(target.name, len(hashes), raised, already, missing, skipped)
+
+    async def evict_bytes(self, st: StoreTier, nbytes: int) -> RemovalResult:
+        """Make room in `st`, in its policy's order, until `nbytes` are freed or nothing
+        evictable is left (the operator's eviction)."""
+        freed = 0
+        c = st.counters
+        moved_before = c.evictions + c.demotions
+        while freed < nbytes:
+            used = st.tier.used_bytes
+            progress = c.evictions + c.demotions
+            try:
+                await self.evict_one(st, 0)
+            except ResourceExhausted:
+                break  # everything left is pinned or in use
+            freed += max(0, used - st.tier.used_bytes)
+            if st.tier.used_bytes == used and c.evictions + c.demotions == progress:
+                break  # no progress (the victim was busy): stop rather than spin
+        blocks = c.evictions + c.demotions - moved_before
+        return RemovalResult(blocks, freed)

@@ -1,61 +1,58 @@
-"""The store: index, namespaces, leases, tiers, policies and migration behind engine verbs.
+"""The store: engine verbs over the block index, the tiers and their policies.
+
+A facade: `Store` builds its collaborators, one noun each, and answers the verbs with
+them. Each module states the ordering decisions it keeps:
+
+- kvstore.core.namespaces: `NamespaceRegistry`, layouts by id, the per-call limits;
+- kvstore.core.copies: `CopyBook`, where each block's copies are, readers, accounting, events;
+- kvstore.core.placement: `Placement`, verified moves, making room, demotion, promotion;
+- kvstore.core.migration: `Migrator`, the periodic driver and the write-through writer;
+- kvstore.core.put: `PutPath`, two-phase puts (publish after the data lands);
+- kvstore.core.fetch: `FetchPath`, verified fetch streams (what is verified is what is sent);
+- kvstore.core.index / table / leases / tenancy: the block table and what hangs off it.
 
 Control plane on one event loop, no locks: every method either runs to completion
 without awaiting (metadata) or holds the blocks it touches (pins for leases, `readers`
 for reads and copies in flight) across its awaits, so eviction, migration and deletion
 cannot pull bytes out from under it.
 
-Verbs: `lookup`, `put` (a two-phase `PutTxn`), `fetch`, `prefetch`, `delete`,
-`pin`/`unpin`, `stats`; `start`/`aclose` own the background tasks (migrator, SSD writer).
-
 Tiers are ordered top (fastest) to bottom. The addressable tiers (HBM, host, memory)
-hold a block exclusively among themselves; an SSD tier, if any, is last and inclusive
-(see kvstore.core.index). Ordering decisions that matter:
-- Publish after the data lands. A put allocates PENDING slots, receives every byte,
-  checksums them, and only then adds all its blocks to the index in one synchronous
-  step. A failed or cancelled put frees its slots; nothing was ever visible.
-- Read-your-writes. `PutTxn.commit` returns only after the index holds the blocks.
-- Never serve a wrong block. Every read that leaves the daemon or crosses a tier is
-  verified against the checksum taken at put time; a mismatch (or an SSD record that
-  does not decode) drops that copy, counts it, and ends the fetch there.
-- Never lose a block while it moves. A copy adds the destination location only after
-  the bytes landed and verified, and removes the source location after that; a source
-  slot that readers still hold is retired, not freed.
-- Write-through to SSD (the default) queues every published block for the SSD writer,
-  which writes in put order, so a crash loses at most the queue and never the start of
-  a prefix chain while keeping its later blocks. `write_policy="back"` writes a block to
-  SSD only when it is demoted.
-- Migration: when a tier passes its high watermark the migrator demotes its policy's
-  victims to the next tier down in bounded batches until it is under the low watermark
-  (OK / RUNNING / FAIL per batch). A block already on SSD is demoted by dropping its
-  memory copy; the last tier drops blocks. A put that finds no room demotes in line.
-- Tenancy: each namespace has a tenant; copies count per tenant and tier in a
-  `TenantLedger` (kvstore.core.tenancy). A put over its tenant's quota first demotes that
-  tenant's own victims; promotions, demotions and SSD writes never take a tenant over.
+hold a block exclusively among themselves; an inclusive tier (SSD), if any, is last.
+
+Every verb on named blocks starts with one prelude (`_enter`): the namespace must be
+known (and its id well formed), the hashes within the per-call limit and 16 bytes each,
+and leases past their deadline are expired. These checks are the core's own: they guard
+its invariants whatever a server checked before.
+
+Lease expiry has one owner, the store, and one rule: a lease ends at the first moment
+after its deadline that anything reads pins, namely the prelude of every verb (and
+`stats`, `evict_bytes`, `tenant_leases`), and each tick of the migrator, whose batches
+depend on what is pinned. Nothing outside needs to sweep; `expire_leases` stays public
+for a host that wants an idle store's pins released on its own schedule.
+
+Verbs: `lookup`, `lease_prefix`, `begin_put`, `open_fetch`, `prefetch`, `delete`,
+`pin`/`unpin`, `hint`/`end_session`, `verify`, `purge`, `evict_bytes`, `stats`;
+`start`/`aclose` own the background tasks.
 """
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
-import struct
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Executor, Future
-from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
 
-from kvstore.checksum import checksum_batch, checksum_pieced
 from kvstore.core.copies import CopyBook
 from kvstore.core.fetch import FetchPath, FetchStream
-from kvstore.core.index import BlockEntry, BlockIndex, BlockState, make_key
+from kvstore.core.index import BlockEntry, BlockIndex, make_key
 from kvstore.core.leases import Lease, LeaseTable
-from kvstore.core.placement import EVICT_BATCH, Placement
+from kvstore.core.migration import Migrator
+from kvstore.core.namespaces import NamespaceRegistry, check_hint
+from kvstore.core.placement import Placement
 from kvstore.core.put import PutPath, PutTxn
 from kvstore.core.results import (
     BlockGroup,
@@ -77,34 +74,33 @@ from kvstore.core.results import (
     TierStatus,
     WritePolicy,
 )
-from kvstore.core.migration import Migrator
-from kvstore.core.namespaces import NamespaceRegistry, check_hint
 from kvstore.core.store_tier import PolicyDeferral, StoreTier
-from kvstore.core.table import HAS_PARENT, INDEXED, LIVE, READY, SSD_QUEUED, BlockTable
 from kvstore.core.tenancy import TenantLedger
-from kvstore.core.tier import BlockMeta, BounceCopier, Copier, Slot, Tier
-from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvstore.hashing import (
-    HASH_BYTES,
-    block_hashes_packed,
-    chain_packed,
-    packed_count,
-    split_hashes,
-    tenant_namespace_id,
-)
-from kvstore.layout import DTYPE_BYTES, KVLayout
-from kvstore.native import native as _native
+from kvstore.core.tier import BounceCopier, Copier, Slot, Tier
+from kvstore.errors import InvalidArgument, ResourceExhausted
+from kvstore.hashing import HASH_BYTES
+from kvstore.layout import KVLayout
+
+# The facade and the values its verbs take and return.
+__all__ = [
+    "BlockGroup", "BlockInfo", "BlockRef", "FetchStream", "LookupResult", "MigrationConfig", "MigrationStatus",
+    "NamespaceInfo", "PinResult", "PolicyDeferral", "PrefetchResult", "PutResult", "PutTxn", "RemovalResult",
+    "Store", "StoreCounters", "StoreLimits", "StoreObserver", "StoreStatus", "StoreTier", "TierCounters",
+    "TierStatus", "WritePolicy", "check_hint",
+]
 
 logger = logging.getLogger(__name__)
 
-# How many blocks the SSD writer has in flight at once (its I/O pool does the work).
-SSD_WRITE_CONCURRENCY = 8
 
 def _bounce(src: Tier, dst: Tier) -> Copier:
     return BounceCopier()
 
 
 class Store:
+    """The verbs, over collaborators built here and exposed as attributes for inspection
+    and as seams (`index`, `registry`, `copies`, `placement`, `migrator`, `puts`,
+    `fetches`): servers call the verbs."""
+
     def __init__(
         self,
         tiers: Sequence[StoreTier],
@@ -116,18 +112,14 @@ class Store:
         make_copier: Callable[[Tier, Tier], Copier] | None = None,
     ) -> None:
         """`make_copier` picks the copier for each pair of memory tiers (the data plane's
-        choice, e.g. `kvstore.tiers.copiers.make_copier`); by default every pair bounces
-        bytes through `read` and `write` (`BounceCopier`)."""
+        choice, e.g. `kvstore.tiers.make_copier`); by default every pair bounces bytes
+        through `read` and `write` (`BounceCopier`)."""
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.tiers = list(tiers)
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be distinct, got {names}")
-        # Who applies the tiers' deferred policy calls (`PolicyDeferral`): one for the store.
-        self.deferral = PolicyDeferral()
-        for t in self.tiers:
-            t.deferral = self.deferral
         for t in self.tiers:
             if t.tier.addressable == t.tier.inclusive:
                 raise ValueError(
@@ -141,15 +133,16 @@ class Store:
         self.memory_tiers = [t for t in self.tiers if t.tier.addressable]
         if not self.memory_tiers:
             raise ValueError("a store needs at least one addressable tier for puts to land in")
-        # The inclusive tier (the SSD), where write-through writes; None without one.
-        self.inclusive: StoreTier | None = inclusive[0] if inclusive else None
         self.migration = migration or MigrationConfig()
         if self.migration.put_tier != "auto" and self.migration.put_tier not in {t.name for t in self.memory_tiers}:
             raise ValueError(f"put tier {self.migration.put_tier!r} is not one of this store's memory tiers")
+        # Who applies the tiers' deferred policy calls (`PolicyDeferral`): one for the store.
+        self.deferral = PolicyDeferral()
+        for t in self.tiers:
+            t.deferral = self.deferral
         self._limits = limits or StoreLimits()
-        self.counters = StoreCounters()
-        self._executor = executor
         self._clock = clock
+        self.counters = StoreCounters()
         self.index = BlockIndex()
         table = self.index.table
         # Tier ids in the table follow the tier order, so the top copy is the lowest id.
@@ -158,13 +151,13 @@ class Store:
             st.policy.bind(table)
         self._tier_id_names = tuple(table.tier_names)
         self._tier_ids = {st.name: table.tier_id(st.name) for st in self.tiers}
-        self._evictable_row = self.index.evictable_row  # the victim predicate, bound once
+        self._by_name = {t.name: t for t in self.tiers}
+        self._rank = {t.name: i for i, t in enumerate(self.tiers)}
         # Payload bytes per tenant and tier, and quotas (set by the daemon from its token file).
         self.tenancy = TenantLedger()
         self.registry = NamespaceRegistry(self.index, self.tenancy, self._limits)
         self.copies = CopyBook(self.index, self.tiers, self.registry, self.tenancy, self.counters)
         self._leases = LeaseTable(self.copies.readers_gone)
-        self._tier_by_name = {t.name: t for t in self.tiers}
         copiers = {
             (a.name, b.name): (make_copier or _bounce)(a.tier, b.tier)
             for a in self.memory_tiers
@@ -173,14 +166,29 @@ class Store:
         }
         self.placement = Placement(self.index, self.copies, self.registry, self.tenancy, self.counters, self.tiers,
                                    self.migration, copiers, executor)
-        self._rank = {t.name: i for i, t in enumerate(self.tiers)}
         self.migrator = Migrator(self.index, self.copies, self.placement, self.counters, self.tiers, self.migration,
                                  self.expire_leases)
         self.puts = PutPath(self.index, self.copies, self.placement, self.migrator, self.tenancy, self.counters,
                             self.tiers, executor)
         self.fetches = FetchPath(self.index, self.copies, self.placement, self.counters, self.tiers, self.migration,
                                  executor, self.unpin)
+        # Bound once: the lookup path calls these on every request.
+        self._namespace = self.registry.namespace
+        self._check_hashes = self.registry.check_hashes
+        self._packed_chain = self.registry.packed_chain
+        self._expire = self._leases.expire
+        self._prefix_rows = self.index.prefix_rows
+        self._top_ids = self.index.top_ids
         self._closed = False
+
+    def _enter(self, namespace_id: bytes, hashes: Sequence[bytes] | None = None) -> NamespaceInfo:
+        """The prelude of every verb on named blocks (see the module docstring): the
+        namespace's record, the hashes checked, expired leases released."""
+        info = self._namespace(namespace_id)
+        if hashes is not None:
+            self._check_hashes(hashes)
+        self._expire(self._clock())
+        return info
 
     @property
     def limits(self) -> StoreLimits:
@@ -201,14 +209,10 @@ class Store:
     def observer(self, observer: StoreObserver | None) -> None:
         self.copies.observer = observer
 
-    def top_tier(self, entry: BlockEntry) -> StoreTier | None:
-        """The highest tier holding a copy of `entry` (where reads are served from)."""
-        return self.copies.top_tier(entry)
-
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        """Index the blocks the tiers recovered, then start the migrator and the SSD writer."""
+        """Index the blocks the tiers recovered, then start the background work."""
         # A rebuild allocates an object or two per block, all long-lived: the cyclic
         # collector would rescan the growing index again and again. Paused while it runs;
         # afterwards the rebuilt index is frozen out of the collector's reach, since it
@@ -237,15 +241,6 @@ class Store:
         """Wait until every queued SSD write has landed; False if `timeout_s` passed first."""
         return await self.migrator.flush(timeout_s)
 
-    @property
-    def indexed_blocks(self) -> int:
-        """READY blocks in the index (each counted once, whatever tiers hold it)."""
-        return len(self.index)
-
-    @property
-    def pending_ssd_writes(self) -> int:
-        return self.migrator.pending_writes
-
     async def aclose(self, flush_timeout_s: float | None = 30.0) -> None:
         """Graceful stop: flush pending SSD writes, stop background tasks, close tiers."""
         if self._closed:
@@ -263,6 +258,15 @@ class Store:
         self.migrator.cancel()
         for st in self.tiers:
             st.tier.close()
+
+    @property
+    def indexed_blocks(self) -> int:
+        """READY blocks in the index (each counted once, whatever tiers hold it)."""
+        return len(self.index)
+
+    @property
+    def pending_ssd_writes(self) -> int:
+        return self.migrator.pending_writes
 
     # ----------------------------------------------------------------- namespaces
 
@@ -291,21 +295,16 @@ class Store:
         """The per-call limit and the hash size, checked as every verb checks them."""
         self.registry.check_hashes(hashes)
 
-    # ----------------------------------------------------------------- locations
-
-    # ----------------------------------------------------------------- moving bytes
-
     # ----------------------------------------------------------------- lookup
 
     def lookup(self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, lease_ms: int = 0) -> LookupResult:
         """The longest READY prefix of a chain, given as hashes or packed (N x 16 bytes:
         what the wire carries, probed without cutting it into N objects)."""
-        info = self.namespace(namespace_id)
-        packed = self.registry.packed_chain(hashes)
+        info = self._enter(namespace_id)
+        packed = self._packed_chain(hashes)
         n_asked = len(packed) // HASH_BYTES
-        self.expire_leases()
         # One vectorized probe of the block table, no Python step (nor object) per block.
-        rows = self.index.prefix_rows(namespace_id, packed)
+        rows = self._prefix_rows(namespace_id, packed)
         n_hit = len(rows)
         lease_id = ""
         if n_hit and lease_ms > 0:
@@ -318,7 +317,7 @@ class Store:
         c.hit_blocks += n_hit
         c.miss_blocks += n_asked - n_hit
         # Where each block is served from: its top copy (tier ids follow the tier order).
-        tops = self.index.top_ids(rows)
+        tops = self._top_ids(rows)
         tier_ids = tops.tobytes()
         tail_first = rows[::-1]
         tops_tail_first = tops[::-1]
@@ -342,10 +341,15 @@ class Store:
         )
 
     def block(self, namespace_id: bytes, block_hash: bytes) -> BlockInfo | None:
+        """A snapshot of one READY block's metadata; None if it is not in the store."""
         entry = self.index.get(make_key(namespace_id, block_hash))
         if entry is None:
             return None
         return self.copies.block_info(entry)
+
+    def top_tier(self, entry: BlockEntry) -> StoreTier | None:
+        """The highest tier holding a copy of `entry` (where reads are served from)."""
+        return self.copies.top_tier(entry)
 
     # ----------------------------------------------------------------- put
 
@@ -356,10 +360,7 @@ class Store:
 
         `tier` names the memory tier the new blocks land in (default: `put_tier`).
         """
-        info = self.namespace(namespace_id)
-        self.check_hashes(hashes)
-        self.expire_leases()
-        return self.puts.begin(info, hashes, parent_hash, tier)
+        return self.puts.begin(self._enter(namespace_id, hashes), hashes, parent_hash, tier)
 
     async def reserve_slots(self, tier: str, nbytes: int, count: int) -> list[Slot]:
         """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet: a
@@ -376,67 +377,32 @@ class Store:
         room for a put that is expected next (`Migrator.make_room_soon`)."""
         self.migrator.make_room_soon(tier, nbytes, block_bytes)
 
-    # ----------------------------------------------------------------- background work
-
     async def migrate_once(self, st: StoreTier) -> MigrationStatus:
         """Demote at most `batch_blocks` victims of `st` if it is over its high watermark."""
         return await self.migrator.migrate_once(st)
 
-    # ----------------------------------------------------------------- fetch
+    # ----------------------------------------------------------------- fetch, prefetch
 
     def open_fetch(self, namespace_id: bytes, hashes: Sequence[bytes], lease_id: str = "") -> FetchStream:
         """Plan a fetch of the longest present prefix of `hashes`; use as `async with`
         (`FetchPath.open`). `lease_id`, if given, is released when the stream closes."""
-        info = self.namespace(namespace_id)
-        self.check_hashes(hashes)
-        self.expire_leases()
-        return self.fetches.open(info, hashes, lease_id)
-
-    # ----------------------------------------------------------------- prefetch
+        return self.fetches.open(self._enter(namespace_id, hashes), hashes, lease_id)
 
     async def prefetch(self, namespace_id: bytes, hashes: Sequence[bytes], tier: str = "") -> PrefetchResult:
         """Raise the named blocks that are present into `tier` (default: the top tier)."""
-        self.namespace(namespace_id)
-        self.check_hashes(hashes)
-        target = self._tier_by_name.get(tier) if tier else self.memory_tiers[0]
+        self._enter(namespace_id, hashes)
+        target = self._by_name.get(tier) if tier else self.memory_tiers[0]
         if target is None or not target.tier.addressable:
             names = ", ".join(t.name for t in self.memory_tiers)
             raise InvalidArgument(f"prefetch target tier {tier!r} is not a memory tier of this daemon; use one of {names}")
         self.counters.prefetches += 1
-        raised = already = missing = skipped = 0
-        for h in hashes:
-            entry = self.index.get(make_key(namespace_id, h))
-            src = self.copies.top_tier(entry) if entry is not None else None
-            if entry is None or src is None:
-                missing += 1
-                continue
-            if self._rank[src.name] <= self._rank[target.name]:
-                already += 1
-                target.policy.touch(entry.key)
-                continue
-            self.copies.hold(entry)
-            try:
-                if await self.placement.raise_into(entry, target):
-                    raised += 1
-                elif target.name in entry.locations:
-                    already += 1
-                else:
-                    missing += 1
-            except ResourceExhausted:
-                # A prefetch is advice: with no room to make, the block stays where it
-                # is (still served from there) and the rest are not worth trying.
-                skipped = len(hashes) - raised - already - missing
-                break
-            finally:
-                self.copies.release(entry)
-        return PrefetchResult(target.name, len(hashes), raised, already, missing, skipped)
+        return await self.placement.prefetch(namespace_id, hashes, target)
 
-    # ----------------------------------------------------------------- delete, pins
+    # ----------------------------------------------------------------- delete, pins, hints
 
     def delete(self, namespace_id: bytes, hashes: Sequence[bytes]) -> int:
         """Remove the named blocks, leased or not (an explicit delete wins over a lease)."""
-        self.namespace(namespace_id)
-        self.check_hashes(hashes)
+        self._enter(namespace_id, hashes)
         deleted = 0
         for h in hashes:
             entry = self.index.get(make_key(namespace_id, h))
@@ -448,9 +414,7 @@ class Store:
 
     def pin(self, namespace_id: bytes, hashes: Sequence[bytes], ttl_ms: int = 0) -> PinResult:
         """Pin every named block that is present (not only a prefix) for `ttl_ms`."""
-        info = self.namespace(namespace_id)
-        self.check_hashes(hashes)
-        self.expire_leases()
+        info = self._enter(namespace_id, hashes)
         ttl = ttl_ms or self._limits.default_pin_ms
         entries = [e for h in hashes if (e := self.index.get(make_key(namespace_id, h))) is not None]
         if not entries:
@@ -471,12 +435,11 @@ class Store:
         Like `lookup`, one probe of the chain and array steps over its rows: no object
         or Python step per block beyond the lease's hold on each.
         """
-        info = self.namespace(namespace_id)
-        packed = self.registry.packed_chain(hashes)
-        self.expire_leases()
-        rows = self.index.prefix_rows(namespace_id, packed)
-        tops = self.index.top_ids(rows)
-        st = self._tier_by_name[tier]
+        info = self._enter(namespace_id)
+        packed = self._packed_chain(hashes)
+        rows = self._prefix_rows(namespace_id, packed)
+        tops = self._top_ids(rows)
+        st = self._by_name[tier]
         tid = self._tier_ids[tier]
         elsewhere = np.flatnonzero(tops != tid)
         run = rows[: int(elsewhere[0])] if len(elsewhere) else rows
@@ -510,8 +473,7 @@ class Store:
         Returns (verified, dropped). A client that saw a mismatch asks for this: the
         daemon does not take the client's word, it looks for itself.
         """
-        self.namespace(namespace_id)
-        self.check_hashes(hashes)
+        self._enter(namespace_id, hashes)
         entries = [e for h in hashes if (e := self.index.get(make_key(namespace_id, h))) is not None]
         verified = dropped = 0
         for entry in entries:
@@ -542,8 +504,7 @@ class Store:
         ignore it, so a hint never changes correctness, only what is evicted first.
         """
         check_hint(session_id, expect_reuse_within_s)
-        self.namespace(namespace_id)
-        self.check_hashes(hashes)
+        self._enter(namespace_id, hashes)
         by_tier: dict[str, list[bytes]] = {}
         present = 0
         for h in hashes:
@@ -553,7 +514,7 @@ class Store:
                 for name in entry.locations:  # every copy is protected where it lives
                     by_tier.setdefault(name, []).append(entry.key)
         for name, keys in by_tier.items():
-            self._tier_by_name[name].policy.hint(keys, session_id, expect_reuse_within_s)
+            self._by_name[name].policy.hint(keys, session_id, expect_reuse_within_s)
         return present
 
     def end_session(self, session_id: str) -> None:
@@ -568,23 +529,7 @@ class Store:
     def _acquire_lease(
         self, rows: np.ndarray[Any, Any], ttl_ms: int, holds_bytes: bool = False, tenant: str = "default"
     ) -> Lease:
-        """A lease on the blocks of `rows` (indexed rows of the block table) counted
-        against `tenant` (the namespace's tenant). Checked before anything changes: a
-        refused lease leaves no pin behind."""
-        if ttl_ms < 0:
-            raise InvalidArgument(f"lease time must be >= 0 ms, got {ttl_ms}")
-        per_tenant = self._limits.max_leases_per_tenant
-        if per_tenant is not None and (held := self._leases.held(tenant)) >= per_tenant:
-            raise ResourceExhausted(
-                f"tenant {tenant!r} has {held} leases active, the most max_leases_per_tenant ({per_tenant}) allows; "
-                "release leases (Unpin) or wait for them to expire"
-            )
-        if len(self._leases) >= self._limits.max_leases:
-            raise ResourceExhausted(
-                f"{self._limits.max_leases} leases are active; release leases (Unpin) or wait for them to expire"
-            )
-        ttl_ms = min(ttl_ms, self._limits.max_lease_ms)
-        return self._leases.acquire(self.index.table, rows, self._clock() + ttl_ms / 1000.0, holds_bytes, tenant)
+        return self._leases.grant(self.index.table, rows, ttl_ms, self._clock(), self._limits, holds_bytes, tenant)
 
     def tenant_leases(self, tenant: str) -> int:
         """How many leases `tenant` has active (expired ones are dropped first)."""
@@ -592,7 +537,8 @@ class Store:
         return self._leases.held(tenant)
 
     def expire_leases(self) -> int:
-        return self._leases.expire(self._clock())
+        """Release the leases past their deadline now; how many (see the module docstring)."""
+        return self._expire(self._clock())
 
     # ----------------------------------------------------------------- operator verbs
 
@@ -600,7 +546,9 @@ class Store:
         """Remove every block (of one namespace, if given), leased or not, like `delete`.
         The operator's `kvstore flush`."""
         if namespace_id is not None:
-            self.namespace(namespace_id)
+            self._enter(namespace_id)
+        else:
+            self.expire_leases()
         doomed = [e for e in self.index if namespace_id is None or e.key[:HASH_BYTES] == namespace_id]
         for entry in doomed:
             self.copies.drop(entry)
@@ -613,33 +561,20 @@ class Store:
         """Make room in `tier`, in its policy's order, until `nbytes` are freed or nothing
         evictable is left: memory tiers demote their victims (the last tier drops them),
         the SSD tier reclaims whole regions. Pinned and in-use blocks stay."""
-        st = self._tier_by_name.get(tier)
+        st = self._by_name.get(tier)
         if st is None:
-            raise InvalidArgument(f"no tier named {tier!r} in this daemon; tiers: {', '.join(self._tier_by_name)}")
+            raise InvalidArgument(f"no tier named {tier!r} in this daemon; tiers: {', '.join(self._by_name)}")
         if nbytes < 0:
             raise InvalidArgument(f"bytes to evict must be >= 0, got {nbytes}")
         self.expire_leases()
-        freed = 0
-        c = st.counters
-        moved_before = c.evictions + c.demotions
-        while freed < nbytes:
-            used = st.tier.used_bytes
-            progress = c.evictions + c.demotions
-            try:
-                await self.placement.evict_one(st, 0)
-            except ResourceExhausted:
-                break  # everything left is pinned or in use
-            freed += max(0, used - st.tier.used_bytes)
-            if st.tier.used_bytes == used and c.evictions + c.demotions == progress:
-                break  # no progress (the victim was busy): stop rather than spin
-        blocks = c.evictions + c.demotions - moved_before
-        logger.info("operator eviction from %s: %d blocks, %d bytes", tier, blocks, freed)
-        return RemovalResult(blocks, freed)
+        result = await self.placement.evict_bytes(st, nbytes)
+        logger.info("operator eviction from %s: %d blocks, %d bytes", tier, result.blocks, result.removed_bytes)
+        return result
 
     def namespace_blocks(self, namespace_id: bytes) -> list[BlockRef]:
         """Every READY block of a namespace, parents before children, chains consecutive
         (depth-first from each root), so the list replays as chained puts."""
-        self.namespace(namespace_id)
+        self._enter(namespace_id)
         entries = [e for e in self.index if e.key[:HASH_BYTES] == namespace_id]
         present = {e.key for e in entries}
         children: dict[bytes, list[BlockEntry]] = {}
@@ -680,7 +615,7 @@ class Store:
                     policy=st.policy.name,
                     counters=TierCounters(**{k: getattr(st.counters, k) for k in TierCounters.__slots__}),
                     facts=st.tier.describe(),
-                    pending_writes=self.pending_ssd_writes if st is self.inclusive else 0,
+                    pending_writes=self.pending_ssd_writes if st is self.placement.inclusive else 0,
                 )
                 for st in self.tiers
             ],
