@@ -77,7 +77,7 @@ from kvstore.core.results import (
 from kvstore.core.store_tier import PolicyDeferral, StoreTier
 from kvstore.core.tenancy import TenantLedger
 from kvstore.core.tier import BounceCopier, Copier, Slot, Tier
-from kvstore.errors import InvalidArgument, ResourceExhausted
+from kvstore.errors import InvalidArgument
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
 
