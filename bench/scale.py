@@ -452,7 +452,7 @@ async def _ssd_rebuild(records: int, directory: str) -> dict[str, Any]:
         t = time.perf_counter()
         await store.start()
         out[f"rebuild_s_{source}"] = time.perf_counter() - t
-        got = len(store._index)
+        got = store.indexed_blocks
         if got != records:
             raise RuntimeError(f"rebuild from {source} found {got} of {records} records")
         await store.aclose()  # writes the snapshot again

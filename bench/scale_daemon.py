@@ -241,11 +241,12 @@ async def main() -> None:
     store = daemon.store
     assert store is not None
     ns = store.register(bench_layout(args.block_bytes))
-    # Time every eviction made to find room (the production `_evict_some`, unchanged:
-    # a batch of victims where it can, else one `_evict_one` step), counting the evictions.
+    # Time every eviction made to find room (the production `Placement.evict_some`,
+    # unchanged: a batch of victims where it can, else one `evict_one` step), counting the
+    # evictions.
     timer = {"n": 0.0, "s": 0.0, "cpu": 0.0}
-    evict_some = store._evict_some
-    meta_tier = store._tier_by_name[TIER_NAME]
+    evict_some = store.placement.evict_some
+    meta_tier = next(st for st in store.tiers if st.name == TIER_NAME)
 
     async def timed_evict_some(st: Any, nbytes: int, count: int) -> None:
         t, c = time.perf_counter(), time.process_time()
@@ -255,7 +256,7 @@ async def main() -> None:
         timer["cpu"] += time.process_time() - c
         timer["n"] += meta_tier.counters.evictions - before
 
-    store._evict_some = timed_evict_some  # type: ignore[method-assign]
+    store.placement.evict_some = timed_evict_some  # type: ignore[method-assign]
     emit({"ready": True, "pid": os.getpid(), "socket": args.socket})
     loop = asyncio.get_running_loop()
     while True:

@@ -9,7 +9,9 @@ messages from other encoders that order fields differently or add unknown ones â
 back to the generated classes, so the wire contract stays the .proto file's.
 
 Primitives: `encode_chunk`, `decode_chunk`, and the (de)serializers that plug them into
-gRPC for the Put and Fetch methods (`put_request_*`, `fetch_response_*`).
+gRPC for the Put and Fetch methods (`put_request_*`, `fetch_response_*`); `Framed`, what a
+framer makes of a block for a fetch stream (kvstore.core.fetch), and `copy_frame`, the
+plain one.
 """
 
 from __future__ import annotations
@@ -26,6 +28,22 @@ CHUNK_FIELD = 2  # `chunk` in both PutRequest and FetchResponse
 _CHUNK_TAG = bytes([CHUNK_FIELD << 3 | 2])
 _BLOCK_TAG = b"\x08"  # BlockChunk.block, varint
 _DATA_TAG = b"\x12"  # BlockChunk.data, length-delimited
+
+
+@dataclass(frozen=True, slots=True)
+class Framed:
+    """A block made into messages; `payload` views, in order, cover exactly its bytes.
+    `checksum`: the payload's, where the framing took it while copying (else None)."""
+
+    messages: list[bytes]
+    payload: list[memoryview]
+    checksum: int | None = None
+
+
+def copy_frame(index: int, data: memoryview) -> Framed:
+    """One message: a plain copy of the block."""
+    copy = bytes(data)
+    return Framed([copy], [memoryview(copy)])
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,14 +18,16 @@ from pathlib import Path
 
 import pytest
 
-import kvstore.core.store as store_mod
+import kvstore.core.fetch as fetch_mod
+from kvstore.core.index import make_key
 from kvstore.core.policies import LRUPolicy, make_policy
-from kvstore.core.store import Framed, MigrationConfig, Store, StoreTier, copy_frame
+from kvstore.core.store import MigrationConfig, Store, StoreTier
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.ssd import SsdTier
+from kvstore.wire import Framed, copy_frame
 from tests.fakes import ManualClock
 
 LAYOUT = KVLayout(model="fetch-stream", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=64,
@@ -88,8 +90,8 @@ def corrupt(store: Store, h: bytes) -> None:
 
 
 def readers(store: Store, hs: list[bytes]) -> list[int]:
-    index = store._index  # noqa: SLF001 - the hold count is the property under test
-    return [index.get(store_mod.make_key(LAYOUT.namespace_id, h)).readers for h in hs]
+    index = store.index
+    return [index.get(make_key(LAYOUT.namespace_id, h)).readers for h in hs]
 
 
 async def test_each_block_is_copied_only_after_the_one_before_it_went_out() -> None:
@@ -111,7 +113,7 @@ async def test_a_corrupt_block_mid_stream_ends_it_and_nothing_after_it_is_copied
     off_loop: bool, executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if off_loop:  # every block counts as large: copied and hashed on a hashing thread
-        monkeypatch.setattr(store_mod, "FETCH_INLINE_BYTES", 0)
+        monkeypatch.setattr(fetch_mod, "FETCH_INLINE_BYTES", 0)
     store = make_store(16, executor)
     hs = hashes(10)
     blocks = await put(store, hs)
@@ -134,7 +136,7 @@ async def test_a_corrupt_block_mid_stream_ends_it_and_nothing_after_it_is_copied
 async def test_closing_mid_copy_waits_for_the_copy_before_letting_go_of_the_blocks(
     executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_mod, "FETCH_INLINE_BYTES", 0)
+    monkeypatch.setattr(fetch_mod, "FETCH_INLINE_BYTES", 0)
     store = make_store(8, executor)
     hs = hashes(4)
     await put(store, hs)
@@ -204,7 +206,7 @@ async def test_served_blocks_count_as_hits_for_the_tier_policy() -> None:
     await put(store, hs)
     policy = store.tiers[0].policy
     assert isinstance(policy, LRUPolicy)
-    key = [store_mod.make_key(LAYOUT.namespace_id, h) for h in hs]
+    key = [make_key(LAYOUT.namespace_id, h) for h in hs]
     before = policy.order()
     assert sorted(before) == sorted(key)
     async with store.open_fetch(LAYOUT.namespace_id, hs[:2]) as stream:

@@ -13,6 +13,7 @@ from kvstore.core.policies import make_policy
 from kvstore.core.store import MigrationConfig, Store, StoreTier, WritePolicy
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
+from kvstore.tiers.copiers import make_copier
 from kvstore.tiers.cuda import cuda_available
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.ssd import SsdTier
@@ -62,7 +63,7 @@ async def test_hbm_host_ssd_host_hbm_round_trip_is_bit_exact(tmp_path: Path) -> 
         StoreTier(HostTier(16 * BLOCK), make_policy("lru"), 0.01, 0.01),
         StoreTier(SsdTier(str(tmp_path / "ssd"), 64 * BLOCK, region_size=16 * BLOCK), make_policy("lru")),
     ]
-    store = Store(tiers, migration=MigrationConfig(write_policy=WritePolicy.BACK))
+    store = Store(tiers, migration=MigrationConfig(write_policy=WritePolicy.BACK), make_copier=make_copier)
     try:
         ns = store.register(LAYOUT)
         hashes = [i.to_bytes(HASH_BYTES, "big") for i in range(8)]

@@ -284,7 +284,7 @@ async def test_a_lookups_touch_waits_for_the_reply_but_never_for_the_policys_nex
     a, b = chain(2, 0), chain(2, 100)
     await put(store, a)
     await put(store, b)
-    rows_a = [store._index.get(store.namespace(LAYOUT.namespace_id).namespace_id + h).row for h in a]
+    rows_a = [store.index.get(store.namespace(LAYOUT.namespace_id).namespace_id + h).row for h in a]
     assert store.lookup(LAYOUT.namespace_id, a).num_blocks == 2
     assert touched == []  # not yet: the caller answers first
     await asyncio.sleep(0)
@@ -319,11 +319,11 @@ async def test_a_puts_insert_reaches_the_policy_after_the_reply_and_in_call_orde
     assert calls == []  # not yet: the caller answers first
     await asyncio.sleep(0)
     ns = store.namespace(LAYOUT.namespace_id).namespace_id
-    rows = {h: store._index.get(ns + h).row for h in a}
+    rows = {h: store.index.get(ns + h).row for h in a}
     assert calls == [("insert", [rows[a[1]], rows[a[0]]])]  # tail first
     await put(store, b)
     assert store.lookup(LAYOUT.namespace_id, a).num_blocks == 2  # a touched after b's insert
-    rows.update({h: store._index.get(ns + h).row for h in b})
+    rows.update({h: store.index.get(ns + h).row for h in b})
     # Before the loop runs, c needs room: the queue is applied first, in call order, so b
     # (least recently used) is evicted, not a.
     await put(store, c)
@@ -342,7 +342,7 @@ async def test_a_held_deferral_applies_the_touch_on_release_without_a_loop_turn(
     await put(store, b)
     await asyncio.sleep(0)  # the puts' inserts
     ns = store.namespace(LAYOUT.namespace_id).namespace_id
-    rows = {h: store._index.get(ns + h).row for h in a + b}
+    rows = {h: store.index.get(ns + h).row for h in a + b}
     loop = asyncio.get_running_loop()
     ready = len(loop._ready)  # type: ignore[attr-defined]
     store.deferral.hold()
@@ -409,7 +409,7 @@ async def test_a_batch_eviction_drops_what_single_evictions_would(policy):
     slots = await batch.reserve_slots("host", BLOCK, 5)
     assert len(slots) == 5 and st_b.counters.evictions == 5
     for _ in range(5):
-        await single._evict_one(st_s, BLOCK)
+        await single.placement.evict_one(st_s, BLOCK)
     assert events[0].removed == events[1].removed and len(events[0].removed) == 5
     assert (st_b.counters.evictions, st_b.counters.drops) == (st_s.counters.evictions, st_s.counters.drops) == (5, 5)
     assert batch.counters.evictions == single.counters.evictions == 5

@@ -10,6 +10,7 @@ from kvstore.core.store import Store, StoreTier
 from kvstore.errors import ResourceExhausted
 from kvstore.hashing import block_hashes
 from kvstore.layout import KVLayout
+from kvstore.tiers.copiers import make_copier
 from kvstore.tiers.host import HostTier
 
 LAYOUT = KVLayout(model="unit", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=64, block_size_tokens=4)
@@ -98,7 +99,7 @@ async def test_usage_matches_the_index_through_random_moves(tmp_path):
         StoreTier(MemoryTier(10 * BLOCK, name="host"), make_policy("lru"), 0.9, 0.5),
         StoreTier(SsdTier(str(tmp_path / "ssd"), 1 << 20, region_size=64 << 10, io_threads=2), make_policy("lru")),
     ]
-    store = Store(tiers, migration=MigrationConfig(tick_s=3600))
+    store = Store(tiers, migration=MigrationConfig(tick_s=3600), make_copier=make_copier)
     store.tenancy.quotas = {"q": {"hbm": 3 * BLOCK, "host": 5 * BLOCK, "ssd": 8 * BLOCK}}
     await store.start()
     rng = random.Random(7)

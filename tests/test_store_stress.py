@@ -15,6 +15,7 @@ from kvstore.core.store import MigrationConfig, Store, StoreTier
 from kvstore.errors import ResourceExhausted
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
+from kvstore.tiers.copiers import make_copier
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.ssd import SsdTier
 
@@ -50,7 +51,7 @@ async def test_concurrent_traffic_keeps_blocks_exact_and_accounting_balanced(tmp
         StoreTier(SsdTier(str(tmp_path / "ssd"), 160 * 1024, region_size=32 * 1024, io_threads=2),
                   make_policy("lru")),
     ]
-    store = Store(tiers, migration=MigrationConfig(tick_s=0.005, batch_blocks=4))
+    store = Store(tiers, migration=MigrationConfig(tick_s=0.005, batch_blocks=4), make_copier=make_copier)
     await store.start()
     ns = store.register(LAYOUT)
     rng = random.Random(7)

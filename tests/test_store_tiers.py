@@ -7,6 +7,7 @@ byte-exact.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from kvstore.core.store import MigrationConfig, MigrationStatus, Store, StoreTie
 from kvstore.core.tier import Slot
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
+from kvstore.tiers.copiers import make_copier
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.ssd import SsdTier
 
@@ -35,7 +37,8 @@ def build(tmp_path: Path, *, top_blocks: int = 4, host_blocks: int = 8, ssd: boo
     if ssd:
         tiers.append(StoreTier(SsdTier(str(tmp_path / "ssd"), 1 << 20, region_size=64 << 10, io_threads=2),
                                make_policy("lru")))
-    return Store(tiers, migration=MigrationConfig(write_policy=policy, promote_on_hit=promote, tick_s=3600))
+    return Store(tiers, migration=MigrationConfig(write_policy=policy, promote_on_hit=promote, tick_s=3600),
+                 make_copier=make_copier)
 
 
 @pytest.fixture
@@ -87,6 +90,25 @@ async def test_puts_overflow_down_the_hierarchy_and_all_fetch_byte_exact(store: 
         t = tier_stats(store, name)
         assert t.used_bytes <= t.capacity_bytes
     assert tier_stats(store, "ssd").blocks == 20  # write-through: every block reached SSD
+
+
+async def test_without_a_copier_choice_moves_between_memory_tiers_bounce_exactly() -> None:
+    """A store given no copier choice moves blocks between memory tiers by `read` and
+    `write` (the contract's `BounceCopier`): demoted and raised again, bytes stay exact."""
+    tiers = [StoreTier(MemoryTier(4 * BLOCK, name="hbm"), make_policy("lru"), 0.5, 0.25),
+             StoreTier(MemoryTier(8 * BLOCK, name="host"), make_policy("lru"), 0.9, 0.5)]
+    store = Store(tiers, migration=MigrationConfig(tick_s=3600))
+    try:
+        hs = hashes(4)
+        blocks = [os.urandom(BLOCK) for _ in hs]
+        await put(store, hs, blocks)
+        assert await store.migrate_once(tiers[0]) is MigrationStatus.OK
+        assert where(store, hs).count("host") == 3
+        assert (await store.prefetch(store.register(LAYOUT), hs, "hbm")).raised == 3
+        assert where(store, hs) == ["hbm"] * 4
+        assert await fetch(store, hs) == blocks
+    finally:
+        await store.aclose()
 
 
 async def test_lower_tier_hit_is_served_and_promoted(store: Store) -> None:
@@ -202,7 +224,7 @@ async def test_top_tier_of_each_hit_is_the_same_compiled_or_not(store: Store, mo
     third for the moment of a move."""
     import numpy as np
 
-    import kvstore.core.store as store_module
+    import kvstore.core.index as index_module
 
     hs = hashes(16)
     blocks = [os.urandom(BLOCK) for _ in hs]
@@ -210,24 +232,57 @@ async def test_top_tier_of_each_hit_is_the_same_compiled_or_not(store: Store, mo
         await put(store, hs[i : i + 4], blocks[i : i + 4])
     await store.flush(10)
     ns = store.register(LAYOUT)
-    rows = store._index.prefix_rows(ns, b"".join(hs))
+    rows = store.index.prefix_rows(ns, b"".join(hs))
     assert len(rows) == 16
-    t = store._index.table
+    t = store.index.table
     assert (t.lt[rows, 1] != 0).any() and len(set(where(store, hs))) > 1  # two copies, several tiers
-    first = store._top_ids(rows)
+    first = store.index.top_ids(rows)
     result = store.lookup(ns, hs)
     # A third copy (in the top tier, mid-move) of a block with two below it.
     moving = next(int(r) for r, v in zip(rows.tolist(), first.tolist()) if v > 1 and t.lt[r, 1])
     t.extra_locs[moving] = [Slot("hbm", 0, BLOCK)]
     try:
-        compiled = store._top_ids(rows)
-        monkeypatch.setattr(store_module, "_native", None)
-        reference = store._top_ids(rows)
+        compiled = store.index.top_ids(rows)
+        monkeypatch.setattr(index_module, "_native", None)
+        reference = store.index.top_ids(rows)
     finally:
         del t.extra_locs[moving]
     assert compiled.dtype == reference.dtype == np.uint8
     assert compiled.tolist() == reference.tolist()
     assert compiled.tolist() == [1 if int(r) == moving else v for r, v in zip(rows.tolist(), first.tolist())]
-    assert store._top_ids(rows).tolist() == first.tolist()
+    assert store.index.top_ids(rows).tolist() == first.tolist()
     # What the lookup answered: each block's top tier, by id and by name.
     assert result.tiers == [t.tier_names[i] for i in first.tolist()] == [store.block(ns, h).tier for h in hs]
+
+
+async def test_the_migrator_expires_leases_before_it_demotes() -> None:
+    """Leases end at the first moment after their deadline that anything reads pins: for
+    an idle store, the migrator's next tick. Pinned blocks stay in a tier over its
+    watermark; once the lease is past its deadline they are demoted, with no call made."""
+    from tests.fakes import ManualClock
+
+    clock = ManualClock(1000.0)
+    tiers = [StoreTier(MemoryTier(4 * BLOCK, name="hbm"), make_policy("lru"), 0.5, 0.25),
+             StoreTier(MemoryTier(8 * BLOCK, name="host"), make_policy("lru"), 0.9, 0.5)]
+    store = Store(tiers, clock=clock, migration=MigrationConfig(tick_s=0.01), make_copier=make_copier)
+    await store.start()
+    try:
+        ns = store.register(LAYOUT)
+        hs = hashes(4)
+        await put(store, hs, [os.urandom(BLOCK) for _ in hs])
+        assert store.pin(ns, hs, ttl_ms=5_000).pinned == 4
+
+        def served_from() -> list[str]:  # `block` reads no pins: it expires nothing itself
+            return [info.tier for h in hs if (info := store.block(ns, h)) is not None]
+
+        await asyncio.sleep(0.1)  # several ticks: everything is pinned, nothing moves
+        assert served_from() == ["hbm"] * 4
+        clock.now += 6.0
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if served_from().count("host") == 3:
+                break
+        assert served_from().count("host") == 3
+        assert store.stats().leases_active == 0
+    finally:
+        await store.aclose()

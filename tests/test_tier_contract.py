@@ -127,3 +127,19 @@ def test_allocate_many_accounts_like_allocate(tier: Tier) -> None:
     for slot in first + rest:
         tier.free(slot)
     assert tier.used_bytes == 0 and tier.blocks == 0
+
+
+async def test_capabilities_are_declared_and_consistent(tier: Tier) -> None:
+    """What the store plans with is declared on the contract: a tier either addresses its
+    bytes and holds blocks exclusively (memory), or stores whole blocks and keeps them next
+    to the copies above (SSD); `recover` is None or the blocks found; `region_keys` names
+    the block itself among those sharing its room."""
+    assert isinstance(tier.inclusive, bool) and tier.addressable != tier.inclusive
+    report = await tier.recover()
+    assert report is None or len(report) == 0  # a fresh tier recovers nothing
+    data = os.urandom(BLOCK)
+    key = meta(7, data).key
+    slot = await tier.put_block(meta(7, data), data)
+    assert slot is not None
+    assert key in tier.region_keys(slot, key)
+    tier.free(slot)

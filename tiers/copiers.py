@@ -7,7 +7,8 @@ built (`make_copier`), after vLLM's per-medium transfer handlers:
 - `HostToHbmCopier` / `HbmToHostCopier` (in kvstore.tiers.hbm): DMA straight between the
   host view and the device slab on the HBM tier's FIFO streams, completion observed
   through CUDA events; no bounce through a Python bytes object.
-- `BounceCopier`: anything else: `read` into bytes, then `write`.
+- `BounceCopier` (in kvstore.core.tier, the store's default): anything else: `read`
+  into bytes, then `write`.
 
 The SSD tier is not addressable and has no copier: blocks reach it through its own
 `put_block` (encode, append) and leave it through `get_block` (read, decode).
@@ -18,7 +19,9 @@ the new location after `copy` returned (for CUDA copies: after the event complet
 
 from __future__ import annotations
 
-from kvstore.core.tier import Copier, Slot, Tier
+from kvstore.core.tier import BounceCopier, Copier, Slot, Tier
+
+__all__ = ["BounceCopier", "MemcpyCopier", "make_copier"]
 
 
 class MemcpyCopier(Copier):
@@ -32,20 +35,11 @@ class MemcpyCopier(Copier):
         dv[:] = sv
 
 
-class BounceCopier(Copier):
-    name = "bounce"
-
-    async def copy(self, src: Tier, src_slot: Slot, dst: Tier, dst_slot: Slot, nbytes: int) -> None:
-        await dst.write(dst_slot, 0, await src.read(src_slot, nbytes))
-
-
 def make_copier(src: Tier, dst: Tier) -> Copier:
     """The copier for moving blocks from `src` to `dst` (both addressable)."""
-    to_device = getattr(dst, "copier_from_host", None)
-    if to_device is not None and (copier := to_device(src)) is not None:
+    if (copier := dst.copier_from_host(src)) is not None:
         return copier
-    from_device = getattr(src, "copier_to_host", None)
-    if from_device is not None and (copier := from_device(dst)) is not None:
+    if (copier := src.copier_to_host(dst)) is not None:
         return copier
     if src.has_host_view and dst.has_host_view:
         return MemcpyCopier()

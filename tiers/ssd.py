@@ -278,6 +278,7 @@ def probe_direct_io(directory: str) -> bool:
 class SsdTier(Tier):
     name = "ssd"
     addressable = False
+    inclusive = True
 
     def __init__(
         self,
@@ -400,8 +401,8 @@ class SsdTier(Tier):
         if region.sealed and region.live_count == 0:
             self._reclaim(region)
 
-    def region_keys(self, slot: Slot) -> list[bytes]:
-        """Keys of the live records in `slot`'s region, oldest first."""
+    def region_keys(self, slot: Slot, key: bytes = b"") -> list[bytes]:
+        """Keys of the live records in `slot`'s region, oldest first (`key`'s among them)."""
         records = self._records(self._regions[slot.offset // self.region_size])
         return [records[o].key for o in sorted(records)]
 

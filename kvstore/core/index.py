@@ -19,7 +19,9 @@ when the last reader lets go, never under a read in flight.
 Storage: every block is a row of a columnar `BlockTable` (kvstore.core.table), not an object.
 A `BlockEntry` is a small handle (table, row, generation) made on demand, whose
 properties read and write the row, so the store's per-block code reads as before; the
-bulk paths (a lookup's prefix probe, a put's publish, a restart) work on arrays of rows.
+bulk paths (a lookup's prefix probe, a put's publish, a restart) work on arrays of rows,
+through the row-level steps of `BlockIndex` (`add_pending`, `publish`, `top_ids`,
+`remove_sole_copies`...): the store's modules write the table only through this index.
 
 Primitives: `get`, `add`, `remove`, `prefix_rows`, `longest_ready_prefix`.
 """
@@ -28,9 +30,11 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from kvstore.core.table import (
     HAS_PARENT,
@@ -39,12 +43,15 @@ from kvstore.core.table import (
     INDEXED,
     KEY_BYTES,
     PROBE_COMPILED,
+    LIVE,
     READY,
     REMOVED,
     SSD_QUEUED,
+    U64,
     BlockTable,
 )
 from kvstore.core.tier import Slot
+from kvstore.native import native as _native  # the compiled top-tier pass; numpy serves without it
 
 _new_entry = object.__new__
 _unpack_qq = struct.Struct("<QQ").unpack_from
@@ -389,6 +396,27 @@ def make_key(namespace_id: bytes, block_hash: bytes) -> bytes:
     return namespace_id + block_hash
 
 
+@dataclass(frozen=True, slots=True)
+class NamespaceUsage:
+    """What one namespace's indexed blocks hold: how many, their payload bytes, and the
+    payload bytes of their copies in each tier."""
+
+    blocks: int
+    nbytes: int
+    by_tier: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class RemovedBlocks:
+    """Blocks of one namespace that left the index together; `hashes` (block hashes, in
+    the order of the rows given) only where they were asked for."""
+
+    namespace_id: bytes
+    blocks: int
+    nbytes: int
+    hashes: list[bytes]
+
+
 class BlockIndex:
     """READY blocks by key: the published rows of a `BlockTable`."""
 
@@ -498,3 +526,172 @@ class BlockIndex:
                 break
             out.append(BlockEntry.of(t, row))
         return out
+
+    # -- row-level steps: the bulk paths' only writes to the table
+
+    def evictable_row(self, row: int) -> bool:
+        """Whether the block at `row` could leave now: READY, indexed, no pins, no readers
+        (the predicate policies pick victims with)."""
+        t = self.table
+        return (row >= 0 and t.vpins[row] == 0 and t.vreaders[row] == 0
+                and (t.vflags[row] & (READY | INDEXED)) == (READY | INDEXED))
+
+    def only_copy_in(self, row: int, tier_id: int) -> bool:
+        """Whether the block at `row` has one copy, in tier `tier_id`."""
+        t = self.table
+        return not t.vlt[row, 1] and t.vlt[row, 0] == tier_id
+
+    def sole_copy(self, entry: BlockEntry, tier_id: int) -> bool:
+        """Whether `entry` is an indexed block of this index with no reader whose only copy
+        is in tier `tier_id` (what `remove_sole_copies` takes)."""
+        t, row = entry._t, entry._row
+        return (t is self.table and not entry.stale and not t.vreaders[row] and self.only_copy_in(row, tier_id)
+                and bool(t.vflags[row] & INDEXED))
+
+    def top_ids(self, rows: I64) -> npt.NDArray[np.uint8]:
+        """The tier id of each row's top copy (the lowest id: the store numbers its tiers
+        top first), as u8."""
+        t = self.table
+        if _native is not None:
+            tops = np.empty(len(rows), np.uint8)
+            if not _native.top_tiers(np.ascontiguousarray(rows, np.int64), t.lt, tops) or not t.extra_locs:
+                return tops
+            second = t.lt[rows, 1].astype(np.int64)
+        else:
+            # Both location tiers of a row in one 16-bit gather: the first in the low byte.
+            both = t.lt.view("<u2")[:, 0][rows]
+            if not len(both) or int(both.max()) < 256:  # one copy each: the common case
+                return both.astype(np.uint8)
+            first, second = both & 0xFF, both >> 8
+            tops = np.where((second != 0) & (second < first), second, first).astype(np.uint8)
+        if t.extra_locs:  # a third copy, for the moment of a move
+            for i in np.flatnonzero(second != 0).tolist():
+                extra = t.extra_locs.get(int(rows[i]))
+                if extra:
+                    tops[i] = min([int(tops[i])] + [t.tier_id(s.tier) for s in extra])
+        return tops
+
+    def remove_sole_copies(self, rows: I64, free: Callable[[Slot], None],
+                           with_hashes: bool) -> list[RemovedBlocks]:
+        """Take indexed rows out of the index with their only copy, `free`d here (rows
+        with no reader, each copy in the same tier), in whole-array steps; what left, by
+        namespace."""
+        if not len(rows):
+            return []
+        t = self.table
+        nbytes = t.nbytes[rows].astype(np.int64)
+        offsets, sizes = t.lo[rows, 0].tolist(), t.ls[rows, 0].tolist()
+        name = t.tier_names[int(t.lt[rows[0], 0])]
+        t.lt[rows, 0] = 0
+        for offset, size in zip(offsets, sizes):
+            free(Slot(name, offset, size))
+        ns = t.ns[rows]
+        hashes = t.hashes(rows) if with_hashes else []
+        t.unindex_rows(rows)
+        out = []
+        for n in np.unique(ns).tolist():
+            sel = ns == n
+            chosen = [hashes[i] for i in np.flatnonzero(sel).tolist()] if with_hashes else []
+            out.append(RemovedBlocks(t.ns_bytes[n], int(sel.sum()), int(nbytes[sel].sum()), chosen))
+        return out
+
+    def namespace_usage(self, namespace_id: bytes) -> NamespaceUsage | None:
+        """What a namespace's indexed blocks hold (blocks recovered before it registered);
+        None if the table has never seen the namespace."""
+        t = self.table
+        nsid = t.known_ns(namespace_id)
+        if nsid is None:
+            return None
+        rows = t.indexed_rows()
+        rows = rows[t.ns[rows] == nsid]
+        nbytes = t.nbytes[rows].astype(np.int64)
+        by_tier: dict[str, int] = {}
+        lt = t.lt[rows]
+        for tid in range(1, len(t.tier_names)):
+            held = (lt[:, 0] == tid) | (lt[:, 1] == tid)
+            if held.any():
+                by_tier[t.tier_names[tid]] = int(nbytes[held].sum())
+        for row in t.extra_locs.keys() & set(rows.tolist()):
+            for slot in t.extra_locs[row]:
+                by_tier[slot.tier] = by_tier.get(slot.tier, 0) + t.vnbytes[row]
+        return NamespaceUsage(len(rows), int(nbytes.sum()), by_tier)
+
+    def find_chain(self, namespace_id: bytes, q0: U64, q1: U64) -> I64:
+        """The indexed row of each block (hash halves q0[i], q1[i]) of a namespace, or -1."""
+        t = self.table
+        return t.find_rows(t.ns_id(namespace_id), q0, q1)
+
+    def add_pending(self, namespace_id: bytes, q0: U64, q1: U64, at: I64, parent_hash: bytes | None,
+                    nbytes: int, itemsize: int, slots: Sequence[Slot]) -> I64:
+        """PENDING rows for the blocks at positions `at` of a chain (hash halves q0, q1),
+        block `at[k]` with one copy, in slots[k], in whole-column steps. A block's parent
+        is the chain's block before it, or `parent_hash` for the chain's first block."""
+        t = self.table
+        rows = t.take_rows(len(at))
+        t.ns[rows] = t.ns_id(namespace_id)
+        t.h0[rows] = q0[at]
+        t.h1[rows] = q1[at]
+        prev = at - 1
+        chained = prev >= 0
+        t.ph0[rows[chained]] = q0[prev[chained]]
+        t.ph1[rows[chained]] = q1[prev[chained]]
+        flags = np.full(len(rows), LIVE, np.uint8)
+        flags[chained] |= HAS_PARENT
+        if parent_hash is not None and not chained[0]:
+            t.vph0[rows[0]], t.vph1[rows[0]] = _unpack_qq(parent_hash)
+            flags[0] |= HAS_PARENT
+        t.flags[rows] = flags
+        t.nbytes[rows] = nbytes
+        t.item[rows] = itemsize
+        t.csum[rows] = 0
+        names = {s.tier for s in slots}
+        if len(names) == 1:
+            t.lt[rows, 0] = t.tier_id(next(iter(names)))
+        else:
+            t.lt[rows, 0] = [t.tier_id(s.tier) for s in slots]
+        t.lt[rows, 1] = 0
+        t.lo[rows, 0] = [s.offset for s in slots]
+        t.ls[rows, 0] = [s.size for s in slots]
+        return rows
+
+    def set_checksums(self, rows: I64, checksums: Sequence[int]) -> None:
+        self.table.csum[rows] = np.array(checksums, np.uint64)
+
+    def published_already(self, namespace_id: bytes, rows: I64) -> npt.NDArray[np.bool_]:
+        """Which PENDING rows' keys a concurrent put has published meanwhile (one probe)."""
+        t = self.table
+        return t.find_rows(t.ns_id(namespace_id), t.h0[rows], t.h1[rows]) >= 0
+
+    def discard_pending(self, row: int) -> None:
+        """Give up a PENDING row (its put will not publish it); the caller frees its slot."""
+        BlockEntry.of(self.table, row).clear_slots()
+        self.table.free_row(row)
+
+    def publish(self, rows: I64) -> None:
+        """Make PENDING rows READY and publish them, in one vectorized step."""
+        self.table.flags[rows] |= READY
+        self.add_rows(rows)
+
+    def queue_ssd_writes(self, rows: I64) -> list[BlockEntry]:
+        """Mark rows as queued for an SSD write (so they are not recycled before the writer
+        has seen them); their entries, in order."""
+        t = self.table
+        t.flags[rows] |= SSD_QUEUED
+        return [BlockEntry.of(t, row) for row in rows.tolist()]
+
+    def nbytes_of(self, rows: I64) -> I64:
+        return self.table.nbytes[rows].astype(np.int64)
+
+    def checksums_of(self, rows: I64) -> list[int]:
+        return self.table.csum[rows].tolist()  # type: ignore[no-any-return]
+
+    def offsets_in(self, rows: I64, tier_id: int) -> list[int]:
+        """The offset of each row's copy in tier `tier_id` (every row has one there)."""
+        t = self.table
+        lt, lo = t.lt[rows], t.lo[rows]
+        second = lt[:, 1] == tier_id
+        offsets: list[int] = np.where(second, lo[:, 1], lo[:, 0]).tolist()
+        name = t.tier_names[tier_id]
+        for i in np.flatnonzero(~second & (lt[:, 0] != tier_id)).tolist():
+            offsets[i] = BlockEntry.of(t, int(rows[i])).locations[name].offset  # a third copy, mid-move
+        return offsets

@@ -2,9 +2,9 @@
 
 A lookup may take a lease on the blocks it promised so that the fetch that follows
 cannot lose them; `Pin` takes a longer one on purpose. Every lease has a deadline, so a
-client that vanishes never leaks a pin. Expiry is driven by the store (on each call and
-by a periodic sweep) through a heap ordered by deadline; a released lease leaves a stale
-heap item that the sweep skips.
+client that vanishes never leaks a pin. Expiry is driven by the store (kvstore.core.store
+says when) through a heap ordered by deadline; a released lease leaves a stale heap item
+that expiry skips. `grant` applies the caps (leases in all, per tenant, longest time).
 
 A lease never blocks a delete: an explicit delete wins, and releasing a lease over a
 deleted block is a no-op. A lease that `holds_bytes` (handed to a client that reads the
@@ -23,7 +23,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstore.core.index import BlockEntry
+from kvstore.core.results import StoreLimits
 from kvstore.core.table import REMOVED, BlockTable
+from kvstore.errors import InvalidArgument, ResourceExhausted
 
 
 @dataclass(slots=True, eq=False)
@@ -75,6 +77,28 @@ class LeaseTable:
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._deadlines, (expires_at, lease.lease_id))
         return lease
+
+    def grant(
+        self, table: BlockTable, rows: npt.NDArray[np.int64], ttl_ms: int, now: float, limits: StoreLimits,
+        holds_bytes: bool = False, tenant: str = "default",
+    ) -> Lease:
+        """`acquire` for `ttl_ms` (at most `limits.max_lease_ms`), counted against `tenant`
+        (the namespace's tenant) and the caps in `limits`. Checked before anything
+        changes: a refused lease leaves no pin behind."""
+        if ttl_ms < 0:
+            raise InvalidArgument(f"lease time must be >= 0 ms, got {ttl_ms}")
+        per_tenant = limits.max_leases_per_tenant
+        if per_tenant is not None and (held := self.held(tenant)) >= per_tenant:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} has {held} leases active, the most max_leases_per_tenant ({per_tenant}) allows; "
+                "release leases (Unpin) or wait for them to expire"
+            )
+        if len(self._leases) >= limits.max_leases:
+            raise ResourceExhausted(
+                f"{limits.max_leases} leases are active; release leases (Unpin) or wait for them to expire"
+            )
+        ttl_ms = min(ttl_ms, limits.max_lease_ms)
+        return self.acquire(table, rows, now + ttl_ms / 1000.0, holds_bytes, tenant)
 
     def release(self, lease_id: str) -> Lease | None:
         lease = self._leases.pop(lease_id, None)

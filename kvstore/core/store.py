@@ -1,429 +1,106 @@
-"""The store: index, namespaces, leases, tiers, policies and migration behind engine verbs.
+"""The store: engine verbs over the block index, the tiers and their policies.
+
+A facade: `Store` builds its collaborators, one noun each, and answers the verbs with
+them. Each module states the ordering decisions it keeps:
+
+- kvstore.core.namespaces: `NamespaceRegistry`, layouts by id, the per-call limits;
+- kvstore.core.copies: `CopyBook`, where each block's copies are, readers, accounting, events;
+- kvstore.core.placement: `Placement`, verified moves, making room, demotion, promotion;
+- kvstore.core.migration: `Migrator`, the periodic driver and the write-through writer;
+- kvstore.core.put: `PutPath`, two-phase puts (publish after the data lands);
+- kvstore.core.fetch: `FetchPath`, verified fetch streams (what is verified is what is sent);
+- kvstore.core.index / table / leases / tenancy: the block table and what hangs off it.
 
 Control plane on one event loop, no locks: every method either runs to completion
 without awaiting (metadata) or holds the blocks it touches (pins for leases, `readers`
 for reads and copies in flight) across its awaits, so eviction, migration and deletion
 cannot pull bytes out from under it.
 
-Verbs: `lookup`, `put` (a two-phase `PutTxn`), `fetch`, `prefetch`, `delete`,
-`pin`/`unpin`, `stats`; `start`/`aclose` own the background tasks (migrator, SSD writer).
-
 Tiers are ordered top (fastest) to bottom. The addressable tiers (HBM, host, memory)
-hold a block exclusively among themselves; an SSD tier, if any, is last and inclusive
-(see kvstore.core.index). Ordering decisions that matter:
-- Publish after the data lands. A put allocates PENDING slots, receives every byte,
-  checksums them, and only then adds all its blocks to the index in one synchronous
-  step. A failed or cancelled put frees its slots; nothing was ever visible.
-- Read-your-writes. `PutTxn.commit` returns only after the index holds the blocks.
-- Never serve a wrong block. Every read that leaves the daemon or crosses a tier is
-  verified against the checksum taken at put time; a mismatch (or an SSD record that
-  does not decode) drops that copy, counts it, and ends the fetch there.
-- Never lose a block while it moves. A copy adds the destination location only after
-  the bytes landed and verified, and removes the source location after that; a source
-  slot that readers still hold is retired, not freed.
-- Write-through to SSD (the default) queues every published block for the SSD writer,
-  which writes in put order, so a crash loses at most the queue and never the start of
-  a prefix chain while keeping its later blocks. `write_policy="back"` writes a block to
-  SSD only when it is demoted.
-- Migration: when a tier passes its high watermark the migrator demotes its policy's
-  victims to the next tier down in bounded batches until it is under the low watermark
-  (OK / RUNNING / FAIL per batch). A block already on SSD is demoted by dropping its
-  memory copy; the last tier drops blocks. A put that finds no room demotes in line.
-- Tenancy: each namespace has a tenant; copies count per tenant and tier in a
-  `TenantLedger` (kvstore.core.tenancy). A put over its tenant's quota first demotes that
-  tenant's own victims; promotions, demotions and SSD writes never take a tenant over.
+hold a block exclusively among themselves; an inclusive tier (SSD), if any, is last.
+
+Every verb on named blocks starts with one prelude (`_enter`): the namespace must be
+known (and its id well formed), the hashes within the per-call limit and 16 bytes each,
+and leases past their deadline are expired. These checks are the core's own: they guard
+its invariants whatever a server checked before.
+
+Lease expiry has one owner, the store, and one rule: a lease ends at the first moment
+after its deadline that anything reads pins, namely the prelude of every verb (and
+`stats`, `evict_bytes`, `tenant_leases`), and each tick of the migrator, whose batches
+depend on what is pinned. Nothing outside needs to sweep; `expire_leases` stays public
+for a host that wants an idle store's pins released on its own schedule.
+
+Verbs: `lookup`, `lease_prefix`, `begin_put`, `open_fetch`, `prefetch`, `delete`,
+`pin`/`unpin`, `hint`/`end_session`, `verify`, `purge`, `evict_bytes`, `stats`;
+`start`/`aclose` own the background tasks.
 """
 
 from __future__ import annotations
 
-import asyncio
-import enum
 import gc
 import logging
-import struct
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Executor, Future
-from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any
 
 import numpy as np
 
-from kvstore.checksum import checksum_batch, checksum_pieced
-from kvstore.core.index import BlockEntry, BlockIndex, BlockState, make_key
+from kvstore.core.copies import CopyBook
+from kvstore.core.fetch import FetchPath, FetchStream
+from kvstore.core.index import BlockEntry, BlockIndex, make_key
 from kvstore.core.leases import Lease, LeaseTable
-from kvstore.core.policies import EvictionPolicy
-from kvstore.core.table import HAS_PARENT, INDEXED, LIVE, READY, SSD_QUEUED, BlockTable
-from kvstore.core.tenancy import TenantLedger
-from kvstore.core.tier import BlockMeta, Slot, Tier
-from kvstore.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvstore.hashing import (
-    HASH_BYTES,
-    block_hashes_packed,
-    chain_packed,
-    packed_count,
-    split_hashes,
-    tenant_namespace_id,
+from kvstore.core.migration import Migrator
+from kvstore.core.namespaces import NamespaceRegistry, check_hint
+from kvstore.core.placement import Placement
+from kvstore.core.put import PutPath, PutTxn
+from kvstore.core.results import (
+    BlockGroup,
+    BlockInfo,
+    BlockRef,
+    LookupResult,
+    MigrationConfig,
+    MigrationStatus,
+    NamespaceInfo,
+    PinResult,
+    PrefetchResult,
+    PutResult,
+    RemovalResult,
+    StoreCounters,
+    StoreLimits,
+    StoreObserver,
+    StoreStatus,
+    TierCounters,
+    TierStatus,
+    WritePolicy,
 )
-from kvstore.layout import DTYPE_BYTES, KVLayout
-from kvstore.native import native as _native
-from kvstore.tiers.copiers import make_copier
+from kvstore.core.store_tier import PolicyDeferral, StoreTier
+from kvstore.core.tenancy import TenantLedger
+from kvstore.core.tier import BounceCopier, Copier, Slot, Tier
+from kvstore.errors import InvalidArgument
+from kvstore.hashing import HASH_BYTES
+from kvstore.layout import KVLayout
+
+# The facade and the values its verbs take and return.
+__all__ = [
+    "BlockGroup", "BlockInfo", "BlockRef", "FetchStream", "LookupResult", "MigrationConfig", "MigrationStatus",
+    "NamespaceInfo", "PinResult", "PolicyDeferral", "PrefetchResult", "PutResult", "PutTxn", "RemovalResult",
+    "Store", "StoreCounters", "StoreLimits", "StoreObserver", "StoreStatus", "StoreTier", "TierCounters",
+    "TierStatus", "WritePolicy", "check_hint",
+]
 
 logger = logging.getLogger(__name__)
 
-# A fetch copies and verifies each block right before sending it: on the event loop up
-# to FETCH_INLINE_BYTES per block (a thread hand-off per block costs more than the copy
-# and hash it would move), on a hashing thread above that (the loop stays responsive).
-# Blocks without a view (SSD) are read up to FETCH_AHEAD_BYTES ahead, concurrently.
-FETCH_INLINE_BYTES = 4 * 1024 * 1024
-FETCH_AHEAD_BYTES = 8 * 1024 * 1024
-# How many blocks the SSD writer has in flight at once (its I/O pool does the work).
-SSD_WRITE_CONCURRENCY = 8
-# Victims evicted together when room is made for several blocks (`Store._evict_some`).
-EVICT_BATCH = 32
 
-
-class WritePolicy(enum.Enum):
-    THROUGH = "through"  # every published block is also written to SSD, in the background
-    BACK = "back"  # a block reaches SSD only when it is demoted
-
-
-class MigrationStatus(enum.Enum):
-    OK = "ok"  # the tier is under its low watermark (or was never over the high one)
-    RUNNING = "running"  # a batch moved blocks; more remain above the low watermark
-    FAIL = "fail"  # over the watermark but nothing is evictable (all pinned or moving)
-
-
-MAX_SESSION_ID_CHARS = 128
-MAX_HINT_S = 86_400.0
-
-
-def check_hint(session_id: str, expect_reuse_within_s: float) -> None:
-    if not session_id or len(session_id) > MAX_SESSION_ID_CHARS:
-        raise InvalidArgument(f"session_id must be 1 to {MAX_SESSION_ID_CHARS} characters; use one per conversation")
-    if not 0 < expect_reuse_within_s <= MAX_HINT_S:  # also false for NaN
-        raise InvalidArgument(
-            f"expect_reuse_within_s must be in (0, {MAX_HINT_S:g}] seconds, got {expect_reuse_within_s!r}"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class StoreLimits:
-    max_blocks_per_call: int = 4096
-    max_namespaces: int = 4096
-    max_leases: int = 65536
-    # Most leases one tenant may hold at once (None: only `max_leases` applies).
-    max_leases_per_tenant: int | None = None
-    max_lease_ms: int = 600_000
-    default_pin_ms: int = 30_000
-
-
-@dataclass(frozen=True, slots=True)
-class MigrationConfig:
-    """How blocks move between tiers."""
-
-    write_policy: WritePolicy = WritePolicy.THROUGH
-    # Where puts land: "auto" = the highest addressable tier with room, else a tier name.
-    put_tier: str = "auto"
-    promote_on_hit: bool = True
-    batch_blocks: int = 64
-    tick_s: float = 0.05
-
-
-@dataclass(slots=True)
-class TierCounters:
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    checksum_failures: int = 0
-    promotions: int = 0  # blocks copied into this tier from a lower one
-    demotions: int = 0  # blocks moved from this tier to a lower one
-    drops: int = 0  # blocks that left the store from this tier (their last copy)
-
-
-@dataclass(slots=True)
-class StoreCounters:
-    lookups: int = 0
-    lookup_blocks: int = 0
-    hit_blocks: int = 0
-    miss_blocks: int = 0
-    puts: int = 0
-    put_failures: int = 0
-    blocks_stored: int = 0
-    blocks_existing: int = 0
-    bytes_in: int = 0
-    fetches: int = 0
-    blocks_fetched: int = 0
-    bytes_out: int = 0
-    deletes: int = 0
-    evictions: int = 0
-    checksum_failures: int = 0
-    prefetches: int = 0
-    ssd_write_failures: int = 0
-    # The parts of bytes_in / bytes_out that moved through the shared-memory plane
-    # (the rest went as gRPC bytes); metrics label throughput by plane with them.
-    local_bytes_in: int = 0
-    local_bytes_out: int = 0
-
-
-# Policy calls that may wait for the loop (see `StoreTier.defer_touch`).
-DEFERRED_MAX = 64
-
-
-class PolicyDeferral:
-    """Who applies the tiers' deferred policy calls. By default a loop callback after the
-    running one (`call_soon`). A server that answers a call and can apply them itself
-    right after (the control lane) `hold`s it around the call and `release`s it once the
-    answer is written: the calls are then applied in that same callback, which saves the
-    event loop a turn per call. Every tier of a store shares its store's."""
-
-    __slots__ = ("held", "_pending")
-
-    def __init__(self) -> None:
-        self.held = False
-        self._pending: list[StoreTier] = []
-
-    def hold(self) -> None:
-        self.held = True
-
-    def take(self, tier: StoreTier) -> bool:
-        """Whether the holder applies `tier`'s deferred calls (else the tier schedules them)."""
-        if self.held:
-            self._pending.append(tier)
-        return self.held
-
-    def release(self) -> None:
-        """Apply what was deferred while held, in the order the tiers deferred it."""
-        self.held = False
-        if self._pending:
-            pending, self._pending = self._pending, []
-            for tier in pending:
-                tier.apply_deferred()
-
-
-class StoreTier:
-    """A tier as the control plane sees it: bytes (`tier`), order (`policy`), counters.
-
-    Watermarks are fractions of capacity: over `high_watermark` the migrator demotes
-    until the tier is at or under `low_watermark`.
-
-    A lookup's hits and a put's new blocks reach the policy after the answer has gone out
-    (`defer_touch`, `defer_insert`): the call is queued and applied by a loop callback,
-    or at the latest by the next use of `policy`, which applies whatever is queued
-    first. So the policy sees exactly the same calls in the same order as if each had
-    been made on the spot; only the reply no longer waits for them.
-    """
-
-    __slots__ = ("tier", "_policy", "high_watermark", "low_watermark", "counters", "draining",
-                 "_deferred", "_flush_scheduled", "deferral")
-
-    def __init__(self, tier: Tier, policy: EvictionPolicy, high_watermark: float = 0.95,
-                 low_watermark: float = 0.85) -> None:
-        if not 0.0 < low_watermark <= high_watermark <= 1.0:
-            raise ValueError(
-                f"tier {tier.name}: watermarks must satisfy 0 < low <= high <= 1, "
-                f"got low={low_watermark} high={high_watermark}"
-            )
-        self.tier = tier
-        self._policy = policy
-        self.high_watermark = high_watermark
-        self.low_watermark = low_watermark
-        self.counters = TierCounters()
-        self.draining = False
-        self._deferred: list[tuple[bool, np.ndarray[Any, Any]]] = []  # (insert, rows), in call order
-        self._flush_scheduled = False
-        self.deferral = PolicyDeferral()  # its store's, once in one
-
-    def __repr__(self) -> str:
-        return f"StoreTier({self.tier.name}, {self._policy.name})"
-
-    @property
-    def name(self) -> str:
-        return self.tier.name
-
-    @property
-    def policy(self) -> EvictionPolicy:
-        """The tier's policy, with every deferred touch and insert applied."""
-        if self._deferred:
-            self.apply_deferred()
-        return self._policy
-
-    def defer_touch(self, rows: np.ndarray[Any, Any]) -> None:
-        """`policy.touch_rows(rows)`, applied soon after the running callback (at once
-        when no event loop runs), and in any case before the policy is used again."""
-        self._defer(False, rows)
-
-    def defer_insert(self, rows: np.ndarray[Any, Any]) -> None:
-        """`policy.insert_rows(rows)`, deferred as `defer_touch` is."""
-        self._defer(True, rows)
-
-    def _defer(self, insert: bool, rows: np.ndarray[Any, Any]) -> None:
-        self._deferred.append((insert, rows))
-        if len(self._deferred) >= DEFERRED_MAX:
-            self.apply_deferred()  # many calls answered in one callback: catch up now
-            return
-        if self._flush_scheduled:
-            return
-        if self.deferral.take(self):
-            self._flush_scheduled = True
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self.apply_deferred()
-            return
-        self._flush_scheduled = True
-        loop.call_soon(self.apply_deferred)
-
-    def apply_deferred(self) -> None:
-        self._flush_scheduled = False
-        touches, self._deferred = self._deferred, []
-        for insert, rows in touches:
-            if insert:
-                self._policy.insert_rows(rows)
-            else:
-                self._policy.touch_rows(rows)
-
-
-@dataclass(slots=True, eq=False)
-class NamespaceInfo:
-    namespace_id: bytes
-    layout: KVLayout
-    # The owner, and the public id that starts its hash chains (the namespace id itself
-    # for the default tenant; see kvstore.hashing.tenant_namespace_id).
-    tenant: str = "default"
-    chain_seed: bytes = b""
-    blocks: int = 0
-    bytes: int = 0
-    # Which engines get value from the cache: per-namespace block hit ratio for operators.
-    lookup_blocks: int = 0
-    hit_blocks: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    namespace_id: bytes
-    num_blocks: int
-    block_size_tokens: int
-    tier_ids: bytes  # each hit's top tier, one byte per block: an index into `tier_names`
-    tier_names: tuple[str, ...]  # tier id -> name
-    hashes_packed: bytes  # the hits' hashes, 16 bytes each, in chain order
-    lease_id: str
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size_tokens
-
-    @property
-    def tiers(self) -> list[str]:
-        """Each hit's tier by name (where it is served from: its top copy)."""
-        ids, names = self.tier_ids, self.tier_names
-        if ids and ids.count(ids[:1]) == len(ids):  # one tier: the common case
-            return [names[ids[0]]] * len(ids)
-        return [names[i] for i in ids]
-
-    @property
-    def block_hashes(self) -> list[bytes]:
-        return split_hashes(self.hashes_packed)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockInfo:
-    """A snapshot of one READY block's metadata, for operators and diagnostics."""
-
-    tier: str
-    slot: Slot
-    nbytes: int
-    checksum: int
-    pins: int
-    tiers: list[str] = field(default_factory=list)  # every tier holding a copy, top first
-
-
-@dataclass(frozen=True, slots=True)
-class PutResult:
-    namespace_id: bytes
-    stored: int
-    existing: int
-    block_hashes: list[bytes]
-
-
-@dataclass(frozen=True, slots=True)
-class PinResult:
-    lease_id: str
-    pinned: int
-    expires_in_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchResult:
-    tier: str
-    requested: int
-    raised: int  # copied or moved up into the tier by this call
-    already: int  # were in the tier (or above it) already
-    missing: int  # not in the store, or failed verification on the way up
-    skipped: int = 0  # no room in the target: everything there pinned, held or PENDING
-
-
-@dataclass(frozen=True, slots=True)
-class TierStatus:
-    name: str
-    capacity_bytes: int
-    used_bytes: int
-    blocks: int
-    policy: str
-    counters: TierCounters
-    facts: dict[str, str]
-    pending_writes: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class RemovalResult:
-    blocks: int
-    removed_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRef:
-    block_hash: bytes
-    parent_hash: bytes  # b"" for the first block of a chain
-
-
-@dataclass(frozen=True, slots=True)
-class BlockGroup:
-    """Blocks of one namespace in one tier (what a resyncing event consumer reloads)."""
-
-    namespace_id: bytes
-    tier: str
-    block_hashes: tuple[bytes, ...]
-
-
-class StoreObserver(Protocol):
-    """Told synchronously, on the loop, when blocks appear, leave or change tier; must not block.
-
-    `blocks_stored` when blocks become READY, `blocks_removed` when a block leaves the
-    daemon (its last copy), `blocks_moved` when migration moves a block between tiers.
-    """
-
-    def blocks_stored(self, namespace_id: bytes, block_hashes: Sequence[bytes], tier: str) -> None: ...
-
-    def blocks_removed(self, namespace_id: bytes, block_hashes: Sequence[bytes], tier: str) -> None: ...
-
-    def blocks_moved(self, namespace_id: bytes, block_hashes: Sequence[bytes], from_tier: str, to_tier: str) -> None: ...
-
-
-
-
-@dataclass(frozen=True, slots=True)
-class StoreStatus:
-    tiers: list[TierStatus]
-    counters: StoreCounters
-    namespaces: int
-    leases_active: int
+def _bounce(src: Tier, dst: Tier) -> Copier:
+    return BounceCopier()
 
 
 class Store:
+    """The verbs, over collaborators built here and exposed as attributes for inspection
+    and as seams (`index`, `registry`, `copies`, `placement`, `migrator`, `puts`,
+    `fetches`): servers call the verbs."""
+
     def __init__(
         self,
         tiers: Sequence[StoreTier],
@@ -432,696 +109,202 @@ class Store:
         executor: Executor | None = None,
         clock: Callable[[], float] = time.monotonic,
         migration: MigrationConfig | None = None,
+        make_copier: Callable[[Tier, Tier], Copier] | None = None,
     ) -> None:
+        """`make_copier` picks the copier for each pair of memory tiers (the data plane's
+        choice, e.g. `kvstore.tiers.make_copier`); by default every pair bounces bytes
+        through `read` and `write` (`BounceCopier`)."""
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.tiers = list(tiers)
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be distinct, got {names}")
+        for t in self.tiers:
+            if t.tier.addressable == t.tier.inclusive:
+                raise ValueError(
+                    f"tier {t.name} is {'both' if t.tier.addressable else 'neither'} addressable "
+                    f"{'and' if t.tier.addressable else 'nor'} inclusive; a store takes addressable tiers "
+                    "that hold blocks exclusively (memory) and at most one inclusive tier that is not (SSD)"
+                )
+        inclusive = [t for t in self.tiers if t.tier.inclusive]
+        if len(inclusive) > 1 or (inclusive and inclusive[0] is not self.tiers[-1]):
+            raise ValueError("at most one inclusive (SSD) tier, and it must be the last")
+        self.memory_tiers = [t for t in self.tiers if t.tier.addressable]
+        if not self.memory_tiers:
+            raise ValueError("a store needs at least one addressable tier for puts to land in")
+        self.migration = migration or MigrationConfig()
+        if self.migration.put_tier != "auto" and self.migration.put_tier not in {t.name for t in self.memory_tiers}:
+            raise ValueError(f"put tier {self.migration.put_tier!r} is not one of this store's memory tiers")
         # Who applies the tiers' deferred policy calls (`PolicyDeferral`): one for the store.
         self.deferral = PolicyDeferral()
         for t in self.tiers:
             t.deferral = self.deferral
-        inclusive = [t for t in self.tiers if not t.tier.addressable]
-        if len(inclusive) > 1 or (inclusive and inclusive[0] is not self.tiers[-1]):
-            raise ValueError("at most one non-addressable (SSD) tier, and it must be the last")
-        self.memory_tiers = [t for t in self.tiers if t.tier.addressable]
-        if not self.memory_tiers:
-            raise ValueError("a store needs at least one addressable tier for puts to land in")
-        self.ssd: StoreTier | None = inclusive[0] if inclusive else None
-        self.migration = migration or MigrationConfig()
-        if self.migration.put_tier != "auto" and self.migration.put_tier not in {t.name for t in self.memory_tiers}:
-            raise ValueError(f"put tier {self.migration.put_tier!r} is not one of this store's memory tiers")
-        self.limits = limits or StoreLimits()
-        self.counters = StoreCounters()
-        self._executor = executor
+        self._limits = limits or StoreLimits()
         self._clock = clock
-        self._index = BlockIndex()
-        table = self._index.table
+        self.counters = StoreCounters()
+        self.index = BlockIndex()
+        table = self.index.table
         # Tier ids in the table follow the tier order, so the top copy is the lowest id.
         for st in self.tiers:
             table.tier_id(st.name)
             st.policy.bind(table)
         self._tier_id_names = tuple(table.tier_names)
         self._tier_ids = {st.name: table.tier_id(st.name) for st in self.tiers}
-        self._leases = LeaseTable(self._readers_gone)
-        self._namespaces: dict[bytes, NamespaceInfo] = {}
+        self._by_name = {t.name: t for t in self.tiers}
+        self._rank = {t.name: i for i, t in enumerate(self.tiers)}
         # Payload bytes per tenant and tier, and quotas (set by the daemon from its token file).
         self.tenancy = TenantLedger()
-        self._tier_by_name = {t.name: t for t in self.tiers}
-        # Set by the daemon (the event bus); None in embedded and unit-test stores.
-        self.observer: StoreObserver | None = None
-        self._copiers = {
-            (a.name, b.name): make_copier(a.tier, b.tier)
+        self.registry = NamespaceRegistry(self.index, self.tenancy, self._limits)
+        self.copies = CopyBook(self.index, self.tiers, self.registry, self.tenancy, self.counters)
+        self._leases = LeaseTable(self.copies.readers_gone)
+        copiers = {
+            (a.name, b.name): (make_copier or _bounce)(a.tier, b.tier)
             for a in self.memory_tiers
             for b in self.memory_tiers
             if a is not b
         }
-        self._rank = {t.name: i for i, t in enumerate(self.tiers)}
-        self._ssd_queue: deque[BlockEntry] = deque()
-        self._ssd_inflight = 0
-        # Blocks being written to SSD right now, so a demotion and the write-through
-        # writer never write the same block twice.
-        self._ssd_writing: dict[bytes, asyncio.Future[None]] = {}
-        self._ssd_wakeup = asyncio.Event()
-        self._ssd_idle = asyncio.Event()
-        self._ssd_idle.set()
-        self._migrate_wakeup = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-        # Background evictions making room ahead of expected puts, by tier name.
-        self._making_room: dict[str, asyncio.Task[None]] = {}
-        self._recovered = False
+        self.placement = Placement(self.index, self.copies, self.registry, self.tenancy, self.counters, self.tiers,
+                                   self.migration, copiers, executor)
+        self.migrator = Migrator(self.index, self.copies, self.placement, self.counters, self.tiers, self.migration,
+                                 self.expire_leases)
+        self.puts = PutPath(self.index, self.copies, self.placement, self.migrator, self.tenancy, self.counters,
+                            self.tiers, executor)
+        self.fetches = FetchPath(self.index, self.copies, self.placement, self.counters, self.tiers, self.migration,
+                                 executor, self.unpin)
+        # Bound once: the lookup path calls these on every request.
+        self._namespace = self.registry.namespace
+        self._check_hashes = self.registry.check_hashes
+        self._packed_chain = self.registry.packed_chain
+        self._expire = self._leases.expire
+        self._prefix_rows = self.index.prefix_rows
+        self._top_ids = self.index.top_ids
         self._closed = False
+
+    def _enter(self, namespace_id: bytes, hashes: Sequence[bytes] | None = None) -> NamespaceInfo:
+        """The prelude of every verb on named blocks (see the module docstring): the
+        namespace's record, the hashes checked, expired leases released."""
+        info = self._namespace(namespace_id)
+        if hashes is not None:
+            self._check_hashes(hashes)
+        self._expire(self._clock())
+        return info
+
+    @property
+    def limits(self) -> StoreLimits:
+        return self._limits
+
+    @limits.setter
+    def limits(self, value: StoreLimits) -> None:
+        """Replaced whole at runtime (SetConfig, SIGHUP): every later call sees the new limits."""
+        self._limits = value
+        self.registry.limits = value
+
+    @property
+    def observer(self) -> StoreObserver | None:
+        """Told of blocks stored, moved and removed (the daemon's event bus); None by default."""
+        return self.copies.observer
+
+    @observer.setter
+    def observer(self, observer: StoreObserver | None) -> None:
+        self.copies.observer = observer
 
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        """Recover the SSD tier's blocks, then start the migrator and the SSD writer."""
-        if self.ssd is not None:
-            recover = getattr(self.ssd.tier, "recover", None)
-            if recover is not None:
-                # A rebuild allocates an object or two per block, all long-lived: the cyclic
-                # collector would rescan the growing index again and again (most of a rebuild's
-                # time at a million blocks). Paused while it runs; afterwards the rebuilt index
-                # is frozen out of the collector's reach, since it holds no cycles to collect.
-                collecting = gc.isenabled()
-                gc.disable()
-                try:
-                    report = await recover()
-                    self._index_recovered(report)
-                finally:
-                    if collecting:
-                        gc.enable()
-                if len(report):
-                    gc.freeze()
-                self._recovered = bool(len(report))
-                self.ssd.counters.checksum_failures += report.checksum_failures
+        """Index the blocks the tiers recovered, then start the background work."""
+        # A rebuild allocates an object or two per block, all long-lived: the cyclic
+        # collector would rescan the growing index again and again. Paused while it runs;
+        # afterwards the rebuilt index is frozen out of the collector's reach, since it
+        # holds no cycles to collect.
+        collecting = gc.isenabled()
+        gc.disable()
+        recovered = 0
+        try:
+            for st in self.tiers:
+                report = await st.tier.recover()
+                if report is None:
+                    continue
+                rows = self.index.table.add_recovered(st.name, report.records)
+                st.policy.insert_rows(rows)
+                recovered += len(rows)
+                st.counters.checksum_failures += report.checksum_failures
                 self.counters.checksum_failures += report.checksum_failures
-            self._tasks.append(asyncio.create_task(self._ssd_writer(), name="kvstore-ssd-writer"))
-        if len(self.tiers) > 1:
-            self._tasks.append(asyncio.create_task(self._migrator(), name="kvstore-migrator"))
-
-    def _index_recovered(self, report: Any) -> None:
-        """Index the SSD tier's recovered blocks (a `kvstore.tiers.ssd.RecoveryReport`)."""
-        assert self.ssd is not None
-        rows = load_recovered(self._index.table, self.ssd.name, report)
-        self.ssd.policy.insert_rows(rows)
+        finally:
+            if collecting:
+                gc.enable()
+        if recovered:
+            gc.freeze()
+        self.migrator.start()
 
     async def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued SSD write has landed; False if `timeout_s` passed first."""
-        if self.ssd is None:
-            return True
-        try:
-            await asyncio.wait_for(self._ssd_idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
-
-    @property
-    def indexed_blocks(self) -> int:
-        """READY blocks in the index (each counted once, whatever tiers hold it)."""
-        return len(self._index)
-
-    @property
-    def pending_ssd_writes(self) -> int:
-        return len(self._ssd_queue) + self._ssd_inflight
+        return await self.migrator.flush(timeout_s)
 
     async def aclose(self, flush_timeout_s: float | None = 30.0) -> None:
         """Graceful stop: flush pending SSD writes, stop background tasks, close tiers."""
         if self._closed:
             return
-        if self._tasks and not await self.flush(flush_timeout_s):
+        if self.migrator.running and not await self.flush(flush_timeout_s):
             logger.warning("shutdown: %d SSD writes still pending after %.1fs; they are lost",
                            self.pending_ssd_writes, flush_timeout_s or 0.0)
-        tasks = self._tasks + list(self._making_room.values())
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-        self._tasks.clear()
+        await self.migrator.stop()
         self.close()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for task in self._tasks + list(self._making_room.values()):
-            task.cancel()
+        self.migrator.cancel()
         for st in self.tiers:
             st.tier.close()
+
+    @property
+    def indexed_blocks(self) -> int:
+        """READY blocks in the index (each counted once, whatever tiers hold it)."""
+        return len(self.index)
+
+    @property
+    def pending_ssd_writes(self) -> int:
+        return self.migrator.pending_writes
 
     # ----------------------------------------------------------------- namespaces
 
     def register(self, layout: KVLayout, tenant: str = "default", salt: bytes = b"") -> bytes:
         """Record a layout for `tenant`; returns its namespace id (salted by `salt`). Idempotent."""
-        public_id = layout.namespace_id
-        ns_id = tenant_namespace_id(public_id, salt)
-        if ns_id not in self._namespaces:
-            if len(self._namespaces) >= self.limits.max_namespaces:
-                raise ResourceExhausted(
-                    f"the daemon already holds {self.limits.max_namespaces} namespaces; "
-                    "flush unused ones or raise max_namespaces"
-                )
-            info = NamespaceInfo(ns_id, layout, tenant=tenant, chain_seed=public_id)
-            if self._recovered:
-                # Blocks recovered from SSD carry their namespace id but not its layout;
-                # the first request that sends the layout adopts them.
-                t = self._index.table
-                nsid = t.known_ns(ns_id)
-                if nsid is not None:
-                    rows = t.indexed_rows()
-                    rows = rows[t.ns[rows] == nsid]
-                    nbytes = t.nbytes[rows].astype(np.int64)
-                    info.blocks += len(rows)
-                    info.bytes += int(nbytes.sum())
-                    lt = t.lt[rows]
-                    for name, tid in self._tier_ids.items():
-                        held = (lt[:, 0] == tid) | (lt[:, 1] == tid)
-                        if held.any():
-                            self.tenancy.add(tenant, name, int(nbytes[held].sum()))
-                    for row in t.extra_locs.keys() & set(rows.tolist()):
-                        for slot in t.extra_locs[row]:
-                            self.tenancy.add(tenant, slot.tier, t.vnbytes[row])
-            self._namespaces[ns_id] = info
-            logger.info("namespace %s registered: model=%s dtype=%s block=%d tokens / %d bytes",
-                        ns_id.hex(), layout.model, layout.dtype, layout.block_size_tokens, layout.bytes_per_block)
-        return ns_id
+        return self.registry.register(layout, tenant, salt)
 
     def has_namespace(self, namespace_id: bytes) -> bool:
-        return namespace_id in self._namespaces
+        return self.registry.has(namespace_id)
 
     def namespace(self, namespace_id: bytes) -> NamespaceInfo:
-        if len(namespace_id) != HASH_BYTES:
-            raise InvalidArgument(f"namespace id must be {HASH_BYTES} bytes, got {len(namespace_id)}")
-        info = self._namespaces.get(namespace_id)
-        if info is None:
-            raise NotFound(
-                f"namespace {namespace_id.hex()} is not known to this daemon; "
-                "send the full layout instead of its id (the daemon forgets namespaces on restart)"
-            )
-        return info
+        return self.registry.namespace(namespace_id)
 
     def namespaces(self) -> list[NamespaceInfo]:
-        return list(self._namespaces.values())
+        return self.registry.all()
 
     def hashes_for_tokens(self, namespace_id: bytes, packed_tokens: bytes, max_blocks: int | None = None) -> list[bytes]:
         """Block hashes of tokens packed as little-endian u32 (at most `max_blocks` blocks)."""
-        return block_hashes_packed(*self._token_blocks(namespace_id, packed_tokens, max_blocks))
+        return self.registry.hashes_for_tokens(namespace_id, packed_tokens, max_blocks)
 
     def chain_for_tokens(self, namespace_id: bytes, packed_tokens: bytes, max_blocks: int | None = None) -> bytes:
         """`hashes_for_tokens` as one packed chain (N x 16 bytes), the form a lookup probes."""
-        return chain_packed(*self._token_blocks(namespace_id, packed_tokens, max_blocks))
-
-    def _token_blocks(self, namespace_id: bytes, packed_tokens: bytes,
-                      max_blocks: int | None) -> tuple[bytes, memoryview, int]:
-        """The chain's seed, the tokens of its full blocks (per-call limit checked) and the
-        block size."""
-        info = self.namespace(namespace_id)
-        step = info.layout.block_size_tokens * 4
-        n_blocks = len(packed_tokens) // step
-        if max_blocks is not None:
-            n_blocks = min(n_blocks, max_blocks)
-        self._check_count(n_blocks, "blocks of tokens")
-        return (info.chain_seed or namespace_id, memoryview(packed_tokens)[: n_blocks * step],
-                info.layout.block_size_tokens)
+        return self.registry.chain_for_tokens(namespace_id, packed_tokens, max_blocks)
 
     def check_hashes(self, hashes: Sequence[bytes]) -> None:
-        self._check_count(len(hashes), "block hashes")
-        if hashes and set(map(len, hashes)) != {HASH_BYTES}:  # one C-level pass in the common case
-            i, h = next((i, h) for i, h in enumerate(hashes) if len(h) != HASH_BYTES)
-            raise InvalidArgument(f"block hash {i} is {len(h)} bytes; every block hash is {HASH_BYTES} bytes")
-
-    def _check_count(self, n: int, what: str) -> None:
-        if n > self.limits.max_blocks_per_call:
-            raise InvalidArgument(
-                f"{n} {what} in one call; the limit is {self.limits.max_blocks_per_call}: split the request"
-            )
-
-    # ----------------------------------------------------------------- locations
-
-    def _top_name(self, entry: BlockEntry) -> str:
-        name = entry.only_tier()
-        if name is not None:  # one copy: the common case, on the lookup hot path
-            return name
-        st = self.top_tier(entry)
-        assert st is not None, "an indexed block has a location"
-        return st.name
-
-    def _block_info(self, entry: BlockEntry) -> BlockInfo:
-        top = self._top_name(entry)
-        return BlockInfo(top, entry.locations[top], entry.nbytes, entry.checksum, entry.pins,
-                         sorted(entry.locations, key=self._rank.__getitem__))
-
-    def top_tier(self, entry: BlockEntry) -> StoreTier | None:
-        """The highest tier holding a copy of `entry` (where reads are served from)."""
-        for st in self.tiers:
-            if entry.slot_in(st.name) is not None:
-                return st
-        return None
-
-    def _below(self, st: StoreTier) -> StoreTier | None:
-        i = self._rank[st.name] + 1
-        return self.tiers[i] if i < len(self.tiers) else None
-
-    def _hold(self, entry: BlockEntry) -> None:
-        entry.readers += 1
-
-    def _release(self, entry: BlockEntry) -> None:
-        entry.readers -= 1
-        if entry.readers == 0:
-            self._readers_gone(entry)
-
-    def _readers_gone(self, entry: BlockEntry) -> None:
-        """The last reader of `entry` let go: free what was kept only for readers (a
-        retired copy; every copy of a deleted block)."""
-        if entry.retired is not None:
-            for slot in entry.retired:
-                self._tier_by_name[slot.tier].tier.free(slot)
-            entry.retired = None
-        if entry.removed:
-            for slot in entry.slots():
-                self._tier_by_name[slot.tier].tier.free(slot)
-            entry.clear_slots()
-
-    def _add_location(self, entry: BlockEntry, st: StoreTier, slot: Slot) -> bool:
-        """Record a landed, verified copy; False (and the slot freed) if it is not needed."""
-        if entry.removed or entry.slot_in(st.name) is not None:
-            st.tier.free(slot)
-            return False
-        was_top = self._top_name(entry) if entry.slots() else ""
-        entry.add_slot(slot)
-        self._account(entry, st.name, entry.nbytes)
-        st.policy.insert(entry.key, entry.parent)
-        if was_top and self._rank[st.name] < self._rank[was_top]:
-            self._moved(entry, was_top, st.name)  # promoted: now served from higher up
-        return True
-
-    def _remove_location(self, entry: BlockEntry, st: StoreTier) -> None:
-        """Take one copy away; the entry leaves the index with its last copy."""
-        if self._drop_last_copy(entry, st):
-            return
-        was_top = self._top_name(entry)
-        slot = entry.pop_slot(st.name)
-        self._account(entry, st.name, -entry.nbytes)
-        st.policy.remove_row(entry.row)
-        if entry.readers:
-            entry.retire(slot)
-        else:
-            st.tier.free(slot)
-        if not entry.slots() and not entry.removed:
-            self._index.remove_entry(entry)
-            st.counters.drops += 1
-            self._forget(entry)
-            self._removed(entry, st.name)
-        elif entry.slots() and was_top == st.name:
-            self._moved(entry, st.name, self._top_name(entry))  # demoted (or its top copy dropped)
-
-    def _drop_last_copy(self, entry: BlockEntry, st: StoreTier) -> bool:
-        """`_remove_location` of an indexed block's only copy, in `st`, with no reader (an
-        eviction from the last tier, the common case at scale), straight on the columns
-        (`_drop_last_copies`). False, having done nothing, in any other case."""
-        t, row = entry.table, entry.row
-        if (t is not self._index.table or entry.stale or t.vreaders[row] or t.vlt[row, 1]
-                or t.vlt[row, 0] != self._tier_ids[st.name] or not t.vflags[row] & INDEXED):
-            return False
-        st.policy.remove_row(row)
-        self._drop_last_copies(st, [row])
-        return True
-
-    # Events for the observer (the daemon's event bus). Only READY blocks are reported:
-    # what a router may have heard of.
-
-    def _moved(self, entry: BlockEntry, from_tier: str, to_tier: str) -> None:
-        if self.observer is not None and entry.state is BlockState.READY:
-            self.observer.blocks_moved(entry.key[:HASH_BYTES], [entry.key[HASH_BYTES:]], from_tier, to_tier)
-
-    def _removed(self, entry: BlockEntry, tier: str) -> None:
-        if self.observer is not None and entry.state is BlockState.READY:
-            self.observer.blocks_removed(entry.key[:HASH_BYTES], [entry.key[HASH_BYTES:]], tier)
-
-    # Tenancy: usage and quotas. A READY copy counts against its namespace's tenant in the
-    # tier that holds it; copies of namespaces not registered yet (recovered from SSD)
-    # count from the moment a request registers them. A removed entry counts for nothing
-    # (its copies stopped counting when it was dropped, though readers may still hold them).
-
-    def _account(self, entry: BlockEntry, tier: str, nbytes: int) -> None:
-        if entry.removed or entry.state is not BlockState.READY:
-            return
-        info = self._namespaces.get(entry.key[:HASH_BYTES])
-        if info is not None:
-            self.tenancy.add(info.tenant, tier, nbytes)
-
-    def _quota_exceeded(self, entry: BlockEntry, st: StoreTier) -> str:
-        """Why one more copy of `entry` in `st` would take its tenant over quota; empty if not."""
-        info = self._namespaces.get(entry.key[:HASH_BYTES]) if self.tenancy.quotas else None
-        return self.tenancy.exceeded(info.tenant, st.name, entry.nbytes) if info is not None else ""
-
-    def _quota_incoming(self, entry: BlockEntry, st: StoreTier, nbytes: int) -> None:
-        """Count (or, with a negative `nbytes`, stop counting) a copy on its way into `st`."""
-        info = self._namespaces.get(entry.key[:HASH_BYTES])
-        if info is not None:
-            if nbytes > 0:
-                self.tenancy.hold(info.tenant, st.name, nbytes)
-            else:
-                self.tenancy.release(info.tenant, st.name, -nbytes)
-
-    async def _quota_room(self, info: NamespaceInfo, st: StoreTier, need: int) -> None:
-        """Make `need` more bytes of `info.tenant`'s quota in `st` free by evicting the
-        tenant's own evictable blocks there (cache semantics); ResourceExhausted if its
-        blocks there are pinned, leased or in flight."""
-        ledger = self.tenancy
-        quota = ledger.quota(info.tenant, st.name)
-        if quota is None:
-            return
-        if need > quota:
-            raise ResourceExhausted(
-                f"tenant {info.tenant!r}: this put needs {need} bytes in tier {st.name}, more than the tenant's "
-                f"whole {st.name} quota of {quota} bytes; put fewer blocks per call or raise the quota"
-            )
-        owned = {i.namespace_id for i in self._namespaces.values() if i.tenant == info.tenant}
-
-        def own(key: bytes) -> bool:
-            return key[:HASH_BYTES] in owned and self._evictable(key)
-
-        while over := ledger.exceeded(info.tenant, st.name, need):
-            key = st.policy.victim(own)
-            if key is None:
-                raise ResourceExhausted(
-                    f"{over}, and its blocks there are pinned or in use; release leases, delete blocks, "
-                    "or raise the quota in the token file"
-                )
-            entry = self._index.get(key)
-            assert entry is not None
-            await self._demote(entry, st)
-
-    def _forget(self, entry: BlockEntry) -> None:
-        info = self._namespaces.get(entry.key[:HASH_BYTES])
-        if info is not None:
-            info.blocks -= 1
-            info.bytes -= entry.nbytes
-
-    def _drop(self, entry: BlockEntry) -> None:
-        """Remove a block from the index and every tier; bytes go when no reader holds them."""
-        if entry.locations:
-            self._removed(entry, self._top_name(entry))
-        for name in entry.locations:
-            self._account(entry, name, -entry.nbytes)  # before the index marks it removed
-        for name in entry.locations:
-            self._tier_by_name[name].policy.remove_row(entry.row)
-        self._index.remove_entry(entry)
-        self._forget(entry)
-        if entry.readers == 0:
-            for slot in entry.slots():
-                self._tier_by_name[slot.tier].tier.free(slot)
-            entry.clear_slots()
-
-    def _evictable(self, key: bytes) -> bool:
-        entry = self._index.get(key)
-        return entry is not None and entry.evictable
-
-    def _evictable_row(self, row: int) -> bool:
-        t = self._index.table
-        return (row >= 0 and t.vpins[row] == 0 and t.vreaders[row] == 0
-                and (t.vflags[row] & (READY | INDEXED)) == (READY | INDEXED))
-
-    # ----------------------------------------------------------------- moving bytes
-
-    async def _read_verified(self, entry: BlockEntry, st: StoreTier) -> bytes | None:
-        """The bytes of `entry`'s copy in `st`, verified; None (copy dropped, counted) if bad.
-
-        The caller holds the entry.
-        """
-        slot = entry.locations[st.name]
-        try:
-            data = await st.tier.get_block(slot, entry.nbytes)
-        except DataLoss as exc:
-            logger.warning("block %s in tier %s: %s", entry.key.hex(), st.name, exc)
-            self._checksum_failed(entry, st)
-            return None
-        got = (await checksum_batch([data], self._executor))[0]
-        if got != entry.checksum:
-            self._checksum_failed(entry, st)
-            return None
-        return data
-
-    async def _place(self, st: StoreTier, entry: BlockEntry, data: bytes | memoryview) -> Slot:
-        """Store `data` as `entry` in `st`, demoting (or dropping) victims until it fits."""
-        meta = BlockMeta(entry.key, entry.parent, entry.checksum, entry.itemsize)
-        while True:
-            slot = await st.tier.put_block(meta, data)
-            if slot is not None:
-                return slot
-            await self._evict_one(st, entry.nbytes)
-
-    async def _allocate(self, st: StoreTier, nbytes: int, want: int = 1) -> Slot:
-        """An empty slot in addressable tier `st`, demoting victims until one fits; `want`:
-        how many slots the caller is about to take, so that room for them is made at once."""
-        while True:
-            slot = st.tier.allocate(nbytes)
-            if slot is not None:
-                return slot
-            await self._evict_some(st, nbytes, want)
-
-    async def _evict_some(self, st: StoreTier, nbytes: int, count: int) -> None:
-        """Make progress towards room for `count` blocks in `st`: where `st` is the last tier,
-        drop up to `count` victims in one batch (`_drop_last_copies`); otherwise, or for a
-        victim that is not simply the only copy of an indexed block, one `_evict_one` step."""
-        if count > 1 and self._below(st) is None and st is not self.ssd:
-            rows = self._take_victims(st, min(count, EVICT_BATCH))
-            if rows:
-                self._drop_last_copies(st, rows)
-                st.counters.evictions += len(rows)
-                self.counters.evictions += len(rows)
-                return
-        await self._evict_one(st, nbytes)
-
-    def _take_victims(self, st: StoreTier, count: int) -> list[int]:
-        """Up to `count` rows of the policy's victims in order, each taken out of the policy,
-        stopping before the first that `_drop_last_copies` cannot drop."""
-        t = self._index.table
-        tid = self._tier_ids[st.name]
-        rows: list[int] = []
-        policy = st.policy
-        for _ in range(count):
-            row = policy.victim_row(self._evictable_row)
-            if row is None or t.vlt[row, 1] or t.vlt[row, 0] != tid:
-                break
-            policy.remove_row(row)
-            rows.append(row)
-        return rows
-
-    def _drop_last_copies(self, st: StoreTier, taken: list[int]) -> None:
-        """Drop rows whose only copy is in `st`, each indexed, with no reader, and already
-        out of `st`'s policy, with the table, the accounting and the events updated once
-        for all of them (`_drop_last_copy` for one, `_evict_some` for a batch)."""
-        t = self._index.table
-        rows = np.array(taken, np.int64)
-        nbytes = t.nbytes[rows].astype(np.int64)
-        offsets, sizes = t.lo[rows, 0].tolist(), t.ls[rows, 0].tolist()
-        t.lt[rows, 0] = 0
-        free = st.tier.free
-        name = st.name
-        for offset, size in zip(offsets, sizes):
-            free(Slot(name, offset, size))
-        ns = t.ns[rows]
-        hashes = t.hashes(rows) if self.observer is not None else []
-        t.unindex_rows(rows)
-        for n in np.unique(ns).tolist():
-            sel = ns == n
-            ns_id = t.ns_bytes[n]
-            gone = int(nbytes[sel].sum())
-            info = self._namespaces.get(ns_id)
-            if info is not None:
-                self.tenancy.add(info.tenant, name, -gone)
-                info.blocks -= int(sel.sum())
-                info.bytes -= gone
-            if self.observer is not None:
-                self.observer.blocks_removed(ns_id, [hashes[i] for i in np.flatnonzero(sel).tolist()], name)
-        st.counters.drops += len(rows)
-
-    async def _evict_one(self, st: StoreTier, nbytes: int) -> None:
-        """Make progress towards room in `st`: demote one victim, or empty one SSD region."""
-        row = st.policy.victim_row(self._evictable_row)
-        if row is None:
-            raise ResourceExhausted(
-                f"tier {st.name} is full ({st.tier.used_bytes} of {st.tier.capacity_bytes} bytes) and every "
-                "block in it is pinned or being moved; retry later, release leases, or add capacity"
-            )
-        entry = self._index.entry(row)
-        if st is self.ssd:
-            # Region-level reclaim: a region frees only when all its records are dead,
-            # so evict the victim's whole region (what of it is evictable) at once.
-            region_keys = getattr(st.tier, "region_keys", None)
-            keys = region_keys(entry.locations[st.name]) if region_keys is not None else [entry.key]
-            for k in keys:
-                e = self._index.get(k)
-                if e is not None and e.evictable and e.slot_in(st.name) is not None:
-                    self._evict_location(e, st)
-            return
-        await self._demote(entry, st)
-
-    def _evict_location(self, entry: BlockEntry, st: StoreTier) -> None:
-        st.counters.evictions += 1
-        self.counters.evictions += 1
-        self._remove_location(entry, st)
-
-    async def _demote(self, entry: BlockEntry, st: StoreTier) -> bool:
-        """Move `entry` out of `st` to the next tier down; the last tier drops it.
-
-        True when `st` no longer holds the block.
-        """
-        lower = self._below(st)
-        if lower is None:
-            self._evict_location(entry, st)
-            return True
-        if entry.slot_in(lower.name) is not None:  # already below (the inclusive SSD copy)
-            st.counters.demotions += 1
-            self._remove_location(entry, st)
-            return True
-        self._hold(entry)
-        try:
-            try:
-                if lower is self.ssd:
-                    data = await self._read_verified(entry, st)
-                    if data is None:
-                        return True
-                    landed = await self._ensure_on_ssd(entry, data)
-                else:
-                    slot = await self._copy_into(entry, st, lower)
-                    if slot is None:
-                        return True
-                    landed = self._add_location(entry, lower, slot)
-            except ResourceExhausted:
-                landed = False
-            except OSError as exc:
-                # The SSD refused the write (disk full, I/O error): as if there were no room
-                # below. The put that needs this slot must not fail for it.
-                self.counters.ssd_write_failures += 1
-                logger.warning("ssd write of block %s failed (%s); not demoted", entry.key.hex(), exc)
-                landed = False
-            if not landed and lower.name not in entry.locations:
-                # Nothing below can take it: dropping is what the last tier would do.
-                logger.debug("no room below %s for %s; dropped", st.name, entry.key.hex())
-                if st.name in entry.locations and not entry.removed:
-                    self._evict_location(entry, st)
-                return True
-            if st.name in entry.locations:
-                st.counters.demotions += 1
-                self._remove_location(entry, st)
-            return True
-        finally:
-            self._release(entry)
-
-    async def _ensure_on_ssd(self, entry: BlockEntry, data: bytes) -> bool:
-        """Write `entry` to SSD unless it is there or already being written (then wait for
-        that write). True when the block has an SSD copy afterwards. The caller holds it."""
-        assert self.ssd is not None
-        if self.ssd.name in entry.locations:
-            return True
-        if self._quota_exceeded(entry, self.ssd):
-            return False  # over the tenant's SSD quota: the block stays (or ends) in memory only
-        pending = self._ssd_writing.get(entry.key)
-        if pending is not None:
-            await asyncio.shield(pending)
-            return self.ssd.name in entry.locations
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._ssd_writing[entry.key] = done
-        self._quota_incoming(entry, self.ssd, entry.nbytes)
-        try:
-            slot = await self._place(self.ssd, entry, data)
-            return self._add_location(entry, self.ssd, slot)
-        finally:
-            self._quota_incoming(entry, self.ssd, -entry.nbytes)
-            del self._ssd_writing[entry.key]
-            done.set_result(None)
-
-    async def _verify_view(self, entry: BlockEntry, st: StoreTier, slot: Slot) -> bool | None:
-        """Checksum of a host-visible copy against the entry's; None when not host-visible."""
-        view = st.tier.view(slot, entry.nbytes)
-        if view is None:
-            return None
-        return (await checksum_batch([view], self._executor))[0] == entry.checksum
-
-    async def _copy_into(self, entry: BlockEntry, src: StoreTier, dst: StoreTier) -> Slot | None:
-        """A verified copy of `entry` from `src` in a new slot of addressable tier `dst`
-        (making room there). None when the source copy failed verification (it is dropped
-        and counted). The caller holds the entry and publishes the slot."""
-        over = self._quota_exceeded(entry, dst)
-        if over:
-            raise ResourceExhausted(over)
-        # Counted as incoming until this returns: the caller adds the location without
-        # awaiting in between.
-        self._quota_incoming(entry, dst, entry.nbytes)
-        try:
-            return await self._copy_into_counted(entry, src, dst)
-        finally:
-            self._quota_incoming(entry, dst, -entry.nbytes)
-
-    async def _copy_into_counted(self, entry: BlockEntry, src: StoreTier, dst: StoreTier) -> Slot | None:
-        if src is self.ssd:
-            data = await self._read_verified(entry, src)
-            if data is None:
-                return None
-            slot = await self._allocate(dst, entry.nbytes)
-            try:
-                await dst.tier.write(slot, 0, data)
-            except BaseException:
-                dst.tier.free(slot)
-                raise
-            return slot
-        # Verify the source where it is host-visible, before it crosses; else the
-        # destination after it crossed (a device copy is checked once it is on the host).
-        if await self._verify_view(entry, src, entry.locations[src.name]) is False:
-            self._checksum_failed(entry, src)
-            return None
-        slot = await self._allocate(dst, entry.nbytes)
-        try:
-            if src.name not in entry.locations:  # taken away (deleted) while room was made
-                raise FailedPrecondition(f"block {entry.key.hex()} left tier {src.name} during a copy")
-            await self._copiers[src.name, dst.name].copy(src.tier, entry.locations[src.name], dst.tier, slot,
-                                                         entry.nbytes)
-            if await self._verify_view(entry, dst, slot) is False:
-                dst.tier.free(slot)
-                self._checksum_failed(entry, src)
-                return None
-        except BaseException:
-            dst.tier.free(slot)
-            raise
-        return slot
-
-    async def _raise(self, entry: BlockEntry, target: StoreTier) -> bool:
-        """Copy `entry` up into `target` (moving it out of a lower memory tier). Caller holds it."""
-        src = self.top_tier(entry)
-        if src is None:
-            return False
-        try:
-            slot = await self._copy_into(entry, src, target)
-        except FailedPrecondition:
-            return False
-        if slot is None:
-            return False
-        if not self._add_location(entry, target, slot):
-            return False
-        target.counters.promotions += 1
-        if src is not self.ssd and src.name in entry.locations:
-            self._remove_location(entry, src)  # memory tiers are exclusive: a move
-        return True
+        """The per-call limit and the hash size, checked as every verb checks them."""
+        self.registry.check_hashes(hashes)
 
     # ----------------------------------------------------------------- lookup
 
     def lookup(self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, lease_ms: int = 0) -> LookupResult:
         """The longest READY prefix of a chain, given as hashes or packed (N x 16 bytes:
         what the wire carries, probed without cutting it into N objects)."""
-        info = self.namespace(namespace_id)
+        info = self._enter(namespace_id)
         packed = self._packed_chain(hashes)
         n_asked = len(packed) // HASH_BYTES
-        self.expire_leases()
         # One vectorized probe of the block table, no Python step (nor object) per block.
-        rows = self._index.prefix_rows(namespace_id, packed)
+        rows = self._prefix_rows(namespace_id, packed)
         n_hit = len(rows)
         lease_id = ""
         if n_hit and lease_ms > 0:
@@ -1157,34 +340,16 @@ class Store:
             lease_id=lease_id,
         )
 
-    def _top_ids(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        """The tier id of each row's top copy (the lowest id: ids follow the tier order),
-        as u8."""
-        t = self._index.table
-        if _native is not None:
-            tops = np.empty(len(rows), np.uint8)
-            if not _native.top_tiers(np.ascontiguousarray(rows, np.int64), t.lt, tops) or not t.extra_locs:
-                return tops
-            second = t.lt[rows, 1].astype(np.int64)
-        else:
-            # Both location tiers of a row in one 16-bit gather: the first in the low byte.
-            both = t.lt.view("<u2")[:, 0][rows]
-            if not len(both) or int(both.max()) < 256:  # one copy each: the common case
-                return both.astype(np.uint8)
-            first, second = both & 0xFF, both >> 8
-            tops = np.where((second != 0) & (second < first), second, first).astype(np.uint8)
-        if t.extra_locs:  # a third copy, for the moment of a move
-            for i in np.flatnonzero(second != 0).tolist():
-                extra = t.extra_locs.get(int(rows[i]))
-                if extra:
-                    tops[i] = min([int(tops[i])] + [t.tier_id(s.tier) for s in extra])
-        return tops
-
     def block(self, namespace_id: bytes, block_hash: bytes) -> BlockInfo | None:
-        entry = self._index.get(make_key(namespace_id, block_hash))
+        """A snapshot of one READY block's metadata; None if it is not in the store."""
+        entry = self.index.get(make_key(namespace_id, block_hash))
         if entry is None:
             return None
-        return self._block_info(entry)
+        return self.copies.block_info(entry)
+
+    def top_tier(self, entry: BlockEntry) -> StoreTier | None:
+        """The highest tier holding a copy of `entry` (where reads are served from)."""
+        return self.copies.top_tier(entry)
 
     # ----------------------------------------------------------------- put
 
@@ -1195,329 +360,67 @@ class Store:
 
         `tier` names the memory tier the new blocks land in (default: `put_tier`).
         """
-        info = self.namespace(namespace_id)
-        self.check_hashes(hashes)
-        if parent_hash is not None and len(parent_hash) != HASH_BYTES:
-            raise InvalidArgument(f"parent hash must be {HASH_BYTES} bytes, got {len(parent_hash)}")
-        if not hashes:
-            raise InvalidArgument("a put must carry at least one block")
-        if len(set(hashes)) != len(hashes):
-            # Two PENDING entries for one key would both be published: refuse up front.
-            seen: dict[bytes, int] = {}
-            for i, h in enumerate(hashes):
-                if h in seen:
-                    raise InvalidArgument(f"block hash {i} names the same block as block hash {seen[h]}; "
-                                          "a put names each block only once")
-                seen[h] = i
-        self.expire_leases()
-        target = self._tier_by_name.get(tier) if tier is not None else None
-        if tier is not None and (target is None or not target.tier.addressable):
-            raise FailedPrecondition(f"this daemon has no {tier} memory tier")
-        return PutTxn(self, info, list(hashes), parent_hash, target)
+        return self.puts.begin(self._enter(namespace_id, hashes), hashes, parent_hash, tier)
 
     async def reserve_slots(self, tier: str, nbytes: int, count: int) -> list[Slot]:
-        """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet
-        (making room as a put would): a co-located client fills them ahead of the put that
-        names them (`PutTxn.adopt`). The caller frees what it does not adopt."""
-        st = self._tier_by_name.get(tier)
-        if st is None or not st.tier.addressable:
-            raise FailedPrecondition(f"this daemon has no {tier} memory tier")
-        slots = st.tier.allocate_many(nbytes, count)  # what fits now, in one step
-        try:
-            while len(slots) < count:
-                slots.append(await self._allocate_put(nbytes, [st], count - len(slots)))
-                slots += st.tier.allocate_many(nbytes, count - len(slots))  # the rest of the room made
-        except BaseException:
-            self.free_slots(slots)
-            raise
-        return slots
-
-    def make_room_soon(self, tier: str, nbytes: int, block_bytes: int) -> None:
-        """Evict from memory tier `tier`, in the background and in its policy's order,
-        until `nbytes` of it are free: room for a put that is expected next (a writer's
-        next reserve-ahead), made while the writer copies instead of inside its call.
-        A put that comes first still makes room for itself, as always; a tier with
-        nothing evictable is left as it is."""
-        st = self._tier_by_name.get(tier)
-        if (st is None or self._closed or tier in self._making_room
-                or st.tier.capacity_bytes - st.tier.used_bytes >= nbytes):
-            return
-        task = asyncio.get_running_loop().create_task(self._make_room(st, nbytes, block_bytes),
-                                                      name=f"kvstore-room-{tier}")
-        self._making_room[tier] = task
-        task.add_done_callback(lambda _: self._making_room.pop(tier, None))
-
-    async def _make_room(self, st: StoreTier, nbytes: int, block_bytes: int) -> None:
-        await asyncio.sleep(0)  # after the answer that asked for it has gone out
-        try:
-            while (short := nbytes - (st.tier.capacity_bytes - st.tier.used_bytes)) > 0:
-                # A few blocks at a time: calls in between go first.
-                await self._evict_some(st, block_bytes, min(EVICT_BATCH, -(-short // block_bytes)))
-                await asyncio.sleep(0)
-        except ResourceExhausted:
-            pass  # nothing evictable now: the next put makes its own room, or says why not
-        except Exception:  # task boundary: a failed eviction is the next put's to meet
-            logger.exception("making room in tier %s failed", st.name)
+        """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet: a
+        co-located client fills them ahead of the put that names them (`PutTxn.adopt`).
+        The caller frees what it does not adopt (`free_slots`)."""
+        return await self.puts.reserve_slots(tier, nbytes, count)
 
     def free_slots(self, slots: Sequence[Slot]) -> None:
         """Return reserved, never-published slots to their tiers."""
-        for slot in slots:
-            self._tier_by_name[slot.tier].tier.free(slot)
+        self.puts.free_slots(slots)
 
-    def _landing_tiers(self) -> list[StoreTier]:
-        if self.migration.put_tier == "auto":
-            return self.memory_tiers
-        return [self._tier_by_name[self.migration.put_tier]]
-
-    async def _allocate_put(self, nbytes: int, landing: list[StoreTier], want: int = 1) -> Slot:
-        """A PENDING slot for a new block: the highest landing tier with room, else make room
-        in the first one (for `want` blocks: the caller's next ones take the rest)."""
-        for st in landing:
-            slot = st.tier.allocate(nbytes)
-            if slot is not None:
-                return slot
-        # Make room in the first tier that can: the top one may be full of PENDING slots
-        # of concurrent puts, which nothing can evict.
-        for st in landing[:-1]:
-            try:
-                return await self._allocate(st, nbytes, want)
-            except ResourceExhausted:
-                continue
-        return await self._allocate(landing[-1], nbytes, want)
-
-    def _publish(self, rows: np.ndarray[Any, Any]) -> None:
-        """Make a put's PENDING rows READY (in chain order)."""
-        through = self.ssd is not None and self.migration.write_policy is WritePolicy.THROUGH
-        if not len(rows):
-            self._migrate_wakeup.set()
-            return
-        t = self._index.table
-        # One put's blocks: one namespace, columns updated in whole-array steps.
-        tail_first = rows[::-1]
-        t.flags[rows] |= READY
-        info = self._namespaces[t.ns_bytes[int(t.vns[rows[0]])]]
-        assert np.all(t.ns[rows] == t.vns[rows[0]]), "a put's blocks share a namespace"
-        nbytes = t.nbytes[rows].astype(np.int64)
-        info.blocks += len(rows)
-        info.bytes += int(nbytes.sum())
-        lt = t.lt[tail_first]
-        self._index.add_rows(tail_first)
-        for tid, st in enumerate(self.tiers, start=1):
-            has = (lt[:, 0] == tid) | (lt[:, 1] == tid)
-            if not has.any():
-                continue
-            self.tenancy.add(info.tenant, st.name, int(nbytes[::-1][has].sum()))
-            # Tail first, for the same reason as in `lookup`; after the answer (`defer_insert`).
-            st.defer_insert(tail_first[has])
-        if self.observer is not None:
-            tops = self._top_ids(rows)
-            hashes = t.hashes(rows)
-            tids = np.unique(tops).tolist()
-            for tid in tids:
-                # One tier (the common case): every hash, without a pass to pick them.
-                chosen = hashes if len(tids) == 1 else [hashes[i] for i in np.flatnonzero(tops == tid).tolist()]
-                self.observer.blocks_stored(info.namespace_id, chosen, t.tier_names[tid])
-        if through:
-            # Head first: the SSD writer follows queue order, so a crash can cut a chain
-            # short but never leave its later blocks without its start.
-            t.flags[rows] |= SSD_QUEUED
-            self._ssd_queue.extend(BlockEntry.of(t, row) for row in rows.tolist())
-        if through:
-            self._ssd_idle.clear()
-            self._ssd_wakeup.set()
-        self._migrate_wakeup.set()
-
-    # ----------------------------------------------------------------- background work
-
-    async def _ssd_writer(self) -> None:
-        """Drain the write-through queue in put order, a few blocks in flight at a time."""
-        while True:
-            if not self._ssd_queue and self._ssd_inflight == 0:
-                self._ssd_idle.set()
-                self._ssd_wakeup.clear()
-                await self._ssd_wakeup.wait()
-                continue
-            batch: list[BlockEntry] = []
-            while self._ssd_queue and len(batch) < SSD_WRITE_CONCURRENCY:
-                batch.append(self._ssd_queue.popleft())
-            self._ssd_inflight += len(batch)
-            try:
-                await asyncio.gather(*(self._write_through(e) for e in batch))
-            finally:
-                self._ssd_inflight -= len(batch)
-
-    async def _write_through(self, entry: BlockEntry) -> None:
-        assert self.ssd is not None
-        if not entry.ssd_queued:
-            return
-        src = self.top_tier(entry)
-        if entry.removed or self.ssd.name in entry.locations or src is None:
-            # Out of the queue with nothing to write: its row may be recycled once removed.
-            entry.ssd_queued = False
-            return
-        self._hold(entry)
-        try:
-            data = await self._read_verified(entry, src)
-            if data is None:
-                return
-            await self._ensure_on_ssd(entry, data)
-        except asyncio.CancelledError:
-            raise
-        except OSError as exc:  # disk full or failing: expected, and one line per block is enough
-            self.counters.ssd_write_failures += 1
-            logger.warning("ssd write of block %s failed (%s); it stays in memory only", entry.key.hex(), exc)
-        except Exception:  # task boundary: the block stays in memory, unwritten
-            self.counters.ssd_write_failures += 1
-            logger.exception("ssd write of block %s failed", entry.key.hex())
-        finally:
-            entry.ssd_queued = False
-            self._release(entry)
-
-    async def _migrator(self) -> None:
-        """The periodic driver: one bounded batch per over-watermark tier per tick."""
-        while True:
-            try:
-                await asyncio.wait_for(self._migrate_wakeup.wait(), self.migration.tick_s)
-            except TimeoutError:
-                pass
-            self._migrate_wakeup.clear()
-            try:
-                # The last tier only evicts on demand: dropping ahead of need would lose
-                # hits for nothing, since no tier below is waiting for the room.
-                for st in self.memory_tiers:
-                    if self._below(st) is not None and await self.migrate_once(st) is MigrationStatus.RUNNING:
-                        self._migrate_wakeup.set()  # more to do: no need to wait a tick
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # task boundary: keep migrating next tick
-                logger.exception("migration batch failed")
+    def make_room_soon(self, tier: str, nbytes: int, block_bytes: int) -> None:
+        """Evict from memory tier `tier` in the background until `nbytes` of it are free:
+        room for a put that is expected next (`Migrator.make_room_soon`)."""
+        self.migrator.make_room_soon(tier, nbytes, block_bytes)
 
     async def migrate_once(self, st: StoreTier) -> MigrationStatus:
         """Demote at most `batch_blocks` victims of `st` if it is over its high watermark."""
-        cap = st.tier.capacity_bytes
-        if not st.draining:
-            if st.tier.used_bytes <= st.high_watermark * cap:
-                return MigrationStatus.OK
-            st.draining = True
-        target = st.low_watermark * cap
-        moved = 0
-        while st.tier.used_bytes > target and moved < self.migration.batch_blocks:
-            row = st.policy.victim_row(self._evictable_row)
-            if row is None:
-                return MigrationStatus.FAIL
-            await self._demote(self._index.entry(row), st)
-            moved += 1
-        if st.tier.used_bytes > target:
-            return MigrationStatus.RUNNING
-        st.draining = False
-        return MigrationStatus.OK
+        return await self.migrator.migrate_once(st)
 
-    # ----------------------------------------------------------------- fetch
+    # ----------------------------------------------------------------- fetch, prefetch
 
     def open_fetch(self, namespace_id: bytes, hashes: Sequence[bytes], lease_id: str = "") -> FetchStream:
-        """Plan a fetch of the longest present prefix of `hashes`; use as `async with`.
-
-        The planned blocks are held (as readers) until the stream closes, so eviction,
-        migration and deletion cannot free their bytes mid-read. `lease_id`, if given, is
-        released when the stream closes: the lease's job (bridging lookup and fetch) is done.
-        """
-        info = self.namespace(namespace_id)
-        self.check_hashes(hashes)
-        self.expire_leases()
-        entries = self._index.longest_ready_prefix([make_key(namespace_id, h) for h in hashes])
-        self.counters.fetches += 1
-        return FetchStream(self, entries, info.layout.bytes_per_block, lease_id)
-
-    def _checksum_failed(self, entry: BlockEntry, st: StoreTier) -> None:
-        st.counters.checksum_failures += 1
-        self.counters.checksum_failures += 1
-        logger.warning("block %s in tier %s failed verification; that copy is dropped", entry.key.hex(), st.name)
-        if st.name in entry.locations and not entry.removed:
-            self._remove_location(entry, st)
-
-    async def _promote_on_hit(self, entry: BlockEntry, data: bytes) -> None:
-        """After a verified read from SSD: keep a memory copy if the top tier has headroom."""
-        top = self.memory_tiers[0]
-        if entry.removed or top.name in entry.locations or self._quota_exceeded(entry, top):
-            return
-        if top.tier.used_bytes + top.tier.accounted_size(entry.nbytes) > top.high_watermark * top.tier.capacity_bytes:
-            return
-        slot = top.tier.allocate(entry.nbytes)
-        if slot is None:
-            return
-        try:
-            await top.tier.write(slot, 0, data)
-        except BaseException:
-            top.tier.free(slot)
-            raise
-        if self._add_location(entry, top, slot):
-            top.counters.promotions += 1
-
-    # ----------------------------------------------------------------- prefetch
+        """Plan a fetch of the longest present prefix of `hashes`; use as `async with`
+        (`FetchPath.open`). `lease_id`, if given, is released when the stream closes."""
+        return self.fetches.open(self._enter(namespace_id, hashes), hashes, lease_id)
 
     async def prefetch(self, namespace_id: bytes, hashes: Sequence[bytes], tier: str = "") -> PrefetchResult:
         """Raise the named blocks that are present into `tier` (default: the top tier)."""
-        self.namespace(namespace_id)
-        self.check_hashes(hashes)
-        target = self._tier_by_name.get(tier) if tier else self.memory_tiers[0]
+        self._enter(namespace_id, hashes)
+        target = self._by_name.get(tier) if tier else self.memory_tiers[0]
         if target is None or not target.tier.addressable:
             names = ", ".join(t.name for t in self.memory_tiers)
             raise InvalidArgument(f"prefetch target tier {tier!r} is not a memory tier of this daemon; use one of {names}")
         self.counters.prefetches += 1
-        raised = already = missing = skipped = 0
-        for h in hashes:
-            entry = self._index.get(make_key(namespace_id, h))
-            src = self.top_tier(entry) if entry is not None else None
-            if entry is None or src is None:
-                missing += 1
-                continue
-            if self._rank[src.name] <= self._rank[target.name]:
-                already += 1
-                target.policy.touch(entry.key)
-                continue
-            self._hold(entry)
-            try:
-                if await self._raise(entry, target):
-                    raised += 1
-                elif target.name in entry.locations:
-                    already += 1
-                else:
-                    missing += 1
-            except ResourceExhausted:
-                # A prefetch is advice: with no room to make, the block stays where it
-                # is (still served from there) and the rest are not worth trying.
-                skipped = len(hashes) - raised - already - missing
-                break
-            finally:
-                self._release(entry)
-        return PrefetchResult(target.name, len(hashes), raised, already, missing, skipped)
+        return await self.placement.prefetch(namespace_id, hashes, target)
 
-    # ----------------------------------------------------------------- delete, pins
+    # ----------------------------------------------------------------- delete, pins, hints
 
     def delete(self, namespace_id: bytes, hashes: Sequence[bytes]) -> int:
         """Remove the named blocks, leased or not (an explicit delete wins over a lease)."""
-        self.namespace(namespace_id)
-        self.check_hashes(hashes)
+        self._enter(namespace_id, hashes)
         deleted = 0
         for h in hashes:
-            entry = self._index.get(make_key(namespace_id, h))
+            entry = self.index.get(make_key(namespace_id, h))
             if entry is not None:
-                self._drop(entry)
+                self.copies.drop(entry)
                 deleted += 1
         self.counters.deletes += deleted
         return deleted
 
     def pin(self, namespace_id: bytes, hashes: Sequence[bytes], ttl_ms: int = 0) -> PinResult:
         """Pin every named block that is present (not only a prefix) for `ttl_ms`."""
-        info = self.namespace(namespace_id)
-        self.check_hashes(hashes)
-        self.expire_leases()
-        ttl = ttl_ms or self.limits.default_pin_ms
-        entries = [e for h in hashes if (e := self._index.get(make_key(namespace_id, h))) is not None]
+        info = self._enter(namespace_id, hashes)
+        ttl = ttl_ms or self._limits.default_pin_ms
+        entries = [e for h in hashes if (e := self.index.get(make_key(namespace_id, h))) is not None]
         if not entries:
             return PinResult("", 0, 0)
         lease = self._acquire_lease(np.array([e.row for e in entries], np.int64), ttl, tenant=info.tenant)
-        return PinResult(lease.lease_id, len(entries), min(ttl, self.limits.max_lease_ms))
+        return PinResult(lease.lease_id, len(entries), min(ttl, self._limits.max_lease_ms))
 
     def lease_prefix(
         self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, ttl_ms: int, tier: str
@@ -1532,28 +435,22 @@ class Store:
         Like `lookup`, one probe of the chain and array steps over its rows: no object
         or Python step per block beyond the lease's hold on each.
         """
-        info = self.namespace(namespace_id)
+        info = self._enter(namespace_id)
         packed = self._packed_chain(hashes)
-        self.expire_leases()
-        rows = self._index.prefix_rows(namespace_id, packed)
+        rows = self._prefix_rows(namespace_id, packed)
         tops = self._top_ids(rows)
-        st = self._tier_by_name[tier]
+        st = self._by_name[tier]
         tid = self._tier_ids[tier]
         elsewhere = np.flatnonzero(tops != tid)
         run = rows[: int(elsewhere[0])] if len(elsewhere) else rows
-        t = self._index.table
         lease_id = ""
         offsets: list[int] = []
         checksums: list[int] = []
         if len(run):
             lease_id = self._acquire_lease(run, ttl_ms, holds_bytes=True, tenant=info.tenant).lease_id
-            lt, lo = t.lt[run], t.lo[run]
-            second = lt[:, 1] == tid
-            offsets = np.where(second, lo[:, 1], lo[:, 0]).tolist()
-            for i in np.flatnonzero(~second & (lt[:, 0] != tid)).tolist():
-                offsets[i] = BlockEntry.of(t, int(run[i])).locations[tier].offset  # a third copy, mid-move
-            checksums = t.csum[run].tolist()
-            nbytes = int(t.nbytes[run].sum())
+            offsets = self.index.offsets_in(run, tid)
+            checksums = self.index.checksums_of(run)
+            nbytes = int(self.index.nbytes_of(run).sum())
             self.counters.bytes_out += nbytes
             self.counters.local_bytes_out += nbytes
             st.defer_touch(run[::-1])
@@ -1570,27 +467,17 @@ class Store:
         )
         return result, offsets, checksums
 
-    def _packed_chain(self, hashes: Sequence[bytes] | bytes) -> bytes:
-        """A chain of hashes, given one by one or packed (N x 16 bytes), packed; its
-        length is checked against the per-call limit."""
-        if isinstance(hashes, bytes):
-            self._check_count(packed_count(hashes), "block hashes")
-            return hashes
-        self.check_hashes(hashes)
-        return b"".join(hashes)
-
     async def verify(self, namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[int, int]:
         """Re-check the named blocks against their checksums; drop and count the bad ones.
 
         Returns (verified, dropped). A client that saw a mismatch asks for this: the
         daemon does not take the client's word, it looks for itself.
         """
-        self.namespace(namespace_id)
-        self.check_hashes(hashes)
-        entries = [e for h in hashes if (e := self._index.get(make_key(namespace_id, h))) is not None]
+        self._enter(namespace_id, hashes)
+        entries = [e for h in hashes if (e := self.index.get(make_key(namespace_id, h))) is not None]
         verified = dropped = 0
         for entry in entries:
-            self._hold(entry)
+            self.copies.hold(entry)
         try:
             # Every copy, not only the one served first: a bad SSD copy would be served
             # once the memory copy is gone.
@@ -1599,7 +486,7 @@ class Store:
                 for st in [t for t in self.tiers if t.name in entry.locations]:
                     if entry.removed:
                         break
-                    if await self._read_verified(entry, st) is None:
+                    if await self.placement.read_verified(entry, st) is None:
                         bad = True
                 if bad:
                     dropped += 1
@@ -1607,7 +494,7 @@ class Store:
                     verified += 1
         finally:
             for entry in entries:
-                self._release(entry)
+                self.copies.release(entry)
         return verified, dropped
 
     def hint(self, namespace_id: bytes, hashes: Sequence[bytes], session_id: str, expect_reuse_within_s: float) -> int:
@@ -1617,18 +504,17 @@ class Store:
         ignore it, so a hint never changes correctness, only what is evicted first.
         """
         check_hint(session_id, expect_reuse_within_s)
-        self.namespace(namespace_id)
-        self.check_hashes(hashes)
+        self._enter(namespace_id, hashes)
         by_tier: dict[str, list[bytes]] = {}
         present = 0
         for h in hashes:
-            entry = self._index.get(make_key(namespace_id, h))
+            entry = self.index.get(make_key(namespace_id, h))
             if entry is not None:
                 present += 1
                 for name in entry.locations:  # every copy is protected where it lives
                     by_tier.setdefault(name, []).append(entry.key)
         for name, keys in by_tier.items():
-            self._tier_by_name[name].policy.hint(keys, session_id, expect_reuse_within_s)
+            self._by_name[name].policy.hint(keys, session_id, expect_reuse_within_s)
         return present
 
     def end_session(self, session_id: str) -> None:
@@ -1643,23 +529,7 @@ class Store:
     def _acquire_lease(
         self, rows: np.ndarray[Any, Any], ttl_ms: int, holds_bytes: bool = False, tenant: str = "default"
     ) -> Lease:
-        """A lease on the blocks of `rows` (indexed rows of the block table) counted
-        against `tenant` (the namespace's tenant). Checked before anything changes: a
-        refused lease leaves no pin behind."""
-        if ttl_ms < 0:
-            raise InvalidArgument(f"lease time must be >= 0 ms, got {ttl_ms}")
-        per_tenant = self.limits.max_leases_per_tenant
-        if per_tenant is not None and (held := self._leases.held(tenant)) >= per_tenant:
-            raise ResourceExhausted(
-                f"tenant {tenant!r} has {held} leases active, the most max_leases_per_tenant ({per_tenant}) allows; "
-                "release leases (Unpin) or wait for them to expire"
-            )
-        if len(self._leases) >= self.limits.max_leases:
-            raise ResourceExhausted(
-                f"{self.limits.max_leases} leases are active; release leases (Unpin) or wait for them to expire"
-            )
-        ttl_ms = min(ttl_ms, self.limits.max_lease_ms)
-        return self._leases.acquire(self._index.table, rows, self._clock() + ttl_ms / 1000.0, holds_bytes, tenant)
+        return self._leases.grant(self.index.table, rows, ttl_ms, self._clock(), self._limits, holds_bytes, tenant)
 
     def tenant_leases(self, tenant: str) -> int:
         """How many leases `tenant` has active (expired ones are dropped first)."""
@@ -1667,7 +537,8 @@ class Store:
         return self._leases.held(tenant)
 
     def expire_leases(self) -> int:
-        return self._leases.expire(self._clock())
+        """Release the leases past their deadline now; how many (see the module docstring)."""
+        return self._expire(self._clock())
 
     # ----------------------------------------------------------------- operator verbs
 
@@ -1675,10 +546,12 @@ class Store:
         """Remove every block (of one namespace, if given), leased or not, like `delete`.
         The operator's `kvstore flush`."""
         if namespace_id is not None:
-            self.namespace(namespace_id)
-        doomed = [e for e in self._index if namespace_id is None or e.key[:HASH_BYTES] == namespace_id]
+            self._enter(namespace_id)
+        else:
+            self.expire_leases()
+        doomed = [e for e in self.index if namespace_id is None or e.key[:HASH_BYTES] == namespace_id]
         for entry in doomed:
-            self._drop(entry)
+            self.copies.drop(entry)
         self.counters.deletes += len(doomed)
         if doomed:
             logger.info("purged %d blocks%s", len(doomed), f" of namespace {namespace_id.hex()}" if namespace_id else "")
@@ -1688,34 +561,21 @@ class Store:
         """Make room in `tier`, in its policy's order, until `nbytes` are freed or nothing
         evictable is left: memory tiers demote their victims (the last tier drops them),
         the SSD tier reclaims whole regions. Pinned and in-use blocks stay."""
-        st = self._tier_by_name.get(tier)
+        st = self._by_name.get(tier)
         if st is None:
-            raise InvalidArgument(f"no tier named {tier!r} in this daemon; tiers: {', '.join(self._tier_by_name)}")
+            raise InvalidArgument(f"no tier named {tier!r} in this daemon; tiers: {', '.join(self._by_name)}")
         if nbytes < 0:
             raise InvalidArgument(f"bytes to evict must be >= 0, got {nbytes}")
         self.expire_leases()
-        freed = 0
-        c = st.counters
-        moved_before = c.evictions + c.demotions
-        while freed < nbytes:
-            used = st.tier.used_bytes
-            progress = c.evictions + c.demotions
-            try:
-                await self._evict_one(st, 0)
-            except ResourceExhausted:
-                break  # everything left is pinned or in use
-            freed += max(0, used - st.tier.used_bytes)
-            if st.tier.used_bytes == used and c.evictions + c.demotions == progress:
-                break  # no progress (the victim was busy): stop rather than spin
-        blocks = c.evictions + c.demotions - moved_before
-        logger.info("operator eviction from %s: %d blocks, %d bytes", tier, blocks, freed)
-        return RemovalResult(blocks, freed)
+        result = await self.placement.evict_bytes(st, nbytes)
+        logger.info("operator eviction from %s: %d blocks, %d bytes", tier, result.blocks, result.removed_bytes)
+        return result
 
     def namespace_blocks(self, namespace_id: bytes) -> list[BlockRef]:
         """Every READY block of a namespace, parents before children, chains consecutive
         (depth-first from each root), so the list replays as chained puts."""
-        self.namespace(namespace_id)
-        entries = [e for e in self._index if e.key[:HASH_BYTES] == namespace_id]
+        self._enter(namespace_id)
+        entries = [e for e in self.index if e.key[:HASH_BYTES] == namespace_id]
         present = {e.key for e in entries}
         children: dict[bytes, list[BlockEntry]] = {}
         roots = []
@@ -1737,8 +597,8 @@ class Store:
         """Every READY block, grouped by namespace and the tier it is served from (a
         point-in-time snapshot)."""
         groups: dict[tuple[bytes, str], list[bytes]] = {}
-        for entry in self._index:
-            groups.setdefault((entry.key[:HASH_BYTES], self._top_name(entry)), []).append(entry.key[HASH_BYTES:])
+        for entry in self.index:
+            groups.setdefault((entry.key[:HASH_BYTES], self.copies.top_name(entry)), []).append(entry.key[HASH_BYTES:])
         return [BlockGroup(ns, tier, tuple(hashes)) for (ns, tier), hashes in groups.items()]
 
     # ----------------------------------------------------------------- stats
@@ -1755,533 +615,11 @@ class Store:
                     policy=st.policy.name,
                     counters=TierCounters(**{k: getattr(st.counters, k) for k in TierCounters.__slots__}),
                     facts=st.tier.describe(),
-                    pending_writes=self.pending_ssd_writes if st is self.ssd else 0,
+                    pending_writes=self.pending_ssd_writes if st is self.placement.inclusive else 0,
                 )
                 for st in self.tiers
             ],
             counters=StoreCounters(**{k: getattr(self.counters, k) for k in StoreCounters.__slots__}),
-            namespaces=len(self._namespaces),
+            namespaces=len(self.registry),
             leases_active=len(self._leases),
         )
-
-
-class FetchStream:
-    """Verified bytes of planned blocks, in order, as an async iterator.
-
-    Each block is copied out of its highest tier right before it is sent, and the copy is
-    verified against the checksum taken at put time: what leaves the daemon is exactly
-    what was checked. Blocks go out one at a time, each as soon as its own copy verified,
-    so sending never waits for a batch and the copy of the next block overlaps the
-    transport flushing the previous one. A block that fails is dropped from that tier and
-    counted, and the stream ends there: nothing after it is sent, nor even framed (only
-    SSD reads already started ahead may have run). The stream may therefore yield fewer
-    than `num_blocks` blocks. Blocks on SSD are read ahead of
-    the consumer (up to FETCH_AHEAD_BYTES), and a block served from SSD may be promoted
-    into the top memory tier on the way out.
-    """
-
-    def __init__(self, store: Store, entries: list[BlockEntry], block_bytes: int, lease_id: str) -> None:
-        self._store = store
-        self._entries = entries
-        self._lease_id = lease_id
-        self.num_blocks = len(entries)
-        self.block_bytes = block_bytes
-        self._closed = False
-        # SSD reads started ahead of the consumer, by stream position; and copies of large
-        # blocks running on the hashing threads (they read tier memory these entries hold:
-        # `close` waits for them before letting go of the blocks).
-        self._reads: dict[int, asyncio.Task[tuple[StoreTier, bytes | None]]] = {}
-        self._jobs: set[Future[tuple[Framed, int]]] = set()
-        for entry in entries:
-            store._hold(entry)
-
-    async def __aenter__(self) -> FetchStream:
-        return self
-
-    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for task in self._reads.values():
-            task.cancel()
-        self._reads.clear()
-        if self._jobs:
-            # A copy still running reads a slot that only our hold keeps from reuse: drop
-            # the copies not started, wait for the running one (one block).
-            wait_futures([job for job in self._jobs if not job.cancel()])
-            self._jobs.clear()
-        for entry in self._entries:
-            self._store._release(entry)
-        if self._lease_id:
-            self._store._leases.release(self._lease_id)
-
-    def _view(self, entry: BlockEntry) -> tuple[StoreTier | None, memoryview | None]:
-        """The tier the block is served from (its top tier), with a view of its bytes when
-        that tier is host memory (`frame` copies the view, and the copy is what gets
-        verified); no view when the bytes must be read (`_get`); no tier when the block
-        is gone."""
-        slots = entry.slots()  # one read of the block's locations (`Store.top_tier` takes several)
-        if not slots or entry.removed:
-            return None, None
-        for st in self._store.tiers:  # top first
-            for slot in slots:
-                if slot.tier == st.name:
-                    return st, st.tier.view(slot, entry.nbytes)
-        return None, None
-
-    async def _get(self, entry: BlockEntry, st: StoreTier) -> tuple[StoreTier, bytes | None]:
-        """A copy of the block read from a tier without views (SSD); None if it failed."""
-        try:
-            return st, await st.tier.get_block(entry.locations[st.name], entry.nbytes)
-        except DataLoss as exc:
-            logger.warning("block %s in tier %s: %s", entry.key.hex(), st.name, exc)
-            self._store._checksum_failed(entry, st)
-            return st, None
-
-    def _start_read(self, position: int) -> None:
-        """Start reading the block at `position` if it has no view (SSD, HBM)."""
-        entry = self._entries[position]
-        st, view = self._view(entry)
-        if st is not None and view is None:
-            self._reads[position] = asyncio.ensure_future(self._get(entry, st))
-
-    async def _copy_off_loop(self, frame: Callable[[int, memoryview], Framed], position: int,
-                             data: memoryview) -> tuple[Framed, int]:
-        executor = self._store._executor
-        assert executor is not None
-        job = executor.submit(frame_and_checksum, frame, position, data)
-        self._jobs.add(job)
-        try:
-            return await asyncio.wrap_future(job)
-        finally:
-            if job.done():
-                self._jobs.discard(job)
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        """Each block as one verified copy."""
-        async for framed in self.frames(copy_frame):
-            yield framed.messages[0]
-
-    async def frames(self, frame: Callable[[int, memoryview], Framed]) -> AsyncIterator[Framed]:
-        """Each block as the messages `frame` makes of it (e.g. wire messages), verified.
-
-        `frame` copies the block's bytes into its messages; the checksum is then taken over
-        the payload inside those messages, so what is verified is exactly what is sent,
-        with a single copy out of the tier. A block up to FETCH_INLINE_BYTES is copied and
-        hashed on the loop, right before it is yielded (a thread hand-off per block costs
-        more than it saves: the copy holds the GIL); a larger one on a hashing thread, so
-        the loop stays responsive (`frame` must then be safe to call off the loop).
-        """
-        store = self._store
-        entries = self._entries
-        promote = store.migration.promote_on_hit and store.ssd is not None
-        off_loop = store._executor is not None
-        # Blocks without views are read ahead, concurrently: reads have been started for
-        # the blocks before `ahead_end`, which hold `ahead_bytes` from the current one on.
-        read_ahead = any(not st.tier.has_host_view for st in store.tiers)
-        ahead_end = ahead_bytes = 0
-        served: list[tuple[StoreTier, BlockEntry]] = []  # for the policies, touched once at the end
-        try:
-            for i, entry in enumerate(entries):
-                if self._closed:
-                    return
-                while read_ahead and ahead_end < len(entries) and (ahead_end <= i or ahead_bytes < FETCH_AHEAD_BYTES):
-                    self._start_read(ahead_end)
-                    ahead_bytes += entries[ahead_end].nbytes
-                    ahead_end += 1
-                ahead_bytes -= entry.nbytes
-                st: StoreTier | None
-                data: bytes | memoryview | None
-                read = self._reads.pop(i, None)
-                if read is not None:
-                    st, data = await read
-                else:
-                    st, data = self._view(entry)
-                    if st is not None and data is None:
-                        st, data = await self._get(entry, st)
-                if st is None or data is None:
-                    return  # gone, or its copy could not be read (dropped and counted)
-                view = memoryview(data)
-                if off_loop and len(view) > FETCH_INLINE_BYTES:
-                    framed, got = await self._copy_off_loop(frame, i, view)
-                else:
-                    framed, got = frame_and_checksum(frame, i, view)
-                if entry.removed:
-                    return  # deleted while we read it: it no longer exists
-                if got != entry.checksum:
-                    store._checksum_failed(entry, st)
-                    return
-                served.append((st, entry))
-                store.counters.blocks_fetched += 1
-                store.counters.bytes_out += len(view)
-                if promote and st is store.ssd:
-                    await store._promote_on_hit(entry, bytes(data))  # SSD reads are bytes already: no copy
-                yield framed
-        finally:
-            for task in self._reads.values():
-                task.cancel()
-            self._reads.clear()
-            touch_served(served)
-
-
-def touch_served(served: list[tuple[StoreTier, BlockEntry]]) -> None:
-    """Tell each tier's policy of the hits of a fetch, in the order they were served: one
-    vectorized call per tier instead of one per block. Blocks removed meanwhile are left
-    out (their rows may already hold other blocks)."""
-    by_tier: dict[str, tuple[StoreTier, list[int]]] = {}
-    for st, entry in served:
-        if not entry.removed:
-            by_tier.setdefault(st.name, (st, []))[1].append(entry.row)
-    for st, rows in by_tier.values():
-        st.policy.touch_rows(np.asarray(rows, dtype=np.int64))
-
-
-def frame_and_checksum(frame: Callable[[int, memoryview], Framed], position: int,
-                       data: memoryview) -> tuple[Framed, int]:
-    """The block at stream `position` made into messages, and the checksum of the
-    payload inside them (what is verified is what is sent)."""
-    framed = frame(position, data)
-    if framed.checksum is not None:
-        return framed, framed.checksum
-    return framed, checksum_pieced([framed.payload])[0]
-
-
-@dataclass(frozen=True, slots=True)
-class Framed:
-    """A block made into messages; `payload` views, in order, cover exactly its bytes.
-    `checksum`: the payload's, where the framing took it while copying (else None)."""
-
-    messages: list[bytes]
-    payload: list[memoryview]
-    checksum: int | None = None
-
-
-def copy_frame(index: int, data: memoryview) -> Framed:
-    """One message: a plain copy of the block."""
-    copy = bytes(data)
-    return Framed([copy], [memoryview(copy)])
-
-
-class PutTxn:
-    """One put in flight: PENDING slots that become READY all together on `commit`.
-
-    Blocks must arrive in order (chunks of block i, then of block i+1). A block already
-    READY when the put began is accepted and discarded without being stored again.
-    Its blocks are rows of the block table (an array), each with its slot: no object
-    per block beyond the slot the tier handed out.
-    """
-
-    def __init__(
-        self, store: Store, info: NamespaceInfo, hashes: list[bytes], parent_hash: bytes | None, tier: StoreTier | None
-    ) -> None:
-        self._store = store
-        self._info = info
-        self._hashes = hashes
-        self.block_bytes = info.layout.bytes_per_block
-        self._itemsize = DTYPE_BYTES.get(info.layout.dtype, 1)
-        n = self._n = len(hashes)
-        q = np.frombuffer(b"".join(hashes), "<u8")
-        self._q0, self._q1 = q[0::2], q[1::2]
-        self._parent_hash = parent_hash or None
-        # Each block's PENDING row and slot; -1 and None for a block present before the put.
-        self._rows = np.full(n, -1, np.int64)
-        self._slots: list[Slot | None] = [None] * n
-        # Blocks already READY when the put began, held so that making room for the new
-        # blocks cannot evict them (the put would otherwise report them present when not).
-        self._held: list[BlockEntry] = []
-        self._received = [0] * len(hashes)
-        self._current = 0
-        self._done = False
-        self._tier = tier
-        # Tiers where this put holds its bytes against the tenant's quota, until it ends.
-        self._quota_held: list[str] = []
-        self._quota_bytes = 0
-
-    async def __aenter__(self) -> PutTxn:
-        await self.reserve()
-        return self
-
-    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if not self._done:
-            self.abort()
-
-    async def reserve(self) -> None:
-        """Allocate PENDING slots for the blocks not already present (making room as needed)."""
-        store = self._store
-        new = self._hold_present()
-        landing = [self._tier] if self._tier is not None else store._landing_tiers()
-        room = sum(st.tier.capacity_bytes for st in landing)
-        need = len(new) * landing[0].tier.accounted_size(self.block_bytes)
-        if need > room:
-            raise ResourceExhausted(
-                f"this put needs {need} bytes but the tiers puts land in ({', '.join(t.name for t in landing)}) "
-                f"hold {room}; put fewer blocks per call or raise their capacity"
-            )
-        try:
-            nbytes = self.block_bytes
-            quotas = store.tenancy.quotas.get(self._info.tenant)
-            if quotas and new:
-                # The put must fit the tenant's quota in every tier it may land in; its
-                # bytes count there from when room is made until it commits or aborts.
-                self._quota_bytes = len(new) * self.block_bytes
-                for st in landing:
-                    if st.name in quotas:
-                        await store._quota_room(self._info, st, self._quota_bytes)
-                        store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
-                        self._quota_held.append(st.name)
-            # What fits in the first landing tier now, in one step; then, per block, the
-            # next tier with room, or room made (no await and no coroutine where a tier has room).
-            slots: list[Slot] = landing[0].tier.allocate_many(nbytes, len(new)) if new else []
-            try:
-                for k in range(len(slots), len(new)):
-                    slot = next((s for st in landing if (s := st.tier.allocate(nbytes)) is not None), None)
-                    if slot is None:
-                        slot = await store._allocate_put(nbytes, landing, len(new) - k)
-                        if self._done:  # aborted while making room
-                            store._tier_by_name[slot.tier].tier.free(slot)
-                            raise FailedPrecondition("this put was aborted")
-                    slots.append(slot)
-            except BaseException:
-                store.free_slots(slots)
-                raise
-            self._make_entries(new, slots)
-        except BaseException:
-            self.abort()
-            raise
-
-    def _hold_present(self) -> list[int]:
-        """Hold the blocks of this put that are READY already; the others' positions."""
-        store = self._store
-        t = store._index.table
-        present = t.find_rows(t.ns_id(self._info.namespace_id), self._q0, self._q1)
-        for row in present[present >= 0].tolist():
-            entry = store._index.entry(row)
-            store._hold(entry)
-            self._held.append(entry)
-        return np.flatnonzero(present < 0).tolist()
-
-    def _make_entries(self, new: list[int], slots: Sequence[Slot]) -> None:
-        """PENDING rows for blocks `new` (positions in the put), block i in slots[i], in
-        whole-column steps."""
-        if not new:
-            return
-        store = self._store
-        index = store._index
-        t = index.table
-        at = np.array(new, np.int64)
-        rows = t.take_rows(len(new))
-        t.ns[rows] = t.ns_id(self._info.namespace_id)
-        t.h0[rows] = self._q0[at]
-        t.h1[rows] = self._q1[at]
-        # The parent of block i is block i - 1 of this put, or the put's parent for block 0.
-        prev = at - 1
-        chained = prev >= 0
-        t.ph0[rows[chained]] = self._q0[prev[chained]]
-        t.ph1[rows[chained]] = self._q1[prev[chained]]
-        flags = np.full(len(rows), LIVE, np.uint8)
-        flags[chained] |= HAS_PARENT
-        if self._parent_hash is not None and not chained[0]:
-            t.vph0[rows[0]], t.vph1[rows[0]] = struct.unpack("<QQ", self._parent_hash)
-            flags[0] |= HAS_PARENT
-        t.flags[rows] = flags
-        t.nbytes[rows] = self.block_bytes
-        t.item[rows] = self._itemsize
-        t.csum[rows] = 0
-        names = {s.tier for s in slots}
-        if len(names) == 1:
-            t.lt[rows, 0] = t.tier_id(next(iter(names)))
-        else:
-            t.lt[rows, 0] = [t.tier_id(s.tier) for s in slots]
-        t.lt[rows, 1] = 0
-        t.lo[rows, 0] = [s.offset for s in slots]
-        t.ls[rows, 0] = [s.size for s in slots]
-        self._rows[at] = rows
-        if len(new) == self._n:
-            self._slots = list(slots)
-        else:
-            for i, slot in zip(new, slots):
-                self._slots[i] = slot
-
-    async def adopt(self, filled: Sequence[Slot]) -> list[Slot]:
-        """Instead of `reserve`: take slots from `Store.reserve_slots` that a co-located
-        client already filled, block i in `filled[i]`. Returns the slots of blocks already
-        present (their bytes are not needed), which stay the caller's. The tenant's quota
-        applies as in `reserve`; if this raises, no slot was taken."""
-        if len(filled) != self._n:
-            raise InvalidArgument(f"{len(filled)} filled slots for a put of {self._n} blocks")
-        store = self._store
-        new = self._hold_present()
-        quotas = store.tenancy.quotas.get(self._info.tenant)
-        if quotas and new:
-            landing = [self._tier] if self._tier is not None else store._landing_tiers()
-            self._quota_bytes = len(new) * self.block_bytes
-            for st in landing:
-                if st.name in quotas:
-                    await store._quota_room(self._info, st, self._quota_bytes)
-                    store.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
-                    self._quota_held.append(st.name)
-        self._make_entries(new, [filled[i] for i in new])
-        new_set = set(new)
-        return [slot for i, slot in enumerate(filled) if i not in new_set]
-
-    async def write(self, block: int, data: bytes | memoryview) -> None:
-        """Append `data` to block `block`'s payload."""
-        if self._done:
-            raise FailedPrecondition("this put has already finished")
-        if not 0 <= block < self._n:
-            raise InvalidArgument(f"chunk for block {block}, but the put carries {self._n} blocks")
-        if block < self._current:
-            raise InvalidArgument(f"chunk for block {block} after block {self._current} began; send blocks in order")
-        while self._current < block:
-            self._check_complete(self._current)
-            self._current += 1
-        offset = self._received[block]
-        if offset + len(data) > self.block_bytes:
-            raise InvalidArgument(
-                f"block {block} got {offset + len(data)} bytes, but a block of this namespace is "
-                f"{self.block_bytes} bytes (layout {self._info.layout.model}, "
-                f"{self._info.layout.block_size_tokens} tokens); check the layout you sent"
-            )
-        slot = self._slots[block]
-        if slot is not None:
-            await self._store._tier_by_name[slot.tier].tier.write(slot, offset, data)
-        self._received[block] = offset + len(data)
-
-    def slots(self) -> list[Slot | None]:
-        """Where each block's bytes must land; None for blocks already present."""
-        return list(self._slots)
-
-    def mark_written(self) -> None:
-        """Every byte was written into the slots by someone else (a co-located client)."""
-        self._received = [self.block_bytes] * self._n
-        self._current = self._n - 1
-
-    def _check_complete(self, block: int) -> None:
-        got = self._received[block]
-        if got != self.block_bytes:
-            raise InvalidArgument(
-                f"block {block} got {got} bytes, but a block of this namespace is {self.block_bytes} bytes; "
-                "check the layout you sent"
-            )
-
-    async def commit(self, checksums: Sequence[int] | None = None) -> PutResult:
-        """Verify every block is complete, checksum, and publish. Read-your-writes holds on return.
-
-        `checksums` (one per block of the put, in order) are taken as given instead of
-        hashing the slots: a co-located client hashes its source while copying it in. A
-        wrong one cannot cause a wrong block to be served: every read verifies.
-        """
-        store = self._store
-        n = self._n
-        if self._received.count(self.block_bytes) != n:
-            for i in range(n):
-                self._check_complete(i)
-        new_at = np.flatnonzero(self._rows >= 0)
-        rows = self._rows[new_at]
-        every = len(new_at) == n
-        tiers = store._tier_by_name
-        t = store._index.table
-        if checksums is not None:
-            if len(checksums) != n:
-                raise InvalidArgument(f"{len(checksums)} checksums for a put of {n} blocks")
-            sums = checksums if every else [checksums[i] for i in new_at.tolist()]
-        else:
-            slots = [slot for slot in self._slots if slot is not None]  # the new blocks', in order
-            sizes = t.nbytes[rows].tolist()
-            views = [tiers[s.tier].tier.view(s, nb) for s, nb in zip(slots, sizes)]
-            if any(v is None for v in views):
-                # Not host-visible (HBM): the tier's read completes only after the device
-                # copy has, so the checksum covers bytes that have landed.
-                datas: list[bytes | memoryview] = [await tiers[s.tier].tier.read(s, nb) for s, nb in zip(slots, sizes)]
-            else:
-                datas = [v for v in views if v is not None]
-            sums = await checksum_batch(datas, store._executor)
-        if self._done:  # aborted while checksumming (cancelled call)
-            raise FailedPrecondition("this put was aborted")
-        t.csum[rows] = np.array(sums, np.uint64)
-        # Published by a concurrent put since this one began: one probe for all.
-        raced = t.find_rows(t.ns_id(self._info.namespace_id), t.h0[rows], t.h1[rows]) >= 0
-        if raced.any():
-            for k in np.flatnonzero(raced).tolist():
-                self._drop_pending(int(new_at[k]))
-            rows = rows[~raced]
-        stored = len(rows)
-        existing = n - stored
-        store._publish(rows)
-        self._done = True
-        self._release_held()
-        c = store.counters
-        c.puts += 1
-        c.blocks_stored += stored
-        c.blocks_existing += existing
-        c.bytes_in += stored * self.block_bytes
-        if checksums is not None:  # the client wrote the bytes into the segment itself
-            c.local_bytes_in += stored * self.block_bytes
-        return PutResult(self._info.namespace_id, stored, existing, list(self._hashes))
-
-    def abort(self) -> None:
-        """Free every PENDING slot. Nothing of this put was ever visible."""
-        if self._done:
-            return
-        self._done = True
-        self._release_held()
-        self._store.counters.put_failures += 1
-        for i in np.flatnonzero(self._rows >= 0).tolist():
-            self._drop_pending(i)
-
-    def _drop_pending(self, i: int) -> None:
-        """Free block i's PENDING slot and row (the put will not publish it)."""
-        slot, row = self._slots[i], int(self._rows[i])
-        assert slot is not None and row >= 0
-        self._store._tier_by_name[slot.tier].tier.free(slot)
-        t = self._store._index.table
-        BlockEntry.of(t, row).clear_slots()
-        t.free_row(row)
-        self._slots[i] = None
-        self._rows[i] = -1
-
-    def _release_held(self) -> None:
-        for tier in self._quota_held:
-            self._store.tenancy.release(self._info.tenant, tier, self._quota_bytes)
-        self._quota_held.clear()
-        for entry in self._held:
-            self._store._release(entry)
-        self._held.clear()
-
-
-def load_recovered(table: BlockTable, tier: str, report: Any) -> np.ndarray[Any, Any]:
-    """Index the blocks of a `kvstore.tiers.ssd.RecoveryReport` (one copy each, in `tier`)
-    as new rows of `table`, in whole-column steps; returns their rows in report order."""
-    rec = report.records
-    n = len(rec)
-    if not n:
-        return np.zeros(0, np.int64)
-    rows = table.new_rows(n)
-    # Per key: namespace id (2 words), block hash (2 words).
-    words = np.ascontiguousarray(rec["key"]).view("<u8").reshape(n, 4)
-    ns_words = words[:, :2]
-    if np.all(ns_words == ns_words[0]):  # one namespace: the common case, no sort
-        table.ns[rows] = table.ns_id(ns_words[0].tobytes())
-    else:
-        uniq, inverse = np.unique(np.ascontiguousarray(ns_words).view([("a", "<u8"), ("b", "<u8")]).ravel(),
-                                  return_inverse=True)
-        ids = np.array([table.ns_id(u.tobytes()) for u in uniq], np.uint32)
-        table.ns[rows] = ids[inverse.ravel()]
-    table.h0[rows] = words[:, 2]
-    table.h1[rows] = words[:, 3]
-    parents = np.ascontiguousarray(rec["parent"]).view("<u8").reshape(n, 2)
-    table.ph0[rows] = parents[:, 0]
-    table.ph1[rows] = parents[:, 1]
-    # A parent is always of the block's own namespace (the record keeps only its hash).
-    table.flags[rows] = np.where(rec["has_parent"] != 0, LIVE | READY | HAS_PARENT, LIVE | READY).astype(np.uint8)
-    table.csum[rows] = rec["checksum"]
-    table.nbytes[rows] = rec["raw_len"]
-    table.item[rows] = rec["itemsize"]
-    table.lt[rows, 0] = table.tier_id(tier)
-    table.lo[rows, 0] = rec["offset"]
-    table.ls[rows, 0] = rec["size"]
-    table.index_rows(rows)
-    return rows

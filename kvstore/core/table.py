@@ -626,3 +626,38 @@ class BlockTable:
 
     def fingerprints(self, rows: I64) -> U64:
         return key_hash_array(self.ns_fp[self.ns[rows]], self.h0[rows], self.h1[rows])
+
+    def add_recovered(self, tier: str, records: npt.NDArray[np.void]) -> I64:
+        """Index blocks a tier recovered at start (`kvstore.core.tier.RecoveredBlocks.records`:
+        one copy each, in `tier`) as new READY rows, in whole-column steps; returns their
+        rows in record order."""
+        n = len(records)
+        if not n:
+            return np.zeros(0, np.int64)
+        rows = self.new_rows(n)
+        # Per key: namespace id (2 words), block hash (2 words).
+        words = np.ascontiguousarray(records["key"]).view("<u8").reshape(n, 4)
+        ns_words = words[:, :2]
+        if np.all(ns_words == ns_words[0]):  # one namespace: the common case, no sort
+            self.ns[rows] = self.ns_id(ns_words[0].tobytes())
+        else:
+            uniq, inverse = np.unique(np.ascontiguousarray(ns_words).view([("a", "<u8"), ("b", "<u8")]).ravel(),
+                                      return_inverse=True)
+            ids = np.array([self.ns_id(u.tobytes()) for u in uniq], np.uint32)
+            self.ns[rows] = ids[inverse.ravel()]
+        self.h0[rows] = words[:, 2]
+        self.h1[rows] = words[:, 3]
+        parents = np.ascontiguousarray(records["parent"]).view("<u8").reshape(n, 2)
+        self.ph0[rows] = parents[:, 0]
+        self.ph1[rows] = parents[:, 1]
+        # A parent is always of the block's own namespace (the record keeps only its hash).
+        self.flags[rows] = np.where(records["has_parent"] != 0, LIVE | READY | HAS_PARENT,
+                                    LIVE | READY).astype(np.uint8)
+        self.csum[rows] = records["checksum"]
+        self.nbytes[rows] = records["raw_len"]
+        self.item[rows] = records["itemsize"]
+        self.lt[rows, 0] = self.tier_id(tier)
+        self.lo[rows, 0] = records["offset"]
+        self.ls[rows, 0] = records["size"]
+        self.index_rows(rows)
+        return rows

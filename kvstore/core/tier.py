@@ -14,13 +14,20 @@ Two levels of the contract:
 
 Writes and reads are coroutines so that tiers whose bytes move off the event loop
 (SSD files, CUDA streams) share one interface with the memory-addressable ones.
+
+Capabilities the store plans with are declared here, never probed for: `addressable`,
+`has_host_view`, `inclusive` (its copy stays next to the copies above it), `recover`
+(blocks that survived a restart), `region_keys` (what must go for a victim's room to come
+back), and `copier_from_host` / `copier_to_host` (a tier's own transfer handlers).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
+
+import numpy as np
 
 
 class Slot(NamedTuple):
@@ -51,6 +58,25 @@ class BlockMeta:
     itemsize: int = 2
 
 
+class RecoveredBlocks(Protocol):
+    """The blocks a tier found at start (`Tier.recover`), as columns, no object per block.
+
+    `records` is a numpy structured array, one row per block, with the fields `key` (32
+    bytes: namespace id + block hash), `parent` (the parent's 16-byte block hash; its
+    namespace is the block's own), `has_parent`, `checksum`, `raw_len` (payload bytes),
+    `itemsize`, and the slot's `offset` and `size`. `checksum_failures`: records dropped
+    because they did not verify.
+    """
+
+    @property
+    def records(self) -> np.ndarray[Any, Any]: ...
+
+    @property
+    def checksum_failures(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+
 class Tier(ABC):
     """One level of the hierarchy: capacity, accounting, and byte movement."""
 
@@ -60,6 +86,11 @@ class Tier(ABC):
     addressable: ClassVar[bool] = True
     #: Whether `view` returns host memory (copiers memcpy between such tiers).
     has_host_view: ClassVar[bool] = False
+    #: Whether the tier keeps its copy of a block next to copies in the tiers above it
+    #: (the SSD log) instead of holding blocks exclusively, as the memory tiers do among
+    #: themselves: a block raised out of it stays in it, a hit in it may leave a copy
+    #: above, and it is where write-through writes.
+    inclusive: ClassVar[bool] = False
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
@@ -152,6 +183,26 @@ class Tier(ABC):
         """A zero-copy view of the slot for memory-addressable tiers, else None."""
         return None
 
+    async def recover(self) -> RecoveredBlocks | None:
+        """The blocks that survived a restart, for the store to index again; None for a
+        tier that keeps nothing across restarts (memory)."""
+        return None
+
+    def region_keys(self, slot: Slot, key: bytes) -> list[bytes]:
+        """The keys of the live blocks that must all go for the room of `key`'s copy at
+        `slot` to come back, `key` among them. A tier that reclaims whole regions (the SSD
+        log) names every live block of the slot's region; by default, just `key`."""
+        return [key]
+
+    def copier_from_host(self, src: Tier) -> Copier | None:
+        """This tier's own copier for blocks coming from `src` (e.g. a DMA from a host
+        view into device memory), or None to let the generic copiers do it."""
+        return None
+
+    def copier_to_host(self, dst: Tier) -> Copier | None:
+        """This tier's own copier for blocks going to `dst`, or None."""
+        return None
+
     def close(self) -> None:
         """Release the tier's memory or files. The tier is unusable afterwards."""
 
@@ -167,3 +218,13 @@ class Copier(ABC):
 
     @abstractmethod
     async def copy(self, src: Tier, src_slot: Slot, dst: Tier, dst_slot: Slot, nbytes: int) -> None: ...
+
+
+class BounceCopier(Copier):
+    """Any pair of addressable tiers: `read` into bytes, then `write`. What a store uses
+    when it is given no copier choice (the data plane offers faster ones)."""
+
+    name = "bounce"
+
+    async def copy(self, src: Tier, src_slot: Slot, dst: Tier, dst_slot: Slot, nbytes: int) -> None:
+        await dst.write(dst_slot, 0, await src.read(src_slot, nbytes))

@@ -62,7 +62,17 @@ from kvstore.server.pipeline import Pipeline
 from kvstore.server.requests import RequestResolver
 from kvstore.server.runtime import RuntimeConfig
 from kvstore.server.servicer import KVStoreServicer
-from kvstore.tiers import HBM, HOST, HostTier, Tier, TierSettings, build_tiers, default_shm_dir, remove_stale_segments
+from kvstore.tiers import (
+    HBM,
+    HOST,
+    HostTier,
+    Tier,
+    TierSettings,
+    build_tiers,
+    default_shm_dir,
+    make_copier,
+    remove_stale_segments,
+)
 from kvstore.units import human_bytes
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 from kvstore.wire import add_kvstore_servicer
@@ -194,6 +204,7 @@ class Daemon:
                 default_pin_ms=cfg.default_pin_ms,
             ),
             executor=self._executor,
+            make_copier=make_copier,
         )
         unowned.pop_all()  # the store owns its tiers now: closing it closes them
         stack.push_async_callback(self._close_store)

@@ -46,7 +46,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 # The core's after-reply policy calls (see the module docstring): the one import of it.
-from kvstore.core.store import PolicyDeferral
+from kvstore.core.store_tier import PolicyDeferral
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, ResourceExhausted
 from kvstore.laneproto import (
     HEADER,

@@ -29,14 +29,14 @@ from typing import Any, TypeAlias
 import grpc
 
 from kvstore.convert import TIER_BY_NAME, TIER_NAMES
-from kvstore.core.store import Framed, Store
+from kvstore.core.store import Store
 from kvstore.errors import InvalidArgument
 from kvstore.native import XXH3, native
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.local_plane import LocalPlane
 from kvstore.server.requests import RequestResolver, hash_fields, packed_reply
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from kvstore.wire import RawChunk, chunk_prefix, encode_chunk
+from kvstore.wire import Framed, RawChunk, chunk_prefix, encode_chunk
 
 # A gRPC context, or None when the control lane calls (see the module docstring).
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any] | None"

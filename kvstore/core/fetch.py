@@ -1,0 +1,283 @@
+"""The fetch path: verified bytes of a chain's longest present prefix, block by block.
+
+What leaves the daemon is exactly what was checked: each block is copied out of its top
+tier right before it is sent, by the caller's framer (which makes the messages the block
+travels in), and the checksum is taken over the payload inside those messages. The
+framer is handed in (`FetchStream.frames`): the core knows what a framed block offers
+(`FramedBlock`), not the wire codec that makes one.
+
+Blocks are held (as readers) from `open` until the stream closes, so eviction,
+migration and deletion cannot free their bytes mid-read.
+
+Primitives: `FetchPath.open`, `FetchStream.frames`, `touch_served`, `frame_and_checksum`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor, Future
+from concurrent.futures import wait as wait_futures
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+import numpy as np
+
+from kvstore.checksum import checksum_pieced
+from kvstore.core.copies import CopyBook
+from kvstore.core.index import BlockEntry, BlockIndex, make_key
+from kvstore.core.placement import Placement
+from kvstore.core.results import MigrationConfig, NamespaceInfo, StoreCounters
+from kvstore.core.store_tier import StoreTier
+from kvstore.errors import DataLoss
+
+logger = logging.getLogger(__name__)
+
+# A fetch copies and verifies each block right before sending it: on the event loop up
+# to FETCH_INLINE_BYTES per block (a thread hand-off per block costs more than the copy
+# and hash it would move), on a hashing thread above that (the loop stays responsive).
+# Blocks without a view (SSD) are read up to FETCH_AHEAD_BYTES ahead, concurrently.
+FETCH_INLINE_BYTES = 4 * 1024 * 1024
+FETCH_AHEAD_BYTES = 8 * 1024 * 1024
+
+
+class FramedBlock(Protocol):
+    """A block made into messages by a framer (e.g. `kvstore.wire.Framed`): `messages` to
+    send, `payload` views that, in order, cover exactly the block's bytes inside them, and
+    `checksum`, the payload's, where the framer took it while copying (else None)."""
+
+    @property
+    def messages(self) -> list[bytes]: ...
+
+    @property
+    def payload(self) -> list[memoryview]: ...
+
+    @property
+    def checksum(self) -> int | None: ...
+
+
+F = TypeVar("F", bound=FramedBlock)
+
+
+class _OneCopy(NamedTuple):
+    """A block as one plain copy: what iterating a stream yields."""
+
+    messages: list[bytes]
+    payload: list[memoryview]
+    checksum: int | None
+
+
+def _one_copy(index: int, data: memoryview) -> _OneCopy:
+    copy = bytes(data)
+    return _OneCopy([copy], [memoryview(copy)], None)
+
+
+class FetchPath:
+    """Where fetches leave a store: what a `FetchStream` works with, by name."""
+
+    def __init__(self, index: BlockIndex, copies: CopyBook, placement: Placement, counters: StoreCounters,
+                 tiers: Sequence[StoreTier], config: MigrationConfig, executor: Executor | None,
+                 unpin: Callable[[str], object]) -> None:
+        self._index = index
+        self.copies = copies
+        self.placement = placement
+        self.counters = counters
+        self.tiers = list(tiers)  # top first
+        self.executor = executor
+        self.unpin = unpin
+        # A block served from the inclusive tier (SSD) may leave a copy in the top memory tier.
+        self.promote_on_hit = config.promote_on_hit and placement.inclusive is not None
+
+    def open(self, info: NamespaceInfo, hashes: Sequence[bytes], lease_id: str = "") -> FetchStream:
+        """Plan a fetch of the longest present prefix of `hashes` (checked against the
+        per-call limits already); use as `async with`. `lease_id`, if given, is released
+        when the stream closes: the lease's job (bridging lookup and fetch) is done."""
+        ns = info.namespace_id
+        entries = self._index.longest_ready_prefix([make_key(ns, h) for h in hashes])
+        self.counters.fetches += 1
+        return FetchStream(self, entries, info.layout.bytes_per_block, lease_id)
+
+
+class FetchStream:
+    """Verified bytes of planned blocks, in order, as an async iterator.
+
+    Each block is copied out of its highest tier right before it is sent, and the copy is
+    verified against the checksum taken at put time: what leaves the daemon is exactly
+    what was checked. Blocks go out one at a time, each as soon as its own copy verified,
+    so sending never waits for a batch and the copy of the next block overlaps the
+    transport flushing the previous one. A block that fails is dropped from that tier and
+    counted, and the stream ends there: nothing after it is sent, nor even framed (only
+    SSD reads already started ahead may have run). The stream may therefore yield fewer
+    than `num_blocks` blocks. Blocks on SSD are read ahead of
+    the consumer (up to FETCH_AHEAD_BYTES), and a block served from SSD may be promoted
+    into the top memory tier on the way out.
+    """
+
+    def __init__(self, path: FetchPath, entries: list[BlockEntry], block_bytes: int, lease_id: str) -> None:
+        self._path = path
+        self._entries = entries
+        self._lease_id = lease_id
+        self.num_blocks = len(entries)
+        self.block_bytes = block_bytes
+        self._closed = False
+        # SSD reads started ahead of the consumer, by stream position; and copies of large
+        # blocks running on the hashing threads (they read tier memory these entries hold:
+        # `close` waits for them before letting go of the blocks).
+        self._reads: dict[int, asyncio.Task[tuple[StoreTier, bytes | None]]] = {}
+        self._jobs: set[Future[Any]] = set()
+        for entry in entries:
+            path.copies.hold(entry)
+
+    async def __aenter__(self) -> FetchStream:
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._reads.values():
+            task.cancel()
+        self._reads.clear()
+        if self._jobs:
+            # A copy still running reads a slot that only our hold keeps from reuse: drop
+            # the copies not started, wait for the running one (one block).
+            wait_futures([job for job in self._jobs if not job.cancel()])
+            self._jobs.clear()
+        for entry in self._entries:
+            self._path.copies.release(entry)
+        if self._lease_id:
+            self._path.unpin(self._lease_id)
+
+    def _view(self, entry: BlockEntry) -> tuple[StoreTier | None, memoryview | None]:
+        """The tier the block is served from (its top tier), with a view of its bytes when
+        that tier is host memory (`frame` copies the view, and the copy is what gets
+        verified); no view when the bytes must be read (`_get`); no tier when the block
+        is gone."""
+        slots = entry.slots()  # one read of the block's locations (`CopyBook.top_tier` takes several)
+        if not slots or entry.removed:
+            return None, None
+        for st in self._path.tiers:  # top first
+            for slot in slots:
+                if slot.tier == st.name:
+                    return st, st.tier.view(slot, entry.nbytes)
+        return None, None
+
+    async def _get(self, entry: BlockEntry, st: StoreTier) -> tuple[StoreTier, bytes | None]:
+        """A copy of the block read from a tier without views (SSD); None if it failed."""
+        try:
+            return st, await st.tier.get_block(entry.locations[st.name], entry.nbytes)
+        except DataLoss as exc:
+            logger.warning("block %s in tier %s: %s", entry.key.hex(), st.name, exc)
+            self._path.copies.drop_bad_copy(entry, st)
+            return st, None
+
+    def _start_read(self, position: int) -> None:
+        """Start reading the block at `position` if it has no view (SSD, HBM)."""
+        entry = self._entries[position]
+        st, view = self._view(entry)
+        if st is not None and view is None:
+            self._reads[position] = asyncio.ensure_future(self._get(entry, st))
+
+    async def _copy_off_loop(self, frame: Callable[[int, memoryview], F], position: int,
+                             data: memoryview) -> tuple[F, int]:
+        executor = self._path.executor
+        assert executor is not None
+        job = executor.submit(frame_and_checksum, frame, position, data)
+        self._jobs.add(job)
+        try:
+            return await asyncio.wrap_future(job)
+        finally:
+            if job.done():
+                self._jobs.discard(job)
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        """Each block as one verified copy."""
+        async for framed in self.frames(_one_copy):
+            yield framed.messages[0]
+
+    async def frames(self, frame: Callable[[int, memoryview], F]) -> AsyncIterator[F]:
+        """Each block as the messages `frame` makes of it (e.g. wire messages), verified.
+
+        `frame` copies the block's bytes into its messages; the checksum is then taken over
+        the payload inside those messages, so what is verified is exactly what is sent,
+        with a single copy out of the tier. A block up to FETCH_INLINE_BYTES is copied and
+        hashed on the loop, right before it is yielded (a thread hand-off per block costs
+        more than it saves: the copy holds the GIL); a larger one on a hashing thread, so
+        the loop stays responsive (`frame` must then be safe to call off the loop).
+        """
+        path = self._path
+        entries = self._entries
+        promote = path.promote_on_hit
+        off_loop = path.executor is not None
+        # Blocks without views are read ahead, concurrently: reads have been started for
+        # the blocks before `ahead_end`, which hold `ahead_bytes` from the current one on.
+        read_ahead = any(not st.tier.has_host_view for st in path.tiers)
+        ahead_end = ahead_bytes = 0
+        served: list[tuple[StoreTier, BlockEntry]] = []  # for the policies, touched once at the end
+        try:
+            for i, entry in enumerate(entries):
+                if self._closed:
+                    return
+                while read_ahead and ahead_end < len(entries) and (ahead_end <= i or ahead_bytes < FETCH_AHEAD_BYTES):
+                    self._start_read(ahead_end)
+                    ahead_bytes += entries[ahead_end].nbytes
+                    ahead_end += 1
+                ahead_bytes -= entry.nbytes
+                st: StoreTier | None
+                data: bytes | memoryview | None
+                read = self._reads.pop(i, None)
+                if read is not None:
+                    st, data = await read
+                else:
+                    st, data = self._view(entry)
+                    if st is not None and data is None:
+                        st, data = await self._get(entry, st)
+                if st is None or data is None:
+                    return  # gone, or its copy could not be read (dropped and counted)
+                view = memoryview(data)
+                if off_loop and len(view) > FETCH_INLINE_BYTES:
+                    framed, got = await self._copy_off_loop(frame, i, view)
+                else:
+                    framed, got = frame_and_checksum(frame, i, view)
+                if entry.removed:
+                    return  # deleted while we read it: it no longer exists
+                if got != entry.checksum:
+                    path.copies.drop_bad_copy(entry, st)
+                    return
+                served.append((st, entry))
+                path.counters.blocks_fetched += 1
+                path.counters.bytes_out += len(view)
+                if promote and st.tier.inclusive:
+                    await path.placement.promote_on_hit(entry, bytes(data))  # SSD reads are bytes already: no copy
+                yield framed
+        finally:
+            for task in self._reads.values():
+                task.cancel()
+            self._reads.clear()
+            touch_served(served)
+
+
+def touch_served(served: list[tuple[StoreTier, BlockEntry]]) -> None:
+    """Tell each tier's policy of the hits of a fetch, in the order they were served: one
+    vectorized call per tier instead of one per block. Blocks removed meanwhile are left
+    out (their rows may already hold other blocks)."""
+    by_tier: dict[str, tuple[StoreTier, list[int]]] = {}
+    for st, entry in served:
+        if not entry.removed:
+            by_tier.setdefault(st.name, (st, []))[1].append(entry.row)
+    for st, rows in by_tier.values():
+        st.policy.touch_rows(np.asarray(rows, dtype=np.int64))
+
+
+def frame_and_checksum(frame: Callable[[int, memoryview], F], position: int, data: memoryview) -> tuple[F, int]:
+    """The block at stream `position` made into messages, and the checksum of the
+    payload inside them (what is verified is what is sent)."""
+    framed = frame(position, data)
+    if framed.checksum is not None:
+        return framed, framed.checksum
+    return framed, checksum_pieced([framed.payload])[0]
+
+

@@ -1,0 +1,369 @@
+"""The put path: two-phase puts (`PutTxn`), slots reserved ahead of them, and publish.
+
+Ordering decisions that matter:
+- Publish after the data lands. A put allocates PENDING slots (rows of the block table
+  that no lookup sees), receives every byte, checksums them, and only then adds all its
+  blocks to the index in one synchronous step (`PutPath.publish`). A failed or cancelled
+  put frees its slots; nothing was ever visible.
+- Read-your-writes. `PutTxn.commit` returns only after the index holds the blocks.
+- A block already READY when the put began is held (so making room for the new blocks
+  cannot evict it) and reported as existing, not stored again; one published by a
+  concurrent put meanwhile is found by one probe at commit and given up.
+- A put that finds no room demotes in line (`Placement.allocate_put`); one over its
+  tenant's quota first demotes that tenant's own victims, and holds its bytes against
+  the quota from then until it commits or aborts.
+- One-trip puts from a co-located client: `reserve_slots` hands out empty slots ahead of
+  the put that names them; the client fills them and `PutTxn.adopt` takes them, with
+  the checksums the client took while copying.
+
+Primitives: `PutPath.begin`, `reserve_slots`, `free_slots`, `publish`; `PutTxn.reserve`
+/ `adopt`, `write`, `commit`, `abort`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Executor
+
+import numpy as np
+
+from kvstore.checksum import checksum_batch
+from kvstore.core.copies import CopyBook
+from kvstore.core.index import BlockEntry, BlockIndex
+from kvstore.core.migration import Migrator
+from kvstore.core.placement import Placement
+from kvstore.core.results import NamespaceInfo, PutResult, StoreCounters
+from kvstore.core.store_tier import StoreTier
+from kvstore.core.table import I64
+from kvstore.core.tenancy import TenantLedger
+from kvstore.core.tier import Slot
+from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstore.hashing import HASH_BYTES
+from kvstore.layout import DTYPE_BYTES
+
+
+class PutPath:
+    """Where puts enter a store: what a `PutTxn` works with, by name (the attributes are
+    the transaction's collaborators, read-only for it)."""
+
+    def __init__(self, index: BlockIndex, copies: CopyBook, placement: Placement, migrator: Migrator,
+                 tenancy: TenantLedger, counters: StoreCounters, tiers: Sequence[StoreTier],
+                 executor: Executor | None) -> None:
+        self.index = index
+        self.copies = copies
+        self.placement = placement
+        self.tenancy = tenancy
+        self.counters = counters
+        self.tiers = {t.name: t for t in tiers}
+        self.executor = executor
+        self._migrator = migrator
+
+    def begin(self, info: NamespaceInfo, hashes: Sequence[bytes], parent_hash: bytes | None = None,
+              tier: str | None = None) -> PutTxn:
+        """A two-phase put of `hashes` (in chain order, checked against the per-call limits
+        already) into `info`'s namespace. `tier` names the memory tier the new blocks land
+        in (default: the store's `put_tier`)."""
+        if parent_hash is not None and len(parent_hash) != HASH_BYTES:
+            raise InvalidArgument(f"parent hash must be {HASH_BYTES} bytes, got {len(parent_hash)}")
+        if not hashes:
+            raise InvalidArgument("a put must carry at least one block")
+        if len(set(hashes)) != len(hashes):
+            # Two PENDING entries for one key would both be published: refuse up front.
+            seen: dict[bytes, int] = {}
+            for i, h in enumerate(hashes):
+                if h in seen:
+                    raise InvalidArgument(f"block hash {i} names the same block as block hash {seen[h]}; "
+                                          "a put names each block only once")
+                seen[h] = i
+        target = self.tiers.get(tier) if tier is not None else None
+        if tier is not None and (target is None or not target.tier.addressable):
+            raise FailedPrecondition(f"this daemon has no {tier} memory tier")
+        return PutTxn(self, info, list(hashes), parent_hash, target)
+
+    async def reserve_slots(self, tier: str, nbytes: int, count: int) -> list[Slot]:
+        """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet
+        (making room as a put would): a co-located client fills them ahead of the put that
+        names them (`PutTxn.adopt`). The caller frees what it does not adopt."""
+        st = self.tiers.get(tier)
+        if st is None or not st.tier.addressable:
+            raise FailedPrecondition(f"this daemon has no {tier} memory tier")
+        slots = st.tier.allocate_many(nbytes, count)  # what fits now, in one step
+        try:
+            while len(slots) < count:
+                slots.append(await self.placement.allocate_put(nbytes, [st], count - len(slots)))
+                slots += st.tier.allocate_many(nbytes, count - len(slots))  # the rest of the room made
+        except BaseException:
+            self.free_slots(slots)
+            raise
+        return slots
+
+    def free_slots(self, slots: Sequence[Slot]) -> None:
+        """Return reserved, never-published slots to their tiers."""
+        for slot in slots:
+            self.tiers[slot.tier].tier.free(slot)
+
+    def publish(self, info: NamespaceInfo, rows: I64) -> None:
+        """Make a put's PENDING rows READY (in chain order), in one synchronous step."""
+        if len(rows):
+            # One put's blocks: one namespace, one copy each, published in whole-array steps.
+            self.index.publish(rows[::-1])
+            self.copies.published(info, rows)
+        self._migrator.published(rows)
+
+
+class PutTxn:
+    """One put in flight: PENDING slots that become READY all together on `commit`.
+
+    Blocks must arrive in order (chunks of block i, then of block i+1). A block already
+    READY when the put began is accepted and discarded without being stored again.
+    Its blocks are rows of the block table (an array), each with its slot: no object
+    per block beyond the slot the tier handed out.
+    """
+
+    def __init__(
+        self, puts: PutPath, info: NamespaceInfo, hashes: list[bytes], parent_hash: bytes | None,
+        tier: StoreTier | None
+    ) -> None:
+        self._puts = puts
+        self._info = info
+        self._hashes = hashes
+        self.block_bytes = info.layout.bytes_per_block
+        self._itemsize = DTYPE_BYTES.get(info.layout.dtype, 1)
+        n = self._n = len(hashes)
+        q = np.frombuffer(b"".join(hashes), "<u8")
+        self._q0, self._q1 = q[0::2], q[1::2]
+        self._parent_hash = parent_hash or None
+        # Each block's PENDING row and slot; -1 and None for a block present before the put.
+        self._rows = np.full(n, -1, np.int64)
+        self._slots: list[Slot | None] = [None] * n
+        # Blocks already READY when the put began, held so that making room for the new
+        # blocks cannot evict them (the put would otherwise report them present when not).
+        self._held: list[BlockEntry] = []
+        self._received = [0] * len(hashes)
+        self._current = 0
+        self._done = False
+        self._tier = tier
+        # Tiers where this put holds its bytes against the tenant's quota, until it ends.
+        self._quota_held: list[str] = []
+        self._quota_bytes = 0
+
+    async def __aenter__(self) -> PutTxn:
+        await self.reserve()
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if not self._done:
+            self.abort()
+
+    async def reserve(self) -> None:
+        """Allocate PENDING slots for the blocks not already present (making room as needed)."""
+        puts = self._puts
+        new = self._hold_present()
+        landing = [self._tier] if self._tier is not None else puts.placement.landing_tiers()
+        room = sum(st.tier.capacity_bytes for st in landing)
+        need = len(new) * landing[0].tier.accounted_size(self.block_bytes)
+        if need > room:
+            raise ResourceExhausted(
+                f"this put needs {need} bytes but the tiers puts land in ({', '.join(t.name for t in landing)}) "
+                f"hold {room}; put fewer blocks per call or raise their capacity"
+            )
+        try:
+            nbytes = self.block_bytes
+            quotas = puts.tenancy.quotas.get(self._info.tenant)
+            if quotas and new:
+                # The put must fit the tenant's quota in every tier it may land in; its
+                # bytes count there from when room is made until it commits or aborts.
+                self._quota_bytes = len(new) * self.block_bytes
+                for st in landing:
+                    if st.name in quotas:
+                        await puts.placement.quota_room(self._info, st, self._quota_bytes)
+                        puts.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
+                        self._quota_held.append(st.name)
+            # What fits in the first landing tier now, in one step; then, per block, the
+            # next tier with room, or room made (no await and no coroutine where a tier has room).
+            slots: list[Slot] = landing[0].tier.allocate_many(nbytes, len(new)) if new else []
+            try:
+                for k in range(len(slots), len(new)):
+                    slot = next((s for st in landing if (s := st.tier.allocate(nbytes)) is not None), None)
+                    if slot is None:
+                        slot = await puts.placement.allocate_put(nbytes, landing, len(new) - k)
+                        if self._done:  # aborted while making room
+                            puts.tiers[slot.tier].tier.free(slot)
+                            raise FailedPrecondition("this put was aborted")
+                    slots.append(slot)
+            except BaseException:
+                puts.free_slots(slots)
+                raise
+            self._make_entries(new, slots)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _hold_present(self) -> list[int]:
+        """Hold the blocks of this put that are READY already; the others' positions."""
+        puts = self._puts
+        present = puts.index.find_chain(self._info.namespace_id, self._q0, self._q1)
+        for row in present[present >= 0].tolist():
+            entry = puts.index.entry(row)
+            puts.copies.hold(entry)
+            self._held.append(entry)
+        return np.flatnonzero(present < 0).tolist()
+
+    def _make_entries(self, new: list[int], slots: Sequence[Slot]) -> None:
+        """PENDING rows for blocks `new` (positions in the put), block i in slots[i], in
+        whole-column steps."""
+        if not new:
+            return
+        at = np.array(new, np.int64)
+        rows = self._puts.index.add_pending(self._info.namespace_id, self._q0, self._q1, at, self._parent_hash,
+                                              self.block_bytes, self._itemsize, slots)
+        self._rows[at] = rows
+        if len(new) == self._n:
+            self._slots = list(slots)
+        else:
+            for i, slot in zip(new, slots):
+                self._slots[i] = slot
+
+    async def adopt(self, filled: Sequence[Slot]) -> list[Slot]:
+        """Instead of `reserve`: take slots from `PutPath.reserve_slots` that a co-located
+        client already filled, block i in `filled[i]`. Returns the slots of blocks already
+        present (their bytes are not needed), which stay the caller's. The tenant's quota
+        applies as in `reserve`; if this raises, no slot was taken."""
+        if len(filled) != self._n:
+            raise InvalidArgument(f"{len(filled)} filled slots for a put of {self._n} blocks")
+        puts = self._puts
+        new = self._hold_present()
+        quotas = puts.tenancy.quotas.get(self._info.tenant)
+        if quotas and new:
+            landing = [self._tier] if self._tier is not None else puts.placement.landing_tiers()
+            self._quota_bytes = len(new) * self.block_bytes
+            for st in landing:
+                if st.name in quotas:
+                    await puts.placement.quota_room(self._info, st, self._quota_bytes)
+                    puts.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
+                    self._quota_held.append(st.name)
+        self._make_entries(new, [filled[i] for i in new])
+        new_set = set(new)
+        return [slot for i, slot in enumerate(filled) if i not in new_set]
+
+    async def write(self, block: int, data: bytes | memoryview) -> None:
+        """Append `data` to block `block`'s payload."""
+        if self._done:
+            raise FailedPrecondition("this put has already finished")
+        if not 0 <= block < self._n:
+            raise InvalidArgument(f"chunk for block {block}, but the put carries {self._n} blocks")
+        if block < self._current:
+            raise InvalidArgument(f"chunk for block {block} after block {self._current} began; send blocks in order")
+        while self._current < block:
+            self._check_complete(self._current)
+            self._current += 1
+        offset = self._received[block]
+        if offset + len(data) > self.block_bytes:
+            raise InvalidArgument(
+                f"block {block} got {offset + len(data)} bytes, but a block of this namespace is "
+                f"{self.block_bytes} bytes (layout {self._info.layout.model}, "
+                f"{self._info.layout.block_size_tokens} tokens); check the layout you sent"
+            )
+        slot = self._slots[block]
+        if slot is not None:
+            await self._puts.tiers[slot.tier].tier.write(slot, offset, data)
+        self._received[block] = offset + len(data)
+
+    def slots(self) -> list[Slot | None]:
+        """Where each block's bytes must land; None for blocks already present."""
+        return list(self._slots)
+
+    def mark_written(self) -> None:
+        """Every byte was written into the slots by someone else (a co-located client)."""
+        self._received = [self.block_bytes] * self._n
+        self._current = self._n - 1
+
+    def _check_complete(self, block: int) -> None:
+        got = self._received[block]
+        if got != self.block_bytes:
+            raise InvalidArgument(
+                f"block {block} got {got} bytes, but a block of this namespace is {self.block_bytes} bytes; "
+                "check the layout you sent"
+            )
+
+    async def commit(self, checksums: Sequence[int] | None = None) -> PutResult:
+        """Verify every block is complete, checksum, and publish. Read-your-writes holds on return.
+
+        `checksums` (one per block of the put, in order) are taken as given instead of
+        hashing the slots: a co-located client hashes its source while copying it in. A
+        wrong one cannot cause a wrong block to be served: every read verifies.
+        """
+        puts = self._puts
+        n = self._n
+        if self._received.count(self.block_bytes) != n:
+            for i in range(n):
+                self._check_complete(i)
+        new_at = np.flatnonzero(self._rows >= 0)
+        rows = self._rows[new_at]
+        every = len(new_at) == n
+        tiers = puts.tiers
+        index = puts.index
+        if checksums is not None:
+            if len(checksums) != n:
+                raise InvalidArgument(f"{len(checksums)} checksums for a put of {n} blocks")
+            sums = checksums if every else [checksums[i] for i in new_at.tolist()]
+        else:
+            slots = [slot for slot in self._slots if slot is not None]  # the new blocks', in order
+            nb = self.block_bytes
+            views = [tiers[s.tier].tier.view(s, nb) for s in slots]
+            if any(v is None for v in views):
+                # Not host-visible (HBM): the tier's read completes only after the device
+                # copy has, so the checksum covers bytes that have landed.
+                datas: list[bytes | memoryview] = [await tiers[s.tier].tier.read(s, nb) for s in slots]
+            else:
+                datas = [v for v in views if v is not None]
+            sums = await checksum_batch(datas, puts.executor)
+        if self._done:  # aborted while checksumming (cancelled call)
+            raise FailedPrecondition("this put was aborted")
+        index.set_checksums(rows, sums)
+        # Published by a concurrent put since this one began: one probe for all.
+        raced = index.published_already(self._info.namespace_id, rows)
+        if raced.any():
+            for k in np.flatnonzero(raced).tolist():
+                self._drop_pending(int(new_at[k]))
+            rows = rows[~raced]
+        stored = len(rows)
+        existing = n - stored
+        puts.publish(self._info, rows)
+        self._done = True
+        self._release_held()
+        c = puts.counters
+        c.puts += 1
+        c.blocks_stored += stored
+        c.blocks_existing += existing
+        c.bytes_in += stored * self.block_bytes
+        if checksums is not None:  # the client wrote the bytes into the segment itself
+            c.local_bytes_in += stored * self.block_bytes
+        return PutResult(self._info.namespace_id, stored, existing, list(self._hashes))
+
+    def abort(self) -> None:
+        """Free every PENDING slot. Nothing of this put was ever visible."""
+        if self._done:
+            return
+        self._done = True
+        self._release_held()
+        self._puts.counters.put_failures += 1
+        for i in np.flatnonzero(self._rows >= 0).tolist():
+            self._drop_pending(i)
+
+    def _drop_pending(self, i: int) -> None:
+        """Free block i's PENDING slot and row (the put will not publish it)."""
+        slot, row = self._slots[i], int(self._rows[i])
+        assert slot is not None and row >= 0
+        self._puts.tiers[slot.tier].tier.free(slot)
+        self._puts.index.discard_pending(row)
+        self._slots[i] = None
+        self._rows[i] = -1
+
+    def _release_held(self) -> None:
+        for tier in self._quota_held:
+            self._puts.tenancy.release(self._info.tenant, tier, self._quota_bytes)
+        self._quota_held.clear()
+        for entry in self._held:
+            self._puts.copies.release(entry)
+        self._held.clear()

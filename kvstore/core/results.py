@@ -1,0 +1,223 @@
+"""The store's values: limits and configuration, counters, namespace records, the
+results of its verbs, and the observer it tells of block events.
+
+Plain data only, no behaviour beyond derived properties: every collaborator of the store
+(kvstore.core.store and the modules it is built from) and the server that renders these
+values import them from here, without importing the store.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvstore.core.tier import Slot
+from kvstore.hashing import split_hashes
+from kvstore.layout import KVLayout
+
+
+class WritePolicy(enum.Enum):
+    THROUGH = "through"  # every published block is also written to SSD, in the background
+    BACK = "back"  # a block reaches SSD only when it is demoted
+
+
+class MigrationStatus(enum.Enum):
+    OK = "ok"  # the tier is under its low watermark (or was never over the high one)
+    RUNNING = "running"  # a batch moved blocks; more remain above the low watermark
+    FAIL = "fail"  # over the watermark but nothing is evictable (all pinned or moving)
+
+
+
+@dataclass(frozen=True, slots=True)
+class StoreLimits:
+    max_blocks_per_call: int = 4096
+    max_namespaces: int = 4096
+    max_leases: int = 65536
+    # Most leases one tenant may hold at once (None: only `max_leases` applies).
+    max_leases_per_tenant: int | None = None
+    max_lease_ms: int = 600_000
+    default_pin_ms: int = 30_000
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationConfig:
+    """How blocks move between tiers."""
+
+    write_policy: WritePolicy = WritePolicy.THROUGH
+    # Where puts land: "auto" = the highest addressable tier with room, else a tier name.
+    put_tier: str = "auto"
+    promote_on_hit: bool = True
+    batch_blocks: int = 64
+    tick_s: float = 0.05
+
+
+@dataclass(slots=True)
+class TierCounters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    checksum_failures: int = 0
+    promotions: int = 0  # blocks copied into this tier from a lower one
+    demotions: int = 0  # blocks moved from this tier to a lower one
+    drops: int = 0  # blocks that left the store from this tier (their last copy)
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    lookups: int = 0
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    puts: int = 0
+    put_failures: int = 0
+    blocks_stored: int = 0
+    blocks_existing: int = 0
+    bytes_in: int = 0
+    fetches: int = 0
+    blocks_fetched: int = 0
+    bytes_out: int = 0
+    deletes: int = 0
+    evictions: int = 0
+    checksum_failures: int = 0
+    prefetches: int = 0
+    ssd_write_failures: int = 0
+    # The parts of bytes_in / bytes_out that moved through the shared-memory plane
+    # (the rest went as gRPC bytes); metrics label throughput by plane with them.
+    local_bytes_in: int = 0
+    local_bytes_out: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class NamespaceInfo:
+    namespace_id: bytes
+    layout: KVLayout
+    # The owner, and the public id that starts its hash chains (the namespace id itself
+    # for the default tenant; see kvstore.hashing.tenant_namespace_id).
+    tenant: str = "default"
+    chain_seed: bytes = b""
+    blocks: int = 0
+    bytes: int = 0
+    # Which engines get value from the cache: per-namespace block hit ratio for operators.
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    namespace_id: bytes
+    num_blocks: int
+    block_size_tokens: int
+    tier_ids: bytes  # each hit's top tier, one byte per block: an index into `tier_names`
+    tier_names: tuple[str, ...]  # tier id -> name
+    hashes_packed: bytes  # the hits' hashes, 16 bytes each, in chain order
+    lease_id: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size_tokens
+
+    @property
+    def tiers(self) -> list[str]:
+        """Each hit's tier by name (where it is served from: its top copy)."""
+        ids, names = self.tier_ids, self.tier_names
+        if ids and ids.count(ids[:1]) == len(ids):  # one tier: the common case
+            return [names[ids[0]]] * len(ids)
+        return [names[i] for i in ids]
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        return split_hashes(self.hashes_packed)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """A snapshot of one READY block's metadata, for operators and diagnostics."""
+
+    tier: str
+    slot: Slot
+    nbytes: int
+    checksum: int
+    pins: int
+    tiers: list[str] = field(default_factory=list)  # every tier holding a copy, top first
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    namespace_id: bytes
+    stored: int
+    existing: int
+    block_hashes: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class PinResult:
+    lease_id: str
+    pinned: int
+    expires_in_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    tier: str
+    requested: int
+    raised: int  # copied or moved up into the tier by this call
+    already: int  # were in the tier (or above it) already
+    missing: int  # not in the store, or failed verification on the way up
+    skipped: int = 0  # no room in the target: everything there pinned, held or PENDING
+
+
+@dataclass(frozen=True, slots=True)
+class TierStatus:
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    policy: str
+    counters: TierCounters
+    facts: dict[str, str]
+    pending_writes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RemovalResult:
+    blocks: int
+    removed_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRef:
+    block_hash: bytes
+    parent_hash: bytes  # b"" for the first block of a chain
+
+
+@dataclass(frozen=True, slots=True)
+class BlockGroup:
+    """Blocks of one namespace in one tier (what a resyncing event consumer reloads)."""
+
+    namespace_id: bytes
+    tier: str
+    block_hashes: tuple[bytes, ...]
+
+
+class StoreObserver(Protocol):
+    """Told synchronously, on the loop, when blocks appear, leave or change tier; must not block.
+
+    `blocks_stored` when blocks become READY, `blocks_removed` when a block leaves the
+    daemon (its last copy), `blocks_moved` when migration moves a block between tiers.
+    """
+
+    def blocks_stored(self, namespace_id: bytes, block_hashes: Sequence[bytes], tier: str) -> None: ...
+
+    def blocks_removed(self, namespace_id: bytes, block_hashes: Sequence[bytes], tier: str) -> None: ...
+
+    def blocks_moved(self, namespace_id: bytes, block_hashes: Sequence[bytes], from_tier: str, to_tier: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStatus:
+    tiers: list[TierStatus]
+    counters: StoreCounters
+    namespaces: int
+    leases_active: int

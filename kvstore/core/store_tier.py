@@ -1,0 +1,138 @@
+"""A tier as the control plane sees it (`StoreTier`: bytes, order, watermarks, counters),
+and who applies the policy calls a verb leaves for after its answer (`PolicyDeferral`).
+
+A lookup's hits and a put's new blocks reach a tier's policy after the reply has gone
+out: that is the one reverse edge between a server and the store, and it is named here
+so a server can take it over (the control lane applies the calls right after writing
+its answer instead of leaving them to a loop callback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from kvstore.core.policies import EvictionPolicy
+from kvstore.core.results import TierCounters
+from kvstore.core.tier import Tier
+
+# Policy calls that may wait for the loop (see `StoreTier.defer_touch`).
+DEFERRED_MAX = 64
+
+
+class PolicyDeferral:
+    """Who applies the tiers' deferred policy calls. By default a loop callback after the
+    running one (`call_soon`). A server that answers a call and can apply them itself
+    right after (the control lane) `hold`s it around the call and `release`s it once the
+    answer is written: the calls are then applied in that same callback, which saves the
+    event loop a turn per call. Every tier of a store shares its store's."""
+
+    __slots__ = ("held", "_pending")
+
+    def __init__(self) -> None:
+        self.held = False
+        self._pending: list[StoreTier] = []
+
+    def hold(self) -> None:
+        self.held = True
+
+    def take(self, tier: StoreTier) -> bool:
+        """Whether the holder applies `tier`'s deferred calls (else the tier schedules them)."""
+        if self.held:
+            self._pending.append(tier)
+        return self.held
+
+    def release(self) -> None:
+        """Apply what was deferred while held, in the order the tiers deferred it."""
+        self.held = False
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for tier in pending:
+                tier.apply_deferred()
+
+
+class StoreTier:
+    """A tier as the control plane sees it: bytes (`tier`), order (`policy`), counters.
+
+    Watermarks are fractions of capacity: over `high_watermark` the migrator demotes
+    until the tier is at or under `low_watermark`.
+
+    A lookup's hits and a put's new blocks reach the policy after the answer has gone out
+    (`defer_touch`, `defer_insert`): the call is queued and applied by a loop callback,
+    or at the latest by the next use of `policy`, which applies whatever is queued
+    first. So the policy sees exactly the same calls in the same order as if each had
+    been made on the spot; only the reply no longer waits for them.
+    """
+
+    __slots__ = ("tier", "_policy", "high_watermark", "low_watermark", "counters", "draining",
+                 "_deferred", "_flush_scheduled", "deferral")
+
+    def __init__(self, tier: Tier, policy: EvictionPolicy, high_watermark: float = 0.95,
+                 low_watermark: float = 0.85) -> None:
+        if not 0.0 < low_watermark <= high_watermark <= 1.0:
+            raise ValueError(
+                f"tier {tier.name}: watermarks must satisfy 0 < low <= high <= 1, "
+                f"got low={low_watermark} high={high_watermark}"
+            )
+        self.tier = tier
+        self._policy = policy
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
+        self.counters = TierCounters()
+        self.draining = False
+        self._deferred: list[tuple[bool, np.ndarray[Any, Any]]] = []  # (insert, rows), in call order
+        self._flush_scheduled = False
+        self.deferral = PolicyDeferral()  # its store's, once in one
+
+    def __repr__(self) -> str:
+        return f"StoreTier({self.tier.name}, {self._policy.name})"
+
+    @property
+    def name(self) -> str:
+        return self.tier.name
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The tier's policy, with every deferred touch and insert applied."""
+        if self._deferred:
+            self.apply_deferred()
+        return self._policy
+
+    def defer_touch(self, rows: np.ndarray[Any, Any]) -> None:
+        """`policy.touch_rows(rows)`, applied soon after the running callback (at once
+        when no event loop runs), and in any case before the policy is used again."""
+        self._defer(False, rows)
+
+    def defer_insert(self, rows: np.ndarray[Any, Any]) -> None:
+        """`policy.insert_rows(rows)`, deferred as `defer_touch` is."""
+        self._defer(True, rows)
+
+    def _defer(self, insert: bool, rows: np.ndarray[Any, Any]) -> None:
+        self._deferred.append((insert, rows))
+        if len(self._deferred) >= DEFERRED_MAX:
+            self.apply_deferred()  # many calls answered in one callback: catch up now
+            return
+        if self._flush_scheduled:
+            return
+        if self.deferral.take(self):
+            self._flush_scheduled = True
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.apply_deferred()
+            return
+        self._flush_scheduled = True
+        loop.call_soon(self.apply_deferred)
+
+    def apply_deferred(self) -> None:
+        self._flush_scheduled = False
+        touches, self._deferred = self._deferred, []
+        for insert, rows in touches:
+            if insert:
+                self._policy.insert_rows(rows)
+            else:
+                self._policy.touch_rows(rows)
+
