@@ -41,11 +41,6 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 # The SDK modules that are the tensor glue (loaded lazily by the rest of the SDK).
 TORCH_MODULES = {"kvstore.client.tensors", "kvstore.client._device", "kvstore.client.hf", "kvstore.client.vllm"}
 
-# Violations being worked off; must end empty.
-ALLOWLIST: set[tuple[str, str]] = {
-}
-
-
 def package_of(module: str) -> str:
     for pkg in ("core", "server", "cluster", "cli", "tiers", "client"):
         if module == f"kvstore.{pkg}" or module.startswith(f"kvstore.{pkg}."):
@@ -126,14 +121,8 @@ def violations() -> set[tuple[str, str]]:
 
 
 def test_imports_follow_the_layering() -> None:
-    found = violations()
-    new = sorted(found - ALLOWLIST)
-    assert not new, "imports that break ARCHITECTURE.md section 2:\n" + "\n".join(f"  {a} -> {b}" for a, b in new)
-
-
-def test_allowlist_has_no_stale_entries() -> None:
-    stale = sorted(ALLOWLIST - violations())
-    assert not stale, f"fixed imports still on the allowlist (remove them): {stale}"
+    found = sorted(violations())
+    assert not found, "imports that break ARCHITECTURE.md section 2:\n" + "\n".join(f"  {a} -> {b}" for a, b in found)
 
 
 def test_the_sdk_imports_without_torch_or_the_daemon() -> None:
