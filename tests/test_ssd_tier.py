@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,6 +20,7 @@ from kvstore.tiers.ssd import RECORD, SNAPSHOT_NAME, SsdTier
 
 BLOCK = 8192
 REGION = 64 * 1024
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def make(path: Path, capacity: int = 512 * 1024) -> SsdTier:
@@ -35,10 +40,16 @@ def kv_like(n: int, seed: int) -> bytes:
     return (f32.view(np.uint32) >> 16).astype(np.uint16).tobytes()
 
 
-async def put_many(tier: SsdTier, n: int) -> dict[bytes, tuple[Slot, bytes]]:
+def block_data(i: int) -> bytes:
+    """Block i's bytes: every other one compresses. The same in every process, so a child
+    that crashes after writing them tells its parent only where they went."""
+    return kv_like(BLOCK, i) if i % 2 else np.random.default_rng(1_000_000 + i).bytes(BLOCK)
+
+
+async def put_many(tier: SsdTier, n: int, first: int = 0) -> dict[bytes, tuple[Slot, bytes]]:
     out = {}
-    for i in range(n):
-        data = kv_like(BLOCK, i) if i % 2 else os.urandom(BLOCK)
+    for i in range(first, first + n):
+        data = block_data(i)
         m = meta(i, data, i - 1 if i else None)
         slot = await tier.put_block(m, data)
         assert slot is not None
@@ -46,10 +57,34 @@ async def put_many(tier: SsdTier, n: int) -> dict[bytes, tuple[Slot, bytes]]:
     return out
 
 
+def put_then_crash(path: Path, n: int, first: int = 0,
+                   capacity: int = 512 * 1024) -> dict[bytes, tuple[Slot, bytes]]:
+    """Recover the tier at `path` and put blocks first..first+n-1 in a child process that
+    then dies without closing the tier (no snapshot; the kernel drops its lock), as a
+    kill -9 would. The blocks put, with their slots."""
+    code = f"""
+import asyncio, json, os
+from pathlib import Path
+from tests.test_ssd_tier import make, put_many
+
+async def main():
+    tier = make(Path({str(path)!r}), {capacity})
+    await tier.recover()
+    written = await put_many(tier, {n}, {first})
+    print(json.dumps({{k.hex(): list(s) for k, (s, _) in written.items()}}), flush=True)
+    os._exit(0)
+
+asyncio.run(main())
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    slots: dict[str, Any] = json.loads(r.stdout)
+    return {bytes.fromhex(k): (Slot(*v), block_data(int.from_bytes(bytes.fromhex(k)[16:], "big")))
+            for k, v in slots.items()}
+
+
 async def test_scan_recovers_every_block_after_a_crash(tmp_path: Path) -> None:
-    tier = make(tmp_path)
-    written = await put_many(tier, 20)
-    tier._executor.shutdown(wait=True)  # simulate a crash: no close, no snapshot
+    written = put_then_crash(tmp_path, 20)
     again = make(tmp_path)
     try:
         report = await again.recover()

@@ -29,6 +29,10 @@ sequence number wins. A clean `close` writes `index.snapshot`; the next start lo
 instead of scanning and deletes it before writing anything, so a snapshot never
 describes a log it has not seen (payloads are still verified on every read).
 
+One daemon per directory: the tier holds an flock on `kvstore.lock` from before it
+touches the directory until it closes (`lock_directory`); a second tier is refused with
+the holder's pid and host.
+
 I/O. O_DIRECT with page-aligned buffers (anonymous mmaps) where the filesystem accepts
 it, detected by a probe write at start; buffered I/O otherwise. The mode is logged and
 shown in `describe()`. All file work runs in the tier's own bounded thread pool; the
@@ -39,9 +43,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import logging
 import mmap
 import os
+import socket
 import struct
 import threading
 from collections import deque
@@ -68,6 +74,7 @@ DIRECT_ALIGNMENT = 4096
 BUFFERED_ALIGNMENT = 512
 DEFAULT_REGION_SIZE = 64 << 20
 SNAPSHOT_NAME = "index.snapshot"
+LOCK_NAME = "kvstore.lock"
 SNAPSHOT_VERSION = 2
 # The snapshot is binary: a header, fixed-size records, and an XXH3-64 of all before it.
 # Loading a million records is one struct pass, not a JSON parse with hex decoding.
@@ -275,6 +282,60 @@ def probe_direct_io(directory: str) -> bool:
         os.unlink(path)
 
 
+def lock_directory(path: str) -> int:
+    """Take the exclusive lock of the SSD directory `path`; the lock file's descriptor.
+
+    An flock on `LOCK_NAME`, held for as long as the descriptor is open: it ends with
+    `close` or with the process, so a daemon killed with -9 leaves no stale lock (the
+    pid it wrote stays, but nobody holds the lock). flock rather than fcntl's record
+    locks: those belong to the process, so a second tier in the same process would get
+    the lock too, and closing any descriptor of the file would drop it. The file is
+    never unlinked: a daemon that opened it just before the unlink would lock an inode
+    that the next daemon no longer finds, and both would hold "the" lock.
+    """
+    lock_path = os.path.join(path, LOCK_NAME)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot open the SSD lock file {lock_path}: {exc.strerror}; "
+                          "fix --ssd-path or its permissions") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = _lock_holder(fd)
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
+            raise ConfigError(
+                f"SSD directory {path} is in use by another kvstore daemon ({holder}): two daemons on one "
+                "directory would overwrite each other's records; stop that daemon first, or give this one "
+                "its own --ssd-path"
+            ) from None
+        raise ConfigError(f"cannot lock {lock_path}: {exc.strerror}; --ssd-path must be on a filesystem "
+                          "with file locks (a local disk)") from None
+    try:
+        # Who holds it, for the message of the daemon that is refused. A daemon refused
+        # between the lock and this write reads an empty file ("holder unknown").
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\nhost {socket.gethostname()}\n".encode(), 0)
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigError(f"cannot write the SSD lock file {lock_path}: {exc.strerror}; "
+                          "fix --ssd-path or its permissions") from None
+    return fd
+
+
+def _lock_holder(fd: int) -> str:
+    """The holder a lock file names: "pid N on host H"."""
+    try:
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+    except OSError:
+        text = ""
+    fields = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
+    if "pid" not in fields:
+        return "holder unknown"
+    return f"pid {fields['pid']} on host {fields.get('host', 'unknown')}"
+
+
 class SsdTier(Tier):
     name = "ssd"
     addressable = False
@@ -297,29 +358,39 @@ class SsdTier(Tier):
             raise ConfigError(f"SSD directory {path} is not writable; fix --ssd-path or its permissions")
         if io_mode not in ("auto", IoMode.DIRECT, IoMode.BUFFERED):
             raise ConfigError(f"ssd io mode must be auto, direct or buffered, got {io_mode!r}")
-        direct = probe_direct_io(path) if io_mode != IoMode.BUFFERED else False
-        if io_mode == IoMode.DIRECT and not direct:
-            raise ConfigError(f"the filesystem of {path} does not support O_DIRECT; use --ssd-io auto or buffered")
-        self.io_mode = IoMode.DIRECT if direct else IoMode.BUFFERED
-        self.alignment = DIRECT_ALIGNMENT if direct else BUFFERED_ALIGNMENT
-        region_size = min(region_size, capacity_bytes) // self.alignment * self.alignment
-        if region_size < self.alignment:
-            raise ConfigError(f"ssd capacity {capacity_bytes} is too small for one region; raise --ssd-capacity")
-        regions = capacity_bytes // region_size
-        super().__init__(regions * region_size)
-        self.path = path
-        self.region_size = region_size
-        self.compress = compress
-        self._regions = [_Region(i) for i in range(regions)]
-        self._free_regions: deque[int] = deque(range(regions))
-        self._open: _Region | None = None
-        self._next_seq = 1
+        # Before anything in the directory is read or written: it may be another daemon's.
+        self._lock_fd = lock_directory(path)
+        self._fds: list[int] = []
+        try:
+            direct = probe_direct_io(path) if io_mode != IoMode.BUFFERED else False
+            if io_mode == IoMode.DIRECT and not direct:
+                raise ConfigError(f"the filesystem of {path} does not support O_DIRECT; use --ssd-io auto or buffered")
+            self.io_mode = IoMode.DIRECT if direct else IoMode.BUFFERED
+            self.alignment = DIRECT_ALIGNMENT if direct else BUFFERED_ALIGNMENT
+            region_size = min(region_size, capacity_bytes) // self.alignment * self.alignment
+            if region_size < self.alignment:
+                raise ConfigError(f"ssd capacity {capacity_bytes} is too small for one region; raise --ssd-capacity")
+            regions = capacity_bytes // region_size
+            super().__init__(regions * region_size)
+            self.path = path
+            self.region_size = region_size
+            self.compress = compress
+            self._regions = [_Region(i) for i in range(regions)]
+            self._free_regions: deque[int] = deque(range(regions))
+            self._open: _Region | None = None
+            self._next_seq = 1
+            flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_DIRECT", 0) if direct else 0)
+            for i in range(regions):
+                self._fds.append(os.open(self._region_path(i), flags, 0o600))
+        except BaseException:
+            for fd in self._fds:
+                os.close(fd)
+            os.close(self._lock_fd)
+            raise
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-ssd")
         # One aligned buffer per I/O thread, grown on demand: mapping and faulting in a
         # fresh buffer per record cost as much as the copy itself.
         self._local = threading.local()
-        flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_DIRECT", 0) if direct else 0)
-        self._fds = [os.open(self._region_path(i), flags, 0o600) for i in range(regions)]
         self._closed = False
         self.bytes_written = 0
         self.bytes_read = 0
@@ -729,6 +800,8 @@ class SsdTier(Tier):
             self._write_snapshot()
         except OSError as exc:
             logger.warning("ssd snapshot not written (%s); the next start scans the log", exc)
+        # Last: the next daemon may start once the snapshot describes the log.
+        os.close(self._lock_fd)
 
     def describe(self) -> dict[str, str]:
         return {

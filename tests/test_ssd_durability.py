@@ -1,0 +1,171 @@
+"""The SSD tier's directory across daemons and restarts, through the real daemon.
+
+- One daemon per `--ssd-path`: a second daemon on a directory in use refuses to start,
+  naming the holder, and leaves the first one's blocks alone; a daemon that stopped (or
+  was killed) leaves no stale lock behind.
+- A restart reopens the region that was being filled: restarts with puts between them
+  keep every block that fits, and the tier's used and occupied bytes are what they were.
+- The directory records its geometry: a smaller capacity or region size is refused with
+  the recorded value, a larger capacity adds regions, and a directory written before the
+  geometry was recorded is adopted only when its files agree with the settings.
+- Start-up errors of the SSD tier reach the command line as one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore.client import AsyncClient, Client
+from kvstore.errors import ConfigError
+from kvstore.layout import KVLayout
+from kvstore.server.config import Config
+from kvstore.server.daemon import Daemon
+from tests import procs
+
+from conftest import make_config
+
+LAYOUT = KVLayout(model="test/ssd-durability", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=128,
+                  block_size_tokens=4)  # 8 KiB blocks
+DEADLINE_S = 30.0
+
+Chain = tuple[list[int], list[bytes]]
+
+
+def chain(n: int, salt: int) -> Chain:
+    tokens = [salt * 1_000_000 + i for i in range(n * LAYOUT.block_size_tokens)]
+    return tokens, [os.urandom(LAYOUT.bytes_per_block) for _ in range(n)]
+
+
+def ssd_config(tmp_path: Path, name: str = "a", **overrides: Any) -> Config:
+    """A daemon with a 1 MiB host tier over the SSD directory tmp_path/ssd (shared by every
+    daemon of a test); its socket under tmp_path/name."""
+    home = tmp_path / name
+    home.mkdir(exist_ok=True)
+    settings: dict[str, Any] = {"host_capacity": 1 << 20, "ssd_path": str(tmp_path / "ssd"),
+                                "ssd_capacity": 8 << 20, "ssd_region_size": 512 << 10}
+    settings.update(overrides)
+    return replace(make_config(home), **settings)
+
+
+def ssd_of(stats: Any) -> Any:
+    return next(t for t in stats.tiers if t.name == "ssd")
+
+
+async def put_chains(kv: AsyncClient, chains: list[Chain]) -> None:
+    for tokens, blocks in chains:
+        for i in range(0, len(blocks), 8):
+            await kv.put(LAYOUT, tokens, blocks[i : i + 8], first_block=i)
+
+
+async def assert_served(kv: AsyncClient, chains: list[Chain]) -> None:
+    for n, (tokens, blocks) in enumerate(chains):
+        hit = await kv.lookup(LAYOUT, tokens)
+        assert hit.num_blocks == len(blocks), f"chain {n}: {hit.num_blocks} of {len(blocks)} blocks found"
+        assert await kv.fetch(LAYOUT, tokens) == blocks, f"chain {n} came back different"
+
+
+async def fill(config: Config, chains: list[Chain]) -> None:
+    """Start a daemon on `config`, put `chains`, and stop it gracefully."""
+    d = Daemon(config)
+    await d.start()
+    try:
+        async with AsyncClient(d.bound[0]) as kv:
+            await put_chains(kv, chains)
+    finally:
+        await d.stop(grace_s=0)
+
+
+async def assert_refused(config: Config, *needles: str) -> str:
+    d = Daemon(config)
+    try:
+        await d.start()
+    except ConfigError as exc:
+        message = str(exc)
+    else:
+        await d.stop(grace_s=0)
+        pytest.fail("the daemon started")
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+    return message
+
+
+async def assert_recovers(config: Config, chains: list[Chain]) -> None:
+    d = Daemon(config)
+    await d.start()
+    try:
+        async with AsyncClient(d.bound[0]) as kv:
+            await assert_served(kv, chains)
+    finally:
+        await d.stop(grace_s=0)
+
+
+def serve_args(tmp_path: Path, *flags: str) -> list[str]:
+    sock = tmp_path / "cli" / "kv.sock"
+    sock.parent.mkdir(exist_ok=True)
+    return procs.daemon_args(sock, "--host-capacity", "1MiB", "--ssd-path", str(tmp_path / "ssd"), *flags)
+
+
+def start_failure(args: list[str]) -> str:
+    """Run a daemon that must refuse to start; its stderr, checked to be one line."""
+    r = subprocess.run(args, env=procs.clean_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0, f"the daemon started: {r.stderr}"
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvstore: cannot start: "), r.stderr
+    return lines[0]
+
+
+def ssd_pending(kv: Client) -> int:
+    return int(next(t.pending_writes for t in kv.stats().tiers if t.name == "ssd"))
+
+
+# ------------------------------------------------------------------ one daemon per directory
+
+
+@pytest.mark.parametrize("first_stops_by", ["sigterm", "kill9"])
+async def test_a_second_daemon_on_an_ssd_path_in_use_refuses_and_the_first_keeps_its_blocks(
+        tmp_path: Path, first_stops_by: str) -> None:
+    sock = tmp_path / "first" / "kv.sock"
+    sock.parent.mkdir()
+    args = procs.daemon_args(sock, "--host-capacity", "1MiB", "--ssd-path", str(tmp_path / "ssd"),
+                             "--ssd-capacity", "8MiB", "--ssd-region-size", "512KiB")
+    first = procs.start(args, sock, tmp_path / "first.log")
+    chains = [chain(40, s) for s in range(4)]
+    try:
+        with Client(first.target) as kv:
+            for tokens, blocks in chains:
+                for i in range(0, len(blocks), 8):
+                    kv.put(LAYOUT, tokens, blocks[i : i + 8], first_block=i)
+            deadline = time.monotonic() + DEADLINE_S
+            while ssd_pending(kv) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert ssd_pending(kv) == 0, "the SSD write queue did not drain"
+
+        # In this process and as a command line: refused, naming the holder and the setting.
+        message = await assert_refused(ssd_config(tmp_path, "second"), "--ssd-path", f"pid {first.pid}",
+                                       socket.gethostname())
+        assert str(tmp_path / "ssd") in message
+        line = start_failure(serve_args(tmp_path, "--ssd-capacity", "8MiB", "--ssd-region-size", "512KiB"))
+        assert "--ssd-path" in line and f"pid {first.pid}" in line
+
+        with Client(first.target) as kv:  # the first daemon's blocks are untouched
+            for tokens, blocks in chains:
+                assert kv.fetch(LAYOUT, tokens) == blocks
+            assert int(ssd_of(kv.stats()).blocks) == 160
+    finally:
+        if first_stops_by == "kill9":
+            first.kill9()  # the kernel releases the lock: nothing stale stays behind
+            procs.remove_segments(first.pid)
+        else:
+            assert first.stop() == 0
+
+    await assert_recovers(ssd_config(tmp_path, "third"), chains)
