@@ -169,3 +169,56 @@ async def test_a_second_daemon_on_an_ssd_path_in_use_refuses_and_the_first_keeps
             assert first.stop() == 0
 
     await assert_recovers(ssd_config(tmp_path, "third"), chains)
+
+
+# ------------------------------------------------------------------ restarts reopen the open region
+
+
+def tier_bytes(kv: Client) -> tuple[int, int, int]:
+    """The SSD tier's blocks, used bytes and occupied bytes (live and dead records)."""
+    ssd = ssd_of(kv.stats())
+    return int(ssd.blocks), int(ssd.used_bytes), int(ssd.facts["occupied_bytes"])
+
+
+@pytest.mark.parametrize("stop_by", ["sigterm", "kill9"])
+def test_restarts_with_puts_between_them_keep_every_block_and_the_same_ssd_bytes(
+        tmp_path: Path, stop_by: str) -> None:
+    """Four regions of 1 MiB, six starts with 40 blocks put in each: 2-3 MiB in all, so
+    every block fits, and no start may cost a region."""
+    sock = tmp_path / "kv.sock"
+    args = procs.daemon_args(sock, "--host-capacity", "1MiB", "--ssd-path", str(tmp_path / "ssd"),
+                             "--ssd-capacity", "4MiB", "--ssd-region-size", "1MiB")
+    chains: list[Chain] = []
+    before: tuple[int, int, int] | None = None
+    for start in range(6):
+        proc = procs.start(args, sock, tmp_path / "daemon.log")
+        try:
+            with Client(proc.target) as kv:
+                if before is not None:
+                    assert tier_bytes(kv) == before, f"start {start}: the SSD tier's blocks and bytes changed"
+                for n, (tokens, blocks) in enumerate(chains):
+                    got = kv.lookup(LAYOUT, tokens).num_blocks
+                    assert got == len(blocks), f"start {start}: chain {n} has {got} of {len(blocks)} blocks"
+                    assert kv.fetch(LAYOUT, tokens) == blocks
+                chains.append(chain(40, start))
+                tokens, blocks = chains[-1]
+                for i in range(0, len(blocks), 8):
+                    kv.put(LAYOUT, tokens, blocks[i : i + 8], first_block=i)
+                deadline = time.monotonic() + DEADLINE_S
+                while ssd_pending(kv) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert ssd_pending(kv) == 0, "the SSD write queue did not drain"
+                before = tier_bytes(kv)
+                assert before[0] == 40 * len(chains)
+        finally:
+            if stop_by == "kill9" or proc.stop() != 0:
+                proc.kill9()
+            procs.remove_segments(proc.pid)
+
+
+async def test_an_ssd_tier_of_one_region_is_refused_with_the_minimum(tmp_path: Path) -> None:
+    # 64 MiB is the default region size: one region, which every reclaim would empty.
+    config = ssd_config(tmp_path, ssd_capacity=64 << 20, ssd_region_size=64 << 20)
+    await assert_refused(config, "--ssd-capacity", "--ssd-region-size", "at least 2 regions", "128MiB", "32MiB")
+    line = start_failure(serve_args(tmp_path, "--ssd-capacity", "64MiB"))
+    assert "at least 2 regions" in line and "128MiB" in line

@@ -18,6 +18,7 @@ region, so the store can empty a region at once).
 
 Capacity is exact: `regions * region_size` bytes of files at most; `used_bytes` counts
 live records (their padded on-disk size), `describe()` also shows dead and occupied bytes.
+At least `MIN_REGIONS` (2) regions: with one, every reclaim would empty the tier.
 
 Crash safety. A record is indexed only after its write returned, so nothing half-written
 is ever served. At start the log is scanned: a header that does not verify is skipped by
@@ -25,9 +26,14 @@ probing the next aligned offsets (so one damaged record does not hide the rest o
 region), a payload that fails its checksum or does not decode is dropped and counted,
 and a record whose sequence number is not above its predecessor's in the same region is
 left over from the region's previous fill and is ignored. For the same key the highest
-sequence number wins. A clean `close` writes `index.snapshot`; the next start loads it
-instead of scanning and deletes it before writing anything, so a snapshot never
-describes a log it has not seen (payloads are still verified on every read).
+sequence number wins. A clean `close` writes `index.snapshot` (records, each region's
+write position, the next sequence number); the next start loads it instead of scanning
+and deletes it before writing anything, so a snapshot never describes a log it has not
+seen (payloads are still verified on every read). A start appends to the region that
+holds the newest record, at its write position, with sequence numbers above every header
+on disk (the snapshot's count, or the scan's highest, torn and left over headers
+included): whatever lies past that position then reads as left over, so a restart costs
+no region and the rule above still tells the fills apart.
 
 One daemon per directory: the tier holds an flock on `kvstore.lock` from before it
 touches the directory until it closes (`lock_directory`); a second tier is refused with
@@ -75,11 +81,15 @@ BUFFERED_ALIGNMENT = 512
 DEFAULT_REGION_SIZE = 64 << 20
 SNAPSHOT_NAME = "index.snapshot"
 LOCK_NAME = "kvstore.lock"
-SNAPSHOT_VERSION = 2
-# The snapshot is binary: a header, fixed-size records, and an XXH3-64 of all before it.
-# Loading a million records is one struct pass, not a JSON parse with hex decoding.
-SNAPSHOT_MAGIC = b"KVSNAP\x00\x02"
-_SNAP_HEAD = struct.Struct("<8sIQIIQ")  # magic, version, region size, alignment, regions, records
+# With one region, every reclaim would empty the whole tier (reclaim is region-level).
+MIN_REGIONS = 2
+SNAPSHOT_VERSION = 3
+# The snapshot is binary: a header, each region's write position, fixed-size records,
+# and an XXH3-64 of all before it. Loading a million records is one struct pass, not a
+# JSON parse with hex decoding.
+SNAPSHOT_MAGIC = b"KVSNAP\x00\x03"
+# magic, version, region size, alignment, regions, records, next sequence number
+_SNAP_HEAD = struct.Struct("<8sIQIIQQ")
 # offset, size, seq, itemsize, has parent, key, parent hash, checksum, raw_len
 _SNAP_REC = struct.Struct("<QIQBB32s16sQI")
 # The same record as numpy columns: a snapshot loads as one array, without a Python
@@ -89,6 +99,7 @@ _REC_DTYPE = np.dtype([("offset", "<u8"), ("size", "<u4"), ("seq", "<u8"), ("ite
                        ("raw_len", "<u4")])
 assert _REC_DTYPE.itemsize == _SNAP_REC.size
 _SNAP_SUM = struct.Struct("<Q")
+_SNAP_POS = struct.Struct("<Q")  # a region's write position
 # Encoding blocks smaller than this inline costs less than the thread hand-off.
 INLINE_CODEC_BYTES = 64 * 1024
 # After this many blocks of a namespace in a row did not compress, only every
@@ -282,6 +293,14 @@ def probe_direct_io(directory: str) -> bool:
         os.unlink(path)
 
 
+def size_text(n: int) -> str:
+    """`n` bytes as a size the flags accept back exactly: 512KiB, 64MiB, 1000B."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return f"{n}B"
+
+
 def lock_directory(path: str) -> int:
     """Take the exclusive lock of the SSD directory `path`; the lock file's descriptor.
 
@@ -367,10 +386,20 @@ class SsdTier(Tier):
                 raise ConfigError(f"the filesystem of {path} does not support O_DIRECT; use --ssd-io auto or buffered")
             self.io_mode = IoMode.DIRECT if direct else IoMode.BUFFERED
             self.alignment = DIRECT_ALIGNMENT if direct else BUFFERED_ALIGNMENT
-            region_size = min(region_size, capacity_bytes) // self.alignment * self.alignment
+            region_size = region_size // self.alignment * self.alignment
             if region_size < self.alignment:
-                raise ConfigError(f"ssd capacity {capacity_bytes} is too small for one region; raise --ssd-capacity")
+                raise ConfigError(f"ssd_region_size {region_size} is below the {self.alignment}-byte I/O alignment; "
+                                  "raise --ssd-region-size")
             regions = capacity_bytes // region_size
+            if regions < MIN_REGIONS:
+                most = capacity_bytes // MIN_REGIONS // self.alignment * self.alignment
+                raise ConfigError(
+                    f"ssd_capacity {size_text(capacity_bytes)} holds {regions} region(s) of ssd_region_size "
+                    f"{size_text(region_size)}, and the SSD tier needs at least {MIN_REGIONS} regions: it reclaims "
+                    "a whole region at a time, so with one region every reclaim would empty it; raise "
+                    f"--ssd-capacity to at least {size_text(MIN_REGIONS * region_size)} or lower "
+                    f"--ssd-region-size to at most {size_text(most)}"
+                )
             super().__init__(regions * region_size)
             self.path = path
             self.region_size = region_size
@@ -595,16 +624,22 @@ class SsdTier(Tier):
     async def recover(self) -> RecoveryReport:
         """Rebuild the tier's tables from the snapshot, else from a scan of the log."""
         loop = asyncio.get_running_loop()
-        snap = await loop.run_in_executor(self._executor, self._load_snapshot)
+        loaded = await loop.run_in_executor(self._executor, self._load_snapshot)
         parsed: list[_Parsed] = []
-        if snap is not None:
+        snap: np.ndarray[Any, Any] | None = None
+        positions: list[int] = []
+        if loaded is not None:
+            snap, next_seq, positions = loaded
             from_snapshot, failures = True, 0
         else:
             results = await asyncio.gather(
                 *(loop.run_in_executor(self._executor, self._scan_region, i) for i in range(len(self._regions)))
             )
-            parsed = [p for ps, _ in results for p in ps]
-            failures = sum(f for _, f in results)
+            parsed = [p for ps, _, _ in results for p in ps]
+            failures = sum(f for _, f, _ in results)
+            # Above every header on disk, torn or left over ones included: a record
+            # appended after the restart is then never taken for one of them.
+            next_seq = max((top for _, _, top in results), default=0) + 1
             from_snapshot = False
         regions, region_size = self._regions, self.region_size
         if snap is not None and not _distinct_keys(snap):
@@ -613,7 +648,6 @@ class SsdTier(Tier):
         if snap is not None:
             # Every key once, in offset order: the records are the winners as they are.
             records = snap
-            max_seq = int(records["seq"].max()) if len(records) else 0
             offsets = records["offset"].astype(np.int64)
             if len(offsets) > 1 and not np.all(offsets[1:] > offsets[:-1]):
                 order = np.argsort(offsets, kind="stable")
@@ -623,13 +657,11 @@ class SsdTier(Tier):
             if len(best) == len(parsed):
                 # Every key once (a log unless a key was written again): every record is a
                 # winner and the seq order is not needed.
-                max_seq = max(map(_SEQ, parsed), default=0)
                 winners = sorted(parsed, key=_OFFSET)
             else:
                 # For the same key the highest sequence number wins: sorted by seq, later wins.
                 by_seq = sorted(parsed, key=_SEQ)
                 best = dict(zip(map(_KEY, by_seq), by_seq))
-                max_seq = by_seq[-1].seq
                 winners = sorted(best.values(), key=_OFFSET)
                 for p in parsed:  # every record found, winner or not, occupies its region up to its end
                     region = regions[p.offset // region_size]
@@ -645,6 +677,8 @@ class SsdTier(Tier):
         which = offsets // region_size
         bounds = np.searchsorted(which, np.arange(len(regions) + 1))
         for region, lo, hi in zip(regions, bounds[:-1].tolist(), bounds[1:].tolist()):
+            if region.index < len(positions):
+                region.write_pos = positions[region.index]  # dead records at its end included
             if hi == lo:
                 continue
             region.live_count += hi - lo
@@ -658,28 +692,40 @@ class SsdTier(Tier):
         self._used_bytes += used
         self._blocks += len(records)
         assert self._used_bytes <= self.capacity_bytes, "tier accounting exceeded capacity"
-        self._next_seq = max_seq + 1
+        seqs = records["seq"]
+        self._next_seq = max(next_seq, int(seqs.max()) + 1 if len(seqs) else 1)
+        # The region that holds the newest record was being filled: appends continue in
+        # it at its write position, so a restart costs no region. Its records past that
+        # position (torn or from an earlier fill) all have lower sequence numbers than
+        # anything appended now, so a scan takes them for leftovers, as it must.
+        newest = int(offsets[int(np.argmax(seqs))]) // region_size if len(seqs) else -1
         self._free_regions.clear()
+        self._open = None
         for region in self._regions:
             if region.live_count == 0:
                 region.write_pos = 0
                 self._free_regions.append(region.index)
+            elif region.index == newest:
+                self._open = region
             else:
-                region.sealed = True  # appends go to fresh regions; this one drains by eviction
-        logger.info("ssd tier recovered %d blocks (%s), %d failed verification, %d regions free",
-                    len(records), "snapshot" if from_snapshot else "log scan", failures, len(self._free_regions))
+                region.sealed = True  # full, or left when a record did not fit: drains by eviction
+        logger.info("ssd tier recovered %d blocks (%s), %d failed verification, %d regions free%s",
+                    len(records), "snapshot" if from_snapshot else "log scan", failures, len(self._free_regions),
+                    f", appending to region {newest}" if self._open is not None else "")
         return report
 
-    def _scan_region(self, index: int) -> tuple[list[_Parsed], int]:
-        """Records of one region file that verify, and how many did not."""
+    def _scan_region(self, index: int) -> tuple[list[_Parsed], int, int]:
+        """Records of one region file that verify, how many did not, and the highest
+        sequence number of any header in the file (torn and left over ones included)."""
         path = self._region_path(index)
         try:
             with open(path, "rb") as fh:
                 data = fh.read()
         except FileNotFoundError:
-            return [], 0
+            return [], 0, 0
         out: list[_Parsed] = []
         failures = 0
+        top_seq = 0
         base = index * self.region_size
         pos, last_seq, step = 0, 0, self.alignment
         damaged_at = -1  # start of an unreadable stretch since the last good header
@@ -692,6 +738,7 @@ class SsdTier(Tier):
                     damaged_at = pos
                 pos += step
                 continue
+            top_seq = max(top_seq, head.seq)
             if head.seq <= last_seq:
                 pos += step  # left over from this region's previous fill
                 continue
@@ -718,12 +765,13 @@ class SsdTier(Tier):
                 logger.warning("ssd region %d offset %d: record failed verification; dropped", index, pos)
             last_seq = head.seq
             pos += head.size
-        return out, failures
+        return out, failures, top_seq
 
     def _snapshot_path(self) -> str:
         return os.path.join(self.path, SNAPSHOT_NAME)
 
-    def _load_snapshot(self) -> np.ndarray[Any, Any] | None:
+    def _load_snapshot(self) -> tuple[np.ndarray[Any, Any], int, list[int]] | None:
+        """The snapshot's records, next sequence number and region write positions."""
         path = self._snapshot_path()
         try:
             with open(path, "rb") as fh:
@@ -745,15 +793,21 @@ class SsdTier(Tier):
         if xxhash.xxh3_64_intdigest(body) != want:
             logger.warning("ssd snapshot %s fails its checksum; scanning the log instead", path)
             return None
-        _, version, region_size, alignment, regions, count = _SNAP_HEAD.unpack_from(body, 0)
+        _, version, region_size, alignment, regions, count, next_seq = _SNAP_HEAD.unpack_from(body, 0)
         if version != SNAPSHOT_VERSION or region_size != self.region_size or alignment != self.alignment or \
                 regions != len(self._regions):
             logger.info("ssd snapshot was written with another geometry; scanning the log instead")
             return None
-        if len(body) - head_end != count * _SNAP_REC.size:
+        records_at = head_end + regions * _SNAP_POS.size
+        if len(body) - records_at != count * _SNAP_REC.size:
             logger.warning("ssd snapshot %s malformed (%d records announced); scanning the log instead", path, count)
             return None
-        return np.frombuffer(body[head_end:], _REC_DTYPE).copy()
+        positions = [p for (p,) in _SNAP_POS.iter_unpack(body[head_end:records_at])]
+        if any(p > region_size for p in positions):
+            logger.warning("ssd snapshot %s malformed (a region position past its end); scanning the log instead",
+                           path)
+            return None
+        return np.frombuffer(body[records_at:], _REC_DTYPE).copy(), next_seq, positions
 
     def _write_snapshot(self) -> None:
         """Describe the live records for a fast start; written last on a clean close."""
@@ -771,8 +825,10 @@ class SsdTier(Tier):
                 for p in region.records.values()
             )
             count += len(region.records)
-        body = b"".join([_SNAP_HEAD.pack(SNAPSHOT_MAGIC, SNAPSHOT_VERSION, self.region_size, self.alignment,
-                                         len(self._regions), count), *parts])
+        head = _SNAP_HEAD.pack(SNAPSHOT_MAGIC, SNAPSHOT_VERSION, self.region_size, self.alignment,
+                               len(self._regions), count, self._next_seq)
+        positions = b"".join(_SNAP_POS.pack(r.write_pos) for r in self._regions)
+        body = b"".join([head, positions, *parts])
         tmp = self._snapshot_path() + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as fh:
