@@ -222,3 +222,73 @@ async def test_an_ssd_tier_of_one_region_is_refused_with_the_minimum(tmp_path: P
     await assert_refused(config, "--ssd-capacity", "--ssd-region-size", "at least 2 regions", "128MiB", "32MiB")
     line = start_failure(serve_args(tmp_path, "--ssd-capacity", "64MiB"))
     assert "at least 2 regions" in line and "128MiB" in line
+
+
+# ------------------------------------------------------------------ the directory's geometry
+
+# 320 blocks of 8 KiB over 8 MiB in 512 KiB regions: every region holds records.
+FILLED = 320
+
+
+async def filled(tmp_path: Path) -> tuple[Config, list[Chain]]:
+    config = ssd_config(tmp_path)
+    chains = [chain(FILLED // 8, s) for s in range(8)]
+    await fill(config, chains)
+    return config, chains
+
+
+def keep_only_region_files(ssd_dir: Path) -> None:
+    """The directory as a daemon that predates the geometry file leaves it after a crash."""
+    for f in ssd_dir.iterdir():
+        if not f.name.startswith("region-"):
+            f.unlink()
+
+
+async def test_a_lower_ssd_capacity_on_restart_is_refused_naming_the_recorded_capacity(tmp_path: Path) -> None:
+    config, chains = await filled(tmp_path)
+    await assert_refused(replace(config, ssd_capacity=4 << 20), "--ssd-capacity", "8MiB", "16 regions", "empty")
+    line = start_failure(serve_args(tmp_path, "--ssd-capacity", "4MiB", "--ssd-region-size", "512KiB"))
+    assert "--ssd-capacity" in line and "8MiB" in line
+    await assert_recovers(config, chains)  # a refused start changed nothing
+
+
+async def test_a_lower_ssd_region_size_on_restart_is_refused_naming_the_recorded_size(tmp_path: Path) -> None:
+    config, chains = await filled(tmp_path)
+    await assert_refused(replace(config, ssd_region_size=256 << 10), "--ssd-region-size 512KiB", "empty")
+    await assert_refused(replace(config, ssd_region_size=1 << 20), "--ssd-region-size 512KiB")
+    line = start_failure(serve_args(tmp_path, "--ssd-capacity", "8MiB", "--ssd-region-size", "256KiB"))
+    assert "--ssd-region-size 512KiB" in line
+    await assert_recovers(config, chains)
+
+
+async def test_a_larger_ssd_capacity_on_restart_adds_regions_and_keeps_every_block(tmp_path: Path) -> None:
+    config, chains = await filled(tmp_path)
+    larger = replace(config, ssd_capacity=16 << 20)
+    d = Daemon(larger)
+    await d.start()
+    try:
+        async with AsyncClient(d.bound[0]) as kv:
+            ssd = ssd_of(await kv.stats())
+            assert int(ssd.capacity_bytes) == 16 << 20 and int(ssd.blocks) == FILLED
+            assert int(ssd.facts["regions_free"]) >= 16
+            await assert_served(kv, chains)
+            more = [chain(40, 100)]
+            await put_chains(kv, more)
+    finally:
+        await d.stop(grace_s=0)
+    # The larger capacity is now the recorded one.
+    await assert_refused(config, "--ssd-capacity", "16MiB")
+    await assert_recovers(larger, chains + more)
+
+
+async def test_a_directory_from_before_the_geometry_file_is_adopted_when_its_files_agree(tmp_path: Path) -> None:
+    config, chains = await filled(tmp_path)
+    keep_only_region_files(tmp_path / "ssd")
+    # Its region files show what it was written with: fewer or smaller regions are refused.
+    # (The region size shows only as at least its fullest file.)
+    await assert_refused(replace(config, ssd_region_size=256 << 10), "--ssd-region-size", "at least")
+    await assert_refused(replace(config, ssd_capacity=4 << 20), "--ssd-capacity 8MiB")
+    await assert_recovers(config, chains)
+    # Adopted: its geometry is recorded now, and a change is refused as for any directory.
+    await assert_refused(replace(config, ssd_region_size=1 << 20), "--ssd-region-size 512KiB")
+    await assert_recovers(config, chains)

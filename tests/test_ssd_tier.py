@@ -1,9 +1,11 @@
-"""The SSD region log: recovery from the log and from the snapshot, damage counted, reclaim."""
+"""The SSD region log: recovery from the log and from the snapshot, damage counted, reclaim,
+the reopened region after a restart, and the geometry a directory records."""
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -11,12 +13,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvstore.checksum import checksum
 from kvstore.core.tier import BlockMeta, Slot
-from kvstore.errors import DataLoss
+from kvstore.errors import ConfigError, DataLoss
 from kvstore.tiers.codec import Codec, decode, encode
-from kvstore.tiers.ssd import RECORD, SNAPSHOT_NAME, SsdTier
+from kvstore.tiers.ssd import GEOMETRY_NAME, RECORD, SNAPSHOT_NAME, SsdTier, probe_direct_io
 
 BLOCK = 8192
 REGION = 64 * 1024
@@ -327,3 +330,57 @@ async def test_a_crash_mid_append_after_a_reopen_is_handled_by_the_scan(tmp_path
         assert again.used_bytes == sum(s.size for s, _ in written.values())
     finally:
         again.close()
+
+
+async def test_a_directory_written_with_buffered_io_stays_buffered(tmp_path: Path) -> None:
+    tier = SsdTier(str(tmp_path), 512 * 1024, region_size=REGION, io_threads=2, io_mode="buffered")
+    written = await put_many(tier, 3)
+    tier.close()
+    if probe_direct_io(str(tmp_path)):
+        with pytest.raises(ConfigError, match="--ssd-io auto or buffered"):
+            SsdTier(str(tmp_path), 512 * 1024, region_size=REGION, io_mode="direct")
+    again = make(tmp_path)  # auto: O_DIRECT could not read its 512-byte records
+    try:
+        assert again.describe()["io_mode"] == "buffered"
+        report = await again.recover()
+        assert report.from_snapshot and set(report.keys) == set(written)
+        for b in report.blocks:
+            assert await again.get_block(b.slot, b.nbytes) == written[b.key][1]
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"{not json", "unreadable"),
+    (b'{"format": 1, "region_size": 65536, "regions": 8}', "unreadable"),
+    (b'{"format": 1, "region_size": "64KiB", "regions": 8, "alignment": 512}', "positive whole numbers"),
+    (b'{"format": 2, "region_size": 65536, "regions": 8, "alignment": 512}', "newer kvstore"),
+])
+def test_a_geometry_file_that_cannot_be_followed_is_refused(tmp_path: Path, content: bytes, message: str) -> None:
+    make(tmp_path).close()
+    (tmp_path / GEOMETRY_NAME).write_bytes(content)
+    with pytest.raises(ConfigError, match=message):
+        make(tmp_path)
+    make(tmp_path / "other").close()  # the refusal let go of nothing it should hold
+
+
+async def test_the_snapshot_of_a_directory_without_geometry_file_shows_its_geometry(tmp_path: Path) -> None:
+    """A clean stop of a release before the geometry file left a version 2 snapshot: its
+    header names the region size, which then counts as recorded."""
+    tier = make(tmp_path)
+    written = await put_many(tier, 4)
+    alignment = tier.alignment
+    tier.close()
+    os.unlink(tmp_path / GEOMETRY_NAME)
+    body = struct.pack("<8sIQIIQ", b"KVSNAP\x00\x02", 2, REGION, alignment, 8, 0)
+    (tmp_path / SNAPSHOT_NAME).write_bytes(body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body)))
+    with pytest.raises(ConfigError, match="--ssd-region-size 64KiB as recorded"):
+        SsdTier(str(tmp_path), 512 * 1024, region_size=2 * REGION)
+    again = make(tmp_path)
+    try:
+        report = await again.recover()
+        assert not report.from_snapshot  # an older snapshot format: the log is scanned
+        assert set(report.keys) == set(written)
+    finally:
+        again.close()
+    assert (tmp_path / GEOMETRY_NAME).exists()

@@ -35,6 +35,14 @@ on disk (the snapshot's count, or the scan's highest, torn and left over headers
 included): whatever lies past that position then reads as left over, so a restart costs
 no region and the rule above still tells the fills apart.
 
+Geometry. `geometry.json` records the region size, region count, alignment and format
+(written atomically, after the region files). A directory keeps its region size and
+alignment for life; more regions only add files; fewer, another region size, or an
+alignment the I/O mode cannot read are refused (`plan_geometry`), naming the recorded
+value. A directory without the file (from before it existed) is judged by its
+snapshot's header, else by its region files, and adopted when they agree. The scan
+never reads past a region's end.
+
 One daemon per directory: the tier holds an flock on `kvstore.lock` from before it
 touches the directory until it closes (`lock_directory`); a second tier is refused with
 the holder's pid and host.
@@ -50,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import json
 import logging
 import mmap
 import os
@@ -81,6 +90,10 @@ BUFFERED_ALIGNMENT = 512
 DEFAULT_REGION_SIZE = 64 << 20
 SNAPSHOT_NAME = "index.snapshot"
 LOCK_NAME = "kvstore.lock"
+GEOMETRY_NAME = "geometry.json"
+# The on-disk format the geometry file records: records of RECORD with magic KVR1 in
+# region files of the recorded size. A directory of a later format is refused.
+FORMAT_VERSION = 1
 # With one region, every reclaim would empty the whole tier (reclaim is region-level).
 MIN_REGIONS = 2
 SNAPSHOT_VERSION = 3
@@ -90,6 +103,9 @@ SNAPSHOT_VERSION = 3
 SNAPSHOT_MAGIC = b"KVSNAP\x00\x03"
 # magic, version, region size, alignment, regions, records, next sequence number
 _SNAP_HEAD = struct.Struct("<8sIQIIQQ")
+# The geometry at the head of every snapshot version: magic, version, region size,
+# alignment, regions.
+_SNAP_GEOMETRY = struct.Struct("<8sIQII")
 # offset, size, seq, itemsize, has parent, key, parent hash, checksum, raw_len
 _SNAP_REC = struct.Struct("<QIQBB32s16sQI")
 # The same record as numpy columns: a snapshot loads as one array, without a Python
@@ -301,6 +317,169 @@ def size_text(n: int) -> str:
     return f"{n}B"
 
 
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """How a directory's region log is laid out; recorded in `GEOMETRY_NAME`."""
+
+    region_size: int
+    regions: int
+    alignment: int
+    format: int = FORMAT_VERSION
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.region_size * self.regions
+
+
+def read_geometry(path: str) -> Geometry | None:
+    """The geometry recorded in directory `path`; None when it records none."""
+    file = os.path.join(path, GEOMETRY_NAME)
+    try:
+        with open(file, "rb") as fh:
+            doc = json.loads(fh.read())
+        fields = {k: doc[k] for k in ("region_size", "regions", "alignment", "format")}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"the SSD geometry file {file} is unreadable ({exc}); restore it, or empty {path} "
+                          "to start over (its blocks are lost)") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in fields.values()):
+        raise ConfigError(f"the SSD geometry file {file} holds {fields}, not positive whole numbers; restore it, "
+                          f"or empty {path} to start over (its blocks are lost)")
+    return Geometry(**fields)
+
+
+def write_geometry(path: str, geometry: Geometry) -> None:
+    """Record `geometry` in directory `path` atomically: a temp file, fsync, rename, and
+    an fsync of the directory, so a crash leaves the old file or the new one."""
+    file = os.path.join(path, GEOMETRY_NAME)
+    tmp = file + ".tmp"
+    doc = {"format": geometry.format, "region_size": geometry.region_size, "regions": geometry.regions,
+           "alignment": geometry.alignment}
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(json.dumps(doc, indent=1).encode() + b"\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, file)
+    dfd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _unrecorded_geometry(path: str) -> tuple[Geometry | None, int, int]:
+    """What a directory without a geometry file shows of its layout (one written before
+    the file existed): the geometry in its snapshot's header, if it has a snapshot that
+    verifies, the number of region files, and the size of the largest."""
+    snapshot: Geometry | None = None
+    try:
+        with open(os.path.join(path, SNAPSHOT_NAME), "rb") as fh:
+            data = fh.read()
+    except OSError:
+        data = b""
+    head = _SNAP_GEOMETRY.size
+    if len(data) >= head + _SNAP_SUM.size and data[:7] == SNAPSHOT_MAGIC[:7]:
+        (want,) = _SNAP_SUM.unpack_from(data, len(data) - _SNAP_SUM.size)
+        if xxhash.xxh3_64_intdigest(memoryview(data)[: len(data) - _SNAP_SUM.size]) == want:
+            _, _, region_size, alignment, regions = _SNAP_GEOMETRY.unpack_from(data, 0)
+            snapshot = Geometry(region_size, regions, alignment)
+    files = largest = 0
+    with os.scandir(path) as entries:
+        for entry in entries:
+            name = entry.name
+            if name.startswith("region-") and name.endswith(".kvr") and name[7:-4].isdigit():
+                files = max(files, int(name[7:-4]) + 1)
+                largest = max(largest, entry.stat().st_size)
+    return snapshot, files, largest
+
+
+def plan_geometry(path: str, capacity_bytes: int, region_size: int, io_mode: str) -> tuple[Geometry, bool, bool]:
+    """The geometry to open directory `path` with, whether to use O_DIRECT, and whether
+    the geometry must be recorded (new, adopted or grown). ConfigError when the settings
+    do not fit what the directory holds.
+
+    A directory keeps its region size and alignment for its life: records sit at offsets
+    and in files of that size, and another size would read them at the wrong places. More
+    regions only add files. Fewer would lose the blocks of the others, so they are
+    refused, as is any change that cannot be read: the operator chooses to empty the
+    directory. A directory without a geometry file (written before it existed) is judged
+    by its snapshot's header, else by its files: more files than regions, or a file
+    larger than a region, is refused; otherwise it is adopted with the settings.
+    """
+    stored = recorded = read_geometry(path)
+    files = largest = 0
+    if recorded is None:
+        recorded, files, largest = _unrecorded_geometry(path)
+        if recorded is not None:
+            logger.info("ssd directory %s has no %s; its snapshot shows %d regions of %d bytes", path,
+                        GEOMETRY_NAME, recorded.regions, recorded.region_size)
+    if recorded is not None and recorded.format > FORMAT_VERSION:
+        raise ConfigError(f"SSD directory {path} is in format {recorded.format}, written by a newer kvstore (this one "
+                          f"reads format {FORMAT_VERSION}); run that version, or empty {path} to start over")
+    if recorded is None or recorded.alignment == DIRECT_ALIGNMENT:
+        direct = probe_direct_io(path) if io_mode != IoMode.BUFFERED else False
+        if io_mode == IoMode.DIRECT and not direct:
+            raise ConfigError(f"the filesystem of {path} does not support O_DIRECT; use --ssd-io auto or buffered")
+        # Buffered I/O reads records at any alignment: a directory written with O_DIRECT
+        # keeps its 4096-byte records when the mode changes.
+        alignment = recorded.alignment if recorded is not None else DIRECT_ALIGNMENT if direct else BUFFERED_ALIGNMENT
+    elif recorded.alignment == BUFFERED_ALIGNMENT:
+        if io_mode == IoMode.DIRECT:
+            raise ConfigError(f"SSD directory {path} was written with buffered I/O ({BUFFERED_ALIGNMENT}-byte "
+                              "records), which O_DIRECT cannot read; use --ssd-io auto or buffered, or empty "
+                              f"{path} to start over (its blocks are lost)")
+        direct, alignment = False, BUFFERED_ALIGNMENT
+        if io_mode == "auto":
+            logger.info("ssd directory %s was written with buffered I/O; it stays buffered", path)
+    else:
+        raise ConfigError(f"SSD directory {path} records an alignment of {recorded.alignment} bytes, which this "
+                          f"kvstore does not write; empty {path} to start over")
+    configured = region_size
+    region_size = region_size // alignment * alignment
+    if region_size < alignment:
+        raise ConfigError(f"ssd_region_size {configured} is below the {alignment}-byte I/O alignment; "
+                          "raise --ssd-region-size")
+    regions = capacity_bytes // region_size
+    if regions < MIN_REGIONS:
+        most = capacity_bytes // MIN_REGIONS // alignment * alignment
+        raise ConfigError(
+            f"ssd_capacity {size_text(capacity_bytes)} holds {regions} region(s) of ssd_region_size "
+            f"{size_text(region_size)}, and the SSD tier needs at least {MIN_REGIONS} regions: it reclaims "
+            "a whole region at a time, so with one region every reclaim would empty it; raise "
+            f"--ssd-capacity to at least {size_text(MIN_REGIONS * region_size)} or lower "
+            f"--ssd-region-size to at most {size_text(most)}"
+        )
+    if recorded is not None:
+        if region_size != recorded.region_size:
+            raise ConfigError(
+                f"ssd_region_size {size_text(configured)} differs from the {size_text(recorded.region_size)} "
+                f"regions SSD directory {path} was written with, whose records would be read at the wrong "
+                f"places; use --ssd-region-size {size_text(recorded.region_size)} as recorded, or empty {path} "
+                "to start over with the new size (its blocks are lost)"
+            )
+        files = recorded.regions
+    elif largest > region_size:
+        raise ConfigError(
+            f"ssd_region_size {size_text(configured)} is smaller than the regions of SSD directory {path} "
+            f"(a region file there holds {size_text(largest)}; it was written before the directory recorded its "
+            f"geometry): use the --ssd-region-size it was written with (at least {size_text(largest)}), or "
+            f"empty {path} to start over (its blocks are lost)"
+        )
+    if regions < files:
+        held = size_text(files * region_size)
+        raise ConfigError(
+            f"ssd_capacity {size_text(capacity_bytes)} is {regions} regions of {size_text(region_size)}, fewer "
+            f"than the {files} regions ({held}) SSD directory {path} holds, whose blocks would be lost; use "
+            f"--ssd-capacity {held} or more, or empty {path} to start smaller (its blocks are lost)"
+        )
+    geometry = Geometry(region_size, regions, alignment)
+    if stored is not None and regions > stored.regions:
+        logger.info("ssd directory %s grows from %d to %d regions", path, stored.regions, regions)
+    return geometry, direct, geometry != stored
+
+
 def lock_directory(path: str) -> int:
     """Take the exclusive lock of the SSD directory `path`; the lock file's descriptor.
 
@@ -381,26 +560,11 @@ class SsdTier(Tier):
         self._lock_fd = lock_directory(path)
         self._fds: list[int] = []
         try:
-            direct = probe_direct_io(path) if io_mode != IoMode.BUFFERED else False
-            if io_mode == IoMode.DIRECT and not direct:
-                raise ConfigError(f"the filesystem of {path} does not support O_DIRECT; use --ssd-io auto or buffered")
+            geometry, direct, record = plan_geometry(path, capacity_bytes, region_size, io_mode)
             self.io_mode = IoMode.DIRECT if direct else IoMode.BUFFERED
-            self.alignment = DIRECT_ALIGNMENT if direct else BUFFERED_ALIGNMENT
-            region_size = region_size // self.alignment * self.alignment
-            if region_size < self.alignment:
-                raise ConfigError(f"ssd_region_size {region_size} is below the {self.alignment}-byte I/O alignment; "
-                                  "raise --ssd-region-size")
-            regions = capacity_bytes // region_size
-            if regions < MIN_REGIONS:
-                most = capacity_bytes // MIN_REGIONS // self.alignment * self.alignment
-                raise ConfigError(
-                    f"ssd_capacity {size_text(capacity_bytes)} holds {regions} region(s) of ssd_region_size "
-                    f"{size_text(region_size)}, and the SSD tier needs at least {MIN_REGIONS} regions: it reclaims "
-                    "a whole region at a time, so with one region every reclaim would empty it; raise "
-                    f"--ssd-capacity to at least {size_text(MIN_REGIONS * region_size)} or lower "
-                    f"--ssd-region-size to at most {size_text(most)}"
-                )
-            super().__init__(regions * region_size)
+            self.alignment = geometry.alignment
+            region_size, regions = geometry.region_size, geometry.regions
+            super().__init__(geometry.capacity_bytes)
             self.path = path
             self.region_size = region_size
             self.compress = compress
@@ -411,6 +575,10 @@ class SsdTier(Tier):
             flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_DIRECT", 0) if direct else 0)
             for i in range(regions):
                 self._fds.append(os.open(self._region_path(i), flags, 0o600))
+            if record:
+                # After the region files exist: a crash before this leaves files that
+                # agree with the settings, which the next start adopts.
+                write_geometry(path, geometry)
         except BaseException:
             for fd in self._fds:
                 os.close(fd)
@@ -720,7 +888,8 @@ class SsdTier(Tier):
         path = self._region_path(index)
         try:
             with open(path, "rb") as fh:
-                data = fh.read()
+                # Never past the region's end: nothing there could be read back.
+                data = fh.read(self.region_size)
         except FileNotFoundError:
             return [], 0, 0
         out: list[_Parsed] = []
@@ -795,7 +964,7 @@ class SsdTier(Tier):
             return None
         _, version, region_size, alignment, regions, count, next_seq = _SNAP_HEAD.unpack_from(body, 0)
         if version != SNAPSHOT_VERSION or region_size != self.region_size or alignment != self.alignment or \
-                regions != len(self._regions):
+                regions > len(self._regions):  # more regions than then: they are only added
             logger.info("ssd snapshot was written with another geometry; scanning the log instead")
             return None
         records_at = head_end + regions * _SNAP_POS.size
