@@ -287,8 +287,29 @@ async def test_a_directory_from_before_the_geometry_file_is_adopted_when_its_fil
     # Its region files show what it was written with: fewer or smaller regions are refused.
     # (The region size shows only as at least its fullest file.)
     await assert_refused(replace(config, ssd_region_size=256 << 10), "--ssd-region-size", "at least")
-    await assert_refused(replace(config, ssd_capacity=4 << 20), "--ssd-capacity 8MiB")
+    # (Its regions count up to the last file that holds records: 6 to 8 of the 16 here.)
+    await assert_refused(replace(config, ssd_capacity=2 << 20), "--ssd-capacity", "or more")
     await assert_recovers(config, chains)
     # Adopted: its geometry is recorded now, and a change is refused as for any directory.
     await assert_refused(replace(config, ssd_region_size=1 << 20), "--ssd-region-size 512KiB")
     await assert_recovers(config, chains)
+
+
+# ------------------------------------------------------------------ bad settings are one line
+
+
+def test_more_ssd_regions_than_open_files_allowed_is_one_clear_line(tmp_path: Path) -> None:
+    """Every region is an open file: 16 MiB of 64 KiB regions is 256 of them."""
+    flags = ["--ssd-capacity", "16MiB", "--ssd-region-size", "64KiB"]
+    line = start_failure(["bash", "-c", 'ulimit -n 200 && exec "$@"', "bash", *serve_args(tmp_path, *flags)])
+    assert "open files" in line and "--ssd-region-size" in line and "ulimit -n" in line
+    assert not list((tmp_path / "ssd").glob("region-*")), "a refused start left region files behind"
+    # Under a soft limit that the hard one allows to raise, the daemon raises it and starts.
+    sock = tmp_path / "cli" / "kv.sock"
+    proc = procs.start(["bash", "-c", 'ulimit -Sn 200 && exec "$@"', "bash", *serve_args(tmp_path, *flags)],
+                       sock, tmp_path / "soft.log")
+    try:
+        with Client(proc.target) as kv:
+            assert int(ssd_of(kv.stats()).capacity_bytes) == 16 << 20
+    finally:
+        assert proc.stop() == 0

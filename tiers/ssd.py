@@ -62,6 +62,7 @@ import json
 import logging
 import mmap
 import os
+import resource
 import socket
 import struct
 import threading
@@ -96,6 +97,8 @@ GEOMETRY_NAME = "geometry.json"
 FORMAT_VERSION = 1
 # With one region, every reclaim would empty the whole tier (reclaim is region-level).
 MIN_REGIONS = 2
+# Open files the rest of the daemon may need next to one per region (sockets, segments).
+FD_HEADROOM = 256
 SNAPSHOT_VERSION = 3
 # The snapshot is binary: a header, each region's write position, fixed-size records,
 # and an XXH3-64 of all before it. Loading a million records is one struct pass, not a
@@ -372,7 +375,8 @@ def write_geometry(path: str, geometry: Geometry) -> None:
 def _unrecorded_geometry(path: str) -> tuple[Geometry | None, int, int]:
     """What a directory without a geometry file shows of its layout (one written before
     the file existed): the geometry in its snapshot's header, if it has a snapshot that
-    verifies, the number of region files, and the size of the largest."""
+    verifies, the number of region files up to the last that holds anything, and the
+    size of the largest."""
     snapshot: Geometry | None = None
     try:
         with open(os.path.join(path, SNAPSHOT_NAME), "rb") as fh:
@@ -390,8 +394,10 @@ def _unrecorded_geometry(path: str) -> tuple[Geometry | None, int, int]:
         for entry in entries:
             name = entry.name
             if name.startswith("region-") and name.endswith(".kvr") and name[7:-4].isdigit():
-                files = max(files, int(name[7:-4]) + 1)
-                largest = max(largest, entry.stat().st_size)
+                size = entry.stat().st_size
+                if size:  # an empty file holds no blocks, whatever the settings
+                    files = max(files, int(name[7:-4]) + 1)
+                    largest = max(largest, size)
     return snapshot, files, largest
 
 
@@ -480,6 +486,29 @@ def plan_geometry(path: str, capacity_bytes: int, region_size: int, io_mode: str
     return geometry, direct, geometry != stored
 
 
+def reserve_open_files(geometry: Geometry, capacity_bytes: int) -> None:
+    """Make sure the process may open a file per region and `FD_HEADROOM` more: raise
+    the soft limit towards the hard one if needed, else refuse before any file is made."""
+    want = geometry.regions + FD_HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    if hard == resource.RLIM_INFINITY or hard >= want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        logger.info("open-file limit raised from %d to %d for %d ssd regions", soft, want, geometry.regions)
+        return
+    fit = max(hard - FD_HEADROOM, MIN_REGIONS)
+    least = geometry.region_size
+    while capacity_bytes // least > fit:
+        least *= 2
+    raise ConfigError(
+        f"ssd_capacity {size_text(capacity_bytes)} in regions of ssd_region_size {size_text(geometry.region_size)} "
+        f"is {geometry.regions} regions, each an open file, but this process may have only {hard} open files "
+        f"(ulimit -n); raise --ssd-region-size to {size_text(least)} or more, or the open-file limit to at least "
+        f"{want} (ulimit -n, LimitNOFILE= in systemd)"
+    )
+
+
 def lock_directory(path: str) -> int:
     """Take the exclusive lock of the SSD directory `path`; the lock file's descriptor.
 
@@ -561,6 +590,7 @@ class SsdTier(Tier):
         self._fds: list[int] = []
         try:
             geometry, direct, record = plan_geometry(path, capacity_bytes, region_size, io_mode)
+            reserve_open_files(geometry, capacity_bytes)
             self.io_mode = IoMode.DIRECT if direct else IoMode.BUFFERED
             self.alignment = geometry.alignment
             region_size, regions = geometry.region_size, geometry.regions
