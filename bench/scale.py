@@ -422,12 +422,12 @@ async def _ssd_rebuild(records: int, directory: str) -> dict[str, Any]:
     region = 64 << 20
 
     def open_store() -> tuple[Store, SsdTier]:
-        ssd = SsdTier(directory, records * 512 + region, region_size=region, io_mode="buffered", compress=False)
+        ssd = SsdTier(directory, records * 512 + 2 * region, region_size=region, io_mode="buffered", compress=False)
         store = Store([StoreTier(MemoryTier(1 << 20), make_policy("hint-arc")),
                        StoreTier(ssd, make_policy("hint-arc"))])
         return store, ssd
 
-    ssd = SsdTier(directory, records * 512 + region, region_size=region, io_mode="buffered", compress=False)
+    ssd = SsdTier(directory, records * 512 + 2 * region, region_size=region, io_mode="buffered", compress=False)
     pool = ssd._executor
     ssd._executor = InlineExecutor()  # type: ignore[assignment]
     t = time.perf_counter()

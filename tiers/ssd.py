@@ -18,6 +18,7 @@ region, so the store can empty a region at once).
 
 Capacity is exact: `regions * region_size` bytes of files at most; `used_bytes` counts
 live records (their padded on-disk size), `describe()` also shows dead and occupied bytes.
+At least `MIN_REGIONS` (2) regions: with one, every reclaim would empty the tier.
 
 Crash safety. A record is indexed only after its write returned, so nothing half-written
 is ever served. At start the log is scanned: a header that does not verify is skipped by
@@ -25,9 +26,26 @@ probing the next aligned offsets (so one damaged record does not hide the rest o
 region), a payload that fails its checksum or does not decode is dropped and counted,
 and a record whose sequence number is not above its predecessor's in the same region is
 left over from the region's previous fill and is ignored. For the same key the highest
-sequence number wins. A clean `close` writes `index.snapshot`; the next start loads it
-instead of scanning and deletes it before writing anything, so a snapshot never
-describes a log it has not seen (payloads are still verified on every read).
+sequence number wins. A clean `close` writes `index.snapshot` (records, each region's
+write position, the next sequence number); the next start loads it instead of scanning
+and deletes it before writing anything, so a snapshot never describes a log it has not
+seen (payloads are still verified on every read). A start appends to the region that
+holds the newest record, at its write position, with sequence numbers above every header
+on disk (the snapshot's count, or the scan's highest, torn and left over headers
+included): whatever lies past that position then reads as left over, so a restart costs
+no region and the rule above still tells the fills apart.
+
+Geometry. `geometry.json` records the region size, region count, alignment and format
+(written atomically, after the region files). A directory keeps its region size and
+alignment for life; more regions only add files; fewer, another region size, or an
+alignment the I/O mode cannot read are refused (`plan_geometry`), naming the recorded
+value. A directory without the file (from before it existed) is judged by its
+snapshot's header, else by its region files, and adopted when they agree. The scan
+never reads past a region's end.
+
+One daemon per directory: the tier holds an flock on `kvstore.lock` from before it
+touches the directory until it closes (`lock_directory`); a second tier is refused with
+the holder's pid and host.
 
 I/O. O_DIRECT with page-aligned buffers (anonymous mmaps) where the filesystem accepts
 it, detected by a probe write at start; buffered I/O otherwise. The mode is logged and
@@ -39,9 +57,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
+import json
 import logging
 import mmap
 import os
+import resource
+import socket
 import struct
 import threading
 from collections import deque
@@ -68,11 +90,25 @@ DIRECT_ALIGNMENT = 4096
 BUFFERED_ALIGNMENT = 512
 DEFAULT_REGION_SIZE = 64 << 20
 SNAPSHOT_NAME = "index.snapshot"
-SNAPSHOT_VERSION = 2
-# The snapshot is binary: a header, fixed-size records, and an XXH3-64 of all before it.
-# Loading a million records is one struct pass, not a JSON parse with hex decoding.
-SNAPSHOT_MAGIC = b"KVSNAP\x00\x02"
-_SNAP_HEAD = struct.Struct("<8sIQIIQ")  # magic, version, region size, alignment, regions, records
+LOCK_NAME = "kvstore.lock"
+GEOMETRY_NAME = "geometry.json"
+# The on-disk format the geometry file records: records of RECORD with magic KVR1 in
+# region files of the recorded size. A directory of a later format is refused.
+FORMAT_VERSION = 1
+# With one region, every reclaim would empty the whole tier (reclaim is region-level).
+MIN_REGIONS = 2
+# Open files the rest of the daemon may need next to one per region (sockets, segments).
+FD_HEADROOM = 256
+SNAPSHOT_VERSION = 3
+# The snapshot is binary: a header, each region's write position, fixed-size records,
+# and an XXH3-64 of all before it. Loading a million records is one struct pass, not a
+# JSON parse with hex decoding.
+SNAPSHOT_MAGIC = b"KVSNAP\x00\x03"
+# magic, version, region size, alignment, regions, records, next sequence number
+_SNAP_HEAD = struct.Struct("<8sIQIIQQ")
+# The geometry at the head of every snapshot version: magic, version, region size,
+# alignment, regions.
+_SNAP_GEOMETRY = struct.Struct("<8sIQII")
 # offset, size, seq, itemsize, has parent, key, parent hash, checksum, raw_len
 _SNAP_REC = struct.Struct("<QIQBB32s16sQI")
 # The same record as numpy columns: a snapshot loads as one array, without a Python
@@ -82,6 +118,7 @@ _REC_DTYPE = np.dtype([("offset", "<u8"), ("size", "<u4"), ("seq", "<u8"), ("ite
                        ("raw_len", "<u4")])
 assert _REC_DTYPE.itemsize == _SNAP_REC.size
 _SNAP_SUM = struct.Struct("<Q")
+_SNAP_POS = struct.Struct("<Q")  # a region's write position
 # Encoding blocks smaller than this inline costs less than the thread hand-off.
 INLINE_CODEC_BYTES = 64 * 1024
 # After this many blocks of a namespace in a row did not compress, only every
@@ -275,6 +312,257 @@ def probe_direct_io(directory: str) -> bool:
         os.unlink(path)
 
 
+def size_text(n: int) -> str:
+    """`n` bytes as a size the flags accept back exactly: 512KiB, 64MiB, 1000B."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return f"{n}B"
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """How a directory's region log is laid out; recorded in `GEOMETRY_NAME`."""
+
+    region_size: int
+    regions: int
+    alignment: int
+    format: int = FORMAT_VERSION
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.region_size * self.regions
+
+
+def read_geometry(path: str) -> Geometry | None:
+    """The geometry recorded in directory `path`; None when it records none."""
+    file = os.path.join(path, GEOMETRY_NAME)
+    try:
+        with open(file, "rb") as fh:
+            doc = json.loads(fh.read())
+        fields = {k: doc[k] for k in ("region_size", "regions", "alignment", "format")}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"the SSD geometry file {file} is unreadable ({exc}); restore it, or empty {path} "
+                          "to start over (its blocks are lost)") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in fields.values()):
+        raise ConfigError(f"the SSD geometry file {file} holds {fields}, not positive whole numbers; restore it, "
+                          f"or empty {path} to start over (its blocks are lost)")
+    return Geometry(**fields)
+
+
+def write_geometry(path: str, geometry: Geometry) -> None:
+    """Record `geometry` in directory `path` atomically: a temp file, fsync, rename, and
+    an fsync of the directory, so a crash leaves the old file or the new one."""
+    file = os.path.join(path, GEOMETRY_NAME)
+    tmp = file + ".tmp"
+    doc = {"format": geometry.format, "region_size": geometry.region_size, "regions": geometry.regions,
+           "alignment": geometry.alignment}
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(json.dumps(doc, indent=1).encode() + b"\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, file)
+    dfd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _unrecorded_geometry(path: str) -> tuple[Geometry | None, int, int]:
+    """What a directory without a geometry file shows of its layout (one written before
+    the file existed): the geometry in its snapshot's header, if it has a snapshot that
+    verifies, the number of region files up to the last that holds anything, and the
+    size of the largest."""
+    snapshot: Geometry | None = None
+    try:
+        with open(os.path.join(path, SNAPSHOT_NAME), "rb") as fh:
+            data = fh.read()
+    except OSError:
+        data = b""
+    head = _SNAP_GEOMETRY.size
+    if len(data) >= head + _SNAP_SUM.size and data[:7] == SNAPSHOT_MAGIC[:7]:
+        (want,) = _SNAP_SUM.unpack_from(data, len(data) - _SNAP_SUM.size)
+        if xxhash.xxh3_64_intdigest(memoryview(data)[: len(data) - _SNAP_SUM.size]) == want:
+            _, _, region_size, alignment, regions = _SNAP_GEOMETRY.unpack_from(data, 0)
+            snapshot = Geometry(region_size, regions, alignment)
+    files = largest = 0
+    with os.scandir(path) as entries:
+        for entry in entries:
+            name = entry.name
+            if name.startswith("region-") and name.endswith(".kvr") and name[7:-4].isdigit():
+                size = entry.stat().st_size
+                if size:  # an empty file holds no blocks, whatever the settings
+                    files = max(files, int(name[7:-4]) + 1)
+                    largest = max(largest, size)
+    return snapshot, files, largest
+
+
+def plan_geometry(path: str, capacity_bytes: int, region_size: int, io_mode: str) -> tuple[Geometry, bool, bool]:
+    """The geometry to open directory `path` with, whether to use O_DIRECT, and whether
+    the geometry must be recorded (new, adopted or grown). ConfigError when the settings
+    do not fit what the directory holds.
+
+    A directory keeps its region size and alignment for its life: records sit at offsets
+    and in files of that size, and another size would read them at the wrong places. More
+    regions only add files. Fewer would lose the blocks of the others, so they are
+    refused, as is any change that cannot be read: the operator chooses to empty the
+    directory. A directory without a geometry file (written before it existed) is judged
+    by its snapshot's header, else by its files: more files than regions, or a file
+    larger than a region, is refused; otherwise it is adopted with the settings.
+    """
+    stored = recorded = read_geometry(path)
+    files = largest = 0
+    if recorded is None:
+        recorded, files, largest = _unrecorded_geometry(path)
+        if recorded is not None:
+            logger.info("ssd directory %s has no %s; its snapshot shows %d regions of %d bytes", path,
+                        GEOMETRY_NAME, recorded.regions, recorded.region_size)
+    if recorded is not None and recorded.format > FORMAT_VERSION:
+        raise ConfigError(f"SSD directory {path} is in format {recorded.format}, written by a newer kvstore (this one "
+                          f"reads format {FORMAT_VERSION}); run that version, or empty {path} to start over")
+    if recorded is None or recorded.alignment == DIRECT_ALIGNMENT:
+        direct = probe_direct_io(path) if io_mode != IoMode.BUFFERED else False
+        if io_mode == IoMode.DIRECT and not direct:
+            raise ConfigError(f"the filesystem of {path} does not support O_DIRECT; use --ssd-io auto or buffered")
+        # Buffered I/O reads records at any alignment: a directory written with O_DIRECT
+        # keeps its 4096-byte records when the mode changes.
+        alignment = recorded.alignment if recorded is not None else DIRECT_ALIGNMENT if direct else BUFFERED_ALIGNMENT
+    elif recorded.alignment == BUFFERED_ALIGNMENT:
+        if io_mode == IoMode.DIRECT:
+            raise ConfigError(f"SSD directory {path} was written with buffered I/O ({BUFFERED_ALIGNMENT}-byte "
+                              "records), which O_DIRECT cannot read; use --ssd-io auto or buffered, or empty "
+                              f"{path} to start over (its blocks are lost)")
+        direct, alignment = False, BUFFERED_ALIGNMENT
+        if io_mode == "auto":
+            logger.info("ssd directory %s was written with buffered I/O; it stays buffered", path)
+    else:
+        raise ConfigError(f"SSD directory {path} records an alignment of {recorded.alignment} bytes, which this "
+                          f"kvstore does not write; empty {path} to start over")
+    configured = region_size
+    region_size = region_size // alignment * alignment
+    if region_size < alignment:
+        raise ConfigError(f"ssd_region_size {configured} is below the {alignment}-byte I/O alignment; "
+                          "raise --ssd-region-size")
+    regions = capacity_bytes // region_size
+    if regions < MIN_REGIONS:
+        most = capacity_bytes // MIN_REGIONS // alignment * alignment
+        raise ConfigError(
+            f"ssd_capacity {size_text(capacity_bytes)} holds {regions} region(s) of ssd_region_size "
+            f"{size_text(region_size)}, and the SSD tier needs at least {MIN_REGIONS} regions: it reclaims "
+            "a whole region at a time, so with one region every reclaim would empty it; raise "
+            f"--ssd-capacity to at least {size_text(MIN_REGIONS * region_size)} or lower "
+            f"--ssd-region-size to at most {size_text(most)}"
+        )
+    if recorded is not None:
+        if region_size != recorded.region_size:
+            raise ConfigError(
+                f"ssd_region_size {size_text(configured)} differs from the {size_text(recorded.region_size)} "
+                f"regions SSD directory {path} was written with, whose records would be read at the wrong "
+                f"places; use --ssd-region-size {size_text(recorded.region_size)} as recorded, or empty {path} "
+                "to start over with the new size (its blocks are lost)"
+            )
+        files = recorded.regions
+    elif largest > region_size:
+        raise ConfigError(
+            f"ssd_region_size {size_text(configured)} is smaller than the regions of SSD directory {path} "
+            f"(a region file there holds {size_text(largest)}; it was written before the directory recorded its "
+            f"geometry): use the --ssd-region-size it was written with (at least {size_text(largest)}), or "
+            f"empty {path} to start over (its blocks are lost)"
+        )
+    if regions < files:
+        held = size_text(files * region_size)
+        raise ConfigError(
+            f"ssd_capacity {size_text(capacity_bytes)} is {regions} regions of {size_text(region_size)}, fewer "
+            f"than the {files} regions ({held}) SSD directory {path} holds, whose blocks would be lost; use "
+            f"--ssd-capacity {held} or more, or empty {path} to start smaller (its blocks are lost)"
+        )
+    geometry = Geometry(region_size, regions, alignment)
+    if stored is not None and regions > stored.regions:
+        logger.info("ssd directory %s grows from %d to %d regions", path, stored.regions, regions)
+    return geometry, direct, geometry != stored
+
+
+def reserve_open_files(geometry: Geometry, capacity_bytes: int) -> None:
+    """Make sure the process may open a file per region and `FD_HEADROOM` more: raise
+    the soft limit towards the hard one if needed, else refuse before any file is made."""
+    want = geometry.regions + FD_HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    if hard == resource.RLIM_INFINITY or hard >= want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        logger.info("open-file limit raised from %d to %d for %d ssd regions", soft, want, geometry.regions)
+        return
+    fit = max(hard - FD_HEADROOM, MIN_REGIONS)
+    least = geometry.region_size
+    while capacity_bytes // least > fit:
+        least *= 2
+    raise ConfigError(
+        f"ssd_capacity {size_text(capacity_bytes)} in regions of ssd_region_size {size_text(geometry.region_size)} "
+        f"is {geometry.regions} regions, each an open file, but this process may have only {hard} open files "
+        f"(ulimit -n); raise --ssd-region-size to {size_text(least)} or more, or the open-file limit to at least "
+        f"{want} (ulimit -n, LimitNOFILE= in systemd)"
+    )
+
+
+def lock_directory(path: str) -> int:
+    """Take the exclusive lock of the SSD directory `path`; the lock file's descriptor.
+
+    An flock on `LOCK_NAME`, held for as long as the descriptor is open: it ends with
+    `close` or with the process, so a daemon killed with -9 leaves no stale lock (the
+    pid it wrote stays, but nobody holds the lock). flock rather than fcntl's record
+    locks: those belong to the process, so a second tier in the same process would get
+    the lock too, and closing any descriptor of the file would drop it. The file is
+    never unlinked: a daemon that opened it just before the unlink would lock an inode
+    that the next daemon no longer finds, and both would hold "the" lock.
+    """
+    lock_path = os.path.join(path, LOCK_NAME)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot open the SSD lock file {lock_path}: {exc.strerror}; "
+                          "fix --ssd-path or its permissions") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = _lock_holder(fd)
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
+            raise ConfigError(
+                f"SSD directory {path} is in use by another kvstore daemon ({holder}): two daemons on one "
+                "directory would overwrite each other's records; stop that daemon first, or give this one "
+                "its own --ssd-path"
+            ) from None
+        raise ConfigError(f"cannot lock {lock_path}: {exc.strerror}; --ssd-path must be on a filesystem "
+                          "with file locks (a local disk)") from None
+    try:
+        # Who holds it, for the message of the daemon that is refused. A daemon refused
+        # between the lock and this write reads an empty file ("holder unknown").
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\nhost {socket.gethostname()}\n".encode(), 0)
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigError(f"cannot write the SSD lock file {lock_path}: {exc.strerror}; "
+                          "fix --ssd-path or its permissions") from None
+    return fd
+
+
+def _lock_holder(fd: int) -> str:
+    """The holder a lock file names: "pid N on host H"."""
+    try:
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+    except OSError:
+        text = ""
+    fields = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
+    if "pid" not in fields:
+        return "holder unknown"
+    return f"pid {fields['pid']} on host {fields.get('host', 'unknown')}"
+
+
 class SsdTier(Tier):
     name = "ssd"
     addressable = False
@@ -298,29 +586,39 @@ class SsdTier(Tier):
             raise ConfigError(f"SSD directory {path} is not writable; fix --ssd-path or its permissions")
         if io_mode not in ("auto", IoMode.DIRECT, IoMode.BUFFERED):
             raise ConfigError(f"ssd io mode must be auto, direct or buffered, got {io_mode!r}")
-        direct = probe_direct_io(path) if io_mode != IoMode.BUFFERED else False
-        if io_mode == IoMode.DIRECT and not direct:
-            raise ConfigError(f"the filesystem of {path} does not support O_DIRECT; use --ssd-io auto or buffered")
-        self.io_mode = IoMode.DIRECT if direct else IoMode.BUFFERED
-        self.alignment = DIRECT_ALIGNMENT if direct else BUFFERED_ALIGNMENT
-        region_size = min(region_size, capacity_bytes) // self.alignment * self.alignment
-        if region_size < self.alignment:
-            raise ConfigError(f"ssd capacity {capacity_bytes} is too small for one region; raise --ssd-capacity")
-        regions = capacity_bytes // region_size
-        super().__init__(regions * region_size)
-        self.path = path
-        self.region_size = region_size
-        self.compress = compress
-        self._regions = [_Region(i) for i in range(regions)]
-        self._free_regions: deque[int] = deque(range(regions))
-        self._open: _Region | None = None
-        self._next_seq = 1
+        # Before anything in the directory is read or written: it may be another daemon's.
+        self._lock_fd = lock_directory(path)
+        self._fds: list[int] = []
+        try:
+            geometry, direct, record = plan_geometry(path, capacity_bytes, region_size, io_mode)
+            reserve_open_files(geometry, capacity_bytes)
+            self.io_mode = IoMode.DIRECT if direct else IoMode.BUFFERED
+            self.alignment = geometry.alignment
+            region_size, regions = geometry.region_size, geometry.regions
+            super().__init__(geometry.capacity_bytes)
+            self.path = path
+            self.region_size = region_size
+            self.compress = compress
+            self._regions = [_Region(i) for i in range(regions)]
+            self._free_regions: deque[int] = deque(range(regions))
+            self._open: _Region | None = None
+            self._next_seq = 1
+            flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_DIRECT", 0) if direct else 0)
+            for i in range(regions):
+                self._fds.append(os.open(self._region_path(i), flags, 0o600))
+            if record:
+                # After the region files exist: a crash before this leaves files that
+                # agree with the settings, which the next start adopts.
+                write_geometry(path, geometry)
+        except BaseException:
+            for fd in self._fds:
+                os.close(fd)
+            os.close(self._lock_fd)
+            raise
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-ssd")
         # One aligned buffer per I/O thread, grown on demand: mapping and faulting in a
         # fresh buffer per record cost as much as the copy itself.
         self._local = threading.local()
-        flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_DIRECT", 0) if direct else 0)
-        self._fds = [os.open(self._region_path(i), flags, 0o600) for i in range(regions)]
         self._closed = False
         self.bytes_written = 0
         self.bytes_read = 0
@@ -525,16 +823,22 @@ class SsdTier(Tier):
     async def recover(self) -> RecoveryReport:
         """Rebuild the tier's tables from the snapshot, else from a scan of the log."""
         loop = asyncio.get_running_loop()
-        snap = await loop.run_in_executor(self._executor, self._load_snapshot)
+        loaded = await loop.run_in_executor(self._executor, self._load_snapshot)
         parsed: list[_Parsed] = []
-        if snap is not None:
+        snap: np.ndarray[Any, Any] | None = None
+        positions: list[int] = []
+        if loaded is not None:
+            snap, next_seq, positions = loaded
             from_snapshot, failures = True, 0
         else:
             results = await asyncio.gather(
                 *(loop.run_in_executor(self._executor, self._scan_region, i) for i in range(len(self._regions)))
             )
-            parsed = [p for ps, _ in results for p in ps]
-            failures = sum(f for _, f in results)
+            parsed = [p for ps, _, _ in results for p in ps]
+            failures = sum(f for _, f, _ in results)
+            # Above every header on disk, torn or left over ones included: a record
+            # appended after the restart is then never taken for one of them.
+            next_seq = max((top for _, _, top in results), default=0) + 1
             from_snapshot = False
         regions, region_size = self._regions, self.region_size
         if snap is not None and not _distinct_keys(snap):
@@ -543,7 +847,6 @@ class SsdTier(Tier):
         if snap is not None:
             # Every key once, in offset order: the records are the winners as they are.
             records = snap
-            max_seq = int(records["seq"].max()) if len(records) else 0
             offsets = records["offset"].astype(np.int64)
             if len(offsets) > 1 and not np.all(offsets[1:] > offsets[:-1]):
                 order = np.argsort(offsets, kind="stable")
@@ -553,13 +856,11 @@ class SsdTier(Tier):
             if len(best) == len(parsed):
                 # Every key once (a log unless a key was written again): every record is a
                 # winner and the seq order is not needed.
-                max_seq = max(map(_SEQ, parsed), default=0)
                 winners = sorted(parsed, key=_OFFSET)
             else:
                 # For the same key the highest sequence number wins: sorted by seq, later wins.
                 by_seq = sorted(parsed, key=_SEQ)
                 best = dict(zip(map(_KEY, by_seq), by_seq))
-                max_seq = by_seq[-1].seq
                 winners = sorted(best.values(), key=_OFFSET)
                 for p in parsed:  # every record found, winner or not, occupies its region up to its end
                     region = regions[p.offset // region_size]
@@ -575,6 +876,8 @@ class SsdTier(Tier):
         which = offsets // region_size
         bounds = np.searchsorted(which, np.arange(len(regions) + 1))
         for region, lo, hi in zip(regions, bounds[:-1].tolist(), bounds[1:].tolist()):
+            if region.index < len(positions):
+                region.write_pos = positions[region.index]  # dead records at its end included
             if hi == lo:
                 continue
             region.live_count += hi - lo
@@ -588,28 +891,41 @@ class SsdTier(Tier):
         self._used_bytes += used
         self._blocks += len(records)
         assert self._used_bytes <= self.capacity_bytes, "tier accounting exceeded capacity"
-        self._next_seq = max_seq + 1
+        seqs = records["seq"]
+        self._next_seq = max(next_seq, int(seqs.max()) + 1 if len(seqs) else 1)
+        # The region that holds the newest record was being filled: appends continue in
+        # it at its write position, so a restart costs no region. Its records past that
+        # position (torn or from an earlier fill) all have lower sequence numbers than
+        # anything appended now, so a scan takes them for leftovers, as it must.
+        newest = int(offsets[int(np.argmax(seqs))]) // region_size if len(seqs) else -1
         self._free_regions.clear()
+        self._open = None
         for region in self._regions:
             if region.live_count == 0:
                 region.write_pos = 0
                 self._free_regions.append(region.index)
+            elif region.index == newest:
+                self._open = region
             else:
-                region.sealed = True  # appends go to fresh regions; this one drains by eviction
-        logger.info("ssd tier recovered %d blocks (%s), %d failed verification, %d regions free",
-                    len(records), "snapshot" if from_snapshot else "log scan", failures, len(self._free_regions))
+                region.sealed = True  # full, or left when a record did not fit: drains by eviction
+        logger.info("ssd tier recovered %d blocks (%s), %d failed verification, %d regions free%s",
+                    len(records), "snapshot" if from_snapshot else "log scan", failures, len(self._free_regions),
+                    f", appending to region {newest}" if self._open is not None else "")
         return report
 
-    def _scan_region(self, index: int) -> tuple[list[_Parsed], int]:
-        """Records of one region file that verify, and how many did not."""
+    def _scan_region(self, index: int) -> tuple[list[_Parsed], int, int]:
+        """Records of one region file that verify, how many did not, and the highest
+        sequence number of any header in the file (torn and left over ones included)."""
         path = self._region_path(index)
         try:
             with open(path, "rb") as fh:
-                data = fh.read()
+                # Never past the region's end: nothing there could be read back.
+                data = fh.read(self.region_size)
         except FileNotFoundError:
-            return [], 0
+            return [], 0, 0
         out: list[_Parsed] = []
         failures = 0
+        top_seq = 0
         base = index * self.region_size
         pos, last_seq, step = 0, 0, self.alignment
         damaged_at = -1  # start of an unreadable stretch since the last good header
@@ -622,6 +938,7 @@ class SsdTier(Tier):
                     damaged_at = pos
                 pos += step
                 continue
+            top_seq = max(top_seq, head.seq)
             if head.seq <= last_seq:
                 pos += step  # left over from this region's previous fill
                 continue
@@ -648,12 +965,13 @@ class SsdTier(Tier):
                 logger.warning("ssd region %d offset %d: record failed verification; dropped", index, pos)
             last_seq = head.seq
             pos += head.size
-        return out, failures
+        return out, failures, top_seq
 
     def _snapshot_path(self) -> str:
         return os.path.join(self.path, SNAPSHOT_NAME)
 
-    def _load_snapshot(self) -> np.ndarray[Any, Any] | None:
+    def _load_snapshot(self) -> tuple[np.ndarray[Any, Any], int, list[int]] | None:
+        """The snapshot's records, next sequence number and region write positions."""
         path = self._snapshot_path()
         try:
             with open(path, "rb") as fh:
@@ -675,15 +993,21 @@ class SsdTier(Tier):
         if xxhash.xxh3_64_intdigest(body) != want:
             logger.warning("ssd snapshot %s fails its checksum; scanning the log instead", path)
             return None
-        _, version, region_size, alignment, regions, count = _SNAP_HEAD.unpack_from(body, 0)
+        _, version, region_size, alignment, regions, count, next_seq = _SNAP_HEAD.unpack_from(body, 0)
         if version != SNAPSHOT_VERSION or region_size != self.region_size or alignment != self.alignment or \
-                regions != len(self._regions):
+                regions > len(self._regions):  # more regions than then: they are only added
             logger.info("ssd snapshot was written with another geometry; scanning the log instead")
             return None
-        if len(body) - head_end != count * _SNAP_REC.size:
+        records_at = head_end + regions * _SNAP_POS.size
+        if len(body) - records_at != count * _SNAP_REC.size:
             logger.warning("ssd snapshot %s malformed (%d records announced); scanning the log instead", path, count)
             return None
-        return np.frombuffer(body[head_end:], _REC_DTYPE).copy()
+        positions = [p for (p,) in _SNAP_POS.iter_unpack(body[head_end:records_at])]
+        if any(p > region_size for p in positions):
+            logger.warning("ssd snapshot %s malformed (a region position past its end); scanning the log instead",
+                           path)
+            return None
+        return np.frombuffer(body[records_at:], _REC_DTYPE).copy(), next_seq, positions
 
     def _write_snapshot(self) -> None:
         """Describe the live records for a fast start; written last on a clean close."""
@@ -701,8 +1025,10 @@ class SsdTier(Tier):
                 for p in region.records.values()
             )
             count += len(region.records)
-        body = b"".join([_SNAP_HEAD.pack(SNAPSHOT_MAGIC, SNAPSHOT_VERSION, self.region_size, self.alignment,
-                                         len(self._regions), count), *parts])
+        head = _SNAP_HEAD.pack(SNAPSHOT_MAGIC, SNAPSHOT_VERSION, self.region_size, self.alignment,
+                               len(self._regions), count, self._next_seq)
+        positions = b"".join(_SNAP_POS.pack(r.write_pos) for r in self._regions)
+        body = b"".join([head, positions, *parts])
         tmp = self._snapshot_path() + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as fh:
@@ -730,6 +1056,8 @@ class SsdTier(Tier):
             self._write_snapshot()
         except OSError as exc:
             logger.warning("ssd snapshot not written (%s); the next start scans the log", exc)
+        # Last: the next daemon may start once the snapshot describes the log.
+        os.close(self._lock_fd)
 
     def describe(self) -> dict[str, str]:
         return {
