@@ -63,7 +63,7 @@ FIELDS: tuple[Field, ...] = (
           lo=0, hi=1 << 50, metavar="SIZE"),
     Field("gpu", "int", 0, "CUDA device index of the HBM tier", lo=0, hi=1023),
     Field("ssd_path", "str", "", "directory of the SSD tier's region log (empty: no SSD tier)", metavar="DIR"),
-    Field("ssd_capacity", "size", 16 << 30, "bytes of SSD for blocks (whole regions)", lo=1 << 20, hi=1 << 56,
+    Field("ssd_capacity", "size", 16 << 30, "bytes of SSD for blocks (whole regions, at least 2 of them)", lo=1 << 20, hi=1 << 56,
           metavar="SIZE"),
     Field("ssd_region_size", "size", 64 << 20, "size of one SSD log region (the unit of reclaim)",
           lo=64 << 10, hi=1 << 34, metavar="SIZE"),
