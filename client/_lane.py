@@ -17,13 +17,23 @@ from __future__ import annotations
 
 import asyncio
 import os
+import logging
 import socket
 import struct
 import threading
+import time
 
 import grpc
 
-from kvstore.errors import DeadlineExceeded, KVStoreError, ResourceExhausted, Unauthenticated, Unavailable
+from kvstore.client._errors import translate_status
+from kvstore.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    KVStoreError,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
 from kvstore.laneproto import HEADER, HELLO, HELLO_ANSWER, IDEMPOTENT, MAGIC, METHOD_IDS, frame, lane_path
 
 # The largest answer the SDK reads (as its gRPC channels cap messages).
@@ -32,6 +42,11 @@ MAX_ANSWER_BYTES = 64 << 20
 MAX_IDLE = 4
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _PEERCRED = struct.Struct("3i")
+# After the lane could not be used, calls go through gRPC; the lane is tried again this
+# much later (a daemon restarted, or started without the lane, and so on).
+LANE_RETRY_S = 5.0
+
+logger = logging.getLogger(__name__)
 
 
 def check_answer_length(length: int) -> None:
@@ -65,8 +80,6 @@ def lane_socket(target: str) -> str | None:
 
 def status_error(code_value: int, message: bytes) -> KVStoreError:
     """The exception for an error answer: the same class and text as over gRPC."""
-    from kvstore.client._common import translate_status  # a cycle at import time otherwise
-
     code = _CODES.get(code_value, grpc.StatusCode.UNKNOWN)
     return translate_status(code, message.decode("utf-8", "replace"))
 
@@ -101,6 +114,30 @@ def _trusted_peer(sock: socket.socket) -> None:
     me = os.getuid()
     if uid not in (me, 0) and me != 0:
         raise LaneUnavailable(f"the lane socket is served by uid {uid}, not this process's uid {me} or root")
+
+
+class LaneState:
+    """Whether a client's unary calls go over the local control lane: up once a call
+    through it succeeds; after a failure, gRPC until LANE_RETRY_S later, or an error when
+    the caller insisted on the lane (`control_plane="lane"`)."""
+
+    __slots__ = ("required", "up", "retry_at")
+
+    def __init__(self, required: bool) -> None:
+        self.required = required
+        self.up = False
+        self.retry_at = 0.0
+
+    def due(self) -> bool:
+        """Whether this call should try the lane."""
+        return self.up or time.monotonic() >= self.retry_at
+
+    def failed(self, exc: Exception) -> None:
+        if self.required:
+            raise FailedPrecondition(f"cannot use the local control lane: {exc}") from None
+        logger.info("local control lane unavailable (%s); unary calls go through gRPC", exc)
+        self.up = False
+        self.retry_at = time.monotonic() + LANE_RETRY_S
 
 
 # ------------------------------------------------------------------------ blocking

@@ -10,45 +10,42 @@ from typing import Any
 
 import grpc
 
-from kvstore.client._common import (
+from kvstore.client._assembler import FetchAssembler
+from kvstore.client._buffers import host_blocks, out_buffers, upload_blocks, writable_view
+from kvstore.client._errors import translate
+from kvstore.client._held import HeldSlots, check_reserve_ahead, keep_held, take_held
+from kvstore.client._options import (
     CHANNEL_OPTIONS,
     DEFAULT_CHUNK_BYTES,
     DEFAULT_TIMEOUT_S,
-    FetchAssembler,
-    HeldSlots,
-    LaneState,
+    check_control_plane,
+    check_data_plane,
+    may_be_local,
+    resolve_target,
+)
+from kvstore.client._requests import (
+    PreparedPut,
+    block_keys,
+    device_put_header,
+    fetch_keys,
+    lookup_request,
+    namespace_ref,
+    prefetch_request,
+    prepare_put,
+    put_requests,
+    response_keys,
+    reuse_hint,
+)
+from kvstore.client.results import (
     LookupResult,
     PinResult,
     PrefetchResult,
-    PreparedPut,
     PutResult,
-    block_keys,
-    check_control_plane,
-    check_data_plane,
-    check_reserve_ahead,
-    device_put_header,
-    fetch_keys,
-    host_blocks,
-    keep_held,
-    lookup_request,
     lookup_result,
-    may_be_local,
-    namespace_ref,
-    out_buffers,
-    prefetch_request,
     prefetch_result,
-    prepare_put,
-    put_requests,
-    resolve_target,
     response_hashes,
-    response_keys,
-    reuse_hint,
-    take_held,
-    translate,
-    upload_blocks,
-    writable_view,
 )
-from kvstore.client._lane import AioLane, LaneUnavailable, lane_socket
+from kvstore.client._lane import AioLane, LaneState, LaneUnavailable, lane_socket
 from kvstore.client._local import LocalPlane
 from kvstore.errors import FailedPrecondition, KVStoreError
 from kvstore.laneproto import RESPONSE_TYPES, method_path
