@@ -45,7 +45,7 @@ from kvstore.client.results import (
     prefetch_result,
     response_hashes,
 )
-from kvstore.client._lane import AioLane, LaneState, LaneUnavailable, lane_socket
+from kvstore.client._lane import AioLane, lane_socket
 from kvstore.client._local import LocalPlane
 from kvstore.errors import FailedPrecondition, KVStoreError
 from kvstore.laneproto import RESPONSE_TYPES, method_path
@@ -120,8 +120,7 @@ class AsyncClient:
         # The local control lane (a Unix socket next to the daemon's): tried on the first
         # call; after a failure, gRPC until LANE_RETRY_S later.
         path = lane_socket(self.target) if self.control_plane != "grpc" else None
-        self._lane = AioLane(path, self.security.token) if path else None
-        self._lane_state = LaneState(self.control_plane == "lane")
+        self._lane = AioLane(path, self.security.token, self.control_plane == "lane") if path else None
         self._raw: dict[str, Any] = {}
 
     async def __aenter__(self) -> AsyncClient:
@@ -165,27 +164,16 @@ class AsyncClient:
     async def control_plane_in_use(self) -> str:
         """`lane` when unary calls go over the daemon's local control lane, else `grpc`."""
         lane = self._lane
-        state = self._lane_state
-        if lane is not None and not state.up and state.due():
-            try:
-                await lane.open(self.timeout_s)
-                state.up = True
-            except LaneUnavailable as exc:
-                state.failed(exc)
-        return "lane" if state.up else "grpc"
+        return "lane" if lane is not None and await lane.in_use(self.timeout_s) else "grpc"
 
     async def _call(self, name: str, payload: bytes, timeout: float) -> bytes:
         """One unary KVStore call, serialized both ways: over the lane when it is up (or
         due for another try), else over gRPC. Failures raise `kvstore.errors` exceptions."""
         lane = self._lane
-        state = self._lane_state
-        if lane is not None and state.due():
-            try:
-                answer = await lane.call(name, payload, timeout)
-                state.up = True
+        if lane is not None:
+            answer = await lane.call(name, payload, timeout)
+            if answer is not None:
                 return answer
-            except LaneUnavailable as exc:
-                state.failed(exc)
         stub = self._raw.get(name)
         if stub is None:
             stub = self._raw[name] = self._channel.unary_unary(method_path(name))
