@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
+from kvstore.client import _ops as ops
 from kvstore.client._assembler import FetchAssembler
 from kvstore.client._buffers import host_blocks, out_buffers, upload_blocks, writable_view
 from kvstore.client._errors import translate
@@ -23,12 +24,10 @@ from kvstore.client._options import (
 )
 from kvstore.client._requests import (
     PreparedPut,
-    block_keys,
     device_put_header,
     fetch_keys,
     lookup_request,
     namespace_ref,
-    prefetch_request,
     prepare_put,
     put_requests,
     response_keys,
@@ -40,7 +39,6 @@ from kvstore.client.results import (
     PrefetchResult,
     PutResult,
     lookup_result,
-    prefetch_result,
     response_hashes,
 )
 from kvstore.client._lane import SyncLane, lane_socket
@@ -53,6 +51,7 @@ from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 from kvstore.client._auth import Security, sync_channel
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Client:
@@ -181,7 +180,11 @@ class Client:
         except grpc.RpcError as exc:
             raise translate(exc) from None
 
-    def _unary(self, name: str, request: Any, *, timeout: float) -> Any:
+    def _run(self, plan: ops.Unary[T]) -> T:
+        """Drive a verb's plan to its result."""
+        return plan.answer(self._unary(plan.name, plan.request, plan.timeout_s))
+
+    def _unary(self, name: str, request: Any, timeout: float) -> Any:
         return RESPONSE_TYPES[name].FromString(self._call(name, request.SerializeToString(), timeout))
 
     @property
@@ -420,68 +423,39 @@ class Client:
         return assembler.result()
 
     def delete(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-               block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:
-        req = kvstore_pb2.DeleteRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes))
-        try:
-            return self._unary("Delete", req, timeout=self._t(timeout_s)).deleted
-        except grpc.RpcError as exc:
-            raise translate(exc) from None
+                     block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:
+        return self._run(ops.delete(layout, token_ids, block_hashes, self._t(timeout_s)))
 
     def pin(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-            block_hashes: Sequence[bytes] | None = None, ttl_ms: int = 0,
-            timeout_s: float | None = None) -> PinResult:
-        req = kvstore_pb2.PinRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes),
-                                     ttl_ms=ttl_ms)
-        try:
-            resp = self._unary("Pin", req, timeout=self._t(timeout_s))
-        except grpc.RpcError as exc:
-            raise translate(exc) from None
-        return PinResult(resp.lease_id, resp.pinned, resp.expires_in_ms)
+                  block_hashes: Sequence[bytes] | None = None, ttl_ms: int = 0,
+                  timeout_s: float | None = None) -> PinResult:
+        return self._run(ops.pin(layout, token_ids, block_hashes, ttl_ms, self._t(timeout_s)))
 
     def hint(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-             block_hashes: Sequence[bytes] | None = None, session_id: str, expect_reuse_within_s: float,
-             timeout_s: float | None = None) -> int:
+                   block_hashes: Sequence[bytes] | None = None, session_id: str, expect_reuse_within_s: float,
+                   timeout_s: float | None = None) -> int:
         """Protect the named blocks for `session_id` for about `expect_reuse_within_s`; returns
         how many were present. See docs/policies.md for when hints pay off."""
-        req = kvstore_pb2.HintRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes),
-                                      hint=reuse_hint(session_id, expect_reuse_within_s))
-        try:
-            return (self._unary("Hint", req, timeout=self._t(timeout_s))).hinted
-        except grpc.RpcError as exc:
-            raise translate(exc) from None
+        return self._run(ops.hint(layout, token_ids, block_hashes, session_id, expect_reuse_within_s,
+                                    self._t(timeout_s)))
 
     def end_session(self, session_id: str, *, timeout_s: float | None = None) -> None:
         """The session is over: release whatever its hints protect."""
-        try:
-            self._unary("EndSession", kvstore_pb2.EndSessionRequest(session_id=session_id), timeout=self._t(timeout_s))
-        except grpc.RpcError as exc:
-            raise translate(exc) from None
+        self._run(ops.end_session(session_id, self._t(timeout_s)))
 
     def unpin(self, lease_id: str, *, timeout_s: float | None = None) -> bool:
-        try:
-            resp = self._unary("Unpin", kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=self._t(timeout_s))
-        except grpc.RpcError as exc:
-            raise translate(exc) from None
-        return resp.released
+        return self._run(ops.unpin(lease_id, self._t(timeout_s)))
 
     def prefetch(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-                    block_hashes: Sequence[bytes] | None = None, tier: str = "",
-                    timeout_s: float | None = None) -> PrefetchResult:
+                       block_hashes: Sequence[bytes] | None = None, tier: str = "",
+                       timeout_s: float | None = None) -> PrefetchResult:
         """Raise the named blocks into `tier` ("" = the daemon's top tier) ahead of a fetch."""
-        req = prefetch_request(layout, token_ids, block_hashes, tier)
-        try:
-            return prefetch_result(self._unary("Prefetch", req, timeout=self._t(timeout_s)))
-        except grpc.RpcError as exc:
-            raise translate(exc) from None
+        return self._run(ops.prefetch(layout, token_ids, block_hashes, tier, self._t(timeout_s)))
 
     def verify(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-               block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:
+                     block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:
         """Ask the daemon to re-check the named blocks; returns how many it dropped."""
-        req = kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes))
-        try:
-            return self._unary("Verify", req, timeout=self._t(timeout_s)).dropped
-        except grpc.RpcError as exc:
-            raise translate(exc) from None
+        return self._run(ops.verify(layout, token_ids, block_hashes, self._t(timeout_s)))
 
     def stats(self, *, timeout_s: float | None = None) -> admin_pb2.StatsResponse:
         try:
