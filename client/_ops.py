@@ -16,8 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-from kvstore.client._requests import block_keys, namespace_ref, prefetch_request, reuse_hint
-from kvstore.client.results import PinResult, PrefetchResult, pin_result, prefetch_result
+from kvstore.client._requests import block_keys, lookup_request, namespace_ref, prefetch_request, reuse_hint
+from kvstore.client.results import (
+    LookupResult,
+    PinResult,
+    PrefetchResult,
+    lookup_result,
+    pin_result,
+    prefetch_result,
+)
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2
 
@@ -43,6 +50,14 @@ class Unary(Generic[T]):
 
 
 # ------------------------------------------------------------------ one-call verbs
+
+
+def lookup(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None, lease_ms: int,
+           session_id: str | None, expect_reuse_within_s: float | None, timeout_s: float) -> Unary[LookupResult]:
+    # The packed-hash request is built in C (`lookup_request`); the caller's own hash
+    # objects come back in the result when the daemon leaves them out of its answer.
+    req, mine = lookup_request(layout, token_ids, block_hashes, lease_ms, reuse_hint(session_id, expect_reuse_within_s))
+    return Unary("Lookup", req, timeout_s, lambda resp: lookup_result(resp, mine))
 
 
 def delete(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,

@@ -26,7 +26,6 @@ from kvstore.client._requests import (
     PreparedPut,
     device_put_header,
     fetch_keys,
-    lookup_request,
     namespace_ref,
     prepare_put,
     put_requests,
@@ -38,7 +37,6 @@ from kvstore.client.results import (
     PinResult,
     PrefetchResult,
     PutResult,
-    lookup_result,
     response_hashes,
 )
 from kvstore.client._lane import SyncLane, lane_socket
@@ -164,28 +162,26 @@ class Client:
         lane = self._lane
         return "lane" if lane is not None and lane.in_use(self.timeout_s) else "grpc"
 
-    def _call(self, name: str, payload: bytes, timeout: float) -> bytes:
-        """One unary KVStore call, serialized both ways: over the lane when it is up (or
-        due for another try), else over gRPC. Failures raise `kvstore.errors` exceptions."""
-        lane = self._lane
-        if lane is not None:
-            answer = lane.call(name, payload, timeout)
-            if answer is not None:
-                return answer
-        stub = self._raw.get(name)
-        if stub is None:
-            stub = self._raw[name] = self._channel.unary_unary(method_path(name))
-        try:
-            return stub(payload, timeout=timeout)  # type: ignore[no-any-return]
-        except grpc.RpcError as exc:
-            raise translate(exc) from None
-
     def _run(self, plan: ops.Unary[T]) -> T:
         """Drive a verb's plan to its result."""
         return plan.answer(self._unary(plan.name, plan.request, plan.timeout_s))
 
     def _unary(self, name: str, request: Any, timeout: float) -> Any:
-        return RESPONSE_TYPES[name].FromString(self._call(name, request.SerializeToString(), timeout))
+        """One unary KVStore call: over the lane when it is up (or due for another try),
+        else over gRPC. Failures raise `kvstore.errors` exceptions."""
+        payload = request.SerializeToString()
+        lane = self._lane
+        if lane is not None:
+            answer = lane.call(name, payload, timeout)
+            if answer is not None:
+                return RESPONSE_TYPES[name].FromString(answer)
+        stub = self._raw.get(name)
+        if stub is None:
+            stub = self._raw[name] = self._channel.unary_unary(method_path(name))
+        try:
+            return RESPONSE_TYPES[name].FromString(stub(payload, timeout=timeout))
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
 
     @property
     def data_plane_in_use(self) -> str:
@@ -243,17 +239,13 @@ class Client:
         return self._device is not None
 
     def lookup(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-               block_hashes: Sequence[bytes] | None = None, lease_ms: int = 0,
-               session_id: str | None = None, expect_reuse_within_s: float | None = None,
-               timeout_s: float | None = None) -> LookupResult:
+                     block_hashes: Sequence[bytes] | None = None, lease_ms: int = 0,
+                     session_id: str | None = None, expect_reuse_within_s: float | None = None,
+                     timeout_s: float | None = None) -> LookupResult:
         """Longest prefix of the blocks the daemon holds. `lease_ms` pins the hit until a fetch;
         `session_id` + `expect_reuse_within_s` hint that the session will be back for it."""
-        req, mine = lookup_request(layout, token_ids, block_hashes, lease_ms,
-                                   reuse_hint(session_id, expect_reuse_within_s))
-        try:
-            return lookup_result(self._unary("Lookup", req, timeout=self._t(timeout_s)), mine)
-        except grpc.RpcError as exc:
-            raise translate(exc) from None
+        return self._run(ops.lookup(layout, token_ids, block_hashes, lease_ms, session_id, expect_reuse_within_s,
+                                      self._t(timeout_s)))
 
     def put(self, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any], *,
             first_block: int = 0, block_hashes: Sequence[bytes] | None = None,
