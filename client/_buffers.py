@@ -23,6 +23,17 @@ def is_cuda(obj: object) -> bool:
     return _is_tensor(obj) and getattr(obj, "is_cuda", False) is True
 
 
+def all_cuda(blocks: Sequence[Any] | None) -> bool:
+    """Whether `blocks` are CUDA tensors, every one (the device plane's case)."""
+    if not blocks:
+        return False
+    return all(getattr(b, "is_cuda", False) for b in blocks)
+
+
+def any_cuda(blocks: Sequence[Any] | None) -> bool:
+    return blocks is not None and any(getattr(b, "is_cuda", False) for b in blocks)
+
+
 def as_buffer(block: Any) -> memoryview:
     """A flat byte view of a block: bytes-like, numpy array, or CPU torch tensor."""
     if _is_tensor(block):

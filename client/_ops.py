@@ -9,13 +9,36 @@ receives each one's outcome, and returns the verb's result.
 Steps:
 - `Unary(name, request, timeout_s, answer)`: one unary KVStore call, over the control
   lane or gRPC; the plan receives `answer(response)` (the response itself by default).
+- `Blocking(fn, *args)`: work that holds the thread (a shared-memory or device copy,
+  waiting for the segment's mapping): the blocking driver runs it inline, the asyncio
+  one in a worker thread so the event loop never stalls. The plan receives its return.
+
+A step that fails is thrown into the plan where it yielded it, so a plan's own
+`try`/`except` sees the same exception the caller would (a put aborts its slots there).
+
+`ClientState` is what a client keeps between calls (its options, the attached data
+planes, held slots, leases to end) and what plans read and update; `Client` and
+`AsyncClient` add only their I/O: the channel and its stubs, the lane, the driver.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+import logging
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, Generic, TypeVar, Union
 
+from kvstore.client._auth import Security
+from kvstore.client._held import HeldSlots, check_reserve_ahead
+from kvstore.client._lane import lane_socket
+from kvstore.client._local import LocalPlane
+from kvstore.client._options import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_TIMEOUT_S,
+    check_control_plane,
+    check_data_plane,
+    may_be_local,
+    resolve_target,
+)
 from kvstore.client._requests import block_keys, lookup_request, namespace_ref, prefetch_request, reuse_hint
 from kvstore.client.results import (
     LookupResult,
@@ -25,9 +48,11 @@ from kvstore.client.results import (
     pin_result,
     prefetch_result,
 )
+from kvstore.errors import FailedPrecondition, KVStoreError
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -47,6 +72,172 @@ class Unary(Generic[T]):
         self.request = request
         self.timeout_s = timeout_s
         self.answer = answer
+
+
+class Blocking:
+    """Work that holds the thread: inline when blocking, in a worker thread under asyncio."""
+
+    __slots__ = ("fn", "args")
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.fn = fn
+        self.args = args
+
+
+Step = Union[Unary[Any], Blocking]
+Plan = Generator[Step, Any, T]
+
+
+class ClientState:
+    """What a client keeps between calls, whichever I/O style drives it; no I/O here."""
+
+    def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_plane: str = "auto", token: str | None = None,
+                 token_file: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, reserve_ahead: int = 0, control_plane: str = "auto") -> None:
+        """Connect to a kvstore daemon (lazily: nothing is sent before the first call).
+
+        `target` is `unix:PATH`, a socket path, or `HOST:PORT`; None reads `KVSTORE_TARGET`
+        and then falls back to the daemon's default socket or 127.0.0.1:50051. Every call
+        takes `timeout_s` (default `DEFAULT_TIMEOUT_S`); idempotent calls are retried on
+        UNAVAILABLE. Failures raise `kvstore.errors` exceptions. Put streams carry block
+        bytes in messages of `chunk_bytes`.
+
+        `data_plane`: `auto` moves block bytes through the daemon's shared-memory segment
+        when this process can map it (same host, same user) and through gRPC messages
+        otherwise; `local` insists on shared memory; `grpc` never uses it. Both give
+        byte-identical results. `data_plane_in_use` tells which one is active.
+
+        `reserve_ahead` (shared-memory plane only): after each put, the daemon holds up to
+        this many empty slots for this client's next put of the same block size, which then
+        takes one round trip instead of two. The slots hold host-tier capacity while they
+        wait (at most 30 s), so it is off (0) by default; a steady writer such as an engine
+        saving its KV each step gains from `reserve_ahead` = its usual blocks per put.
+
+        `control_plane`: `auto` sends the unary calls (lookup, the local data plane's
+        put/commit/fetch, pin, delete...) over the daemon's local control lane when the target
+        is a Unix socket and the lane answers, and over gRPC otherwise; `lane` insists on it;
+        `grpc` never uses it. `control_plane_in_use` tells which one is active.
+
+        `token` (or `token_file`, else `KVSTORE_TOKEN` / `KVSTORE_TOKEN_FILE`) is sent as a
+        bearer token on every call; `tls_ca` (else `KVSTORE_TLS_CA`) turns on TLS with those
+        roots, and `tls_cert`/`tls_key` present a client certificate (mTLS).
+        """
+        self.target = resolve_target(target)
+        self.control_plane = check_control_plane(control_plane, self.target)
+        self.reserve_ahead = check_reserve_ahead(reserve_ahead)
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.data_plane = check_data_plane(data_plane)
+        self.security = Security.resolve(token, token_file, tls_ca, tls_cert, tls_key)
+        self._plane: LocalPlane | None = None
+        self._plane_tried = data_plane == "grpc" or (data_plane == "auto" and not may_be_local(self.target))
+        # The device (CUDA IPC) plane: opened on the first put or fetch of CUDA tensors.
+        self._device: Any = None
+        self._device_tried = False
+        # Empty slots the daemon holds for this client's next put, by block size: that
+        # put then takes one round trip instead of two.
+        self._reserved: dict[int, HeldSlots] = {}
+        # Leases of finished shared-memory fetches, ended by the next local call instead
+        # of an Unpin each (they also expire on their own).
+        self._releases: list[str] = []
+        # The local control lane (a Unix socket next to the daemon's gRPC one).
+        self._open(lane_socket(self.target) if self.control_plane != "grpc" else None)
+
+    def _open(self, lane_path: str | None) -> None:
+        """Make the channel, its stubs and the lane (at `lane_path`, if any): the driver's I/O."""
+        raise NotImplementedError
+
+    @property
+    def device_plane_in_use(self) -> bool:
+        """Whether puts and fetches of CUDA tensors copy device-to-device (CUDA IPC); known
+        after the first such call."""
+        return self._device is not None
+
+    def _t(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+    def _take_releases(self) -> list[str]:
+        taken, self._releases = self._releases, []
+        return taken
+
+    def _detach(self) -> None:
+        """Let go of the data planes (after `release_all`)."""
+        if self._device is not None:
+            self._device.close()
+            self._device = None
+        if self._plane is not None:
+            self._plane.close()
+            self._plane = None
+
+
+# ------------------------------------------------------------------ data planes, and what close hands back
+
+
+def local_plane(c: ClientState) -> Plan[LocalPlane | None]:
+    """The shared-memory plane, attached on first use; None when this process cannot map
+    the daemon's segment (an error when the caller insisted on it)."""
+    if c._plane_tried:
+        return c._plane
+    c._plane_tried = True
+    try:
+        resp = yield Unary("LocalSegment", kvstore_pb2.LocalSegmentRequest(), c.timeout_s)
+        c._plane = LocalPlane.attach(resp)
+    except (KVStoreError, OSError, ValueError) as exc:
+        if c.data_plane == "local":
+            raise FailedPrecondition(f"cannot use the shared-memory data plane: {exc}") from None
+        logger.info("shared-memory data plane unavailable (%s); block bytes go through gRPC", exc)
+    return c._plane
+
+
+def device_plane(c: ClientState) -> Plan[Any]:
+    """The device plane, opened on the first put or fetch of CUDA tensors; None unless the
+    daemon's HBM tier can be opened from this process (same host, same GPU, another
+    process)."""
+    if c._device_tried:
+        return c._device
+    plane = yield from local_plane(c)
+    c._device_tried = True
+    if plane is None:
+        return None
+    from kvstore.client._device import DevicePlane
+
+    try:
+        resp = yield Unary("DeviceSegment", kvstore_pb2.DeviceSegmentRequest(), c.timeout_s)
+        c._device = DevicePlane.attach(resp, plane.token)
+    except (KVStoreError, ValueError) as exc:
+        logger.info("device data plane unavailable (%s); CUDA blocks go through host memory", exc)
+    return c._device
+
+
+def data_plane_in_use(c: ClientState) -> Plan[str]:
+    return "local" if (yield from local_plane(c)) is not None else "grpc"
+
+
+def warm_up(c: ClientState, timeout_s: float) -> Plan[str]:
+    plane = yield from local_plane(c)
+    if plane is None:
+        return "grpc"
+    yield Blocking(plane.wait_ready, timeout_s)
+    return "local"
+
+
+def release_all(c: ClientState) -> Plan[None]:
+    """Hand back what the daemon holds for this client (held slots, leases of finished
+    fetches) on close; whatever cannot be handed back expires by itself."""
+    timeout = min(1.0, c.timeout_s)
+    for held in c._reserved.values():
+        try:
+            yield Unary("LocalCommit", kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id, abort=True),
+                        timeout)
+        except KVStoreError:
+            pass
+    c._reserved.clear()
+    for lease_id in c._take_releases():
+        try:
+            yield Unary("Unpin", kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout)
+        except KVStoreError:
+            pass
 
 
 # ------------------------------------------------------------------ one-call verbs

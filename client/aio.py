@@ -6,24 +6,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 
 from kvstore.client import _ops as ops
 from kvstore.client._assembler import FetchAssembler
-from kvstore.client._buffers import host_blocks, out_buffers, upload_blocks, writable_view
+from kvstore.client._auth import aio_channel
+from kvstore.client._buffers import all_cuda, host_blocks, out_buffers, upload_blocks, writable_view
 from kvstore.client._errors import translate
-from kvstore.client._held import HeldSlots, check_reserve_ahead, keep_held, take_held
-from kvstore.client._options import (
-    CHANNEL_OPTIONS,
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_TIMEOUT_S,
-    check_control_plane,
-    check_data_plane,
-    may_be_local,
-    resolve_target,
-)
+from kvstore.client._held import HeldSlots, keep_held, take_held
+from kvstore.client._lane import AioLane
+from kvstore.client._local import LocalPlane
+from kvstore.client._ops import Blocking, ClientState, Plan, Step, Unary
+from kvstore.client._options import CHANNEL_OPTIONS
 from kvstore.client._requests import (
     PreparedPut,
     device_put_header,
@@ -34,79 +30,25 @@ from kvstore.client._requests import (
     response_keys,
     reuse_hint,
 )
-from kvstore.client.results import (
-    LookupResult,
-    PinResult,
-    PrefetchResult,
-    PutResult,
-    response_hashes,
-)
-from kvstore.client._lane import AioLane, lane_socket
-from kvstore.client._local import LocalPlane
-from kvstore.errors import FailedPrecondition, KVStoreError
+from kvstore.client.results import LookupResult, PinResult, PrefetchResult, PutResult, response_hashes
+from kvstore.errors import FailedPrecondition
 from kvstore.laneproto import RESPONSE_TYPES, method_path
 from kvstore.layout import KVLayout
+from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 from kvstore.wire import FETCH_METHOD, PUT_METHOD, fetch_response_deserializer, put_request_serializer
-from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
-from kvstore.client._auth import Security, aio_channel
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class AsyncClient:
-    """Talks to a kvstore daemon from asyncio code.
+class AsyncClient(ClientState):
+    """Talks to a kvstore daemon from asyncio code; the arguments are `ClientState`'s
+    (see `__init__`). Shared-memory and device copies run in a worker thread, so they
+    never stall the event loop. `control_plane_in_use()` and `data_plane_in_use()` are
+    coroutine methods here, properties on `Client`."""
 
-    `target` is `unix:PATH`, a socket path, or `HOST:PORT`; None reads `KVSTORE_TARGET`
-    and then falls back to the daemon's default socket or 127.0.0.1:50051. Every call
-    takes `timeout_s` (default `DEFAULT_TIMEOUT_S`); idempotent calls are retried on
-    UNAVAILABLE. Failures raise `kvstore.errors` exceptions.
-
-    `data_plane`: `auto` moves block bytes through the daemon's shared-memory segment
-    when this process can map it (same host, same user) and through gRPC messages
-    otherwise; `local` insists on shared memory; `grpc` never uses it. Both give
-    byte-identical results. `data_plane_in_use` tells which one is active.
-
-    `reserve_ahead` (shared-memory plane only): after each put, the daemon holds up to
-    this many empty slots for this client's next put of the same block size, which then
-    takes one round trip instead of two. The slots hold host-tier capacity while they
-    wait (at most 30 s), so it is off (0) by default; a steady writer such as an engine
-    saving its KV each step gains from `reserve_ahead` = its usual blocks per put.
-
-    `control_plane`: `auto` sends the unary calls (lookup, the local data plane's
-    put/commit/fetch, pin, delete...) over the daemon's local control lane when the target
-    is a Unix socket and the lane answers, and over gRPC otherwise; `lane` insists on it;
-    `grpc` never uses it. `control_plane_in_use()` tells which one is active.
-
-    `token` (or `token_file`, else `KVSTORE_TOKEN` / `KVSTORE_TOKEN_FILE`) is sent as a
-    bearer token on every call; `tls_ca` (else `KVSTORE_TLS_CA`) turns on TLS with those
-    roots, and `tls_cert`/`tls_key` present a client certificate (mTLS).
-    """
-
-    def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_plane: str = "auto", token: str | None = None,
-                 token_file: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, reserve_ahead: int = 0, control_plane: str = "auto") -> None:
-        self.target = resolve_target(target)
-        self.control_plane = check_control_plane(control_plane, self.target)
-        self.reserve_ahead = check_reserve_ahead(reserve_ahead)
-        self.timeout_s = timeout_s
-        self.chunk_bytes = chunk_bytes
-        self.data_plane = check_data_plane(data_plane)
-        self.security = Security.resolve(token, token_file, tls_ca, tls_cert, tls_key)
-        self._plane: LocalPlane | None = None
-        # Empty slots the daemon holds for this client's next put, by block size: that
-        # put then takes one round trip instead of two.
-        self._reserved: dict[int, HeldSlots] = {}
-        # The device (CUDA IPC) plane: opened on the first put or fetch of CUDA tensors.
-        self._device: Any = None
-        self._device_tried = False
-        # Leases of finished shared-memory fetches, ended by the next local call instead
-        # of an Unpin each (they also expire on their own).
-        self._releases: list[str] = []
-        self._plane_tried = data_plane == "grpc" or (data_plane == "auto" and not may_be_local(self.target))
+    def _open(self, lane_path: str | None) -> None:
         self._channel = aio_channel(self.target, self.security, CHANNEL_OPTIONS)
-        self._kv = kvstore_pb2_grpc.KVStoreStub(self._channel)
         # Put and Fetch carry block payloads: use the copy-saving chunk codec (kvstore.wire).
         self._put = self._channel.stream_unary(PUT_METHOD, request_serializer=put_request_serializer,
                                                response_deserializer=kvstore_pb2.PutResponse.FromString)
@@ -114,11 +56,8 @@ class AsyncClient:
                                                  request_serializer=kvstore_pb2.FetchRequest.SerializeToString,
                                                  response_deserializer=fetch_response_deserializer)
         self._admin = admin_pb2_grpc.AdminStub(self._channel)
-        # The local control lane (a Unix socket next to the daemon's): tried on the first
-        # call; after a failure, gRPC until LANE_RETRY_S later.
-        path = lane_socket(self.target) if self.control_plane != "grpc" else None
-        self._lane = AioLane(path, self.security.token, self.control_plane == "lane") if path else None
-        self._raw: dict[str, Any] = {}
+        self._raw: dict[str, Any] = {}  # the unary methods' stubs, made on first use
+        self._lane = AioLane(lane_path, self.security.token, self.control_plane == "lane") if lane_path else None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -127,45 +66,53 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        for held in self._reserved.values():
-            try:
-                await self._unary("LocalCommit", kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id, abort=True),
-                                      timeout=min(1.0, self.timeout_s))
-            except KVStoreError:
-                pass  # the reservation expires by itself
-        self._reserved.clear()
-        for lease_id in self._take_releases():
-            try:
-                await self._unary("Unpin", kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout=min(1.0, self.timeout_s))
-            except KVStoreError:
-                pass  # the lease expires by itself
-        if self._device is not None:
-            self._device.close()
-            self._device = None
-        if self._plane is not None:
-            self._plane.close()
-            self._plane = None
+        await self._run(ops.release_all(self))
+        self._detach()
         if self._lane is not None:
             self._lane.close()
         await self._channel.close()
 
-    def _take_releases(self) -> list[str]:
-        taken, self._releases = self._releases, []
-        return taken
-
-    def _t(self, timeout_s: float | None) -> float:
-        return self.timeout_s if timeout_s is None else timeout_s
-
-    # ------------------------------------------------------------------ control calls
+    # ------------------------------------------------------------------ driver
 
     async def control_plane_in_use(self) -> str:
         """`lane` when unary calls go over the daemon's local control lane, else `grpc`."""
         lane = self._lane
         return "lane" if lane is not None and await lane.in_use(self.timeout_s) else "grpc"
 
-    async def _run(self, plan: ops.Unary[T]) -> T:
-        """Drive a verb's plan to its result."""
-        return plan.answer(await self._unary(plan.name, plan.request, plan.timeout_s))
+    async def data_plane_in_use(self) -> str:
+        """`local` when block bytes move through shared memory, else `grpc`."""
+        return await self._run(ops.data_plane_in_use(self))
+
+    async def warm_up(self, timeout_s: float = 60.0) -> str:
+        """Attach the data plane now and wait until the shared segment is mapped in, so
+        the first puts and fetches run at full speed; returns the plane in use. Optional:
+        without it the mapping is faulted in in the background after the first call."""
+        return await self._run(ops.warm_up(self, timeout_s))
+
+    async def _run(self, plan: Unary[T] | Plan[T]) -> T:
+        """Drive a verb's plan to its result. A failed step is thrown into the plan where
+        it was yielded, so the plan's own handlers see it."""
+        if type(plan) is Unary:  # a one-call verb: no generator to drive
+            return plan.answer(await self._unary(plan.name, plan.request, plan.timeout_s))
+        gen = cast(Plan[T], plan)
+        send: Callable[[Any], Step] = gen.send
+        value: Any = None
+        try:
+            while True:
+                step = send(value)
+                try:
+                    value = await self._step(step)
+                    send = gen.send
+                except BaseException as exc:  # cancellation too: a put aborts its slots
+                    value, send = exc, gen.throw
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+    async def _step(self, step: Step) -> Any:
+        if type(step) is Unary:
+            return step.answer(await self._unary(step.name, step.request, step.timeout_s))
+        assert type(step) is Blocking
+        return await asyncio.to_thread(step.fn, *step.args)
 
     async def _unary(self, name: str, request: Any, timeout: float) -> Any:
         """One unary KVStore call: over the lane when it is up (or due for another try),
@@ -184,59 +131,13 @@ class AsyncClient:
         except grpc.RpcError as exc:
             raise translate(exc) from None
 
-    async def data_plane_in_use(self) -> str:
-        await self._local()
-        return "local" if self._plane is not None else "grpc"
-
-    async def warm_up(self, timeout_s: float = 60.0) -> str:
-        """Attach the data plane now and wait until the shared segment is mapped in, so
-        the first puts and fetches run at full speed; returns the plane in use. Optional:
-        without it the mapping is faulted in in the background after the first call."""
-        plane = await self._local()
-        if plane is not None:
-            await asyncio.to_thread(plane.wait_ready, timeout_s)
-        return "local" if plane is not None else "grpc"
-
     async def _local(self) -> LocalPlane | None:
-        if self._plane_tried:
-            return self._plane
-        self._plane_tried = True
-        try:
-            resp = await self._unary("LocalSegment", kvstore_pb2.LocalSegmentRequest(), timeout=self.timeout_s)
-            self._plane = LocalPlane.attach(resp)
-        except (KVStoreError, OSError, ValueError) as exc:
-            reason = exc
-            if self.data_plane == "local":
-                raise FailedPrecondition(f"cannot use the shared-memory data plane: {reason}") from None
-            logger.info("shared-memory data plane unavailable (%s); block bytes go through gRPC", reason)
-        return self._plane
+        return self._plane if self._plane_tried else await self._run(ops.local_plane(self))
 
     async def _device_plane(self, blocks: Sequence[Any] | None) -> Any:
-        """The device plane when `blocks` are CUDA tensors and the daemon's HBM tier can be
-        opened from this process (same host, same GPU, another process); else None."""
-        if not blocks or not all(getattr(b, "is_cuda", False) for b in blocks):
-            return None
-        if self._device_tried:
-            return self._device
-        plane = await self._local()
-        self._device_tried = True
-        if plane is None:
-            return None
-        from kvstore.client._device import DevicePlane
+        return await self._run(ops.device_plane(self)) if all_cuda(blocks) else None
 
-        try:
-            resp = await self._unary("DeviceSegment", kvstore_pb2.DeviceSegmentRequest(), timeout=self.timeout_s)
-            self._device = DevicePlane.attach(resp, plane.token)
-        except (KVStoreError, ValueError) as exc:
-            reason = exc
-            logger.info("device data plane unavailable (%s); CUDA blocks go through host memory", reason)
-        return self._device
-
-    @property
-    def device_plane_in_use(self) -> bool:
-        """Whether puts and fetches of CUDA tensors copy device-to-device (CUDA IPC); known
-        after the first such call."""
-        return self._device is not None
+    # ------------------------------------------------------------------ verbs
 
     async def _put_device(self, device: Any, layout: KVLayout, token_ids: Sequence[int] | None,
                           blocks: Sequence[Any], first_block: int, block_hashes: Sequence[bytes] | None,
