@@ -9,6 +9,8 @@ receives each one's outcome, and returns the verb's result.
 Steps:
 - `Unary(name, request, timeout_s, answer)`: one unary KVStore call, over the control
   lane or gRPC; the plan receives `answer(response)` (the response itself by default).
+- `StreamFetch(request, assembler, timeout_s)`: the Fetch server stream (block bytes in
+  gRPC messages); the driver feeds each message to `assembler` and sends back None.
 - `Blocking(fn, *args)`: work that holds the thread (a shared-memory or device copy,
   waiting for the segment's mapping): the blocking driver runs it inline, the asyncio
   one in a worker thread so the event loop never stalls. The plan receives its return.
@@ -27,7 +29,9 @@ import logging
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Generic, TypeVar, Union
 
+from kvstore.client._assembler import FetchAssembler
 from kvstore.client._auth import Security
+from kvstore.client._buffers import all_cuda, any_cuda, out_buffers, upload_blocks, writable_view
 from kvstore.client._held import HeldSlots, check_reserve_ahead
 from kvstore.client._lane import lane_socket
 from kvstore.client._local import LocalPlane
@@ -39,7 +43,15 @@ from kvstore.client._options import (
     may_be_local,
     resolve_target,
 )
-from kvstore.client._requests import block_keys, lookup_request, namespace_ref, prefetch_request, reuse_hint
+from kvstore.client._requests import (
+    block_keys,
+    fetch_keys,
+    lookup_request,
+    namespace_ref,
+    prefetch_request,
+    response_keys,
+    reuse_hint,
+)
 from kvstore.client.results import (
     LookupResult,
     PinResult,
@@ -47,6 +59,7 @@ from kvstore.client.results import (
     lookup_result,
     pin_result,
     prefetch_result,
+    response_hashes,
 )
 from kvstore.errors import FailedPrecondition, KVStoreError
 from kvstore.layout import KVLayout
@@ -84,7 +97,18 @@ class Blocking:
         self.args = args
 
 
-Step = Union[Unary[Any], Blocking]
+class StreamFetch:
+    """The Fetch server stream: the driver feeds each message to `assembler`."""
+
+    __slots__ = ("request", "assembler", "timeout_s")
+
+    def __init__(self, request: kvstore_pb2.FetchRequest, assembler: FetchAssembler, timeout_s: float) -> None:
+        self.request = request
+        self.assembler = assembler
+        self.timeout_s = timeout_s
+
+
+Step = Union[Unary[Any], Blocking, StreamFetch]
 Plan = Generator[Step, Any, T]
 
 
@@ -288,3 +312,93 @@ def verify(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequ
            timeout_s: float) -> Unary[int]:
     req = kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes))
     return Unary("Verify", req, timeout_s, lambda resp: resp.dropped)
+
+
+# ------------------------------------------------------------------ fetch
+
+
+def fetch(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
+          out: Sequence[Any] | None, lease_id: str, timeout_s: float) -> Plan[list[Any]]:
+    """Verified blocks of the longest held prefix, into `out` if given: through shared
+    memory when the plane is attached, else as gRPC bytes."""
+    keys = fetch_keys(layout, token_ids, block_hashes, out)
+    if out is not None and any_cuda(out):
+        return (yield from _fetch_to_cuda(c, layout, token_ids, block_hashes, keys, out, lease_id, timeout_s))
+    plane = c._plane if c._plane_tried else (yield from local_plane(c))
+    if plane is None:
+        return (yield from fetch_stream(layout, keys, out, lease_id, timeout_s))
+    resp = yield Unary("LocalFetch", _slots_request(c, layout, keys, lease_id), timeout_s)
+    n = len(resp.offsets)
+    dsts = out_buffers(out, resp.num_blocks, resp.block_bytes)
+    try:
+        views = [writable_view(d, i, resp.block_bytes) for i, d in enumerate(dsts[:n])]
+        good = yield Blocking(plane.copy_out, resp.offsets, resp.checksums, resp.block_bytes, views)
+    finally:
+        _lease_taken(c, resp)
+    if good < n:
+        yield _recheck(layout, resp, good, n, timeout_s)
+        return dsts[:good]
+    if resp.num_blocks > n:  # the rest sits in another tier: fetch it as bytes
+        rest = yield from fetch_stream(layout, response_keys(resp, n, resp.num_blocks),
+                                       dsts[n:] if out is not None else None, "", timeout_s)
+        return dsts[:n] + rest
+    return dsts[:n]
+
+
+def _fetch_to_cuda(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None,
+                   block_hashes: Sequence[bytes] | None, keys: kvstore_pb2.BlockKeys, out: Sequence[Any],
+                   lease_id: str, timeout_s: float) -> Plan[list[Any]]:
+    """A fetch into CUDA tensors: device to device from the daemon's HBM tier when the
+    device plane opens (every `out` on CUDA), else staged through host buffers."""
+    device = (yield from device_plane(c)) if all_cuda(out) else None
+    if device is None:
+        staged = [bytearray(layout.bytes_per_block) for _ in out]
+        got = yield from fetch(c, layout, token_ids, block_hashes, staged, lease_id, timeout_s)
+        upload_blocks(got, out)
+        return list(out[: len(got)])
+    resp = yield Unary("DeviceFetch", _slots_request(c, layout, keys, lease_id), timeout_s)
+    n = len(resp.offsets)
+    dsts = list(out[: resp.num_blocks])
+    try:
+        good = yield Blocking(device.copy_out, resp.offsets, resp.checksums, resp.block_bytes, dsts[:n])
+    finally:
+        _lease_taken(c, resp)
+    if good < n:
+        yield _recheck(layout, resp, good, n, timeout_s)
+        return dsts[:good]
+    if resp.num_blocks > n:
+        # The rest sits in host memory or on SSD: fetch it as host bytes, then upload.
+        rest = yield from fetch(c, layout, None, response_hashes(resp)[n:], None, "", timeout_s)
+        upload_blocks(rest, dsts[n:])
+        return dsts[: n + len(rest)]
+    return dsts[:n]
+
+
+def fetch_stream(layout: KVLayout, keys: kvstore_pb2.BlockKeys, out: Sequence[Any] | None, lease_id: str,
+                 timeout_s: float) -> Plan[list[Any]]:
+    """A fetch as gRPC bytes (the Fetch stream), assembled into blocks or into `out`."""
+    assembler = FetchAssembler(out)
+    request = kvstore_pb2.FetchRequest(namespace=namespace_ref(layout), keys=keys, lease_id=lease_id)
+    yield StreamFetch(request, assembler, timeout_s)
+    return assembler.result()
+
+
+def _slots_request(c: ClientState, layout: KVLayout, keys: kvstore_pb2.BlockKeys,
+                   lease_id: str) -> kvstore_pb2.LocalFetchRequest:
+    """A LocalFetch / DeviceFetch: the lookup lease (if any) ends here, as do the leases of
+    this client's earlier fetches; the call takes its own lease on the slots."""
+    return kvstore_pb2.LocalFetchRequest(namespace=namespace_ref(layout), keys=keys,
+                                         release_lease_ids=c._take_releases() + ([lease_id] if lease_id else []))
+
+
+def _lease_taken(c: ClientState, resp: kvstore_pb2.LocalFetchResponse) -> None:
+    """The slots' lease ends with this client's next call (or by itself), not with an Unpin."""
+    if resp.lease_id:
+        c._releases.append(resp.lease_id)
+
+
+def _recheck(layout: KVLayout, resp: kvstore_pb2.LocalFetchResponse, good: int, n: int,
+             timeout_s: float) -> Unary[Any]:
+    """Blocks [good, n) failed verification after the copy: the daemon checks (and drops) them."""
+    return Unary("Verify", kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout),
+                                                     keys=response_keys(resp, good, n)), timeout_s)

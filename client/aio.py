@@ -11,23 +11,19 @@ from typing import Any, TypeVar, cast
 import grpc
 
 from kvstore.client import _ops as ops
-from kvstore.client._assembler import FetchAssembler
 from kvstore.client._auth import aio_channel
-from kvstore.client._buffers import all_cuda, host_blocks, out_buffers, upload_blocks, writable_view
+from kvstore.client._buffers import all_cuda, host_blocks
 from kvstore.client._errors import translate
 from kvstore.client._held import HeldSlots, keep_held, take_held
 from kvstore.client._lane import AioLane
 from kvstore.client._local import LocalPlane
-from kvstore.client._ops import Blocking, ClientState, Plan, Step, Unary
+from kvstore.client._ops import Blocking, ClientState, Plan, Step, StreamFetch, Unary
 from kvstore.client._options import CHANNEL_OPTIONS
 from kvstore.client._requests import (
     PreparedPut,
     device_put_header,
-    fetch_keys,
-    namespace_ref,
     prepare_put,
     put_requests,
-    response_keys,
     reuse_hint,
 )
 from kvstore.client.results import LookupResult, PinResult, PrefetchResult, PutResult, response_hashes
@@ -111,8 +107,15 @@ class AsyncClient(ClientState):
     async def _step(self, step: Step) -> Any:
         if type(step) is Unary:
             return step.answer(await self._unary(step.name, step.request, step.timeout_s))
-        assert type(step) is Blocking
-        return await asyncio.to_thread(step.fn, *step.args)
+        if type(step) is Blocking:
+            return await asyncio.to_thread(step.fn, *step.args)
+        assert type(step) is StreamFetch
+        try:  # a gRPC stream of its own: its failures surface here, not in _unary
+            async for msg in self._fetch(step.request, timeout=step.timeout_s):
+                step.assembler.feed(msg)
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+        return None
 
     async def _unary(self, name: str, request: Any, timeout: float) -> Any:
         """One unary KVStore call: over the lane when it is up (or due for another try),
@@ -150,33 +153,6 @@ class AsyncClient(ClientState):
                 begun.txn_id, lambda: device.copy_in(begun.offsets, blocks, begun.block_bytes), timeout)
         except grpc.RpcError as exc:
             raise translate(exc) from None
-
-    async def _fetch_device(self, device: Any, layout: KVLayout, keys: kvstore_pb2.BlockKeys, out: Sequence[Any],
-                            lease_id: str, timeout: float) -> list[Any]:
-        resp = await self._unary("DeviceFetch",
-            kvstore_pb2.LocalFetchRequest(namespace=namespace_ref(layout), keys=keys,
-                                          release_lease_ids=self._take_releases() + ([lease_id] if lease_id else [])),
-            timeout=timeout,
-        )
-        n_dev = len(resp.offsets)
-        dsts = list(out[: resp.num_blocks])
-        try:
-            good = await asyncio.to_thread(device.copy_out, resp.offsets, resp.checksums, resp.block_bytes,
-                                           dsts[:n_dev])
-        finally:
-            if resp.lease_id:
-                self._releases.append(resp.lease_id)
-        if good < n_dev:
-            await self._unary("Verify", kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout),
-                                                            keys=response_keys(resp, good, n_dev)),
-                                  timeout=timeout)
-            return dsts[:good]
-        if resp.num_blocks > n_dev:
-            # The rest sits in host memory or on SSD: fetch it as host bytes, then upload.
-            rest = await self.fetch(layout, block_hashes=response_hashes(resp)[n_dev:], timeout_s=timeout)
-            upload_blocks(rest, dsts[n_dev:])
-            return dsts[: n_dev + len(rest)]
-        return dsts[:n_dev]
 
     async def lookup(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
                      block_hashes: Sequence[bytes] | None = None, lease_ms: int = 0,
@@ -259,64 +235,14 @@ class AsyncClient(ClientState):
         return PutResult(resp.stored, resp.existing, response_hashes(resp))
 
     async def fetch(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-              block_hashes: Sequence[bytes] | None = None, out: Sequence[Any] | None = None,
-              lease_id: str = "", timeout_s: float | None = None) -> list[Any]:
+                    block_hashes: Sequence[bytes] | None = None, out: Sequence[Any] | None = None,
+                    lease_id: str = "", timeout_s: float | None = None) -> list[Any]:
         """Verified blocks of the longest held prefix, in order; fills `out` buffers if given.
 
         Without `out`, blocks come back as `bytes` over gRPC and as `bytearray` over shared
         memory (equal content either way).
         """
-        keys = fetch_keys(layout, token_ids, block_hashes, out)
-        timeout = self._t(timeout_s)
-        device = await self._device_plane(out)
-        try:
-            if device is not None:
-                assert out is not None
-                return await self._fetch_device(device, layout, keys, out, lease_id, timeout)
-            if out is not None and any(getattr(o, "is_cuda", False) for o in out):
-                # No device plane: stage through host buffers, then upload.
-                staged = [bytearray(layout.bytes_per_block) for _ in out]
-                got = await self.fetch(layout, token_ids, block_hashes=block_hashes, out=staged, lease_id=lease_id,
-                                       timeout_s=timeout)
-                upload_blocks(got, out)
-                return list(out[: len(got)])
-            plane = await self._local()
-            if plane is None:
-                return await self._fetch_grpc(layout, keys, out, lease_id, timeout)
-            resp = await self._unary("LocalFetch",
-                # The lookup lease (if any) ends here: this call takes its own on the slots.
-                kvstore_pb2.LocalFetchRequest(namespace=namespace_ref(layout), keys=keys,
-                                              release_lease_ids=self._take_releases() + ([lease_id] if lease_id else [])),
-                timeout=timeout,
-            )
-            n_local = len(resp.offsets)
-            dsts = out_buffers(out, resp.num_blocks, resp.block_bytes)
-            try:
-                views = [writable_view(d, i, resp.block_bytes) for i, d in enumerate(dsts[:n_local])]
-                good = await asyncio.to_thread(plane.copy_out, resp.offsets, resp.checksums, resp.block_bytes, views)
-            finally:
-                if resp.lease_id:
-                    self._releases.append(resp.lease_id)
-            if good < n_local:
-                await self._unary("Verify", kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout),
-                                                          keys=response_keys(resp, good, n_local)),
-                                timeout=timeout)
-                return dsts[:good]
-            if resp.num_blocks > n_local:  # the rest sits in another tier: fetch it as bytes
-                rest = await self._fetch_grpc(layout, response_keys(resp, n_local, resp.num_blocks),
-                                        dsts[n_local:] if out is not None else None, "", timeout)
-                return dsts[:n_local] + rest
-            return dsts[:n_local]
-        except grpc.RpcError as exc:
-            raise translate(exc) from None
-
-    async def _fetch_grpc(self, layout: KVLayout, keys: kvstore_pb2.BlockKeys, out: Sequence[Any] | None,
-                    lease_id: str, timeout: float) -> list[Any]:
-        req = kvstore_pb2.FetchRequest(namespace=namespace_ref(layout), keys=keys, lease_id=lease_id)
-        assembler = FetchAssembler(out)
-        async for msg in self._fetch(req, timeout=timeout):
-            assembler.feed(msg)
-        return assembler.result()
+        return await self._run(ops.fetch(self, layout, token_ids, block_hashes, out, lease_id, self._t(timeout_s)))
 
     async def delete(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
                      block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:
