@@ -11,6 +11,8 @@ Steps:
   lane or gRPC; the plan receives `answer(response)` (the response itself by default).
 - `StreamFetch(request, assembler, timeout_s)`: the Fetch server stream (block bytes in
   gRPC messages); the driver feeds each message to `assembler` and sends back None.
+- `StreamPut(prepared, timeout_s)`: the Put client stream (a header, then each block in
+  chunks, as gRPC bytes); the plan receives the PutResponse.
 - `Blocking(fn, *args)`: work that holds the thread (a shared-memory or device copy,
   waiting for the segment's mapping): the blocking driver runs it inline, the asyncio
   one in a worker thread so the event loop never stalls. The plan receives its return.
@@ -31,8 +33,8 @@ from typing import Any, Generic, TypeVar, Union
 
 from kvstore.client._assembler import FetchAssembler
 from kvstore.client._auth import Security
-from kvstore.client._buffers import all_cuda, any_cuda, out_buffers, upload_blocks, writable_view
-from kvstore.client._held import HeldSlots, check_reserve_ahead
+from kvstore.client._buffers import all_cuda, any_cuda, host_blocks, out_buffers, upload_blocks, writable_view
+from kvstore.client._held import HeldSlots, check_reserve_ahead, keep_held, take_held
 from kvstore.client._lane import lane_socket
 from kvstore.client._local import LocalPlane
 from kvstore.client._options import (
@@ -44,11 +46,14 @@ from kvstore.client._options import (
     resolve_target,
 )
 from kvstore.client._requests import (
+    PreparedPut,
     block_keys,
+    device_put_header,
     fetch_keys,
     lookup_request,
     namespace_ref,
     prefetch_request,
+    prepare_put,
     response_keys,
     reuse_hint,
 )
@@ -56,9 +61,11 @@ from kvstore.client.results import (
     LookupResult,
     PinResult,
     PrefetchResult,
+    PutResult,
     lookup_result,
     pin_result,
     prefetch_result,
+    put_result,
     response_hashes,
 )
 from kvstore.errors import FailedPrecondition, KVStoreError
@@ -108,7 +115,17 @@ class StreamFetch:
         self.timeout_s = timeout_s
 
 
-Step = Union[Unary[Any], Blocking, StreamFetch]
+class StreamPut:
+    """The Put client stream: a header, then each block in chunks (see `put_requests`)."""
+
+    __slots__ = ("prepared", "timeout_s")
+
+    def __init__(self, prepared: PreparedPut, timeout_s: float) -> None:
+        self.prepared = prepared
+        self.timeout_s = timeout_s
+
+
+Step = Union[Unary[Any], Blocking, StreamFetch, StreamPut]
 Plan = Generator[Step, Any, T]
 
 
@@ -402,3 +419,67 @@ def _recheck(layout: KVLayout, resp: kvstore_pb2.LocalFetchResponse, good: int, 
     """Blocks [good, n) failed verification after the copy: the daemon checks (and drops) them."""
     return Unary("Verify", kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout),
                                                      keys=response_keys(resp, good, n)), timeout_s)
+
+
+# ------------------------------------------------------------------ put
+
+
+def put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any], first_block: int,
+        block_hashes: Sequence[bytes] | None, session_id: str | None, expect_reuse_within_s: float | None,
+        timeout_s: float) -> Plan[PutResult]:
+    """Store `blocks`, all or nothing: device to device when they are CUDA tensors and the
+    device plane opens; through shared memory (in one round trip when the daemon holds
+    slots for this client, else two) when the plane is attached; else as gRPC bytes."""
+    hint = reuse_hint(session_id, expect_reuse_within_s)
+    if all_cuda(blocks):
+        device = yield from device_plane(c)
+        if device is not None:
+            header = device_put_header(layout, token_ids, block_hashes, blocks, first_block, hint)
+            begun = yield Unary("DevicePut", kvstore_pb2.LocalPutRequest(
+                header=header, release_lease_ids=c._take_releases()), timeout_s)
+            sums = yield from _copy_in(Blocking(device.copy_in, begun.offsets, blocks, begun.block_bytes),
+                                       kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout_s)
+            return (yield _commit(begun.txn_id, sums, timeout_s))
+    prepared = prepare_put(layout, token_ids, block_hashes, host_blocks(blocks), first_block, hint)
+    plane = c._plane if c._plane_tried else (yield from local_plane(c))
+    if plane is None:
+        return put_result((yield StreamPut(prepared, timeout_s)))
+    n = len(prepared.views)
+    held, unfit = take_held(c._reserved, layout.bytes_per_block, n)
+    if held is not None:
+        sums = yield from _copy_in(Blocking(plane.copy_in, held.offsets[:n], prepared.views),
+                                   kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id, abort=True),
+                                   timeout_s)
+        try:
+            resp = yield Unary("LocalCommit", kvstore_pb2.LocalCommitRequest(
+                header=prepared.header, reservation_id=held.reservation_id, checksums=sums,
+                reserve_ahead=min(n, c.reserve_ahead), release_lease_ids=c._take_releases()), timeout_s)
+        except FailedPrecondition as exc:
+            logger.info("slot reservation gone (%s); putting in two round trips", exc)
+        else:
+            keep_held(c._reserved, resp.reservation)
+            return put_result(resp)
+    begun = yield Unary("LocalPut", kvstore_pb2.LocalPutRequest(
+        header=prepared.header, release_lease_ids=c._take_releases(), reserve_ahead=min(n, c.reserve_ahead),
+        reuse_reservation_id=unfit), timeout_s)
+    keep_held(c._reserved, begun.reservation)
+    sums = yield from _copy_in(Blocking(plane.copy_in, begun.offsets, prepared.views),
+                               kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout_s)
+    return (yield _commit(begun.txn_id, sums, timeout_s))
+
+
+def _copy_in(copy: Blocking, abort: kvstore_pb2.LocalCommitRequest, timeout_s: float) -> Plan[list[int]]:
+    """Copy a put's blocks into its slots; the checksums of what landed. A failed (or
+    interrupted) copy hands the slots back at once, then raises."""
+    try:
+        return (yield copy)
+    except GeneratorExit:
+        raise
+    except BaseException:
+        yield Unary("LocalCommit", abort, timeout_s)
+        raise
+
+
+def _commit(txn_id: str, sums: list[int], timeout_s: float) -> Unary[PutResult]:
+    """Publish a begun put whose blocks landed with these checksums."""
+    return Unary("LocalCommit", kvstore_pb2.LocalCommitRequest(txn_id=txn_id, checksums=sums), timeout_s, put_result)

@@ -4,7 +4,6 @@ copies run in a worker thread so they never stall the event loop."""
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -12,28 +11,18 @@ import grpc
 
 from kvstore.client import _ops as ops
 from kvstore.client._auth import aio_channel
-from kvstore.client._buffers import all_cuda, host_blocks
 from kvstore.client._errors import translate
-from kvstore.client._held import HeldSlots, keep_held, take_held
 from kvstore.client._lane import AioLane
 from kvstore.client._local import LocalPlane
-from kvstore.client._ops import Blocking, ClientState, Plan, Step, StreamFetch, Unary
+from kvstore.client._ops import Blocking, ClientState, Plan, Step, StreamFetch, StreamPut, Unary
 from kvstore.client._options import CHANNEL_OPTIONS
-from kvstore.client._requests import (
-    PreparedPut,
-    device_put_header,
-    prepare_put,
-    put_requests,
-    reuse_hint,
-)
-from kvstore.client.results import LookupResult, PinResult, PrefetchResult, PutResult, response_hashes
-from kvstore.errors import FailedPrecondition
+from kvstore.client._requests import put_requests
+from kvstore.client.results import LookupResult, PinResult, PrefetchResult, PutResult
 from kvstore.laneproto import RESPONSE_TYPES, method_path
 from kvstore.layout import KVLayout
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 from kvstore.wire import FETCH_METHOD, PUT_METHOD, fetch_response_deserializer, put_request_serializer
 
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -102,20 +91,22 @@ class AsyncClient(ClientState):
                 except BaseException as exc:  # cancellation too: a put aborts its slots
                     value, send = exc, gen.throw
         except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+            return stop.value
 
     async def _step(self, step: Step) -> Any:
         if type(step) is Unary:
             return step.answer(await self._unary(step.name, step.request, step.timeout_s))
         if type(step) is Blocking:
             return await asyncio.to_thread(step.fn, *step.args)
-        assert type(step) is StreamFetch
-        try:  # a gRPC stream of its own: its failures surface here, not in _unary
+        try:  # the streams are gRPC calls of their own: their failures surface here
+            if type(step) is StreamPut:
+                return await self._put(put_requests(step.prepared, self.chunk_bytes), timeout=step.timeout_s)
+            assert type(step) is StreamFetch
             async for msg in self._fetch(step.request, timeout=step.timeout_s):
                 step.assembler.feed(msg)
+            return None
         except grpc.RpcError as exc:
             raise translate(exc) from None
-        return None
 
     async def _unary(self, name: str, request: Any, timeout: float) -> Any:
         """One unary KVStore call: over the lane when it is up (or due for another try),
@@ -137,22 +128,7 @@ class AsyncClient(ClientState):
     async def _local(self) -> LocalPlane | None:
         return self._plane if self._plane_tried else await self._run(ops.local_plane(self))
 
-    async def _device_plane(self, blocks: Sequence[Any] | None) -> Any:
-        return await self._run(ops.device_plane(self)) if all_cuda(blocks) else None
-
     # ------------------------------------------------------------------ verbs
-
-    async def _put_device(self, device: Any, layout: KVLayout, token_ids: Sequence[int] | None,
-                          blocks: Sequence[Any], first_block: int, block_hashes: Sequence[bytes] | None,
-                          hint: kvstore_pb2.ReuseHint | None, timeout: float) -> PutResult:
-        header = device_put_header(layout, token_ids, block_hashes, blocks, first_block, hint)
-        try:
-            begun = await self._unary("DevicePut",
-                kvstore_pb2.LocalPutRequest(header=header, release_lease_ids=self._take_releases()), timeout=timeout)
-            return await self._copy_and_commit(
-                begun.txn_id, lambda: device.copy_in(begun.offsets, blocks, begun.block_bytes), timeout)
-        except grpc.RpcError as exc:
-            raise translate(exc) from None
 
     async def lookup(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
                      block_hashes: Sequence[bytes] | None = None, lease_ms: int = 0,
@@ -161,78 +137,15 @@ class AsyncClient(ClientState):
         """Longest prefix of the blocks the daemon holds. `lease_ms` pins the hit until a fetch;
         `session_id` + `expect_reuse_within_s` hint that the session will be back for it."""
         return await self._run(ops.lookup(layout, token_ids, block_hashes, lease_ms, session_id, expect_reuse_within_s,
-                                      self._t(timeout_s)))
+                                          self._t(timeout_s)))
 
     async def put(self, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any], *,
-            first_block: int = 0, block_hashes: Sequence[bytes] | None = None,
-            session_id: str | None = None, expect_reuse_within_s: float | None = None,
-            timeout_s: float | None = None) -> PutResult:
+                  first_block: int = 0, block_hashes: Sequence[bytes] | None = None,
+                  session_id: str | None = None, expect_reuse_within_s: float | None = None,
+                  timeout_s: float | None = None) -> PutResult:
         """Store `blocks` (all or nothing). With token_ids, block i is block first_block + i of the prefix."""
-        device = await self._device_plane(blocks)
-        if device is not None:
-            return await self._put_device(device, layout, token_ids, blocks, first_block, block_hashes,
-                                          reuse_hint(session_id, expect_reuse_within_s), self._t(timeout_s))
-        blocks = host_blocks(blocks)
-        prepared = prepare_put(layout, token_ids, block_hashes, blocks, first_block,
-                               reuse_hint(session_id, expect_reuse_within_s))
-        timeout = self._t(timeout_s)
-        try:
-            plane = await self._local()
-            if plane is None:
-                resp = await self._put(put_requests(prepared, self.chunk_bytes), timeout=timeout)
-                return PutResult(resp.stored, resp.existing, response_hashes(resp))
-            n = len(prepared.views)
-            held, unfit = take_held(self._reserved, layout.bytes_per_block, n)
-            if held is not None:
-                try:
-                    sums = await asyncio.to_thread(plane.copy_in, held.offsets[:n], prepared.views)
-                except BaseException:
-                    await self._unary("LocalCommit", kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id,
-                                                                              abort=True), timeout=timeout)
-                    raise
-                one_trip = await self._commit_reserved(prepared, held, sums, timeout)
-                if one_trip is not None:
-                    return one_trip
-            begun = await self._unary("LocalPut",
-                kvstore_pb2.LocalPutRequest(header=prepared.header, release_lease_ids=self._take_releases(),
-                                            reserve_ahead=min(n, self.reserve_ahead),
-                                            reuse_reservation_id=unfit),
-                timeout=timeout,
-            )
-            keep_held(self._reserved, begun.reservation)
-            return await self._copy_and_commit(
-                begun.txn_id, lambda: plane.copy_in(begun.offsets, prepared.views), timeout)
-        except grpc.RpcError as exc:
-            raise translate(exc) from None
-
-    async def _copy_and_commit(self, txn_id: str, copy_in: Callable[[], list[int]], timeout: float) -> PutResult:
-        """Land a begun local or device put: copy into its slots (in a worker thread), then
-        publish it; a failed copy aborts the put so its slots go back at once."""
-        try:
-            sums = await asyncio.to_thread(copy_in)
-        except BaseException:
-            await self._unary("LocalCommit", kvstore_pb2.LocalCommitRequest(txn_id=txn_id, abort=True), timeout=timeout)
-            raise
-        resp = await self._unary("LocalCommit", kvstore_pb2.LocalCommitRequest(txn_id=txn_id, checksums=sums),
-                                          timeout=timeout)
-        return PutResult(resp.stored, resp.existing, response_hashes(resp))
-
-    async def _commit_reserved(self, prepared: PreparedPut, held: HeldSlots, sums: list[int],
-                         timeout: float) -> PutResult | None:
-        """Publish a put copied into reserved slots (one round trip); None when the daemon
-        no longer holds the reservation, and the put must take the two-trip path."""
-        try:
-            resp = await self._unary("LocalCommit",
-                kvstore_pb2.LocalCommitRequest(header=prepared.header, reservation_id=held.reservation_id,
-                                               checksums=sums,
-                                               reserve_ahead=min(len(prepared.views), self.reserve_ahead),
-                                               release_lease_ids=self._take_releases()),
-                timeout=timeout)
-        except FailedPrecondition as exc:
-            logger.info("slot reservation gone (%s); putting in two round trips", exc)
-            return None
-        keep_held(self._reserved, resp.reservation)
-        return PutResult(resp.stored, resp.existing, response_hashes(resp))
+        return await self._run(ops.put(self, layout, token_ids, blocks, first_block, block_hashes, session_id,
+                                       expect_reuse_within_s, self._t(timeout_s)))
 
     async def fetch(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
                     block_hashes: Sequence[bytes] | None = None, out: Sequence[Any] | None = None,
@@ -259,7 +172,7 @@ class AsyncClient(ClientState):
         """Protect the named blocks for `session_id` for about `expect_reuse_within_s`; returns
         how many were present. See docs/policies.md for when hints pay off."""
         return await self._run(ops.hint(layout, token_ids, block_hashes, session_id, expect_reuse_within_s,
-                                    self._t(timeout_s)))
+                                        self._t(timeout_s)))
 
     async def end_session(self, session_id: str, *, timeout_s: float | None = None) -> None:
         """The session is over: release whatever its hints protect."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -10,28 +9,18 @@ import grpc
 
 from kvstore.client import _ops as ops
 from kvstore.client._auth import sync_channel
-from kvstore.client._buffers import all_cuda, host_blocks
 from kvstore.client._errors import translate
-from kvstore.client._held import HeldSlots, keep_held, take_held
 from kvstore.client._lane import SyncLane
 from kvstore.client._local import LocalPlane
-from kvstore.client._ops import Blocking, ClientState, Plan, Step, StreamFetch, Unary
+from kvstore.client._ops import Blocking, ClientState, Plan, Step, StreamFetch, StreamPut, Unary
 from kvstore.client._options import CHANNEL_OPTIONS
-from kvstore.client._requests import (
-    PreparedPut,
-    device_put_header,
-    prepare_put,
-    put_requests,
-    reuse_hint,
-)
-from kvstore.client.results import LookupResult, PinResult, PrefetchResult, PutResult, response_hashes
-from kvstore.errors import FailedPrecondition
+from kvstore.client._requests import put_requests
+from kvstore.client.results import LookupResult, PinResult, PrefetchResult, PutResult
 from kvstore.laneproto import RESPONSE_TYPES, method_path
 from kvstore.layout import KVLayout
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 from kvstore.wire import FETCH_METHOD, PUT_METHOD, fetch_response_deserializer, put_request_serializer
 
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -101,20 +90,22 @@ class Client(ClientState):
                 except BaseException as exc:  # cancellation too: a put aborts its slots
                     value, send = exc, gen.throw
         except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+            return stop.value
 
     def _step(self, step: Step) -> Any:
         if type(step) is Unary:
             return step.answer(self._unary(step.name, step.request, step.timeout_s))
         if type(step) is Blocking:
             return step.fn(*step.args)
-        assert type(step) is StreamFetch
-        try:  # a gRPC stream of its own: its failures surface here, not in _unary
+        try:  # the streams are gRPC calls of their own: their failures surface here
+            if type(step) is StreamPut:
+                return self._put(put_requests(step.prepared, self.chunk_bytes), timeout=step.timeout_s)
+            assert type(step) is StreamFetch
             for msg in self._fetch(step.request, timeout=step.timeout_s):
                 step.assembler.feed(msg)
+            return None
         except grpc.RpcError as exc:
             raise translate(exc) from None
-        return None
 
     def _unary(self, name: str, request: Any, timeout: float) -> Any:
         """One unary KVStore call: over the lane when it is up (or due for another try),
@@ -136,104 +127,28 @@ class Client(ClientState):
     def _local(self) -> LocalPlane | None:
         return self._plane if self._plane_tried else self._run(ops.local_plane(self))
 
-    def _device_plane(self, blocks: Sequence[Any] | None) -> Any:
-        return self._run(ops.device_plane(self)) if all_cuda(blocks) else None
-
     # ------------------------------------------------------------------ verbs
 
     def lookup(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-                     block_hashes: Sequence[bytes] | None = None, lease_ms: int = 0,
-                     session_id: str | None = None, expect_reuse_within_s: float | None = None,
-                     timeout_s: float | None = None) -> LookupResult:
+               block_hashes: Sequence[bytes] | None = None, lease_ms: int = 0,
+               session_id: str | None = None, expect_reuse_within_s: float | None = None,
+               timeout_s: float | None = None) -> LookupResult:
         """Longest prefix of the blocks the daemon holds. `lease_ms` pins the hit until a fetch;
         `session_id` + `expect_reuse_within_s` hint that the session will be back for it."""
         return self._run(ops.lookup(layout, token_ids, block_hashes, lease_ms, session_id, expect_reuse_within_s,
-                                      self._t(timeout_s)))
+                                    self._t(timeout_s)))
 
     def put(self, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any], *,
             first_block: int = 0, block_hashes: Sequence[bytes] | None = None,
             session_id: str | None = None, expect_reuse_within_s: float | None = None,
             timeout_s: float | None = None) -> PutResult:
         """Store `blocks` (all or nothing). With token_ids, block i is block first_block + i of the prefix."""
-        device = self._device_plane(blocks)
-        if device is not None:
-            return self._put_device(device, layout, token_ids, blocks, first_block, block_hashes,
-                                    reuse_hint(session_id, expect_reuse_within_s), self._t(timeout_s))
-        blocks = host_blocks(blocks)
-        prepared = prepare_put(layout, token_ids, block_hashes, blocks, first_block,
-                               reuse_hint(session_id, expect_reuse_within_s))
-        timeout = self._t(timeout_s)
-        try:
-            plane = self._local()
-            if plane is None:
-                resp = self._put(put_requests(prepared, self.chunk_bytes), timeout=timeout)
-                return PutResult(resp.stored, resp.existing, response_hashes(resp))
-            n = len(prepared.views)
-            held, unfit = take_held(self._reserved, layout.bytes_per_block, n)
-            if held is not None:
-                try:
-                    sums = plane.copy_in(held.offsets[:n], prepared.views)
-                except BaseException:
-                    self._unary("LocalCommit", kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id,
-                                                                        abort=True), timeout=timeout)
-                    raise
-                one_trip = self._commit_reserved(prepared, held, sums, timeout)
-                if one_trip is not None:
-                    return one_trip
-            begun = self._unary("LocalPut",
-                kvstore_pb2.LocalPutRequest(header=prepared.header, release_lease_ids=self._take_releases(),
-                                            reserve_ahead=min(n, self.reserve_ahead),
-                                            reuse_reservation_id=unfit),
-                timeout=timeout,
-            )
-            keep_held(self._reserved, begun.reservation)
-            return self._copy_and_commit(begun.txn_id, lambda: plane.copy_in(begun.offsets, prepared.views), timeout)
-        except grpc.RpcError as exc:
-            raise translate(exc) from None
-
-    def _put_device(self, device: Any, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any],
-                    first_block: int, block_hashes: Sequence[bytes] | None, hint: kvstore_pb2.ReuseHint | None,
-                    timeout: float) -> PutResult:
-        header = device_put_header(layout, token_ids, block_hashes, blocks, first_block, hint)
-        try:
-            begun = self._unary("DevicePut",
-                kvstore_pb2.LocalPutRequest(header=header, release_lease_ids=self._take_releases()), timeout=timeout)
-            return self._copy_and_commit(begun.txn_id,
-                                         lambda: device.copy_in(begun.offsets, blocks, begun.block_bytes), timeout)
-        except grpc.RpcError as exc:
-            raise translate(exc) from None
-
-    def _copy_and_commit(self, txn_id: str, copy_in: Callable[[], list[int]], timeout: float) -> PutResult:
-        """Land a begun local or device put: copy into its slots, then publish it; a failed
-        copy aborts the put so its slots go back at once."""
-        try:
-            sums = copy_in()
-        except BaseException:
-            self._unary("LocalCommit", kvstore_pb2.LocalCommitRequest(txn_id=txn_id, abort=True), timeout=timeout)
-            raise
-        resp = self._unary("LocalCommit", kvstore_pb2.LocalCommitRequest(txn_id=txn_id, checksums=sums), timeout=timeout)
-        return PutResult(resp.stored, resp.existing, response_hashes(resp))
-
-    def _commit_reserved(self, prepared: PreparedPut, held: HeldSlots, sums: list[int],
-                         timeout: float) -> PutResult | None:
-        """Publish a put copied into reserved slots (one round trip); None when the daemon
-        no longer holds the reservation, and the put must take the two-trip path."""
-        try:
-            resp = self._unary("LocalCommit",
-                kvstore_pb2.LocalCommitRequest(header=prepared.header, reservation_id=held.reservation_id,
-                                               checksums=sums,
-                                               reserve_ahead=min(len(prepared.views), self.reserve_ahead),
-                                               release_lease_ids=self._take_releases()),
-                timeout=timeout)
-        except FailedPrecondition as exc:
-            logger.info("slot reservation gone (%s); putting in two round trips", exc)
-            return None
-        keep_held(self._reserved, resp.reservation)
-        return PutResult(resp.stored, resp.existing, response_hashes(resp))
+        return self._run(ops.put(self, layout, token_ids, blocks, first_block, block_hashes, session_id,
+                                 expect_reuse_within_s, self._t(timeout_s)))
 
     def fetch(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-                    block_hashes: Sequence[bytes] | None = None, out: Sequence[Any] | None = None,
-                    lease_id: str = "", timeout_s: float | None = None) -> list[Any]:
+              block_hashes: Sequence[bytes] | None = None, out: Sequence[Any] | None = None,
+              lease_id: str = "", timeout_s: float | None = None) -> list[Any]:
         """Verified blocks of the longest held prefix, in order; fills `out` buffers if given.
 
         Without `out`, blocks come back as `bytes` over gRPC and as `bytearray` over shared
@@ -242,21 +157,21 @@ class Client(ClientState):
         return self._run(ops.fetch(self, layout, token_ids, block_hashes, out, lease_id, self._t(timeout_s)))
 
     def delete(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-                     block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:
+               block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:
         return self._run(ops.delete(layout, token_ids, block_hashes, self._t(timeout_s)))
 
     def pin(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-                  block_hashes: Sequence[bytes] | None = None, ttl_ms: int = 0,
-                  timeout_s: float | None = None) -> PinResult:
+            block_hashes: Sequence[bytes] | None = None, ttl_ms: int = 0,
+            timeout_s: float | None = None) -> PinResult:
         return self._run(ops.pin(layout, token_ids, block_hashes, ttl_ms, self._t(timeout_s)))
 
     def hint(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-                   block_hashes: Sequence[bytes] | None = None, session_id: str, expect_reuse_within_s: float,
-                   timeout_s: float | None = None) -> int:
+             block_hashes: Sequence[bytes] | None = None, session_id: str, expect_reuse_within_s: float,
+             timeout_s: float | None = None) -> int:
         """Protect the named blocks for `session_id` for about `expect_reuse_within_s`; returns
         how many were present. See docs/policies.md for when hints pay off."""
         return self._run(ops.hint(layout, token_ids, block_hashes, session_id, expect_reuse_within_s,
-                                    self._t(timeout_s)))
+                                  self._t(timeout_s)))
 
     def end_session(self, session_id: str, *, timeout_s: float | None = None) -> None:
         """The session is over: release whatever its hints protect."""
@@ -266,13 +181,13 @@ class Client(ClientState):
         return self._run(ops.unpin(lease_id, self._t(timeout_s)))
 
     def prefetch(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-                       block_hashes: Sequence[bytes] | None = None, tier: str = "",
-                       timeout_s: float | None = None) -> PrefetchResult:
+                 block_hashes: Sequence[bytes] | None = None, tier: str = "",
+                 timeout_s: float | None = None) -> PrefetchResult:
         """Raise the named blocks into `tier` ("" = the daemon's top tier) ahead of a fetch."""
         return self._run(ops.prefetch(layout, token_ids, block_hashes, tier, self._t(timeout_s)))
 
     def verify(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
-                     block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:
+               block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:
         """Ask the daemon to re-check the named blocks; returns how many it dropped."""
         return self._run(ops.verify(layout, token_ids, block_hashes, self._t(timeout_s)))
 
