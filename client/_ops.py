@@ -212,7 +212,7 @@ class ClientState:
             self._plane = None
 
 
-# ------------------------------------------------------------------ data planes, and what close hands back
+# ------------------------------------------------------------------ planes and close
 
 
 def local_plane(c: ClientState) -> Plan[LocalPlane | None]:

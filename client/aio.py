@@ -1,5 +1,9 @@
-"""`AsyncClient`: the asyncio SDK. Same methods as `Client`, awaited. Shared-memory
-copies run in a worker thread so they never stall the event loop."""
+"""`AsyncClient`: the asyncio SDK. Same methods as `Client`, awaited.
+
+Each verb is a plan from `kvstore.client._ops`; this module holds what an asyncio
+client adds to `ClientState`: its grpc.aio channel and stubs, its lane (`AioLane`), and
+the driver that awaits each step. `Blocking` steps (shared-memory and device copies)
+run in a worker thread, so they never stall the event loop."""
 
 from __future__ import annotations
 
@@ -27,8 +31,8 @@ T = TypeVar("T")
 
 
 class AsyncClient(ClientState):
-    """Talks to a kvstore daemon from asyncio code; the arguments are `ClientState`'s
-    (see `__init__`). Shared-memory and device copies run in a worker thread, so they
+    """Talks to a kvstore daemon from asyncio code (the arguments are described on
+    `__init__`). Shared-memory and device copies run in a worker thread, so they
     never stall the event loop. `control_plane_in_use()` and `data_plane_in_use()` are
     coroutine methods here, properties on `Client`."""
 

@@ -1,4 +1,8 @@
-"""`Client`: the blocking SDK. Same methods as `AsyncClient`, without awaits."""
+"""`Client`: the blocking SDK. Same methods as `AsyncClient`, without awaits.
+
+Each verb is a plan from `kvstore.client._ops`; this module holds what a blocking
+client adds to `ClientState`: its gRPC channel and stubs, its lane (`SyncLane`), and the
+driver that runs each step on the calling thread, copies included."""
 
 from __future__ import annotations
 
@@ -25,8 +29,8 @@ T = TypeVar("T")
 
 
 class Client(ClientState):
-    """Talks to a kvstore daemon from blocking code; the arguments are `ClientState`'s
-    (see `__init__`). `control_plane_in_use` and `data_plane_in_use` are properties here,
+    """Talks to a kvstore daemon from blocking code (the arguments are described on
+    `__init__`). `control_plane_in_use` and `data_plane_in_use` are properties here,
     coroutine methods on `AsyncClient`."""
 
     def _open(self, lane_path: str | None) -> None:
