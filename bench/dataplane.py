@@ -212,7 +212,7 @@ def bench_echo(port: int, block_bytes: int, batch: int, seconds: float, chunk: i
     a channel with the SDK's options, to a server that only keeps and returns them."""
     import grpc
 
-    from kvstore.client._common import CHANNEL_OPTIONS, DEFAULT_CHUNK_BYTES
+    from kvstore.client._options import CHANNEL_OPTIONS, DEFAULT_CHUNK_BYTES
 
     assert chunk == DEFAULT_CHUNK_BYTES, "the echo must move chunks the size the SDK's are"
     ident = lambda b: b  # noqa: E731

@@ -11,7 +11,7 @@
 Importing this package does not import torch; tensors are handled lazily.
 """
 
-from kvstore.client._common import LookupResult, PinResult, PrefetchResult, PutResult
+from kvstore.client.results import LookupResult, PinResult, PrefetchResult, PutResult
 from kvstore.client.aio import AsyncClient
 from kvstore.client.sync import Client
 from kvstore.hashing import block_hashes

@@ -1,37 +1,61 @@
 """The client side of the local control lane (framing in `kvstore.laneproto`).
 
-`SyncLane` (plain blocking sockets, a small pool guarded by a lock, so the blocking
-`Client` may be used from several threads) and `AioLane` (asyncio streams) send one
-unary call's serialized request and return the serialized answer, or raise the
-`kvstore.errors` exception the same status raises over gRPC.
+One lane client, `Lane`, holds the policy: a pool of idle connections, when to use the
+lane at all, what may be sent again, and how an answer or a refusal becomes an
+exception. Its two flavours only move bytes: `SyncLane` over blocking sockets (the
+`Client`, which may be used from several threads: the pool is a list whose pop and
+append are atomic, so it needs no lock), `AioLane` over asyncio streams on the caller's
+loop. `call` sends one unary call's serialized request and returns the serialized answer,
+raises the `kvstore.errors` exception the same status raises over gRPC, or returns None
+when the lane cannot be used now and the caller should use gRPC instead.
 
-A token the daemon refuses at the handshake raises `Unauthenticated`, as every gRPC
-call would. Failure handling: a pooled connection that turns out broken is replaced once; a call
-that cannot have reached the daemon (nothing was sent), or that is safe to repeat
-(`IDEMPOTENT`), is then sent again on a new connection. When no connection can be made,
-`LaneUnavailable` tells the client to use gRPC instead. A call that broke after it was
-sent and is not safe to repeat raises `Unavailable`: it may or may not have run.
+When to use it: the lane is up once a connection or a call through it succeeds. After a
+connection cannot be made (no socket, refused, handshake failed) calls go through gRPC
+until `LANE_RETRY_S` later, or raise `FailedPrecondition` when the caller insisted on
+the lane (`control_plane="lane"`). A token the daemon refuses at the handshake raises
+`Unauthenticated`, as every gRPC call would.
+
+Sending again: a pooled connection that turns out broken is replaced once; a call that
+cannot have reached the daemon (nothing was sent), or that is safe to repeat
+(`laneproto.IDEMPOTENT`), is then sent again on a new connection. A call that broke
+after it was sent and is not safe to repeat raises `Unavailable`: it may or may not
+have run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import struct
-import threading
+import time
+from typing import Generic, Protocol, TypeVar
 
 import grpc
 
-from kvstore.errors import DeadlineExceeded, KVStoreError, ResourceExhausted, Unauthenticated, Unavailable
+from kvstore.client._errors import translate_status
+from kvstore.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    KVStoreError,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
 from kvstore.laneproto import HEADER, HELLO, HELLO_ANSWER, IDEMPOTENT, MAGIC, METHOD_IDS, frame, lane_path
 
 # The largest answer the SDK reads (as its gRPC channels cap messages).
 MAX_ANSWER_BYTES = 64 << 20
 # Idle connections kept per client; more may be open while calls run concurrently.
 MAX_IDLE = 4
+# After the lane could not be used, calls go through gRPC; the lane is tried again this
+# much later (a daemon restarted, or started without the lane, and so on).
+LANE_RETRY_S = 5.0
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _PEERCRED = struct.Struct("3i")
+
+logger = logging.getLogger(__name__)
 
 
 def check_answer_length(length: int) -> None:
@@ -65,34 +89,8 @@ def lane_socket(target: str) -> str | None:
 
 def status_error(code_value: int, message: bytes) -> KVStoreError:
     """The exception for an error answer: the same class and text as over gRPC."""
-    from kvstore.client._common import translate_status  # a cycle at import time otherwise
-
     code = _CODES.get(code_value, grpc.StatusCode.UNKNOWN)
     return translate_status(code, message.decode("utf-8", "replace"))
-
-
-def _hello(token: str) -> bytes:
-    return frame(HELLO, MAGIC + token.encode("utf-8"))
-
-
-def _hello_answer(code: int, payload: bytes) -> int:
-    """The daemon's request-size limit from its hello answer; raises its refusal."""
-    if code != 0:
-        raise status_error(code, payload)
-    if len(payload) != HELLO_ANSWER.size:
-        raise LaneUnavailable("the lane's hello answer is malformed")
-    magic, max_request = HELLO_ANSWER.unpack(payload)
-    if magic != MAGIC:
-        raise LaneUnavailable("the lane answered with another protocol")
-    return int(max_request)
-
-
-def _check_request(name: str, payload: bytes, max_request: int) -> int:
-    mid = METHOD_IDS[name]
-    if len(payload) > max_request:
-        raise ResourceExhausted(f"the {name} request is {len(payload)} bytes, more than the daemon accepts in one "
-                                f"message ({max_request}, its max_message_bytes); send fewer blocks per call")
-    return mid
 
 
 def _trusted_peer(sock: socket.socket) -> None:
@@ -103,13 +101,107 @@ def _trusted_peer(sock: socket.socket) -> None:
         raise LaneUnavailable(f"the lane socket is served by uid {uid}, not this process's uid {me} or root")
 
 
+class _Conn(Protocol):
+    def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=_Conn)
+
+
+class Lane(Generic[C]):
+    """The lane client's pool and policy; `SyncLane` and `AioLane` add the I/O."""
+
+    def __init__(self, path: str, token: str, required: bool) -> None:
+        self.path = path
+        self.required = required  # control_plane="lane": no gRPC fallback
+        self.up = False
+        self.retry_at = 0.0  # monotonic; while down, gRPC until then
+        self.max_request = 0  # the daemon's limit, from its hello answer
+        self._hello = frame(HELLO, MAGIC + token.encode("utf-8"))
+        self._idle: list[C] = []
+
+    def _unusable(self, exc: LaneUnavailable) -> None:
+        """No connection could be made: gRPC for a while (or an error, if required)."""
+        if self.required:
+            raise FailedPrecondition(f"cannot use the local control lane: {exc}") from None
+        logger.info("local control lane unavailable (%s); unary calls go through gRPC", exc)
+        self.up = False
+        self.retry_at = time.monotonic() + LANE_RETRY_S
+
+    def _handshake(self, code: int, payload: bytes) -> None:
+        """Take the daemon's request-size limit from its hello answer; raise its refusal."""
+        if code != 0:
+            raise status_error(code, payload)
+        if len(payload) != HELLO_ANSWER.size:
+            raise LaneUnavailable("the lane's hello answer is malformed")
+        magic, max_request = HELLO_ANSWER.unpack(payload)
+        if magic != MAGIC:
+            raise LaneUnavailable("the lane answered with another protocol")
+        self.max_request = int(max_request)
+
+    def _refused(self, exc: BaseException) -> BaseException:
+        """What a failed handshake raises: `LaneUnavailable` (use gRPC), except for a
+        refused token, which gRPC would refuse the same way, and for interruptions."""
+        if isinstance(exc, (_Broken, OSError)):  # TimeoutError included
+            return LaneUnavailable(f"the lane at {self.path} refused the connection: {exc}")
+        if isinstance(exc, KVStoreError) and not isinstance(exc, Unauthenticated):
+            return LaneUnavailable(f"the lane at {self.path} refused this client: {exc}")
+        return exc
+
+    def _request(self, conn: C, name: str, payload: bytes) -> bytes:
+        """The request's frame; one larger than the daemon accepts is refused here, and
+        `conn` goes back to the pool unused."""
+        if len(payload) > self.max_request:
+            self._put_back(conn)
+            raise ResourceExhausted(f"the {name} request is {len(payload)} bytes, more than the daemon accepts in one "
+                                    f"message ({self.max_request}, its max_message_bytes); send fewer blocks per call")
+        return frame(METHOD_IDS[name], payload)
+
+    def _check_resend(self, name: str, exc: BaseException, attempt: int, timeout: float) -> None:
+        """After a call failed on a connection (now closed): return to send it again on a
+        new one, or raise what the caller gets."""
+        if isinstance(exc, _Broken):
+            if attempt or (exc.sent and name not in IDEMPOTENT):
+                raise Unavailable(f"kvstore daemon unavailable: {exc} during {name}; it may or may not have "
+                                  "taken effect") from None
+            return
+        if isinstance(exc, TimeoutError):
+            # An answer may still come: that connection was out of step, hence closed.
+            raise DeadlineExceeded(f"{name} got no answer on the control lane within {timeout:g}s") from None
+        raise exc  # cancelled or interrupted mid-call: the connection was out of step too
+
+    def _answer(self, conn: C, code: int, answer: bytes) -> bytes:
+        self._put_back(conn)
+        self.up = True
+        if code:
+            raise status_error(code, answer)
+        return answer
+
+    def _take(self) -> C | None:
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return None
+
+    def _put_back(self, conn: C) -> None:
+        if len(self._idle) < MAX_IDLE:
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
 # ------------------------------------------------------------------------ blocking
 
 
 class _SyncConn:
     __slots__ = ("sock", "buf", "timeout")
 
-    def __init__(self, path: str, token: str, timeout: float) -> None:
+    def __init__(self, path: str, timeout: float) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
@@ -171,83 +263,54 @@ class _SyncConn:
             raise _Broken(f"the lane connection broke ({exc.strerror})", True) from None
 
 
-class SyncLane:
-    """Lane calls from blocking code: a lock-guarded pool of connections."""
-
-    def __init__(self, path: str, token: str) -> None:
-        self.path = path
-        self.token = token
-        self.max_request = 0
-        self._idle: list[_SyncConn] = []
-        self._lock = threading.Lock()
+class SyncLane(Lane[_SyncConn]):
+    """Lane calls from blocking code."""
 
     def _connect(self, timeout: float) -> _SyncConn:
         try:
-            conn = _SyncConn(self.path, self.token, timeout)
+            conn = _SyncConn(self.path, timeout)
         except OSError as exc:
             raise LaneUnavailable(f"cannot connect to {self.path}: {exc.strerror or exc}") from None
         try:
-            code, payload = conn.roundtrip(_hello(self.token), timeout)
-            self.max_request = _hello_answer(code, payload)
+            self._handshake(*conn.roundtrip(self._hello, timeout))
         except BaseException as exc:
             conn.close()
-            if isinstance(exc, (_Broken, OSError)):
-                raise LaneUnavailable(f"the lane at {self.path} refused the connection: {exc}") from None
-            if isinstance(exc, KVStoreError) and not isinstance(exc, Unauthenticated):
-                raise LaneUnavailable(f"the lane at {self.path} refused this client: {exc}") from None
-            raise  # a refused token: gRPC would refuse it the same way
+            raise self._refused(exc) from None
         return conn
 
-    def open(self, timeout: float) -> None:
-        """Make one connection now (the handshake); raises `LaneUnavailable`."""
-        conn = self._connect(timeout)
-        self._put_back(conn)
-
-    def _take(self) -> _SyncConn | None:
-        with self._lock:
-            return self._idle.pop() if self._idle else None
-
-    def _put_back(self, conn: _SyncConn) -> None:
-        with self._lock:
-            if len(self._idle) < MAX_IDLE:
-                self._idle.append(conn)
-                return
-        conn.close()
-
-    def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
-
-    def call(self, name: str, payload: bytes, timeout: float) -> bytes:
-        """The serialized answer to a serialized request of method `name`."""
-        conn = self._take()
-        if conn is None:
-            conn = self._connect(timeout)
-        mid = _check_request(name, payload, self.max_request)
-        data = frame(mid, payload)
-        for attempt in (0, 1):
+    def in_use(self, timeout: float) -> bool:
+        """Whether unary calls go over the lane; makes a connection now if one is due."""
+        if not self.up and time.monotonic() >= self.retry_at:
             try:
-                code, answer = conn.roundtrip(data, timeout)
-            except _Broken as exc:
-                conn.close()
-                if attempt or (exc.sent and name not in IDEMPOTENT):
-                    raise Unavailable(f"kvstore daemon unavailable: {exc} during {name}; it may or may not have "
-                                      "taken effect") from None
-                conn = self._connect(timeout)  # once; LaneUnavailable if the daemon is gone
-                continue
-            except TimeoutError:
-                conn.close()  # an answer may still come: the connection is out of step
-                raise DeadlineExceeded(f"{name} got no answer on the control lane within {timeout:g}s") from None
-            except BaseException:
-                conn.close()
-                raise
-            self._put_back(conn)
-            if code:
-                raise status_error(code, answer)
-            return answer
-        raise AssertionError("unreachable")
+                self._put_back(self._connect(timeout))
+                self.up = True
+            except LaneUnavailable as exc:
+                self._unusable(exc)
+        return self.up
+
+    def call(self, name: str, payload: bytes, timeout: float) -> bytes | None:
+        """The serialized answer to a serialized request of method `name`; None when the
+        lane cannot be used now (the call goes to gRPC)."""
+        if not self.up and time.monotonic() < self.retry_at:
+            return None
+        conn = self._take()
+        try:
+            for attempt in (0, 1):
+                if conn is None:
+                    conn = self._connect(timeout)
+                data = self._request(conn, name, payload)
+                try:
+                    code, answer = conn.roundtrip(data, timeout)
+                except BaseException as exc:
+                    conn.close()
+                    conn = None
+                    self._check_resend(name, exc, attempt, timeout)
+                    continue
+                return self._answer(conn, code, answer)
+        except LaneUnavailable as exc:
+            self._unusable(exc)
+            return None
+        raise AssertionError("unreachable: the second failure raises")
 
 
 # ------------------------------------------------------------------------ asyncio
@@ -281,14 +344,8 @@ class _AioConn:
             raise _Broken(f"the lane connection broke ({exc.strerror})", True) from None
 
 
-class AioLane:
-    """Lane calls from asyncio code: a pool of stream connections on the caller's loop."""
-
-    def __init__(self, path: str, token: str) -> None:
-        self.path = path
-        self.token = token
-        self.max_request = 0
-        self._idle: list[_AioConn] = []
+class AioLane(Lane[_AioConn]):
+    """Lane calls from asyncio code."""
 
     async def _connect(self, timeout: float) -> _AioConn:
         try:
@@ -302,53 +359,42 @@ class AioLane:
             if sock is not None:
                 _trusted_peer(sock)
             async with asyncio.timeout(timeout):
-                code, payload = await conn.roundtrip(_hello(self.token))
-            self.max_request = _hello_answer(code, payload)
+                self._handshake(*await conn.roundtrip(self._hello))
         except BaseException as exc:
             conn.close()
-            if isinstance(exc, (_Broken, OSError, TimeoutError)) or (
-                    isinstance(exc, KVStoreError) and not isinstance(exc, Unauthenticated)):
-                raise LaneUnavailable(f"the lane at {self.path} refused the connection: {exc}") from None
-            raise  # a refused token: gRPC would refuse it the same way
+            raise self._refused(exc) from None
         return conn
 
-    async def open(self, timeout: float) -> None:
-        self._put_back(await self._connect(timeout))
-
-    def _put_back(self, conn: _AioConn) -> None:
-        if len(self._idle) < MAX_IDLE:
-            self._idle.append(conn)
-        else:
-            conn.close()
-
-    def close(self) -> None:
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
-
-    async def call(self, name: str, payload: bytes, timeout: float) -> bytes:
-        conn = self._idle.pop() if self._idle else await self._connect(timeout)
-        mid = _check_request(name, payload, self.max_request)
-        data = frame(mid, payload)
-        for attempt in (0, 1):
+    async def in_use(self, timeout: float) -> bool:
+        """Whether unary calls go over the lane; makes a connection now if one is due."""
+        if not self.up and time.monotonic() >= self.retry_at:
             try:
-                async with asyncio.timeout(timeout):
-                    code, answer = await conn.roundtrip(data)
-            except _Broken as exc:
-                conn.close()
-                if attempt or (exc.sent and name not in IDEMPOTENT):
-                    raise Unavailable(f"kvstore daemon unavailable: {exc} during {name}; it may or may not have "
-                                      "taken effect") from None
-                conn = await self._connect(timeout)
-                continue
-            except TimeoutError:
-                conn.close()
-                raise DeadlineExceeded(f"{name} got no answer on the control lane within {timeout:g}s") from None
-            except BaseException:
-                conn.close()  # cancelled mid-call: the connection is out of step
-                raise
-            self._put_back(conn)
-            if code:
-                raise status_error(code, answer)
-            return answer
-        raise AssertionError("unreachable")
+                self._put_back(await self._connect(timeout))
+                self.up = True
+            except LaneUnavailable as exc:
+                self._unusable(exc)
+        return self.up
+
+    async def call(self, name: str, payload: bytes, timeout: float) -> bytes | None:
+        """As `SyncLane.call`, awaited."""
+        if not self.up and time.monotonic() < self.retry_at:
+            return None
+        conn = self._take()
+        try:
+            for attempt in (0, 1):
+                if conn is None:
+                    conn = await self._connect(timeout)
+                data = self._request(conn, name, payload)
+                try:
+                    async with asyncio.timeout(timeout):
+                        code, answer = await conn.roundtrip(data)
+                except BaseException as exc:
+                    conn.close()
+                    conn = None
+                    self._check_resend(name, exc, attempt, timeout)
+                    continue
+                return self._answer(conn, code, answer)
+        except LaneUnavailable as exc:
+            self._unusable(exc)
+            return None
+        raise AssertionError("unreachable: the second failure raises")

@@ -12,7 +12,9 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from kvstore.client._auth import Security, sync_channel
-from kvstore.client._common import CHANNEL_OPTIONS, DEFAULT_CHUNK_BYTES, FetchAssembler, resolve_target, translate
+from kvstore.client._assembler import FetchAssembler
+from kvstore.client._errors import translate
+from kvstore.client._options import CHANNEL_OPTIONS, DEFAULT_CHUNK_BYTES, resolve_target
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 DEFAULT_ADMIN_TIMEOUT_S = 5.0

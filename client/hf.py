@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kvstore.client._common import PutResult
+from kvstore.client.results import PutResult
 from kvstore.errors import InvalidArgument
 from kvstore.layout import KVLayout
 

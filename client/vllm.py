@@ -54,7 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvstore.client._common import LookupResult
+from kvstore.client.results import LookupResult
 from kvstore.client.sync import Client
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.layout import KVLayout

@@ -410,7 +410,7 @@ import os, sys, threading
 from kvstore.client import Client
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2
-from kvstore.client._common import block_keys, namespace_ref, prepare_put, put_requests
+from kvstore.client._requests import block_keys, namespace_ref, prepare_put, put_requests
 
 target, plane = sys.argv[1], sys.argv[2]
 layout = KVLayout(model="test/faults", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=128,

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from kvstore.client._common import FetchAssembler
+from kvstore.client._assembler import FetchAssembler
 from kvstore.errors import KVStoreError
 from kvstore.v1 import kvstore_pb2
 from kvstore.wire import RawChunk

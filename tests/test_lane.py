@@ -160,6 +160,28 @@ def test_errors_have_the_same_codes_and_messages(daemon_thread, layout):
     assert rpc_count(daemon_thread, "Lookup", "NOT_FOUND") >= 2
 
 
+async def test_a_request_over_the_daemons_limit_is_refused_before_it_is_sent(tmp_path, layout):
+    """The SDK refuses a request larger than the daemon accepts (its hello said how much)
+    without sending it, and the lane stays in use for the next call."""
+    too_many = [os.urandom(16) for _ in range((1 << 20) // 16 + 1)]
+    with daemon_in_thread(make_config(tmp_path, max_message_bytes=1 << 20)) as running:
+        with Client(running.unix_target, control_plane="lane") as kv:
+            kv.put(layout, list(range(8)), blocks_for(layout, 2))
+            for _ in range(2):
+                with pytest.raises(ResourceExhausted, match="more than the daemon accepts"):
+                    kv.lookup(layout, block_hashes=too_many)
+            served = running.daemon.lanes[0].calls
+            assert kv.lookup(layout, list(range(8))).num_blocks == 2
+            assert running.daemon.lanes[0].calls == served + 1
+        async with AsyncClient(running.unix_target, control_plane="lane") as akv:
+            assert (await akv.lookup(layout, list(range(8)))).num_blocks == 2
+            with pytest.raises(ResourceExhausted, match="more than the daemon accepts"):
+                await akv.lookup(layout, block_hashes=too_many)
+            served = running.daemon.lanes[0].calls
+            assert (await akv.lookup(layout, list(range(8)))).num_blocks == 2
+            assert running.daemon.lanes[0].calls == served + 1
+
+
 async def test_async_client_over_the_lane(daemon, layout):
     tokens = list(range(4 * 16))
     async with AsyncClient(daemon.unix_target) as lane, \

@@ -181,6 +181,41 @@ def test_abandoned_local_put_is_invisible_and_rolled_back(daemon_thread, layout)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
+def _host_used(kv: Client) -> int:
+    return next(t for t in kv.stats().tiers if t.name == "host").used_bytes
+
+
+@pytest.mark.parametrize("reserve_ahead", [0, 2], ids=["two-trip", "one-trip"])
+async def test_a_copy_that_fails_hands_its_slots_back_at_once(daemon_thread, layout, monkeypatch, reserve_ahead):
+    """Both clients: when the copy into a put's slots fails, the SDK aborts the put (or
+    gives back the reservation it was copying into) before the error reaches the caller,
+    so the slots are free at once instead of when the put would expire."""
+    from kvstore.client._local import LocalPlane
+
+    def broken_copy_in(self, offsets, blocks):  # type: ignore[no-untyped-def]
+        raise OSError("the copy failed")
+
+    reserved = 2 * layout.bytes_per_block if reserve_ahead else 0  # slots held for the next put
+    with Client(daemon_thread.unix_target, data_plane="local", reserve_ahead=reserve_ahead) as kv:
+        async with AsyncClient(daemon_thread.unix_target, data_plane="local", reserve_ahead=reserve_ahead) as akv:
+            for n, put in enumerate((kv.put, akv.put)):
+                warm, tokens = list(range(1000 * n, 1000 * n + 8)), list(range(1000 * n + 100, 1000 * n + 108))
+                data = blocks_for(layout, 2)
+                first = put(layout, warm, blocks_for(layout, 2))
+                assert (await first if n else first).stored == 2
+                used = _host_used(kv)
+                with monkeypatch.context() as patch:
+                    patch.setattr(LocalPlane, "copy_in", broken_copy_in)
+                    with pytest.raises(OSError, match="the copy failed"):
+                        failed = put(layout, tokens, data)
+                        await failed if n else failed
+                assert _host_used(kv) == used - reserved
+                assert kv.lookup(layout, tokens).num_blocks == 0
+                again = put(layout, tokens, data)
+                assert (await again if n else again).stored == 2
+                assert kv.fetch(layout, tokens) == data
+
+
 async def test_local_puts_expire_on_their_own(layout):
     from kvstore.core.policies import LRUPolicy
     from kvstore.core.store import Store, StoreTier

@@ -14,7 +14,8 @@ import xxhash
 
 from kvstore import errors
 from kvstore.client import AsyncClient
-from kvstore.client._common import lookup_request, lookup_result, packed_tier_names
+from kvstore.client._requests import lookup_request
+from kvstore.client.results import lookup_result, packed_tier_names
 from kvstore.convert import layout_to_proto
 from kvstore.hashing import block_hashes, block_hashes_packed, namespace_id, split_hashes, token_bytes
 from kvstore.layout import KVLayout
@@ -308,7 +309,7 @@ def test_token_bytes_is_little_endian_u32_and_names_bad_ids() -> None:
 
 def test_hashes_are_joined_in_one_checked_pass():
     from kvstore import _native
-    from kvstore.client._common import pack_hashes
+    from kvstore.client._requests import pack_hashes
 
     hashes = [os.urandom(16) for _ in range(1000)]
     assert _native.join_hashes(hashes) == b"".join(hashes) == pack_hashes(hashes) == pack_hashes(tuple(hashes))

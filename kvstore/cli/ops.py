@@ -101,7 +101,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from kvstore.client._auth import Security, sync_channel
-    from kvstore.client._common import resolve_target
+    from kvstore.client._options import resolve_target
 
     target = resolve_target(args.target)
     # Health needs no token, but a TLS listener still needs the roots.

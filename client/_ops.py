@@ -1,0 +1,485 @@
+"""The SDK's verbs, each described once and without I/O (the h11 / httpcore pattern):
+`Client` and `AsyncClient` drive the same plans, one inline, one awaiting.
+
+A plan is what a verb does, as data. Most verbs are one unary call: their plan is a
+single `Unary` step, which a driver runs without a generator (the lookup path pays
+for no more than that). A verb of several steps is a generator that yields steps,
+receives each one's outcome, and returns the verb's result.
+
+Steps:
+- `Unary(name, request, timeout_s, answer)`: one unary KVStore call, over the control
+  lane or gRPC; the plan receives `answer(response)` (the response itself by default).
+- `StreamFetch(request, assembler, timeout_s)`: the Fetch server stream (block bytes in
+  gRPC messages); the driver feeds each message to `assembler` and sends back None.
+- `StreamPut(prepared, timeout_s)`: the Put client stream (a header, then each block in
+  chunks, as gRPC bytes); the plan receives the PutResponse.
+- `Blocking(fn, *args)`: work that holds the thread (a shared-memory or device copy,
+  waiting for the segment's mapping): the blocking driver runs it inline, the asyncio
+  one in a worker thread so the event loop never stalls. The plan receives its return.
+
+A step that fails is thrown into the plan where it yielded it, so a plan's own
+`try`/`except` sees the same exception the caller would (a put aborts its slots there).
+
+`ClientState` is what a client keeps between calls (its options, the attached data
+planes, held slots, leases to end) and what plans read and update; `Client` and
+`AsyncClient` add only their I/O: the channel and its stubs, the lane, the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, Generic, TypeVar, Union
+
+from kvstore.client._assembler import FetchAssembler
+from kvstore.client._auth import Security
+from kvstore.client._buffers import all_cuda, any_cuda, host_blocks, out_buffers, upload_blocks, writable_view
+from kvstore.client._held import HeldSlots, check_reserve_ahead, keep_held, take_held
+from kvstore.client._lane import lane_socket
+from kvstore.client._local import LocalPlane
+from kvstore.client._options import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_TIMEOUT_S,
+    check_control_plane,
+    check_data_plane,
+    may_be_local,
+    resolve_target,
+)
+from kvstore.client._requests import (
+    PreparedPut,
+    block_keys,
+    device_put_header,
+    fetch_keys,
+    lookup_request,
+    namespace_ref,
+    prefetch_request,
+    prepare_put,
+    response_keys,
+    reuse_hint,
+)
+from kvstore.client.results import (
+    LookupResult,
+    PinResult,
+    PrefetchResult,
+    PutResult,
+    lookup_result,
+    pin_result,
+    prefetch_result,
+    put_result,
+    response_hashes,
+)
+from kvstore.errors import FailedPrecondition, KVStoreError
+from kvstore.layout import KVLayout
+from kvstore.v1 import kvstore_pb2
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _same(resp: Any) -> Any:
+    return resp
+
+
+class Unary(Generic[T]):
+    """One unary KVStore call (over the lane, else gRPC); the plan gets `answer(response)`."""
+
+    # A plain slotted class, not a frozen dataclass: one is made per lookup, and a
+    # frozen dataclass's __init__ costs several times as much.
+    __slots__ = ("name", "request", "timeout_s", "answer")
+
+    def __init__(self, name: str, request: Any, timeout_s: float, answer: Callable[[Any], T] = _same) -> None:
+        self.name = name
+        self.request = request
+        self.timeout_s = timeout_s
+        self.answer = answer
+
+
+class Blocking:
+    """Work that holds the thread: inline when blocking, in a worker thread under asyncio."""
+
+    __slots__ = ("fn", "args")
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.fn = fn
+        self.args = args
+
+
+class StreamFetch:
+    """The Fetch server stream: the driver feeds each message to `assembler`."""
+
+    __slots__ = ("request", "assembler", "timeout_s")
+
+    def __init__(self, request: kvstore_pb2.FetchRequest, assembler: FetchAssembler, timeout_s: float) -> None:
+        self.request = request
+        self.assembler = assembler
+        self.timeout_s = timeout_s
+
+
+class StreamPut:
+    """The Put client stream: a header, then each block in chunks (see `put_requests`)."""
+
+    __slots__ = ("prepared", "timeout_s")
+
+    def __init__(self, prepared: PreparedPut, timeout_s: float) -> None:
+        self.prepared = prepared
+        self.timeout_s = timeout_s
+
+
+Step = Union[Unary[Any], Blocking, StreamFetch, StreamPut]
+Plan = Generator[Step, Any, T]
+
+
+class ClientState:
+    """What a client keeps between calls, whichever I/O style drives it; no I/O here."""
+
+    def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_plane: str = "auto", token: str | None = None,
+                 token_file: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, reserve_ahead: int = 0, control_plane: str = "auto") -> None:
+        """Connect to a kvstore daemon (lazily: nothing is sent before the first call).
+
+        `target` is `unix:PATH`, a socket path, or `HOST:PORT`; None reads `KVSTORE_TARGET`
+        and then falls back to the daemon's default socket or 127.0.0.1:50051. Every call
+        takes `timeout_s` (default `DEFAULT_TIMEOUT_S`); idempotent calls are retried on
+        UNAVAILABLE. Failures raise `kvstore.errors` exceptions. Put streams carry block
+        bytes in messages of `chunk_bytes`.
+
+        `data_plane`: `auto` moves block bytes through the daemon's shared-memory segment
+        when this process can map it (same host, same user) and through gRPC messages
+        otherwise; `local` insists on shared memory; `grpc` never uses it. Both give
+        byte-identical results. `data_plane_in_use` tells which one is active.
+
+        `reserve_ahead` (shared-memory plane only): after each put, the daemon holds up to
+        this many empty slots for this client's next put of the same block size, which then
+        takes one round trip instead of two. The slots hold host-tier capacity while they
+        wait (at most 30 s), so it is off (0) by default; a steady writer such as an engine
+        saving its KV each step gains from `reserve_ahead` = its usual blocks per put.
+
+        `control_plane`: `auto` sends the unary calls (lookup, the local data plane's
+        put/commit/fetch, pin, delete...) over the daemon's local control lane when the target
+        is a Unix socket and the lane answers, and over gRPC otherwise; `lane` insists on it;
+        `grpc` never uses it. `control_plane_in_use` tells which one is active.
+
+        `token` (or `token_file`, else `KVSTORE_TOKEN` / `KVSTORE_TOKEN_FILE`) is sent as a
+        bearer token on every call; `tls_ca` (else `KVSTORE_TLS_CA`) turns on TLS with those
+        roots, and `tls_cert`/`tls_key` present a client certificate (mTLS).
+        """
+        self.target = resolve_target(target)
+        self.control_plane = check_control_plane(control_plane, self.target)
+        self.reserve_ahead = check_reserve_ahead(reserve_ahead)
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.data_plane = check_data_plane(data_plane)
+        self.security = Security.resolve(token, token_file, tls_ca, tls_cert, tls_key)
+        self._plane: LocalPlane | None = None
+        self._plane_tried = data_plane == "grpc" or (data_plane == "auto" and not may_be_local(self.target))
+        # The device (CUDA IPC) plane: opened on the first put or fetch of CUDA tensors.
+        self._device: Any = None
+        self._device_tried = False
+        # Empty slots the daemon holds for this client's next put, by block size: that
+        # put then takes one round trip instead of two.
+        self._reserved: dict[int, HeldSlots] = {}
+        # Leases of finished shared-memory fetches, ended by the next local call instead
+        # of an Unpin each (they also expire on their own).
+        self._releases: list[str] = []
+        # The local control lane (a Unix socket next to the daemon's gRPC one).
+        self._open(lane_socket(self.target) if self.control_plane != "grpc" else None)
+
+    def _open(self, lane_path: str | None) -> None:
+        """Make the channel, its stubs and the lane (at `lane_path`, if any): the driver's I/O."""
+        raise NotImplementedError
+
+    @property
+    def device_plane_in_use(self) -> bool:
+        """Whether puts and fetches of CUDA tensors copy device-to-device (CUDA IPC); known
+        after the first such call."""
+        return self._device is not None
+
+    def _t(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+    def _take_releases(self) -> list[str]:
+        taken, self._releases = self._releases, []
+        return taken
+
+    def _detach(self) -> None:
+        """Let go of the data planes (after `release_all`)."""
+        if self._device is not None:
+            self._device.close()
+            self._device = None
+        if self._plane is not None:
+            self._plane.close()
+            self._plane = None
+
+
+# ------------------------------------------------------------------ planes and close
+
+
+def local_plane(c: ClientState) -> Plan[LocalPlane | None]:
+    """The shared-memory plane, attached on first use; None when this process cannot map
+    the daemon's segment (an error when the caller insisted on it)."""
+    if c._plane_tried:
+        return c._plane
+    c._plane_tried = True
+    try:
+        resp = yield Unary("LocalSegment", kvstore_pb2.LocalSegmentRequest(), c.timeout_s)
+        c._plane = LocalPlane.attach(resp)
+    except (KVStoreError, OSError, ValueError) as exc:
+        if c.data_plane == "local":
+            raise FailedPrecondition(f"cannot use the shared-memory data plane: {exc}") from None
+        logger.info("shared-memory data plane unavailable (%s); block bytes go through gRPC", exc)
+    return c._plane
+
+
+def device_plane(c: ClientState) -> Plan[Any]:
+    """The device plane, opened on the first put or fetch of CUDA tensors; None unless the
+    daemon's HBM tier can be opened from this process (same host, same GPU, another
+    process)."""
+    if c._device_tried:
+        return c._device
+    plane = yield from local_plane(c)
+    c._device_tried = True
+    if plane is None:
+        return None
+    from kvstore.client._device import DevicePlane
+
+    try:
+        resp = yield Unary("DeviceSegment", kvstore_pb2.DeviceSegmentRequest(), c.timeout_s)
+        c._device = DevicePlane.attach(resp, plane.token)
+    except (KVStoreError, ValueError) as exc:
+        logger.info("device data plane unavailable (%s); CUDA blocks go through host memory", exc)
+    return c._device
+
+
+def data_plane_in_use(c: ClientState) -> Plan[str]:
+    return "local" if (yield from local_plane(c)) is not None else "grpc"
+
+
+def warm_up(c: ClientState, timeout_s: float) -> Plan[str]:
+    plane = yield from local_plane(c)
+    if plane is None:
+        return "grpc"
+    yield Blocking(plane.wait_ready, timeout_s)
+    return "local"
+
+
+def release_all(c: ClientState) -> Plan[None]:
+    """Hand back what the daemon holds for this client (held slots, leases of finished
+    fetches) on close; whatever cannot be handed back expires by itself."""
+    timeout = min(1.0, c.timeout_s)
+    for held in c._reserved.values():
+        try:
+            yield Unary("LocalCommit", kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id, abort=True),
+                        timeout)
+        except KVStoreError:
+            pass
+    c._reserved.clear()
+    for lease_id in c._take_releases():
+        try:
+            yield Unary("Unpin", kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout)
+        except KVStoreError:
+            pass
+
+
+# ------------------------------------------------------------------ one-call verbs
+
+
+def lookup(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None, lease_ms: int,
+           session_id: str | None, expect_reuse_within_s: float | None, timeout_s: float) -> Unary[LookupResult]:
+    # The packed-hash request is built in C (`lookup_request`); the caller's own hash
+    # objects come back in the result when the daemon leaves them out of its answer.
+    req, mine = lookup_request(layout, token_ids, block_hashes, lease_ms, reuse_hint(session_id, expect_reuse_within_s))
+    return Unary("Lookup", req, timeout_s, lambda resp: lookup_result(resp, mine))
+
+
+def delete(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
+           timeout_s: float) -> Unary[int]:
+    req = kvstore_pb2.DeleteRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes))
+    return Unary("Delete", req, timeout_s, lambda resp: resp.deleted)
+
+
+def pin(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None, ttl_ms: int,
+        timeout_s: float) -> Unary[PinResult]:
+    req = kvstore_pb2.PinRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes),
+                                 ttl_ms=ttl_ms)
+    return Unary("Pin", req, timeout_s, pin_result)
+
+
+def unpin(lease_id: str, timeout_s: float) -> Unary[bool]:
+    return Unary("Unpin", kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout_s, lambda resp: resp.released)
+
+
+def hint(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
+         session_id: str, expect_reuse_within_s: float, timeout_s: float) -> Unary[int]:
+    req = kvstore_pb2.HintRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes),
+                                  hint=reuse_hint(session_id, expect_reuse_within_s))
+    return Unary("Hint", req, timeout_s, lambda resp: resp.hinted)
+
+
+def end_session(session_id: str, timeout_s: float) -> Unary[None]:
+    return Unary("EndSession", kvstore_pb2.EndSessionRequest(session_id=session_id), timeout_s, lambda resp: None)
+
+
+def prefetch(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None, tier: str,
+             timeout_s: float) -> Unary[PrefetchResult]:
+    return Unary("Prefetch", prefetch_request(layout, token_ids, block_hashes, tier), timeout_s, prefetch_result)
+
+
+def verify(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
+           timeout_s: float) -> Unary[int]:
+    req = kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes))
+    return Unary("Verify", req, timeout_s, lambda resp: resp.dropped)
+
+
+# ------------------------------------------------------------------ fetch
+
+
+def fetch(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
+          out: Sequence[Any] | None, lease_id: str, timeout_s: float) -> Plan[list[Any]]:
+    """Verified blocks of the longest held prefix, into `out` if given: through shared
+    memory when the plane is attached, else as gRPC bytes."""
+    keys = fetch_keys(layout, token_ids, block_hashes, out)
+    if out is not None and any_cuda(out):
+        return (yield from _fetch_to_cuda(c, layout, token_ids, block_hashes, keys, out, lease_id, timeout_s))
+    plane = c._plane if c._plane_tried else (yield from local_plane(c))
+    if plane is None:
+        return (yield from fetch_stream(layout, keys, out, lease_id, timeout_s))
+    resp = yield Unary("LocalFetch", _slots_request(c, layout, keys, lease_id), timeout_s)
+    n = len(resp.offsets)
+    dsts = out_buffers(out, resp.num_blocks, resp.block_bytes)
+    try:
+        views = [writable_view(d, i, resp.block_bytes) for i, d in enumerate(dsts[:n])]
+        good = yield Blocking(plane.copy_out, resp.offsets, resp.checksums, resp.block_bytes, views)
+    finally:
+        _lease_taken(c, resp)
+    if good < n:
+        yield _recheck(layout, resp, good, n, timeout_s)
+        return dsts[:good]
+    if resp.num_blocks > n:  # the rest sits in another tier: fetch it as bytes
+        rest = yield from fetch_stream(layout, response_keys(resp, n, resp.num_blocks),
+                                       dsts[n:] if out is not None else None, "", timeout_s)
+        return dsts[:n] + rest
+    return dsts[:n]
+
+
+def _fetch_to_cuda(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None,
+                   block_hashes: Sequence[bytes] | None, keys: kvstore_pb2.BlockKeys, out: Sequence[Any],
+                   lease_id: str, timeout_s: float) -> Plan[list[Any]]:
+    """A fetch into CUDA tensors: device to device from the daemon's HBM tier when the
+    device plane opens (every `out` on CUDA), else staged through host buffers."""
+    device = (yield from device_plane(c)) if all_cuda(out) else None
+    if device is None:
+        staged = [bytearray(layout.bytes_per_block) for _ in out]
+        got = yield from fetch(c, layout, token_ids, block_hashes, staged, lease_id, timeout_s)
+        upload_blocks(got, out)
+        return list(out[: len(got)])
+    resp = yield Unary("DeviceFetch", _slots_request(c, layout, keys, lease_id), timeout_s)
+    n = len(resp.offsets)
+    dsts = list(out[: resp.num_blocks])
+    try:
+        good = yield Blocking(device.copy_out, resp.offsets, resp.checksums, resp.block_bytes, dsts[:n])
+    finally:
+        _lease_taken(c, resp)
+    if good < n:
+        yield _recheck(layout, resp, good, n, timeout_s)
+        return dsts[:good]
+    if resp.num_blocks > n:
+        # The rest sits in host memory or on SSD: fetch it as host bytes, then upload.
+        rest = yield from fetch(c, layout, None, response_hashes(resp)[n:], None, "", timeout_s)
+        upload_blocks(rest, dsts[n:])
+        return dsts[: n + len(rest)]
+    return dsts[:n]
+
+
+def fetch_stream(layout: KVLayout, keys: kvstore_pb2.BlockKeys, out: Sequence[Any] | None, lease_id: str,
+                 timeout_s: float) -> Plan[list[Any]]:
+    """A fetch as gRPC bytes (the Fetch stream), assembled into blocks or into `out`."""
+    assembler = FetchAssembler(out)
+    request = kvstore_pb2.FetchRequest(namespace=namespace_ref(layout), keys=keys, lease_id=lease_id)
+    yield StreamFetch(request, assembler, timeout_s)
+    return assembler.result()
+
+
+def _slots_request(c: ClientState, layout: KVLayout, keys: kvstore_pb2.BlockKeys,
+                   lease_id: str) -> kvstore_pb2.LocalFetchRequest:
+    """A LocalFetch / DeviceFetch: the lookup lease (if any) ends here, as do the leases of
+    this client's earlier fetches; the call takes its own lease on the slots."""
+    return kvstore_pb2.LocalFetchRequest(namespace=namespace_ref(layout), keys=keys,
+                                         release_lease_ids=c._take_releases() + ([lease_id] if lease_id else []))
+
+
+def _lease_taken(c: ClientState, resp: kvstore_pb2.LocalFetchResponse) -> None:
+    """The slots' lease ends with this client's next call (or by itself), not with an Unpin."""
+    if resp.lease_id:
+        c._releases.append(resp.lease_id)
+
+
+def _recheck(layout: KVLayout, resp: kvstore_pb2.LocalFetchResponse, good: int, n: int,
+             timeout_s: float) -> Unary[Any]:
+    """Blocks [good, n) failed verification after the copy: the daemon checks (and drops) them."""
+    return Unary("Verify", kvstore_pb2.VerifyRequest(namespace=namespace_ref(layout),
+                                                     keys=response_keys(resp, good, n)), timeout_s)
+
+
+# ------------------------------------------------------------------ put
+
+
+def put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any], first_block: int,
+        block_hashes: Sequence[bytes] | None, session_id: str | None, expect_reuse_within_s: float | None,
+        timeout_s: float) -> Plan[PutResult]:
+    """Store `blocks`, all or nothing: device to device when they are CUDA tensors and the
+    device plane opens; through shared memory (in one round trip when the daemon holds
+    slots for this client, else two) when the plane is attached; else as gRPC bytes."""
+    hint = reuse_hint(session_id, expect_reuse_within_s)
+    if all_cuda(blocks):
+        device = yield from device_plane(c)
+        if device is not None:
+            header = device_put_header(layout, token_ids, block_hashes, blocks, first_block, hint)
+            begun = yield Unary("DevicePut", kvstore_pb2.LocalPutRequest(
+                header=header, release_lease_ids=c._take_releases()), timeout_s)
+            sums = yield from _copy_in(Blocking(device.copy_in, begun.offsets, blocks, begun.block_bytes),
+                                       kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout_s)
+            return (yield _commit(begun.txn_id, sums, timeout_s))
+    prepared = prepare_put(layout, token_ids, block_hashes, host_blocks(blocks), first_block, hint)
+    plane = c._plane if c._plane_tried else (yield from local_plane(c))
+    if plane is None:
+        return put_result((yield StreamPut(prepared, timeout_s)))
+    n = len(prepared.views)
+    held, unfit = take_held(c._reserved, layout.bytes_per_block, n)
+    if held is not None:
+        sums = yield from _copy_in(Blocking(plane.copy_in, held.offsets[:n], prepared.views),
+                                   kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id, abort=True),
+                                   timeout_s)
+        try:
+            resp = yield Unary("LocalCommit", kvstore_pb2.LocalCommitRequest(
+                header=prepared.header, reservation_id=held.reservation_id, checksums=sums,
+                reserve_ahead=min(n, c.reserve_ahead), release_lease_ids=c._take_releases()), timeout_s)
+        except FailedPrecondition as exc:
+            logger.info("slot reservation gone (%s); putting in two round trips", exc)
+        else:
+            keep_held(c._reserved, resp.reservation)
+            return put_result(resp)
+    begun = yield Unary("LocalPut", kvstore_pb2.LocalPutRequest(
+        header=prepared.header, release_lease_ids=c._take_releases(), reserve_ahead=min(n, c.reserve_ahead),
+        reuse_reservation_id=unfit), timeout_s)
+    keep_held(c._reserved, begun.reservation)
+    sums = yield from _copy_in(Blocking(plane.copy_in, begun.offsets, prepared.views),
+                               kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout_s)
+    return (yield _commit(begun.txn_id, sums, timeout_s))
+
+
+def _copy_in(copy: Blocking, abort: kvstore_pb2.LocalCommitRequest, timeout_s: float) -> Plan[list[int]]:
+    """Copy a put's blocks into its slots; the checksums of what landed. A failed (or
+    interrupted) copy hands the slots back at once, then raises."""
+    try:
+        return (yield copy)
+    except GeneratorExit:
+        raise
+    except BaseException:
+        yield Unary("LocalCommit", abort, timeout_s)
+        raise
+
+
+def _commit(txn_id: str, sums: list[int], timeout_s: float) -> Unary[PutResult]:
+    """Publish a begun put whose blocks landed with these checksums."""
+    return Unary("LocalCommit", kvstore_pb2.LocalCommitRequest(txn_id=txn_id, checksums=sums), timeout_s, put_result)
