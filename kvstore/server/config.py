@@ -5,12 +5,15 @@ command-line flags. Each field appears in the TOML file as `name`, in the enviro
 `KVSTORE_NAME`, and on the command line as `--name` (underscores become dashes).
 Sizes accept "4GiB"-style text and are stored as int bytes. Bounds are checked here, so
 a bad value stops the daemon before it binds anything, with a message naming the field,
-the source and the allowed range.
+the source and the allowed range; numbers must be finite (NaN passes any `<`/`>`
+bound, and TOML and Python's float() both accept `nan` and `inf`). `kvstore config set`
+goes through the same conversion (`parse_field`).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -206,7 +209,10 @@ def _convert(field: Field, raw: Any, source: str) -> Any:
         if field.kind == "size":
             if isinstance(raw, str) and raw.strip().lower() == AUTO and field.default == AUTO:
                 return AUTO
-            value: Any = parse_size(raw)
+            try:
+                value: Any = parse_size(raw)
+            except OverflowError:  # digits enough to make the float infinite
+                raise ValueError(f"{raw!r} is too large to be a size") from None
         elif field.kind == "int":
             if isinstance(raw, bool) or not isinstance(raw, (int, str)):
                 raise ValueError(f"expected an integer, got {raw!r}")
@@ -215,6 +221,10 @@ def _convert(field: Field, raw: Any, source: str) -> Any:
             if isinstance(raw, bool):
                 raise ValueError(f"expected a number, got {raw!r}")
             value = float(raw)
+            if not math.isfinite(value):
+                # NaN compares false with every bound; inf is refused here too, for one message.
+                bounds = format_bounds(field)
+                raise ValueError(f"expected a finite number{' in ' + bounds if bounds else ''}, got {raw!r}")
         elif field.kind == "bool":
             if isinstance(raw, bool):
                 value = raw
@@ -232,7 +242,7 @@ def _convert(field: Field, raw: Any, source: str) -> Any:
                 value = value.lower()
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"bad value for {where}: {exc}") from None
-    if field.lo is not None and value < field.lo or field.hi is not None and value > field.hi:
+    if field.lo is not None and not value >= field.lo or field.hi is not None and not value <= field.hi:
         raise ConfigError(f"{where} = {raw!r} is out of bounds {format_bounds(field)}")
     return value
 
