@@ -7,7 +7,10 @@ Each method's handler is wrapped once (`WrapCache`) in a behavior that reads wha
 pipeline needs from the call (the `x-request-id` and `authorization` metadata, whether
 the peer came through a Unix socket), runs the steps around the handler, and turns an
 error into `context.abort(code, message)`. A handler that aborted by itself (grpc's
-health servicer does) keeps its status; the metrics read it from the context.
+health servicer does) keeps its status; the metrics read it from the context. A stream
+handler is either an async generator (ours: the wrapper yields what it yields) or a
+coroutine that answers with `context.write` (grpcio's health `Watch`: the wrapper awaits
+it); both take the same steps.
 
 Request bytes that do not parse are the caller's error, answered INVALID_ARGUMENT
 through the same error mapping (one DEBUG line, no traceback), on every method. grpc
@@ -24,10 +27,11 @@ after the steps too.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -186,7 +190,25 @@ def _wrap(steps: CallSteps, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHan
 
         return behavior
 
+    def written(inner: Any) -> UnaryBehavior:
+        """A stream handler that is not an async generator function: grpcio's health
+        Watch is a coroutine that answers with `context.write` and never returns. It runs
+        like a unary behavior (grpc awaits a coroutine's stream and ignores its result);
+        an async generator it hands back all the same is written out here."""
+        async def run(request: Any, context: grpc.aio.ServicerContext) -> None:
+            result = inner(request, context)
+            if inspect.isasyncgen(result):
+                async for response in result:
+                    await context.write(response)
+            else:
+                await result
+
+        return unary(run)
+
     def stream(inner: StreamBehavior) -> StreamBehavior:
+        if not inspect.isasyncgenfunction(inner):
+            return cast(StreamBehavior, written(inner))
+
         async def behavior(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             start = time.perf_counter()
             identity = None
