@@ -13,8 +13,10 @@ goes through the same conversion (`parse_field`).
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -139,6 +141,21 @@ RETIRED = {
 }
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
+
+# `KVSTORE_*` environment variables that are not settings, and so are not refused as
+# typos (every other `KVSTORE_` name must be `KVSTORE_` + a setting's name, upper case):
+# the config file's path (read here), the CLI's and SDK's connection settings, the
+# benchmarks' knobs, and the variables Kubernetes makes for a Service named `kvstore`.
+OTHER_ENV = frozenset({
+    "KVSTORE_CONFIG",  # the TOML file (as --config)
+    "KVSTORE_TARGET",  # the CLI's and SDK's default daemon address
+    "KVSTORE_TOKEN", "KVSTORE_TOKEN_FILE",  # the client's bearer token, or a file holding it
+    "KVSTORE_TLS_CA", "KVSTORE_TLS_CERT", "KVSTORE_TLS_KEY",  # the client's TLS roots and certificate
+})
+OTHER_ENV_PATTERN = re.compile(
+    r"KVSTORE_BENCH_\w+"  # bench/ settings
+    r"|KVSTORE_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)"  # Kubernetes
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +299,7 @@ def load_config(
             raise ConfigError(f"--{key.replace('_', '-')}: {message}")
         if env.get("KVSTORE_" + key.upper()):
             raise ConfigError(f"env KVSTORE_{key.upper()}: {message}")
+    check_env_names(env)
     for f in FIELDS:
         raw = env.get("KVSTORE_" + f.name.upper())
         if raw is not None and raw != "":
@@ -308,6 +326,22 @@ def load_config(
     return Config(**values)
 
 
+def check_env_names(env: Mapping[str, str]) -> None:
+    """Refuse a set `KVSTORE_*` variable that names no setting (a typo would otherwise be
+    silently ignored, where the same typo in the TOML file is refused)."""
+    settings = {"KVSTORE_" + name.upper() for name in FIELD_BY_NAME}
+    for name, value in env.items():
+        if (not name.startswith("KVSTORE_") or not value or name in settings or name in OTHER_ENV
+                or OTHER_ENV_PATTERN.fullmatch(name)):
+            continue
+        close = difflib.get_close_matches(name, sorted(settings | OTHER_ENV), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(
+            f"env {name} is not a kvstore setting; {hint}settings are KVSTORE_ + a name from `kvstore config "
+            f"get` in upper case; other KVSTORE_ variables: {', '.join(sorted(OTHER_ENV))}"
+        )
+
+
 def read_toml(path: str) -> dict[str, Any]:
     """The settings in a TOML file, checked for unknown keys."""
     try:
@@ -315,6 +349,8 @@ def read_toml(path: str) -> dict[str, Any]:
             data = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {not_utf8(exc)}") from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"config file {path} cannot be read: {exc}") from None
     section = data.get("kvstore", data)
@@ -328,6 +364,11 @@ def read_toml(path: str) -> dict[str, Any]:
         known = ", ".join(sorted(FIELD_BY_NAME))
         raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}; known: {known}")
     return dict(section)
+
+
+def not_utf8(exc: UnicodeDecodeError) -> str:
+    """Where a file that should be UTF-8 (TOML is) is not, for a message."""
+    return f"byte {exc.object[exc.start]:#04x} at offset {exc.start}; TOML files are UTF-8"
 
 
 def describe_fields() -> Sequence[Field]:
