@@ -119,11 +119,22 @@ def read_header(src: BinaryIO) -> ExportHeader:
     (length,) = struct.unpack("<I", _read_exact(src, 4))
     if length > MAX_HEADER_BYTES:
         raise InvalidArgument(f"export header claims {length} bytes; the file is damaged")
+    text = _read_exact(src, length)
     try:
-        raw = json.loads(_read_exact(src, length))
+        raw = json.loads(text)
+    except RecursionError:
+        raise InvalidArgument("export header is damaged: it nests too deeply to be a kvstore header") from None
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise InvalidArgument(f"export header is damaged: {exc}") from None
+    # Types are checked before use: a header from anything but `kvstore export` may hold anything.
+    if not isinstance(raw, dict) or not isinstance(raw.get("namespace_id"), str) \
+            or not isinstance(raw.get("layout"), dict) or type(raw.get("block_bytes")) is not int:
+        raise InvalidArgument("export header is damaged: expected a JSON object with namespace_id (hex text), "
+                              "layout (an object) and block_bytes (an integer)")
+    try:
         layout = KVLayout(**{k: v for k, v in raw["layout"].items() if k in LAYOUT_FIELDS})
-        header = ExportHeader(bytes.fromhex(raw["namespace_id"]), layout, int(raw["block_bytes"]))
-    except (ValueError, KeyError, TypeError) as exc:
+        header = ExportHeader(bytes.fromhex(raw["namespace_id"]), layout, raw["block_bytes"])
+    except (InvalidArgument, ValueError, TypeError) as exc:  # TypeError: a layout field is missing
         raise InvalidArgument(f"export header is damaged: {exc}") from None
     if layout.namespace_id != header.namespace_id:
         raise FailedPrecondition(

@@ -19,6 +19,15 @@ TIER_BY_NAME: dict[str, kvstore_pb2.Tier] = {
 TIER_NAMES: dict[kvstore_pb2.Tier, str] = {value: name for name, value in TIER_BY_NAME.items()}
 
 
+def unknown_tier_message(value: int, memory_tiers: list[str]) -> str:
+    """What to say when a request names a `Tier` value the daemon does not know (proto3
+    keeps unknown enum values as plain numbers)."""
+    known = ", ".join(kvstore_pb2.Tier.Name(v) for v in TIER_NAMES)
+    this = ", ".join(f"{kvstore_pb2.Tier.Name(TIER_BY_NAME[n])} ({n})" for n in memory_tiers if n in TIER_BY_NAME)
+    return (f"tier {value} is not a Tier value; use TIER_UNSPECIFIED (the daemon's top tier) or one of {known}; "
+            f"this daemon's memory tiers: {this}")
+
+
 def layout_to_proto(layout: KVLayout) -> kvstore_pb2.Layout:
     return kvstore_pb2.Layout(
         model=layout.model,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,12 +20,24 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 ClientCommand = Callable[[str, str, Callable[[argparse.Namespace], int]], argparse.ArgumentParser]
 
 
+def seconds(text: str) -> float:
+    """argparse type of a duration: a finite number of seconds, not negative (float()
+    alone would take nan and inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
 def add_client_options(p: argparse.ArgumentParser) -> None:
     """--target, --json and --timeout: the same on every command that talks to a daemon."""
     p.add_argument("--target", default=None, help="unix:PATH or HOST:PORT (default: $KVSTORE_TARGET, "
                    "the default Unix socket, then 127.0.0.1:50051)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per-call deadline")
+    p.add_argument("--timeout", type=seconds, default=5.0, metavar="SECONDS", help="per-call deadline")
     p.add_argument("--token-file", default=None, metavar="FILE", help="file holding the bearer token "
                    "(default: $KVSTORE_TOKEN, then the file named by $KVSTORE_TOKEN_FILE)")
     p.add_argument("--tls-ca", default=None, metavar="FILE", help="PEM roots that sign the daemon's certificate: "

@@ -26,6 +26,7 @@ from kvstore.cli.common import (
     message_to_record,
     open_admin,
     open_client,
+    seconds,
 )
 from kvstore.units import human_bytes, parse_size
 
@@ -542,14 +543,14 @@ def register(sub: Any, client_command: ClientCommand) -> None:
     unpin.add_argument("lease_id")
 
     top = client_command("top", "live view: tier fill, hit ratio, throughput, top namespaces (q quits)", cmd_top)
-    top.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="refresh period")
+    top.add_argument("--interval", type=seconds, default=1.0, metavar="SECONDS", help="refresh period")
     top.add_argument("--iterations", type=int, default=0, metavar="N", help="stop after N refreshes (0: until q)")
 
     events = client_command("events", "stream block events as JSON lines (stored/removed/moved/resync)", cmd_events)
     events.add_argument("--namespace", type=namespace_arg, metavar="ID", help="only this namespace")
     events.add_argument("--snapshot", action="store_true", help="start with every block held now")
     events.add_argument("--count", type=int, default=0, help="stop after N events")
-    events.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="stop after this long")
+    events.add_argument("--duration", type=seconds, default=None, metavar="SECONDS", help="stop after this long")
 
     export = client_command("export", "write a namespace's blocks to a file (to warm another node)", cmd_export)
     export.add_argument("namespace", type=namespace_arg, metavar="NAMESPACE_ID", help="namespace id in hex")

@@ -190,6 +190,9 @@ def parse_token_file(path: str) -> TokenTable:
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"auth_token_file {path} is not UTF-8 text: byte {exc.object[exc.start]:#04x} at offset "
+                          f"{exc.start}; TOML files are UTF-8") from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"auth_token_file {path} cannot be read: {exc}") from None
     unknown = sorted(set(data) - {"tenant"})

@@ -5,13 +5,18 @@ command-line flags. Each field appears in the TOML file as `name`, in the enviro
 `KVSTORE_NAME`, and on the command line as `--name` (underscores become dashes).
 Sizes accept "4GiB"-style text and are stored as int bytes. Bounds are checked here, so
 a bad value stops the daemon before it binds anything, with a message naming the field,
-the source and the allowed range.
+the source and the allowed range; numbers must be finite (NaN passes any `<`/`>`
+bound, and TOML and Python's float() both accept `nan` and `inf`). `kvstore config set`
+goes through the same conversion (`parse_field`).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import math
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -137,6 +142,21 @@ RETIRED = {
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
 
+# `KVSTORE_*` environment variables that are not settings, and so are not refused as
+# typos (every other `KVSTORE_` name must be `KVSTORE_` + a setting's name, upper case):
+# the config file's path (read here), the CLI's and SDK's connection settings, the
+# benchmarks' knobs, and the variables Kubernetes makes for a Service named `kvstore`.
+OTHER_ENV = frozenset({
+    "KVSTORE_CONFIG",  # the TOML file (as --config)
+    "KVSTORE_TARGET",  # the CLI's and SDK's default daemon address
+    "KVSTORE_TOKEN", "KVSTORE_TOKEN_FILE",  # the client's bearer token, or a file holding it
+    "KVSTORE_TLS_CA", "KVSTORE_TLS_CERT", "KVSTORE_TLS_KEY",  # the client's TLS roots and certificate
+})
+OTHER_ENV_PATTERN = re.compile(
+    r"KVSTORE_BENCH_\w+"  # bench/ settings
+    r"|KVSTORE_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)"  # Kubernetes
+)
+
 
 @dataclass(frozen=True, slots=True)
 class Config:
@@ -206,7 +226,10 @@ def _convert(field: Field, raw: Any, source: str) -> Any:
         if field.kind == "size":
             if isinstance(raw, str) and raw.strip().lower() == AUTO and field.default == AUTO:
                 return AUTO
-            value: Any = parse_size(raw)
+            try:
+                value: Any = parse_size(raw)
+            except OverflowError:  # digits enough to make the float infinite
+                raise ValueError(f"{raw!r} is too large to be a size") from None
         elif field.kind == "int":
             if isinstance(raw, bool) or not isinstance(raw, (int, str)):
                 raise ValueError(f"expected an integer, got {raw!r}")
@@ -215,6 +238,10 @@ def _convert(field: Field, raw: Any, source: str) -> Any:
             if isinstance(raw, bool):
                 raise ValueError(f"expected a number, got {raw!r}")
             value = float(raw)
+            if not math.isfinite(value):
+                # NaN compares false with every bound; inf is refused here too, for one message.
+                bounds = format_bounds(field)
+                raise ValueError(f"expected a finite number{' in ' + bounds if bounds else ''}, got {raw!r}")
         elif field.kind == "bool":
             if isinstance(raw, bool):
                 value = raw
@@ -232,7 +259,7 @@ def _convert(field: Field, raw: Any, source: str) -> Any:
                 value = value.lower()
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"bad value for {where}: {exc}") from None
-    if field.lo is not None and value < field.lo or field.hi is not None and value > field.hi:
+    if field.lo is not None and not value >= field.lo or field.hi is not None and not value <= field.hi:
         raise ConfigError(f"{where} = {raw!r} is out of bounds {format_bounds(field)}")
     return value
 
@@ -272,6 +299,7 @@ def load_config(
             raise ConfigError(f"--{key.replace('_', '-')}: {message}")
         if env.get("KVSTORE_" + key.upper()):
             raise ConfigError(f"env KVSTORE_{key.upper()}: {message}")
+    check_env_names(env)
     for f in FIELDS:
         raw = env.get("KVSTORE_" + f.name.upper())
         if raw is not None and raw != "":
@@ -298,6 +326,22 @@ def load_config(
     return Config(**values)
 
 
+def check_env_names(env: Mapping[str, str]) -> None:
+    """Refuse a set `KVSTORE_*` variable that names no setting (a typo would otherwise be
+    silently ignored, where the same typo in the TOML file is refused)."""
+    settings = {"KVSTORE_" + name.upper() for name in FIELD_BY_NAME}
+    for name, value in env.items():
+        if (not name.startswith("KVSTORE_") or not value or name in settings or name in OTHER_ENV
+                or OTHER_ENV_PATTERN.fullmatch(name)):
+            continue
+        close = difflib.get_close_matches(name, sorted(settings | OTHER_ENV), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(
+            f"env {name} is not a kvstore setting; {hint}settings are KVSTORE_ + a name from `kvstore config "
+            f"get` in upper case; other KVSTORE_ variables: {', '.join(sorted(OTHER_ENV))}"
+        )
+
+
 def read_toml(path: str) -> dict[str, Any]:
     """The settings in a TOML file, checked for unknown keys."""
     try:
@@ -305,6 +349,8 @@ def read_toml(path: str) -> dict[str, Any]:
             data = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {not_utf8(exc)}") from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"config file {path} cannot be read: {exc}") from None
     section = data.get("kvstore", data)
@@ -318,6 +364,11 @@ def read_toml(path: str) -> dict[str, Any]:
         known = ", ".join(sorted(FIELD_BY_NAME))
         raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}; known: {known}")
     return dict(section)
+
+
+def not_utf8(exc: UnicodeDecodeError) -> str:
+    """Where a file that should be UTF-8 (TOML is) is not, for a message."""
+    return f"byte {exc.object[exc.start]:#04x} at offset {exc.start}; TOML files are UTF-8"
 
 
 def describe_fields() -> Sequence[Field]:

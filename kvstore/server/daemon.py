@@ -38,7 +38,6 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
 from kvstore.core.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, parse_tier_policies
 from kvstore.core.store import MigrationConfig, Store, StoreLimits, StoreTier, WritePolicy
@@ -59,6 +58,7 @@ from kvstore.server.local_plane import LocalPlane
 from kvstore.server.local_puts import LocalPuts
 from kvstore.server.metrics import Metrics, MetricsServer
 from kvstore.server.pipeline import Pipeline
+from kvstore.server.reflection import enable_reflection
 from kvstore.server.requests import RequestResolver
 from kvstore.server.runtime import RuntimeConfig
 from kvstore.server.servicer import KVStoreServicer
@@ -269,12 +269,11 @@ class Daemon:
         )
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
+        enable_reflection(
             (
                 kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name,
                 admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
             ),
             server,
         )

@@ -28,7 +28,7 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from kvstore.convert import TIER_BY_NAME, TIER_NAMES
+from kvstore.convert import TIER_BY_NAME, TIER_NAMES, unknown_tier_message
 from kvstore.core.store import Store
 from kvstore.errors import InvalidArgument
 from kvstore.native import XXH3, native
@@ -191,6 +191,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         ns_id = self._namespace(request.namespace)
         hashes = self._hashes(ns_id, request.keys)
         tier = TIER_NAMES.get(request.tier, "") if request.tier else ""
+        if request.tier and not tier:
+            raise InvalidArgument(unknown_tier_message(request.tier, [t.name for t in self.store.memory_tiers]))
         r = await self.store.prefetch(ns_id, hashes, tier)
         return kvstore_pb2.PrefetchResponse(
             tier=TIER_BY_NAME[r.tier], requested=r.requested, raised=r.raised, already=r.already, missing=r.missing,
