@@ -69,3 +69,19 @@ async def test_a_watcher_sees_not_serving_when_the_daemon_shuts_down(running):
             with contextlib.suppress(grpc.aio.AioRpcError):
                 assert await asyncio.wait_for(call.read(), 10) is grpc.aio.EOF
             assert call.done()
+
+
+async def test_an_open_watch_does_not_hold_the_shutdown_for_the_whole_grace(tmp_path):
+    d = Daemon(make_config(tmp_path, grace_s=60.0))
+    await d.start()
+    loop = asyncio.get_running_loop()
+    async with grpc.aio.insecure_channel(d.bound[1]) as channel:
+        call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=120)
+        assert (await asyncio.wait_for(call.read(), 10)).status == SERVING
+        started = loop.time()
+        await asyncio.wait_for(d.stop(), 60)
+        # The drain had nothing to wait for: the watch must not keep the daemon up for the
+        # remaining minute of grace.
+        assert loop.time() - started < 30
+        assert (await asyncio.wait_for(call.read(), 10)).status == NOT_SERVING
+

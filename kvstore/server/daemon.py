@@ -79,6 +79,9 @@ from kvstore.wire import add_kvstore_servicer
 
 logger = logging.getLogger(__name__)
 
+# After a finished drain, how long the gRPC server waits for what the drain does not count.
+AFTER_DRAIN_GRACE_S = 0.5
+
 LEASE_SWEEP_S = 1.0
 # sockaddr_un.sun_path: the longest Unix socket path, with its terminating NUL.
 UNIX_PATH_BYTES = 108
@@ -357,10 +360,12 @@ class Daemon:
         self.lanes.clear()
 
     async def _stop_grpc(self, server: grpc.aio.Server) -> None:
-        # After a drain normally nothing is left and this returns at once; what is left of
-        # the grace covers calls accepted just before the gate closed (they are refused)
-        # and streams the gate does not wait for (health Watch).
-        await server.stop(max(0.0, self._deadline - asyncio.get_running_loop().time()))
+        # What is left after a drain: calls accepted just before the gate closed (they are
+        # being refused) and streams the gate does not wait for (a health Watch, which has
+        # already been told NOT_SERVING and never ends by itself). Once the drain is done
+        # they get a moment for their last message, not the rest of the grace.
+        remaining = max(0.0, self._deadline - asyncio.get_running_loop().time())
+        await server.stop(remaining if self._gate.in_flight else min(remaining, AFTER_DRAIN_GRACE_S))
 
     def _remove_unix_sockets(self) -> None:
         for path in self._unix_paths:
