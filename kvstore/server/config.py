@@ -126,6 +126,9 @@ FIELDS: tuple[Field, ...] = (
           runtime=True),
     Field("max_block_bytes", "size", 256 << 20, "largest block payload a layout may describe", lo=1 << 10,
           hi=1 << 31, metavar="SIZE"),
+    Field("unix_socket_shared_dir", "bool", False, "accept a Unix socket directory that its group or other users "
+          "may write (a Kubernetes emptyDir, shared by containers that all run as one uid); every user who may "
+          "write it could then replace the socket (see SECURITY.md)"),
 )
 
 # Settings that were replaced, with what to use instead.
@@ -189,6 +192,7 @@ class Config:
     max_streams_per_connection: int
     max_tokens_per_call: int
     max_block_bytes: int
+    unix_socket_shared_dir: bool
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

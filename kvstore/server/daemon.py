@@ -8,9 +8,9 @@ control lanes, and the background tasks. Whatever fails, what was built is torn 
 reverse, and `stop` unwinds the same stack. It refuses to start, with a message naming
 the setting to change, on a bad address, an address in use (SO_REUSEPORT is turned off
 so a second daemon cannot silently share a port), a non-loopback TCP address without a
-token file (or without TLS unless `insecure_remote`), a token file other users can
-read, or a capacity larger than the machine can give (`kvstore.server.listen`,
-`kvstore.server.host_resources`).
+token file (or without TLS unless `insecure_remote`), a socket directory another user
+owns or may write, a token file other users can read, or a capacity larger than the
+machine can give (`kvstore.server.listen`, `kvstore.server.host_resources`).
 
 On SIGTERM/SIGINT: health turns NOT_SERVING, event streams end, new calls are refused
 (except commits of local puts whose bytes clients are copying), calls in flight and
@@ -274,7 +274,7 @@ class Daemon:
         stack.callback(self._remove_unix_sockets)  # once the server has stopped
         stack.push_async_callback(self._stop_grpc, server)
         for addr in self.addresses:
-            self.bound.append(bind(server, addr, self._tls))
+            self.bound.append(bind(server, addr, self._tls, self.config.unix_socket_shared_dir))
             if addr.kind == "unix":
                 self._unix_paths.append(addr.path)
         await server.start()
@@ -321,7 +321,7 @@ class Daemon:
                 logger.warning("no local control lane for %s: the path %s is too long for a Unix socket",
                                addr.path, path)
                 continue
-            prepare_unix_path(path)
+            prepare_unix_path(path, self.config.unix_socket_shared_dir)
             lane = LaneServer(servicer, self.pipeline, self.config.max_message_bytes, deferral=servicer.store.deferral)
             try:
                 await lane.start(path)
