@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -185,3 +187,54 @@ def test_sdk_refuses_its_own_uids_socket_in_a_directory_another_user_owns(relay)
         with Client(f"unix:{sock}", token="kvs_secret", timeout_s=2) as kv:
             kv.stats()
     assert handler.seen == []
+
+
+# ------------------------------------------------------------------ the gRPC socket's creation
+
+RACER = """
+import os, socket, sys, time
+path, stop = sys.argv[1], sys.argv[2]
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+print("ready", flush=True)
+hits = 0
+deadline = time.monotonic() + 120
+while not os.path.exists(stop) and time.monotonic() < deadline:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        hits += 1
+    except OSError:
+        pass
+    finally:
+        s.close()
+print(hits)
+"""
+STARTS = 12
+
+
+async def test_grpc_unix_socket_admits_no_other_user_while_it_starts(shared_tmp, tmp_path):
+    # A socket directory others may enter (as /run/kvstore with mode 0755) and a permissive
+    # umask: only the socket's own mode keeps another user out, from the moment it exists.
+    run = shared_tmp / "run"
+    run.mkdir()
+    os.chmod(run, 0o755)
+    sock, stop = run / "kv.sock", shared_tmp / "stop"
+    racer = subprocess.Popen([sys.executable, "-c", RACER, str(sock), str(stop)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert racer.stdout is not None and racer.stdout.readline().strip() == "ready"
+        old = os.umask(0)
+        try:
+            for _ in range(STARTS):
+                daemon = Daemon(make_config(tmp_path, listen=(f"unix:{sock}",), metrics_listen="off",
+                                            host_prefault=False))
+                await daemon.start()
+                await daemon.stop(grace_s=0)
+        finally:
+            os.umask(old)
+            stop.touch()
+        out, _ = racer.communicate(timeout=60)
+    finally:
+        if racer.poll() is None:
+            racer.kill()
+            racer.wait()
+    assert int(out.strip()) == 0, f"another user connected {out.strip()} times in {STARTS} starts"

@@ -5,7 +5,7 @@ and metrics addresses, refused when they would expose the daemon without a token
 TLS or the operator's explicit consent), `tls_credentials(config)`,
 `prepare_unix_path(path, shared_dir)` (its directory made 0700, or checked when it
 exists; a stale socket cleared, a live one refused), `bind(server, addr, tls,
-shared_dir)`.
+shared_dir)` (a Unix socket is created owner-only, then made 0600).
 
 Safe by default: a Unix socket and loopback TCP need nothing; any other TCP address
 needs authentication, and TLS unless `insecure_remote`; the metrics endpoint has no
@@ -34,6 +34,10 @@ import grpc
 from kvstore.errors import ConfigError
 from kvstore.pathsafety import foreign_component, open_directory
 from kvstore.server.config import Config
+
+
+# While grpc creates a Unix socket: no access for group or others.
+UNIX_SOCKET_UMASK = 0o077
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +219,18 @@ def bind(server: grpc.aio.Server, addr: ListenAddress, tls: grpc.ServerCredentia
     try:
         if addr.kind == "tcp" and tls is not None:
             port = server.add_secure_port(addr.grpc_target, tls)
-        else:
+        elif addr.kind == "tcp":
             port = server.add_insecure_port(addr.grpc_target)
+        else:
+            # grpc binds and listens inside add_insecure_port, before the chmod below: with
+            # this umask the socket is the owner's alone from the moment it exists. The
+            # umask is the whole process's, so it is held only around this one call, and
+            # 0o077 still gives files other threads create meanwhile to their owner.
+            old_umask = os.umask(UNIX_SOCKET_UMASK)
+            try:
+                port = server.add_insecure_port(addr.grpc_target)
+            finally:
+                os.umask(old_umask)
     except RuntimeError as exc:
         raise ConfigError(f"cannot listen on {addr.grpc_target}: {exc}; is it in use? choose another --listen") from None
     if addr.kind == "unix":
