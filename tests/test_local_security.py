@@ -23,12 +23,13 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.conftest import make_config
 from kvstore.addresses import default_unix_socket
+from kvstore.cli.main import main
 from kvstore.client import AsyncClient, Client
 from kvstore.client.admin import AdminClient
 from kvstore.errors import ConfigError, KVStoreError, PermissionDenied
 from kvstore.server.daemon import Daemon
+from tests.conftest import make_config
 
 OTHER_UID = 65534  # nobody: stands for any other local user
 
@@ -238,3 +239,44 @@ async def test_grpc_unix_socket_admits_no_other_user_while_it_starts(shared_tmp,
             racer.kill()
             racer.wait()
     assert int(out.strip()) == 0, f"another user connected {out.strip()} times in {STARTS} starts"
+
+
+# ------------------------------------------------------------------ kvstore export
+
+
+@pytest.fixture
+def namespace(daemon_thread, layout) -> str:
+    tokens = list(range(layout.block_size_tokens * 3))
+    with Client(daemon_thread.tcp_target) as kv:
+        kv.put(layout, tokens, [os.urandom(layout.bytes_per_block) for _ in range(3)])
+        return kv.lookup(layout, tokens).namespace_id.hex()
+
+
+def test_export_never_follows_a_link_planted_at_its_partial_file(daemon_thread, namespace, shared_tmp, capsys):
+    victim = shared_tmp / "victim"  # any file root can write: /etc/shadow, a key, a config
+    victim.write_text("precious\n")
+    os.chmod(victim, 0o644)
+    out = shared_tmp / "ns.kvx"
+    planted = Path(f"{out}.partial")
+    os.symlink(victim, planted)
+    os.lchown(planted, OTHER_UID, OTHER_UID)
+
+    code = main(["export", namespace, str(out), "--target", daemon_thread.tcp_target])
+    assert code == 0, capsys.readouterr().err
+    assert victim.read_bytes() == b"precious\n"
+    assert not out.is_symlink() and stat.S_IMODE(out.stat().st_mode) == 0o600
+    assert out.read_bytes()[:4] != b"prec"
+    assert os.readlink(planted) == str(victim)  # not the export's to remove
+    leftovers = sorted(p.name for p in shared_tmp.iterdir())
+    assert leftovers == ["ns.kvx", "ns.kvx.partial", "victim"], leftovers
+
+
+def test_export_to_a_directory_is_refused_before_exporting(daemon_thread, namespace, tmp_path, capsys):
+    dest = tmp_path / "exports"
+    dest.mkdir()
+    code = main(["export", namespace, str(dest), "--target", daemon_thread.tcp_target])
+    err = capsys.readouterr().err
+    assert code == 1 and str(dest) in err and "directory" in err and "Traceback" not in err
+    # An export that fails leaves nothing behind either.
+    code = main(["export", "00" * 16, str(dest / "none.kvx"), "--target", daemon_thread.tcp_target])
+    assert code == 1 and list(dest.iterdir()) == []
