@@ -27,7 +27,8 @@ from kvstore.addresses import default_unix_socket
 from kvstore.cli.main import main
 from kvstore.client import AsyncClient, Client
 from kvstore.client.admin import AdminClient
-from kvstore.errors import ConfigError, KVStoreError, PermissionDenied
+from kvstore.errors import ConfigError, KVStoreError, PermissionDenied, Unauthenticated
+from kvstore.server.auth import entry_text, new_token
 from kvstore.server.daemon import Daemon
 from tests.conftest import make_config
 
@@ -280,3 +281,63 @@ def test_export_to_a_directory_is_refused_before_exporting(daemon_thread, namesp
     # An export that fails leaves nothing behind either.
     code = main(["export", "00" * 16, str(dest / "none.kvx"), "--target", daemon_thread.tcp_target])
     assert code == 1 and list(dest.iterdir()) == []
+
+
+# ------------------------------------------------------------------ the token file
+
+
+def token_file(path: Path, *entries: tuple[str, str]) -> dict[str, str]:
+    """Write a 0600 token file granting each (tenant, role); returns tenant -> token."""
+    tokens, text = {}, ""
+    for tenant, role in entries:
+        tokens[tenant], digest = new_token()
+        text += entry_text(tenant, role, digest)
+    path.write_text(text)
+    os.chmod(path, 0o600)
+    return tokens
+
+
+def test_token_file_owned_by_another_user_is_refused(tmp_path):
+    path = tmp_path / "tokens.toml"
+    token_file(path, ("mallory", "admin"))
+    os.chown(path, OTHER_UID, OTHER_UID)  # 0600, but its owner may write what it likes
+    with pytest.raises(ConfigError, match=f"owned by uid {OTHER_UID}"):
+        Daemon(make_config(tmp_path, auth_token_file=str(path)))
+
+
+def test_token_file_in_a_directory_others_may_write_is_refused(shared_tmp, tmp_path):
+    etc = shared_tmp / "etc"
+    etc.mkdir()
+    os.chmod(etc, 0o777)  # anyone may put another file in its place (an old one, with a revoked token)
+    path = etc / "tokens.toml"
+    token_file(path, ("ops", "admin"))
+    with pytest.raises(ConfigError, match=str(etc)):
+        Daemon(make_config(tmp_path, auth_token_file=str(path)))
+    # A sticky world-writable directory (like /tmp, or a Secret volume) is fine.
+    sticky = shared_tmp / "tokens.toml"
+    token_file(sticky, ("ops", "admin"))
+    assert Daemon(make_config(tmp_path, auth_token_file=str(sticky))).tokens is not None
+
+
+async def test_reload_keeps_the_tokens_when_the_file_changes_owner(tmp_path):
+    path = tmp_path / "tokens.toml"
+    ops = token_file(path, ("ops", "admin"))["ops"]
+    daemon = Daemon(make_config(tmp_path, auth_token_file=str(path)))
+    await daemon.start()
+    try:
+        target = daemon.bound[0]
+        # Another user takes the file over and grants itself an admin token.
+        mallory = token_file(path, ("mallory", "admin"))["mallory"]
+        os.chown(path, OTHER_UID, OTHER_UID)
+        assert daemon.reload_tokens() is False
+        with pytest.raises(Unauthenticated):
+            async with AsyncClient(target, token=mallory, timeout_s=5) as kv:
+                await kv.stats()
+        async with AsyncClient(target, token=ops, timeout_s=5) as kv:  # the previous table stays in force
+            assert (await kv.stats()) is not None
+        os.chown(path, 0, 0)  # the operator's file again: it takes effect
+        assert daemon.reload_tokens() is True
+        async with AsyncClient(target, token=mallory, timeout_s=5) as kv:
+            assert (await kv.stats()) is not None
+    finally:
+        await daemon.stop(grace_s=0)
