@@ -131,6 +131,18 @@ FIELDS: tuple[Field, ...] = (
           runtime=True),
     Field("max_block_bytes", "size", 256 << 20, "largest block payload a layout may describe", lo=1 << 10,
           hi=1 << 31, metavar="SIZE"),
+    Field("unix_socket_shared_dir", "bool", False, "accept a Unix socket directory that its group or other users "
+          "may write (a Kubernetes emptyDir, shared by containers that all run as one uid); every user who may "
+          "write it could then replace the socket (see SECURITY.md)"),
+    Field("max_connections", "int", 4096, "most client connections each listener (each gRPC address, each "
+          "control lane) holds at once; lowered at start to fit the open-file limit; more are closed at once",
+          lo=1, hi=1 << 20),
+    Field("handshake_timeout_s", "float", 10.0, "a new connection that has not finished its handshake (HTTP/2 "
+          "preface, TLS, the control lane's hello) within this many seconds is closed", lo=0.1, hi=600),
+    Field("connection_idle_s", "float", 300.0, "a client connection that carried no call for this many seconds "
+          "is closed (clients reconnect on their next call)", lo=1, hi=86_400),
+    Field("keepalive_s", "float", 60.0, "a gRPC connection with calls open that sent nothing for this many "
+          "seconds is pinged, and closed when the ping goes unanswered (a client that vanished)", lo=1, hi=86_400),
 )
 
 # Settings that were replaced, with what to use instead.
@@ -209,6 +221,11 @@ class Config:
     max_streams_per_connection: int
     max_tokens_per_call: int
     max_block_bytes: int
+    unix_socket_shared_dir: bool
+    max_connections: int
+    handshake_timeout_s: float
+    connection_idle_s: float
+    keepalive_s: float
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -8,9 +8,9 @@ control lanes, and the background tasks. Whatever fails, what was built is torn 
 reverse, and `stop` unwinds the same stack. It refuses to start, with a message naming
 the setting to change, on a bad address, an address in use (SO_REUSEPORT is turned off
 so a second daemon cannot silently share a port), a non-loopback TCP address without a
-token file (or without TLS unless `insecure_remote`), a token file other users can
-read, or a capacity larger than the machine can give (`kvstore.server.listen`,
-`kvstore.server.host_resources`).
+token file (or without TLS unless `insecure_remote`), a socket directory another user
+owns or may write, a token file other users can read, or a capacity larger than the
+machine can give (`kvstore.server.listen`, `kvstore.server.host_resources`).
 
 On SIGTERM/SIGINT: health turns NOT_SERVING, event streams end, new calls are refused
 (except commits of local puts whose bytes clients are copying), calls in flight and
@@ -43,9 +43,16 @@ from kvstore.core.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, p
 from kvstore.core.store import MigrationConfig, Store, StoreLimits, StoreTier, WritePolicy
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.laneproto import lane_path
+from kvstore.logs import rate_limited
 from kvstore.server.admin import AdminServicer
 from kvstore.server.auth import Authenticator, TokenTable, check_unix_tenant, parse_token_file
 from kvstore.server.config import Config
+from kvstore.server.connections import (
+    ConnectionLimits,
+    fit_connection_limits,
+    grpc_server_options,
+    raise_open_file_limit,
+)
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.events import EventBus
 from kvstore.server.host_resources import GcFreezer, check_disk_capacity, resolve_host_capacity
@@ -83,6 +90,10 @@ logger = logging.getLogger(__name__)
 AFTER_DRAIN_GRACE_S = 0.5
 
 LEASE_SWEEP_S = 1.0
+# Loggers whose records a flood of connections repeats (a refused peer, an accept out of
+# descriptors): one line per interval, with a count of the rest.
+REPEATING_LOGGERS = ("asyncio", "grpc._cython.cygrpc", "kvstore.server.lane")
+LOG_REPEAT_INTERVAL_S = 10.0
 # sockaddr_un.sun_path: the longest Unix socket path, with its terminating NUL.
 UNIX_PATH_BYTES = 108
 
@@ -115,6 +126,7 @@ class Daemon:
         self.bound_lanes: list[str] = []  # socket paths of the local control lanes
         self.lanes: list[LaneServer] = []
         self.metrics_address = ""  # HOST:PORT once the endpoint is up; empty when off
+        self.connection_limits: ConnectionLimits | None = None  # fitted to the open-file limit at start
         self.gc_freezer = GcFreezer()
         self._recovered_blocks = 0
         self._executor: ThreadPoolExecutor | None = None
@@ -176,6 +188,8 @@ class Daemon:
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         cfg = self.config
+        stack.enter_context(rate_limited(REPEATING_LOGGERS, LOG_REPEAT_INTERVAL_S))
+        raise_open_file_limit()
         shm_dir = cfg.shm_dir or default_shm_dir()
         remove_stale_segments(shm_dir)
         host_capacity = resolve_host_capacity(cfg.host_capacity, shm_dir)
@@ -249,6 +263,9 @@ class Daemon:
         servicer, which the lanes serve too."""
         cfg = self.config
         assert self.runtime is not None and self._local_puts is not None
+        # Fitted now that the tiers hold their files: what is left is for connections.
+        lanes = sum(a.kind == "unix" for a in self.addresses) if cfg.local_lane else 0
+        limits = self.connection_limits = fit_connection_limits(cfg, len(self.addresses) + lanes)
         server = grpc.aio.server(
             interceptors=[PipelineInterceptor(self.pipeline)],
             options=[
@@ -256,6 +273,7 @@ class Daemon:
                 ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
+                *grpc_server_options(limits),
             ],
         )
         auth_on = self.tokens is not None
@@ -287,7 +305,7 @@ class Daemon:
         stack.callback(self._remove_unix_sockets)  # once the server has stopped
         stack.push_async_callback(self._stop_grpc, server)
         for addr in self.addresses:
-            self.bound.append(bind(server, addr, self._tls))
+            self.bound.append(bind(server, addr, self._tls, self.config.unix_socket_shared_dir))
             if addr.kind == "unix":
                 self._unix_paths.append(addr.path)
         await server.start()
@@ -334,8 +352,12 @@ class Daemon:
                 logger.warning("no local control lane for %s: the path %s is too long for a Unix socket",
                                addr.path, path)
                 continue
-            prepare_unix_path(path)
-            lane = LaneServer(servicer, self.pipeline, self.config.max_message_bytes, deferral=servicer.store.deferral)
+            prepare_unix_path(path, self.config.unix_socket_shared_dir)
+            limits = self.connection_limits
+            assert limits is not None
+            lane = LaneServer(servicer, self.pipeline, self.config.max_message_bytes, limits.max_connections,
+                              deferral=servicer.store.deferral, hello_timeout_s=limits.handshake_timeout_s,
+                              idle_s=limits.idle_s)
             try:
                 await lane.start(path)
             except OSError as exc:
