@@ -88,12 +88,12 @@ SOAK_SSD ?= 96MiB
 soak: setup
 	$(PY) bench/soak.py --seconds $(SOAK_S) --clients $(SOAK_CLIENTS) --ssd-capacity $(SOAK_SSD)
 
-# Property tests (tests/test_fuzz.py) with a larger budget than `make test`: FUZZ_EXAMPLES
+# Property tests (tests/core/test_fuzz.py) with a larger budget than `make test`: FUZZ_EXAMPLES
 # state-machine runs against the in-process store, a tenth of that through the SDK
 # against a daemon. Prints how many ran.
 FUZZ_EXAMPLES ?= 1000
 fuzz: setup
-	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/test_fuzz.py -s -q $(PYTEST_ARGS)
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/core/test_fuzz.py -s -q $(PYTEST_ARGS)
 
 # Redis (the peer) comes from Debian; the Python clients from the bench extra.
 bench-deps: $(VENV)/.bench

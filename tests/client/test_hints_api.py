@@ -14,7 +14,7 @@ from kvstore.errors import InvalidArgument
 
 @pytest.fixture
 def config(tmp_path):
-    from tests.conftest import make_config
+    from conftest import make_config
 
     # Room for 8 blocks of the small layout (1 KiB each). The budget is a fraction of the
     # blocks the tier holds when the hint arrives (2 here), so allow all of them.

@@ -14,7 +14,7 @@ from pathlib import Path
 from kvstore.client import AsyncClient
 from kvstore.server.config import FIELDS, load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Exported only once the store counts migrations (the tiered store); absent before.
 OPTIONAL_METRICS = {"kvstore_migrations_total"}
 

@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def short_soak(tmp_path: Path, ssd_capacity: str) -> dict:

@@ -19,9 +19,9 @@ from kvstore.layout import KVLayout
 from kvstore.server.auth import new_token
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import admin_pb2, kvstore_pb2, kvstore_pb2_grpc
-from tests.conftest import SMALL_LAYOUT, make_config
+from conftest import SMALL_LAYOUT, make_config
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def any_language_section() -> str:

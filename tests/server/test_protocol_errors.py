@@ -26,7 +26,7 @@ from kvstore.laneproto import HEADER, HELLO_ANSWER, MAGIC, METHOD_IDS, frame, la
 from kvstore.server.auth import new_token
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import admin_pb2, kvstore_pb2
-from tests.conftest import make_config
+from conftest import make_config
 
 pytestmark = pytest.mark.asyncio
 

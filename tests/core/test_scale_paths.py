@@ -17,7 +17,7 @@ from kvstore.core.policies import make_policy
 from kvstore.core.policies.arc import ARCPolicy
 from kvstore.core.tier import Slot
 from kvstore.tiers.ssd import SNAPSHOT_NAME
-from tests.test_ssd_tier import make, put_many
+from tests.tiers.test_ssd_tier import make, put_many
 
 
 def key(i: int) -> bytes:
@@ -208,7 +208,7 @@ def _bench_module(name: str):  # type: ignore[no-untyped-def]
     import importlib
     import sys
 
-    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    bench = str(Path(__file__).resolve().parents[2] / "bench")
     if bench not in sys.path:
         sys.path.insert(0, bench)
     return importlib.import_module(name)
@@ -246,7 +246,7 @@ def test_scale_bench_runs_end_to_end(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parent.parent / "bench" / "scale.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / "scale.py"
     out = tmp_path / "scale.json"
     subprocess.run([sys.executable, str(script), "--n", "2000", "--ssd-records", "2000", "--lookups", "100",
                     "--evict-blocks", "1000", "--ssd-dir", str(tmp_path), "--out", str(out)],

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.server.daemon import Daemon
-from tests.conftest import make_config
+from conftest import make_config
 
 pytestmark = pytest.mark.asyncio
 

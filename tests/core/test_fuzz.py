@@ -35,7 +35,7 @@ from kvstore.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvstore.hashing import HASH_BYTES, block_hashes
 from kvstore.layout import KVLayout
 from kvstore.tiers.host import HostTier
-from tests.conftest import daemon_in_thread, make_config
+from conftest import daemon_in_thread, make_config
 from tests.fakes import ManualClock
 
 LAYOUT = KVLayout(model="fuzz", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=64, block_size_tokens=4)

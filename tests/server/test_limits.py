@@ -14,7 +14,7 @@ from kvstore.convert import layout_to_proto
 from kvstore.layout import KVLayout
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from tests.conftest import daemon_in_thread, make_config
+from conftest import daemon_in_thread, make_config
 
 
 def _ns(layout: KVLayout) -> kvstore_pb2.Namespace:

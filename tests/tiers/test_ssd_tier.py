@@ -23,7 +23,7 @@ from kvstore.tiers.ssd import GEOMETRY_NAME, RECORD, SNAPSHOT_NAME, SsdTier, pro
 
 BLOCK = 8192
 REGION = 64 * 1024
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make(path: Path, capacity: int = 512 * 1024) -> SsdTier:
@@ -68,7 +68,7 @@ def put_then_crash(path: Path, n: int, first: int = 0,
     code = f"""
 import asyncio, json, os
 from pathlib import Path
-from tests.test_ssd_tier import make, put_many
+from tests.tiers.test_ssd_tier import make, put_many
 
 async def main():
     tier = make(Path({str(path)!r}), {capacity})

@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.client import Client, KVLayout
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Where each source folder's modules live in the import namespace (pyproject's package-dir).
 SOURCES = {"kvstore": "kvstore", "tiers": "kvstore.tiers", "client": "kvstore.client"}

@@ -13,7 +13,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.hashing import block_hashes, namespace_bytes
 from kvstore.layout import KVLayout
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "hashing.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "hashing.md"
 
 LAYOUTS = {
     "L1": KVLayout(model="meta-llama/Llama-3.1-8B", dtype="bfloat16", num_layers=32, num_kv_heads=8,

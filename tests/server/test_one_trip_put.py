@@ -151,7 +151,7 @@ def _token_file(path, entries: dict[str, str]) -> dict[str, str]:
 
 
 def test_reservations_belong_to_their_tenant_and_count_against_its_quota(tmp_path, layout):
-    from tests.conftest import daemon_in_thread, make_config
+    from conftest import daemon_in_thread, make_config
 
     tokens = _token_file(tmp_path / "tokens.toml", {
         "alpha": "local_plane = true\n", "beta": "local_plane = true\n",
@@ -195,7 +195,7 @@ def test_a_writer_finds_room_made_ahead_of_its_next_put(tmp_path, layout):
     import time
     from dataclasses import replace
 
-    from tests.conftest import daemon_in_thread, make_config
+    from conftest import daemon_in_thread, make_config
 
     block = layout.bytes_per_block
     cfg = replace(make_config(tmp_path), host_capacity=12 * block)

@@ -23,7 +23,7 @@ from kvstore.client import AsyncClient, Client
 from kvstore.laneproto import HELLO, MAGIC, frame, lane_path
 from kvstore.server.daemon import Daemon
 from tests import procs
-from tests.conftest import daemon_in_thread, make_config
+from conftest import daemon_in_thread, make_config
 
 FD_LIMIT = 128
 SILENT_EACH = 200  # on each plane, more than the daemon's whole descriptor limit

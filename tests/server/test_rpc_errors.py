@@ -163,7 +163,7 @@ async def test_too_many_blocks_in_one_call(tmp_path, layout):
     from dataclasses import replace
 
     from kvstore.server.daemon import Daemon
-    from tests.conftest import make_config
+    from conftest import make_config
 
     d = Daemon(replace(make_config(tmp_path), max_blocks_per_call=4))
     await d.start()

@@ -19,7 +19,7 @@ from kvstore.core.replay import (
 )
 from kvstore.errors import ConfigError, InvalidArgument
 
-REAL_TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "conversation_trace.jsonl"
+REAL_TRACE = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "conversation_trace.jsonl"
 
 
 def write_trace(path: Path, requests: list[tuple[int, list[int]]], input_length: int | None = None) -> Path:

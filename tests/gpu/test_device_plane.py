@@ -25,7 +25,7 @@ from kvstore.layout import KVLayout
 from kvstore.tiers.cuda import cuda_available
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout(model="test/device", dtype="bfloat16", num_layers=2, num_kv_heads=4, head_dim=64,
                   block_size_tokens=16)  # 32 KiB blocks
 BLOCK = LAYOUT.bytes_per_block

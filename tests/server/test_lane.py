@@ -32,7 +32,7 @@ from kvstore.errors import (
 from kvstore.laneproto import HEADER, HELLO_ANSWER, MAGIC, METHOD_IDS, frame, lane_path
 from kvstore.server.auth import new_token
 from kvstore.v1 import kvstore_pb2
-from tests.conftest import daemon_in_thread, make_config
+from conftest import daemon_in_thread, make_config
 
 
 def blocks_for(layout, n, seed=0):

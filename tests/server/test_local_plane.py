@@ -80,7 +80,7 @@ def _tokens(tokens):
 
 
 def test_a_leased_slot_is_never_reused(tmp_path, layout):
-    from tests.conftest import daemon_in_thread, make_config
+    from conftest import daemon_in_thread, make_config
 
     # Room for exactly 4 blocks (1 KiB each, 256-byte aligned).
     cfg = replace(make_config(tmp_path), host_capacity=4 * layout.bytes_per_block)

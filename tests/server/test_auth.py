@@ -26,7 +26,7 @@ from kvstore.server.auth import hash_token, new_token, parse_token_file
 from kvstore.server.config import load_config
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from tests.conftest import daemon_in_thread, make_config
+from conftest import daemon_in_thread, make_config
 
 
 def blocks_for(layout, n, seed=0):
@@ -411,7 +411,7 @@ def test_sighup_reloads_the_token_file(tmp_path, layout, tenants):
     proc = subprocess.Popen(
         [sys.executable, "server.py", "--listen", f"unix:{sock}", "--auth-token-file", str(tenants.path),
          "--metrics-listen", "off", "--host-capacity", "16MiB", "--no-host-prefault", "--shm-dir", str(tmp_path)],
-        cwd=Path(__file__).resolve().parent.parent, stderr=log, stdout=subprocess.DEVNULL,
+        cwd=Path(__file__).resolve().parents[2], stderr=log, stdout=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 60
@@ -449,7 +449,7 @@ def test_shared_memory_segment_and_socket_are_private(daemon_thread):
 
 
 def test_no_pickle_or_eval_in_the_package():
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     offenders = []
     for package in ("kvstore", "tiers", "client"):
         for path in (root / package).rglob("*.py"):

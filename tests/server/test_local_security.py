@@ -30,7 +30,7 @@ from kvstore.client.admin import AdminClient
 from kvstore.errors import ConfigError, KVStoreError, PermissionDenied, Unauthenticated
 from kvstore.server.auth import entry_text, new_token
 from kvstore.server.daemon import Daemon
-from tests.conftest import make_config
+from conftest import make_config
 
 OTHER_UID = 65534  # nobody: stands for any other local user
 

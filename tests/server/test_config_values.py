@@ -154,7 +154,7 @@ def test_the_kvstore_env_names_that_are_not_settings_are_accepted():
 
 def test_the_other_kvstore_env_names_are_the_ones_the_code_reads():
     """OTHER_ENV is the one list: every KVSTORE_ name the package reads is a setting or on it."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     settings = {"KVSTORE_" + f.name.upper() for f in FIELDS}
     read: set[str] = set()
     for source in [*root.glob("kvstore/**/*.py"), *root.glob("client/**/*.py"), *root.glob("tiers/**/*.py")]:
