@@ -8,7 +8,7 @@ STUBS := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: all setup stubs run test test-gpu bench bench-deps bench-peers bench-tiers bench-scale soak fuzz lint clean
+.PHONY: all setup stubs run test etcd test-gpu bench bench-deps bench-peers bench-tiers bench-scale soak fuzz lint clean
 
 all: setup
 
@@ -30,8 +30,12 @@ kvstore/v1/%_pb2.py: proto/kvstore/v1/%.proto $(VENV)/.installed
 run: setup
 	$(PY) server.py $(ARGS)
 
-test: setup
+test: setup etcd
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The cluster tests run a real etcd (Debian's etcd-server); installed once, quick after.
+etcd:
+	@command -v etcd >/dev/null || bash scripts/install-etcd.sh
 
 # Benchmarks: our figures next to ceilings and peers measured in the same run.
 # QUICK=1 runs the reduced matrix (1 MiB blocks only). JSON results land in
