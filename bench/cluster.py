@@ -12,9 +12,10 @@ engines, each with its own daemon, and compares three set-ups of the same total 
   units it lacks (one call per owner); a remote hit is copied into the local node;
   blocks the engine computes are put locally and forwarded to their units' owners. A
   node keeps copies of units it does not own in a replica budget, `--replica-budget`
-  of its capacity (default 2%) with its own eviction, so copies cannot crowd out the
-  units it owns; the variant "copies share capacity" lets them compete with owned blocks
-  under one policy instead, as the plainest reading of section 8 would;
+  of its capacity with its own eviction, so copies cannot crowd out the units it owns;
+  the default, 0, keeps a copy only while it is served (one block of room: the next
+  copy evicts it). The variant "copies share capacity" lets copies compete with owned
+  blocks under one policy instead, as the plainest reading of section 8 would;
 * **shared**: one cache holding the whole capacity, seen by every request (the upper
   bound a pool can approach).
 
@@ -75,7 +76,7 @@ DEFAULT_BLOCK_BYTES = 2 * 32 * 8 * 128 * 2 * 512  # Llama-3.1-8B, fp16, 512 toke
 BLOCK_BYTES_MODEL = "Llama-3.1-8B fp16, 512-token block (128 KiB per token)"
 RESULTS = HERE / "results"
 SETUPS = ("islands", "cluster", "shared")
-DEFAULT_REPLICA_BUDGET = 0.02
+DEFAULT_REPLICA_BUDGET = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,6 +346,8 @@ def cells_for(nodes: Sequence[int], routings: Sequence[str], policies: Sequence[
         out.append(Cell("cluster", n, "random", policy, unit_blocks, True, replicas, None, "copies share capacity"))
         out.append(Cell("cluster", n, "random", policy, unit_blocks, True, replicas, 0.10, "replica budget 10%"))
         out.append(Cell("cluster", n, "random", policy, unit_blocks, False, replicas, budget, "no lead-in"))
+        out.append(Cell("cluster", n, "random", policy, 1, True, replicas, budget, "S=1"))
+        out.append(Cell("cluster", n, "random", policy, 16, True, replicas, budget, "S=16"))
         out.append(Cell("cluster", n, "random", policy, unit_blocks, True, 2, budget, "R=2"))
     return out
 
@@ -427,7 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--unit-blocks", type=int, default=DEFAULT_UNIT_BLOCKS, help="placement unit S in blocks")
     p.add_argument("--replicas", type=int, default=1, help="owners per unit R")
     p.add_argument("--replica-budget", type=float, default=DEFAULT_REPLICA_BUDGET,
-                   help="fraction of a node's capacity for copies of units it does not own (default 0.02)")
+                   help="fraction of a node's capacity for copies of units it does not own (default 0: "
+                   "a copy lives only while it is served)")
     p.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES, help="bytes of one block")
     p.add_argument("--no-variants", action="store_true", help="skip the unit-rule variants")
     p.add_argument("--limit", type=int, help="replay only the first N requests")

@@ -7,8 +7,8 @@ Every node computes the same owners from the same member set, so no metadata ser
   long prompt touches few nodes. A unit is keyed by the hash of its first block, which
   already encodes the whole prefix before it. Unit boundaries depend only on a block's
   position in the chain: with `lead_in` (the default) the first units grow 1, 1, 2, 4, ...
-  blocks up to `unit_blocks` (S), then every unit is S blocks; without it every unit is S
-  blocks from position 0. The lead-in exists because many chains share their first
+  blocks up to `unit_blocks` (S, default 4), then every unit is S blocks; without it
+  every unit is S blocks from position 0. The lead-in exists because many chains share their first
   blocks (a system prompt): a unit that begins inside the shared part has the same key in
   every chain, so all its non-shared blocks would land on one node. Short units at the
   head bound that pile-up to the unit's length.
@@ -43,7 +43,9 @@ import xxhash
 
 from kvstore.errors import ConfigError
 
-DEFAULT_UNIT_BLOCKS = 16
+# Smaller units keep a pool's hit ratio closer to one shared cache, larger ones touch
+# fewer nodes per prompt; docs/cluster.md has the measurements behind 4.
+DEFAULT_UNIT_BLOCKS = 4
 DEFAULT_REPLICAS = 1
 DEFAULT_MAX_EXTRA_OWNERS = 2
 DEFAULT_GRACE_S = 30.0
