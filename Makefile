@@ -59,7 +59,7 @@ bench-scale: setup
 # Cluster, part 1 ("what a pool is worth"): the conversation trace through N = 3 and 8
 # engines, random and session-sticky routing, as islands, as a pool placed by
 # kvstore.cluster.placement, and as one shared cache of the same total capacity, on
-# metadata-only stores; see docs/cluster.md. CPU only, a few minutes.
+# metadata-only stores; see docs/cluster.md. CPU only: about 10 CPU-minutes over 2 processes.
 CLUSTER_TRACE ?= ../shared/traces/conversation_trace.jsonl
 bench-cluster: setup
 	$(PY) bench/cluster.py $(CLUSTER_TRACE)

@@ -51,6 +51,7 @@ import multiprocessing
 import os
 import random
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -412,9 +413,9 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_xticks(list(xs), [f"{n} nodes\n{r}" for n, r in combos])
         ax.set_ylabel("block hit ratio")
         ax.set_title(f"{policy.upper()}")
-        ax.set_ylim(0, shared * 1.25)
-        ax.legend(fontsize="small", loc="lower right")
-    fig.suptitle(title, fontsize=10)
+        ax.set_ylim(0, shared * 1.45)
+        ax.legend(fontsize="small", loc="upper center", ncol=2)
+    fig.suptitle(textwrap.fill(title, 110), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -480,7 +481,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
     header = (f"{meta['trace']}: {meta['requests']} requests, {meta['distinct_blocks']} distinct blocks; "
               f"{100 * args.capacity_fraction:g}% capacity ({capacity} blocks in all); S={args.unit_blocks}, "
-              f"R={args.replicas}, replica budget {100 * args.replica_budget:g}%; bytes per block {_fmt_bytes(args.block_bytes)} ({meta['block_bytes_model'] or 'given'})")
+              f"R={args.replicas}, replica budget {100 * args.replica_budget:g}%; "
+              f"bytes per block {_fmt_bytes(args.block_bytes)} ({meta['block_bytes_model'] or 'given'})")
     out.with_suffix(".txt").write_text(header + "\n" + report + "\n")
     plot(rows, out.with_suffix(".png"), header)
     print(header)

@@ -47,7 +47,8 @@ async def run(args: argparse.Namespace) -> None:
                            "revision": view.revision, "state": st.state.value, "registered": st.registered,
                            "sessions_total": st.sessions_total,
                            "addresses": {n: list(m.addresses) for n, m in view.members.items()},
-                           "status": {k: v for k, v in asdict(st).items() if k not in ("state", "last_confirmed_age_s")}})
+                           "status": {k: v for k, v in asdict(st).items()
+                                      if k not in ("state", "last_confirmed_age_s")}})
         if text == last:
             return
         last = text

@@ -53,7 +53,8 @@ def test_one_chain_asked_again_and_again_hits_everywhere_in_the_pool(tmp_path: P
     assert islands["hit_ratio"] == pytest.approx(27 * 20 / 700)
     # The pool moved bytes for its remote hits, and forwarded the first put's blocks.
     assert 0 < cluster["remote_hits"] <= cluster["hits"]
-    assert cluster["remote_bytes_per_hit"] == pytest.approx(cluster["remote_hits"] * result["block_bytes"] / cluster["hits"])
+    moved_bytes = cluster["remote_hits"] * result["block_bytes"]
+    assert cluster["remote_bytes_per_hit"] == pytest.approx(moved_bytes / cluster["hits"])
     assert cluster["forwarded_blocks"] > 0
     assert {r["setup"] for r in result["results"]} == {"shared", "cluster", "islands"}
 

@@ -76,7 +76,8 @@ async def test_members_register_and_see_each_other(etcd: EtcdServer, prefix: str
             view = await m.wait_for(has("a", "b", "c"), 5)
             assert view.members["b"] == ms[1].me  # the record round-trips: addresses, zone, capacity
             st = m.status()
-            assert (st.backend, st.state, st.registered, st.etcd_reachable) == ("etcd", MembershipState.JOINED, True, True)
+            assert (st.backend, st.state) == ("etcd", MembershipState.JOINED)
+            assert st.registered and st.etcd_reachable
             assert not st.degraded and st.members == 3 and st.revision == view.revision
             assert st.last_confirmed_age_s is not None and st.last_confirmed_age_s < 5
         # The key is where the docs say, under a lease.
@@ -258,7 +259,8 @@ def test_single_node_and_static_set_ups_never_import_the_etcd_client() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.split() == ["False", "True"]
     # Nor does a daemon that is not in a cluster import the cluster package at all.
-    code = "import sys, kvstore.server.daemon; print(any(m.startswith('kvstore.cluster') or m == 'aetcd' for m in sys.modules))"
+    code = ("import sys, kvstore.server.daemon; "
+            "print(any(m.startswith('kvstore.cluster') or m == 'aetcd' for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"
 

@@ -440,7 +440,8 @@ class EtcdMembership(Membership):
             return
         self._aetcd = _load_aetcd()
         self._stopping = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._run(self._aetcd), name=f"kvstore-membership-{self.node_id}")
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(self._aetcd), name=f"kvstore-membership-{self.node_id}")
         with contextlib.suppress(TimeoutError):
             await self.wait_for(lambda v: v.etcd_reachable, self.settings.join_timeout_s)
 
