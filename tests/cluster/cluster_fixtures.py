@@ -12,7 +12,7 @@
   pid), then deletes the namespaces, whatever the test did. The `netns_hosts` fixture
   makes three; tests that need namespaces skip with the reason where they cannot be made
   (not root, no `ip`, no permission).
-* `MemberProcess`: `tests/cluster_member.py` (an EtcdMembership in a process of its own)
+* `MemberProcess`: `tests/cluster/cluster_member.py` (an EtcdMembership in a process of its own)
   started on the loopback or inside a host, its view read back from a status file.
 
 Test modules import the fixtures they use from here (pytest finds fixtures in a module's
@@ -267,7 +267,7 @@ def netns_hosts() -> Iterator[NetworkHosts]:
 
 
 class MemberProcess:
-    """An EtcdMembership in its own process (tests/cluster_member.py); its latest view and
+    """An EtcdMembership in its own process (tests/cluster/cluster_member.py); its latest view and
     status land in `status_file` as JSON after every change."""
 
     def __init__(self, proc: subprocess.Popen[bytes], status_file: Path, node_id: str) -> None:
@@ -312,7 +312,7 @@ def member_process(args: list[str], status_file: Path, node_id: str,
     """Start a member process with `spawn` (Popen, or NetworkHosts.popen bound to a host);
     stop it at the end whatever happened."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     log = open(status_file.with_suffix(".log"), "wb")
     try:
         proc = spawn(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)

@@ -2,7 +2,7 @@
 
 Runs an `EtcdMembership` until SIGTERM (then leaves the pool cleanly) and writes its view
 and status as JSON to `--status-file` (replaced atomically) whenever the view changes.
-Not a test module: tests/cluster_fixtures.py starts it.
+Not a test module: tests/cluster/cluster_fixtures.py starts it.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "cluster.py"
 REAL_TRACE = ROOT / ".." / "shared" / "traces" / "conversation_trace.jsonl"
 

@@ -30,7 +30,7 @@ from kvstore.cluster.membership import (
 )
 from kvstore.cluster.placement import Placement
 from kvstore.errors import ConfigError
-from tests.cluster_fixtures import EtcdServer, etcd, free_port, member_args, member_process  # noqa: F401
+from tests.cluster.cluster_fixtures import EtcdServer, etcd, free_port, member_args, member_process  # noqa: F401
 
 aetcd = pytest.importorskip("aetcd")
 

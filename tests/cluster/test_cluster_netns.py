@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster_fixtures import (  # noqa: F401
+from tests.cluster.cluster_fixtures import (  # noqa: F401
     SWITCH_ADDRESS,
     EtcdServer,
     MemberProcess,
