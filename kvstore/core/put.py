@@ -6,6 +6,9 @@ Ordering decisions that matter:
   blocks to the index in one synchronous step (`PutPath.publish`). A failed or cancelled
   put frees its slots; nothing was ever visible.
 - Read-your-writes. `PutTxn.commit` returns only after the index holds the blocks.
+- Publish only what is still wanted. The caller may hand `commit` a check (a call still
+  alive: not cancelled, deadline not passed); it runs after the commit's last await, in
+  the same synchronous step as the publish, so nothing can change between the two.
 - A block already READY when the put began is held (so making room for the new blocks
   cannot evict it) and reported as existing, not stored again; one published by a
   concurrent put meanwhile is found by one probe at commit and given up.
@@ -22,7 +25,7 @@ Primitives: `PutPath.begin`, `reserve_slots`, `free_slots`, `publish`; `PutTxn.r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 import numpy as np
@@ -286,12 +289,17 @@ class PutTxn:
                 "check the layout you sent"
             )
 
-    async def commit(self, checksums: Sequence[int] | None = None) -> PutResult:
+    async def commit(self, checksums: Sequence[int] | None = None,
+                     check: Callable[[], None] | None = None) -> PutResult:
         """Verify every block is complete, checksum, and publish. Read-your-writes holds on return.
 
         `checksums` (one per block of the put, in order) are taken as given instead of
         hashing the slots: a co-located client hashes its source while copying it in. A
         wrong one cannot cause a wrong block to be served: every read verifies.
+
+        `check`, if given, raises when the put is no longer wanted (its call was cancelled
+        or ran past its deadline); it is called right before the publish, with no await
+        in between, and the put is rolled back if it raises.
         """
         puts = self._puts
         n = self._n
@@ -320,6 +328,12 @@ class PutTxn:
             sums = await checksum_batch(datas, puts.executor)
         if self._done:  # aborted while checksumming (cancelled call)
             raise FailedPrecondition("this put was aborted")
+        if check is not None:
+            try:
+                check()
+            except BaseException:
+                self.abort()
+                raise
         index.set_checksums(rows, sums)
         # Published by a concurrent put since this one began: one probe for all.
         raced = index.published_already(self._info.namespace_id, rows)

@@ -9,6 +9,13 @@ store verb, and builds the answer. The shared-memory and device planes are deleg
 framer (`_frame`), which the store's fetch calls to cut a block into wire messages, so
 that the checksum it verifies is taken over the bytes that are sent.
 
+A Put publishes only a complete stream of a call that is still alive. grpc ends the
+request iterator the same way when the client half-closes and when it cancels, runs
+past its deadline or disappears; so after the last message the servicer sends the
+response headers (a round trip through grpc's core that fails, or is cancelled, on a
+dead call) and hands the commit a check of the call (`_still_alive`) that runs in the
+same synchronous step as the publish.
+
 The per-call steps (request id, drain gate, auth, metrics, error mapping) are not here:
 `kvstore.server.pipeline` runs them around every method, for gRPC and for the control
 lane alike. Failures are `kvstore.errors` exceptions, mapped to a status there.
@@ -22,6 +29,7 @@ does not carry, receive a real context.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncIterator
 from typing import Any, TypeAlias
@@ -30,7 +38,7 @@ import grpc
 
 from kvstore.convert import TIER_BY_NAME, TIER_NAMES
 from kvstore.core.store import Store
-from kvstore.errors import InvalidArgument
+from kvstore.errors import Cancelled, DeadlineExceeded, InvalidArgument
 from kvstore.native import XXH3, native
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.local_plane import LocalPlane
@@ -50,6 +58,28 @@ def tier_enum_table(names: tuple[str, ...]) -> bytes:
     for tid, name in enumerate(names):
         table[tid] = TIER_BY_NAME.get(name, kvstore_pb2.TIER_UNSPECIFIED)
     return bytes(table)
+
+
+async def _confirm_half_close(context: grpc.aio.ServicerContext) -> None:
+    """After a Put's request stream ended: return only if the client half-closed it. A
+    cancelled, expired or vanished call raises (CancelledError, or Cancelled)."""
+    try:
+        await context.send_initial_metadata(())
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # grpc's batch failed: the call is gone
+        raise Cancelled("the put's call ended before the stream was half-closed; nothing was stored") from None
+
+
+def _still_alive(context: grpc.aio.ServicerContext) -> None:
+    """Raise unless the call may still publish: not cancelled, its deadline not passed."""
+    task = asyncio.current_task()
+    if (task is not None and task.cancelling()) or context.done():
+        raise Cancelled("the put was cancelled before it was published; nothing was stored")
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        raise DeadlineExceeded("the put's deadline passed before it was published; nothing was stored: "
+                               "give the call a longer timeout")
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
@@ -118,7 +148,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 if msg.WhichOneof("msg") != "chunk":
                     raise InvalidArgument("only block chunks may follow a Put header")
                 await txn.write(msg.chunk.block, msg.chunk.data)
-            result = await txn.commit()
+            await _confirm_half_close(context)
+            result = await txn.commit(check=functools.partial(_still_alive, context))
         if session:
             self.store.hint(ns_id, hashes, session, header.hint.expect_reuse_within_s)
         return kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing, namespace_id=ns_id,
