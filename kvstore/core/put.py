@@ -15,6 +15,13 @@ Ordering decisions that matter:
 - A put that finds no room demotes in line (`Placement.allocate_put`); one over its
   tenant's quota first demotes that tenant's own victims, and holds its bytes against
   the quota from then until it commits or aborts.
+- Room for bytes that have arrived, not for promises. A streamed put (begun with a
+  window) allocates nothing at its header: each block's slot is reserved when its first
+  chunk arrives, together with the next blocks' up to `window_bytes`, so a header naming
+  the whole tier followed by silence evicts nothing and blocks no one. Publishing stays
+  all or nothing: a put that finds no room mid-stream fails (RESOURCE_EXHAUSTED) and
+  frees every slot it took. The check that the whole put could ever fit (its tiers'
+  capacity, its tenant's quota) is still made up front.
 - One-trip puts from a co-located client: `reserve_slots` hands out empty slots ahead of
   the put that names them; the client fills them and `PutTxn.adopt` takes them, with
   the checksums the client took while copying.
@@ -62,10 +69,14 @@ class PutPath:
         self._migrator = migrator
 
     def begin(self, info: NamespaceInfo, hashes: Sequence[bytes], parent_hash: bytes | None = None,
-              tier: str | None = None) -> PutTxn:
+              tier: str | None = None, window_bytes: int | None = None) -> PutTxn:
         """A two-phase put of `hashes` (in chain order, checked against the per-call limits
         already) into `info`'s namespace. `tier` names the memory tier the new blocks land
-        in (default: the store's `put_tier`)."""
+        in (default: the store's `put_tier`). `window_bytes`: reserve slots as the blocks'
+        chunks arrive, at most this many bytes of them ahead (at least one block), instead
+        of all at `reserve` (a streamed put whose bytes may never come)."""
+        if window_bytes is not None and window_bytes <= 0:
+            raise InvalidArgument(f"a put's reservation window must be positive, got {window_bytes} bytes")
         if parent_hash is not None and len(parent_hash) != HASH_BYTES:
             raise InvalidArgument(f"parent hash must be {HASH_BYTES} bytes, got {len(parent_hash)}")
         if not hashes:
@@ -81,7 +92,7 @@ class PutPath:
         target = self.tiers.get(tier) if tier is not None else None
         if tier is not None and (target is None or not target.tier.addressable):
             raise FailedPrecondition(f"this daemon has no {tier} memory tier")
-        return PutTxn(self, info, list(hashes), parent_hash, target)
+        return PutTxn(self, info, list(hashes), parent_hash, target, window_bytes)
 
     async def reserve_slots(self, tier: str, nbytes: int, count: int) -> list[Slot]:
         """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet
@@ -125,7 +136,7 @@ class PutTxn:
 
     def __init__(
         self, puts: PutPath, info: NamespaceInfo, hashes: list[bytes], parent_hash: bytes | None,
-        tier: StoreTier | None
+        tier: StoreTier | None, window_bytes: int | None = None
     ) -> None:
         self._puts = puts
         self._info = info
@@ -146,9 +157,14 @@ class PutTxn:
         self._current = 0
         self._done = False
         self._tier = tier
-        # Tiers where this put holds its bytes against the tenant's quota, until it ends.
-        self._quota_held: list[str] = []
-        self._quota_bytes = 0
+        # Bytes this put holds against its tenant's quota, by tier, until it ends.
+        self._quota_held: dict[str, int] = {}
+        # Slots are reserved as chunks arrive, at most this many bytes ahead (None: all at once).
+        self._window_bytes = window_bytes
+        self._window_blocks = 0
+        self._landing: list[StoreTier] = []
+        self._new: list[int] = []  # with a window: positions of the blocks to store
+        self._next_new = 0  # ... and how many of them have slots
 
     async def __aenter__(self) -> PutTxn:
         await self.reserve()
@@ -159,7 +175,9 @@ class PutTxn:
             self.abort()
 
     async def reserve(self) -> None:
-        """Allocate PENDING slots for the blocks not already present (making room as needed)."""
+        """Hold the blocks already present and check the put can fit; then allocate PENDING
+        slots for the others (making room as needed): all of them now, or, for a put begun
+        with a window (`window_bytes`), as their chunks arrive (`write`)."""
         puts = self._puts
         new = self._hold_present()
         landing = [self._tier] if self._tier is not None else puts.placement.landing_tiers()
@@ -170,37 +188,79 @@ class PutTxn:
                 f"this put needs {need} bytes but the tiers puts land in ({', '.join(t.name for t in landing)}) "
                 f"hold {room}; put fewer blocks per call or raise their capacity"
             )
+        self._landing = landing
         try:
-            nbytes = self.block_bytes
-            quotas = puts.tenancy.quotas.get(self._info.tenant)
-            if quotas and new:
-                # The put must fit the tenant's quota in every tier it may land in; its
-                # bytes count there from when room is made until it commits or aborts.
-                self._quota_bytes = len(new) * self.block_bytes
-                for st in landing:
-                    if st.name in quotas:
-                        await puts.placement.quota_room(self._info, st, self._quota_bytes)
-                        puts.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
-                        self._quota_held.append(st.name)
-            # What fits in the first landing tier now, in one step; then, per block, the
-            # next tier with room, or room made (no await and no coroutine where a tier has room).
-            slots: list[Slot] = landing[0].tier.allocate_many(nbytes, len(new)) if new else []
-            try:
-                for k in range(len(slots), len(new)):
-                    slot = next((s for st in landing if (s := st.tier.allocate(nbytes)) is not None), None)
-                    if slot is None:
-                        slot = await puts.placement.allocate_put(nbytes, landing, len(new) - k)
-                        if self._done:  # aborted while making room
-                            puts.tiers[slot.tier].tier.free(slot)
-                            raise FailedPrecondition("this put was aborted")
-                    slots.append(slot)
-            except BaseException:
-                puts.free_slots(slots)
-                raise
-            self._make_entries(new, slots)
+            if self._window_bytes is None:
+                await self._take_slots(new)
+                return
+            # Nothing is allocated, nor evicted, for bytes that have not arrived: a header
+            # alone costs the daemon nothing but the check that the put could ever fit.
+            self._check_quota_fits(len(new) * self.block_bytes)
+            self._new = new
+            per_block = landing[0].tier.accounted_size(self.block_bytes)
+            self._window_blocks = max(1, self._window_bytes // per_block)
         except BaseException:
             self.abort()
             raise
+
+    def _check_quota_fits(self, nbytes: int) -> None:
+        """Refuse a put larger than its tenant's whole quota in a tier it may land in."""
+        tenancy = self._puts.tenancy
+        tenant = self._info.tenant
+        for st in self._landing:
+            quota = tenancy.quota(tenant, st.name)
+            if quota is not None and nbytes > quota:
+                raise ResourceExhausted(
+                    f"tenant {tenant!r}: this put needs {nbytes} bytes in tier {st.name}, more than the tenant's "
+                    f"whole {st.name} quota of {quota} bytes; put fewer blocks per call or raise the quota"
+                )
+
+    async def _reserve_window(self) -> None:
+        """Slots for the next new blocks, the one whose first chunk just arrived first, and
+        at most `window_bytes` of them (at least that one)."""
+        start = self._next_new
+        positions = self._new[start : start + self._window_blocks]
+        self._next_new = start + len(positions)
+        await self._take_slots(positions)
+
+    async def _take_slots(self, positions: list[int]) -> None:
+        """PENDING slots and rows for the blocks at `positions` (all new), making room as a
+        put does; their bytes count against the tenant's quota until the put ends."""
+        if not positions:
+            return
+        puts = self._puts
+        landing = self._landing
+        nbytes = self.block_bytes
+        quotas = puts.tenancy.quotas.get(self._info.tenant)
+        if quotas:
+            # The put must fit the tenant's quota in every tier it may land in; its
+            # bytes count there from when room is made until it commits or aborts.
+            more = len(positions) * nbytes
+            limited = [st.name for st in landing if st.name in quotas]
+            for st in landing:
+                if st.name in quotas:
+                    await puts.placement.quota_room(self._info, st, more)
+            if self._done:  # aborted while making room
+                raise FailedPrecondition("this put was aborted")
+            for name in limited:
+                puts.tenancy.hold(self._info.tenant, name, more)
+                self._quota_held[name] = self._quota_held.get(name, 0) + more
+        # What fits in the first landing tier now, in one step; then, per block, the
+        # next tier with room, or room made (no await and no coroutine where a tier has room).
+        slots: list[Slot] = landing[0].tier.allocate_many(nbytes, len(positions))
+        try:
+            for k in range(len(slots), len(positions)):
+                slot = next((s for st in landing if (s := st.tier.allocate(nbytes)) is not None), None)
+                if slot is None:
+                    slot = await puts.placement.allocate_put(nbytes, landing, len(positions) - k)
+                    if self._done:  # aborted while making room
+                        puts.tiers[slot.tier].tier.free(slot)
+                        raise FailedPrecondition("this put was aborted")
+                slots.append(slot)
+        except BaseException:
+            puts.free_slots(slots)
+            raise
+        self._make_entries(positions, slots)
 
     def _hold_present(self) -> list[int]:
         """Hold the blocks of this put that are READY already; the others' positions."""
@@ -239,12 +299,12 @@ class PutTxn:
         quotas = puts.tenancy.quotas.get(self._info.tenant)
         if quotas and new:
             landing = [self._tier] if self._tier is not None else puts.placement.landing_tiers()
-            self._quota_bytes = len(new) * self.block_bytes
+            nbytes = len(new) * self.block_bytes
             for st in landing:
                 if st.name in quotas:
-                    await puts.placement.quota_room(self._info, st, self._quota_bytes)
-                    puts.tenancy.hold(self._info.tenant, st.name, self._quota_bytes)
-                    self._quota_held.append(st.name)
+                    await puts.placement.quota_room(self._info, st, nbytes)
+                    puts.tenancy.hold(self._info.tenant, st.name, nbytes)
+                    self._quota_held[st.name] = nbytes
         self._make_entries(new, [filled[i] for i in new])
         new_set = set(new)
         return [slot for i, slot in enumerate(filled) if i not in new_set]
@@ -260,6 +320,8 @@ class PutTxn:
         while self._current < block:
             self._check_complete(self._current)
             self._current += 1
+        if self._next_new < len(self._new) and self._new[self._next_new] == block:
+            await self._reserve_window()  # the first chunk of a block without a slot yet
         offset = self._received[block]
         if offset + len(data) > self.block_bytes:
             raise InvalidArgument(
@@ -375,8 +437,8 @@ class PutTxn:
         self._rows[i] = -1
 
     def _release_held(self) -> None:
-        for tier in self._quota_held:
-            self._puts.tenancy.release(self._info.tenant, tier, self._quota_bytes)
+        for tier, nbytes in self._quota_held.items():
+            self._puts.tenancy.release(self._info.tenant, tier, nbytes)
         self._quota_held.clear()
         for entry in self._held:
             self._puts.copies.release(entry)

@@ -354,13 +354,16 @@ class Store:
     # ----------------------------------------------------------------- put
 
     def begin_put(
-        self, namespace_id: bytes, hashes: Sequence[bytes], parent_hash: bytes | None = None, tier: str | None = None
+        self, namespace_id: bytes, hashes: Sequence[bytes], parent_hash: bytes | None = None, tier: str | None = None,
+        window_bytes: int | None = None,
     ) -> PutTxn:
         """Start a two-phase put of `hashes` (in chain order). Use as `async with`.
 
         `tier` names the memory tier the new blocks land in (default: `put_tier`).
+        `window_bytes`: reserve slots as the chunks arrive, at most this many bytes ahead
+        of them, instead of all at once (`PutPath.begin`).
         """
-        return self.puts.begin(self._enter(namespace_id, hashes), hashes, parent_hash, tier)
+        return self.puts.begin(self._enter(namespace_id, hashes), hashes, parent_hash, tier, window_bytes)
 
     async def reserve_slots(self, tier: str, nbytes: int, count: int) -> list[Slot]:
         """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet: a

@@ -83,6 +83,11 @@ FIELDS: tuple[Field, ...] = (
     Field("host_low_watermark", "float", 0.85, "host use fraction where demotion stops", lo=0.01, hi=1.0),
     Field("migration_batch_blocks", "int", 64, "most blocks one migration step moves", lo=1, hi=1 << 20),
     Field("max_blocks_per_call", "int", 4096, "most blocks one request may name", lo=1, hi=1 << 20, runtime=True),
+    Field("max_put_reserve_bytes", "size", 64 << 20, "most bytes of slots one Put stream holds ahead of the chunks "
+          "it has sent (at least one block); the rest is reserved as its chunks arrive", lo=1 << 16, hi=1 << 40,
+          metavar="SIZE"),
+    Field("put_idle_timeout_s", "float", 30.0, "a Put stream that sends nothing for this long is rolled back, and so "
+          "is a local put (LocalPut, DevicePut) or slot reservation not committed within it", lo=0.1, hi=3600),
     Field("max_message_bytes", "size", 16 << 20, "largest gRPC message accepted or sent", lo=1 << 20, hi=1 << 30,
           metavar="SIZE"),
     Field("chunk_bytes", "size", 1 << 20, "payload bytes per streamed message", lo=4096, hi=1 << 30, metavar="SIZE"),
@@ -164,6 +169,8 @@ class Config:
     host_low_watermark: float
     migration_batch_blocks: int
     max_blocks_per_call: int
+    max_put_reserve_bytes: int
+    put_idle_timeout_s: float
     max_message_bytes: int
     chunk_bytes: int
     max_lease_ms: int

@@ -216,7 +216,7 @@ class Daemon:
         if self.tokens is not None:
             store.tenancy.quotas = self.tokens.quotas()
         self.runtime = RuntimeConfig(cfg, store, self.events)
-        self._local_puts = LocalPuts()
+        self._local_puts = LocalPuts(ttl_ms=round(cfg.put_idle_timeout_s * 1000))
         stack.callback(self._local_puts.abort_all)  # a put left open rolls back before the store closes
         await self._start_metrics(stack)
         # The host tier is not the first one when an HBM tier sits above it.
@@ -262,7 +262,8 @@ class Daemon:
             max_namespaces_per_tenant=cfg.max_namespaces_per_tenant if auth_on else None)
         self.runtime.register("max_tokens_per_call", lambda value: setattr(resolver, "max_tokens_per_call", value))
         local = LocalPlane(store, resolver, host_tier.segment, self._local_puts)
-        servicer = KVStoreServicer(store, resolver, local, DevicePlane(store, local), cfg.chunk_bytes)
+        servicer = KVStoreServicer(store, resolver, local, DevicePlane(store, local), cfg.chunk_bytes,
+                                   cfg.max_put_reserve_bytes, cfg.put_idle_timeout_s)
         add_kvstore_servicer(servicer, server)
         admin_pb2_grpc.add_AdminServicer_to_server(
             AdminServicer(store, self.runtime, self.events, absent, lambda: self.auth.in_flight), server

@@ -16,6 +16,11 @@ response headers (a round trip through grpc's core that fails, or is cancelled, 
 dead call) and hands the commit a check of the call (`_still_alive`) that runs in the
 same synchronous step as the publish.
 
+A Put stream holds little ahead of its bytes: its slots are reserved as its chunks
+arrive (at most `put_window_bytes` ahead of them, `PutTxn`'s window), and a stream that
+sends nothing for `put_idle_timeout_s` is rolled back, so a client that stalls or
+vanishes without a reset holds nothing for long.
+
 The per-call steps (request id, drain gate, auth, metrics, error mapping) are not here:
 `kvstore.server.pipeline` runs them around every method, for gRPC and for the control
 lane alike. Failures are `kvstore.errors` exceptions, mapped to a status there.
@@ -45,6 +50,11 @@ from kvstore.server.local_plane import LocalPlane
 from kvstore.server.requests import RequestResolver, hash_fields, packed_reply
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvstore.wire import Framed, RawChunk, chunk_prefix, encode_chunk
+
+# What one Put stream may hold ahead of its bytes, and how long it may send nothing (the
+# daemon's max_put_reserve_bytes and put_idle_timeout_s).
+DEFAULT_PUT_WINDOW_BYTES = 64 << 20
+DEFAULT_PUT_IDLE_TIMEOUT_S = 30.0
 
 # A gRPC context, or None when the control lane calls (see the module docstring).
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any] | None"
@@ -84,12 +94,16 @@ def _still_alive(context: grpc.aio.ServicerContext) -> None:
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: Store, resolver: RequestResolver, local: LocalPlane, device: DevicePlane,
-                 chunk_bytes: int) -> None:
+                 chunk_bytes: int, put_window_bytes: int = DEFAULT_PUT_WINDOW_BYTES,
+                 put_idle_timeout_s: float = DEFAULT_PUT_IDLE_TIMEOUT_S) -> None:
         self.store = store
         self.resolver = resolver
         self.local = local
         self.device = device
         self.chunk_bytes = chunk_bytes
+        # What one Put stream may reserve ahead of its bytes, and how long it may send nothing.
+        self.put_window_bytes = put_window_bytes
+        self.put_idle_timeout_s = put_idle_timeout_s
         # Bound once: the lookup path pays one attribute read for each, as before the split.
         self._namespace = resolver.namespace
         self._chain = resolver.chain
@@ -133,23 +147,43 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self, request_iterator: AsyncIterator[kvstore_pb2.PutRequest | RawChunk], context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.PutResponse:
         stream = request_iterator.__aiter__()
-        first = await anext(stream, None)
-        if first is None or isinstance(first, RawChunk) or first.WhichOneof("msg") != "header":
-            raise InvalidArgument("a Put stream must start with a header message")
-        header = first.header
-        ns_id = self._namespace(header.namespace)
-        hashes, parent = self.resolver.put_keys(ns_id, header)
-        session = self.resolver.put_session(header)
-        async with self.store.begin_put(ns_id, hashes, parent) as txn:
-            async for msg in stream:
-                if isinstance(msg, RawChunk):  # the fast path: a view into the received message
-                    await txn.write(msg.block, msg.data)
-                    continue
-                if msg.WhichOneof("msg") != "chunk":
-                    raise InvalidArgument("only block chunks may follow a Put header")
-                await txn.write(msg.chunk.block, msg.chunk.data)
-            await _confirm_half_close(context)
-            result = await txn.commit(check=functools.partial(_still_alive, context))
+        idle_s = self.put_idle_timeout_s
+        loop = asyncio.get_running_loop()
+        # One timer for the stream: armed while it waits for the client, disarmed while the
+        # daemon works on what arrived (making room is not the client's silence).
+        idle = asyncio.timeout(loop.time() + idle_s)
+        try:
+            async with idle:
+                first = await anext(stream, None)
+                idle.reschedule(None)
+                if first is None or isinstance(first, RawChunk) or first.WhichOneof("msg") != "header":
+                    raise InvalidArgument("a Put stream must start with a header message")
+                header = first.header
+                ns_id = self._namespace(header.namespace)
+                hashes, parent = self.resolver.put_keys(ns_id, header)
+                session = self.resolver.put_session(header)
+                async with self.store.begin_put(ns_id, hashes, parent, window_bytes=self.put_window_bytes) as txn:
+                    while True:
+                        idle.reschedule(loop.time() + idle_s)
+                        msg = await anext(stream, None)
+                        idle.reschedule(None)
+                        if msg is None:
+                            break
+                        if isinstance(msg, RawChunk):  # the fast path: a view into the received message
+                            await txn.write(msg.block, msg.data)
+                            continue
+                        if msg.WhichOneof("msg") != "chunk":
+                            raise InvalidArgument("only block chunks may follow a Put header")
+                        await txn.write(msg.chunk.block, msg.chunk.data)
+                    await _confirm_half_close(context)
+                    result = await txn.commit(check=functools.partial(_still_alive, context))
+        except TimeoutError:
+            if not idle.expired():
+                raise
+            raise DeadlineExceeded(
+                f"the Put stream sent nothing for {idle_s:g} s (put_idle_timeout_s); the put was rolled back: "
+                "send its chunks without pauses, then half-close the stream"
+            ) from None
         if session:
             self.store.hint(ns_id, hashes, session, header.hint.expect_reuse_within_s)
         return kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing, namespace_id=ns_id,
