@@ -310,29 +310,67 @@ class PutTxn:
         return [slot for i, slot in enumerate(filled) if i not in new_set]
 
     async def write(self, block: int, data: bytes | memoryview) -> None:
-        """Append `data` to block `block`'s payload."""
+        """Append `data` to block `block`'s payload. Every mistake in the order of chunks
+        is refused with what it is (`_advance`, `_overflow`)."""
         if self._done:
             raise FailedPrecondition("this put has already finished")
-        if not 0 <= block < self._n:
-            raise InvalidArgument(f"chunk for block {block}, but the put carries {self._n} blocks")
-        if block < self._current:
-            raise InvalidArgument(f"chunk for block {block} after block {self._current} began; send blocks in order")
-        while self._current < block:
-            self._check_complete(self._current)
-            self._current += 1
-        if self._next_new < len(self._new) and self._new[self._next_new] == block:
-            await self._reserve_window()  # the first chunk of a block without a slot yet
+        if block != self._current:
+            self._advance(block)
         offset = self._received[block]
         if offset + len(data) > self.block_bytes:
-            raise InvalidArgument(
-                f"block {block} got {offset + len(data)} bytes, but a block of this namespace is "
-                f"{self.block_bytes} bytes (layout {self._info.layout.model}, "
-                f"{self._info.layout.block_size_tokens} tokens); check the layout you sent"
-            )
+            raise self._overflow(block, offset + len(data))
+        if self._next_new < len(self._new) and self._new[self._next_new] == block:
+            await self._reserve_window()  # the first chunk of a block without a slot yet
         slot = self._slots[block]
         if slot is not None:
             await self._puts.tiers[slot.tier].tier.write(slot, offset, data)
         self._received[block] = offset + len(data)
+
+    def _advance(self, block: int) -> None:
+        """Move on to block `block` (a chunk for it arrived): it must be one of the put's,
+        the next one, and the block before it whole."""
+        n, current, size = self._n, self._current, self.block_bytes
+        if not 0 <= block < n:
+            raise InvalidArgument(
+                f"a chunk for block {block}, but the header names {n} blocks (0 to {n - 1}); "
+                "a chunk's block counts the put's blocks from 0"
+            )
+        if block < current:
+            raise InvalidArgument(
+                f"a chunk for block {block} arrived after block {current} began: chunks out of order; "
+                f"send all of block {block}'s chunks before block {block + 1}'s"
+            )
+        got = self._received[current]
+        if got == 0:
+            raise InvalidArgument(
+                f"block {current} is missing: a chunk for block {block} arrived before any of block {current}'s; "
+                "send every block the header names, in order"
+            )
+        if got != size:
+            raise InvalidArgument(
+                f"block {current} got {got} of its {size} bytes before a chunk for block {block} arrived: "
+                f"all of a block's chunks come before the next block's (chunks out of order, or block {current} "
+                "cut short)"
+            )
+        if block > current + 1:
+            raise InvalidArgument(
+                f"block {current + 1} is missing: a chunk for block {block} arrived right after block {current}; "
+                "send every block the header names, in order"
+            )
+        self._current = block
+
+    def _overflow(self, block: int, total: int) -> InvalidArgument:
+        size, layout = self.block_bytes, self._info.layout
+        what = f"(layout {layout.model}, {layout.block_size_tokens} tokens per block)"
+        if self._received[block] == size:
+            return InvalidArgument(
+                f"block {block} already has all its {size} bytes: a chunk was sent twice, or the client's blocks "
+                f"are larger than this namespace's {what}; send each chunk once"
+            )
+        return InvalidArgument(
+            f"block {block} got {total} bytes, but a block of this namespace holds {size} {what}; "
+            "check the layout you sent"
+        )
 
     def slots(self) -> list[Slot | None]:
         """Where each block's bytes must land; None for blocks already present."""
@@ -343,13 +381,20 @@ class PutTxn:
         self._received = [self.block_bytes] * self._n
         self._current = self._n - 1
 
-    def _check_complete(self, block: int) -> None:
-        got = self._received[block]
-        if got != self.block_bytes:
+    def _check_all_arrived(self) -> None:
+        """Every block got all its bytes; else say where the stream of chunks stopped."""
+        size = self.block_bytes
+        i = next(i for i, got in enumerate(self._received) if got != size)
+        got = self._received[i]
+        if got == 0:
             raise InvalidArgument(
-                f"block {block} got {got} bytes, but a block of this namespace is {self.block_bytes} bytes; "
-                "check the layout you sent"
+                f"the stream ended after {i} of the {self._n} blocks the header names; send every block, "
+                "then close the stream"
             )
+        raise InvalidArgument(
+            f"the stream ended inside block {i} ({got} of its {size} bytes); send every block whole, "
+            "then close the stream"
+        )
 
     async def commit(self, checksums: Sequence[int] | None = None,
                      check: Callable[[], None] | None = None) -> PutResult:
@@ -366,8 +411,7 @@ class PutTxn:
         puts = self._puts
         n = self._n
         if self._received.count(self.block_bytes) != n:
-            for i in range(n):
-                self._check_complete(i)
+            self._check_all_arrived()
         new_at = np.flatnonzero(self._rows >= 0)
         rows = self._rows[new_at]
         every = len(new_at) == n

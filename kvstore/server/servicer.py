@@ -172,8 +172,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                         if isinstance(msg, RawChunk):  # the fast path: a view into the received message
                             await txn.write(msg.block, msg.data)
                             continue
-                        if msg.WhichOneof("msg") != "chunk":
-                            raise InvalidArgument("only block chunks may follow a Put header")
+                        which = msg.WhichOneof("msg")
+                        if which == "header":
+                            raise InvalidArgument("a second header in one Put stream: a stream carries one "
+                                                  "header, then its blocks' chunks (one put per stream)")
+                        if which != "chunk":
+                            raise InvalidArgument("a Put message with neither header nor chunk set: after the "
+                                                  "header, send only BlockChunk messages")
                         await txn.write(msg.chunk.block, msg.chunk.data)
                     await _confirm_half_close(context)
                     result = await txn.commit(check=functools.partial(_still_alive, context))
