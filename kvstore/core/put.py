@@ -6,6 +6,9 @@ Ordering decisions that matter:
   blocks to the index in one synchronous step (`PutPath.publish`). A failed or cancelled
   put frees its slots; nothing was ever visible.
 - Read-your-writes. `PutTxn.commit` returns only after the index holds the blocks.
+- A put registers its namespace when it publishes, not before: it may begin with a
+  record the registry has not filed (`NamespaceRegistry.prepare`), which `commit` files
+  in the publishing step (`ensure`), so a refused or failed put leaves no namespace.
 - Publish only what is still wanted. The caller may hand `commit` a check (a call still
   alive: not cancelled, deadline not passed); it runs after the commit's last await, in
   the same synchronous step as the publish, so nothing can change between the two.
@@ -41,6 +44,7 @@ from kvstore.checksum import checksum_batch
 from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex
 from kvstore.core.migration import Migrator
+from kvstore.core.namespaces import NamespaceRegistry
 from kvstore.core.placement import Placement
 from kvstore.core.results import NamespaceInfo, PutResult, StoreCounters
 from kvstore.core.store_tier import StoreTier
@@ -56,10 +60,11 @@ class PutPath:
     """Where puts enter a store: what a `PutTxn` works with, by name (the attributes are
     the transaction's collaborators, read-only for it)."""
 
-    def __init__(self, index: BlockIndex, copies: CopyBook, placement: Placement, migrator: Migrator,
-                 tenancy: TenantLedger, counters: StoreCounters, tiers: Sequence[StoreTier],
+    def __init__(self, index: BlockIndex, registry: NamespaceRegistry, copies: CopyBook, placement: Placement,
+                 migrator: Migrator, tenancy: TenantLedger, counters: StoreCounters, tiers: Sequence[StoreTier],
                  executor: Executor | None) -> None:
         self.index = index
+        self.registry = registry
         self.copies = copies
         self.placement = placement
         self.tenancy = tenancy
@@ -140,6 +145,9 @@ class PutTxn:
     ) -> None:
         self._puts = puts
         self._info = info
+        # Whose quota the put's bytes count against until it ends (the record may be
+        # replaced by the registered one at commit: `ensure`).
+        self._tenant = info.tenant
         self._hashes = hashes
         self.block_bytes = info.layout.bytes_per_block
         self._itemsize = DTYPE_BYTES.get(info.layout.dtype, 1)
@@ -206,7 +214,7 @@ class PutTxn:
     def _check_quota_fits(self, nbytes: int) -> None:
         """Refuse a put larger than its tenant's whole quota in a tier it may land in."""
         tenancy = self._puts.tenancy
-        tenant = self._info.tenant
+        tenant = self._tenant
         for st in self._landing:
             quota = tenancy.quota(tenant, st.name)
             if quota is not None and nbytes > quota:
@@ -231,7 +239,7 @@ class PutTxn:
         puts = self._puts
         landing = self._landing
         nbytes = self.block_bytes
-        quotas = puts.tenancy.quotas.get(self._info.tenant)
+        quotas = puts.tenancy.quotas.get(self._tenant)
         if quotas:
             # The put must fit the tenant's quota in every tier it may land in; its
             # bytes count there from when room is made until it commits or aborts.
@@ -243,7 +251,7 @@ class PutTxn:
             if self._done:  # aborted while making room
                 raise FailedPrecondition("this put was aborted")
             for name in limited:
-                puts.tenancy.hold(self._info.tenant, name, more)
+                puts.tenancy.hold(self._tenant, name, more)
                 self._quota_held[name] = self._quota_held.get(name, 0) + more
         # What fits in the first landing tier now, in one step; then, per block, the
         # next tier with room, or room made (no await and no coroutine where a tier has room).
@@ -296,14 +304,14 @@ class PutTxn:
             raise InvalidArgument(f"{len(filled)} filled slots for a put of {self._n} blocks")
         puts = self._puts
         new = self._hold_present()
-        quotas = puts.tenancy.quotas.get(self._info.tenant)
+        quotas = puts.tenancy.quotas.get(self._tenant)
         if quotas and new:
             landing = [self._tier] if self._tier is not None else puts.placement.landing_tiers()
             nbytes = len(new) * self.block_bytes
             for st in landing:
                 if st.name in quotas:
                     await puts.placement.quota_room(self._info, st, nbytes)
-                    puts.tenancy.hold(self._info.tenant, st.name, nbytes)
+                    puts.tenancy.hold(self._tenant, st.name, nbytes)
                     self._quota_held[st.name] = nbytes
         self._make_entries(new, [filled[i] for i in new])
         new_set = set(new)
@@ -434,12 +442,14 @@ class PutTxn:
             sums = await checksum_batch(datas, puts.executor)
         if self._done:  # aborted while checksumming (cancelled call)
             raise FailedPrecondition("this put was aborted")
-        if check is not None:
-            try:
+        try:
+            if check is not None:
                 check()
-            except BaseException:
-                self.abort()
-                raise
+            # Filed now, in the step that publishes: a put that fails registers nothing.
+            self._info = puts.registry.ensure(self._info)
+        except BaseException:
+            self.abort()
+            raise
         index.set_checksums(rows, sums)
         # Published by a concurrent put since this one began: one probe for all.
         raced = index.published_already(self._info.namespace_id, rows)
@@ -482,7 +492,7 @@ class PutTxn:
 
     def _release_held(self) -> None:
         for tier, nbytes in self._quota_held.items():
-            self._puts.tenancy.release(self._info.tenant, tier, nbytes)
+            self._puts.tenancy.release(self._tenant, tier, nbytes)
         self._quota_held.clear()
         for entry in self._held:
             self._puts.copies.release(entry)

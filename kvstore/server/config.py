@@ -98,6 +98,9 @@ FIELDS: tuple[Field, ...] = (
     Field("max_leases_per_tenant", "int", 16_384, "with a token file: most leases (lookup leases, pins, fetch "
           "leases) one tenant may hold at once", lo=1, hi=1 << 24),
     Field("max_namespaces", "int", 4096, "most namespaces (distinct layouts) held at once", lo=1, hi=1 << 20),
+    Field("namespace_grace_s", "float", 300.0, "a namespace that holds no block (all evicted, deleted or flushed) "
+          "is forgotten after this long; a request naming it by id then gets NOT_FOUND, one sending its layout "
+          "registers it again with its next put", lo=0, hi=7 * 86_400),
     Field("max_namespaces_per_tenant", "int", 1024, "with a token file: most namespaces one tenant may hold",
           lo=1, hi=1 << 20),
     Field("checksum_threads", "int", 2, "threads hashing large batches off the event loop", lo=1, hi=64),
@@ -178,6 +181,7 @@ class Config:
     max_leases: int
     max_leases_per_tenant: int
     max_namespaces: int
+    namespace_grace_s: float
     max_namespaces_per_tenant: int
     checksum_threads: int
     grace_s: float

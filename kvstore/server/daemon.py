@@ -197,6 +197,7 @@ class Daemon:
             limits=StoreLimits(
                 max_blocks_per_call=cfg.max_blocks_per_call,
                 max_namespaces=cfg.max_namespaces,
+                namespace_grace_s=cfg.namespace_grace_s,
                 max_leases=cfg.max_leases,
                 # Without a token file every caller is the one default tenant: max_leases is the cap.
                 max_leases_per_tenant=cfg.max_leases_per_tenant if self.tokens is not None else None,
@@ -412,6 +413,7 @@ class Daemon:
             await asyncio.sleep(LEASE_SWEEP_S)
             try:
                 self.store.expire_leases()
+                self.store.expire_namespaces()
                 if self._local_puts is not None:
                     self._local_puts.expire()
                 self.gc_freezer.maybe_freeze(self.store.counters.blocks_stored + self._recovered_blocks,

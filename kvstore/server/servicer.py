@@ -4,7 +4,9 @@ Primitives: `KVStoreServicer`, `tier_enum_table(names)`.
 
 Each method resolves what the request names through the `RequestResolver` (the server's
 one validation boundary: namespaces, keys, sessions, the caller's lease ids), calls one
-store verb, and builds the answer. The shared-memory and device planes are delegated to
+store verb, and builds the answer. A read of a layout the daemon holds nothing of
+(`UnregisteredLayout`) is answered as a miss without registering it; only a Put that
+publishes registers a namespace. The shared-memory and device planes are delegated to
 `LocalPlane` and `DevicePlane`. The one piece of work beyond translation is the Fetch
 framer (`_frame`), which the store's fetch calls to cut a block into wire messages, so
 that the checksum it verifies is taken over the bytes that are sent.
@@ -47,7 +49,7 @@ from kvstore.errors import Cancelled, DeadlineExceeded, InvalidArgument
 from kvstore.native import XXH3, native
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.local_plane import LocalPlane
-from kvstore.server.requests import RequestResolver, hash_fields, packed_reply
+from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvstore.wire import Framed, RawChunk, chunk_prefix, encode_chunk
 
@@ -114,7 +116,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     # -------------------------------------------------------------- store verbs
 
     async def Lookup(self, request: kvstore_pb2.LookupRequest, context: Context) -> kvstore_pb2.LookupResponse:
-        ns_id = self._namespace(request.namespace)
+        try:
+            ns_id = self._namespace(request.namespace)
+        except UnregisteredLayout as unknown:
+            self._miss(request.keys, unknown)
+            if request.HasField("hint"):
+                self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
+            return kvstore_pb2.LookupResponse(namespace_id=unknown.namespace_id,
+                                              block_size_tokens=unknown.layout.block_size_tokens)
         keys = request.keys
         chain = self._chain(ns_id, keys)
         session = self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s) \
@@ -159,10 +168,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 if first is None or isinstance(first, RawChunk) or first.WhichOneof("msg") != "header":
                     raise InvalidArgument("a Put stream must start with a header message")
                 header = first.header
-                ns_id = self._namespace(header.namespace)
-                hashes, parent = self.resolver.put_keys(ns_id, header)
+                info = self.resolver.put_namespace(header.namespace)
+                ns_id = info.namespace_id
+                hashes, parent = self.resolver.put_keys(info, header)
                 session = self.resolver.put_session(header)
-                async with self.store.begin_put(ns_id, hashes, parent, window_bytes=self.put_window_bytes) as txn:
+                async with self.store.begin_put(info, hashes, parent, window_bytes=self.put_window_bytes) as txn:
                     while True:
                         idle.reschedule(loop.time() + idle_s)
                         msg = await anext(stream, None)
@@ -197,7 +207,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Fetch(
         self, request: kvstore_pb2.FetchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[kvstore_pb2.FetchResponse | bytes]:
-        ns_id = self._namespace(request.namespace)
+        try:
+            ns_id = self._namespace(request.namespace)
+        except UnregisteredLayout as unknown:
+            self._miss(request.keys, unknown)
+            self._lease_in(request.lease_id)
+            yield kvstore_pb2.FetchResponse(header=kvstore_pb2.FetchHeader(
+                block_bytes=unknown.layout.bytes_per_block, namespace_id=unknown.namespace_id))
+            return
         hashes = self._hashes(ns_id, request.keys)
         async with self.store.open_fetch(ns_id, hashes, self._lease_in(request.lease_id)) as stream:
             yield kvstore_pb2.FetchResponse(
@@ -230,11 +247,19 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return Framed(messages, payload)
 
     async def Delete(self, request: kvstore_pb2.DeleteRequest, context: Context) -> kvstore_pb2.DeleteResponse:
-        ns_id = self._namespace(request.namespace)
+        try:
+            ns_id = self._namespace(request.namespace)
+        except UnregisteredLayout as unknown:
+            self._miss(request.keys, unknown)
+            return kvstore_pb2.DeleteResponse()
         return kvstore_pb2.DeleteResponse(deleted=self.store.delete(ns_id, self._hashes(ns_id, request.keys)))
 
     async def Pin(self, request: kvstore_pb2.PinRequest, context: Context) -> kvstore_pb2.PinResponse:
-        ns_id = self._namespace(request.namespace)
+        try:
+            ns_id = self._namespace(request.namespace)
+        except UnregisteredLayout as unknown:
+            self._miss(request.keys, unknown)
+            return kvstore_pb2.PinResponse()
         r = self.store.pin(ns_id, self._hashes(ns_id, request.keys), request.ttl_ms)
         return kvstore_pb2.PinResponse(lease_id=self._lease_out(r.lease_id), pinned=r.pinned,
                                        expires_in_ms=r.expires_in_ms)
@@ -244,7 +269,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return kvstore_pb2.UnpinResponse(released=bool(lease_id) and self.store.unpin(lease_id))
 
     async def Hint(self, request: kvstore_pb2.HintRequest, context: Context) -> kvstore_pb2.HintResponse:
-        ns_id = self._namespace(request.namespace)
+        try:
+            ns_id = self._namespace(request.namespace)
+        except UnregisteredLayout as unknown:
+            self._miss(request.keys, unknown)
+            self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
+            return kvstore_pb2.HintResponse()
         session = self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
         hinted = self.store.hint(ns_id, self._hashes(ns_id, request.keys), session, request.hint.expect_reuse_within_s)
         return kvstore_pb2.HintResponse(hinted=hinted)
@@ -258,9 +288,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Prefetch(
         self, request: kvstore_pb2.PrefetchRequest, context: Context
     ) -> kvstore_pb2.PrefetchResponse:
-        ns_id = self._namespace(request.namespace)
-        hashes = self._hashes(ns_id, request.keys)
         tier = TIER_NAMES.get(request.tier, "") if request.tier else ""
+        try:
+            ns_id = self._namespace(request.namespace)
+        except UnregisteredLayout as unknown:
+            n = self._miss(request.keys, unknown)
+            return kvstore_pb2.PrefetchResponse(tier=TIER_BY_NAME[self.store.prefetch_target(tier)], requested=n,
+                                                missing=n)
+        hashes = self._hashes(ns_id, request.keys)
         r = await self.store.prefetch(ns_id, hashes, tier)
         return kvstore_pb2.PrefetchResponse(
             tier=TIER_BY_NAME[r.tier], requested=r.requested, raised=r.raised, already=r.already, missing=r.missing,
@@ -268,9 +303,19 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         )
 
     async def Verify(self, request: kvstore_pb2.VerifyRequest, context: Context) -> kvstore_pb2.VerifyResponse:
-        ns_id = self._namespace(request.namespace)
+        try:
+            ns_id = self._namespace(request.namespace)
+        except UnregisteredLayout as unknown:
+            self._miss(request.keys, unknown)
+            return kvstore_pb2.VerifyResponse()
         verified, dropped = await self.store.verify(ns_id, self._hashes(ns_id, request.keys))
         return kvstore_pb2.VerifyResponse(verified=verified, dropped=dropped)
+
+    def _miss(self, keys: kvstore_pb2.BlockKeys, unknown: UnregisteredLayout) -> int:
+        """A read of a layout the daemon holds nothing of: its keys checked as any read's
+        (bad input is refused the same either way), and how many blocks it names; the
+        read answers a miss and registers nothing."""
+        return self.resolver.check_keys(keys, unknown.layout)
 
     # -------------------------------------------------------------- data planes
 
