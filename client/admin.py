@@ -12,7 +12,14 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from kvstore.client._auth import Security, sync_channel
-from kvstore.client._common import CHANNEL_OPTIONS, DEFAULT_CHUNK_BYTES, FetchAssembler, resolve_target, translate
+from kvstore.client._common import (
+    CHANNEL_OPTIONS,
+    DEFAULT_CHUNK_BYTES,
+    FetchAssembler,
+    fetch_cut_short,
+    resolve_target,
+    translate,
+)
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 DEFAULT_ADMIN_TIMEOUT_S = 5.0
@@ -75,7 +82,8 @@ class AdminClient:
             for msg in self._kv.Fetch(req, timeout=self.timeout_s):
                 assembler.feed(msg)
         except grpc.RpcError as exc:
-            raise translate(exc) from None
+            if not fetch_cut_short(exc):
+                raise translate(exc) from None
         return assembler.result()
 
     def put_chain(self, layout: kvstore_pb2.Layout, block_hashes: Sequence[bytes], parent_hash: bytes,

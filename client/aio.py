@@ -27,6 +27,7 @@ from kvstore.client._common import (
     check_data_plane,
     check_reserve_ahead,
     device_put_header,
+    fetch_cut_short,
     fetch_keys,
     host_blocks,
     keep_held,
@@ -433,8 +434,12 @@ class AsyncClient:
                     lease_id: str, timeout: float) -> list[Any]:
         req = kvstore_pb2.FetchRequest(namespace=namespace_ref(layout), keys=keys, lease_id=lease_id)
         assembler = FetchAssembler(out)
-        async for msg in self._fetch(req, timeout=timeout):
-            assembler.feed(msg)
+        try:
+            async for msg in self._fetch(req, timeout=timeout):
+                assembler.feed(msg)
+        except grpc.RpcError as exc:
+            if not fetch_cut_short(exc):
+                raise
         return assembler.result()
 
     async def delete(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,

@@ -18,6 +18,13 @@ response headers (a round trip through grpc's core that fails, or is cancelled, 
 dead call) and hands the commit a check of the call (`_still_alive`) that runs in the
 same synchronous step as the publish.
 
+A Fetch that cannot send every block its header promised ends with a status that says
+so: DATA_LOSS when a block failed verification and no other copy of it did (a bad host
+copy is replaced by its SSD copy in the store's fetch, so this means the block is gone),
+with the count of blocks sent in its message and in the `kvstore-blocks-sent` trailer.
+A block deleted while the fetch ran ends the stream with OK and the same trailer: the
+blocks before it are what is there. Either way every block sent verified.
+
 A Put stream holds little ahead of its bytes: its slots are reserved as its chunks
 arrive (at most `put_window_bytes` ahead of them, `PutTxn`'s window), and a stream that
 sends nothing for `put_idle_timeout_s` is rolled back, so a client that stalls or
@@ -45,7 +52,7 @@ import grpc
 
 from kvstore.convert import TIER_BY_NAME, TIER_NAMES
 from kvstore.core.store import Store
-from kvstore.errors import Cancelled, DeadlineExceeded, InvalidArgument
+from kvstore.errors import Cancelled, DataLoss, DeadlineExceeded, InvalidArgument
 from kvstore.native import XXH3, native
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.local_plane import LocalPlane
@@ -57,6 +64,10 @@ from kvstore.wire import Framed, RawChunk, chunk_prefix, encode_chunk
 # daemon's max_put_reserve_bytes and put_idle_timeout_s).
 DEFAULT_PUT_WINDOW_BYTES = 64 << 20
 DEFAULT_PUT_IDLE_TIMEOUT_S = 30.0
+
+# The trailing metadata of a Fetch that ended before the header's count: how many
+# blocks it sent (with DATA_LOSS when a block failed verification and had no intact copy).
+BLOCKS_SENT_TRAILER = "kvstore-blocks-sent"
 
 # A gRPC context, or None when the control lane calls (see the module docstring).
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any] | None"
@@ -228,6 +239,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             async for framed in stream.frames(self._frame):
                 for message in framed.messages:
                     yield message
+            if stream.ended_early:
+                # The header promised more: say how many were sent and why, in the status
+                # and (machine-readable) in the trailer.
+                context.set_trailing_metadata(((BLOCKS_SENT_TRAILER, str(stream.sent)),))
+                if stream.verification_failed:
+                    raise DataLoss(f"{stream.sent} of {stream.num_blocks} blocks sent: {stream.ended_early}; "
+                                   "the blocks sent are intact (recompute the rest)")
 
     def _frame(self, index: int, data: memoryview) -> Framed:
         """A block as chunk messages. Pure (no servicer or store state changes): for large
