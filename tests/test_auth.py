@@ -585,7 +585,8 @@ def test_namespaces_per_tenant_are_capped(tmp_path, layout, tenants):
             assert len(running.store.namespaces()) == before
             assert alpha.lookup(layouts[2], list(range(4))).num_blocks == 0  # a miss, not an error
             assert alpha.lookup(layouts[0], list(range(4))).num_blocks == 1  # known ones still work
-            assert beta.put(layouts[2], list(range(4)), blocks_for(layouts[2], 1)).stored == 1  # others are not affected
+            # Others are not affected.
+            assert beta.put(layouts[2], list(range(4)), blocks_for(layouts[2], 1)).stored == 1
 
 
 def test_leases_per_tenant_are_capped(tmp_path, layout, tenants):

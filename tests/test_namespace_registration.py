@@ -92,8 +92,8 @@ async def test_made_up_lookups_register_nothing(stubs: Stubs) -> None:
 
     async def one(i: int) -> int:
         async with limit:
-            r = await stubs.kv.Lookup(kvstore_pb2.LookupRequest(namespace=ns(made_up(i)), keys=tokens_keys(list(range(8)))))
-            return r.num_blocks
+            request = kvstore_pb2.LookupRequest(namespace=ns(made_up(i)), keys=tokens_keys(list(range(8))))
+            return (await stubs.kv.Lookup(request)).num_blocks
 
     hits = await asyncio.gather(*(one(i) for i in range(5000)))  # more than max_namespaces (4096)
     assert sum(hits) == 0

@@ -158,5 +158,5 @@ async def test_a_client_killed_after_its_last_chunk_leaves_nothing(stubs, layout
             if client.returncode is None:
                 client.kill()
                 await client.wait()
-        assert await stored_after(stub, admin, layout, tokens) == 0, f"the put of a client killed on {target} was stored"
+        assert await stored_after(stub, admin, layout, tokens) == 0, f"a put of a client killed on {target} was stored"
     assert (await admin.Stats(admin_pb2.StatsRequest())).counters.blocks_stored == 0

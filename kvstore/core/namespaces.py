@@ -3,11 +3,11 @@ per-call limits every verb's input is checked against.
 
 A namespace is recorded when a put of its layout publishes (`prepare` gives the put a
 record, `ensure` files it in the step that publishes), or when `register` is called;
-later requests may name it by id. A read of a layout never registers it (the read is
-a miss), so neither made-up layouts nor refused puts fill
-`max_namespaces`. The one exception: blocks recovered from the SSD carry their
-namespace id but not its layout, and are adopted (counted, and charged to the tenant)
-by the first request that sends the layout, a read included.
+later requests may name it by id. A read of a layout never registers it (the read is a
+miss), so neither made-up layouts nor refused puts fill `max_namespaces`. The one
+exception: blocks recovered from the SSD carry their namespace id but not its layout,
+and are adopted (counted, and charged to the tenant) by the first request that sends
+the layout, a read included.
 
 Why reads may skip registration: apart from those recovered blocks, an unregistered
 namespace holds no READY block (only a put publishes one, and it registers first), so
@@ -24,8 +24,8 @@ server checks before: a namespace id is 16 bytes and known, a block hash is 16 b
 a call names at most `max_blocks_per_call` blocks, a hint names a session and a bounded
 time.
 
-Primitives: `prepare`/`ensure`, `register`, `recovered`/`awaits_adoption`, `expire`, `namespace`,
-`get`, `check_hashes`, `packed_chain`, `chain_for_tokens`, `check_hint`.
+Primitives: `prepare`/`ensure`, `register`, `recovered`/`awaits_adoption`, `expire`,
+`namespace`, `get`, `check_hashes`, `packed_chain`, `chain_for_tokens`, `check_hint`.
 """
 
 from __future__ import annotations

@@ -222,7 +222,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             ns_id = self._namespace(request.namespace)
         except UnregisteredLayout as unknown:
             self._miss(request.keys, unknown)
-            self._lease_in(request.lease_id)
+            lease_id = self._lease_in(request.lease_id)
+            if lease_id:  # released when a fetch ends, whatever it found
+                self.store.unpin(lease_id)
             yield kvstore_pb2.FetchResponse(header=kvstore_pb2.FetchHeader(
                 block_bytes=unknown.layout.bytes_per_block, namespace_id=unknown.namespace_id))
             return
