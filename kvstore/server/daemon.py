@@ -214,6 +214,7 @@ class Daemon:
             limits=StoreLimits(
                 max_blocks_per_call=cfg.max_blocks_per_call,
                 max_namespaces=cfg.max_namespaces,
+                namespace_grace_s=cfg.namespace_grace_s,
                 max_leases=cfg.max_leases,
                 # Without a token file every caller is the one default tenant: max_leases is the cap.
                 max_leases_per_tenant=cfg.max_leases_per_tenant if self.tokens is not None else None,
@@ -233,7 +234,7 @@ class Daemon:
         if self.tokens is not None:
             store.tenancy.quotas = self.tokens.quotas()
         self.runtime = RuntimeConfig(cfg, store, self.events)
-        self._local_puts = LocalPuts()
+        self._local_puts = LocalPuts(ttl_ms=round(cfg.put_idle_timeout_s * 1000))
         stack.callback(self._local_puts.abort_all)  # a put left open rolls back before the store closes
         await self._start_metrics(stack)
         # The host tier is not the first one when an HBM tier sits above it.
@@ -283,7 +284,8 @@ class Daemon:
             max_namespaces_per_tenant=cfg.max_namespaces_per_tenant if auth_on else None)
         self.runtime.register("max_tokens_per_call", lambda value: setattr(resolver, "max_tokens_per_call", value))
         local = LocalPlane(store, resolver, host_tier.segment, self._local_puts)
-        servicer = KVStoreServicer(store, resolver, local, DevicePlane(store, local), cfg.chunk_bytes)
+        servicer = KVStoreServicer(store, resolver, local, DevicePlane(store, local), cfg.chunk_bytes,
+                                   cfg.max_put_reserve_bytes, cfg.put_idle_timeout_s)
         add_kvstore_servicer(servicer, server)
         admin_pb2_grpc.add_AdminServicer_to_server(
             AdminServicer(store, self.runtime, self.events, absent, lambda: self.auth.in_flight), server
@@ -437,6 +439,7 @@ class Daemon:
             await asyncio.sleep(LEASE_SWEEP_S)
             try:
                 self.store.expire_leases()
+                self.store.expire_namespaces()
                 if self._local_puts is not None:
                     self._local_puts.expire()
                 self.gc_freezer.maybe_freeze(self.store.counters.blocks_stored + self._recovered_blocks,

@@ -32,7 +32,7 @@ from kvstore.core.tier import Slot
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.server.auth import current_identity
 from kvstore.server.local_puts import LocalPuts
-from kvstore.server.requests import RequestResolver, hash_fields, packed_reply
+from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
 from kvstore.shm import HEADER_BYTES
 from kvstore.tiers import HOST, Segment
 from kvstore.v1 import kvstore_pb2
@@ -88,10 +88,11 @@ class LocalPlane:
         """Reserve PENDING slots in `tier` for a co-located client to copy into."""
         resolver, store = self.resolver, self.store
         self.release_leases(request.release_lease_ids)
-        ns_id = resolver.namespace(request.header.namespace)
-        hashes, parent = resolver.put_keys(ns_id, request.header)
+        info = resolver.put_namespace(request.header.namespace)
+        ns_id = info.namespace_id
+        hashes, parent = resolver.put_keys(info, request.header)
         resolver.put_session(request.header)  # checked now; applied at commit
-        txn = store.begin_put(ns_id, hashes, parent, tier=tier)
+        txn = store.begin_put(info, hashes, parent, tier=tier)
         await txn.reserve()
         tenant = current_identity().tenant
         txn_id = self.puts.begin(txn, request.header, tenant)
@@ -179,17 +180,17 @@ class LocalPlane:
         try:
             self.require_segment()
             self.release_leases(request.release_lease_ids)
-            ns_id = resolver.namespace(header.namespace)
-            hashes, parent = resolver.put_keys(ns_id, header)
+            info = resolver.put_namespace(header.namespace)
+            hashes, parent = resolver.put_keys(info, header)
             session = resolver.put_session(header)
-            block_bytes = store.namespace(ns_id).layout.bytes_per_block
+            block_bytes = info.layout.bytes_per_block
             if block_bytes != res.block_bytes:
                 raise InvalidArgument(f"the reservation holds {res.block_bytes}-byte slots; this namespace's "
                                       f"blocks are {block_bytes} bytes; put them with LocalPut")
             if len(hashes) > len(res.slots):
                 raise InvalidArgument(f"a put of {len(hashes)} blocks into a reservation of {len(res.slots)} "
                                       "slots; put them with LocalPut")
-            txn = store.begin_put(ns_id, hashes, parent, tier=LOCAL_TIER)
+            txn = store.begin_put(info, hashes, parent, tier=LOCAL_TIER)
         except BaseException:
             store.free_slots(res.slots)
             raise
@@ -224,7 +225,13 @@ class LocalPlane:
         """The leading blocks of the held prefix that sit in `tier`, by offset, under a lease."""
         resolver = self.resolver
         self.release_leases(request.release_lease_ids)
-        ns_id = resolver.namespace(request.namespace)
+        try:
+            ns_id = resolver.namespace(request.namespace)
+        except UnregisteredLayout as unknown:  # a miss: nothing is registered
+            resolver.check_keys(request.keys, unknown.layout)
+            return kvstore_pb2.LocalFetchResponse(block_bytes=unknown.layout.bytes_per_block,
+                                                  namespace_id=unknown.namespace_id,
+                                                  block_size_tokens=unknown.layout.block_size_tokens)
         chain = resolver.chain(ns_id, request.keys)
         result, offsets, checksums = self.store.lease_prefix(
             ns_id, chain, request.lease_ms or DEFAULT_LOCAL_LEASE_MS, tier=tier
