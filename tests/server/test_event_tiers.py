@@ -16,7 +16,7 @@ from kvstore.client import AsyncClient
 from kvstore.client.events import BlockTracker
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
-from tests.conftest import make_config
+from conftest import make_config
 
 
 async def test_watch_events_carry_the_tier_enum_next_to_the_names(tmp_path, layout):
