@@ -79,7 +79,7 @@ from kvstore.core.tier import BlockMeta, Slot, Tier
 from kvstore.errors import ConfigError, DataLoss
 from kvstore.tiers.codec import Codec, Encoded, decode, encode
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("kvstore.tiers.ssd")
 
 MAGIC = b"KVR1"
 # magic, codec, itemsize, flags, seq, key, parent hash, checksum, raw_len, payload_len
