@@ -2,9 +2,15 @@
 
 Ordering decisions that matter:
 - Publish after the data lands. A put allocates PENDING slots (rows of the block table
-  that no lookup sees), receives every byte, checksums them, and only then adds all its
-  blocks to the index in one synchronous step (`PutPath.publish`). A failed or cancelled
-  put frees its slots; nothing was ever visible.
+  that no lookup sees), receives every byte, and only then adds all its blocks to the
+  index in one synchronous step (`PutPath.publish`). A failed or cancelled put frees its
+  slots; nothing was ever visible.
+- A checksum comes only from bytes the writer owned, never from a re-read of the slot:
+  `write` hashes each chunk from the message it arrived in, in the same pass that copies
+  it into the slot; a co-located client's put brings the checksums it took from its own
+  source (`commit(checksums)`). A slot is memory other processes may map (the shared
+  segment), so anything written into it by anyone else, before or after the commit,
+  makes that block fail verification when it is next read: a miss, never wrong bytes.
 - Read-your-writes. `PutTxn.commit` returns only after the index holds the blocks.
 - A block already READY when the put began is held (so making room for the new blocks
   cannot evict it) and reported as existing, not stored again; one published by a
@@ -26,8 +32,9 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 
 import numpy as np
+import xxhash
 
-from kvstore.checksum import checksum_batch
+from kvstore.checksum import checksum
 from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex
 from kvstore.core.migration import Migrator
@@ -40,6 +47,7 @@ from kvstore.core.tier import Slot
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import DTYPE_BYTES
+from kvstore.native import XXH3, native
 
 
 class PutPath:
@@ -140,6 +148,10 @@ class PutTxn:
         # blocks cannot evict them (the put would otherwise report them present when not).
         self._held: list[BlockEntry] = []
         self._received = [0] * len(hashes)
+        # Each block's checksum, taken from the bytes `write` was given; for a block that
+        # arrives in several chunks, the running hash of the chunks so far.
+        self._sums = [0] * n
+        self._running: xxhash.xxh3_64 | None = None
         self._current = 0
         self._done = False
         self._tier = tier
@@ -265,9 +277,28 @@ class PutTxn:
                 f"{self._info.layout.block_size_tokens} tokens); check the layout you sent"
             )
         slot = self._slots[block]
+        end = offset + len(data)
         if slot is not None:
-            await self._puts.tiers[slot.tier].tier.write(slot, offset, data)
-        self._received[block] = offset + len(data)
+            tier = self._puts.tiers[slot.tier].tier
+            if offset == 0 and end == self.block_bytes:  # the whole block in one chunk: one pass
+                view = tier.view(slot, end) if XXH3 else None
+                if view is not None:
+                    # Streamed into the slot, hashed from the message piece just copied.
+                    self._sums[block] = native.copy_hash(np.frombuffer(view, np.uint8),
+                                                         np.frombuffer(data, np.uint8), True)
+                else:
+                    self._sums[block] = checksum(data)
+                    await tier.write(slot, 0, data)
+            else:
+                if offset == 0:
+                    self._running = xxhash.xxh3_64()
+                assert self._running is not None
+                self._running.update(data)
+                await tier.write(slot, offset, data)
+                if end == self.block_bytes:
+                    self._sums[block] = self._running.intdigest()
+                    self._running = None
+        self._received[block] = end
 
     def slots(self) -> list[Slot | None]:
         """Where each block's bytes must land; None for blocks already present."""
@@ -287,11 +318,12 @@ class PutTxn:
             )
 
     async def commit(self, checksums: Sequence[int] | None = None) -> PutResult:
-        """Verify every block is complete, checksum, and publish. Read-your-writes holds on return.
+        """Verify every block is complete and publish. Read-your-writes holds on return.
 
-        `checksums` (one per block of the put, in order) are taken as given instead of
-        hashing the slots: a co-located client hashes its source while copying it in. A
-        wrong one cannot cause a wrong block to be served: every read verifies.
+        Each block's checksum is the one `write` took from the bytes it was given; or, for
+        bytes a co-located client copied in itself (`mark_written`), `checksums` (one per
+        block of the put, in order), which the client took from its source while copying.
+        A wrong one cannot cause a wrong block to be served: every read verifies.
         """
         puts = self._puts
         n = self._n
@@ -301,24 +333,12 @@ class PutTxn:
         new_at = np.flatnonzero(self._rows >= 0)
         rows = self._rows[new_at]
         every = len(new_at) == n
-        tiers = puts.tiers
         index = puts.index
-        if checksums is not None:
-            if len(checksums) != n:
-                raise InvalidArgument(f"{len(checksums)} checksums for a put of {n} blocks")
-            sums = checksums if every else [checksums[i] for i in new_at.tolist()]
-        else:
-            slots = [slot for slot in self._slots if slot is not None]  # the new blocks', in order
-            nb = self.block_bytes
-            views = [tiers[s.tier].tier.view(s, nb) for s in slots]
-            if any(v is None for v in views):
-                # Not host-visible (HBM): the tier's read completes only after the device
-                # copy has, so the checksum covers bytes that have landed.
-                datas: list[bytes | memoryview] = [await tiers[s.tier].tier.read(s, nb) for s in slots]
-            else:
-                datas = [v for v in views if v is not None]
-            sums = await checksum_batch(datas, puts.executor)
-        if self._done:  # aborted while checksumming (cancelled call)
+        given = self._sums if checksums is None else checksums
+        if len(given) != n:
+            raise InvalidArgument(f"{len(given)} checksums for a put of {n} blocks")
+        sums = given if every else [given[i] for i in new_at.tolist()]
+        if self._done:
             raise FailedPrecondition("this put was aborted")
         index.set_checksums(rows, sums)
         # Published by a concurrent put since this one began: one probe for all.
