@@ -88,18 +88,19 @@ class PutPath:
             raise FailedPrecondition(f"this daemon has no {tier} memory tier")
         return PutTxn(self, info, list(hashes), parent_hash, target)
 
-    async def reserve_slots(self, tier: str, nbytes: int, count: int) -> list[Slot]:
-        """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet
-        (making room as a put would): a co-located client fills them ahead of the put that
-        names them (`PutTxn.adopt`). The caller frees what it does not adopt."""
+    async def reserve_slots(self, tier: str, nbytes: int, count: int, space: int = 0) -> list[Slot]:
+        """`count` empty slots of `nbytes` in memory tier `tier` (in `space`, for a tier
+        with spaces), bound to no block yet (making room as a put would): a co-located
+        client fills them ahead of the put that names them (`PutTxn.adopt`). The caller
+        frees what it does not adopt."""
         st = self.tiers.get(tier)
         if st is None or not st.tier.addressable:
             raise FailedPrecondition(f"this daemon has no {tier} memory tier")
-        slots = st.tier.allocate_many(nbytes, count)  # what fits now, in one step
+        slots = st.tier.allocate_many(nbytes, count, space)  # what fits now, in one step
         try:
             while len(slots) < count:
-                slots.append(await self.placement.allocate_put(nbytes, [st], count - len(slots)))
-                slots += st.tier.allocate_many(nbytes, count - len(slots))  # the rest of the room made
+                slots.append(await self.placement.allocate_put(nbytes, [st], count - len(slots), space))
+                slots += st.tier.allocate_many(nbytes, count - len(slots), space)  # the rest of the room made
         except BaseException:
             self.free_slots(slots)
             raise
@@ -193,12 +194,13 @@ class PutTxn:
                         self._quota_held.append(st.name)
             # What fits in the first landing tier now, in one step; then, per block, the
             # next tier with room, or room made (no await and no coroutine where a tier has room).
-            slots: list[Slot] = landing[0].tier.allocate_many(nbytes, len(new)) if new else []
+            space = puts.placement.space_of(self._info.namespace_id)
+            slots: list[Slot] = landing[0].tier.allocate_many(nbytes, len(new), space) if new else []
             try:
                 for k in range(len(slots), len(new)):
-                    slot = next((s for st in landing if (s := st.tier.allocate(nbytes)) is not None), None)
+                    slot = next((s for st in landing if (s := st.tier.allocate(nbytes, space)) is not None), None)
                     if slot is None:
-                        slot = await puts.placement.allocate_put(nbytes, landing, len(new) - k)
+                        slot = await puts.placement.allocate_put(nbytes, landing, len(new) - k, space)
                         if self._done:  # aborted while making room
                             puts.tiers[slot.tier].tier.free(slot)
                             raise FailedPrecondition("this put was aborted")

@@ -362,11 +362,11 @@ class Store:
         """
         return self.puts.begin(self._enter(namespace_id, hashes), hashes, parent_hash, tier)
 
-    async def reserve_slots(self, tier: str, nbytes: int, count: int) -> list[Slot]:
-        """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet: a
-        co-located client fills them ahead of the put that names them (`PutTxn.adopt`).
-        The caller frees what it does not adopt (`free_slots`)."""
-        return await self.puts.reserve_slots(tier, nbytes, count)
+    async def reserve_slots(self, tier: str, nbytes: int, count: int, space: int = 0) -> list[Slot]:
+        """`count` empty slots of `nbytes` in memory tier `tier` (in `space`), bound to no
+        block yet: a co-located client fills them ahead of the put that names them
+        (`PutTxn.adopt`). The caller frees what it does not adopt (`free_slots`)."""
+        return await self.puts.reserve_slots(tier, nbytes, count, space)
 
     def free_slots(self, slots: Sequence[Slot]) -> None:
         """Return reserved, never-published slots to their tiers."""
