@@ -2,8 +2,12 @@
 anyone who maps it, and a client's read-write attachment to it.
 
 The daemon creates the segment (`kvstore.tiers.segment.Segment`); a client on the same
-host maps it by path (`AttachedSegment`) after the daemon told it the path and token over
-RPC. Layout: a 4 KiB header, then the data area that tier offsets are relative to.
+host maps it (`AttachedSegment`) after the daemon told it the token over RPC, and either
+the path (one segment for every client: auth off) or nothing, the segment itself coming
+as a file descriptor with the control lane's answer (one segment per tenant: auth on).
+A segment that came as a descriptor is sparse (it has pages only where its tenant's
+blocks are), so a client never faults all of it in. Layout: a 4 KiB header, then the
+data area that tier offsets are relative to.
 
     magic    8 bytes  b"KVSTSEG1"
     token   16 bytes  random; returned by the daemon over RPC, so a client proves it
@@ -80,28 +84,35 @@ class MappedSegment:
 
 
 class AttachedSegment(MappedSegment):
-    """Another process's segment, mapped by path; read-write so a client can fill slots
-    it was handed. Checks the magic and the token the owner announced.
+    """Another process's segment, mapped by path or from a descriptor `fd` (which this
+    takes: it is closed once mapped); read-write so a client can fill slots it was
+    handed. Checks the magic and the token the owner announced.
 
     Each process maps pages into its own page tables on first touch, so an attached
     mapping is slow until populated too; `populate_in_background` does that without
-    delaying the caller."""
+    delaying the caller (never for a sparse segment: `sparse`)."""
 
-    def __init__(self, path: str, token: bytes) -> None:
-        self.path = path
+    def __init__(self, path: str, token: bytes, fd: int | None = None) -> None:
+        self.path = path or "(a descriptor from the daemon)"
+        self.sparse = fd is not None
         self._stop = threading.Event()
         self._populator: threading.Thread | None = None
-        fd = os.open(path, os.O_RDWR)
+        if fd is None:
+            fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
             self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self._view = memoryview(self._map)
-        header = read_header(self._view)
+        try:
+            header = read_header(self._view)
+        except (ValueError, struct.error):
+            self.close()
+            raise
         if header.token != token:
             self.close()
-            raise ValueError(f"segment {path} belongs to another daemon (token mismatch)")
+            raise ValueError(f"segment {self.path} belongs to another daemon (token mismatch)")
         self.data = self._view[header.data_offset : header.data_offset + header.capacity]
         self.capacity = header.capacity
 
@@ -113,6 +124,8 @@ class AttachedSegment(MappedSegment):
         return not self._populator.is_alive()
 
     def populate_in_background(self) -> None:
+        if self.sparse:
+            return  # faulting a sparse segment in would give it the whole capacity
         self._populator = threading.Thread(target=self.populate, args=(self._stop,), name="kvstore-populate",
                                            daemon=True)
         self._populator.start()
