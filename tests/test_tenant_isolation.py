@@ -322,9 +322,13 @@ def unprivileged(args: list[str]) -> list[str]:
     return [sys.executable, "-c", UNPRIVILEGED, *args]
 
 
+# Looks for `pattern` through the open files and mappings of the daemon (`daemon:PID`)
+# and of another tenant's client (`client:PID`), the daemon's memory, and segment files
+# by name (`dir:PATH`). A client's memory is left alone: processes that may ptrace each
+# other can read each other's memory whatever kvstore does.
 ATTACK = r"""
 import json, mmap, os, stat, sys
-pid, pattern, dirs = int(sys.argv[1]), bytes.fromhex(sys.argv[2]), sys.argv[3:]
+pattern, targets = bytes.fromhex(sys.argv[1]), [a.split(":", 1) for a in sys.argv[2:]]
 found, refused = [], []
 
 def scan(path, what):
@@ -344,43 +348,65 @@ def scan(path, what):
     finally:
         os.close(fd)
 
-for sub in ("fd", "map_files"):
+def scan_process(pid, memory):
+    for sub in ("fd", "map_files"):
+        try:
+            names = os.listdir(f"/proc/{pid}/{sub}")
+        except OSError as exc:
+            refused.append(f"/proc/{pid}/{sub}: {exc.strerror}")
+            names = []
+        for name in names:
+            scan(f"/proc/{pid}/{sub}/{name}", f"/proc/{pid}/{sub}/{name}")
+    if not memory:
+        return
     try:
-        names = os.listdir(f"/proc/{pid}/{sub}")
+        with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+            for line in maps:
+                span, perms = line.split()[:2]
+                start, end = (int(x, 16) for x in span.split("-"))
+                if "r" not in perms or end - start > 1 << 30:
+                    continue
+                try:
+                    mem.seek(start)
+                    if mem.read(end - start).find(pattern) >= 0:
+                        found.append(f"/proc/{pid}/mem")
+                        break
+                except OSError:
+                    continue
     except OSError as exc:
-        refused.append(f"/proc/{pid}/{sub}: {exc.strerror}")
-        names = []
-    for name in names:
-        scan(f"/proc/{pid}/{sub}/{name}", f"/proc/{pid}/{sub}/{name}")
-try:
-    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-        for line in maps:
-            span, perms = line.split()[:2]
-            start, end = (int(x, 16) for x in span.split("-"))
-            if "r" not in perms or end - start > 1 << 30:
-                continue
-            try:
-                mem.seek(start)
-                if mem.read(end - start).find(pattern) >= 0:
-                    found.append(f"/proc/{pid}/mem")
-                    break
-            except OSError:
-                continue
-except OSError as exc:
-    refused.append(f"/proc/{pid}/mem: {exc.strerror}")
-for d in dirs:
-    for name in os.listdir(d):
-        if name.startswith("kvstore-"):
-            scan(os.path.join(d, name), os.path.join(d, name))
+        refused.append(f"/proc/{pid}/mem: {exc.strerror}")
+
+for kind, arg in targets:
+    if kind == "dir":
+        for name in os.listdir(arg):
+            if name.startswith("kvstore-"):
+                scan(os.path.join(arg, name), os.path.join(arg, name))
+    else:
+        scan_process(int(arg), memory=kind == "daemon")
 print(json.dumps({"found": found, "refused": refused}))
+"""
+
+
+# A tenant's engine: puts a block through shared memory, says so, and holds its mapping
+# until its stdin closes.
+TENANT_CLIENT = r"""
+import sys
+from kvstore.client import Client, KVLayout
+target, token, block = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3])
+layout = KVLayout(model="test/tiny", dtype="float16", num_layers=2, num_kv_heads=2, head_dim=16, block_size_tokens=4)
+with Client(target, token=token, data_plane="local") as kv:
+    assert kv.put(layout, list(range(100, 104)), [block]).stored == 1
+    print("ready", flush=True)
+    sys.stdin.read()
 """
 
 
 @pytest.mark.e2e
 def test_a_process_of_the_daemons_uid_cannot_open_a_tenants_segment(layout):
-    """A real daemon with auth on; a tenant puts through shared memory; another process of
-    the daemon's uid, without privileges, tries the daemon's /proc (open files, mappings,
-    memory) and the segment files by name: none yields the tenant's bytes."""
+    """A real daemon with auth on, and tenants putting through shared memory (one of them
+    an engine process of its own); another process of the daemon's uid, without
+    privileges, tries the daemon's /proc (open files, mappings, memory), the engine's open
+    files and mappings, and the segment files by name: none yields a tenant's bytes."""
     work = Path(tempfile.mkdtemp(prefix="kvstore-iso-"))
     try:
         tokens = Tenants(work / "tokens.toml")
@@ -406,17 +432,26 @@ def test_a_process_of_the_daemons_uid_cannot_open_a_tenants_segment(layout):
                 except Exception:
                     assert time.monotonic() < deadline, "the daemon did not start"
                     time.sleep(0.1)
-            secret = os.urandom(layout.bytes_per_block)
-            with Client(target, token=tokens.tokens["alpha"], data_plane="local") as kv:
-                assert kv.data_plane_in_use == "local"
-                assert kv.put(layout, list(range(8)), [secret, secret[::-1]]).stored == 2
-                attack = subprocess.run(
-                    unprivileged([sys.executable, "-c", ATTACK, str(daemon.pid), secret.hex(), str(shm), "/dev/shm"]),
-                    env=env, capture_output=True, text=True, timeout=120)
-                assert attack.returncode == 0, attack.stderr
-                report = json.loads(attack.stdout)
-                assert report["found"] == [], f"another process of the daemon's uid read it through {report['found']}"
-                assert [bytes(b) for b in kv.fetch(layout, list(range(8)))] == [secret, secret[::-1]]
+            secret, theirs = os.urandom(layout.bytes_per_block), os.urandom(layout.bytes_per_block)
+            engine = subprocess.Popen(unprivileged([sys.executable, "-c", TENANT_CLIENT, target, tokens.tokens["gamma"],
+                                                    theirs.hex()]), env=env, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+            try:
+                assert engine.stdout is not None and engine.stdout.readline().strip() == "ready"
+                with Client(target, token=tokens.tokens["alpha"], data_plane="local") as kv:
+                    assert kv.data_plane_in_use == "local"
+                    assert kv.put(layout, list(range(8)), [secret, secret[::-1]]).stored == 2
+                    for pattern in (secret, theirs):
+                        attack = subprocess.run(
+                            unprivileged([sys.executable, "-c", ATTACK, pattern.hex(), f"daemon:{daemon.pid}",
+                                          f"client:{engine.pid}", f"dir:{shm}", "dir:/dev/shm"]),
+                            env=env, capture_output=True, text=True, timeout=120)
+                        assert attack.returncode == 0, attack.stderr
+                        found = json.loads(attack.stdout)["found"]
+                        assert found == [], f"another process of the daemon's uid read a tenant's block through {found}"
+                    assert [bytes(b) for b in kv.fetch(layout, list(range(8)))] == [secret, secret[::-1]]
+            finally:
+                engine.communicate(timeout=60)
         finally:
             daemon.send_signal(signal.SIGTERM)
             try:
