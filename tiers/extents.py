@@ -69,7 +69,8 @@ class ExtentAllocator:
                     del by_start[s]
                     del by_end[s + size]
                     out.append(s)
-                    if self._starts is not None:
+                if self._starts is not None:
+                    for _, s in by_size[i:j]:
                         del self._starts[bisect.bisect_left(self._starts, s)]
                 del by_size[i:j]
                 continue
