@@ -10,7 +10,7 @@ NATIVE_SOURCES := $(wildcard kvstore/_native/*.c kvstore/_native/*.h)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: all setup stubs run test test-gpu bench bench-deps bench-peers bench-tiers bench-scale soak fuzz lint clean
+.PHONY: all setup stubs run test etcd test-gpu bench bench-deps bench-peers bench-tiers bench-scale bench-cluster soak fuzz lint clean
 
 all: setup
 
@@ -32,8 +32,12 @@ kvstore/v1/%_pb2.py: proto/kvstore/v1/%.proto $(VENV)/.installed
 run: setup
 	$(PY) server.py $(ARGS)
 
-test: setup
+test: setup etcd
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The cluster tests run a real etcd (Debian's etcd-server); installed once, quick after.
+etcd:
+	@command -v etcd >/dev/null || bash scripts/install-etcd.sh
 
 # Benchmarks: our figures next to ceilings and peers measured in the same run.
 # QUICK=1 runs the reduced matrix (1 MiB blocks only). JSON results land in
@@ -53,6 +57,14 @@ BENCH_SCALE_N ?= $(if $(QUICK),50k,200k)
 BENCH_SCALE_SSD_RECORDS ?= $(if $(QUICK),20k,100k)
 bench-scale: setup
 	$(PY) bench/scale.py --n $(SCALE_N) --ssd-records $(SCALE_SSD_RECORDS)
+
+# Cluster, part 1 ("what a pool is worth"): the conversation trace through N = 3 and 8
+# engines, random and session-sticky routing, as islands, as a pool placed by
+# kvstore.cluster.placement, and as one shared cache of the same total capacity, on
+# metadata-only stores; see docs/cluster.md. CPU only: about 10 CPU-minutes over 2 processes.
+CLUSTER_TRACE ?= ../shared/traces/conversation_trace.jsonl
+bench-cluster: setup
+	$(PY) bench/cluster.py $(CLUSTER_TRACE)
 
 # `make bench` plus the peers measured in the same run: Mooncake Store (co-located
 # client, batched zero-copy) and LMCache (multiprocess server), from a venv of their own
@@ -88,12 +100,12 @@ SOAK_SSD ?= 96MiB
 soak: setup
 	$(PY) bench/soak.py --seconds $(SOAK_S) --clients $(SOAK_CLIENTS) --ssd-capacity $(SOAK_SSD)
 
-# Property tests (tests/test_fuzz.py) with a larger budget than `make test`: FUZZ_EXAMPLES
+# Property tests (tests/core/test_fuzz.py) with a larger budget than `make test`: FUZZ_EXAMPLES
 # state-machine runs against the in-process store, a tenth of that through the SDK
 # against a daemon. Prints how many ran.
 FUZZ_EXAMPLES ?= 1000
 fuzz: setup
-	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/test_fuzz.py -s -q $(PYTEST_ARGS)
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/core/test_fuzz.py -s -q $(PYTEST_ARGS)
 
 # Redis (the peer) comes from Debian; the Python clients from the bench extra.
 bench-deps: $(VENV)/.bench

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from kvstore.client._peer import check_unix_target
 from kvstore.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
@@ -161,6 +162,7 @@ def _warn_plaintext(target: str, security: Security) -> None:
 
 
 def sync_channel(target: str, security: Security, options: Sequence[tuple[str, Any]]) -> grpc.Channel:
+    check_unix_target(target)
     _warn_plaintext(target, security)
     if security.tls and not target.startswith("unix:"):  # the daemon's sockets are plain
         channel = grpc.secure_channel(target, security.credentials(), options=list(options))
@@ -172,6 +174,7 @@ def sync_channel(target: str, security: Security, options: Sequence[tuple[str, A
 
 
 def aio_channel(target: str, security: Security, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
+    check_unix_target(target)
     _warn_plaintext(target, security)
     interceptors: list[grpc.aio.ClientInterceptor] | None = None
     if security.token:

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from kvstore.client import Client
@@ -76,11 +76,14 @@ class DaemonProc:
         self.popen.wait(START_TIMEOUT_S)
 
 
-def start(args: Sequence[str], sock: Path, log: Path, pid_file: Path | None = None) -> DaemonProc:
-    """Run `args` (a daemon, or a wrapper that execs one) and wait until it answers on `sock`."""
+def start(args: Sequence[str], sock: Path, log: Path, pid_file: Path | None = None, *,
+          env: Mapping[str, str] | None = None, preexec_fn: Callable[[], None] | None = None) -> DaemonProc:
+    """Run `args` (a daemon, or a wrapper that execs one) and wait until it answers on `sock`.
+    `env` adds variables to the clean environment; `preexec_fn` runs in the child before exec."""
     fh = open(log, "ab")
     try:
-        popen = subprocess.Popen(list(args), env=clean_env(), stdout=subprocess.DEVNULL, stderr=fh)
+        popen = subprocess.Popen(list(args), env={**clean_env(), **(env or {})}, stdout=subprocess.DEVNULL, stderr=fh,
+                                 preexec_fn=preexec_fn)
     finally:
         fh.close()
     proc = DaemonProc(popen, f"unix:{sock}", log, pid_file)

@@ -980,7 +980,8 @@ class SsdTier(Tier):
             return None
         except OSError as exc:
             logger.warning("ssd snapshot %s unreadable (%s); scanning the log instead", path, exc)
-            os.unlink(path)
+            if not os.path.isdir(path):  # a directory in its place is the operator's, not ours
+                os.unlink(path)
             return None
         # From here on the log changes; a stale snapshot must never be read again.
         os.unlink(path)
@@ -1036,7 +1037,11 @@ class SsdTier(Tier):
             fh.write(_SNAP_SUM.pack(xxhash.xxh3_64_intdigest(body)))
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, self._snapshot_path())
+        try:
+            os.replace(tmp, self._snapshot_path())
+        except OSError:
+            os.unlink(tmp)
+            raise
 
     # ------------------------------------------------------------- lifecycle
 

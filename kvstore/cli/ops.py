@@ -466,28 +466,41 @@ class _ProgressBar:
 
 def cmd_export(args: argparse.Namespace) -> int:
     import os
+    import tempfile
 
     from kvstore.client.transfer import export_namespace
 
-    tmp = f"{args.file}.partial"
-    try:
-        # 0600: KV blocks can reveal the prompts they were computed from.
-        out = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
-    except OSError as exc:
-        print(f"kvstore export: cannot write {tmp}: {exc.strerror}", file=sys.stderr)
+    dest = args.file
+    if os.path.isdir(dest):
+        print(f"kvstore export: {dest} is a directory; name the file to write, e.g. "
+              f"{os.path.join(dest, args.namespace.hex() + '.kvx')}", file=sys.stderr)
         return EXIT_ERROR
-    with open_admin(args) as admin, _ProgressBar("export") as bar:
-        try:
+    try:
+        # A new file of a random name, never one already there (O_CREAT | O_EXCL |
+        # O_NOFOLLOW), mode 0600: in a directory others may write (/tmp) a fixed name
+        # could be a link planted to make this write elsewhere, and KV blocks can
+        # reveal the prompts they were computed from. Renamed into place when whole.
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dest)}.", suffix=".partial",
+                                   dir=os.path.dirname(os.path.abspath(dest)))
+    except OSError as exc:
+        print(f"kvstore export: cannot write {dest}: {exc.strerror}", file=sys.stderr)
+        return EXIT_ERROR
+    out = os.fdopen(fd, "wb")
+    done = False
+    try:
+        with open_admin(args) as admin, _ProgressBar("export") as bar:
             with out:
                 r = export_namespace(admin, args.namespace, out, bar.advance, bar.total)
-            os.replace(tmp, args.file)  # a file under the final name is always complete
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            os.replace(tmp, dest)  # a file under the final name is always complete
+            done = True
+    finally:
+        out.close()
+        if not done:
+            os.unlink(tmp)
     note = f" ({r.skipped} went away during the export)" if r.skipped else ""
-    emit(args, {"file": args.file, "namespace_id": args.namespace.hex(), "blocks": r.blocks, "exported_bytes": r.exported_bytes,
+    emit(args, {"file": dest, "namespace_id": args.namespace.hex(), "blocks": r.blocks, "exported_bytes": r.exported_bytes,
                 "skipped": r.skipped},
-         f"exported {r.blocks} blocks, {human_bytes(r.exported_bytes)} of namespace {args.namespace.hex()} to {args.file}{note}")
+         f"exported {r.blocks} blocks, {human_bytes(r.exported_bytes)} of namespace {args.namespace.hex()} to {dest}{note}")
     return EXIT_OK
 
 

@@ -29,7 +29,7 @@ time them).
 
 Primitives: `read_verified`, `allocate`/`allocate_put`, `evict_some`/`evict_one`,
 `demote`, `ensure_inclusive_copy`, `copy_into`, `raise_into`, `promote_on_hit`,
-`quota_room`, `landing_tiers`, `space_of`; and the two operator-facing loops over them,
+`quota_room`, `landing_tiers`, `space_of`/`space_of_tenant`; and the two operator-facing loops over them,
 `prefetch` and `evict_bytes`.
 """
 
@@ -92,6 +92,11 @@ class Placement:
     def space_of(self, namespace_id: bytes) -> int:
         """The space blocks of `namespace_id` are allocated in (0 where no tier has spaces)."""
         return self._registry.space(namespace_id) if self._spaced else 0
+
+    def space_of_tenant(self, tenant: str) -> int:
+        """The space a tenant's new blocks are allocated in (0 where no tier has spaces):
+        a put's namespace may be filed only when it publishes."""
+        return self._registry.space_of_tenant(tenant) if self._spaced else 0
 
     def landing_tiers(self) -> list[StoreTier]:
         if self._config.put_tier == "auto":

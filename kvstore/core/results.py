@@ -39,6 +39,8 @@ class StoreLimits:
     max_leases_per_tenant: int | None = None
     max_lease_ms: int = 600_000
     default_pin_ms: int = 30_000
+    # A namespace that held no block this long is forgotten (None: never).
+    namespace_grace_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.errors import ConfigError, PermissionDenied, ResourceExhausted, Unauthenticated
+from kvstore.pathsafety import foreign_component, open_directory
 from kvstore.tiers import TIER_KINDS
 from kvstore.units import parse_size
 
@@ -166,8 +167,10 @@ class TokenTable:
 
 
 def check_file_mode(path: str) -> None:
-    """Refuse a token file that any user may read or write, or its group may write (a
-    writable file is a way in); warn when its group may read it (what Kubernetes makes
+    """Refuse a token file that another user could change: one owned by neither the
+    daemon's uid nor root, in (or under) a directory another user owns or may write
+    (unless sticky, as /tmp), or that any user may read or write or its group may write
+    (a writable file is a way in). Warn when its group may read it (what Kubernetes makes
     of a Secret mounted with fsGroup)."""
     try:
         st = os.stat(path)
@@ -175,6 +178,26 @@ def check_file_mode(path: str) -> None:
         raise ConfigError(f"auth_token_file {path} does not exist; create it with `kvstore token new`") from None
     except OSError as exc:
         raise ConfigError(f"cannot read auth_token_file {path}: {exc.strerror}") from None
+    uid = os.geteuid()
+    if st.st_uid not in (uid, 0):
+        raise ConfigError(
+            f"auth_token_file {path} is owned by uid {st.st_uid}, not this daemon's uid {uid} or root, so that user "
+            f"could grant itself any role; run `chown {uid} {path}` (as root) if its contents are yours"
+        )
+    foreign = foreign_component(path, uid)
+    if foreign is not None:
+        raise ConfigError(
+            f"auth_token_file {path}: {foreign.path} is owned by uid {foreign.uid}, not this daemon's uid {uid} or "
+            "root, so that user could put another file in its place; keep the token file in a directory of "
+            "root's or the daemon's user's"
+        )
+    parent = open_directory(path)
+    if parent is not None:
+        raise ConfigError(
+            f"auth_token_file {path} is under {parent}, which its group or other users may write (and which is not "
+            "sticky), so they could put another file in its place (an older one, with a revoked token); keep it in "
+            f"a directory only root or the daemon's user may write, or `chmod g-w,o-w {parent}`"
+        )
     mode = stat.S_IMODE(st.st_mode)
     if mode & (stat.S_IRWXO | stat.S_IWGRP):
         raise ConfigError(

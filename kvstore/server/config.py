@@ -88,6 +88,11 @@ FIELDS: tuple[Field, ...] = (
     Field("host_low_watermark", "float", 0.85, "host use fraction where demotion stops", lo=0.01, hi=1.0),
     Field("migration_batch_blocks", "int", 64, "most blocks one migration step moves", lo=1, hi=1 << 20),
     Field("max_blocks_per_call", "int", 4096, "most blocks one request may name", lo=1, hi=1 << 20, runtime=True),
+    Field("max_put_reserve_bytes", "size", 64 << 20, "most bytes of slots one Put stream holds ahead of the chunks "
+          "it has sent (at least one block); the rest is reserved as its chunks arrive", lo=1 << 16, hi=1 << 40,
+          metavar="SIZE"),
+    Field("put_idle_timeout_s", "float", 30.0, "a Put stream that sends nothing for this long is rolled back, and so "
+          "is a local put (LocalPut, DevicePut) or slot reservation not committed within it", lo=0.1, hi=3600),
     Field("max_message_bytes", "size", 16 << 20, "largest gRPC message accepted or sent", lo=1 << 20, hi=1 << 30,
           metavar="SIZE"),
     Field("chunk_bytes", "size", 1 << 20, "payload bytes per streamed message", lo=4096, hi=1 << 30, metavar="SIZE"),
@@ -98,6 +103,9 @@ FIELDS: tuple[Field, ...] = (
     Field("max_leases_per_tenant", "int", 16_384, "with a token file: most leases (lookup leases, pins, fetch "
           "leases) one tenant may hold at once", lo=1, hi=1 << 24),
     Field("max_namespaces", "int", 4096, "most namespaces (distinct layouts) held at once", lo=1, hi=1 << 20),
+    Field("namespace_grace_s", "float", 300.0, "a namespace that holds no block (all evicted, deleted or flushed) "
+          "is forgotten after this long; a request naming it by id then gets NOT_FOUND, one sending its layout "
+          "registers it again with its next put", lo=0, hi=7 * 86_400),
     Field("max_namespaces_per_tenant", "int", 1024, "with a token file: most namespaces one tenant may hold",
           lo=1, hi=1 << 20),
     Field("checksum_threads", "int", 2, "threads hashing large batches off the event loop", lo=1, hi=64),
@@ -131,6 +139,18 @@ FIELDS: tuple[Field, ...] = (
           runtime=True),
     Field("max_block_bytes", "size", 256 << 20, "largest block payload a layout may describe", lo=1 << 10,
           hi=1 << 31, metavar="SIZE"),
+    Field("unix_socket_shared_dir", "bool", False, "accept a Unix socket directory that its group or other users "
+          "may write (a Kubernetes emptyDir, shared by containers that all run as one uid); every user who may "
+          "write it could then replace the socket (see SECURITY.md)"),
+    Field("max_connections", "int", 4096, "most client connections each listener (each gRPC address, each "
+          "control lane) holds at once; lowered at start to fit the open-file limit; more are closed at once",
+          lo=1, hi=1 << 20),
+    Field("handshake_timeout_s", "float", 10.0, "a new connection that has not finished its handshake (HTTP/2 "
+          "preface, TLS, the control lane's hello) within this many seconds is closed", lo=0.1, hi=600),
+    Field("connection_idle_s", "float", 300.0, "a client connection that carried no call for this many seconds "
+          "is closed (clients reconnect on their next call)", lo=1, hi=86_400),
+    Field("keepalive_s", "float", 60.0, "a gRPC connection with calls open that sent nothing for this many "
+          "seconds is pinged, and closed when the ping goes unanswered (a client that vanished)", lo=1, hi=86_400),
 )
 
 # Settings that were replaced, with what to use instead.
@@ -184,6 +204,8 @@ class Config:
     host_low_watermark: float
     migration_batch_blocks: int
     max_blocks_per_call: int
+    max_put_reserve_bytes: int
+    put_idle_timeout_s: float
     max_message_bytes: int
     chunk_bytes: int
     max_lease_ms: int
@@ -191,6 +213,7 @@ class Config:
     max_leases: int
     max_leases_per_tenant: int
     max_namespaces: int
+    namespace_grace_s: float
     max_namespaces_per_tenant: int
     checksum_threads: int
     grace_s: float
@@ -209,6 +232,11 @@ class Config:
     max_streams_per_connection: int
     max_tokens_per_call: int
     max_block_bytes: int
+    unix_socket_shared_dir: bool
+    max_connections: int
+    handshake_timeout_s: float
+    connection_idle_s: float
+    keepalive_s: float
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -8,9 +8,9 @@ control lanes, and the background tasks. Whatever fails, what was built is torn 
 reverse, and `stop` unwinds the same stack. It refuses to start, with a message naming
 the setting to change, on a bad address, an address in use (SO_REUSEPORT is turned off
 so a second daemon cannot silently share a port), a non-loopback TCP address without a
-token file (or without TLS unless `insecure_remote`), a token file other users can
-read, or a capacity larger than the machine can give (`kvstore.server.listen`,
-`kvstore.server.host_resources`).
+token file (or without TLS unless `insecure_remote`), a socket directory another user
+owns or may write, a token file other users can read, or a capacity larger than the
+machine can give (`kvstore.server.listen`, `kvstore.server.host_resources`).
 
 On SIGTERM/SIGINT: health turns NOT_SERVING, event streams end, new calls are refused
 (except commits of local puts whose bytes clients are copying), calls in flight and
@@ -44,9 +44,16 @@ from kvstore.core.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, p
 from kvstore.core.store import MigrationConfig, Store, StoreLimits, StoreTier, WritePolicy
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.laneproto import lane_path
+from kvstore.logs import rate_limited
 from kvstore.server.admin import AdminServicer
 from kvstore.server.auth import Authenticator, TokenTable, check_unix_tenant, parse_token_file
 from kvstore.server.config import Config
+from kvstore.server.connections import (
+    ConnectionLimits,
+    fit_connection_limits,
+    grpc_server_options,
+    raise_open_file_limit,
+)
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.events import EventBus
 from kvstore.server.host_resources import GcFreezer, check_disk_capacity, resolve_host_capacity
@@ -86,6 +93,10 @@ AFTER_DRAIN_GRACE_S = 0.5
 
 LEASE_SWEEP_S = 1.0
 PR_SET_DUMPABLE = 4
+# Loggers whose records a flood of connections repeats (a refused peer, an accept out of
+# descriptors): one line per interval, with a count of the rest.
+REPEATING_LOGGERS = ("asyncio", "grpc._cython.cygrpc", "kvstore.server.lane")
+LOG_REPEAT_INTERVAL_S = 10.0
 # sockaddr_un.sun_path: the longest Unix socket path, with its terminating NUL.
 UNIX_PATH_BYTES = 108
 
@@ -118,6 +129,7 @@ class Daemon:
         self.bound_lanes: list[str] = []  # socket paths of the local control lanes
         self.lanes: list[LaneServer] = []
         self.metrics_address = ""  # HOST:PORT once the endpoint is up; empty when off
+        self.connection_limits: ConnectionLimits | None = None  # fitted to the open-file limit at start
         self.gc_freezer = GcFreezer()
         self._recovered_blocks = 0
         self._executor: ThreadPoolExecutor | None = None
@@ -180,6 +192,8 @@ class Daemon:
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         cfg = self.config
+        stack.enter_context(rate_limited(REPEATING_LOGGERS, LOG_REPEAT_INTERVAL_S))
+        raise_open_file_limit()
         shm_dir = cfg.shm_dir or default_shm_dir()
         remove_stale_segments(shm_dir)
         host_capacity = resolve_host_capacity(cfg.host_capacity, shm_dir)
@@ -204,6 +218,7 @@ class Daemon:
             limits=StoreLimits(
                 max_blocks_per_call=cfg.max_blocks_per_call,
                 max_namespaces=cfg.max_namespaces,
+                namespace_grace_s=cfg.namespace_grace_s,
                 max_leases=cfg.max_leases,
                 # Without a token file every caller is the one default tenant: max_leases is the cap.
                 max_leases_per_tenant=cfg.max_leases_per_tenant if self.tokens is not None else None,
@@ -223,7 +238,7 @@ class Daemon:
         if self.tokens is not None:
             store.tenancy.quotas = self.tokens.quotas()
         self.runtime = RuntimeConfig(cfg, store, self.events)
-        self._local_puts = LocalPuts()
+        self._local_puts = LocalPuts(ttl_ms=round(cfg.put_idle_timeout_s * 1000))
         stack.callback(self._local_puts.abort_all)  # a put left open rolls back before the store closes
         await self._start_metrics(stack)
         # The host tier is not the first one when an HBM tier sits above it.
@@ -253,6 +268,9 @@ class Daemon:
         servicer, which the lanes serve too."""
         cfg = self.config
         assert self.runtime is not None and self._local_puts is not None
+        # Fitted now that the tiers hold their files: what is left is for connections.
+        lanes = sum(a.kind == "unix" for a in self.addresses) if cfg.local_lane else 0
+        limits = self.connection_limits = fit_connection_limits(cfg, len(self.addresses) + lanes)
         server = grpc.aio.server(
             interceptors=[PipelineInterceptor(self.pipeline)],
             options=[
@@ -260,6 +278,7 @@ class Daemon:
                 ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
+                *grpc_server_options(limits),
             ],
         )
         auth_on = self.tokens is not None
@@ -270,7 +289,7 @@ class Daemon:
         self.runtime.register("max_tokens_per_call", lambda value: setattr(resolver, "max_tokens_per_call", value))
         local = LocalPlane(store, resolver, host_tier, self._local_puts)
         servicer = KVStoreServicer(store, resolver, local, DevicePlane(store, local, self._local_plane_tenants),
-                                   cfg.chunk_bytes)
+                                   cfg.chunk_bytes, cfg.max_put_reserve_bytes, cfg.put_idle_timeout_s)
         add_kvstore_servicer(servicer, server)
         admin_pb2_grpc.add_AdminServicer_to_server(
             AdminServicer(store, self.runtime, self.events, absent, lambda: self.auth.in_flight), server
@@ -297,7 +316,7 @@ class Daemon:
         stack.callback(self._remove_unix_sockets)  # once the server has stopped
         stack.push_async_callback(self._stop_grpc, server)
         for addr in self.addresses:
-            self.bound.append(bind(server, addr, self._tls))
+            self.bound.append(bind(server, addr, self._tls, self.config.unix_socket_shared_dir))
             if addr.kind == "unix":
                 self._unix_paths.append(addr.path)
         await server.start()
@@ -344,8 +363,12 @@ class Daemon:
                 logger.warning("no local control lane for %s: the path %s is too long for a Unix socket",
                                addr.path, path)
                 continue
-            prepare_unix_path(path)
-            lane = LaneServer(servicer, self.pipeline, self.config.max_message_bytes, deferral=servicer.store.deferral)
+            prepare_unix_path(path, self.config.unix_socket_shared_dir)
+            limits = self.connection_limits
+            assert limits is not None
+            lane = LaneServer(servicer, self.pipeline, self.config.max_message_bytes, limits.max_connections,
+                              deferral=servicer.store.deferral, hello_timeout_s=limits.handshake_timeout_s,
+                              idle_s=limits.idle_s)
             try:
                 await lane.start(path)
             except OSError as exc:
@@ -425,6 +448,7 @@ class Daemon:
             await asyncio.sleep(LEASE_SWEEP_S)
             try:
                 self.store.expire_leases()
+                self.store.expire_namespaces()
                 if self._local_puts is not None:
                     self._local_puts.expire()
                 self.gc_freezer.maybe_freeze(self.store.counters.blocks_stored + self._recovered_blocks,

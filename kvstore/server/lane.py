@@ -29,6 +29,13 @@ segment. The client's first frame carries its bearer token; the tenant is
 authenticated then and again, against the current token table, on every call (so a
 token revoked by a reload stops working on open connections too).
 
+How many, and for how long (`kvstore.server.connections`): the server accepts on its
+own (asyncio's accept loop answers a descriptor shortage by logging and retrying at
+once, many times over); it holds at most `max_connections`, dropping the oldest one
+that has not said hello to make room for a new one, and refuses the rest; a connection
+that sends no hello within `hello_timeout_s`, or nothing for `idle_s`, is closed; when
+accept() runs out of descriptors, accepting pauses for `ACCEPT_PAUSE_S`.
+
 File descriptors: a Unix socket can carry them, gRPC cannot. A `LocalSegment` call
 here runs with `PASSED_FDS` set to a list; the handler may put descriptors in it
 (a tenant's own shared-memory segment, with auth on), and they go to the client with
@@ -38,6 +45,7 @@ the answer's first byte (SCM_RIGHTS). Over gRPC the list is None.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import secrets
@@ -70,7 +78,14 @@ from kvstore.server.pipeline import CallSteps, Pipeline
 logger = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 5.0
+IDLE_S = 300.0
 MAX_CONNECTIONS = 1024
+LISTEN_BACKLOG = 128
+# Connections taken per wake-up of the listening socket, so a flood cannot hold the loop.
+ACCEPTS_PER_WAKEUP = 64
+# accept() failures that a pause, not a retry, can cure.
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+ACCEPT_PAUSE_S = 1.0
 # Room offered at least to each read of a connection's socket; a buffer grown past
 # RECEIVE_KEEP for a large frame is dropped once emptied.
 RECEIVE_CHUNK = 1 << 16
@@ -108,13 +123,16 @@ class LaneServer:
     """Serves the KVStore servicer's unary methods on one Unix socket."""
 
     def __init__(self, servicer: Any, pipeline: Pipeline, max_frame_bytes: int,
-                 max_connections: int = MAX_CONNECTIONS, deferral: PolicyDeferral | None = None) -> None:
+                 max_connections: int = MAX_CONNECTIONS, deferral: PolicyDeferral | None = None,
+                 hello_timeout_s: float = HELLO_TIMEOUT_S, idle_s: float = IDLE_S) -> None:
         self.auth = pipeline.auth
         # The store's deferred policy calls (a lookup's touch), applied here once each
         # answer is written, rather than in a turn of the event loop of their own.
         self.deferral = deferral if deferral is not None else PolicyDeferral()
         self.max_frame_bytes = max_frame_bytes
         self.max_connections = max_connections
+        self.hello_timeout_s = hello_timeout_s
+        self.idle_s = idle_s
         self.uid = os.getuid()
         self.path = ""
         self.calls = 0
@@ -123,8 +141,16 @@ class LaneServer:
         self._id_prefix = f"{secrets.token_hex(3)}-"
         self._methods = {mid: _Method(name, getattr(servicer, name), pipeline.bind(method_path(name)))
                          for name, mid in METHOD_IDS.items()}
-        self._server: asyncio.AbstractServer | None = None
+        self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._connections: set[_Connection] = set()
+        # Connections that have not said hello yet, oldest first: the first to go when
+        # a new one needs room.
+        self._unhelloed: dict[_Connection, None] = {}
+        # Accepted sockets whose transport is being made.
+        self._opening: set[asyncio.Task[Any]] = set()
+        self._resume: asyncio.TimerHandle | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
 
     async def start(self, path: str) -> None:
         """Listen on `path` (a stale socket there must already be cleared). The socket is
@@ -134,22 +160,34 @@ class LaneServer:
             sock.bind(path)
             try:
                 os.chmod(path, 0o600)
-                loop = asyncio.get_running_loop()
-                self._server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
+                sock.listen(LISTEN_BACKLOG)
+                sock.setblocking(False)
+                loop = self._loop = asyncio.get_running_loop()
+                loop.add_reader(sock.fileno(), self._accept)
             except BaseException:
                 os.unlink(path)
                 raise
         except BaseException:
             sock.close()
             raise
+        self._sock = sock
         self.path = path
+        self._sweeper = loop.call_later(self.idle_s, self._sweep)
 
     async def close(self) -> None:
         """Stop listening, end every connection and remove the socket file."""
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        pending = [c.task for c in self._connections if c.task is not None]
+        for handle in (self._resume, self._sweeper):
+            if handle is not None:
+                handle.cancel()
+        self._resume = self._sweeper = None
+        if self._sock is not None:
+            assert self._loop is not None
+            self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+        for opening in self._opening:
+            opening.cancel()
+        pending = [c.task for c in self._connections if c.task is not None] + list(self._opening)
         for conn in list(self._connections):
             conn.abort()
         for task in pending:
@@ -157,6 +195,7 @@ class LaneServer:
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
         self._connections.clear()
+        self._unhelloed.clear()
         if self.path:
             try:
                 os.unlink(self.path)
@@ -164,16 +203,87 @@ class LaneServer:
                 pass
             self.path = ""
 
+    # --- accepting
+
+    def _accept(self) -> None:
+        """The listening socket is readable: take what is waiting, a bounded number."""
+        assert self._sock is not None
+        for _ in range(ACCEPTS_PER_WAKEUP):
+            try:
+                sock, _addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:
+                # Retrying at once would fail the same way, as fast as the loop turns:
+                # pause instead, while connections end and give descriptors back.
+                hint = (" (raise the open-file limit, or lower max_connections)"
+                        if exc.errno in _OUT_OF_RESOURCES else "")
+                logger.error("control lane %s cannot accept connections (%s); accepting again in %gs%s", self.path,
+                             exc.strerror or exc, ACCEPT_PAUSE_S, hint)
+                self._pause_accepting()
+                return
+            self._admit(sock)
+
+    def _pause_accepting(self) -> None:
+        assert self._sock is not None and self._loop is not None
+        self._loop.remove_reader(self._sock.fileno())
+        self._resume = self._loop.call_later(ACCEPT_PAUSE_S, self._resume_accepting)
+
+    def _resume_accepting(self) -> None:
+        self._resume = None
+        if self._sock is not None and self._loop is not None:
+            self._loop.add_reader(self._sock.fileno(), self._accept)
+
+    def _admit(self, sock: socket.socket) -> None:
+        """Serve an accepted connection, or answer its refusal and hang up."""
+        try:
+            refusal = self.admit_peer(peer_uid(sock))
+        except OSError as exc:
+            sock.close()
+            logger.debug("lane connection lost before it was served: %s", exc)
+            return
+        if refusal is not None:
+            _refuse_socket(sock, refusal)
+            return
+        sock.setblocking(False)
+        assert self._loop is not None
+        task = self._loop.create_task(self._loop.connect_accepted_socket(lambda: _Connection(self), sock))
+        self._opening.add(task)
+        task.add_done_callback(self._opened)
+
+    def _opened(self, task: asyncio.Task[Any]) -> None:
+        self._opening.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("lane connection lost before it was served: %s", task.exception())
+
     def admit_peer(self, uid: int) -> KVStoreError | None:
-        """The refusal of a new connection from a process of `uid`, or None."""
+        """The refusal of a new connection from a process of `uid`, or None. At the cap,
+        the oldest connection that has not said hello yet makes room, if there is one."""
         if uid not in (self.uid, 0):
             logger.warning("lane connection from uid %d refused (only uid %d and root may connect)", uid, self.uid)
             return PermissionDenied(
                 f"the control lane admits only the daemon's uid ({self.uid}) and root; this process runs as uid {uid}")
-        if len(self._connections) > self.max_connections:
-            return ResourceExhausted(
-                f"the control lane has {self.max_connections} connections open, the most it serves; use gRPC")
+        if len(self._connections) + len(self._opening) >= self.max_connections:
+            if not self._unhelloed:
+                return ResourceExhausted(
+                    f"the control lane has {self.max_connections} connections open, the most it serves; use gRPC")
+            oldest = next(iter(self._unhelloed))
+            del self._unhelloed[oldest]
+            oldest.abort()
         return None
+
+    def _sweep(self) -> None:
+        """Close the connections that received nothing since the last sweep, one
+        `idle_s` ago, unless a call of theirs is running or being answered."""
+        for conn in list(self._connections):
+            if conn.active or conn.task is not None or conn.write_paused:
+                conn.active = False
+            else:
+                conn.close()
+        assert self._loop is not None
+        self._sweeper = self._loop.call_later(self.idle_s, self._sweep)
 
     def hello(self, payload: bytes) -> tuple[KVStoreError | None, str | None]:
         """A hello frame's payload: (the refusal to answer, or None; the client's token,
@@ -234,6 +344,18 @@ class LaneServer:
         return code.value[0], out
 
 
+def _refuse_socket(sock: socket.socket, exc: KVStoreError) -> None:
+    """Answer `exc` on a socket no transport owns yet (one small frame: it fits in the
+    socket's buffer, or is dropped), then close it."""
+    message = str(exc).encode()
+    try:
+        sock.setblocking(False)
+        sock.send(HEADER.pack(len(message), exc.code.value[0]) + message)
+    except OSError:
+        pass
+    sock.close()
+
+
 async def _finish(coro: Any, yielded: Any) -> Any:
     """Run on, as a task, a coroutine that `_Connection.dispatch` started by hand and that
     suspended on `yielded` (a future, or None for a bare yield).
@@ -288,6 +410,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.closing = False
         self.write_paused = False
         self.read_paused = False
+        self.active = True  # bytes arrived since the last idle sweep
         self._hello_timer: asyncio.TimerHandle | None = None
 
     # --- asyncio.Protocol
@@ -297,13 +420,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.transport = transport
         server = self.server
         server._connections.add(self)
+        server._unhelloed[self] = None
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
-        sock = transport.get_extra_info("socket")
-        refusal = server.admit_peer(peer_uid(sock) if sock is not None else -1)
-        if refusal is not None:
-            self.refuse(refusal)
-            return
-        self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self.abort)
+        self._hello_timer = asyncio.get_running_loop().call_later(server.hello_timeout_s, self.abort)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         """Where the next read lands: the free tail of the buffer, at least RECEIVE_CHUNK
@@ -329,6 +448,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.end += nbytes
+        self.active = True
         self.take_frames()
 
     def eof_received(self) -> bool | None:
@@ -339,6 +459,7 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
         self.server._connections.discard(self)
+        self.server._unhelloed.pop(self, None)
         if self._hello_timer is not None:
             self._hello_timer.cancel()
         if self.task is not None:
@@ -385,6 +506,7 @@ class _Connection(asyncio.BufferedProtocol):
                 self.refuse(refusal)
                 return
             self.admitted = True
+            server._unhelloed.pop(self, None)
             if self._hello_timer is not None:
                 self._hello_timer.cancel()
                 self._hello_timer = None
@@ -468,6 +590,12 @@ class _Connection(asyncio.BufferedProtocol):
         self.closing = True
         if self.transport is not None:
             self.transport.abort()
+
+    def close(self) -> None:
+        """Hang up once what was written has been sent."""
+        self.closing = True
+        if self.transport is not None:
+            self.transport.close()
 
     def _pause_reading(self) -> None:
         if not self.read_paused and self.transport is not None:

@@ -37,13 +37,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvstore.core.results import NamespaceInfo
 from kvstore.core.store import Store
 from kvstore.core.tier import Slot
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.server.auth import current_identity
 from kvstore.server.lane import PASSED_FDS
 from kvstore.server.local_puts import LocalPuts
-from kvstore.server.requests import RequestResolver, hash_fields, packed_reply
+from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
 from kvstore.shm import HEADER_BYTES
 from kvstore.tiers import HOST, HostTier, Segment, SpacedHostTier
 from kvstore.v1 import kvstore_pb2
@@ -88,6 +89,11 @@ class LocalPlane:
 
     def _caller_space(self) -> int:
         return self.store.registry.space_of_tenant(current_identity().tenant) if self._spaced is not None else 0
+
+    def _in_another_space(self, info: NamespaceInfo) -> bool:
+        """Whether a namespace's blocks live in another segment than the caller's (its
+        tenant is not the caller's: an admin naming it by id)."""
+        return self._spaced is not None and self.store.registry.space_of_tenant(info.tenant) != self._caller_space()
 
     def segment(self) -> kvstore_pb2.LocalSegmentResponse:
         if self._spaced is None:
@@ -139,12 +145,13 @@ class LocalPlane:
         """Reserve PENDING slots in `tier` for a co-located client to copy into."""
         resolver, store = self.resolver, self.store
         self.release_leases(request.release_lease_ids)
-        ns_id = resolver.namespace(request.header.namespace)
-        hashes, parent = resolver.put_keys(ns_id, request.header)
+        info = resolver.put_namespace(request.header.namespace)
+        ns_id = info.namespace_id
+        hashes, parent = resolver.put_keys(info, request.header)
         resolver.put_session(request.header)  # checked now; applied at commit
-        if tier == LOCAL_TIER and self._spaced is not None and store.registry.space(ns_id) != self._caller_space():
+        if tier == LOCAL_TIER and self._in_another_space(info):
             raise FailedPrecondition(ANOTHER_SPACE)
-        txn = store.begin_put(ns_id, hashes, parent, tier=tier)
+        txn = store.begin_put(info, hashes, parent, tier=tier)
         await txn.reserve()
         try:
             offsets = (self._client_offsets(txn.slots(), self._caller_space()) if tier == LOCAL_TIER
@@ -244,19 +251,19 @@ class LocalPlane:
         try:
             self._require_host()
             self.release_leases(request.release_lease_ids)
-            ns_id = resolver.namespace(header.namespace)
-            hashes, parent = resolver.put_keys(ns_id, header)
+            info = resolver.put_namespace(header.namespace)
+            hashes, parent = resolver.put_keys(info, header)
             session = resolver.put_session(header)
-            block_bytes = store.namespace(ns_id).layout.bytes_per_block
+            block_bytes = info.layout.bytes_per_block
             if block_bytes != res.block_bytes:
                 raise InvalidArgument(f"the reservation holds {res.block_bytes}-byte slots; this namespace's "
                                       f"blocks are {block_bytes} bytes; put them with LocalPut")
             if len(hashes) > len(res.slots):
                 raise InvalidArgument(f"a put of {len(hashes)} blocks into a reservation of {len(res.slots)} "
                                       "slots; put them with LocalPut")
-            if self._spaced is not None and store.registry.space(ns_id) != self._caller_space():
+            if self._in_another_space(info):
                 raise FailedPrecondition(ANOTHER_SPACE)
-            txn = store.begin_put(ns_id, hashes, parent, tier=LOCAL_TIER)
+            txn = store.begin_put(info, hashes, parent, tier=LOCAL_TIER)
         except BaseException:
             store.free_slots(res.slots)
             raise
@@ -291,7 +298,13 @@ class LocalPlane:
         """The leading blocks of the held prefix that sit in `tier`, by offset, under a lease."""
         resolver = self.resolver
         self.release_leases(request.release_lease_ids)
-        ns_id = resolver.namespace(request.namespace)
+        try:
+            ns_id = resolver.namespace(request.namespace)
+        except UnregisteredLayout as unknown:  # a miss: nothing is registered
+            resolver.check_keys(request.keys, unknown.layout)
+            return kvstore_pb2.LocalFetchResponse(block_bytes=unknown.layout.bytes_per_block,
+                                                  namespace_id=unknown.namespace_id,
+                                                  block_size_tokens=unknown.layout.block_size_tokens)
         chain = resolver.chain(ns_id, request.keys)
         result, offsets, checksums = self.store.lease_prefix(
             ns_id, chain, request.lease_ms or DEFAULT_LOCAL_LEASE_MS, tier=tier

@@ -13,7 +13,7 @@ tier's capacity in blocks (plus the block being admitted).
 Storage: the lists are `RowLists` over rows (of the store's block table when bound to
 it, else of a private key map), the ghosts `GhostList`s of 64-bit key fingerprints:
 no Python object per block. The order is exactly the OrderedDict order this policy
-kept before (tests/test_policy_rows.py replays random traces against that reference).
+kept before (tests/core/test_policy_rows.py replays random traces against that reference).
 
 Primitives: the four ordered lists, `p`, and the REPLACE rule in `victim`.
 """

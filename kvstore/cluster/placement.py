@@ -1,0 +1,314 @@
+"""Placement without a directory: which nodes own a run of blocks, by rendezvous hashing.
+
+Every node computes the same owners from the same member set, so no metadata server holds
+"where is block X" (ARCHITECTURE.md section 8). The pieces:
+
+* **Placement unit.** A chain is cut into units and each unit is placed as a whole, so a
+  long prompt touches few nodes. A unit is keyed by the hash of its first block, which
+  already encodes the whole prefix before it. Unit boundaries depend only on a block's
+  position in the chain: with `lead_in` (the default) the first units grow 1, 1, 2, 4, ...
+  blocks up to `unit_blocks` (S, default 4), then every unit is S blocks; without it
+  every unit is S blocks from position 0. The lead-in exists because many chains share their first
+  blocks (a system prompt): a unit that begins inside the shared part has the same key in
+  every chain, so all its non-shared blocks would land on one node. Short units at the
+  head bound that pile-up to the unit's length.
+* **Rendezvous (highest-random-weight) hashing.** A member's score for a unit is
+  ``xxh3_64(utf8(node_id) || 0x00 || unit_key)`` read as an unsigned 64-bit integer (seed
+  0); the owners are the members with the highest scores, ties broken by node id in byte
+  order. Deterministic across processes and languages (never Python's ``hash()``). When a
+  member comes or goes, only the units it wins or held move: about 1/N of them.
+* **Replication.** `replicas` (R) owners per unit, plus up to `max_extra_owners` more for
+  units a `Hotness` signal calls hot. The extra owners are the next members in the same
+  ranking, so nodes that disagree on a unit's hotness still agree on the order: one
+  that thinks a unit is hot asks a superset of the owners another one writes to.
+* **Grace after a change.** `update` keeps the member sets of the last changes for
+  `grace_s`. `owners(unit)` answers from the current set (where writes go);
+  `lookup_targets(unit)` adds the owners under each previous set still in its grace
+  period, since a node that just joined does not hold its units yet while the node that
+  held them still does.
+
+Pure and synchronous; time only through the `clock` passed in. Primitives: `UnitSpan`,
+`unit_start`, `unit_spans`, `score`, `rank`, `Hotness`, `HotUnits`, `Placement`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import xxhash
+
+from kvstore.errors import ConfigError
+
+# Smaller units keep a pool's hit ratio closer to one shared cache, larger ones touch
+# fewer nodes per prompt; docs/cluster.md has the measurements behind 4.
+DEFAULT_UNIT_BLOCKS = 4
+DEFAULT_REPLICAS = 1
+DEFAULT_MAX_EXTRA_OWNERS = 2
+DEFAULT_GRACE_S = 30.0
+# How many member sets from past changes a placement remembers (within the grace period):
+# a flapping node must not grow the fan-out of every lookup without bound.
+MAX_PREVIOUS_SETS = 4
+
+_SEPARATOR = b"\x00"
+_score64 = xxhash.xxh3_64_intdigest
+
+
+# -- units ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class UnitSpan:
+    """One placement unit of a chain: its key and the positions [start, stop) it covers
+    in the chain that was cut (stop is short of a full unit at the chain's end)."""
+
+    key: bytes
+    start: int
+    stop: int
+
+
+def _check_unit_blocks(unit_blocks: int) -> None:
+    if unit_blocks < 1:
+        raise ConfigError(f"a placement unit needs at least one block, got unit_blocks={unit_blocks}")
+
+
+def unit_start(position: int, unit_blocks: int = DEFAULT_UNIT_BLOCKS, lead_in: bool = True) -> int:
+    """The position of the first block of the unit that holds block `position`."""
+    _check_unit_blocks(unit_blocks)
+    if position < 0:
+        raise ValueError(f"a block position is >= 0, got {position}")
+    if lead_in and position < unit_blocks:
+        # Lead-in boundaries: 0, 1, 2, 4, 8, ... below S.
+        return 0 if position == 0 else 1 << (position.bit_length() - 1)
+    if lead_in:
+        return unit_blocks + (position - unit_blocks) // unit_blocks * unit_blocks
+    return position // unit_blocks * unit_blocks
+
+
+def _unit_stop(start: int, unit_blocks: int, lead_in: bool) -> int:
+    if lead_in and start < unit_blocks:
+        return min(max(1, start * 2), unit_blocks)
+    return start + unit_blocks
+
+
+def unit_spans(
+    hashes: Sequence[bytes], unit_blocks: int = DEFAULT_UNIT_BLOCKS, lead_in: bool = True, first: int = 0
+) -> list[UnitSpan]:
+    """The units covering positions [first, len(hashes)) of a chain, in chain order.
+
+    The first span starts at `first`, possibly inside a unit: its key is still the hash of
+    that unit's first block (the caller holds the whole chain)."""
+    _check_unit_blocks(unit_blocks)
+    n = len(hashes)
+    out: list[UnitSpan] = []
+    pos = first
+    while pos < n:
+        start = unit_start(pos, unit_blocks, lead_in)
+        stop = min(_unit_stop(start, unit_blocks, lead_in), n)
+        out.append(UnitSpan(hashes[start], pos, stop))
+        pos = stop
+    return out
+
+
+# -- rendezvous ----------------------------------------------------------------------
+
+
+def score(node_id: str, unit_key: bytes) -> int:
+    """A member's rendezvous score for a unit: xxh3-64 of ``utf8(node_id) || 0x00 || unit_key``."""
+    return _score64(node_id.encode() + _SEPARATOR + unit_key)
+
+
+def rank(node_ids: Iterable[str], unit_key: bytes, count: int) -> tuple[str, ...]:
+    """The `count` members with the highest scores for `unit_key`, best first."""
+    return _Ranker(frozenset(node_ids)).top(unit_key, count)
+
+
+class _Ranker:
+    """`rank` over one fixed member set, with each member's bytes encoded once."""
+
+    __slots__ = ("members", "_encoded")
+
+    def __init__(self, members: frozenset[str]) -> None:
+        self.members = members
+        self._encoded = [(n.encode(), n) for n in sorted(members)]
+
+    def top(self, unit_key: bytes, count: int) -> tuple[str, ...]:
+        if count <= 0 or not self._encoded:
+            return ()
+        suffix = _SEPARATOR + unit_key
+        scored = sorted(self._encoded, key=lambda e: (-_score64(e[0] + suffix), e[0]))
+        return tuple(n for _, n in scored[:count])
+
+
+# -- hotness -------------------------------------------------------------------------
+
+
+class Hotness(Protocol):
+    """A signal of which units are hot: how many owners beyond R a unit should get."""
+
+    def extra_owners(self, unit_key: bytes) -> int: ...
+
+
+class HotUnits:
+    """Access counts per unit with exponential decay, bounded in the units it tracks.
+
+    A unit's count halves every `half_life_s` without accesses. A unit at or above
+    `threshold` gets one extra owner, and one more each time its count doubles, up to
+    `max_extra`. At most `max_units` units are tracked: past that, the colder half is
+    forgotten in one pass (amortized O(log n) per record), so a scan of cold units cannot
+    grow it, and a unit forgotten that way was far below any threshold that matters.
+    """
+
+    def __init__(
+        self,
+        *,
+        threshold: float = 64.0,
+        half_life_s: float = 10.0,
+        max_extra: int = DEFAULT_MAX_EXTRA_OWNERS,
+        max_units: int = 65536,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if threshold <= 0 or half_life_s <= 0:
+            raise ConfigError(f"hot units need threshold > 0 and half_life_s > 0, got {threshold}, {half_life_s}")
+        if max_extra < 0 or max_units < 2:
+            raise ConfigError(f"hot units need max_extra >= 0 and max_units >= 2, got {max_extra}, {max_units}")
+        self.threshold = threshold
+        self.half_life_s = half_life_s
+        self.max_extra = max_extra
+        self.max_units = max_units
+        self._clock = clock
+        # unit key -> (count at `at`, at)
+        self._counts: dict[bytes, tuple[float, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def _decayed(self, entry: tuple[float, float], now: float) -> float:
+        count, at = entry
+        return count * math.pow(0.5, max(0.0, now - at) / self.half_life_s)
+
+    def count(self, unit_key: bytes) -> float:
+        entry = self._counts.get(unit_key)
+        return 0.0 if entry is None else self._decayed(entry, self._clock())
+
+    def record(self, unit_key: bytes, weight: float = 1.0) -> None:
+        """One access (or `weight` of them) to a unit, now."""
+        now = self._clock()
+        entry = self._counts.get(unit_key)
+        base = 0.0 if entry is None else self._decayed(entry, now)
+        self._counts[unit_key] = (base + weight, now)
+        if len(self._counts) > self.max_units:
+            self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        ranked = sorted(self._counts.items(), key=lambda kv: self._decayed(kv[1], now), reverse=True)
+        self._counts = dict(ranked[: self.max_units // 2])
+
+    def extra_owners(self, unit_key: bytes) -> int:
+        c = self.count(unit_key)
+        if c < self.threshold:
+            return 0
+        return min(self.max_extra, 1 + int(math.log2(c / self.threshold)))
+
+
+# -- placement -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Previous:
+    ranker: _Ranker
+    until: float  # clock time its grace period ends
+
+
+class Placement:
+    """Owners of placement units over the current member set, and the previous sets for a
+    grace period after each change. Feed it every new member set with `update`."""
+
+    def __init__(
+        self,
+        members: Iterable[str] = (),
+        *,
+        unit_blocks: int = DEFAULT_UNIT_BLOCKS,
+        lead_in: bool = True,
+        replicas: int = DEFAULT_REPLICAS,
+        max_extra_owners: int = DEFAULT_MAX_EXTRA_OWNERS,
+        grace_s: float = DEFAULT_GRACE_S,
+        hotness: Hotness | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        _check_unit_blocks(unit_blocks)
+        if replicas < 1:
+            raise ConfigError(f"placement needs at least one owner per unit, got replicas={replicas}")
+        if max_extra_owners < 0 or grace_s < 0:
+            raise ConfigError(f"max_extra_owners and grace_s are >= 0, got {max_extra_owners}, {grace_s}")
+        self.unit_blocks = unit_blocks
+        self.lead_in = lead_in
+        self.replicas = replicas
+        self.max_extra_owners = max_extra_owners
+        self.grace_s = grace_s
+        self._hotness = hotness
+        self._clock = clock
+        self._current = _Ranker(frozenset(members))
+        self._previous: list[_Previous] = []
+
+    @property
+    def members(self) -> frozenset[str]:
+        return self._current.members
+
+    def update(self, members: Iterable[str]) -> bool:
+        """Take a new member set; True when it differs from the current one."""
+        new = frozenset(members)
+        if new == self._current.members:
+            return False
+        now = self._clock()
+        self._previous.insert(0, _Previous(self._current, now + self.grace_s))
+        del self._previous[MAX_PREVIOUS_SETS:]
+        self._current = _Ranker(new)
+        self._expire(now)
+        return True
+
+    def _expire(self, now: float) -> None:
+        if self._previous and self._previous[-1].until <= now:
+            self._previous = [p for p in self._previous if p.until > now]
+
+    def in_grace(self) -> bool:
+        """Whether a previous member set still counts for lookups."""
+        self._expire(self._clock())
+        return bool(self._previous)
+
+    def _count(self, unit_key: bytes) -> int:
+        extra = 0
+        if self._hotness is not None and self.max_extra_owners:
+            extra = min(self.max_extra_owners, max(0, self._hotness.extra_owners(unit_key)))
+        return self.replicas + extra
+
+    def spans(self, hashes: Sequence[bytes], first: int = 0) -> list[UnitSpan]:
+        """The units of a chain from position `first`, cut by this placement's rule."""
+        return unit_spans(hashes, self.unit_blocks, self.lead_in, first)
+
+    def owners(self, unit_key: bytes) -> tuple[str, ...]:
+        """Where a unit's blocks are written: its current owners, best first."""
+        return self._current.top(unit_key, self._count(unit_key))
+
+    def lookup_targets(self, unit_key: bytes) -> tuple[str, ...]:
+        """Where a unit's blocks are looked for: the current owners, then the owners under
+        each previous member set still within its grace period (no duplicates)."""
+        count = self._count(unit_key)
+        out = self._current.top(unit_key, count)
+        if not self._previous:
+            return out
+        self._expire(self._clock())
+        seen = set(out)
+        extra: list[str] = []
+        for prev in self._previous:
+            for n in prev.ranker.top(unit_key, count):
+                if n not in seen:
+                    seen.add(n)
+                    extra.append(n)
+        return out + tuple(extra)
+
+    def owns(self, node_id: str, unit_key: bytes) -> bool:
+        return node_id in self.owners(unit_key)

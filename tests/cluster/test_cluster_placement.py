@@ -1,0 +1,236 @@
+"""Placement: unit boundaries, rendezvous owners, replicas, hot units and the grace period.
+
+Pure code with a manual clock; the same placement over a live etcd view is tested in
+test_cluster_membership.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvstore.cluster.placement import (
+    MAX_PREVIOUS_SETS,
+    HotUnits,
+    Placement,
+    UnitSpan,
+    rank,
+    score,
+    unit_spans,
+    unit_start,
+)
+from kvstore.errors import ConfigError
+from tests.fakes import ManualClock
+
+
+def keys(n: int, seed: int = 7) -> list[bytes]:
+    rng = random.Random(seed)
+    return [rng.randbytes(16) for _ in range(n)]
+
+
+def test_score_is_xxh3_64_of_id_nul_key() -> None:
+    # Pinned vectors: another implementation of the rule must give these numbers.
+    assert score("node-a", bytes(16)) == 3193153994170080440
+    assert score("node-b", bytes(range(16))) == 13219550479431594645
+    assert score("n\u00e9", b"\x01" * 16) == 14833631536336925873  # the id is hashed as UTF-8
+
+
+def test_rank_is_by_score_and_ignores_input_order() -> None:
+    members = [f"n{i}" for i in range(6)]
+    for key in keys(50):
+        expect = tuple(sorted(members, key=lambda m: -score(m, key))[:3])
+        assert rank(members, key, 3) == expect
+        assert rank(reversed(members), key, 3) == expect
+        assert rank(members, key, 10) == tuple(sorted(members, key=lambda m: -score(m, key)))
+    assert rank([], b"k", 2) == ()
+
+
+def test_units_spread_evenly_over_members() -> None:
+    p = Placement(["a", "b", "c"])
+    counts = {"a": 0, "b": 0, "c": 0}
+    sample = keys(30000)
+    for key in sample:
+        (owner,) = p.owners(key)
+        counts[owner] += 1
+    for owned in counts.values():
+        assert abs(owned / len(sample) - 1 / 3) < 0.02
+
+
+def test_a_joining_member_takes_about_one_nth_and_only_from_others() -> None:
+    p = Placement(["a", "b", "c"], grace_s=0)
+    sample = keys(20000)
+    before = {k: p.owners(k)[0] for k in sample}
+    assert p.update(["a", "b", "c", "d"])
+    after = {k: p.owners(k)[0] for k in sample}
+    moved = [k for k in sample if before[k] != after[k]]
+    assert abs(len(moved) / len(sample) - 1 / 4) < 0.02
+    assert all(after[k] == "d" for k in moved)
+
+
+def test_a_leaving_member_moves_only_its_own_units() -> None:
+    p = Placement(["a", "b", "c", "d"], grace_s=0)
+    sample = keys(5000)
+    before = {k: p.owners(k)[0] for k in sample}
+    p.update(["a", "b", "c"])
+    for k in sample:
+        if before[k] != "d":
+            assert p.owners(k)[0] == before[k]
+        else:
+            assert p.owners(k)[0] != "d"
+
+
+def test_replicas_are_distinct_and_extend_the_single_owner() -> None:
+    one = Placement(["a", "b", "c", "d"])
+    two = Placement(["a", "b", "c", "d"], replicas=2)
+    for key in keys(200):
+        owners = two.owners(key)
+        assert len(owners) == 2 and owners[0] != owners[1]
+        assert owners[0] == one.owners(key)[0]
+    assert Placement(["a"], replicas=3).owners(b"k" * 16) == ("a",)  # never more owners than members
+    assert Placement([]).owners(b"k" * 16) == ()
+
+
+def test_lead_in_unit_boundaries() -> None:
+    # S = 16 with the lead-in: 0 | 1 | 2-3 | 4-7 | 8-15 | 16-31 | 32-47 ...
+    starts = [unit_start(p, 16) for p in range(50)]
+    assert starts[:16] == [0, 1, 2, 2, 4, 4, 4, 4] + [8] * 8
+    assert starts[16:32] == [16] * 16
+    assert starts[32:48] == [32] * 16
+    # Without the lead-in every unit is S blocks from position 0.
+    assert [unit_start(p, 16, lead_in=False) for p in (0, 15, 16, 31, 32)] == [0, 0, 16, 16, 32]
+    assert [unit_start(p, 1) for p in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(ConfigError):
+        unit_start(0, 0)
+
+
+def test_spans_are_keyed_by_their_first_block() -> None:
+    chain = [bytes([i]) * 16 for i in range(20)]
+    spans = unit_spans(chain, 4)
+    # lead-in for S = 4: 0 | 1 | 2-3 | 4-7 | 8-11 | 12-15 | 16-19
+    assert [(s.start, s.stop) for s in spans] == [(0, 1), (1, 2), (2, 4), (4, 8), (8, 12), (12, 16), (16, 20)]
+    assert all(s.key == chain[s.start] for s in spans)
+    assert unit_spans(chain, 8, lead_in=False) == [
+        UnitSpan(chain[0], 0, 8), UnitSpan(chain[8], 8, 16), UnitSpan(chain[16], 16, 20)
+    ]
+    # From a position inside a unit: the span still carries that unit's key.
+    assert unit_spans(chain, 8, lead_in=False, first=10)[0] == UnitSpan(chain[8], 10, 16)
+    # A short chain ends its last unit early; a longer one with the same prefix keeps the
+    # same key for that unit, so its blocks are found where the short one put them.
+    assert unit_spans(chain[:6], 4)[-1] == UnitSpan(chain[4], 4, 6)
+    assert unit_spans(chain[:10], 4)[3] == UnitSpan(chain[4], 4, 8)
+
+
+def test_chains_sharing_a_first_block_spread_their_tails() -> None:
+    """Chains that share only block 0 (a system prompt): with the lead-in, blocks past it
+    are placed by keys that differ per chain; without it, the whole first unit of every
+    chain lands on the owner of block 0."""
+    members = [f"n{i}" for i in range(8)]
+    rng = random.Random(3)
+    system = b"\x00" * 16
+    chains = [[system] + [rng.randbytes(16) for _ in range(15)] for _ in range(2000)]
+
+    def load(p: Placement) -> dict[str, int]:
+        out = dict.fromkeys(members, 0)
+        for chain in chains:
+            for span in p.spans(chain, first=1):
+                out[p.owners(span.key)[0]] += span.stop - span.start
+        return out
+
+    flat = load(Placement(members, unit_blocks=16, lead_in=False))
+    assert max(flat.values()) == 15 * len(chains)  # one node holds every tail
+    spread = load(Placement(members, unit_blocks=16))
+    assert max(spread.values()) < 1.3 * sum(spread.values()) / len(members)
+
+
+def test_grace_period_adds_previous_owners_for_lookups_only() -> None:
+    clock = ManualClock(100.0)
+    p = Placement(["a", "b", "c"], grace_s=30.0, clock=clock)
+    sample = keys(3000)
+    before = {k: p.owners(k)[0] for k in sample}
+    assert not p.in_grace()
+    p.update(["a", "b", "c", "d"])
+    assert p.in_grace()
+    moved = [k for k in sample if p.owners(k)[0] == "d"]
+    assert moved
+    for k in moved:
+        assert p.owners(k) == ("d",)  # writes go to the new owner only
+        assert p.lookup_targets(k) == ("d", before[k])  # lookups also ask the old one
+    unmoved = next(k for k in sample if k not in set(moved))
+    assert p.lookup_targets(unmoved) == (before[unmoved],)
+    clock.now += 29.9
+    assert p.lookup_targets(moved[0]) == ("d", before[moved[0]])
+    clock.now += 0.2
+    assert not p.in_grace()
+    assert p.lookup_targets(moved[0]) == ("d",)
+
+
+def test_an_unchanged_member_set_starts_no_grace_period() -> None:
+    clock = ManualClock()
+    p = Placement(["a", "b"], clock=clock)
+    assert not p.update(["b", "a"])
+    assert not p.in_grace()
+
+
+def test_a_flapping_member_keeps_the_fan_out_bounded() -> None:
+    clock = ManualClock()
+    members = [f"n{i}" for i in range(12)]
+    p = Placement(members[:2], grace_s=60.0, clock=clock)
+    for i in range(3, 13):
+        clock.now += 1
+        p.update(members[:i])
+    for key in keys(100):
+        assert len(p.lookup_targets(key)) <= 1 + MAX_PREVIOUS_SETS
+
+
+def test_hot_units_count_decays_and_caps_extra_owners() -> None:
+    clock = ManualClock()
+    hot = HotUnits(threshold=10, half_life_s=5.0, max_extra=2, clock=clock)
+    unit = b"u" * 16
+    assert hot.extra_owners(unit) == 0
+    for _ in range(10):
+        hot.record(unit)
+    assert hot.extra_owners(unit) == 1
+    hot.record(unit, weight=10)
+    assert hot.extra_owners(unit) == 2  # 20 = twice the threshold
+    hot.record(unit, weight=1000)
+    assert hot.extra_owners(unit) == 2  # capped
+    clock.now += 5 * 7  # seven half-lives: 1020 / 128 < 10
+    assert hot.count(unit) == pytest.approx(1020 / 128)
+    assert hot.extra_owners(unit) == 0
+
+
+def test_hot_units_stay_bounded_and_keep_the_hottest() -> None:
+    clock = ManualClock()
+    hot = HotUnits(threshold=5, max_units=100, clock=clock)
+    hottest = b"h" * 16
+    hot.record(hottest, weight=50)
+    for key in keys(1000):
+        hot.record(key)
+        assert len(hot) <= 100
+    assert hot.extra_owners(hottest) >= 1
+
+
+def test_hot_units_get_the_next_members_in_the_same_ranking() -> None:
+    clock = ManualClock()
+    hot = HotUnits(threshold=3, clock=clock)
+    members = [f"n{i}" for i in range(6)]
+    p = Placement(members, hotness=hot, max_extra_owners=2, clock=clock)
+    unit = keys(1)[0]
+    base = p.owners(unit)
+    assert len(base) == 1
+    hot.record(unit, weight=3)
+    assert p.owners(unit) == rank(members, unit, 2)
+    assert p.owners(unit)[0] == base[0]
+    hot.record(unit, weight=100)
+    assert p.owners(unit) == rank(members, unit, 3)  # capped at R + max_extra_owners
+    assert Placement(members, hotness=hot, max_extra_owners=0).owners(unit) == base
+
+
+def test_bad_settings_are_config_errors() -> None:
+    with pytest.raises(ConfigError):
+        Placement(["a"], replicas=0)
+    with pytest.raises(ConfigError):
+        Placement(["a"], unit_blocks=0)
+    with pytest.raises(ConfigError):
+        HotUnits(threshold=0)
