@@ -495,34 +495,45 @@ def test_a_late_copy_into_an_aborted_puts_slot_never_changes_what_is_served(open
         assert got in (["sent"], []), f"the fetch over the {plane} plane returned {got}"
 
 
-def test_a_late_copy_into_a_handed_back_reservation_never_changes_what_is_served(open_daemon, layout, shm_dir):
-    """The same for the slots of a reservation (`reserve_ahead`) that was given back
-    before the client copied into them."""
-    target = open_daemon.unix_target
-    with grpc.insecure_channel(target) as channel, Mappings(target, None, segment_dirs(shm_dir)) as seg:
-        stub = kvstore_pb2_grpc.KVStoreStub(channel)
-        data_offset = stub.LocalSegment(kvstore_pb2.LocalSegmentRequest()).data_offset
-        m = seg.maps[0][1]  # the one segment, by whichever path
-        begun = stub.LocalPut(kvstore_pb2.LocalPutRequest(header=put_header(layout, list(range(4))),
-                                                          reserve_ahead=1))
-        assert begun.reservation.reservation_id
-        reserved = [data_offset + off for off in begun.reservation.offsets]
-        stub.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True))
-        stub.LocalCommit(kvstore_pb2.LocalCommitRequest(reservation_id=begun.reservation.reservation_id, abort=True))
-        sent = [os.urandom(layout.bytes_per_block) for _ in range(2)]
-        late = os.urandom(layout.bytes_per_block)
-        tokens = list(range(200, 208))
-        put = PausedPut(target, None, layout, tokens, sent)
-        try:
-            wait_until(lambda: m[reserved[0]:reserved[0] + len(late)] in sent,
-                       "the gRPC put did not land in the reservation's slot")
-            m[reserved[0]:reserved[0] + len(late)] = late
-        finally:
-            outcome = put.finish()
-        assert isinstance(outcome, kvstore_pb2.PutResponse), outcome
-    for plane in ("grpc", "local"):
-        got = named(fetched(target, None, layout, tokens, plane), sent0=sent[0], sent1=sent[1], late=late)
-        assert got == ["sent0", "sent1"][: len(got)], f"the fetch over the {plane} plane returned {got}"
+def host_used(target: str) -> int:
+    with Client(target) as kv:
+        return next(t for t in kv.stats().tiers if t.name == "host").used_bytes
+
+
+@pytest.mark.parametrize("how", ["handed back", "expired"])
+def test_a_late_copy_into_a_reservation_no_longer_held_never_changes_what_is_served(tmp_path, layout, shm_dir, how):
+    """The same for the slots of a reservation (`reserve_ahead`) the client no longer
+    holds, given back or expired (`put_idle_timeout_s`), when it copies into them."""
+    with daemon_in_thread(make_config(tmp_path, shm_dir=str(shm_dir), put_idle_timeout_s=2.0)) as running:
+        target = running.unix_target
+        with grpc.insecure_channel(target) as channel, Mappings(target, None, segment_dirs(shm_dir)) as seg:
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
+            data_offset = stub.LocalSegment(kvstore_pb2.LocalSegmentRequest()).data_offset
+            m = seg.maps[0][1]  # the one segment, by whichever path
+            begun = stub.LocalPut(kvstore_pb2.LocalPutRequest(header=put_header(layout, list(range(4))),
+                                                              reserve_ahead=1))
+            assert begun.reservation.reservation_id
+            reserved = [data_offset + off for off in begun.reservation.offsets]
+            stub.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True))
+            if how == "handed back":
+                stub.LocalCommit(kvstore_pb2.LocalCommitRequest(reservation_id=begun.reservation.reservation_id,
+                                                                abort=True))
+            else:  # the daemon's sweep takes the slots back once the reservation's time is up
+                wait_until(lambda: host_used(target) == 0, "the reservation did not expire")
+            sent = [os.urandom(layout.bytes_per_block) for _ in range(2)]
+            late = os.urandom(layout.bytes_per_block)
+            tokens = list(range(200, 208))
+            put = PausedPut(target, None, layout, tokens, sent)
+            try:
+                wait_until(lambda: m[reserved[0]:reserved[0] + len(late)] in sent,
+                           "the gRPC put did not land in the reservation's slot")
+                m[reserved[0]:reserved[0] + len(late)] = late
+            finally:
+                outcome = put.finish()
+            assert isinstance(outcome, kvstore_pb2.PutResponse), outcome
+        for plane in ("grpc", "local"):
+            got = named(fetched(target, None, layout, tokens, plane), sent0=sent[0], sent1=sent[1], late=late)
+            assert got == ["sent0", "sent1"][: len(got)], f"the fetch over the {plane} plane returned {got}"
 
 
 async def test_a_cancelled_put_returns_only_after_its_copy_stopped(daemon_thread, layout, monkeypatch):
