@@ -35,7 +35,7 @@ from kvstore.client._assembler import FetchAssembler
 from kvstore.client._auth import Security
 from kvstore.client._buffers import all_cuda, any_cuda, host_blocks, out_buffers, upload_blocks, writable_view
 from kvstore.client._held import HeldSlots, check_reserve_ahead, keep_held, take_held
-from kvstore.client._lane import lane_socket
+from kvstore.client._lane import lane_socket, segment_over_lane
 from kvstore.client._local import LocalPlane
 from kvstore.client._options import (
     DEFAULT_CHUNK_BYTES,
@@ -217,13 +217,23 @@ class ClientState:
 
 def local_plane(c: ClientState) -> Plan[LocalPlane | None]:
     """The shared-memory plane, attached on first use; None when this process cannot map
-    the daemon's segment (an error when the caller insisted on it)."""
+    the daemon's segment (an error when the caller insisted on it).
+
+    The segment is asked for over the control lane first, on a connection of its own:
+    with auth on the daemon hands it out only there, as a file descriptor (the caller's
+    own tenant's segment). Without a lane, over gRPC, which names a path (auth off) or
+    refuses (auth on: block bytes then go through Put and Fetch)."""
     if c._plane_tried:
         return c._plane
     c._plane_tried = True
     try:
-        resp = yield Unary("LocalSegment", kvstore_pb2.LocalSegmentRequest(), c.timeout_s)
-        c._plane = LocalPlane.attach(resp)
+        lane = lane_socket(c.target) if c.control_plane != "grpc" else None
+        got = None
+        if lane is not None:
+            got = yield Blocking(segment_over_lane, lane, c.security.token, c.timeout_s)
+        if got is None:
+            got = (yield Unary("LocalSegment", kvstore_pb2.LocalSegmentRequest(), c.timeout_s)), None
+        c._plane = LocalPlane.attach(*got)
     except (KVStoreError, OSError, ValueError) as exc:
         if c.data_plane == "local":
             raise FailedPrecondition(f"cannot use the shared-memory data plane: {exc}") from None

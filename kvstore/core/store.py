@@ -387,11 +387,11 @@ class Store:
             info = self._enter(namespace, hashes)
         return self.puts.begin(info, hashes, parent_hash, tier, window_bytes)
 
-    async def reserve_slots(self, tier: str, nbytes: int, count: int) -> list[Slot]:
-        """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet: a
-        co-located client fills them ahead of the put that names them (`PutTxn.adopt`).
-        The caller frees what it does not adopt (`free_slots`)."""
-        return await self.puts.reserve_slots(tier, nbytes, count)
+    async def reserve_slots(self, tier: str, nbytes: int, count: int, space: int = 0) -> list[Slot]:
+        """`count` empty slots of `nbytes` in memory tier `tier` (in `space`), bound to no
+        block yet: a co-located client fills them ahead of the put that names them
+        (`PutTxn.adopt`). The caller frees what it does not adopt (`free_slots`)."""
+        return await self.puts.reserve_slots(tier, nbytes, count, space)
 
     def free_slots(self, slots: Sequence[Slot]) -> None:
         """Return reserved, never-published slots to their tiers."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import secrets
@@ -73,6 +74,7 @@ from kvstore.tiers import (
     HBM,
     HOST,
     HostTier,
+    SpacedHostTier,
     Tier,
     TierSettings,
     build_tiers,
@@ -90,6 +92,7 @@ logger = logging.getLogger(__name__)
 AFTER_DRAIN_GRACE_S = 0.5
 
 LEASE_SWEEP_S = 1.0
+PR_SET_DUMPABLE = 4
 # Loggers whose records a flood of connections repeats (a refused peer, an accept out of
 # descriptors): one line per interval, with a count of the rest.
 REPEATING_LOGGERS = ("asyncio", "grpc._cython.cygrpc", "kvstore.server.lane")
@@ -161,7 +164,8 @@ class Daemon:
         if cfg.ssd_path:
             check_disk_capacity(cfg.ssd_path, cfg.ssd_capacity)
         built, absent = build_tiers(TierSettings(
-            host_capacity_bytes=host_capacity, shm_dir=shm_dir, hbm_capacity_bytes=cfg.hbm_capacity, gpu=cfg.gpu,
+            host_capacity_bytes=host_capacity, shm_dir=shm_dir, host_spaces=self.tokens is not None,
+            hbm_capacity_bytes=cfg.hbm_capacity, gpu=cfg.gpu,
             ssd_path=cfg.ssd_path, ssd_capacity_bytes=cfg.ssd_capacity, ssd_region_size_bytes=cfg.ssd_region_size,
             ssd_io=cfg.ssd_io, ssd_io_threads=cfg.ssd_io_threads, ssd_compress=cfg.ssd_compress,
         ))
@@ -239,7 +243,7 @@ class Daemon:
         await self._start_metrics(stack)
         # The host tier is not the first one when an HBM tier sits above it.
         host_tier = next(st.tier for st in store.tiers if st.name == HOST)
-        assert isinstance(host_tier, HostTier)
+        assert isinstance(host_tier, (HostTier, SpacedHostTier))
         server, servicer = self._services(store, host_tier, absent)
         await self._start_grpc(stack, server)
         if cfg.local_lane:
@@ -253,12 +257,12 @@ class Daemon:
             # In the background: the daemon serves at once, and puts get faster as the
             # segment's pages are mapped in.
             self._prefault = asyncio.create_task(
-                asyncio.to_thread(host_tier.segment.populate, self._prefault_stop), name="kvstore-prefault"
+                asyncio.to_thread(host_tier.prefault, self._prefault_stop), name="kvstore-prefault"
             )
             stack.push_async_callback(self._stop_prefault)
         self._log_started(tiers, host_capacity)
 
-    def _services(self, store: Store, host_tier: HostTier,
+    def _services(self, store: Store, host_tier: HostTier | SpacedHostTier,
                   absent: list[tuple[str, str]]) -> tuple[grpc.aio.Server, KVStoreServicer]:
         """The gRPC server with every service on it (not bound yet), and the KVStore
         servicer, which the lanes serve too."""
@@ -283,9 +287,9 @@ class Daemon:
             max_tokens_per_call=cfg.max_tokens_per_call, max_block_bytes=cfg.max_block_bytes,
             max_namespaces_per_tenant=cfg.max_namespaces_per_tenant if auth_on else None)
         self.runtime.register("max_tokens_per_call", lambda value: setattr(resolver, "max_tokens_per_call", value))
-        local = LocalPlane(store, resolver, host_tier.segment, self._local_puts)
-        servicer = KVStoreServicer(store, resolver, local, DevicePlane(store, local), cfg.chunk_bytes,
-                                   cfg.max_put_reserve_bytes, cfg.put_idle_timeout_s)
+        local = LocalPlane(store, resolver, host_tier, self._local_puts)
+        servicer = KVStoreServicer(store, resolver, local, DevicePlane(store, local, self._local_plane_tenants),
+                                   cfg.chunk_bytes, cfg.max_put_reserve_bytes, cfg.put_idle_timeout_s)
         add_kvstore_servicer(servicer, server)
         admin_pb2_grpc.add_AdminServicer_to_server(
             AdminServicer(store, self.runtime, self.events, absent, lambda: self.auth.in_flight), server
@@ -301,6 +305,11 @@ class Daemon:
             server,
         )
         return server, servicer
+
+    def _local_plane_tenants(self) -> int:
+        """How many tenants may use the shared-memory and device planes now."""
+        table = self.auth.table
+        return 1 if table is None else sum(i.local_plane for i in table.identities.values())
 
     async def _start_grpc(self, stack: contextlib.AsyncExitStack, server: grpc.aio.Server) -> None:
         """Bind every listen address and start serving; stopping the server releases them."""
@@ -488,11 +497,25 @@ class Daemon:
         await self._stopped.wait()
 
 
+def make_undumpable() -> None:
+    """prctl(PR_SET_DUMPABLE, 0): this process's /proc entries (open files, memory, maps)
+    become root's, and other processes of its uid can neither ptrace it nor open them.
+    With auth on, the daemon holds every tenant's segment open; without this, any process
+    of its uid could open them through /proc/<pid>/fd."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+
+
 async def serve(config: Config, reload: Callable[[], Config] | None = None) -> None:
     """Run a daemon until SIGTERM or SIGINT, then shut it down gracefully.
 
-    `reload` re-reads the config sources; with it, SIGHUP applies runtime fields.
+    `reload` re-reads the config sources; with it, SIGHUP applies runtime fields. With a
+    token file, the process first becomes non-dumpable (`make_undumpable`): tenants'
+    segments are then reachable only through the control lane.
     """
+    if config.auth_token_file:
+        make_undumpable()
     daemon = Daemon(config)
     await daemon.start()
     loop = asyncio.get_running_loop()
