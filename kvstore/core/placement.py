@@ -44,12 +44,13 @@ from kvstore.checksum import checksum_batch
 from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex, make_key
 from kvstore.core.namespaces import NamespaceRegistry
-from kvstore.core.results import MigrationConfig, NamespaceInfo, PrefetchResult, RemovalResult, StoreCounters
+from kvstore.core.results import MigrationConfig, NamespaceInfo, RemovalResult, StoreCounters
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.tenancy import TenantLedger
 from kvstore.core.tier import BlockMeta, Copier, Slot
 from kvstore.errors import DataLoss, FailedPrecondition, ResourceExhausted
 from kvstore.hashing import HASH_BYTES
+from kvstore.results import PrefetchResult
 
 logger = logging.getLogger(__name__)
 

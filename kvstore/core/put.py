@@ -53,7 +53,7 @@ from kvstore.core.index import BlockEntry, BlockIndex
 from kvstore.core.migration import Migrator
 from kvstore.core.namespaces import NamespaceRegistry
 from kvstore.core.placement import Placement
-from kvstore.core.results import NamespaceInfo, PutResult, StoreCounters
+from kvstore.core.results import NamespaceInfo, PutOutcome, StoreCounters
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
 from kvstore.core.tenancy import TenantLedger
@@ -438,7 +438,7 @@ class PutTxn:
         )
 
     async def commit(self, checksums: Sequence[int] | None = None,
-                     check: Callable[[], None] | None = None) -> PutResult:
+                     check: Callable[[], None] | None = None) -> PutOutcome:
         """Verify every block is complete and publish. Read-your-writes holds on return.
 
         Each block's checksum is the one `write` took from the bytes it was given; or, for
@@ -491,7 +491,7 @@ class PutTxn:
         c.bytes_in += stored * self.block_bytes
         if checksums is not None:  # the client wrote the bytes into the segment itself
             c.local_bytes_in += stored * self.block_bytes
-        return PutResult(self._info.namespace_id, stored, existing, list(self._hashes))
+        return PutOutcome(self._info.namespace_id, stored, existing, list(self._hashes))
 
     def abort(self) -> None:
         """Free every PENDING slot. Nothing of this put was ever visible."""

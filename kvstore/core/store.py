@@ -58,13 +58,11 @@ from kvstore.core.results import (
     BlockGroup,
     BlockInfo,
     BlockRef,
-    LookupResult,
     MigrationConfig,
     MigrationStatus,
     NamespaceInfo,
-    PinResult,
-    PrefetchResult,
-    PutResult,
+    PrefixLookup,
+    PutOutcome,
     RemovalResult,
     StoreCounters,
     StoreLimits,
@@ -80,11 +78,12 @@ from kvstore.core.tier import BounceCopier, Copier, Slot, Tier
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
+from kvstore.results import PinResult, PrefetchResult
 
 # The facade and the values its verbs take and return.
 __all__ = [
-    "BlockGroup", "BlockInfo", "BlockRef", "FetchStream", "LookupResult", "MigrationConfig", "MigrationStatus",
-    "NamespaceInfo", "PinResult", "PolicyDeferral", "PrefetchResult", "PutResult", "PutTxn", "RemovalResult",
+    "BlockGroup", "BlockInfo", "BlockRef", "FetchStream", "PrefixLookup", "MigrationConfig", "MigrationStatus",
+    "NamespaceInfo", "PinResult", "PolicyDeferral", "PrefetchResult", "PutOutcome", "PutTxn", "RemovalResult",
     "Store", "StoreCounters", "StoreLimits", "StoreObserver", "StoreStatus", "StoreTier", "TierCounters",
     "TierStatus", "WritePolicy", "check_hint",
 ]
@@ -311,7 +310,7 @@ class Store:
 
     # ----------------------------------------------------------------- lookup
 
-    def lookup(self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, lease_ms: int = 0) -> LookupResult:
+    def lookup(self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, lease_ms: int = 0) -> PrefixLookup:
         """The longest READY prefix of a chain, given as hashes or packed (N x 16 bytes:
         what the wire carries, probed without cutting it into N objects)."""
         info = self._enter(namespace_id)
@@ -344,7 +343,7 @@ class Store:
                 # Tail first, so the head of a chain is the most recently used: a recency
                 # policy then evicts chain tails before the heads later blocks depend on.
                 st.defer_touch(tail_first if held == n_hit else tail_first[tops_tail_first == tid])
-        return LookupResult(
+        return PrefixLookup(
             namespace_id=namespace_id,
             num_blocks=n_hit,
             block_size_tokens=info.layout.block_size_tokens,
@@ -454,7 +453,7 @@ class Store:
 
     def lease_prefix(
         self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, ttl_ms: int, tier: str
-    ) -> tuple[LookupResult, list[int], list[int]]:
+    ) -> tuple[PrefixLookup, list[int], list[int]]:
         """The fetch of a co-located reader: the READY prefix of `hashes` (given one by one
         or packed, as `lookup` takes them), plus a bytes-holding lease on its leading run
         of blocks in `tier`, with their offsets in that tier and their checksums.
@@ -486,7 +485,7 @@ class Store:
             st.defer_touch(run[::-1])
         self.counters.fetches += 1
         self.counters.blocks_fetched += len(run)
-        result = LookupResult(
+        result = PrefixLookup(
             namespace_id=namespace_id,
             num_blocks=len(rows),
             block_size_tokens=info.layout.block_size_tokens,
