@@ -26,8 +26,8 @@ SOURCES = {"kvstore": "kvstore", "tiers": "kvstore.tiers", "client": "kvstore.cl
 # package -> prefixes of kvstore modules it may import (besides itself).
 SHARED = ("kvstore.errors", "kvstore.layout", "kvstore.hashing", "kvstore.units", "kvstore.checksum",
           "kvstore.native", "kvstore._native", "kvstore.addresses", "kvstore.convert", "kvstore.shm",
-          "kvstore.logs", "kvstore.wire", "kvstore.laneproto", "kvstore.v1", "kvstore")
-CORE_MAY = tuple(m for m in SHARED if m not in ("kvstore.wire", "kvstore.laneproto", "kvstore.v1"))
+          "kvstore.logs", "kvstore.wire", "kvstore.laneproto", "kvstore.datalane", "kvstore.v1", "kvstore")
+CORE_MAY = tuple(m for m in SHARED if m not in ("kvstore.wire", "kvstore.laneproto", "kvstore.datalane", "kvstore.v1"))
 ALLOWED: dict[str, tuple[str, ...]] = {
     "shared": SHARED,
     "core": CORE_MAY + ("kvstore.core",),
