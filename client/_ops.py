@@ -72,6 +72,7 @@ from kvstore.client.results import (
 from kvstore.errors import (
     DeadlineExceeded,
     FailedPrecondition,
+    InvalidArgument,
     KVStoreError,
     PermissionDenied,
     Unauthenticated,
@@ -143,7 +144,8 @@ class ClientState:
     def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_plane: str = "auto", token: str | None = None,
                  token_file: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, reserve_ahead: int = 0, control_plane: str = "auto") -> None:
+                 tls_key: str | None = None, reserve_ahead: int = 0, control_plane: str = "auto",
+                 data_lane_connections: int = DEFAULT_CONNECTIONS) -> None:
         """Connect to a kvstore daemon (lazily: nothing is sent before the first call).
 
         `target` is `unix:PATH`, a socket path, or `HOST:PORT`; None reads `KVSTORE_TARGET`
@@ -157,7 +159,9 @@ class ClientState:
         the daemon's data lane when it offers one (sockets of its own, one large frame per
         block: docs/net.md), else through gRPC messages; `local` insists on shared
         memory, `lane` on the data lane; `grpc` uses neither. All give byte-identical
-        results. `data_plane_in_use` tells which one is active.
+        results. `data_plane_in_use` tells which one is active. A transfer on the data
+        lane uses up to `data_lane_connections` sockets at once (fewer if the daemon
+        allows fewer).
 
         `reserve_ahead` (shared-memory plane only): after each put, the daemon holds up to
         this many empty slots for this client's next put of the same block size, which then
@@ -180,6 +184,9 @@ class ClientState:
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self.data_plane = check_data_plane(data_plane)
+        if not 1 <= data_lane_connections <= 64:
+            raise InvalidArgument(f"data_lane_connections must be in [1, 64], got {data_lane_connections}")
+        self.data_lane_connections = data_lane_connections
         self.security = Security.resolve(token, token_file, tls_ca, tls_cert, tls_key)
         self._plane: LocalPlane | None = None
         self._plane_tried = data_plane in ("grpc", "lane") or (data_plane == "auto" and not may_be_local(self.target))
@@ -296,7 +303,7 @@ def data_lane(c: ClientState) -> Plan[DataLane | None]:
             if endpoint is None:
                 raise FailedPrecondition("the daemon offers no data lane for this target (data_lane_listen)")
             c._datalane = DataLane(endpoint, c.security, max_connections=min(offer.max_connections or 1,
-                                                                         DEFAULT_CONNECTIONS))
+                                                                         c.data_lane_connections))
         except KVStoreError as exc:
             if forced:
                 raise FailedPrecondition(f"cannot use the data lane: {exc}") from None

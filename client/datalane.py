@@ -50,6 +50,8 @@ from kvstore.datalane import (
     PUSH,
     VERSION,
     WELCOME,
+    Frame,
+    Grant,
     LaneClosed,
     LaneSocket,
     LaneTimeout,
@@ -360,16 +362,20 @@ class DataLane:
 
     def _fetch_on(self, lane: LaneSocket, transfer_id: bytes, block_bytes: int, dests: Sequence[memoryview],
                   state: _FetchState, deadline: float) -> None:
-        window = max(self.window_bytes, block_bytes)
-        self._bound_waits(lane, deadline)
-        lane.send_frame(FETCH, transfer_id, value=window)
         n = len(dests)
+        # Any connection may carry every block: never more credit than the whole fetch.
+        grant = Grant(max(self.window_bytes, block_bytes), n * block_bytes)
+        self._bound_waits(lane, deadline)
+        lane.send_frame(FETCH, transfer_id, value=grant.first)
         counters = self._counters
         while True:
             frame = lane.read_frame(deadline)
+            if frame.transfer != transfer_id:
+                _skip_stale(lane, frame)
+                continue
             if frame.kind == DATA:
                 i = frame.block
-                if frame.transfer != transfer_id or not 0 <= i < n or frame.length != block_bytes:
+                if not 0 <= i < n or frame.length != block_bytes:
                     raise ProtocolError(f"the data lane sent block {i} of {frame.length} bytes; the fetch has {n} "
                                         f"blocks of {block_bytes}")
                 with state.lock:
@@ -387,10 +393,10 @@ class DataLane:
                 if not ok:
                     logger.warning("fetched block %d failed its checksum on arrival over the data lane; not returned",
                                    i)
-                lane.send_frame(CREDIT, transfer_id, value=block_bytes)
+                more = grant.landed(block_bytes)
+                if more:
+                    lane.send_frame(CREDIT, transfer_id, value=more)
             elif frame.kind == END:
-                if frame.transfer != transfer_id:
-                    raise ProtocolError("the data lane ended another transfer")
                 with state.lock:
                     state.end = frame.block if state.end is None else min(state.end, frame.block)
                 return
@@ -402,8 +408,9 @@ class DataLane:
     def put_from(self, conns: Sequence[LaneSocket], transfer_id: bytes, block_bytes: int, needed: bytes,
                  sources: Sequence[memoryview], timeout_s: float) -> None:
         """Send put `transfer_id`'s needed blocks (needed[i] set: sources[i]) on `conns`,
-        which this call owns, and wait until the daemon has taken every one (its credit
-        is back); raises what the daemon reported (e.g. a block that failed its checksum)."""
+        which this call owns; raises what the daemon reported meanwhile (e.g. a block that
+        failed its checksum). The daemon may still be receiving the last of them when this
+        returns: LaneCommit waits until every one has landed verified."""
         push = _Push([i for i, flag in enumerate(needed) if flag])
         deadline = time.monotonic() + timeout_s
         errors = self._run_all(conns, self._push_on, transfer_id, block_bytes, sources, push, deadline)
@@ -417,14 +424,13 @@ class DataLane:
                  push: _Push, deadline: float) -> None:
         self._bound_waits(lane, deadline)
         lane.send_frame(PUSH, transfer_id)
-        granted = self._credit(lane, transfer_id, deadline, push)
-        credit = granted
+        credit = self._credit(lane, transfer_id, deadline, push)
         counters = self._counters
         try:
             while True:
                 i = push.next()
                 if i is None:
-                    break
+                    return  # LaneCommit waits for what is still on the way
                 while credit < block_bytes:
                     credit += self._credit(lane, transfer_id, deadline, push)
                 data = sources[i]
@@ -432,10 +438,6 @@ class DataLane:
                 credit -= block_bytes
                 with counters.lock:
                     counters.bytes_sent += block_bytes
-            # Every block sent is acknowledged before the commit: then the daemon has it,
-            # and nothing of this transfer is left on the connection.
-            while credit < granted:
-                credit += self._credit(lane, transfer_id, deadline, push)
         except BaseException:
             push.failed = True
             raise
@@ -449,13 +451,28 @@ class DataLane:
 
     @staticmethod
     def _credit(lane: LaneSocket, transfer_id: bytes, deadline: float, push: _Push) -> int:
-        frame = lane.read_frame(deadline)
-        if frame.kind == CREDIT and frame.transfer == transfer_id:
-            return frame.value
-        if frame.kind == ERROR:
-            push.failed = True
-            raise _error_of(lane, frame.block, frame.length)
-        raise ProtocolError(f"unexpected data lane frame kind {frame.kind} during a put")
+        """The next credit the daemon grants this put (frames of earlier transfers skipped)."""
+        while True:
+            frame = lane.read_frame(deadline)
+            if frame.transfer != transfer_id:
+                _skip_stale(lane, frame)
+            elif frame.kind == CREDIT:
+                return frame.value
+            elif frame.kind == ERROR:
+                push.failed = True
+                raise _error_of(lane, frame.block, frame.length)
+            else:
+                raise ProtocolError(f"unexpected data lane frame kind {frame.kind} during a put")
+
+
+def _skip_stale(lane: LaneSocket, frame: Frame) -> None:
+    """A frame about an earlier transfer on this connection (the daemon reports a failed
+    put once, maybe after its sender finished): its error is what that put's LaneCommit
+    answered already."""
+    if frame.kind == ERROR:
+        lane.read_payload(frame.length, MAX_ERROR_BYTES)
+    elif frame.kind != CREDIT:
+        raise ProtocolError(f"a frame of kind {frame.kind} for another transfer")
 
 
 def _part(work: Callable[..., None], lane: LaneSocket, *args: object) -> None:

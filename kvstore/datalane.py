@@ -29,10 +29,13 @@ it sends it, and the receiver hashes each piece as it lands in its destination.
 
 Flow control: a receiver grants credit in bytes; a sender never has more DATA payload in
 flight on a connection than it was granted (a daemon that receives more closes the
-connection). Blocks land straight in their destination (a host-tier slot, a caller's
-buffer), so a connection holds no more memory than the socket's own buffers.
+connection). A receiver grants a window ahead, never more than the transfer can still
+bring, and tops it up once half of it is used (`Grant`), so a transfer that fits its
+window costs no CREDIT frame beyond the first. Blocks land straight in their destination
+(a host-tier slot, a caller's buffer), so a connection holds no more memory than the
+socket's own buffers.
 
-Primitives: `Frame`, `pack`, `unpack`, `hello_payload`, `parse_hello`, `status_of`, and
+Primitives: `Frame`, `pack`, `unpack`, `hello_payload`, `parse_hello`, `status_of`, `Grant`,
 `LaneSocket` (one blocking socket, plain or TLS: `send_frame`, `send_data`,
 `read_frame`, `recv_block`, `discard`, `read_payload`, timeouts), `checksum_of`.
 """
@@ -113,6 +116,39 @@ def checksum_of(data: memoryview | bytes | bytearray) -> int:
     h = xxhash.xxh3_64()
     h.update(data)  # the streaming update releases the GIL for large inputs
     return h.intdigest()
+
+
+class Grant:
+    """A receiver's credit on one connection for one transfer: at most `window` bytes
+    granted ahead of what arrived, at most `total` bytes in all; topped up once half of
+    the window is used. `first` is the opening grant; `landed(n)` returns what to grant
+    after `n` more bytes arrived (0: nothing to send)."""
+
+    __slots__ = ("window", "total", "granted", "received")
+
+    def __init__(self, window: int, total: int) -> None:
+        self.window = window
+        self.total = total
+        self.granted = min(window, total)
+        self.received = 0
+
+    @property
+    def first(self) -> int:
+        return self.granted
+
+    @property
+    def left(self) -> int:
+        """What the sender may still send."""
+        return self.granted - self.received
+
+    def landed(self, nbytes: int) -> int:
+        self.received += nbytes
+        outstanding = self.granted - self.received
+        if self.granted >= self.total or outstanding > self.window // 2:
+            return 0
+        more = min(self.window - outstanding, self.total - self.granted)
+        self.granted += more
+        return more
 
 
 class LaneClosed(Unavailable):

@@ -179,6 +179,20 @@ def test_blocks_larger_than_a_receive_piece_and_many_connections(daemon_thread):
         assert stats is not None and stats.connections_opened >= 2  # the blocks went over several
 
 
+def test_one_connection_whose_credit_the_fetch_uses_up_exactly(daemon_thread):
+    """The whole fetch fits the window: the last block uses the last byte of credit, and
+    the END after it needs none."""
+    data = blocks_for(4, seed=18)
+    with Client(daemon_thread.tcp_target, data_plane="lane", data_lane_connections=1, timeout_s=5) as kv:
+        kv.put(LAYOUT, tokens(4), data)
+        start = time.monotonic()
+        for _ in range(3):
+            assert [bytes(x) for x in kv.fetch(LAYOUT, tokens(4))] == data
+        assert time.monotonic() - start < 4
+        stats = kv.data_lane_stats
+        assert stats is not None and stats.connections_opened == 1  # one connection, reused
+
+
 def test_the_daemon_counts_lane_bytes_under_their_own_plane(daemon_thread):
     with Client(daemon_thread.tcp_target, data_plane="lane") as kv:
         kv.put(LAYOUT, tokens(3), blocks_for(3))
@@ -329,13 +343,20 @@ def test_a_put_sender_past_its_credit_is_cut_off_and_nothing_is_stored(tmp_path)
             allowed = frame.value // BB
             for i in range(allowed):  # the whole credit, without waiting
                 lane.send_data(grant.transfer_id, i, memoryview(data[i]), checksum_of(data[i]))
+            # As the blocks land the daemon tops the credit up (once half of it is used),
+            # never past what the put still needs.
+            lane.set_timeout(0.5)
             returned = 0
-            while returned < allowed * BB:  # handed back block by block as each lands
-                frame = lane.read_frame()
-                assert frame.kind == CREDIT and frame.value == BB
-                returned += frame.value
+            with contextlib.suppress(LaneTimeout):
+                while True:
+                    frame = lane.read_frame()
+                    assert frame.kind == CREDIT
+                    returned += frame.value
+            lane.set_timeout(5.0)
+            left = (1 << 20) + returned - allowed * BB
+            assert 0 < returned and left + allowed * BB <= n * BB
             # A frame larger than the credit left: refused before a byte of it is read.
-            lane.sock.sendall(pack(DATA, grant.transfer_id, allowed, (1 << 20) + BB))
+            lane.sock.sendall(pack(DATA, grant.transfer_id, allowed, left + BB))
             frame = lane.read_frame()
             assert frame.kind == ERROR and status_of(frame.block) == grpc.StatusCode.INVALID_ARGUMENT
             assert "credit" in lane.read_payload(frame.length, 4096).decode()

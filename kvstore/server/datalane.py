@@ -59,6 +59,7 @@ from kvstore.datalane import (
     VERSION,
     WELCOME,
     Frame,
+    Grant,
     LaneClosed,
     LaneSocket,
     LaneTimeout,
@@ -373,8 +374,8 @@ class _Connection:
         self.tenant = identity.tenant
         self.transfers = server.transfers
         self.settings = server.settings
-        # Credit this connection may still use, per put transfer it joined.
-        self.credits: dict[bytes, int] = {}
+        # This connection's credit for each put transfer it joined.
+        self.credits: dict[bytes, Grant] = {}
         self.told: set[bytes] = set()  # put transfers whose failure this connection reported
 
     def run(self) -> None:
@@ -424,6 +425,10 @@ class _Connection:
         while True:
             # Credit for a whole block first: a block is taken only when it can go at once.
             while credit < need:
+                end = transfer.finished()
+                if end is not None:  # no block left to send: END needs no credit
+                    lane.send_frame(END, transfer.id, block=end)
+                    return
                 failed = transfer.failed
                 if failed is not None:
                     lane.send_error(transfer.id, failed.code, failed.message)
@@ -468,23 +473,24 @@ class _Connection:
             return
         if len(self.credits) >= MAX_PUTS_PER_CONNECTION:
             self.credits.pop(next(iter(self.credits)))
-        window = max(self.settings.window_bytes, transfer.block_bytes)
-        self.credits[transfer.id] = window
+        # No more than the put still needs: the blocks it lacks now, whoever sends them.
+        grant = Grant(max(self.settings.window_bytes, transfer.block_bytes), transfer.missing * transfer.block_bytes)
+        self.credits[transfer.id] = grant
         self.told.discard(transfer.id)
-        lane.send_frame(CREDIT, transfer.id, value=window)
+        lane.send_frame(CREDIT, transfer.id, value=grant.first)
 
     def _receive(self, frame: Frame) -> None:
         lane = self.lane
-        credit = self.credits.get(frame.transfer)
-        if credit is None:
+        grant = self.credits.get(frame.transfer)
+        if grant is None:
             raise ProtocolError("DATA for a put this connection did not join (send PUSH first)")
-        if frame.length > credit:
+        if frame.length > grant.left:
             transfer = self.transfers.put_transfer(frame.transfer, self.tenant)
             if transfer is not None:
                 transfer.fail(grpc.StatusCode.INVALID_ARGUMENT, "a data lane sender exceeded its credit")
-            raise ProtocolError(f"a {frame.length}-byte block with {credit} bytes of credit left; a sender never "
-                                "sends more than it was granted")
-        self.credits[frame.transfer] = credit - frame.length
+            raise ProtocolError(f"a {frame.length}-byte block with {grant.left} bytes of credit left; a sender "
+                                "never sends more than it was granted")
+        more = grant.landed(frame.length)
         transfer = self.transfers.put_transfer(frame.transfer, self.tenant)
         dest = transfer.claim(frame.block, frame.length, lane) if transfer is not None else None
         if transfer is None or dest is None:
@@ -500,8 +506,8 @@ class _Connection:
         if transfer.failed is not None:
             self._tell_failed(frame.transfer, transfer)
             return
-        self.credits[frame.transfer] += frame.length
-        lane.send_frame(CREDIT, frame.transfer, value=frame.length)
+        if more:
+            lane.send_frame(CREDIT, frame.transfer, value=more)
 
     def _tell_failed(self, transfer_id: bytes, transfer: PutTransfer | None) -> None:
         """Report a failed or unknown put once on this connection; its sender stops there

@@ -59,8 +59,11 @@ logger = logging.getLogger(__name__)
 # A transfer that names no deadline (timeout_ms 0), and the longest one may name.
 DEFAULT_TRANSFER_S = 30.0
 MAX_TRANSFER_S = 600.0
-# Verified blocks a fetch keeps ready per joined connection, ahead of the senders.
-READY_BLOCKS_PER_CONNECTION = 2
+# Verified blocks a fetch keeps ready ahead of its senders, per connection: at least two
+# blocks, else up to this many bytes (views of tier memory cost nothing; blocks read from
+# SSD are copies, and are read ahead by at most FETCH_AHEAD_BYTES anyway). The loop is
+# woken to verify more once half of them are taken: one wake-up per several blocks.
+READY_BYTES_PER_CONNECTION = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +192,8 @@ class FetchTransfer(Transfer):
         self.block_bytes = stream.block_bytes
         self.counters = counters
         self.ready: deque[ReadyBlock] = deque()
-        self.max_ready = READY_BLOCKS_PER_CONNECTION * connections
+        self.max_ready = connections * max(2, READY_BYTES_PER_CONNECTION // max(1, stream.block_bytes))
+        self._producer_waits = False
         self.end: int | None = None  # blocks in the result, once the stream is done
         self.sending = 0  # blocks taken by a thread whose send has not finished
         self.left = 0
@@ -208,7 +212,11 @@ class FetchTransfer(Transfer):
             served = 0
             async for framed in frames:
                 assert framed.checksum is not None
-                await self.until(self._space, lambda: self.failed is not None or len(self.ready) < self.max_ready)
+                with self.lock:
+                    self._producer_waits = len(self.ready) >= self.max_ready
+                if self._producer_waits:
+                    await self.until(self._space, lambda: self.failed is not None or
+                                     len(self.ready) <= self.max_ready // 2)
                 with self.lock:
                     if self.failed is not None:
                         return
@@ -265,6 +273,9 @@ class FetchTransfer(Transfer):
                 if self.ready:
                     block = self.ready.popleft()
                     self.sending += 1
+                    wake = self._producer_waits and len(self.ready) <= self.max_ready // 2
+                    if wake:
+                        self._producer_waits = False
                     break
                 if self.end is not None:
                     return self.end
@@ -272,8 +283,14 @@ class FetchTransfer(Transfer):
                 if left <= 0:
                     raise DeadlineExceeded("the fetch transfer passed its deadline")
                 self.lock.wait(left)
-        self.wake(self._space)
+        if wake:
+            self.wake(self._space)
         return block
+
+    def finished(self) -> int | None:
+        """The END count once every block has been taken (None while some may come)."""
+        with self.lock:
+            return self.end if self.end is not None and not self.ready else None
 
     def sent(self) -> None:
         with self.lock:
