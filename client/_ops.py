@@ -14,8 +14,9 @@ Steps:
 - `StreamPut(prepared, timeout_s)`: the Put client stream (a header, then each block in
   chunks, as gRPC bytes); the plan receives the PutResponse.
 - `Blocking(fn, *args)`: work that holds the thread (a shared-memory or device copy,
-  waiting for the segment's mapping): the blocking driver runs it inline, the asyncio
-  one in a worker thread so the event loop never stalls. The plan receives its return.
+  waiting for the segment's mapping, a data lane transfer): the blocking driver runs it
+  inline, the asyncio one in a worker thread so the event loop never stalls (and calls
+  its `cancel`, if any, when the awaiting task is cancelled). The plan receives its return.
 
 A step that fails is thrown into the plan where it yielded it, so a plan's own
 `try`/`except` sees the same exception the caller would (a put aborts its slots there).
@@ -104,13 +105,16 @@ class Unary(Generic[T]):
 
 
 class Blocking:
-    """Work that holds the thread: inline when blocking, in a worker thread under asyncio."""
+    """Work that holds the thread: inline when blocking, in a worker thread under asyncio.
+    `cancel`, if set, makes the work end at once (the asyncio driver calls it when the
+    awaiting task is cancelled, so the worker thread does not run on to its deadline)."""
 
-    __slots__ = ("fn", "args")
+    __slots__ = ("fn", "args", "cancel")
 
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+    def __init__(self, fn: Callable[..., Any], *args: Any, cancel: Callable[[], None] | None = None) -> None:
         self.fn = fn
         self.args = args
+        self.cancel = cancel
 
 
 class StreamFetch:
@@ -502,7 +506,8 @@ def fetch_lane(c: ClientState, lane: DataLane, layout: KVLayout, keys: kvstore_p
         lane.checkin(conns)  # the transfer expires on the daemon by itself
         raise
     try:
-        got = yield Blocking(lane.fetch_into, conns, grant.transfer_id, grant.block_bytes, views, timeout_s)
+        got = yield Blocking(lane.fetch_into, conns, grant.transfer_id, grant.block_bytes, views, timeout_s,
+                             cancel=lambda: lane.abort(conns))
     except Unavailable as exc:
         if c.data_plane == "lane":
             raise
@@ -616,7 +621,7 @@ def put_lane(c: ClientState, lane: DataLane, prepared: PreparedPut, timeout_s: f
     else:
         try:
             yield Blocking(lane.put_from, conns, grant.transfer_id, grant.block_bytes, grant.needed,
-                           prepared.views, timeout_s)
+                           prepared.views, timeout_s, cancel=lambda: lane.abort(conns))
         except GeneratorExit:
             raise
         except BaseException as exc:

@@ -101,7 +101,12 @@ class AsyncClient(ClientState):
         if type(step) is Unary:
             return step.answer(await self._unary(step.name, step.request, step.timeout_s))
         if type(step) is Blocking:
-            return await asyncio.to_thread(step.fn, *step.args)
+            try:
+                return await asyncio.to_thread(step.fn, *step.args)
+            except asyncio.CancelledError:
+                if step.cancel is not None:
+                    step.cancel()  # the worker thread ends now rather than at its deadline
+                raise
         try:  # the streams are gRPC calls of their own: their failures surface here
             if type(step) is StreamPut:
                 return await self._put(put_requests(step.prepared, self.chunk_bytes), timeout=step.timeout_s)

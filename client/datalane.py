@@ -302,6 +302,12 @@ class DataLane:
         for c in extra:
             c.close()
 
+    def abort(self, conns: Sequence[LaneSocket]) -> None:
+        """End a transfer running on `conns` at once, from any thread: their sockets are
+        shut, so the threads moving its bytes fail now (and close them)."""
+        for conn in conns:
+            conn.shutdown()
+
     def close(self) -> None:
         with self._lock:
             self.closed = True

@@ -558,6 +558,77 @@ def test_a_lane_that_vanishes_mid_fetch_is_a_bounded_error_or_a_grpc_fallback(tm
             fake.close()
 
 
+class SilentLane:
+    """A lane server that welcomes each connection, takes its first frame and then says
+    nothing; `joined` once a connection sent it, `closed` once one was closed on it."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.2)
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.joined, self.closed = threading.Event(), threading.Event()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(None)
+        lane = LaneSocket(conn, 30.0)
+        with conn:
+            try:
+                hello = lane.read_frame()
+                lane.read_payload(hello.length, 4096)
+                lane.send_frame(WELCOME, block=VERSION, value=1 << 30)
+                lane.read_frame()
+                self.joined.set()
+                while conn.recv(4096):  # until the client closes it
+                    pass
+                self.closed.set()
+            except (KVStoreError, OSError):
+                self.closed.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.listener.close()
+        self.thread.join(5)
+        for t in self._threads:
+            t.join(5)
+
+
+async def test_a_cancelled_async_fetch_ends_its_lane_connections_at_once(tmp_path):
+    silent = SilentLane()
+    daemon = Daemon(make_config(tmp_path, data_lane_advertise=(silent.address,)))
+    await daemon.start()
+    try:
+        tcp = daemon.bound[1]
+        async with AsyncClient(tcp, data_plane="grpc") as kv:
+            await kv.put(LAYOUT, tokens(2), blocks_for(2))
+        async with AsyncClient(tcp, data_plane="lane", timeout_s=60) as kv:
+            task = asyncio.create_task(kv.fetch(LAYOUT, tokens(2)))
+            assert await asyncio.to_thread(silent.joined.wait, 10)  # the fetch waits on the lane now
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # Its worker thread did not wait for the 60 s deadline: the connection is gone.
+            assert await asyncio.to_thread(silent.closed.wait, 5)
+    finally:
+        await daemon.stop(grace_s=0)
+        silent.close()
+
+
 # ------------------------------------------------------------------ auth and tenants
 
 
@@ -796,3 +867,43 @@ def test_the_lane_speaks_tls_when_the_daemon_does(tmp_path, pki):
             plain, kind = raw_lane(running)
             plain.close()
             assert kind == WELCOME, "a plain-text hello was answered"
+
+
+# ------------------------------------------------------------------ the peers' API
+
+
+async def test_a_peer_fetches_into_and_puts_from_slot_memory_by_namespace_and_hashes(daemon):
+    from kvstore.client.lane_peer import LanePeer
+    from kvstore.hashing import block_hashes
+
+    data = blocks_for(6, seed=19)
+    hashes = block_hashes(LAYOUT.namespace_id, tokens(6), LAYOUT.block_size_tokens)
+    region = bytearray(8 * BB)  # stands in for a host tier's segment
+    slots = [memoryview(region)[i * BB : (i + 1) * BB] for i in range(8)]
+    async with LanePeer(daemon.tcp_target) as peer:
+        put = await peer.put(ns(), hashes[:4], [memoryview(d) for d in data[:4]])
+        assert (put.stored, put.existing) == (4, 0)
+        # The rest of the chain, after its parent, by the namespace's id this time.
+        by_id = kvstore_pb2.Namespace(id=put.namespace_id)
+        put = await peer.put(by_id, hashes[4:], [memoryview(d) for d in data[4:]], parent_hash=hashes[3])
+        assert (put.stored, put.existing) == (2, 0)
+        assert await peer.fetch(by_id, hashes, slots) == 6
+        assert [bytes(s) for s in slots[:6]] == data
+        assert await peer.fetch(ns(), [os.urandom(16)], slots) == 0  # a miss is a value
+        stats = peer.stats()
+        assert stats is not None and stats.bytes_received == 6 * BB and stats.bytes_sent == 6 * BB
+    async with AsyncClient(daemon.tcp_target, data_plane="grpc") as kv:  # what any client sees
+        assert [bytes(x) for x in await kv.fetch(LAYOUT, tokens(6))] == data
+
+
+async def test_a_peer_without_a_lane_says_so(tmp_path):
+    from kvstore.client.lane_peer import LanePeer
+
+    daemon = Daemon(make_config(tmp_path, data_lane_listen=("off",)))
+    await daemon.start()
+    try:
+        async with LanePeer(daemon.bound[1]) as peer:
+            with pytest.raises(FailedPrecondition, match="no data lane"):
+                await peer.fetch(ns(), [os.urandom(16)], [bytearray(BB)])
+    finally:
+        await daemon.stop(grace_s=0)
