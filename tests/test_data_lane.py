@@ -285,6 +285,14 @@ def test_a_non_loopback_lane_needs_auth_and_tls(tmp_path):
                        insecure_remote=True))
     with pytest.raises(ConfigError, match="stand alone"):
         Daemon(make_config(tmp_path, data_lane_listen=("auto", "127.0.0.1:0")))
+    # `kvstore config validate` applies the same rules.
+    from kvstore.cli.main import main
+
+    toml = tmp_path / "lane.toml"
+    toml.write_text('data_lane_listen = "0.0.0.0:0"\n')
+    assert main(["config", "validate", str(toml)]) == 1
+    toml.write_text('data_lane_listen = "127.0.0.1:0"\n')
+    assert main(["config", "validate", str(toml)]) == 0
 
 
 # ------------------------------------------------------------------ flow control
