@@ -221,7 +221,7 @@ def client_kvstore(args: argparse.Namespace) -> list[dict[str, Any]]:
             # The lane: one client whose transfers use `conns` connections. gRPC: `conns`
             # clients (channels), each moving its share of the batch.
             clients = [Client(target, token=args.token, data_plane="lane" if lane else "grpc",
-                              data_lane_connections=conns, tls_ca=args.tls_ca or None)
+                              data_lane_connections=conns, tls_ca=args.tls_ca if tls else None)
                        for _ in range(1 if lane else conns)]
             parts = [range(BATCH)] if lane else split(conns)
             fresh: list[list[bytes]] = []

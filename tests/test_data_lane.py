@@ -335,6 +335,22 @@ def test_a_fetch_never_has_more_in_flight_than_the_receiver_granted(daemon_threa
         assert received == {i: data[i] for i in range(3, 8)}
 
 
+def test_a_fetch_whose_second_connection_never_joins_is_released_soon_after(daemon_thread):
+    with Client(daemon_thread.tcp_target, data_plane="grpc") as kv:
+        kv.put(LAYOUT, tokens(3), blocks_for(3))
+    grant = open_fetch(daemon_thread, tokens(3), connections=2, timeout_ms=60_000)
+    transfers = daemon_thread.daemon.data_lane.transfers
+    lane, _ = raw_lane(daemon_thread)
+    with lane.sock:
+        lane.send_frame(FETCH, grant.transfer_id, value=1 << 30)
+        while (frame := lane.read_frame()).kind == DATA:
+            read_block(lane, frame.length)
+        assert frame.kind == END and frame.block == 3
+        # The other connection the client announced never comes (it failed on its side):
+        # the blocks are let go a moment later, not at the 60 s deadline.
+        wait_until(lambda: len(transfers) == 0, 5)
+
+
 def test_a_put_sender_past_its_credit_is_cut_off_and_nothing_is_stored(tmp_path):
     cfg = make_config(tmp_path, data_lane_window=1 << 20)
     n = (1 << 20) // BB + 4

@@ -59,6 +59,9 @@ logger = logging.getLogger(__name__)
 # A transfer that names no deadline (timeout_ms 0), and the longest one may name.
 DEFAULT_TRANSFER_S = 30.0
 MAX_TRANSFER_S = 600.0
+# After a fetch's last block is taken, how long it waits for connections the client said
+# would join and have not (one that failed on the client's side never will).
+LATE_JOIN_GRACE_S = 1.0
 # Verified blocks a fetch keeps ready ahead of its senders, per connection: at least two
 # blocks, else up to this many bytes (views of tier memory cost nothing; blocks read from
 # SSD are copies, and are read ahead by at most FETCH_AHEAD_BYTES anyway). The loop is
@@ -228,8 +231,15 @@ class FetchTransfer(Transfer):
             with self.lock:
                 self.end = served
                 self.lock.notify_all()
-            await self.until(self._idle, lambda: self.failed is not None or
-                             (self.left >= self.connections and self.sending == 0))
+            try:
+                await asyncio.wait_for(self.until(self._idle, lambda: self.failed is not None or
+                                                  (self.left >= self.connections and self.sending == 0)),
+                                       LATE_JOIN_GRACE_S)
+            except TimeoutError:
+                # A connection the client meant to join never did (it failed on the way):
+                # the blocks are released once those that joined took them all and left.
+                await self.until(self._idle, lambda: self.failed is not None or (
+                    not self.ready and self.joined > 0 and self.left >= self.joined and self.sending == 0))
         finally:
             await frames.aclose()
             await self._release()
@@ -312,9 +322,7 @@ class FetchTransfer(Transfer):
         with self.lock:
             self.sockets.discard(sock)
             self.left += 1
-            done = self.left >= self.connections and self.sending == 0
-        if done:
-            self.wake(self._idle)
+        self.wake(self._idle)
 
 
 class PutTransfer(Transfer):
