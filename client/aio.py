@@ -162,7 +162,7 @@ class AsyncClient(ClientState):
         """Verified blocks of the longest held prefix, in order; fills `out` buffers if given.
 
         Without `out`, blocks come back as `bytes` over gRPC and as `bytearray` over shared
-        memory (equal content either way).
+        memory and the data lane (equal content either way).
         """
         return await self._run(ops.fetch(self, layout, token_ids, block_hashes, out, lease_id, self._t(timeout_s)))
 

@@ -44,6 +44,7 @@ from kvstore.errors import (
     DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
+    InvalidArgument,
     KVStoreError,
     Unauthenticated,
     Unavailable,
@@ -271,6 +272,13 @@ def test_a_daemon_that_predates_the_lane_is_used_through_grpc():
         loop.call_soon_threadsafe(stop.set)
         thread.join(10)
         loop.close()
+
+
+def test_the_sdk_checks_its_lane_arguments():
+    with pytest.raises(InvalidArgument, match="data_lane_connections"):
+        Client("127.0.0.1:1", data_lane_connections=0)
+    with pytest.raises(InvalidArgument, match="data_plane"):
+        Client("127.0.0.1:1", data_plane="rdma")
 
 
 def test_a_non_loopback_lane_needs_auth_and_tls(tmp_path):
