@@ -45,6 +45,7 @@ from kvstore.datalane import (
     END,
     ERROR,
     FETCH,
+    HEADER_BYTES,
     HELLO,
     MAX_ERROR_BYTES,
     PUSH,
@@ -59,6 +60,7 @@ from kvstore.datalane import (
     checksum_of,
     hello_payload,
     status_of,
+    unpack,
 )
 from kvstore.errors import DataLoss, KVStoreError, Unavailable, error_for_status
 from kvstore.v1 import kvstore_pb2
@@ -496,14 +498,28 @@ def _error_of(lane: LaneSocket, code: int, length: int) -> KVStoreError:
 
 
 def _alive(lane: LaneSocket) -> bool:
-    """Whether an idle pooled connection is still good: nothing may be waiting on it (the
-    daemon closed it, or sent what nobody asked for)."""
+    """Whether an idle pooled connection is still good. CREDIT frames of a put that had
+    finished sending (the daemon topped its credit up as the last blocks landed) are
+    read and dropped; anything else waiting (the daemon closed it, or reported an error)
+    means it is not."""
     poller = select.poll()
     try:
         poller.register(lane.sock, select.POLLIN)
-        return not poller.poll(0)
     except (OSError, ValueError):
         return False
+    while poller.poll(0):
+        if lane.tls:
+            return False  # no peeking into TLS records: a fresh connection is cheaper
+        try:
+            head = lane.sock.recv(HEADER_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            if len(head) < HEADER_BYTES or unpack(head).kind != CREDIT:
+                return False
+            lane.sock.recv(HEADER_BYTES, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+    return True
 
 
 __all__ = ["DataLane", "LaneClosed", "LaneEndpoint", "LaneStats", "LaneTimeout", "choose_endpoint", "client_tls"]

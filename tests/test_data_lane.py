@@ -194,6 +194,21 @@ def test_one_connection_whose_credit_the_fetch_uses_up_exactly(daemon_thread):
         assert stats is not None and stats.connections_opened == 1  # one connection, reused
 
 
+def test_puts_larger_than_the_window_keep_their_connection(tmp_path):
+    """The daemon tops a put's credit up as blocks land, maybe after the client sent its
+    last block: those late CREDIT frames do not cost the pooled connection."""
+    n = 2 * (1 << 20) // BB
+    with daemon_in_thread(make_config(tmp_path, data_lane_window=1 << 20)) as running:
+        # Two connections: each is granted credit for the whole put, and sends half of it.
+        with Client(running.tcp_target, data_plane="lane", data_lane_connections=2) as kv:
+            for r in range(3):
+                data = blocks_for(n, seed=30 + r)
+                assert kv.put(LAYOUT, tokens(n, r * 10_000), data).stored == n
+                assert [bytes(x) for x in kv.fetch(LAYOUT, tokens(n, r * 10_000))] == data
+            stats = kv.data_lane_stats
+            assert stats is not None and stats.connections_opened == 2
+
+
 def test_the_daemon_counts_lane_bytes_under_their_own_plane(daemon_thread):
     with Client(daemon_thread.tcp_target, data_plane="lane") as kv:
         kv.put(LAYOUT, tokens(3), blocks_for(3))
