@@ -361,6 +361,12 @@ class Hosts:
 
     def close(self) -> None:
         for ns in self.made:
+            # Anything of ours still running in it (a server that outlived its stop) goes too.
+            for pid in run("ip", "netns", "pids", ns, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
             run("ip", "netns", "del", ns, check=False)
         self.made.clear()
 
@@ -398,9 +404,15 @@ class Servers:
         if systems & {"kvstore-lane", "kvstore-grpc", "kvstore-lane-tls"}:
             self._start_kvstore(py, "kvstore-lane-tls" in systems)
         if "mooncake-tcp" in systems and peer_python:
-            proc = self.spawn(peer_python, str(ROOT / "bench" / "peers" / "mooncake_net.py"), "--role", "store",
-                              "--host", SERVER_ADDR, "--master-port", str(MOONCAKE_PORT), log="mooncake.log",
-                              stdout=subprocess.PIPE)
+            driver = str(ROOT / "bench" / "peers" / "mooncake_net.py")
+            master = run(peer_python, driver, "--role", "master-path").stdout.strip()
+            # Started here, not by the store process, so that closing stops it whatever
+            # becomes of the store.
+            self.spawn(master, f"--rpc_address={SERVER_ADDR}", f"--rpc_port={MOONCAKE_PORT}",
+                       f"--metrics_host={SERVER_ADDR}", "--metrics_port=0", "--enable_http_metadata_server=false",
+                       log="mooncake-master.log")
+            proc = self.spawn(peer_python, driver, "--role", "store", "--host", SERVER_ADDR, "--master-port",
+                              str(MOONCAKE_PORT), log="mooncake.log", stdout=subprocess.PIPE)
             _expect_line(proc, "ready", "the Mooncake store", timeout_s=60)
             self.mooncake = True
 
@@ -441,7 +453,7 @@ class Servers:
         return ["--tls-cert", str(d / "server.pem"), "--tls-key", str(d / "server.key")]
 
     def close(self) -> None:
-        for proc in self.procs:
+        for proc in reversed(self.procs):  # clients of a server before it (Mooncake's store before its master)
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         for proc in self.procs:

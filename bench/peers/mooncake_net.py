@@ -1,8 +1,9 @@
 """Mooncake Store over its TCP transport between two network namespaces, for bench/net.py.
 
-`--role store` (in the server namespace): a fresh `mooncake_master` and a store process
+`--role store` (in the server namespace, next to a fresh `mooncake_master` that
+bench/net.py starts itself, so it can stop it whatever happens here): a store process
 that contributes the only global segment, on `--host`; prints "ready", serves until
-killed. `--role client` (in the client namespace, or the server's for loopback): a client
+SIGTERM. `--role client` (in the client namespace, or the server's for loopback): a client
 that contributes no memory, so every put and get crosses the link to the store's
 segment over Mooncake's TCP transport; batched zero-copy calls (`batch_put_from` /
 `batch_get_into` between registered buffers), a batch split over `--connections`
@@ -17,13 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
+import signal
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -31,38 +29,29 @@ MIB = 1 << 20
 GB = 1e9
 
 
-def start_master(host: str, port: int, workdir: Path) -> subprocess.Popen[bytes]:
-    master = shutil.which("mooncake_master", path=os.path.dirname(sys.executable)) or shutil.which("mooncake_master")
-    if master is None:
-        sys.exit("mooncake_master not found; run bench/install-peers.sh")
-    log = open(workdir / "mooncake_master.log", "wb")
-    return subprocess.Popen(
-        [master, f"--rpc_address={host}", f"--rpc_port={port}", f"--metrics_host={host}", "--metrics_port=0",
-         "--enable_http_metadata_server=false"], stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+def master_binary() -> str:
+    """The mooncake_master executable itself (not the console script that starts it)."""
+    import mooncake
+
+    return os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
 
 
 def store_role(args: argparse.Namespace) -> int:
     from mooncake.store import MooncakeDistributedStore
 
-    with tempfile.TemporaryDirectory(prefix="kvstore-bench-mooncake-") as tmp:
-        master = start_master(args.host, args.master_port, Path(tmp))
-        try:
-            time.sleep(1.0)
-            store = MooncakeDistributedStore()
-            rc = store.setup(args.host, "P2PHANDSHAKE", args.segment_bytes, 64 * MIB, "tcp", "",
-                             f"{args.host}:{args.master_port}")
-            if rc != 0:
-                raise RuntimeError(f"mooncake store setup failed with {rc}")
-            print("ready", flush=True)
-            while master.poll() is None:
-                time.sleep(0.5)
-        finally:
-            master.terminate()
-            try:
-                master.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                master.kill()
-    return 0
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    store = MooncakeDistributedStore()
+    for _ in range(50):  # the master is starting next to us
+        rc = store.setup(args.host, "P2PHANDSHAKE", args.segment_bytes, 64 * MIB, "tcp", "",
+                         f"{args.host}:{args.master_port}")
+        if rc == 0:
+            break
+        time.sleep(0.2)
+    else:
+        raise RuntimeError(f"mooncake store setup failed with {rc}")
+    print("ready", flush=True)
+    while True:
+        time.sleep(1.0)
 
 
 def measure(fn, seconds: float, after=None) -> tuple[float, int]:  # type: ignore[no-untyped-def]
@@ -176,8 +165,8 @@ def row(op: str, size: int, conns: int, args: argparse.Namespace, bytes_per_s: f
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--role", choices=("store", "client"), required=True)
-    parser.add_argument("--host", required=True, help="this process's address")
+    parser.add_argument("--role", choices=("store", "client", "master-path"), required=True)
+    parser.add_argument("--host", default="", help="this process's address")
     parser.add_argument("--master-port", type=int, default=50151)
     parser.add_argument("--segment-bytes", type=int, default=2 << 30)
     parser.add_argument("--master", default="", help="HOST:PORT of the master (client)")
@@ -191,6 +180,9 @@ def main() -> int:
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
     args.connections = [int(s) for s in args.connections.split(",") if s]
     os.environ.setdefault("GLOG_minloglevel", "2")
+    if args.role == "master-path":
+        print(master_binary())
+        return 0
     return store_role(args) if args.role == "store" else client_role(args)
 
 
