@@ -133,7 +133,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         try:
             ns_id = self._namespace(request.namespace)
         except UnregisteredLayout as unknown:
-            self._miss(request.keys, unknown)
+            self.store.count_unknown_lookup(self._miss(request.keys, unknown))
             if request.HasField("hint"):
                 self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
             return kvstore_pb2.LookupResponse(namespace_id=unknown.namespace_id,
