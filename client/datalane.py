@@ -190,6 +190,9 @@ class _Push:
         except queue.Empty:
             return None
 
+    def empty(self) -> bool:
+        return self.failed or self.todo.empty()
+
 
 class DataLane:
     """Connections to one daemon's data lane. Thread-safe; `close` ends them all."""
@@ -432,15 +435,23 @@ class DataLane:
                  push: _Push, deadline: float) -> None:
         self._bound_waits(lane, deadline)
         lane.send_frame(PUSH, transfer_id)
-        credit = self._credit(lane, transfer_id, deadline, push)
         counters = self._counters
         try:
+            credit = more = self._credit(lane, transfer_id, deadline, push)
             while True:
+                # Credit first, then a block: the daemon's credit, over all of a put's
+                # connections, covers the slots it has reserved so far, in order; so a
+                # block taken in order once its credit is held is always among them.
+                while credit < block_bytes:
+                    if not more or push.empty():
+                        # Nothing left to send, or the daemon said so (CREDIT 0: the
+                        # blocks left are covered by credit on other connections).
+                        return  # LaneCommit waits for what is still on the way
+                    more = self._credit(lane, transfer_id, deadline, push)
+                    credit += more
                 i = push.next()
                 if i is None:
-                    return  # LaneCommit waits for what is still on the way
-                while credit < block_bytes:
-                    credit += self._credit(lane, transfer_id, deadline, push)
+                    return
                 data = sources[i]
                 lane.send_data(transfer_id, i, data, checksum_of(data))
                 credit -= block_bytes
