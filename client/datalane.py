@@ -174,7 +174,8 @@ class _FetchState:
 
 
 class _Push:
-    """The blocks of one put still to send, taken by whichever connection is free."""
+    """The blocks of one put still to send, in order, taken by whichever connection holds
+    credit for one (never before: see `DataLane._push_on`)."""
 
     def __init__(self, positions: list[int]) -> None:
         self.todo: queue.SimpleQueue[int] = queue.SimpleQueue()

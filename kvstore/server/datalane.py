@@ -25,7 +25,9 @@ opened, so tenant isolation holds on the lane as on gRPC.
 Bounded by construction: at most `max_connections` connections; a hello must arrive
 within HELLO_TIMEOUT_S; a frame, once begun, must make progress within the I/O timeout;
 an idle connection is closed after IDLE_TIMEOUT_S; a sender that exceeds its credit is
-disconnected; a DATA payload is at most the daemon's `max_block_bytes`.
+disconnected; a DATA payload is at most the daemon's `max_block_bytes`. A put's credit
+covers only the slots its window has reserved (`PutTransfer.take_credit`): a connection
+that used its credit up waits, on its thread, for the window to move on.
 """
 
 from __future__ import annotations

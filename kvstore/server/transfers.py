@@ -15,6 +15,12 @@ blocks from the transfer's hand-off queue and send them; a put's receive each bl
 straight into its PENDING slot, hashing it as it lands. The shared state of a transfer
 is guarded by its own lock; the loop is woken with `call_soon_threadsafe`.
 
+A put holds little ahead of its bytes, as a Put stream does: its slots are reserved by
+`PutTxn`'s window (`extend_window`), at most `put_window_bytes` (max_put_reserve_bytes)
+ahead of the blocks that landed, the first window when it opens and the next half as
+each half lands; the credit its connections get is taken out of reserved slots only.
+A put whose client sends nothing for `put_idle_timeout_s` is rolled back.
+
 Ordering decisions that matter:
 - Memory is never let go while a thread uses it. A fetch's blocks stay held (readers)
   until every thread that took one has finished sending it; a put's slots are freed
@@ -22,8 +28,10 @@ Ordering decisions that matter:
   transfer first refuses new work, then shuts the sockets of threads still at it (they
   fail at once), then waits for them.
 - A put is all or nothing: a block that fails its checksum on arrival, a connection that
-  breaks mid-block, or a block sent twice fails the whole transfer; the commit answers
-  the error and the slots are freed; nothing was ever visible (`PutTxn`).
+  breaks mid-block, a block sent twice or ahead of the window, a put that finds no room
+  mid-way or whose client stalls fails the whole transfer; it is rolled back at once
+  (its slots freed once no thread receives into them), its commit answers the error,
+  and nothing was ever visible (`PutTxn`).
 - A fetch ends at the first block the store could not verify (as the Fetch stream does);
   the lane's END frame carries how many blocks the result has.
 - Every transfer has a deadline (the client's, capped): past it the transfer is closed
