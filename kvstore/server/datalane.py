@@ -531,11 +531,12 @@ class _Connection:
         if transfer_id in self.told:
             return
         self.told.add(transfer_id)
-        if transfer is None or transfer.failed is None:
+        failed = transfer.failed if transfer is not None else self.transfers.put_failure(transfer_id, self.tenant)
+        if failed is None:
             self.lane.send_error(transfer_id, grpc.StatusCode.NOT_FOUND,
                                  "this data lane put is not open (committed, aborted, or expired)")
         else:
-            self.lane.send_error(transfer_id, transfer.failed.code, transfer.failed.message)
+            self.lane.send_error(transfer_id, failed.code, failed.message)
 
 
 class _PutCredit:

@@ -625,8 +625,10 @@ class LaneTransfers:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timers: dict[bytes, asyncio.TimerHandle] = {}
         self._closing = False
-        # Why recent puts failed, for their LaneCommit (they are rolled back at once).
+        # Why recent puts failed, for their LaneCommit and senders that come late (they
+        # are rolled back at once). Connection threads read it: under its own lock.
         self._failed_puts: OrderedDict[bytes, tuple[str, TransferFailed]] = OrderedDict()
+        self._failed_lock = threading.Lock()
         host = next((st.tier for st in store.tiers if st.name == HOST), None)
         self._host = host
 
@@ -788,9 +790,10 @@ class LaneTransfers:
         failed = transfer.failed
         if transfer.ending or transfer.committing or failed is None:
             return
-        self._failed_puts[transfer.id] = (transfer.tenant, failed)
-        while len(self._failed_puts) > max(16, self.settings.max_transfers):
-            self._failed_puts.popitem(last=False)
+        with self._failed_lock:
+            self._failed_puts[transfer.id] = (transfer.tenant, failed)
+            while len(self._failed_puts) > max(16, self.settings.max_transfers):
+                self._failed_puts.popitem(last=False)
         self.counters.add("transfers_failed")
         self._end(transfer)
 
@@ -807,12 +810,13 @@ class LaneTransfers:
         tenant = current_identity().tenant
         if (not isinstance(transfer, PutTransfer) or transfer.tenant != tenant or transfer.committing
                 or transfer.ending):
-            failed = self._failed_puts.get(request.transfer_id)
-            if failed is not None and failed[0] == tenant:
-                del self._failed_puts[request.transfer_id]
+            why = self.put_failure(request.transfer_id, tenant)
+            if why is not None:
+                with self._failed_lock:
+                    self._failed_puts.pop(request.transfer_id, None)
                 if request.abort:
                     return kvstore_pb2.PutResponse()
-                raise error_for_status(failed[1].code, failed[1].message)
+                raise error_for_status(why.code, why.message)
             raise FailedPrecondition("this data lane put is not open: it was committed, aborted, or rolled back "
                                      "after its deadline; put the blocks again")
         txn = transfer.txn
@@ -877,6 +881,12 @@ class LaneTransfers:
         if isinstance(transfer, FetchTransfer) and transfer.tenant == tenant:
             return transfer
         return None
+
+    def put_failure(self, transfer_id: bytes, tenant: str) -> TransferFailed | None:
+        """Why `tenant`'s put `transfer_id` failed, if it did so lately (and was let go)."""
+        with self._failed_lock:
+            failed = self._failed_puts.get(transfer_id)
+        return failed[1] if failed is not None and failed[0] == tenant else None
 
     def put_transfer(self, transfer_id: bytes, tenant: str) -> PutTransfer | None:
         transfer = self._open.get(transfer_id)
