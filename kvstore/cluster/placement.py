@@ -28,7 +28,7 @@ Every node computes the same owners from the same member set, so no metadata ser
   held them still does.
 
 Pure and synchronous; time only through the `clock` passed in. Primitives: `UnitSpan`,
-`unit_start`, `unit_spans`, `score`, `rank`, `Hotness`, `HotUnits`, `Placement`.
+`unit_start`, `unit_stop`, `unit_spans`, `score`, `rank`, `Hotness`, `HotUnits`, `Placement`.
 """
 
 from __future__ import annotations
@@ -88,10 +88,14 @@ def unit_start(position: int, unit_blocks: int = DEFAULT_UNIT_BLOCKS, lead_in: b
     return position // unit_blocks * unit_blocks
 
 
-def _unit_stop(start: int, unit_blocks: int, lead_in: bool) -> int:
+def unit_stop(start: int, unit_blocks: int = DEFAULT_UNIT_BLOCKS, lead_in: bool = True) -> int:
+    """The position just past the unit that starts at position `start` (a unit boundary)."""
     if lead_in and start < unit_blocks:
         return min(max(1, start * 2), unit_blocks)
     return start + unit_blocks
+
+
+_unit_stop = unit_stop
 
 
 def unit_spans(
