@@ -30,7 +30,9 @@ owns are remembered for a drain. A put may wait for its owners' commits (`Forwar
 
 Hot units (`HotUnits`, from the units this node had to look for elsewhere) get extra
 owners, capped: a pull of a hot unit also pushes it to the extra owners that do not hold
-it yet, and a node that is one of them keeps its copy as its own.
+it yet, and a node that is one of them keeps its copy as its own. A pull from a previous
+owner (after a membership change) pushes the copy to the unit's current owner too, so
+the traffic rebuilds what moved.
 
 Membership changes (`_on_view`) feed the placement (members with another placement rule,
 or draining, are never owners), the transport (addresses) and the breakers (a member that
@@ -171,6 +173,7 @@ class ClusterCounters:
     unplaced_blocks: int = 0  # put blocks whose chain position was unknown: not forwarded
     replica_blocks: int = 0  # blocks marked replicas (put here or pulled, of units owned elsewhere)
     hot_pushes: int = 0  # copies of hot units pushed to their extra owners
+    handoff_pushes: int = 0  # copies found on a previous owner pushed to the current one
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,12 +368,15 @@ class ClusterNode:
                 continue
             placed.add(node)
         if self._first_view:
-            # The members at start are not a change: no previous owners to ask.
+            # Joining is a change of the pool's member set: the units this node wins were
+            # the others' until now, so for the grace period it asks their previous owners.
             self._first_view = False
             p = self.placement
-            self.placement = Placement(placed, unit_blocks=p.unit_blocks, replicas=p.replicas,
+            others = placed - {self.node_id}
+            self.placement = Placement(others or placed, unit_blocks=p.unit_blocks, replicas=p.replicas,
                                        max_extra_owners=p.max_extra_owners, grace_s=p.grace_s, hotness=self.hot,
                                        clock=self._clock)
+            self.placement.update(placed)
         elif self.placement.update(placed):
             logger.info("cluster: %d members place units (%s)", len(placed), ", ".join(sorted(placed)))
         self.transport.update({n: m.addresses for n, m in view.members.items() if n != self.node_id})
@@ -713,7 +719,9 @@ class ClusterNode:
             owned.popitem(last=False)
 
     def _pulled(self, holder: str, run: PullRun, blocks: int) -> None:
-        """A pull published: push hot units of it to their extra owners that lack them."""
+        """A pull published. Its copies also go where the pool wants them and lacks them:
+        to the extra owners of a hot unit, and to the current owners of a unit found on
+        a previous owner (a membership change: the traffic rebuilds the new owner's units)."""
         me = self.node_id
         if not run.replica:
             for key in run.unit_keys:
@@ -721,9 +729,11 @@ class ClusterNode:
                     self._remember_owned(run.namespace_id, _Piece(key, run.position, run.hashes[:blocks], run.parent))
                     break
         for key in run.unit_keys:
-            if not self.hot.extra_owners(key):
+            owners = self.placement.owners(key)
+            hot = bool(self.hot.extra_owners(key))
+            if not hot and holder in owners:
                 continue
-            for node in self.placement.owners(key):
+            for node in owners:
                 if node in (me, holder) or (key, node) in self._pushed:
                     continue
                 self._pushed[(key, node)] = None
@@ -731,8 +741,9 @@ class ClusterNode:
                     self._pushed.popitem(last=False)
                 if self.forwarder.submit(ForwardJob(node, run.namespace_id, self._call(run.namespace_id),
                                                     run.hashes[:blocks], run.parent, run.position)):
-                    self.counters.hot_pushes += 1
-            break  # one push per run, by its first hot unit
+                    self.counters.hot_pushes += hot
+                    self.counters.handoff_pushes += not hot
+            break  # one push per run and owner, by its first unit that needs one
 
     # ------------------------------------------------------------------ operations
 

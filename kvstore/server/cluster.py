@@ -298,6 +298,7 @@ def info_section(node: ClusterNode | None) -> str:
         f"cluster_forwarded_blocks:{fc.forwarded_blocks}", f"cluster_forward_dropped_blocks:{fc.dropped_blocks}",
         f"cluster_forward_failed_blocks:{fc.failed_blocks}", f"cluster_replica_blocks:{c.replica_blocks}",
         f"cluster_unplaced_blocks:{c.unplaced_blocks}", f"cluster_hot_pushes:{c.hot_pushes}",
+        f"cluster_handoff_pushes:{c.handoff_pushes}",
         f"cluster_suspect_peers:{sum(m.suspect for m in st.members)}",
         f"cluster_last_error:{ms.last_error}", "",
     ]
