@@ -299,6 +299,7 @@ class ClusterNode:
         self._pushed: OrderedDict[tuple[bytes, str], None] = OrderedDict()
         self._positions: OrderedDict[bytes, int] = OrderedDict()  # ns id + hash -> chain position
         self._started: dict[str, float] = {}  # node id -> started_at of the record last seen
+        self._present: set[str] = set()  # the members of the last view
         self._unplaced_rules: set[str] = set()
         self._unsubscribe: Callable[[], None] | None = None
         self._first_view = True
@@ -380,15 +381,17 @@ class ClusterNode:
         elif self.placement.update(placed):
             logger.info("cluster: %d members place units (%s)", len(placed), ", ".join(sorted(placed)))
         self.transport.update({n: m.addresses for n, m in view.members.items() if n != self.node_id})
+        forget = getattr(self.transport, "forget", None)
         for node, member in view.members.items():
             seen = self._started.get(node)
-            if seen is not None and seen != member.started_at:
-                # It restarted: a new channel, and no suspicion carried over.
-                forget = getattr(self.transport, "forget", None)
-                if forget is not None:
+            if node not in self._present or (seen is not None and seen != member.started_at):
+                # It restarted, or came back after it was gone (a partition healed): a new
+                # channel, and no suspicion carried over.
+                if forget is not None and node != self.node_id:
                     forget(node)
                 self.breakers.forget(node)
             self._started[node] = member.started_at
+        self._present = set(view.members)
 
     # ------------------------------------------------------------------ reads
 
