@@ -51,7 +51,9 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import overload
+from typing import Any, overload
+
+import numpy as np
 
 from kvstore.cluster.breaker import Breakers
 from kvstore.cluster.forward import Forwarder, ForwardJob
@@ -66,12 +68,12 @@ from kvstore.cluster.placement import (
     unit_start,
     unit_stop,
 )
-from kvstore.cluster.pull import Puller, PullRun
-from kvstore.cluster.transport import PeerCall, PeerTransport
+from kvstore.cluster.pull import Puller, PullRun, PullSpec
+from kvstore.cluster.transport import PeerCall, PeerError, PeerTransport
 from kvstore.convert import TIER_BY_NAME, layout_to_proto
 from kvstore.core.store import Store
 from kvstore.errors import FailedPrecondition, KVStoreError
-from kvstore.hashing import HASH_BYTES
+from kvstore.hashing import HASH_BYTES, split_hashes
 from kvstore.v1 import kvstore_pb2
 
 logger = logging.getLogger(__name__)
@@ -254,6 +256,57 @@ class ForwardTicket:
         return total
 
 
+@dataclass(slots=True)
+class _Round:
+    """A lookup's units past its local prefix that this node lacks part of, in chain order,
+    as arrays: positions [starts, stops), blocks held or pending here from the start
+    (`locs`), keys, each unit's first current owner, whether a copy here is a replica;
+    the units asked of each node (indices), and where the chain ends for sure."""
+
+    starts: np.ndarray[Any, Any]
+    stops: np.ndarray[Any, Any]
+    locs: np.ndarray[Any, Any]
+    keys: list[bytes]
+    first_owner: list[str]
+    replica: np.ndarray[Any, Any]
+    asks: dict[str, np.ndarray[Any, Any]]
+    end: int
+
+
+_EMPTY = np.zeros(0, np.int64)
+_EMPTY_BOOL = np.zeros(0, bool)
+
+
+def _concat(packed: bytes, starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any]) -> bytes:
+    """The hashes of positions [starts[i], stops[i]) of a packed chain (disjoint ranges in
+    order), laid end to end."""
+    n = len(packed) // HASH_BYTES
+    edges = np.zeros(n + 1, np.int32)
+    edges[starts] += 1
+    edges[stops] -= 1
+    inside = np.cumsum(edges[:-1]) > 0
+    return np.frombuffer(packed, np.uint8).reshape(n, HASH_BYTES)[inside].tobytes()
+
+
+_BOUNDS: OrderedDict[tuple[int, int, bool], np.ndarray[Any, Any]] = OrderedDict()
+
+
+def _unit_bounds(n: int, unit_blocks: int, lead_in: bool) -> np.ndarray[Any, Any]:
+    """The unit boundaries of an n-block chain, 0 and n included (kept for recent n)."""
+    key = (n, unit_blocks, lead_in)
+    bounds = _BOUNDS.get(key)
+    if bounds is None:
+        head = [0] + [p for p in (1 << k for k in range(unit_blocks.bit_length())) if p < unit_blocks] \
+            if lead_in else [0]
+        rest = np.arange(unit_blocks if lead_in else unit_blocks, n, unit_blocks, dtype=np.int64)
+        bounds = np.unique(np.concatenate([np.array(head, np.int64), rest, np.array([n], np.int64)]))
+        bounds = bounds[bounds <= n]
+        _BOUNDS[key] = bounds
+        if len(_BOUNDS) > 64:
+            _BOUNDS.popitem(last=False)
+    return bounds
+
+
 def _retrieve(task: asyncio.Task[int]) -> None:
     if not task.cancelled():
         task.exception()
@@ -401,7 +454,7 @@ class ClusterNode:
             info = self.store.namespace(namespace_id)
             if len(self._calls) >= LAYOUTS_KEPT:
                 self._calls.clear()
-            call = self._calls[namespace_id] = PeerCall(info.tenant, layout_to_proto(info.layout))
+            call = self._calls[namespace_id] = PeerCall.of(info.tenant, layout_to_proto(info.layout))
         return call
 
     def _peer(self, node: str) -> PeerStats:
@@ -412,144 +465,203 @@ class ClusterNode:
 
     async def extend(self, namespace_id: bytes, chain: bytes | Sequence[bytes], held: int) -> Extension | None:
         """The rest of a lookup's answer past its local prefix of `held` blocks (see the
-        module docstring); None when nothing past it is found."""
+        module docstring); None when nothing past it is found.
+
+        Its work is in whole-array steps over the chain's units, not a Python step per
+        unit where it can be helped: a 1,000-block chain has hundreds of units."""
         if self.left:
             return None
         packed = chain if isinstance(chain, bytes) else b"".join(chain)
         if held * HASH_BYTES >= len(packed):
             return None
         present = self.store.present(namespace_id, packed[held * HASH_BYTES :])
-        pending = self.puller.pending
-        me = self.node_id
-        allowed: dict[str, bool] = {}
-        # (span, blocks held or pending here from its start, nodes to ask)
-        plan: list[tuple[int, int, bytes, int, tuple[str, ...]]] = []
-        asks: dict[str, list[int]] = {}
-        for span in self.placement.spans(PackedChain(packed), first=held):
-            a, b = span.start - held, span.stop - held
-            gap = present.find(_ABSENT, a, b)
-            loc = (b - a) if gap < 0 else gap - a
-            if pending:
-                while loc < b - a:
-                    p = span.start + loc
-                    if present[a + loc] == Store.ABSENT and namespace_id + packed[p * HASH_BYTES : (p + 1) * HASH_BYTES] \
-                            not in pending:
-                        break
-                    loc += 1
-            if loc == b - a:
-                plan.append((span.start, span.stop, span.key, loc, ()))
-                continue
-            self.hot.record(span.key)
-            targets = []
-            for node in self.placement.lookup_targets(span.key):
-                if node == me:
-                    continue
-                ok = allowed.get(node)
-                if ok is None:
-                    ok = allowed[node] = self.breakers.allow(node)
-                if ok:
-                    targets.append(node)
-            plan.append((span.start, span.stop, span.key, loc, tuple(targets)))
-            if not targets:
-                break  # nobody to ask: the chain ends in this unit
-            for node in targets:
-                asks.setdefault(node, []).append(len(plan) - 1)
-        answers: dict[str, dict[int, int]] = {}
-        if asks:
+        rnd = self._plan(namespace_id, packed, held, present)
+        got = None
+        if rnd.asks:
             if self.puller.has_room():
-                answers = await self._ask(namespace_id, packed, plan, asks)
+                got = await self._ask(namespace_id, packed, rnd)
             else:
                 self.counters.no_room_for_pulls += 1
-        return self._combine(namespace_id, packed, held, present, plan, answers)
+        return self._combine(namespace_id, packed, held, present, rnd, got)
 
-    async def _ask(self, namespace_id: bytes, packed: bytes, plan: list[tuple[int, int, bytes, int, tuple[str, ...]]],
-                   asks: dict[str, list[int]]) -> dict[str, dict[int, int]]:
-        """One parallel round of lookups, one per node, under the lookup deadline."""
+    def _units_past(self, namespace_id: bytes, packed: bytes, held: int,
+                    present: bytes) -> tuple[np.ndarray[Any, Any], ...]:
+        """The units from position `held` on (the first one from `held`, inside its unit),
+        as arrays: their first and past-last positions, how many of their leading blocks
+        are held here or pending a pull, and the position of each unit's first block
+        (its key). Cut as `unit_spans` cuts them, in whole-array steps."""
+        n = len(packed) // HASH_BYTES
+        s_blocks, lead_in = self.placement.unit_blocks, self.placement.lead_in
+        bounds = _unit_bounds(n, s_blocks, lead_in)
+        first = int(np.searchsorted(bounds, held, side="right")) - 1
+        unit_starts = bounds[first:-1]
+        stops = bounds[first + 1 :]
+        starts = unit_starts.copy()
+        starts[0] = held
+        absent = np.frombuffer(present, np.uint8) == Store.ABSENT
+        pending = self.puller.pending.get(namespace_id)
+        if pending:
+            gaps = np.flatnonzero(absent)
+            copying = [packed[(held + g) * HASH_BYTES : (held + g + 1) * HASH_BYTES] in pending for g in gaps.tolist()]
+            absent[gaps[np.array(copying, bool)]] = False
+        m = len(absent)
+        first_absent = np.minimum.reduceat(np.where(absent, np.arange(m), m), starts - held)
+        locs = np.minimum(first_absent - (starts - held), stops - starts)
+        return starts, stops, locs, unit_starts
+
+    def _plan(self, namespace_id: bytes, packed: bytes, held: int, present: bytes) -> _Round:
+        """The units past the prefix this node lacks part of, and whom to ask for each."""
+        starts, stops, locs, unit_starts = self._units_past(namespace_id, packed, held, present)
+        lacking = np.flatnonzero(locs < stops - starts)
+        end = len(packed) // HASH_BYTES
+        if not len(lacking):
+            return _Round(_EMPTY, _EMPTY, _EMPTY, [], [], _EMPTY_BOOL, {}, end)
+        keys = [packed[u * HASH_BYTES : (u + 1) * HASH_BYTES] for u in unit_starts[lacking].tolist()]
+        owners, ranked = self.placement.route_many(keys)
+        me = self.node_id
+        allow = self.breakers.allow
+        askable: dict[str, bool] = {}
+        # Few distinct target lists occur (one per owner, and per previous owner): each is
+        # filtered (this node, suspect peers) once.
+        filtered: dict[tuple[str, ...], tuple[str, ...]] = {}
+        targets: list[tuple[str, ...]] = []
+        for t in ranked:
+            f = filtered.get(t)
+            if f is None:
+                for node in t:
+                    if node != me and node not in askable:
+                        askable[node] = allow(node)
+                f = filtered[t] = tuple(node for node in t if node != me and askable[node])
+            targets.append(f)
+        cut = len(targets)
+        if () in filtered.values():
+            cut = next(j for j, t in enumerate(targets) if not t)  # nobody to ask: the chain ends there
+            end = int(starts[lacking[cut]] + locs[lacking[cut]])
+        lacking = lacking[:cut]
+        targets = targets[:cut]
+        distinct = list(dict.fromkeys(targets))
+        ids = {t: k for k, t in enumerate(distinct)}
+        target_ids = np.fromiter((ids[t] for t in targets), np.int64, len(targets))
+        asks: dict[str, np.ndarray[Any, Any]] = {}
+        for node, ok in askable.items():
+            if ok:
+                mine = [k for t, k in ids.items() if node in t]
+                idx = np.flatnonzero(np.isin(target_ids, mine))
+                if len(idx):
+                    asks[node] = idx
+        replica = np.fromiter((me not in o for o in owners[:cut]), bool, cut)
+        first_owner = [o[0] if o else "" for o in owners[:cut]]
+        return _Round(starts[lacking], stops[lacking], locs[lacking], keys[:cut], first_owner, replica, asks, end)
+
+    async def _ask(self, namespace_id: bytes, packed: bytes, rnd: _Round) -> dict[str, np.ndarray[Any, Any]]:
+        """One parallel round of lookups, one per node, under the lookup deadline: what
+        each node holds of each unit asked of it (in `_Round` order; 0 where not asked)."""
         self.counters.remote_lookups += 1
         call = self._call(namespace_id)
-        loop = asyncio.get_running_loop()
-        tasks: dict[str, asyncio.Task[int]] = {}
-        for node, idxs in asks.items():
-            hashes = b"".join(packed[plan[i][0] * HASH_BYTES : plan[i][1] * HASH_BYTES] for i in idxs)
-            task = loop.create_task(self.transport.lookup(node, call, hashes, self.lookup_timeout_s))
-            task.add_done_callback(_retrieve)
-            tasks[node] = task
-        done, late = await asyncio.wait(tasks.values(), timeout=self.lookup_timeout_s)
-        for task in late:
-            task.cancel()
-        answers: dict[str, dict[int, int]] = {}
-        for node, task in tasks.items():
+        deadline_s = self.lookup_timeout_s
+        requests = {node: _concat(packed, rnd.starts[idx], rnd.stops[idx]) for node, idx in rnd.asks.items()}
+        results: dict[str, int | BaseException] = {}
+        if len(requests) == 1:
+            ((node, hashes),) = requests.items()
+            try:
+                # wait_for, not asyncio.timeout: a call over the control lane runs outside a task.
+                results[node] = await asyncio.wait_for(self.transport.lookup(node, call, hashes, 2 * deadline_s),
+                                                       deadline_s)
+            except (TimeoutError, PeerError) as exc:
+                results[node] = exc
+        else:
+            loop = asyncio.get_running_loop()
+            tasks = {node: loop.create_task(self.transport.lookup(node, call, hashes, 2 * deadline_s))
+                     for node, hashes in requests.items()}
+            for task in tasks.values():
+                task.add_done_callback(_retrieve)
+            _, late = await asyncio.wait(tasks.values(), timeout=deadline_s)
+            for task in late:
+                task.cancel()
+            for node, task in tasks.items():
+                if task in late:
+                    results[node] = TimeoutError()
+                elif task.cancelled():
+                    results[node] = asyncio.CancelledError()
+                else:
+                    failure = task.exception()
+                    results[node] = failure if failure is not None else task.result()
+        out: dict[str, np.ndarray[Any, Any]] = {}
+        sizes = rnd.stops - rnd.starts
+        for node, result in results.items():
             st = self._peer(node)
             st.lookups += 1
-            if task not in done:
-                st.lookup_timeouts += 1
+            if isinstance(result, BaseException):
+                if isinstance(result, TimeoutError):
+                    st.lookup_timeouts += 1
+                else:
+                    st.lookup_errors += 1
+                    logger.debug("cluster lookup on %s failed: %r", node, result)
                 self.breakers.failure(node)
-                continue
-            if task.cancelled() or task.exception() is not None:
-                st.lookup_errors += 1
-                self.breakers.failure(node)
-                logger.debug("cluster lookup on %s failed: %r", node, None if task.cancelled() else task.exception())
                 continue
             self.breakers.success(node)
-            m = task.result()
-            per_span: dict[int, int] = {}
-            for i in asks[node]:
-                size = plan[i][1] - plan[i][0]
-                got = min(m, size)
-                per_span[i] = got
-                m = m - got if got == size else 0
-            answers[node] = per_span
-        return answers
+            idx = rnd.asks[node]
+            asked = sizes[idx]
+            # The node answered a prefix of the units' blocks laid end to end: per unit.
+            got = np.zeros(len(sizes), np.int64)
+            got[idx] = np.clip(result - (np.cumsum(asked) - asked), 0, asked)
+            out[node] = got
+        return out
 
-    def _combine(self, namespace_id: bytes, packed: bytes, held: int, present: bytes,
-                 plan: list[tuple[int, int, bytes, int, tuple[str, ...]]],
-                 answers: dict[str, dict[int, int]]) -> Extension | None:
+    def _combine(self, namespace_id: bytes, packed: bytes, held: int, present: bytes, rnd: _Round,
+                 got: dict[str, np.ndarray[Any, Any]] | None) -> Extension | None:
         """The answer past the local prefix from the plan and the nodes' answers, and the
         pulls that copy what it found elsewhere."""
-        tiers = bytearray()
-        remote = 0
-        pulls: dict[str, list[PullRun]] = {}
-        me = self.node_id
-        for i, (start, stop, key, loc, targets) in enumerate(plan):
-            size = stop - start
-            a = start - held
-            best, holder = loc, ""
-            for node in targets:
-                got = answers.get(node, {}).get(i, 0)
-                if got > best:
-                    best, holder = got, node
-            mine = present[a : a + loc]
-            tiers += mine.translate(self._tier_values)
-            pending_here = mine.count(_ABSENT)
-            remote += pending_here
-            self.counters.local_past_prefix_blocks += loc - pending_here
-            if holder:
-                n = best - loc
-                tiers += bytes([kvstore_pb2.TIER_REMOTE]) * n
-                remote += n
-                self._peer(holder).hit_blocks += n
-                self._add_run(pulls.setdefault(holder, []), namespace_id, packed, start + loc, start + best,
-                              key, me not in self.placement.owners(key))
-            if best < size:
-                break
-        for holder, runs in pulls.items():
-            self.puller.start(holder, self._call(namespace_id), runs)
-        if not tiers:
+        reach = rnd.end
+        sizes = rnd.stops - rnd.starts
+        holders: list[str] = []
+        if got and len(sizes):
+            holders = list(got)
+            found = np.stack([got[h] for h in holders])
+            # Ties go to the unit's current owner.
+            owner_of = np.array([[o == h for o in rnd.first_owner] for h in holders], bool)
+            pick = (found * 2 + owner_of).argmax(axis=0)
+            best_found = found[pick, np.arange(len(sizes))]
+        else:
+            pick = np.zeros(len(sizes), np.int64)
+            best_found = np.zeros(len(sizes), np.int64)
+        best = np.maximum(rnd.locs, best_found)
+        short = np.flatnonzero(best < sizes)
+        cut = len(sizes)
+        if len(short):
+            cut = int(short[0]) + 1
+            reach = int(rnd.starts[short[0]] + best[short[0]])
+        if reach <= held:
             return None
+        # Blocks absent here within the reach are found elsewhere or pending: TIER_REMOTE.
+        tiers = present[: reach - held].translate(self._tier_values)
+        remote = tiers.count(kvstore_pb2.TIER_REMOTE)
+        self.counters.local_past_prefix_blocks += len(tiers) - remote
         self.counters.remote_hit_blocks += remote
-        return Extension(len(tiers), bytes(tiers), remote)
+        copied = np.flatnonzero(best_found[:cut] > rnd.locs[:cut])
+        if len(copied) and holders:
+            call = self._call(namespace_id)
+            for k, holder in enumerate(holders):
+                idx = copied[pick[copied] == k]
+                if len(idx):
+                    self._start_pulls(holder, call, namespace_id, packed, (rnd.starts + rnd.locs)[idx],
+                                      (rnd.starts + best)[idx], rnd.replica[idx], [rnd.keys[i] for i in idx.tolist()])
+        return Extension(len(tiers), tiers, remote)
 
-    @staticmethod
-    def _add_run(runs: list[PullRun], namespace_id: bytes, packed: bytes, start: int, stop: int, key: bytes,
-                 replica: bool) -> None:
-        hashes = [packed[p * HASH_BYTES : (p + 1) * HASH_BYTES] for p in range(start, stop)]
-        last = runs[-1] if runs else None
-        if last is not None and last.replica == replica and last.position + len(last.hashes) == start:
-            last.hashes += hashes
-            last.unit_keys.append(key)
-            return
-        parent = packed[(start - 1) * HASH_BYTES : start * HASH_BYTES] if start else None
-        runs.append(PullRun(namespace_id, hashes, parent, replica, start, [key]))
+    def _start_pulls(self, holder: str, call: PeerCall, namespace_id: bytes, packed: bytes,
+                     starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any], replica: np.ndarray[Any, Any],
+                     keys: list[bytes]) -> None:
+        """One pull from `holder` of these ranges, consecutive ones of the same kind
+        (replica or owned) merged into one run each."""
+        self._peer(holder).hit_blocks += int((stops - starts).sum())
+        joins = (starts[1:] == stops[:-1]) & (replica[1:] == replica[:-1])
+        firsts = np.concatenate([[0], np.flatnonzero(~joins) + 1]).astype(np.int64)
+        lasts = np.concatenate([firsts[1:] - 1, [len(starts) - 1]]).astype(np.int64)
+        unit_keys = [keys[f : l + 1] for f, l in zip(firsts.tolist(), lasts.tolist())]
+        run_starts, run_stops = starts[firsts], stops[lasts]
+        hashes = split_hashes(_concat(packed, run_starts, run_stops))
+        self.puller.start_spec(holder, call, PullSpec(namespace_id, packed, run_starts.tolist(), run_stops.tolist(),
+                                                      replica[firsts].tolist(), unit_keys, hashes))
 
     @property
     def pulling(self) -> bool:
@@ -559,18 +671,18 @@ class ClusterNode:
     async def settle_fetch(self, namespace_id: bytes, chain: bytes | Sequence[bytes]) -> None:
         """Before a fetch: wait (bounded by `fetch_timeout_s`) for the pulls copying the
         blocks where its held prefix ends, so it serves them once they landed."""
-        pending = self.puller.pending
-        if not pending:
+        puller = self.puller
+        if namespace_id not in puller.pending:
             return
         packed = chain if isinstance(chain, bytes) else b"".join(chain)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.fetch_timeout_s
-        while pending:
+        while namespace_id in puller.pending:
             gap = self.store.present(namespace_id, packed).find(_ABSENT)
             if gap < 0:
                 return
-            key = namespace_id + packed[gap * HASH_BYTES : (gap + 1) * HASH_BYTES]
-            if key not in pending or not await self.puller.wait(key, deadline - loop.time()):
+            h = packed[gap * HASH_BYTES : (gap + 1) * HASH_BYTES]
+            if not await puller.wait(namespace_id, h, deadline - loop.time()):
                 return
 
     def peer_fetched(self, namespace_id: bytes, hashes: Sequence[bytes]) -> None:
@@ -726,6 +838,8 @@ class ClusterNode:
         to the extra owners of a hot unit, and to the current owners of a unit found on
         a previous owner (a membership change: the traffic rebuilds the new owner's units)."""
         me = self.node_id
+        for key in run.unit_keys:
+            self.hot.record(key)  # found elsewhere and copied here: its heat
         if not run.replica:
             for key in run.unit_keys:
                 if me in self.placement.owners(key):

@@ -18,7 +18,8 @@ Blocks of units this node does not own are marked replicas once published
 (`Store.mark_replicas`): the first victims when room is needed, so copies never crowd out
 what this node owns.
 
-Primitives: `PullRun`, `Puller` (`start`, `wait`, `has_room`, `pending`, `aclose`).
+Primitives: `PullRun`, `PullSpec`, `Puller` (`start`, `start_spec`, `wait`, `has_room`, `pending`,
+`aclose`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvstore.checksum import checksum_batch
 from kvstore.cluster.breaker import Breakers
@@ -35,6 +36,7 @@ from kvstore.cluster.transport import PeerCall, PeerError, PeerTransport
 from kvstore.core.put import PutTxn
 from kvstore.core.store import Store
 from kvstore.errors import KVStoreError
+from kvstore.hashing import HASH_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -44,20 +46,57 @@ PULL_TIER = "host"
 QUEUED_PER_RUNNING = 4
 
 
-@dataclass(slots=True)
 class PullRun:
-    """Consecutive blocks of one chain to copy from one node, published as one put."""
+    """Consecutive blocks of one chain to copy from one node, published as one put. A
+    lookup makes one per run of units it found elsewhere (a plain slotted class: a long
+    chain's lookup makes hundreds)."""
+
+    __slots__ = ("namespace_id", "hashes", "parent", "replica", "position", "unit_keys")
+
+    def __init__(self, namespace_id: bytes, hashes: list[bytes], parent: bytes | None, replica: bool,
+                 position: int = 0, unit_keys: list[bytes] | None = None) -> None:
+        self.namespace_id = namespace_id
+        self.hashes = hashes
+        self.parent = parent
+        self.replica = replica  # a unit this node does not own: marked a replica once published
+        self.position = position  # of its first block in the chain
+        self.unit_keys = unit_keys if unit_keys is not None else []  # the placement units it covers
+
+
+@dataclass(frozen=True, slots=True)
+class PullSpec:
+    """What a lookup hands a pull, without an object per run (it answers first): one
+    namespace, its chain packed, and runs of positions [starts[i], stops[i]), each a
+    replica or not, with the placement units each covers."""
 
     namespace_id: bytes
-    hashes: list[bytes]
-    parent: bytes | None
-    replica: bool  # a unit this node does not own: marked a replica once published
-    position: int = 0  # of its first block in the chain
-    unit_keys: list[bytes] = field(default_factory=list)  # the placement units it covers
-    done: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    packed: bytes
+    starts: list[int]
+    stops: list[int]
+    replicas: list[bool]
+    unit_keys: list[list[bytes]]
+    hashes: list[bytes]  # every block of the runs, in order (what is pending)
 
-    def keys(self) -> list[bytes]:
-        return [self.namespace_id + h for h in self.hashes]
+    def runs(self) -> list[PullRun]:
+        out = []
+        offset = 0
+        for start, stop, replica, keys in zip(self.starts, self.stops, self.replicas, self.unit_keys):
+            n = stop - start
+            parent = self.packed[(start - 1) * HASH_BYTES : start * HASH_BYTES] if start else None
+            out.append(PullRun(self.namespace_id, self.hashes[offset : offset + n], parent, replica, start, keys))
+            offset += n
+        return out
+
+
+class _Pull:
+    """One fetch from one node: its runs, and a future settled once it is over."""
+
+    __slots__ = ("runs", "spec", "done")
+
+    def __init__(self, runs: list[PullRun] | None = None, spec: PullSpec | None = None) -> None:
+        self.runs = runs
+        self.spec = spec
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
 
 @dataclass(slots=True)
@@ -162,8 +201,6 @@ class _PullSink:
             self._resolve(run, 0)
 
     def _resolve(self, run: PullRun, blocks: int) -> None:
-        if not run.done.done():
-            run.done.set_result(blocks)
         self._puller.settled(run)
 
 
@@ -181,8 +218,9 @@ class Puller:
         self.max_running = max_running
         self._running = asyncio.Semaphore(max_running)
         self._tasks: set[asyncio.Task[None]] = set()
-        # namespace id + block hash -> the run copying it
-        self.pending: dict[bytes, PullRun] = {}
+        # namespace id -> block hash -> the pull copying it
+        self.pending: dict[bytes, dict[bytes, _Pull]] = {}
+        self.pending_blocks = 0
         # Told of each run published: (node, run, blocks).
         self.pulled: Callable[[str, PullRun, int], None] | None = None
         self._closed = False
@@ -193,20 +231,55 @@ class Puller:
 
     def start(self, node: str, call: PeerCall, runs: list[PullRun]) -> None:
         """Copy `runs` from `node` in the background; their blocks are pending until done."""
+        pull = _Pull(runs)
         for run in runs:
-            for key in run.keys():
-                self.pending[key] = run
-        task = asyncio.get_running_loop().create_task(self._pull(node, call, runs), name=f"kvstore-pull-{node}")
+            by_hash = self.pending.get(run.namespace_id)
+            if by_hash is None:
+                by_hash = self.pending[run.namespace_id] = {}
+            before = len(by_hash)
+            by_hash.update(dict.fromkeys(run.hashes, pull))
+            self.pending_blocks += len(by_hash) - before
+        self._launch(node, call, pull)
+
+    def start_spec(self, node: str, call: PeerCall, spec: PullSpec) -> None:
+        """`start`, from a lookup's runs as positions (their objects are made in the task)."""
+        pull = _Pull(spec=spec)
+        by_hash = self.pending.get(spec.namespace_id)
+        if by_hash is None:
+            by_hash = self.pending[spec.namespace_id] = {}
+        before = len(by_hash)
+        by_hash.update(dict.fromkeys(spec.hashes, pull))
+        self.pending_blocks += len(by_hash) - before
+        self._launch(node, call, pull)
+
+    def _launch(self, node: str, call: PeerCall, pull: _Pull) -> None:
+        task = asyncio.get_running_loop().create_task(self._pull(node, call, pull), name=f"kvstore-pull-{node}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     def settled(self, run: PullRun) -> None:
-        pending = self.pending
-        for key in run.keys():
-            if pending.get(key) is run:
-                del pending[key]
+        """`run` is published or given up: its blocks are no longer pending."""
+        by_hash = self.pending.get(run.namespace_id)
+        if by_hash is None:
+            return
+        pop = by_hash.pop
+        for h in run.hashes:
+            if pop(h, None) is not None:
+                self.pending_blocks -= 1
+        if not by_hash:
+            del self.pending[run.namespace_id]
 
-    async def _pull(self, node: str, call: PeerCall, runs: list[PullRun]) -> None:
+    async def _pull(self, node: str, call: PeerCall, pull: _Pull) -> None:
+        try:
+            if pull.runs is None:
+                assert pull.spec is not None
+                pull.runs = pull.spec.runs()
+            await self._run_pull(node, call, pull.runs)
+        finally:
+            if not pull.done.done():
+                pull.done.set_result(None)
+
+    async def _run_pull(self, node: str, call: PeerCall, runs: list[PullRun]) -> None:
         sink = _PullSink(self, node, runs)
         try:
             async with self._running:
@@ -237,13 +310,14 @@ class Puller:
         finally:
             sink.abort()
 
-    async def wait(self, key: bytes, timeout_s: float) -> bool:
-        """Wait (at most `timeout_s`) for the run copying block `key`; whether it was
-        pending and settled in time."""
-        run = self.pending.get(key)
-        if run is None or timeout_s <= 0:
+    async def wait(self, namespace_id: bytes, block_hash: bytes, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) for the run copying a block; whether it was pending
+        and settled in time."""
+        by_hash = self.pending.get(namespace_id)
+        pull = None if by_hash is None else by_hash.get(block_hash)
+        if pull is None or timeout_s <= 0:
             return False
-        done, _ = await asyncio.wait({run.done}, timeout=timeout_s)
+        done, _ = await asyncio.wait({pull.done}, timeout=timeout_s)
         return bool(done)
 
     async def aclose(self) -> None:

@@ -72,6 +72,39 @@ class PeerCall:
 
     tenant: str
     layout: kvstore_pb2.Layout
+    # LookupRequest.namespace as wire bytes (field 1), made once: a lookup's request is
+    # then these bytes and the keys, with no message built per call.
+    namespace_field: bytes = b""
+
+    @classmethod
+    def of(cls, tenant: str, layout: kvstore_pb2.Layout) -> PeerCall:
+        ns = kvstore_pb2.Namespace(layout=layout).SerializeToString()
+        return cls(tenant, layout, b"\x0a" + _varint(len(ns)) + ns)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def lookup_request_bytes(call: PeerCall, hashes: bytes) -> bytes:
+    """A LookupRequest naming `hashes` (packed), answer packed, hashes omitted: the bytes
+    protobuf would write for it (field order aside, which parsers accept in any order)."""
+    namespace = call.namespace_field or _namespace_field(call.layout)
+    keys = b"\x22" + _varint(len(hashes)) + hashes + b"\x18\x01"  # packed_hashes, packed_reply
+    return namespace + b"\x12" + _varint(len(keys)) + keys + b"\x28\x01"  # keys, omit_hashes
+
+
+def _namespace_field(layout: kvstore_pb2.Layout) -> bytes:
+    ns = kvstore_pb2.Namespace(layout=layout).SerializeToString()
+    return b"\x0a" + _varint(len(ns)) + ns
 
 
 class PeerError(Exception):
@@ -180,7 +213,7 @@ class GrpcPeerTransport:
                 channel = grpc.aio.secure_channel(target, self._credentials, options=list(CHANNEL_OPTIONS))
             else:
                 channel = grpc.aio.insecure_channel(target, options=list(CHANNEL_OPTIONS))
-            lookup = channel.unary_unary(LOOKUP_METHOD, request_serializer=kvstore_pb2.LookupRequest.SerializeToString,
+            lookup = channel.unary_unary(LOOKUP_METHOD, request_serializer=_raw,
                                          response_deserializer=kvstore_pb2.LookupResponse.FromString)
             fetch = channel.unary_stream(FETCH_METHOD, request_serializer=kvstore_pb2.FetchRequest.SerializeToString,
                                          response_deserializer=fetch_response_deserializer)
@@ -191,11 +224,8 @@ class GrpcPeerTransport:
 
     async def lookup(self, node: str, call: PeerCall, hashes: bytes, timeout_s: float) -> int:
         lookup, _, _ = self._stubs(node)
-        req = kvstore_pb2.LookupRequest(
-            namespace=kvstore_pb2.Namespace(layout=call.layout),
-            keys=kvstore_pb2.BlockKeys(packed_hashes=hashes, packed_reply=True), omit_hashes=True)
         try:
-            resp = await lookup(req, timeout=timeout_s, metadata=self._metadata(call))
+            resp = await lookup(lookup_request_bytes(call, hashes), timeout=timeout_s, metadata=self._metadata(call))
         except grpc.RpcError as exc:
             raise PeerError(node, f"lookup: {_status(exc)}") from None
         n = int(resp.num_blocks)
@@ -261,6 +291,10 @@ class GrpcPeerTransport:
         closing, self._closing = self._closing, []
         for channel in closing:
             await channel.close(grace=1.0)
+
+
+def _raw(data: bytes) -> bytes:
+    return data
 
 
 def _status(exc: grpc.RpcError) -> str:

@@ -248,7 +248,7 @@ class ClusterCollector(Collector):
         yield counter("kvstore_cluster_pull_failures", "pulls that failed (their blocks are misses)", pc.failures)
         yield counter("kvstore_cluster_pull_checksum_failures", "pulled blocks whose bytes did not match their "
                       "checksum (never kept)", pc.checksum_failures)
-        yield gauge("kvstore_cluster_pending_pull_blocks", "blocks being copied here now", len(node.puller.pending))
+        yield gauge("kvstore_cluster_pending_pull_blocks", "blocks being copied here now", node.puller.pending_blocks)
         yield gauge("kvstore_cluster_forward_queue_blocks", "blocks waiting to be forwarded", node.forwarder.queued_blocks)
         yield gauge("kvstore_cluster_forward_queue_capacity_blocks", "cluster_forward_queue",
                     node.forwarder.queue_blocks)
@@ -292,7 +292,7 @@ def info_section(node: ClusterNode | None) -> str:
         f"cluster_remote_lookups:{c.remote_lookups}", f"cluster_remote_hit_blocks:{c.remote_hit_blocks}",
         f"cluster_local_past_prefix_blocks:{c.local_past_prefix_blocks}",
         f"cluster_pulls:{pc.pulls}", f"cluster_pulled_blocks:{pc.pulled_blocks}", f"cluster_pull_failures:{pc.failures}",
-        f"cluster_pull_checksum_failures:{pc.checksum_failures}", f"cluster_pending_pull_blocks:{len(node.puller.pending)}",
+        f"cluster_pull_checksum_failures:{pc.checksum_failures}", f"cluster_pending_pull_blocks:{node.puller.pending_blocks}",
         f"cluster_forward_queue_blocks:{node.forwarder.queued_blocks}",
         f"cluster_forward_queue_capacity_blocks:{node.forwarder.queue_blocks}",
         f"cluster_forwarded_blocks:{fc.forwarded_blocks}", f"cluster_forward_dropped_blocks:{fc.dropped_blocks}",

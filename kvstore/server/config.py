@@ -158,7 +158,7 @@ FIELDS: tuple[Field, ...] = (
     Field("cluster_advertise", "list", (), "host:port where the pool's other daemons reach this one; empty: its "
           "TCP listen addresses that are not a wildcard", metavar="HOST:PORT[,...]"),
     Field("cluster_zone", "str", "", "zone or rack label this member publishes", metavar="ZONE"),
-    Field("cluster_unit_blocks", "int", 4, "placement unit: consecutive blocks of a chain placed together (the "
+    Field("cluster_unit_blocks", "int", 2, "placement unit: consecutive blocks of a chain placed together (the "
           "same on every node)", lo=1, hi=4096),
     Field("cluster_replicas", "int", 1, "owners per placement unit (the same on every node)", lo=1, hi=16),
     Field("cluster_hot_extra_owners", "int", 2, "most owners a hot unit gets beyond cluster_replicas (0: none)",

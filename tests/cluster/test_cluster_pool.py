@@ -209,8 +209,8 @@ async def test_the_cli_shows_members_and_where_a_prefix_lives(tmp_path: Path) ->
         code, out, _ = await cli("cluster", "where", ns, "--tokens", ",".join(map(str, tokens)),
                                  "--target", unix_target(a), "--json")
         where = json.loads(out)
-        assert code == 0 and [(u["start"], u["stop"]) for u in where["units"]] == [(0, 1), (1, 2), (2, 4), (4, 8),
-                                                                                  (8, 10)]
+        assert code == 0 and [(u["start"], u["stop"]) for u in where["units"]] == [(0, 1), (1, 2), (2, 4), (4, 6),
+                                                                                  (6, 8), (8, 10)]
         assert all(u["held_here"] == u["stop"] - u["start"] and len(u["owners"]) == 1 for u in where["units"])
         code, text, _ = await cli("cluster", "where", ns, "--tokens", ",".join(map(str, tokens)),
                                   "--target", unix_target(a))
