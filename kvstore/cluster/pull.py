@@ -106,6 +106,7 @@ class PullCounters:
     failures: int = 0
     checksum_failures: int = 0
     rolled_back_blocks: int = 0
+    replica_blocks: int = 0  # pulled copies of units owned elsewhere, held as replicas
 
 
 class _PullSink:
@@ -180,7 +181,7 @@ class _PullSink:
             self._resolve(run, 0)
             raise
         if run.replica:
-            puller.store.mark_replicas(run.namespace_id, run.hashes[: self._n])
+            puller.counters.replica_blocks += puller.store.mark_replicas(run.namespace_id, run.hashes[: self._n])
         puller.counters.pulled_blocks += result.stored
         self._resolve(run, self._n)
         if puller.pulled is not None:

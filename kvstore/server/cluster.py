@@ -256,8 +256,8 @@ class ClusterCollector(Collector):
                       fc.dropped_blocks)
         yield counter("kvstore_cluster_forward_failed_blocks", "forwards the owner refused or that failed",
                       fc.failed_blocks)
-        yield counter("kvstore_cluster_replica_blocks", "blocks held as replicas of units owned elsewhere",
-                      c.replica_blocks)
+        yield counter("kvstore_cluster_replica_blocks", "blocks held as replicas of units owned elsewhere (put "
+                      "here or pulled)", c.replica_blocks + pc.replica_blocks)
         yield counter("kvstore_cluster_unplaced_blocks", "put blocks not forwarded: their chain position was unknown",
                       c.unplaced_blocks)
 
@@ -296,7 +296,8 @@ def info_section(node: ClusterNode | None) -> str:
         f"cluster_forward_queue_blocks:{node.forwarder.queued_blocks}",
         f"cluster_forward_queue_capacity_blocks:{node.forwarder.queue_blocks}",
         f"cluster_forwarded_blocks:{fc.forwarded_blocks}", f"cluster_forward_dropped_blocks:{fc.dropped_blocks}",
-        f"cluster_forward_failed_blocks:{fc.failed_blocks}", f"cluster_replica_blocks:{c.replica_blocks}",
+        f"cluster_forward_failed_blocks:{fc.failed_blocks}",
+        f"cluster_replica_blocks:{c.replica_blocks + pc.replica_blocks}",
         f"cluster_unplaced_blocks:{c.unplaced_blocks}", f"cluster_hot_pushes:{c.hot_pushes}",
         f"cluster_handoff_pushes:{c.handoff_pushes}",
         f"cluster_suspect_peers:{sum(m.suspect for m in st.members)}",
