@@ -9,6 +9,13 @@ import grpc
 from kvstore.errors import KVStoreError, error_for_status
 
 
+def fetch_cut_short(exc: grpc.RpcError) -> bool:
+    """Whether a Fetch stream's error only ended it early: DATA_LOSS, a block that failed
+    verification on the daemon with no intact copy (it dropped it). The blocks received
+    before it verified: they are the fetch's answer, a shorter prefix (a miss is a value)."""
+    return exc.code() == grpc.StatusCode.DATA_LOSS
+
+
 def translate(exc: grpc.RpcError) -> KVStoreError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)

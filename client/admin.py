@@ -13,7 +13,7 @@ import grpc
 
 from kvstore.client._auth import Security, sync_channel
 from kvstore.client._assembler import FetchAssembler
-from kvstore.client._errors import translate
+from kvstore.client._errors import fetch_cut_short, translate
 from kvstore.client._options import CHANNEL_OPTIONS, DEFAULT_CHUNK_BYTES, resolve_target
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
@@ -77,7 +77,8 @@ class AdminClient:
             for msg in self._kv.Fetch(req, timeout=self.timeout_s):
                 assembler.feed(msg)
         except grpc.RpcError as exc:
-            raise translate(exc) from None
+            if not fetch_cut_short(exc):
+                raise translate(exc) from None
         return assembler.result()
 
     def put_chain(self, layout: kvstore_pb2.Layout, block_hashes: Sequence[bytes], parent_hash: bytes,

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Sequence
 
 from kvstore.client.admin import AdminClient
+from kvstore.convert import TIER_NAMES
 from kvstore.v1 import admin_pb2
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,10 @@ class BlockTracker:
             return False
         blocks = self._tiers.setdefault(event.namespace_id, {})
         if event.kind in (admin_pb2.EVENT_STORED, admin_pb2.EVENT_MOVED):
+            # The enum where the daemon sends it; the name from a daemon older than it.
+            tier = TIER_NAMES.get(event.tier_enum, event.tier) if event.tier_enum else event.tier
             for h in event.block_hashes:
-                blocks[h] = event.tier
+                blocks[h] = tier
         elif event.kind == admin_pb2.EVENT_REMOVED:
             for h in event.block_hashes:
                 blocks.pop(h, None)

@@ -13,7 +13,7 @@ import grpc
 
 from kvstore.client import _ops as ops
 from kvstore.client._auth import sync_channel
-from kvstore.client._errors import translate
+from kvstore.client._errors import fetch_cut_short, translate
 from kvstore.client._lane import SyncLane
 from kvstore.client._local import LocalPlane
 from kvstore.client._ops import Blocking, ClientState, Plan, Step, StreamFetch, StreamPut, Unary
@@ -109,6 +109,8 @@ class Client(ClientState):
                 step.assembler.feed(msg)
             return None
         except grpc.RpcError as exc:
+            if type(step) is StreamFetch and fetch_cut_short(exc):
+                return None  # the verified blocks before the one the daemon dropped
             raise translate(exc) from None
 
     def _unary(self, name: str, request: Any, timeout: float) -> Any:
@@ -160,7 +162,7 @@ class Client(ClientState):
         """Verified blocks of the longest held prefix, in order; fills `out` buffers if given.
 
         Without `out`, blocks come back as `bytes` over gRPC and as `bytearray` over shared
-        memory (equal content either way).
+        memory and the data lane (equal content either way).
         """
         return self._run(ops.fetch(self, layout, token_ids, block_hashes, out, lease_id, self._t(timeout_s)))
 

@@ -9,6 +9,12 @@ framer is handed in (`FetchStream.frames`): the core knows what a framed block o
 Blocks are held (as readers) from `open` until the stream closes, so eviction,
 migration and deletion cannot free their bytes mid-read.
 
+A copy that fails verification is dropped (and counted), and the block's next copy down
+(an SSD copy under a bad host copy) is read and verified in its place: the stream ends
+early only when no copy of a block verifies, or the block was deleted meanwhile, and
+then says so (`FetchStream.sent`, `ended_early`, `verification_failed`), so the server
+can tell the client how many blocks it got and why.
+
 Primitives: `FetchPath.open`, `FetchStream.frames`, `touch_served`, `frame_and_checksum`.
 """
 
@@ -105,12 +111,15 @@ class FetchStream:
     verified against the checksum taken at put time: what leaves the daemon is exactly
     what was checked. Blocks go out one at a time, each as soon as its own copy verified,
     so sending never waits for a batch and the copy of the next block overlaps the
-    transport flushing the previous one. A block that fails is dropped from that tier and
-    counted, and the stream ends there: nothing after it is sent, nor even framed (only
-    SSD reads already started ahead may have run). The stream may therefore yield fewer
-    than `num_blocks` blocks. Blocks on SSD are read ahead of
-    the consumer (up to FETCH_AHEAD_BYTES), and a block served from SSD may be promoted
-    into the top memory tier on the way out.
+    transport flushing the previous one. A copy that fails is dropped from that tier and
+    counted, and the block's next copy (in the tier below) is tried; when none verifies,
+    the stream ends there: nothing after it is sent, nor even framed (only SSD reads
+    already started ahead may have run). The stream may therefore yield fewer than
+    `num_blocks` blocks: `sent` says how many it did, `ended_early` why (empty when it
+    sent them all, or was closed by its consumer), `verification_failed` whether a block
+    failed verification with no intact copy (else it was deleted meanwhile). Blocks on
+    SSD are read ahead of the consumer (up to FETCH_AHEAD_BYTES), and a block served from
+    SSD may be promoted into the top memory tier on the way out.
     """
 
     def __init__(self, path: FetchPath, entries: list[BlockEntry], block_bytes: int, lease_id: str) -> None:
@@ -119,6 +128,9 @@ class FetchStream:
         self._lease_id = lease_id
         self.num_blocks = len(entries)
         self.block_bytes = block_bytes
+        self.sent = 0
+        self.ended_early = ""
+        self.verification_failed = False
         self._closed = False
         # SSD reads started ahead of the consumer, by stream position; and copies of large
         # blocks running on the hashing threads (they read tier memory these entries hold:
@@ -180,6 +192,14 @@ class FetchStream:
             self._path.copies.drop_bad_copy(entry, st)
             return st, None
 
+    async def _copy_of(self, entry: BlockEntry) -> tuple[StoreTier | None, bytes | memoryview | None]:
+        """The block's top copy: a view of it, or its bytes read (None if they could not
+        be, the copy then dropped); no tier when no copy is left."""
+        st, view = self._view(entry)
+        if st is not None and view is None:
+            return await self._get(entry, st)
+        return st, view
+
     def _start_read(self, position: int) -> None:
         """Start reading the block at `position` if it has no view (SSD, HBM)."""
         entry = self._entries[position]
@@ -235,35 +255,55 @@ class FetchStream:
                 st: StoreTier | None
                 data: bytes | memoryview | None
                 read = self._reads.pop(i, None)
-                if read is not None:
-                    st, data = await read
-                else:
-                    st, data = self._view(entry)
-                    if st is not None and data is None:
-                        st, data = await self._get(entry, st)
-                if st is None or data is None:
-                    return  # gone, or its copy could not be read (dropped and counted)
-                view = memoryview(data)
-                if off_loop and len(view) > FETCH_INLINE_BYTES:
-                    framed, got = await self._copy_off_loop(frame, i, view)
-                else:
-                    framed, got = frame_and_checksum(frame, i, view)
-                if entry.removed:
-                    return  # deleted while we read it: it no longer exists
-                if got != entry.checksum:
+                st, data = await read if read is not None else await self._copy_of(entry)
+                failed = False
+                framed: F | None = None
+                # Each copy that fails is dropped (counted) and the next one down is tried:
+                # a block has at most one copy per tier, so this ends.
+                for _ in range(len(path.tiers)):
+                    if st is None or entry.removed:
+                        break  # no copy left, or deleted while we read it
+                    if data is None:  # its copy could not be read (dropped and counted)
+                        failed = True
+                        st, data = await self._copy_of(entry)
+                        continue
+                    view = memoryview(data)
+                    if off_loop and len(view) > FETCH_INLINE_BYTES:
+                        framed, got = await self._copy_off_loop(frame, i, view)
+                    else:
+                        framed, got = frame_and_checksum(frame, i, view)
+                    if entry.removed:
+                        framed = None
+                        break
+                    if got == entry.checksum:
+                        break
                     path.copies.drop_bad_copy(entry, st)
+                    failed, framed = True, None
+                    st, data = await self._copy_of(entry)
+                if framed is None or st is None or data is None:
+                    self._end_early(i, failed)
                     return
                 served.append((st, entry))
                 path.counters.blocks_fetched += 1
                 path.counters.bytes_out += len(view)
                 if promote and st.tier.inclusive:
                     await path.placement.promote_on_hit(entry, bytes(data))  # SSD reads are bytes already: no copy
+                self.sent += 1
                 yield framed
         finally:
             for task in self._reads.values():
                 task.cancel()
             self._reads.clear()
             touch_served(served)
+
+    def _end_early(self, position: int, failed: bool) -> None:
+        self.verification_failed = failed
+        if failed:
+            self.ended_early = (f"block {position} failed verification and no other copy of it verified; it was "
+                                "dropped (and counted), so a new lookup no longer counts it")
+        else:
+            self.ended_early = f"block {position} was deleted while the fetch ran"
+
 
 
 def touch_served(served: list[tuple[StoreTier, BlockEntry]]) -> None:

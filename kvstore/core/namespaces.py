@@ -1,24 +1,44 @@
 """The namespace registry: which layouts the daemon knows, whose they are, and the
 per-call limits every verb's input is checked against.
 
-A namespace is recorded the first time a request sends its layout (`register`, with the
-caller's tenant and salt); later requests name it by id. Blocks recovered from the SSD
-carry their namespace id but not its layout: they are adopted (counted, and charged to
-the tenant) when the first request that sends the layout registers it.
+A namespace is recorded when a put of its layout publishes (`prepare` gives the put a
+record, `ensure` files it in the step that publishes), or when `register` is called;
+later requests may name it by id. A read of a layout never registers it (the read is a
+miss), so neither made-up layouts nor refused puts fill `max_namespaces`. The one
+exception: blocks recovered from the SSD carry their namespace id but not its layout,
+and are adopted (counted, and charged to the tenant) by the first request that sends
+the layout, a read included.
+
+Why reads may skip registration: apart from those recovered blocks, an unregistered
+namespace holds no READY block (only a put publishes one, and it registers first), so
+a read of it has nothing to find. The ids of namespaces with recovered blocks not yet
+adopted are kept (`recovered`); every other registration skips the index scan.
+
+A namespace that holds no block is forgotten once it has held none for
+`StoreLimits.namespace_grace_s` (`expire`; None keeps every namespace). That is safe
+with adoption: it has no rows left to adopt, and a put in flight re-files its record
+when it publishes.
 
 The checks here guard the store's invariants, so they stay in the core whatever a
 server checks before: a namespace id is 16 bytes and known, a block hash is 16 bytes,
 a call names at most `max_blocks_per_call` blocks, a hint names a session and a bounded
 time.
 
-Primitives: `register`, `namespace`, `get`, `check_hashes`, `packed_chain`,
-`chain_for_tokens`, `check_hint`.
+Each tenant also has a space (`space_of_tenant`: 1, 2, ... in order of first sight;
+`space(namespace_id)`: its namespace's tenant's, 0 for a namespace not registered): a
+tier with spaces keeps each space's blocks in memory of its own, so a co-located client
+maps its tenant's blocks and no other's (`kvstore.core.tier.Tier.spaces`). A tenant's
+space outlives its namespaces.
+
+Primitives: `prepare`/`ensure`, `register`, `recovered`/`awaits_adoption`, `expire`,
+`namespace`, `get`, `check_hashes`, `packed_chain`, `chain_for_tokens`, `check_hint`,
+`space`, `space_of_tenant`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvstore.core.index import BlockIndex
 from kvstore.core.results import NamespaceInfo, StoreLimits
@@ -42,6 +62,10 @@ def check_hint(session_id: str, expect_reuse_within_s: float) -> None:
         )
 
 
+# How often `expire` looks for namespaces to forget, at most (less with a short grace).
+EXPIRE_SWEEP_S = 10.0
+
+
 class NamespaceRegistry:
     """Namespaces by id, and the per-call limits (`limits`, replaced whole at runtime)."""
 
@@ -50,32 +74,97 @@ class NamespaceRegistry:
         self._tenancy = tenancy
         self.limits = limits
         self._namespaces: dict[bytes, NamespaceInfo] = {}
+        # Namespaces whose blocks were recovered (from SSD) and no request has named yet.
+        self._unadopted: set[bytes] = set()
+        # When each registered namespace was first seen holding no block (`expire`).
+        self._empty_since: dict[bytes, float] = {}
+        self._next_sweep = 0.0
+        self._spaces: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._namespaces)
 
-    def register(self, layout: KVLayout, tenant: str = "default", salt: bytes = b"") -> bytes:
-        """Record a layout for `tenant`; returns its namespace id (salted by `salt`). Idempotent."""
+    def recovered(self, namespace_ids: Iterable[bytes]) -> None:
+        """The index holds blocks of these namespaces, recovered at start: a request that
+        names one of their layouts adopts them, even a read."""
+        self._unadopted.update(i for i in namespace_ids if i not in self._namespaces)
+
+    def prepare(self, layout: KVLayout, tenant: str = "default", salt: bytes = b"") -> NamespaceInfo:
+        """The record a put of `layout` works with: the registered one, or a new one that
+        is filed only when the put publishes (`ensure`). Refused when it is new and the
+        registry is full, before any byte of the put arrives."""
         public_id = layout.namespace_id
         ns_id = tenant_namespace_id(public_id, salt)
-        if ns_id not in self._namespaces:
-            if len(self._namespaces) >= self.limits.max_namespaces:
-                raise ResourceExhausted(
-                    f"the daemon already holds {self.limits.max_namespaces} namespaces; "
-                    "flush unused ones or raise max_namespaces"
-                )
-            info = NamespaceInfo(ns_id, layout, tenant=tenant, chain_seed=public_id)
+        info = self._namespaces.get(ns_id)
+        if info is not None:
+            return info
+        self._check_room()
+        return NamespaceInfo(ns_id, layout, tenant=tenant, chain_seed=public_id)
+
+    def ensure(self, info: NamespaceInfo) -> NamespaceInfo:
+        """The registered record of `info`'s namespace, filing `info` if there is none yet
+        (adopting blocks recovered from SSD). Synchronous: a put calls it in the step
+        that publishes."""
+        known = self._namespaces.get(info.namespace_id)
+        if known is not None:
+            return known
+        self._check_room()
+        ns_id = info.namespace_id
+        if ns_id in self._unadopted:
             # Blocks the index holds already (recovered from SSD) are adopted now.
+            self._unadopted.discard(ns_id)
             usage = self._index.namespace_usage(ns_id)
             if usage is not None:
                 info.blocks += usage.blocks
                 info.bytes += usage.nbytes
                 for name, nbytes in usage.by_tier.items():
-                    self._tenancy.add(tenant, name, nbytes)
-            self._namespaces[ns_id] = info
-            logger.info("namespace %s registered: model=%s dtype=%s block=%d tokens / %d bytes",
-                        ns_id.hex(), layout.model, layout.dtype, layout.block_size_tokens, layout.bytes_per_block)
-        return ns_id
+                    self._tenancy.add(info.tenant, name, nbytes)
+        self._namespaces[ns_id] = info
+        layout = info.layout
+        logger.info("namespace %s registered: model=%s dtype=%s block=%d tokens / %d bytes",
+                    ns_id.hex(), layout.model, layout.dtype, layout.block_size_tokens, layout.bytes_per_block)
+        return info
+
+    def register(self, layout: KVLayout, tenant: str = "default", salt: bytes = b"") -> bytes:
+        """Record a layout for `tenant`; returns its namespace id (salted by `salt`). Idempotent."""
+        return self.ensure(self.prepare(layout, tenant, salt)).namespace_id
+
+    def awaits_adoption(self, namespace_id: bytes) -> bool:
+        """Whether the index holds recovered blocks of this unregistered namespace (a read
+        of its layout registers it to adopt them; a read of any other unregistered
+        layout is a miss, and registers nothing)."""
+        return namespace_id in self._unadopted
+
+    def _check_room(self) -> None:
+        if len(self._namespaces) >= self.limits.max_namespaces:
+            raise ResourceExhausted(
+                f"the daemon already holds {self.limits.max_namespaces} namespaces; "
+                "flush unused ones or raise max_namespaces"
+            )
+
+    def expire(self, now: float) -> int:
+        """Forget the namespaces that have held no block for `namespace_grace_s`; how many.
+        Looks at most every EXPIRE_SWEEP_S (half the grace, if shorter): a namespace is
+        forgotten between one grace and one grace plus a sweep after its last block went."""
+        grace = self.limits.namespace_grace_s
+        if grace is None or now < self._next_sweep:
+            return 0
+        self._next_sweep = now + min(EXPIRE_SWEEP_S, grace / 2)
+        empty_since = self._empty_since
+        gone = []
+        for ns_id, info in self._namespaces.items():
+            if info.blocks:
+                empty_since.pop(ns_id, None)
+                continue
+            since = empty_since.setdefault(ns_id, now)
+            if now - since >= grace:
+                gone.append(ns_id)
+        for ns_id in gone:
+            del self._namespaces[ns_id]
+            del empty_since[ns_id]
+        if gone:
+            logger.info("%d namespaces forgotten: they held no block for %gs (namespace_grace_s)", len(gone), grace)
+        return len(gone)
 
     def has(self, namespace_id: bytes) -> bool:
         return namespace_id in self._namespaces
@@ -100,6 +189,18 @@ class NamespaceRegistry:
 
     def all(self) -> list[NamespaceInfo]:
         return list(self._namespaces.values())
+
+    def space_of_tenant(self, tenant: str) -> int:
+        """`tenant`'s space: the same for the daemon's lifetime, never 0."""
+        space = self._spaces.get(tenant)
+        if space is None:
+            space = self._spaces[tenant] = len(self._spaces) + 1
+        return space
+
+    def space(self, namespace_id: bytes) -> int:
+        """The space of a namespace's blocks: its tenant's; 0 if it is not registered."""
+        info = self._namespaces.get(namespace_id)
+        return 0 if info is None else self.space_of_tenant(info.tenant)
 
     def owned_by(self, tenant: str) -> set[bytes]:
         """The ids of `tenant`'s namespaces."""

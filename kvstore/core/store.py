@@ -59,13 +59,11 @@ from kvstore.core.results import (
     BlockGroup,
     BlockInfo,
     BlockRef,
-    LookupResult,
     MigrationConfig,
     MigrationStatus,
     NamespaceInfo,
-    PinResult,
-    PrefetchResult,
-    PutResult,
+    PrefixLookup,
+    PutOutcome,
     RemovalResult,
     StoreCounters,
     StoreLimits,
@@ -81,11 +79,12 @@ from kvstore.core.tier import BounceCopier, Copier, Slot, Tier
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
+from kvstore.results import PinResult, PrefetchResult
 
 # The facade and the values its verbs take and return.
 __all__ = [
-    "BlockGroup", "BlockInfo", "BlockRef", "FetchStream", "LookupResult", "MigrationConfig", "MigrationStatus",
-    "NamespaceInfo", "PinResult", "PolicyDeferral", "PrefetchResult", "PutResult", "PutTxn", "RemovalResult",
+    "BlockGroup", "BlockInfo", "BlockRef", "FetchStream", "PrefixLookup", "MigrationConfig", "MigrationStatus",
+    "NamespaceInfo", "PinResult", "PolicyDeferral", "PrefetchResult", "PutOutcome", "PutTxn", "RemovalResult",
     "Store", "StoreCounters", "StoreLimits", "StoreObserver", "StoreStatus", "StoreTier", "TierCounters",
     "TierStatus", "WritePolicy", "check_hint",
 ]
@@ -169,8 +168,8 @@ class Store:
                                    self.migration, copiers, executor)
         self.migrator = Migrator(self.index, self.copies, self.placement, self.counters, self.tiers, self.migration,
                                  self.expire_leases)
-        self.puts = PutPath(self.index, self.copies, self.placement, self.migrator, self.tenancy, self.counters,
-                            self.tiers, executor)
+        self.puts = PutPath(self.index, self.registry, self.copies, self.placement, self.migrator, self.tenancy,
+                            self.counters, self.tiers, executor)
         self.fetches = FetchPath(self.index, self.copies, self.placement, self.counters, self.tiers, self.migration,
                                  executor, self.unpin)
         # Bound once: the lookup path calls these on every request.
@@ -226,9 +225,12 @@ class Store:
                 report = await st.tier.recover()
                 if report is None:
                     continue
-                rows = self.index.table.add_recovered(st.name, report.records)
+                table = self.index.table
+                rows = table.add_recovered(st.name, report.records)
                 st.policy.insert_rows(rows)
                 recovered += len(rows)
+                if len(rows):
+                    self.registry.recovered(table.ns_bytes[i] for i in np.unique(table.ns[rows]).tolist())
                 st.counters.checksum_failures += report.checksum_failures
                 self.counters.checksum_failures += report.checksum_failures
         finally:
@@ -275,8 +277,19 @@ class Store:
         """Record a layout for `tenant`; returns its namespace id (salted by `salt`). Idempotent."""
         return self.registry.register(layout, tenant, salt)
 
+    def prepare_namespace(self, layout: KVLayout, tenant: str = "default", salt: bytes = b"") -> NamespaceInfo:
+        """The record a put of `layout` works with (`begin_put` takes it): the registered
+        one, or a new one filed only when the put publishes. ResourceExhausted when it is
+        new and `max_namespaces` are held."""
+        return self.registry.prepare(layout, tenant, salt)
+
     def has_namespace(self, namespace_id: bytes) -> bool:
         return self.registry.has(namespace_id)
+
+    def has_recovered(self, namespace_id: bytes) -> bool:
+        """Whether the index holds blocks of this unregistered namespace, recovered from
+        SSD: a read of its layout registers it to adopt them (`register`)."""
+        return self.registry.awaits_adoption(namespace_id)
 
     def namespace(self, namespace_id: bytes) -> NamespaceInfo:
         return self.registry.namespace(namespace_id)
@@ -298,7 +311,7 @@ class Store:
 
     # ----------------------------------------------------------------- lookup
 
-    def lookup(self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, lease_ms: int = 0) -> LookupResult:
+    def lookup(self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, lease_ms: int = 0) -> PrefixLookup:
         """The longest READY prefix of a chain, given as hashes or packed (N x 16 bytes:
         what the wire carries, probed without cutting it into N objects)."""
         info = self._enter(namespace_id)
@@ -331,7 +344,7 @@ class Store:
                 # Tail first, so the head of a chain is the most recently used: a recency
                 # policy then evicts chain tails before the heads later blocks depend on.
                 st.defer_touch(tail_first if held == n_hit else tail_first[tops_tail_first == tid])
-        return LookupResult(
+        return PrefixLookup(
             namespace_id=namespace_id,
             num_blocks=n_hit,
             block_size_tokens=info.layout.block_size_tokens,
@@ -346,7 +359,7 @@ class Store:
 
     @property
     def tier_id_names(self) -> tuple[str, ...]:
-        """Tier id -> tier name, for `LookupResult.tier_ids` and `present`."""
+        """Tier id -> tier name, for `PrefixLookup.tier_ids` and `present`."""
         return self._tier_id_names
 
     def present(self, namespace_id: bytes, packed: bytes) -> bytes:
@@ -397,19 +410,30 @@ class Store:
     # ----------------------------------------------------------------- put
 
     def begin_put(
-        self, namespace_id: bytes, hashes: Sequence[bytes], parent_hash: bytes | None = None, tier: str | None = None
+        self, namespace: bytes | NamespaceInfo, hashes: Sequence[bytes], parent_hash: bytes | None = None,
+        tier: str | None = None, window_bytes: int | None = None,
     ) -> PutTxn:
         """Start a two-phase put of `hashes` (in chain order). Use as `async with`.
 
+        `namespace`: a registered namespace's id, or a record from `prepare_namespace`
+        (filed when the put publishes, so a refused put registers nothing).
         `tier` names the memory tier the new blocks land in (default: `put_tier`).
+        `window_bytes`: reserve slots as the chunks arrive, at most this many bytes ahead
+        of them, instead of all at once (`PutPath.begin`).
         """
-        return self.puts.begin(self._enter(namespace_id, hashes), hashes, parent_hash, tier)
+        if isinstance(namespace, NamespaceInfo):
+            self._check_hashes(hashes)
+            self._expire(self._clock())
+            info = namespace
+        else:
+            info = self._enter(namespace, hashes)
+        return self.puts.begin(info, hashes, parent_hash, tier, window_bytes)
 
-    async def reserve_slots(self, tier: str, nbytes: int, count: int) -> list[Slot]:
-        """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet: a
-        co-located client fills them ahead of the put that names them (`PutTxn.adopt`).
-        The caller frees what it does not adopt (`free_slots`)."""
-        return await self.puts.reserve_slots(tier, nbytes, count)
+    async def reserve_slots(self, tier: str, nbytes: int, count: int, space: int = 0) -> list[Slot]:
+        """`count` empty slots of `nbytes` in memory tier `tier` (in `space`), bound to no
+        block yet: a co-located client fills them ahead of the put that names them
+        (`PutTxn.adopt`). The caller frees what it does not adopt (`free_slots`)."""
+        return await self.puts.reserve_slots(tier, nbytes, count, space)
 
     def free_slots(self, slots: Sequence[Slot]) -> None:
         """Return reserved, never-published slots to their tiers."""
@@ -434,12 +458,17 @@ class Store:
     async def prefetch(self, namespace_id: bytes, hashes: Sequence[bytes], tier: str = "") -> PrefetchResult:
         """Raise the named blocks that are present into `tier` (default: the top tier)."""
         self._enter(namespace_id, hashes)
+        target = self._by_name[self.prefetch_target(tier)]
+        self.counters.prefetches += 1
+        return await self.placement.prefetch(namespace_id, hashes, target)
+
+    def prefetch_target(self, tier: str = "") -> str:
+        """The memory tier a prefetch into `tier` raises blocks into (default: the top one)."""
         target = self._by_name.get(tier) if tier else self.memory_tiers[0]
         if target is None or not target.tier.addressable:
             names = ", ".join(t.name for t in self.memory_tiers)
             raise InvalidArgument(f"prefetch target tier {tier!r} is not a memory tier of this daemon; use one of {names}")
-        self.counters.prefetches += 1
-        return await self.placement.prefetch(namespace_id, hashes, target)
+        return target.name
 
     # ----------------------------------------------------------------- delete, pins, hints
 
@@ -467,7 +496,7 @@ class Store:
 
     def lease_prefix(
         self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, ttl_ms: int, tier: str
-    ) -> tuple[LookupResult, list[int], list[int]]:
+    ) -> tuple[PrefixLookup, list[int], list[int]]:
         """The fetch of a co-located reader: the READY prefix of `hashes` (given one by one
         or packed, as `lookup` takes them), plus a bytes-holding lease on its leading run
         of blocks in `tier`, with their offsets in that tier and their checksums.
@@ -499,7 +528,7 @@ class Store:
             st.defer_touch(run[::-1])
         self.counters.fetches += 1
         self.counters.blocks_fetched += len(run)
-        result = LookupResult(
+        result = PrefixLookup(
             namespace_id=namespace_id,
             num_blocks=len(rows),
             block_size_tokens=info.layout.block_size_tokens,
@@ -582,6 +611,13 @@ class Store:
     def expire_leases(self) -> int:
         """Release the leases past their deadline now; how many (see the module docstring)."""
         return self._expire(self._clock())
+
+    def expire_namespaces(self) -> int:
+        """Forget the namespaces that have held no block for `limits.namespace_grace_s`
+        (none when it is None); how many. A host calls it on its own schedule (the
+        daemon's sweep, every second); it looks at the namespaces at most every few
+        seconds (`NamespaceRegistry.expire`)."""
+        return self.registry.expire(self._clock())
 
     # ----------------------------------------------------------------- operator verbs
 

@@ -4,7 +4,8 @@ config, events, and the pool's status, placement and drain (kvstore.server.clust
 Primitives: `AdminServicer`, `stats_to_proto(status, uptime_s, absent)`.
 
 Each RPC maps to one store, runtime-config or event-bus call; what it adds is the
-rendering (the StatsResponse, the INFO text with its events and tenants sections).
+rendering (the StatsResponse, the INFO text with its events and tenants sections, block
+events with their tiers both as the `Tier` enum and, for older readers, by name).
 Nothing here runs code supplied by a caller or reveals the process environment; config
 reads return the daemon's own settings only. Only admins reach these methods (the
 per-call pipeline's auth step).
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvstore import __version__
-from kvstore.convert import layout_to_proto
+from kvstore.convert import TIER_BY_NAME, layout_to_proto
 from kvstore.core.store import RemovalResult, Store, StoreStatus
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import HASH_BYTES
@@ -29,7 +30,7 @@ from kvstore.server.events import EventBus, EventKind
 from kvstore.server.info import SECTIONS, render_info
 from kvstore.server.requests import RequestResolver
 from kvstore.server.runtime import ConfigValue, RuntimeConfig
-from kvstore.v1 import admin_pb2, admin_pb2_grpc
+from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 
 if TYPE_CHECKING:
     from kvstore.cluster.pool import ClusterNode
@@ -237,6 +238,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 yield admin_pb2.Event(
                     seq=e.seq, kind=EVENT_KIND[e.kind], namespace_id=e.namespace_id, block_hashes=e.block_hashes,
                     tier=e.tier, from_tier=e.from_tier, dropped=e.dropped, node_id=self.node_id,
+                    tier_enum=TIER_BY_NAME.get(e.tier, kvstore_pb2.TIER_UNSPECIFIED),
+                    from_tier_enum=TIER_BY_NAME.get(e.from_tier, kvstore_pb2.TIER_UNSPECIFIED),
                 )
         finally:
             sub.close()

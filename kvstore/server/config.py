@@ -88,6 +88,11 @@ FIELDS: tuple[Field, ...] = (
     Field("host_low_watermark", "float", 0.85, "host use fraction where demotion stops", lo=0.01, hi=1.0),
     Field("migration_batch_blocks", "int", 64, "most blocks one migration step moves", lo=1, hi=1 << 20),
     Field("max_blocks_per_call", "int", 4096, "most blocks one request may name", lo=1, hi=1 << 20, runtime=True),
+    Field("max_put_reserve_bytes", "size", 64 << 20, "most bytes of slots one Put stream holds ahead of the chunks "
+          "it has sent (at least one block); the rest is reserved as its chunks arrive", lo=1 << 16, hi=1 << 40,
+          metavar="SIZE"),
+    Field("put_idle_timeout_s", "float", 30.0, "a Put stream that sends nothing for this long is rolled back, and so "
+          "is a local put (LocalPut, DevicePut) or slot reservation not committed within it", lo=0.1, hi=3600),
     Field("max_message_bytes", "size", 16 << 20, "largest gRPC message accepted or sent", lo=1 << 20, hi=1 << 30,
           metavar="SIZE"),
     Field("chunk_bytes", "size", 1 << 20, "payload bytes per streamed message", lo=4096, hi=1 << 30, metavar="SIZE"),
@@ -98,6 +103,9 @@ FIELDS: tuple[Field, ...] = (
     Field("max_leases_per_tenant", "int", 16_384, "with a token file: most leases (lookup leases, pins, fetch "
           "leases) one tenant may hold at once", lo=1, hi=1 << 24),
     Field("max_namespaces", "int", 4096, "most namespaces (distinct layouts) held at once", lo=1, hi=1 << 20),
+    Field("namespace_grace_s", "float", 300.0, "a namespace that holds no block (all evicted, deleted or flushed) "
+          "is forgotten after this long; a request naming it by id then gets NOT_FOUND, one sending its layout "
+          "registers it again with its next put", lo=0, hi=7 * 86_400),
     Field("max_namespaces_per_tenant", "int", 1024, "with a token file: most namespaces one tenant may hold",
           lo=1, hi=1 << 20),
     Field("checksum_threads", "int", 2, "threads hashing large batches off the event loop", lo=1, hi=64),
@@ -180,6 +188,18 @@ FIELDS: tuple[Field, ...] = (
           "(role peer or admin in their token files; see SECURITY.md)", metavar="FILE"),
     Field("cluster_tls_ca", "str", "", "PEM roots that sign the other daemons' certificates: node-to-node calls "
           "use TLS (tls_cert/tls_key, when set, are this node's client certificate)", metavar="FILE"),
+    Field("data_lane_listen", "list", ("auto",), "where the data lane (block bytes for remote clients and peers "
+          "on sockets of their own, not in gRPC messages; see docs/net.md) listens: auto (next to each TCP "
+          "listener, same host, a port of the system's choosing), off, or HOST:PORT and/or unix:PATH; "
+          "non-loopback needs auth and TLS like listen", metavar="auto|off|ADDR[,ADDR]"),
+    Field("data_lane_advertise", "list", (), "addresses the DataLane call offers clients instead of the bound "
+          "ones (behind NAT or port mapping), in the same form", metavar="ADDR[,ADDR]"),
+    Field("data_lane_connections", "int", 4, "most data lane connections one transfer may use", lo=1, hi=64),
+    Field("data_lane_window", "size", 32 << 20, "credit the daemon grants each data lane connection of a put: "
+          "the most block bytes a client may have in flight on it", lo=1 << 20, hi=1 << 32, metavar="SIZE"),
+    Field("data_lane_io_timeout_s", "float", 30.0, "seconds a data lane peer may make no progress on a frame "
+          "before its connection is dropped", lo=0.1, hi=3600),
+    Field("data_lane_max_connections", "int", 256, "most data lane connections open at once", lo=1, hi=1 << 16),
 )
 
 # Settings that were replaced, with what to use instead.
@@ -233,6 +253,8 @@ class Config:
     host_low_watermark: float
     migration_batch_blocks: int
     max_blocks_per_call: int
+    max_put_reserve_bytes: int
+    put_idle_timeout_s: float
     max_message_bytes: int
     chunk_bytes: int
     max_lease_ms: int
@@ -240,6 +262,7 @@ class Config:
     max_leases: int
     max_leases_per_tenant: int
     max_namespaces: int
+    namespace_grace_s: float
     max_namespaces_per_tenant: int
     checksum_threads: int
     grace_s: float
@@ -283,6 +306,12 @@ class Config:
     cluster_suspect_s: float
     cluster_token_file: str
     cluster_tls_ca: str
+    data_lane_listen: tuple[str, ...]
+    data_lane_advertise: tuple[str, ...]
+    data_lane_connections: int
+    data_lane_window: int
+    data_lane_io_timeout_s: float
+    data_lane_max_connections: int
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -47,6 +47,7 @@ class BlockEvent:
     kind: EventKind
     namespace_id: bytes
     block_hashes: tuple[bytes, ...]
+    # By name (config and stats speak of tiers so); WatchEvents sends each as the Tier enum too.
     tier: str  # STORED/MOVED: where the blocks are now; REMOVED: where they were
     from_tier: str = ""  # MOVED only
     dropped: int = 0  # RESYNC only: events lost since the last delivered one

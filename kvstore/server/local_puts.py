@@ -2,8 +2,9 @@
 copies straight into PENDING slots of the host tier's shared-memory segment.
 
 Primitives: `begin(txn) -> txn_id`, `take(txn_id)`, `expire(now)`. A begun put holds its
-slots until it is committed, aborted, or its deadline passes; a client that vanishes
-mid-put therefore never leaks capacity (the daemon's sweep rolls it back).
+slots until it is committed, aborted, or its deadline passes (`ttl_ms`: the daemon's
+`put_idle_timeout_s`, the same time a streamed Put may send nothing); a client that
+vanishes mid-put therefore never leaks capacity (the daemon's sweep rolls it back).
 
 Reservations (`reserve(slots, ...) -> id`, `take_reservation(id)`) are empty slots held
 for a client's next put, which then takes one round trip: the client copies into them

@@ -1,9 +1,14 @@
 """The server's request boundary: what a request names, resolved into what the store takes.
 
-Primitives: `RequestResolver` (`namespace(ref)`, `chain(ns_id, keys)`, `hashes(ns_id,
-keys)`, `put_keys(ns_id, header)`, `session(...)`, `put_session(header)`, and the
-caller's lease ids through `tags`), and the answer helpers `packed_reply(keys)` and
-`hash_fields(hashes, packed)`.
+Primitives: `RequestResolver` (`namespace(ref)` for reads, `put_namespace(ref)` for
+puts, `chain(ns_id, keys)`, `hashes(ns_id, keys)`, `check_keys(keys, layout)`,
+`put_keys(info, header)`, `session(...)`, `put_session(header)`, and the caller's lease
+ids through `tags`), `UnregisteredLayout` (a read of a layout the daemon holds nothing
+of), and the answer helpers `packed_reply(keys)` and `hash_fields(hashes, packed)`.
+
+Only a put registers a namespace, and only when it publishes: a read of an unknown
+layout raises `UnregisteredLayout`, which each read answers as a miss (no block, no
+lease), so lookups of made-up layouts cannot fill `max_namespaces`.
 
 This is the one place the servicers validate input, and it checks only what the store
 never sees or cannot check: a layout's size against `max_block_bytes` and the tenant's
@@ -20,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.convert import layout_from_proto
-from kvstore.core.store import Store, check_hint
+from kvstore.core.store import NamespaceInfo, Store, check_hint
 from kvstore.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvstore.hashing import HASH_BYTES, block_hashes_packed, split_hashes, tenant_namespace_id, token_bytes
 from kvstore.layout import KVLayout
@@ -32,6 +37,18 @@ from kvstore.v1 import kvstore_pb2
 LAYOUT_IDS_KEPT = 1024
 # The hint window EndSession's session id is checked with (it names no window).
 END_SESSION_WINDOW_S = 1.0
+
+
+class UnregisteredLayout(NotFound):
+    """A read named a layout whose namespace the daemon does not hold (nothing was put in
+    it, or everything put went away): each read answers it as a miss. Left unanswered, it
+    is NOT_FOUND with a message that says so."""
+
+    def __init__(self, namespace_id: bytes, layout: KVLayout) -> None:
+        super().__init__(f"namespace {namespace_id.hex()} (model {layout.model}) holds no blocks on this daemon; "
+                         "put blocks with this layout first")
+        self.namespace_id = namespace_id
+        self.layout = layout
 
 
 def packed_reply(keys: kvstore_pb2.BlockKeys) -> bool:
@@ -67,9 +84,13 @@ class RequestResolver:
 
     # -------------------------------------------------------------- namespaces
 
-    def namespace(self, ref: kvstore_pb2.Namespace) -> bytes:
-        """The caller's namespace: a layout is filed under the caller's tenant (salted id);
-        an id must name a namespace of the caller's tenant (admins may name any)."""
+    def namespace(self, ref: kvstore_pb2.Namespace, *, register: bool = False) -> bytes:
+        """The caller's namespace, for a read: a layout is filed under the caller's tenant
+        (salted id); an id must name a namespace of the caller's tenant (admins may name
+        any). A layout the daemon holds nothing of raises `UnregisteredLayout`, and is
+        not registered: the read is a miss (blocks recovered from SSD are adopted).
+        `register` files it instead (the caps checked): a daemon of a pool looks such a
+        layout up on the other nodes, and copies what they hold into it."""
         who = current_identity()
         which = ref.WhichOneof("ref")
         if which == "layout":
@@ -77,20 +98,57 @@ class RequestResolver:
             known = self._layout_ids.get((who.tenant, who.salt, wire))
             if known is not None and self.store.has_namespace(known):
                 return known
-            layout = layout_from_proto(ref.layout)
-            if layout.bytes_per_block > self.max_block_bytes:
-                raise InvalidArgument(
-                    f"the layout describes {layout.bytes_per_block} bytes per block, more than max_block_bytes "
-                    f"({self.max_block_bytes}); use smaller blocks (fewer tokens per block)"
-                )
+            layout = self._checked_layout(ref.layout)
+            ns_id = tenant_namespace_id(layout.namespace_id, who.salt)
+            if not self.store.has_namespace(ns_id):
+                if not register and not self.store.has_recovered(ns_id):
+                    raise UnregisteredLayout(ns_id, layout)
+                if self.max_namespaces_per_tenant is not None:
+                    self._check_tenant_namespaces(layout, who.tenant, who.salt)
+                self.store.register(layout, who.tenant, who.salt)
+            self._remember(who.tenant, who.salt, wire, ns_id)
+            return ns_id
+        return self._by_id(ref)
+
+    def put_namespace(self, ref: kvstore_pb2.Namespace) -> NamespaceInfo:
+        """The namespace record a put works with: the registered one, or for a new layout
+        one the store files only when the put publishes (`Store.prepare_namespace`), so a
+        refused put registers nothing. The caps (`max_namespaces`, and the tenant's) are
+        checked now, before any byte arrives."""
+        who = current_identity()
+        which = ref.WhichOneof("ref")
+        if which == "layout":
+            wire = ref.layout.SerializeToString()
+            known = self._layout_ids.get((who.tenant, who.salt, wire))
+            if known is not None and self.store.has_namespace(known):
+                return self.store.namespace(known)
+            layout = self._checked_layout(ref.layout)
             if self.max_namespaces_per_tenant is not None:
                 self._check_tenant_namespaces(layout, who.tenant, who.salt)
-            ns_id = self.store.register(layout, who.tenant, who.salt)
-            if len(self._layout_ids) >= LAYOUT_IDS_KEPT:
-                self._layout_ids.clear()
-            self._layout_ids[(who.tenant, who.salt, wire)] = ns_id
-            return ns_id
-        if which == "id":
+            info = self.store.prepare_namespace(layout, who.tenant, who.salt)
+            if self.store.has_namespace(info.namespace_id):
+                self._remember(who.tenant, who.salt, wire, info.namespace_id)
+            return info
+        return self.store.namespace(self._by_id(ref))
+
+    def _checked_layout(self, msg: kvstore_pb2.Layout) -> KVLayout:
+        layout = layout_from_proto(msg)
+        if layout.bytes_per_block > self.max_block_bytes:
+            raise InvalidArgument(
+                f"the layout describes {layout.bytes_per_block} bytes per block, more than max_block_bytes "
+                f"({self.max_block_bytes}); use smaller blocks (fewer tokens per block)"
+            )
+        return layout
+
+    def _remember(self, tenant: str, salt: bytes, wire: bytes, ns_id: bytes) -> None:
+        """Keep a registered layout's id for the next request that sends it."""
+        if len(self._layout_ids) >= LAYOUT_IDS_KEPT:
+            self._layout_ids.clear()
+        self._layout_ids[(tenant, salt, wire)] = ns_id
+
+    def _by_id(self, ref: kvstore_pb2.Namespace) -> bytes:
+        who = current_identity()
+        if ref.WhichOneof("ref") == "id":
             info = self.store.namespace(ref.id)
             if info.tenant != who.tenant and not who.is_admin:
                 # The same answer as for an unknown id: another tenant's ids are not confirmed.
@@ -140,7 +198,25 @@ class RequestResolver:
             return self.store.hashes_for_tokens(ns_id, self._chain_tokens(keys))
         raise InvalidArgument("request names no blocks: set keys.packed_hashes, keys.hashes or keys.tokens")
 
-    def put_keys(self, ns_id: bytes, header: kvstore_pb2.PutHeader) -> tuple[list[bytes], bytes | None]:
+    def check_keys(self, keys: kvstore_pb2.BlockKeys, layout: KVLayout) -> int:
+        """How many blocks a read of an unregistered `layout` names, its keys checked as a
+        registered namespace's would be (their shape and the per-call limits): bad input
+        is refused the same whether the daemon knows the layout or not."""
+        which = keys.WhichOneof("keys")
+        if which == "packed_hashes":
+            n = len(self._split(keys.packed_hashes))
+        elif which == "hashes":
+            hashes = list(keys.hashes.hashes)
+            self.store.check_hashes(hashes)
+            n = len(hashes)
+        elif which == "tokens":
+            n = len(self._chain_tokens(keys)) // 4 // layout.block_size_tokens
+        else:
+            raise InvalidArgument("request names no blocks: set keys.packed_hashes, keys.hashes or keys.tokens")
+        self._check_block_count(n)
+        return n
+
+    def put_keys(self, info: NamespaceInfo, header: kvstore_pb2.PutHeader) -> tuple[list[bytes], bytes | None]:
         """A put's block hashes and the hash of the block before them (None at a chain's start)."""
         keys = header.keys
         which = keys.WhichOneof("keys")
@@ -153,7 +229,6 @@ class RequestResolver:
             tokens = keys.tokens
             packed = self._packed_tokens(tokens)
             first, count = tokens.first_block, header.num_blocks
-            info = self.store.namespace(ns_id)
             bst = info.layout.block_size_tokens
             n_tokens = len(packed) // 4
             full = n_tokens // bst
@@ -167,8 +242,8 @@ class RequestResolver:
             self._check_block_count(count)  # before hashing
             # The prefix before `first` is hashed too (the chain needs it) but not bounded
             # by the per-call block limit: it names no blocks of this put.
-            all_hashes = block_hashes_packed(info.chain_seed or ns_id, memoryview(packed)[: (first + count) * bst * 4],
-                                             bst)
+            all_hashes = block_hashes_packed(info.chain_seed or info.namespace_id,
+                                             memoryview(packed)[: (first + count) * bst * 4], bst)
             return all_hashes[first : first + count], all_hashes[first - 1] if first else None
         raise InvalidArgument("put header names no blocks: set keys.packed_hashes, keys.hashes or keys.tokens")
 

@@ -4,10 +4,31 @@ Primitives: `KVStoreServicer`, `tier_enum_table(names)`.
 
 Each method resolves what the request names through the `RequestResolver` (the server's
 one validation boundary: namespaces, keys, sessions, the caller's lease ids), calls one
-store verb, and builds the answer. The shared-memory and device planes are delegated to
-`LocalPlane` and `DevicePlane`. The one piece of work beyond translation is the Fetch
+store verb, and builds the answer. A read of a layout the daemon holds nothing of
+(`UnregisteredLayout`) is answered as a miss without registering it; only a Put that
+publishes registers a namespace. The shared-memory and device planes are delegated to
+`LocalPlane` and `DevicePlane`, the data lane's transfers to `LaneTransfers`. The one piece of work beyond translation is the Fetch
 framer (`_frame`), which the store's fetch calls to cut a block into wire messages, so
 that the checksum it verifies is taken over the bytes that are sent.
+
+A Put publishes only a complete stream of a call that is still alive. grpc ends the
+request iterator the same way when the client half-closes and when it cancels, runs
+past its deadline or disappears; so after the last message the servicer sends the
+response headers (a round trip through grpc's core that fails, or is cancelled, on a
+dead call) and hands the commit a check of the call (`_still_alive`) that runs in the
+same synchronous step as the publish.
+
+A Fetch that cannot send every block its header promised ends with a status that says
+so: DATA_LOSS when a block failed verification and no other copy of it did (a bad host
+copy is replaced by its SSD copy in the store's fetch, so this means the block is gone),
+with the count of blocks sent in its message and in the `kvstore-blocks-sent` trailer.
+A block deleted while the fetch ran ends the stream with OK and the same trailer: the
+blocks before it are what is there. Either way every block sent verified.
+
+A Put stream holds little ahead of its bytes: its slots are reserved as its chunks
+arrive (at most `put_window_bytes` ahead of them, `PutTxn`'s window), and a stream that
+sends nothing for `put_idle_timeout_s` is rolled back, so a client that stalls or
+vanishes without a reset holds nothing for long.
 
 The per-call steps (request id, drain gate, auth, metrics, error mapping) are not here:
 `kvstore.server.pipeline` runs them around every method, for gRPC and for the control
@@ -27,6 +48,7 @@ does not carry, receive a real context.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -34,17 +56,27 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import grpc
 
 from kvstore.convert import TIER_BY_NAME, TIER_NAMES, unknown_tier_message
-from kvstore.core.store import LookupResult, Store
-from kvstore.errors import InvalidArgument
+from kvstore.core.store import PrefixLookup, Store
+from kvstore.errors import Cancelled, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from kvstore.hashing import HASH_BYTES, split_hashes
 from kvstore.native import XXH3, native
 from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.local_plane import LocalPlane
-from kvstore.server.requests import RequestResolver, hash_fields, packed_reply
+from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
+from kvstore.server.transfers import LaneTransfers
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvstore.wire import Framed, RawChunk, chunk_prefix, encode_chunk
+
+# What one Put stream may hold ahead of its bytes, and how long it may send nothing (the
+# daemon's max_put_reserve_bytes and put_idle_timeout_s).
+DEFAULT_PUT_WINDOW_BYTES = 64 << 20
+DEFAULT_PUT_IDLE_TIMEOUT_S = 30.0
+
+# The trailing metadata of a Fetch that ended before the header's count: how many
+# blocks it sent (with DATA_LOSS when a block failed verification and had no intact copy).
+BLOCKS_SENT_TRAILER = "kvstore-blocks-sent"
 
 if TYPE_CHECKING:
     from kvstore.cluster.pool import ClusterNode, Extension
@@ -63,14 +95,42 @@ def tier_enum_table(names: tuple[str, ...]) -> bytes:
     return bytes(table)
 
 
+async def _confirm_half_close(context: grpc.aio.ServicerContext) -> None:
+    """After a Put's request stream ended: return only if the client half-closed it. A
+    cancelled, expired or vanished call raises (CancelledError, or Cancelled)."""
+    try:
+        await context.send_initial_metadata(())
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # grpc's batch failed: the call is gone
+        raise Cancelled("the put's call ended before the stream was half-closed; nothing was stored") from None
+
+
+def _still_alive(context: grpc.aio.ServicerContext) -> None:
+    """Raise unless the call may still publish: not cancelled, its deadline not passed."""
+    task = asyncio.current_task()
+    if (task is not None and task.cancelling()) or context.done():
+        raise Cancelled("the put was cancelled before it was published; nothing was stored")
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        raise DeadlineExceeded("the put's deadline passed before it was published; nothing was stored: "
+                               "give the call a longer timeout")
+
+
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: Store, resolver: RequestResolver, local: LocalPlane, device: DevicePlane,
-                 chunk_bytes: int) -> None:
+                 chunk_bytes: int, put_window_bytes: int = DEFAULT_PUT_WINDOW_BYTES,
+                 put_idle_timeout_s: float = DEFAULT_PUT_IDLE_TIMEOUT_S,
+                 lane: LaneTransfers | None = None) -> None:
         self.store = store
         self.resolver = resolver
         self.local = local
         self.device = device
+        self.lane = lane
         self.chunk_bytes = chunk_bytes
+        # What one Put stream may reserve ahead of its bytes, and how long it may send nothing.
+        self.put_window_bytes = put_window_bytes
+        self.put_idle_timeout_s = put_idle_timeout_s
         # Bound once: the lookup path pays one attribute read for each, as before the split.
         self._namespace = resolver.namespace
         self._chain = resolver.chain
@@ -83,7 +143,22 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     # -------------------------------------------------------------- store verbs
 
     async def Lookup(self, request: kvstore_pb2.LookupRequest, context: Context) -> kvstore_pb2.LookupResponse:
-        ns_id = self._namespace(request.namespace)
+        try:
+            ns_id = self._namespace(request.namespace)
+        except UnregisteredLayout as unknown:
+            if self.cluster is not None and not current_identity().peer:
+                # The pool may hold what this daemon never saw: the layout is filed here
+                # (forgotten after namespace_grace_s if nothing lands in it) and asked for.
+                ns_id = self.resolver.namespace(request.namespace, register=True)
+                return await self._lookup(request, ns_id)
+            self.store.count_unknown_lookup(self._miss(request.keys, unknown))
+            if request.HasField("hint"):
+                self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
+            return kvstore_pb2.LookupResponse(namespace_id=unknown.namespace_id,
+                                              block_size_tokens=unknown.layout.block_size_tokens)
+        return await self._lookup(request, ns_id)
+
+    async def _lookup(self, request: kvstore_pb2.LookupRequest, ns_id: bytes) -> kvstore_pb2.LookupResponse:
         keys = request.keys
         chain = self._chain(ns_id, keys)
         session = self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s) \
@@ -120,7 +195,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             resp.block_hashes_packed = r.hashes_packed
         return resp
 
-    def _extended(self, request: kvstore_pb2.LookupRequest, keys: kvstore_pb2.BlockKeys, r: LookupResult,
+    def _extended(self, request: kvstore_pb2.LookupRequest, keys: kvstore_pb2.BlockKeys, r: PrefixLookup,
                   ext: Extension, chain: bytes | list[bytes]) -> kvstore_pb2.LookupResponse:
         """A lookup's answer with the blocks the pool adds past the local prefix."""
         n = r.num_blocks + ext.blocks
@@ -144,22 +219,49 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self, request_iterator: AsyncIterator[kvstore_pb2.PutRequest | RawChunk], context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.PutResponse:
         stream = request_iterator.__aiter__()
-        first = await anext(stream, None)
-        if first is None or isinstance(first, RawChunk) or first.WhichOneof("msg") != "header":
-            raise InvalidArgument("a Put stream must start with a header message")
-        header = first.header
-        ns_id = self._namespace(header.namespace)
-        hashes, parent = self.resolver.put_keys(ns_id, header)
-        session = self.resolver.put_session(header)
-        async with self.store.begin_put(ns_id, hashes, parent) as txn:
-            async for msg in stream:
-                if isinstance(msg, RawChunk):  # the fast path: a view into the received message
-                    await txn.write(msg.block, msg.data)
-                    continue
-                if msg.WhichOneof("msg") != "chunk":
-                    raise InvalidArgument("only block chunks may follow a Put header")
-                await txn.write(msg.chunk.block, msg.chunk.data)
-            result = await txn.commit()
+        idle_s = self.put_idle_timeout_s
+        loop = asyncio.get_running_loop()
+        # One timer for the stream: armed while it waits for the client, disarmed while the
+        # daemon works on what arrived (making room is not the client's silence).
+        idle = asyncio.timeout(loop.time() + idle_s)
+        try:
+            async with idle:
+                first = await anext(stream, None)
+                idle.reschedule(None)
+                if first is None or isinstance(first, RawChunk) or first.WhichOneof("msg") != "header":
+                    raise InvalidArgument("a Put stream must start with a header message")
+                header = first.header
+                info = self.resolver.put_namespace(header.namespace)
+                ns_id = info.namespace_id
+                hashes, parent = self.resolver.put_keys(info, header)
+                session = self.resolver.put_session(header)
+                async with self.store.begin_put(info, hashes, parent, window_bytes=self.put_window_bytes) as txn:
+                    while True:
+                        idle.reschedule(loop.time() + idle_s)
+                        msg = await anext(stream, None)
+                        idle.reschedule(None)
+                        if msg is None:
+                            break
+                        if isinstance(msg, RawChunk):  # the fast path: a view into the received message
+                            await txn.write(msg.block, msg.data)
+                            continue
+                        which = msg.WhichOneof("msg")
+                        if which == "header":
+                            raise InvalidArgument("a second header in one Put stream: a stream carries one "
+                                                  "header, then its blocks' chunks (one put per stream)")
+                        if which != "chunk":
+                            raise InvalidArgument("a Put message with neither header nor chunk set: after the "
+                                                  "header, send only BlockChunk messages")
+                        await txn.write(msg.chunk.block, msg.chunk.data)
+                    await _confirm_half_close(context)
+                    result = await txn.commit(check=functools.partial(_still_alive, context))
+        except TimeoutError:
+            if not idle.expired():
+                raise
+            raise DeadlineExceeded(
+                f"the Put stream sent nothing for {idle_s:g} s (put_idle_timeout_s); the put was rolled back: "
+                "send its chunks without pauses, then half-close the stream"
+            ) from None
         if session:
             self.store.hint(ns_id, hashes, session, header.hint.expect_reuse_within_s)
         resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing, namespace_id=ns_id,
@@ -171,7 +273,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Fetch(
         self, request: kvstore_pb2.FetchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[kvstore_pb2.FetchResponse | bytes]:
-        ns_id = self._namespace(request.namespace)
+        try:
+            ns_id = self._namespace(request.namespace)
+        except UnregisteredLayout as unknown:
+            self._miss(request.keys, unknown)
+            lease_id = self._lease_in(request.lease_id)
+            if lease_id:  # released when a fetch ends, whatever it found
+                self.store.unpin(lease_id)
+            yield kvstore_pb2.FetchResponse(header=kvstore_pb2.FetchHeader(
+                block_bytes=unknown.layout.bytes_per_block, namespace_id=unknown.namespace_id))
+            return
         hashes = self._hashes(ns_id, request.keys)
         cluster = self.cluster
         if cluster is not None:
@@ -192,6 +303,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             async for framed in stream.frames(self._frame):
                 for message in framed.messages:
                     yield message
+            if stream.ended_early:
+                # The header promised more: say how many were sent and why, in the status
+                # and (machine-readable) in the trailer.
+                context.set_trailing_metadata(((BLOCKS_SENT_TRAILER, str(stream.sent)),))
+                if stream.verification_failed:
+                    raise DataLoss(f"{stream.sent} of {stream.num_blocks} blocks sent: {stream.ended_early}; "
+                                   "the blocks sent are intact (recompute the rest)")
 
     def _frame(self, index: int, data: memoryview) -> Framed:
         """A block as chunk messages. Pure (no servicer or store state changes): for large
@@ -211,11 +329,19 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return Framed(messages, payload)
 
     async def Delete(self, request: kvstore_pb2.DeleteRequest, context: Context) -> kvstore_pb2.DeleteResponse:
-        ns_id = self._namespace(request.namespace)
+        try:
+            ns_id = self._namespace(request.namespace)
+        except UnregisteredLayout as unknown:
+            self._miss(request.keys, unknown)
+            return kvstore_pb2.DeleteResponse()
         return kvstore_pb2.DeleteResponse(deleted=self.store.delete(ns_id, self._hashes(ns_id, request.keys)))
 
     async def Pin(self, request: kvstore_pb2.PinRequest, context: Context) -> kvstore_pb2.PinResponse:
-        ns_id = self._namespace(request.namespace)
+        try:
+            ns_id = self._namespace(request.namespace)
+        except UnregisteredLayout as unknown:
+            self._miss(request.keys, unknown)
+            return kvstore_pb2.PinResponse()
         r = self.store.pin(ns_id, self._hashes(ns_id, request.keys), request.ttl_ms)
         return kvstore_pb2.PinResponse(lease_id=self._lease_out(r.lease_id), pinned=r.pinned,
                                        expires_in_ms=r.expires_in_ms)
@@ -225,7 +351,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return kvstore_pb2.UnpinResponse(released=bool(lease_id) and self.store.unpin(lease_id))
 
     async def Hint(self, request: kvstore_pb2.HintRequest, context: Context) -> kvstore_pb2.HintResponse:
-        ns_id = self._namespace(request.namespace)
+        try:
+            ns_id = self._namespace(request.namespace)
+        except UnregisteredLayout as unknown:
+            self._miss(request.keys, unknown)
+            self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
+            return kvstore_pb2.HintResponse()
         session = self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
         hinted = self.store.hint(ns_id, self._hashes(ns_id, request.keys), session, request.hint.expect_reuse_within_s)
         return kvstore_pb2.HintResponse(hinted=hinted)
@@ -239,11 +370,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Prefetch(
         self, request: kvstore_pb2.PrefetchRequest, context: Context
     ) -> kvstore_pb2.PrefetchResponse:
-        ns_id = self._namespace(request.namespace)
-        hashes = self._hashes(ns_id, request.keys)
         tier = TIER_NAMES.get(request.tier, "") if request.tier else ""
         if request.tier and not tier:
             raise InvalidArgument(unknown_tier_message(request.tier, [t.name for t in self.store.memory_tiers]))
+        try:
+            ns_id = self._namespace(request.namespace)
+        except UnregisteredLayout as unknown:
+            n = self._miss(request.keys, unknown)
+            return kvstore_pb2.PrefetchResponse(tier=TIER_BY_NAME[self.store.prefetch_target(tier)], requested=n,
+                                                missing=n)
+        hashes = self._hashes(ns_id, request.keys)
         r = await self.store.prefetch(ns_id, hashes, tier)
         return kvstore_pb2.PrefetchResponse(
             tier=TIER_BY_NAME[r.tier], requested=r.requested, raised=r.raised, already=r.already, missing=r.missing,
@@ -251,9 +387,19 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         )
 
     async def Verify(self, request: kvstore_pb2.VerifyRequest, context: Context) -> kvstore_pb2.VerifyResponse:
-        ns_id = self._namespace(request.namespace)
+        try:
+            ns_id = self._namespace(request.namespace)
+        except UnregisteredLayout as unknown:
+            self._miss(request.keys, unknown)
+            return kvstore_pb2.VerifyResponse()
         verified, dropped = await self.store.verify(ns_id, self._hashes(ns_id, request.keys))
         return kvstore_pb2.VerifyResponse(verified=verified, dropped=dropped)
+
+    def _miss(self, keys: kvstore_pb2.BlockKeys, unknown: UnregisteredLayout) -> int:
+        """A read of a layout the daemon holds nothing of: its keys checked as any read's
+        (bad input is refused the same either way), and how many blocks it names; the
+        read answers a miss and registers nothing."""
+        return self.resolver.check_keys(keys, unknown.layout)
 
     # -------------------------------------------------------------- data planes
 
@@ -281,3 +427,21 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def DevicePut(self, request: kvstore_pb2.LocalPutRequest, context: Context) -> kvstore_pb2.LocalPutResponse:
         return await self.device.put(request)
+
+    async def DataLane(self, request: kvstore_pb2.DataLaneRequest, context: Context) -> kvstore_pb2.DataLaneResponse:
+        return self.lane.offer() if self.lane is not None else kvstore_pb2.DataLaneResponse()
+
+    async def LaneFetch(self, request: kvstore_pb2.LaneFetchRequest,
+                        context: Context) -> kvstore_pb2.LaneFetchResponse:
+        return await self._lane().open_fetch(request)
+
+    async def LanePut(self, request: kvstore_pb2.LanePutRequest, context: Context) -> kvstore_pb2.LanePutResponse:
+        return await self._lane().open_put(request)
+
+    async def LaneCommit(self, request: kvstore_pb2.LaneCommitRequest, context: Context) -> kvstore_pb2.PutResponse:
+        return await self._lane().commit(request)
+
+    def _lane(self) -> LaneTransfers:
+        if self.lane is None or not self.lane.offer().endpoints:
+            raise FailedPrecondition("this daemon serves no data lane (data_lane_listen is off); use Put and Fetch")
+        return self.lane

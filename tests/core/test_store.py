@@ -81,7 +81,7 @@ async def test_failed_put_leaves_nothing_and_frees_capacity():
     store = make_store()
     hashes = chain(3)
     ns = store.register(LAYOUT)
-    with pytest.raises(InvalidArgument, match="block 1 got 10 bytes"):
+    with pytest.raises(InvalidArgument, match="block 1 got 10 of its 1024 bytes"):
         async with store.begin_put(ns, hashes) as txn:
             await txn.write(0, os.urandom(BLOCK))
             await txn.write(1, b"x" * 10)

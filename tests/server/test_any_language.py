@@ -81,9 +81,10 @@ async def test_put_chunks_count_from_zero_within_the_request_and_num_blocks_0_me
         assert got == blocks[3:]
 
 
-async def test_an_unknown_namespace_id_is_not_found_and_the_layout_registers_it(tmp_path: Path):
+async def test_an_unknown_namespace_id_is_not_found_until_a_put_sends_the_layout(tmp_path: Path):
     """A daemon forgets namespaces on restart: the id a client kept is NOT_FOUND until it
-    sends the layout again."""
+    sends the layout again. A read by layout is a miss that registers nothing; a put by
+    layout registers it, and the id works from then on."""
     layout = SMALL_LAYOUT
     tokens = list(range(layout.block_size_tokens))
     config = make_config(tmp_path)
@@ -101,7 +102,15 @@ async def test_an_unknown_namespace_id_is_not_found_and_the_layout_registers_it(
                     info.value.details()
                 by_layout = await stub.Lookup(kvstore_pb2.LookupRequest(namespace=ns(layout), keys=tokens_keys(tokens)))
                 assert by_layout.namespace_id == layout.namespace_id  # auth off: the public id
-                assert (await stub.Lookup(by_id)).num_blocks == 0
+                assert by_layout.num_blocks == 0
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Lookup(by_id)  # the read registered nothing
+                assert info.value.code() == grpc.StatusCode.NOT_FOUND
+                header = kvstore_pb2.PutHeader(namespace=ns(layout), keys=tokens_keys(tokens))
+                await stub.Put(iter([kvstore_pb2.PutRequest(header=header),
+                                     kvstore_pb2.PutRequest(chunk=kvstore_pb2.BlockChunk(
+                                         block=0, data=os.urandom(layout.bytes_per_block)))]))
+                assert (await stub.Lookup(by_id)).num_blocks == 1
         finally:
             await d.stop(grace_s=0)
 

@@ -576,14 +576,17 @@ def test_namespaces_per_tenant_are_capped(tmp_path, layout, tenants):
     with daemon_in_thread(cfg) as running:
         with Client(running.unix_target, token=tenants.tokens["alpha"], data_plane="grpc") as alpha, \
              Client(running.unix_target, token=tenants.tokens["beta"], data_plane="grpc") as beta:
+            # Puts register namespaces (lookups of unknown layouts are misses and register none).
             for lay in layouts[:2]:
-                assert alpha.lookup(lay, list(range(4))).num_blocks == 0
+                assert alpha.put(lay, list(range(4)), blocks_for(lay, 1)).stored == 1
             before = len(running.store.namespaces())
             with pytest.raises(ResourceExhausted, match="tenant 'alpha' already holds 2 namespaces"):
-                alpha.lookup(layouts[2], list(range(4)))
+                alpha.put(layouts[2], list(range(4)), blocks_for(layouts[2], 1))
             assert len(running.store.namespaces()) == before
-            assert alpha.lookup(layouts[0], list(range(4))).num_blocks == 0  # known ones still work
-            assert beta.lookup(layouts[2], list(range(4))).num_blocks == 0  # others are not affected
+            assert alpha.lookup(layouts[2], list(range(4))).num_blocks == 0  # a miss, not an error
+            assert alpha.lookup(layouts[0], list(range(4))).num_blocks == 1  # known ones still work
+            # Others are not affected.
+            assert beta.put(layouts[2], list(range(4)), blocks_for(layouts[2], 1)).stored == 1
 
 
 def test_leases_per_tenant_are_capped(tmp_path, layout, tenants):

@@ -56,6 +56,7 @@ def test_blocks_larger_than_max_block_bytes_are_refused(tmp_path, layout):
         for _ in range(2):
             with pytest.raises(InvalidArgument, match="more than max_block_bytes"):
                 kv.lookup(big, list(range(8)))
+        kv.put(layout, list(range(8)), [bytes(layout.bytes_per_block)] * 2)  # a put registers an accepted layout
         first = kv.lookup(layout, list(range(8))).namespace_id
         assert kv.lookup(layout, list(range(8))).namespace_id == first
         assert len(running.store.namespaces()) == before[2] + 1

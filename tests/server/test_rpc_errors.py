@@ -133,7 +133,8 @@ async def test_put_without_data_fails_cleanly(seeded, layout):
     before = await snapshot(admin, kv, layout, tokens)
     new_tokens = list(range(5000, 5000 + layout.block_size_tokens))
     header = kvstore_pb2.PutHeader(namespace=ns(layout), keys=token_keys(new_tokens), num_blocks=1)
-    await expect_status(grpc.StatusCode.INVALID_ARGUMENT, stub.Put(put_stream(header, [])), "block 0 got 0 bytes")
+    await expect_status(grpc.StatusCode.INVALID_ARGUMENT, stub.Put(put_stream(header, [])),
+                        "the stream ended after 0 of the 1 blocks")
     assert await snapshot(admin, kv, layout, tokens) == before
 
 
@@ -144,12 +145,13 @@ async def test_chunks_out_of_order_or_out_of_range(seeded, layout):
     header = kvstore_pb2.PutHeader(namespace=ns(layout), keys=token_keys(new_tokens), num_blocks=2)
     full = os.urandom(layout.bytes_per_block)
     await expect_status(grpc.StatusCode.INVALID_ARGUMENT,
-                        stub.Put(put_stream(header, [(1, full), (0, full)])), "block 0 got 0 bytes")
+                        stub.Put(put_stream(header, [(1, full), (0, full)])), "block 0 is missing")
     await expect_status(grpc.StatusCode.INVALID_ARGUMENT,
-                        stub.Put(put_stream(header, [(0, full), (1, full), (2, full)])), "carries 2 blocks")
+                        stub.Put(put_stream(header, [(0, full), (1, full), (2, full)])),
+                        "the header names 2 blocks")
     second_header = kvstore_pb2.PutRequest(header=header)
     await expect_status(grpc.StatusCode.INVALID_ARGUMENT,
-                        stub.Put(iter([second_header, second_header])), "only block chunks")
+                        stub.Put(iter([second_header, second_header])), "a second header")
     assert await snapshot(admin, kv, layout, tokens) == before
 
 

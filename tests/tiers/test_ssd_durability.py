@@ -313,3 +313,18 @@ def test_more_ssd_regions_than_open_files_allowed_is_one_clear_line(tmp_path: Pa
             assert int(ssd_of(kv.stats()).capacity_bytes) == 16 << 20
     finally:
         assert proc.stop() == 0
+
+
+async def test_an_index_snapshot_that_is_a_directory_is_ignored_and_the_log_scanned(tmp_path: Path, caplog):
+    """docs/tiers.md: an unreadable snapshot is ignored and the log is scanned. A directory
+    in its place (an operator's mistake, a volume mounted at the wrong path) is one."""
+    chains = [chain(24, salt) for salt in range(3)]
+    config = ssd_config(tmp_path)
+    await fill(config, chains)
+    snapshot = tmp_path / "ssd" / "index.snapshot"
+    snapshot.unlink()
+    snapshot.mkdir()
+    await assert_recovers(config, chains)  # started, scanned the log, served every block
+    assert "index.snapshot" in caplog.text and "scanning the log" in caplog.text
+    assert snapshot.is_dir()  # left for the operator: not ours to remove
+    assert not (tmp_path / "ssd" / "index.snapshot.tmp").exists()  # the snapshot not written leaves nothing
