@@ -396,6 +396,16 @@ class Store:
                 marked += 1
         return marked
 
+    def count_unknown_lookup(self, n_asked: int) -> None:
+        """A lookup of a layout the store holds nothing of (the server answers it without
+        registering one): counted as a lookup whose every block missed, in every tier."""
+        c = self.counters
+        c.lookups += 1
+        c.lookup_blocks += n_asked
+        c.miss_blocks += n_asked
+        for st in self.tiers:
+            st.counters.misses += n_asked
+
     def block(self, namespace_id: bytes, block_hash: bytes) -> BlockInfo | None:
         """A snapshot of one READY block's metadata; None if it is not in the store."""
         entry = self.index.get(make_key(namespace_id, block_hash))
