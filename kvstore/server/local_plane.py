@@ -35,6 +35,7 @@ the first block of another space (the client fetches the rest as bytes).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -149,7 +150,7 @@ class LocalPlane:
         cluster = self.cluster
         assert cluster is not None
         if hashes is None:
-            hashes, parent = self.resolver.put_keys(result.namespace_id, header)
+            hashes, parent = self.resolver.put_keys(self.store.namespace(result.namespace_id), header)
         await forward_put(cluster, result.namespace_id, hashes, parent, header, resp, current_identity().peer)
 
     def release_leases(self, lease_ids: Sequence[str]) -> None:
