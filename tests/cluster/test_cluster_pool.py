@@ -57,6 +57,24 @@ async def test_a_prefix_put_on_one_node_is_a_hit_on_every_node(tmp_path: Path) -
             assert int(st["cluster_pulled_blocks"]) > 0 and st["cluster_pull_checksum_failures"] == "0"
 
 
+async def test_puts_and_fetches_on_the_data_lane_are_the_pools_too(tmp_path: Path) -> None:
+    """A client on a node's data lane: its put is forwarded to the owners as a gRPC put
+    is, and its fetch after a lookup waits for the blocks that lookup is copying in."""
+    async with pool(tmp_path, 3) as (a, b, c):
+        tokens, blocks = chain(LAYOUT, 40, seed=2)
+        async with AsyncClient(a.bound[1], data_plane="lane") as kv:
+            assert await kv.data_plane_in_use() == "lane"
+            put = await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
+        assert put.stored == 40 and put.forwarded_blocks == put.owner_committed_blocks > 0
+        for d in (b, c):
+            async with AsyncClient(d.bound[1], data_plane="lane") as kv:
+                hit = await kv.lookup(LAYOUT, tokens)
+                assert hit.num_blocks == 40 and hit.remote_blocks > 0
+                assert [bytes(g) for g in await kv.fetch(LAYOUT, tokens)] == blocks
+                stats = kv.data_lane_stats
+                assert stats is not None and stats.bytes_received == 40 * LAYOUT.bytes_per_block
+
+
 async def test_forwards_reach_their_owners_in_the_background(tmp_path: Path) -> None:
     async with pool(tmp_path, 3) as (a, b, c):
         tokens, blocks = chain(LAYOUT, 40, seed=11)
