@@ -35,8 +35,9 @@ The per-call steps (request id, drain gate, auth, metrics, error mapping) are no
 lane alike. Failures are `kvstore.errors` exceptions, mapped to a status there.
 
 In a pool (`cluster`), a lookup whose chain goes on past the local prefix asks the other
-nodes (`ClusterNode.extend`), a committed put is forwarded to its units' owners
-(`forward_put`), and a fetch first waits for blocks a lookup is copying here; calls that
+nodes (`ClusterNode.extend`), a committed put (Put, or LaneCommit) is forwarded to its
+units' owners (`forward_put`), and a fetch (Fetch, or LaneFetch) first waits for blocks a
+lookup is copying here; calls that
 other nodes make (`Identity.peer`) are answered from this node alone.
 
 `context` may be None. The control lane (`kvstore.server.lane`) calls the unary methods
@@ -433,13 +434,41 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def LaneFetch(self, request: kvstore_pb2.LaneFetchRequest,
                         context: Context) -> kvstore_pb2.LaneFetchResponse:
-        return await self._lane().open_fetch(request)
+        lane = self._lane()
+        if self.cluster is not None:
+            await self._pool_fetch(self.cluster, request.fetch)
+        return await lane.open_fetch(request)
+
+    async def _pool_fetch(self, cluster: ClusterNode, fetch: kvstore_pb2.FetchRequest) -> None:
+        """What Fetch does in a pool before it plans, for a fetch on the lane."""
+        try:
+            ns_id = self._namespace(fetch.namespace)
+        except UnregisteredLayout:
+            return  # a miss: open_fetch answers it
+        hashes = self._hashes(ns_id, fetch.keys)
+        peer = current_identity().peer
+        if peer:
+            cluster.peer_fetched(ns_id, hashes)
+        else:
+            await cluster.settle_fetch(ns_id, hashes)
 
     async def LanePut(self, request: kvstore_pb2.LanePutRequest, context: Context) -> kvstore_pb2.LanePutResponse:
         return await self._lane().open_put(request)
 
     async def LaneCommit(self, request: kvstore_pb2.LaneCommitRequest, context: Context) -> kvstore_pb2.PutResponse:
-        return await self._lane().commit(request)
+        lane = self._lane()
+        cluster = self.cluster
+        if cluster is None or request.abort:
+            return await lane.commit(request)
+        # In a pool a committed lane put is forwarded (or, from a peer, filed) as a Put is.
+        who = current_identity()
+        transfer = lane.put_transfer(request.transfer_id, who.tenant)
+        resp = await lane.commit(request)
+        if transfer is not None:
+            header = transfer.header
+            hashes, parent = self.resolver.put_keys(self.resolver.put_namespace(header.namespace), header)
+            await forward_put(cluster, resp.namespace_id, hashes, parent, header, resp, who.peer)
+        return resp
 
     def _lane(self) -> LaneTransfers:
         if self.lane is None or not self.lane.offer().endpoints:

@@ -114,6 +114,9 @@ class Transfer:
                  loop: asyncio.AbstractEventLoop) -> None:
         self.id = transfer_id
         self.tenant = tenant
+        # The node whose node-to-node call opened it (else ""): a cluster credential's lane
+        # connection may join it whatever tenant it is for.
+        self.peer = ""
         self.deadline = deadline  # time.monotonic()
         self.connections = connections
         self.loop = loop
@@ -530,6 +533,7 @@ class LaneTransfers:
         transfer = FetchTransfer(secrets.token_bytes(16), current_identity().tenant, deadline,
                                  self._connections(request.connections), asyncio.get_running_loop(), stream,
                                  self.counters)
+        transfer.peer = current_identity().peer
         self._register(transfer, loop_deadline)
         self.counters.add("transfers_fetch")
         self._spawn(self._run_fetch(transfer), "kvstore-lane-fetch")
@@ -570,6 +574,7 @@ class LaneTransfers:
         except BaseException:
             txn.abort()
             raise
+        transfer.peer = current_identity().peer
         self._register(transfer, loop_deadline)
         self.counters.add("transfers_put")
         return kvstore_pb2.LanePutResponse(transfer_id=transfer.id, needed=transfer.needed, block_bytes=nb,
@@ -640,16 +645,17 @@ class LaneTransfers:
 
     # -------------------------------------------------------------- connection threads
 
-    def fetch_transfer(self, transfer_id: bytes, tenant: str) -> FetchTransfer | None:
-        """The open fetch `transfer_id` of `tenant` (another tenant's is not found)."""
+    def fetch_transfer(self, transfer_id: bytes, tenant: str, peer: bool = False) -> FetchTransfer | None:
+        """The open fetch `transfer_id` of `tenant` (another tenant's is not found); with
+        `peer` (a cluster credential's connection), also one a node-to-node call opened."""
         transfer = self._open.get(transfer_id)
-        if isinstance(transfer, FetchTransfer) and transfer.tenant == tenant:
+        if isinstance(transfer, FetchTransfer) and (transfer.tenant == tenant or (peer and transfer.peer)):
             return transfer
         return None
 
-    def put_transfer(self, transfer_id: bytes, tenant: str) -> PutTransfer | None:
+    def put_transfer(self, transfer_id: bytes, tenant: str, peer: bool = False) -> PutTransfer | None:
         transfer = self._open.get(transfer_id)
-        if isinstance(transfer, PutTransfer) and transfer.tenant == tenant:
+        if isinstance(transfer, PutTransfer) and (transfer.tenant == tenant or (peer and transfer.peer)):
             return transfer
         return None
 
