@@ -38,11 +38,15 @@ Primitives: `LanePeerTransport`, `lane_framer`, `NO_LANE_RECHECK_S`, `LANE_RETRY
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import functools
+import gc
 import logging
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+import traceback
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +95,8 @@ class _PeerLane:
     target: str
     lane: DataLane | None
     recheck_at: float = 0.0
+    users: int = 0  # calls using the lane now: it is closed once they are done
+    retired: bool = False
 
 
 class LanePeerTransport:
@@ -130,17 +136,31 @@ class LanePeerTransport:
     def _drop(self, node: str) -> None:
         state = self._peers.pop(node, None)
         if state is not None and state.lane is not None:
-            state.lane.close()
+            state.retired = True
+            if not state.users:
+                state.lane.close()
+
+    @contextlib.contextmanager
+    def _using(self, state: _PeerLane) -> Iterator[DataLane]:
+        """`state`'s lane for one call; closed after it if it was dropped meanwhile."""
+        assert state.lane is not None
+        state.users += 1
+        try:
+            yield state.lane
+        finally:
+            state.users -= 1
+            if state.retired and not state.users:
+                state.lane.close()
 
     def _set(self, node: str, lane: DataLane | None, recheck_s: float) -> None:
         self._drop(node)
         self._peers[node] = _PeerLane(self.grpc.target(node), lane, time.monotonic() + recheck_s)
 
-    async def _lane(self, node: str, call: PeerCall, timeout_s: float) -> DataLane | None:
+    async def _lane(self, node: str, call: PeerCall, timeout_s: float) -> _PeerLane | None:
         """`node`'s lane, asked for when not known (None: use gRPC)."""
         state = self._peers.get(node)
         if state is not None and (state.lane is not None or time.monotonic() < state.recheck_at):
-            return state.lane
+            return state if state.lane is not None else None
         try:
             offer = await self.grpc.control(node, call, "DataLane", kvstore_pb2.DataLaneRequest(), timeout_s)
         except PeerError as exc:
@@ -150,10 +170,10 @@ class LanePeerTransport:
             offer = None
         state = self._peers.get(node)
         if state is not None and state.lane is not None:
-            return state.lane  # another call asked meanwhile
+            return state  # another call asked meanwhile
         lane = None if offer is None else self._lane_of(node, offer)
         self._set(node, lane, NO_LANE_RECHECK_S)
-        return lane
+        return self._peers[node] if lane is not None else None
 
     def _lane_of(self, node: str, offer: kvstore_pb2.DataLaneResponse) -> DataLane | None:
         endpoint = choose_endpoint(offer, self.grpc.target(node))
@@ -198,10 +218,17 @@ class LanePeerTransport:
 
     async def fetch(self, node: str, call: PeerCall, hashes: bytes, sink: FetchSink, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
-        lane = await self._lane(node, call, timeout_s)
-        conns = None if lane is None else await self._checkout(node, lane, len(hashes) // HASH_BYTES,
-                                                               _left(deadline))
-        if lane is None or conns is None:
+        state = await self._lane(node, call, timeout_s)
+        if state is None:
+            self.counters.fallbacks += 1
+            return await self.grpc.fetch(node, call, hashes, sink, _left(deadline))
+        with self._using(state) as lane:
+            return await self._fetch(node, lane, call, hashes, sink, deadline)
+
+    async def _fetch(self, node: str, lane: DataLane, call: PeerCall, hashes: bytes, sink: FetchSink,
+                     deadline: float) -> int:
+        conns = await self._checkout(node, lane, len(hashes) // HASH_BYTES, _left(deadline))
+        if conns is None:
             self.counters.fallbacks += 1
             return await self.grpc.fetch(node, call, hashes, sink, _left(deadline))
         try:
@@ -245,10 +272,15 @@ class LanePeerTransport:
     async def put(self, node: str, call: PeerCall, hashes: bytes, parent: bytes, position: int,
                   blocks: AsyncIterator[Framed], timeout_s: float) -> tuple[int, int]:
         deadline = time.monotonic() + timeout_s
-        lane = await self._lane(node, call, timeout_s)
-        if lane is None:
+        state = await self._lane(node, call, timeout_s)
+        if state is None:
             self.counters.fallbacks += 1
             return await self.grpc.put(node, call, hashes, parent, position, self._chunked(blocks), _left(deadline))
+        with self._using(state) as lane:
+            return await self._put(node, lane, call, hashes, parent, position, blocks, deadline)
+
+    async def _put(self, node: str, lane: DataLane, call: PeerCall, hashes: bytes, parent: bytes, position: int,
+                   blocks: AsyncIterator[Framed], deadline: float) -> tuple[int, int]:
         sources = await _collect(blocks)
         n = len(sources)
         if not n:
@@ -315,6 +347,9 @@ class LanePeerTransport:
         for node in list(self._peers):
             self._drop(node)
         await self.grpc.aclose()
+        # A failed transfer's exceptions may still hold, in cycles, views of tier memory
+        # the lane's threads were given; the tiers unmap their segments next.
+        gc.collect()
 
 
 def _give_back(lane: DataLane, task: asyncio.Future[list[LaneSocket]]) -> None:
@@ -345,12 +380,22 @@ async def _each(sources: Sequence[memoryview]) -> AsyncIterator[Framed]:
         yield Framed([], [data])
 
 
+class _LaneFailed(KVStoreError):
+    """A transfer's threads failed: what they said, and nothing of theirs."""
+
+
 async def _in_threads(lane: DataLane, conns: Sequence[LaneSocket], fn: Callable[..., Any], *args: Any) -> Any:
     """`fn(conns, *args)` on a worker thread. Cancelled, it shuts the transfer's sockets
-    and waits for the threads to let go of the memory they were given, then raises."""
+    and waits for the threads to let go of the memory they were given, then raises.
+
+    A failure is raised as `_LaneFailed`, a message alone: the threads' exceptions hold
+    their frames, which hold views of tier memory (the slots and blocks they were given),
+    in reference cycles only the collector would break; a segment with views left cannot
+    be unmapped. Those frames are cleared here and the exceptions dropped."""
     task = asyncio.ensure_future(asyncio.to_thread(fn, conns, *args))
+    del args
     try:
-        return await asyncio.shield(task)
+        await asyncio.shield(task)
     except asyncio.CancelledError:
         lane.abort(conns)
         while not task.done():
@@ -358,6 +403,42 @@ async def _in_threads(lane: DataLane, conns: Sequence[LaneSocket], fn: Callable[
                 await asyncio.wait({task})
             except asyncio.CancelledError:
                 continue
-        if not task.cancelled():
-            task.exception()  # retrieved: the cancellation is what the caller gets
+        _forget(task)
         raise
+    except Exception:  # noqa: BLE001 - taken from the task below
+        pass
+    error = task.exception()
+    if error is None:
+        return task.result()
+    message = str(error) if isinstance(error, KVStoreError) else f"{type(error).__name__}: {error}"
+    _forget(task)
+    del task, error
+    raise _LaneFailed(message)
+
+
+def _forget(task: asyncio.Future[Any]) -> None:
+    """Clear the frames of a finished thread task's exception, and of every exception
+    those frames held (the other connections' failures, in lists and futures): see
+    `_in_threads`. Their tracebacks keep their lines, not their locals."""
+    if task.cancelled() or task.exception() is None:
+        return
+    todo: list[BaseException] = [task.exception()]  # type: ignore[list-item]
+    seen: set[int] = set()
+    while todo:
+        error = todo.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            for value in tb.tb_frame.f_locals.values():
+                for item in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(item, BaseException):
+                        todo.append(item)
+                    elif isinstance(item, concurrent.futures.Future) and item.done() and not item.cancelled():
+                        held = item.exception(timeout=0)
+                        if held is not None:
+                            todo.append(held)
+            tb = tb.tb_next
+        traceback.clear_frames(error.__traceback__)
+        todo += [e for e in (error.__context__, error.__cause__) if e is not None]

@@ -178,9 +178,10 @@ async def test_a_lane_cut_mid_transfer_is_a_miss_within_the_deadline(tmp_path: P
             got = [bytes(g) for g in await kv.fetch(LAYOUT, tokens)]
             assert time.monotonic() - began < 2.0 + 3.0
             assert proxy.hits == 1
+            # The blocks from the cut one on are a miss (their runs rolled back); what is
+            # served is exact.
             assert got == blocks[: len(got)] and len(got) < 40
-            assert int(info(b)["cluster_pull_failures"]) >= 1
-            # Once the holder is no longer suspect, the chain comes whole.
+            # Asked again (the holder suspect for a moment at most), the chain comes whole.
             for _ in range(200):
                 if (await kv.lookup(LAYOUT, tokens)).num_blocks == 40:
                     break
