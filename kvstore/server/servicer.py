@@ -183,7 +183,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 ns_id = info.namespace_id
                 hashes, parent = self.resolver.put_keys(info, header)
                 session = self.resolver.put_session(header)
-                async with self.store.begin_put(info, hashes, parent, window_bytes=self.put_window_bytes) as txn:
+                async with self.store.begin_stream_put(info, hashes, parent, window_bytes=self.put_window_bytes) as txn:
                     while True:
                         idle.reschedule(loop.time() + idle_s)
                         msg = await anext(stream, None)
@@ -232,7 +232,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         async with self.store.open_fetch(ns_id, hashes, self._lease_in(request.lease_id)) as stream:
             yield kvstore_pb2.FetchResponse(
                 header=kvstore_pb2.FetchHeader(
-                    num_blocks=stream.num_blocks, block_bytes=stream.block_bytes, namespace_id=ns_id
+                    num_blocks=stream.num_blocks, block_bytes=stream.block_bytes, namespace_id=ns_id,
+                    prefix_blocks=stream.prefix_blocks,
                 )
             )
             # Each block goes out as wire messages made by one copy out of its tier, and the
