@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"kvstore": "kvstore", "tiers": "kvstore.tiers", "client": "kvstore.client"}
 
 # package -> prefixes of kvstore modules it may import (besides itself).
-SHARED = ("kvstore.errors", "kvstore.layout", "kvstore.hashing", "kvstore.units", "kvstore.checksum",
+SHARED = ("kvstore.errors", "kvstore.layout", "kvstore.groups", "kvstore.hashing", "kvstore.units", "kvstore.checksum",
           "kvstore.native", "kvstore._native", "kvstore.addresses", "kvstore.pathsafety", "kvstore.convert",
           "kvstore.shm", "kvstore.logs", "kvstore.wire", "kvstore.laneproto", "kvstore.v1", "kvstore")
 CORE_MAY = tuple(m for m in SHARED if m not in ("kvstore.wire", "kvstore.laneproto", "kvstore.v1"))
