@@ -247,7 +247,7 @@ def kv_groups_of(kv_cache_config: KVCacheConfig, kv_dtype: str,
         key = (kind, window, dtype, shape, spec.real_page_size_bytes)
         kinds.setdefault(key, []).append(i)
         described[key] = (kind, dtype, shape, spec.real_page_size_bytes, window)
-    groups = []
+    groups: list[KVGroup] = []
     members = []
     for key, vgroups in kinds.items():
         kind, dtype, shape, page_bytes, window = described[key]
@@ -408,6 +408,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._tp_rank = get_tensor_model_parallel_rank()
         self._layouts: dict[str, KVLayout] = {}
         self._layout("")  # fail now, not mid-request, on a configuration kvstore cannot key
+        self._check_platform(self._layout(""))
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             logger.warning("kv_load_failure_policy is %r: a block kvstore fails to deliver fails its request; "
                            "set it to 'recompute' to have vLLM recompute instead",
@@ -424,6 +425,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._report = KVStoreWorkerReport()
         logger.info("kvstore connector (%s) for %s, namespace %s", role.name.lower(), self._client.target,
                     self._layout("").namespace_id.hex())
+
+    @staticmethod
+    def _check_platform(layout: KVLayout) -> None:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and any(g.kind is GroupKind.MLA for g in layout.groups):
+            # vLLM turns prefix caching off for MLA on CPU: its CPU MLA backend does not
+            # prefill over cached context, so a loaded prefix would give other tokens.
+            raise InvalidArgument("the kvstore connector does not load MLA caches on vLLM's CPU backend, which "
+                                  "cannot prefill over a cached prefix (vLLM disables prefix caching for MLA on "
+                                  "CPU); run without the connector, or on a GPU")
 
     def _layout(self, lora_id: str) -> KVLayout:
         layout = self._layouts.get(lora_id)

@@ -32,7 +32,8 @@ def build_tiny_gemma3(path: Path, *, sliding_window: int = 48, seed: int = 0) ->
 
 
 def build_tiny_deepseek_v3(path: Path, *, seed: int = 0) -> Path:
-    """A 2-layer DeepSeek-V3 with multi-head latent attention (kv_lora_rank 64, rope 16),
+    """A 2-layer DeepSeek-V3 with multi-head latent attention (kv_lora_rank 512, rope 64:
+    the one latent size vLLM's CPU MLA kernel compiles for),
     dense MLPs only (no experts are routed: first_k_dense_replace covers every layer)."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -41,7 +42,7 @@ def build_tiny_deepseek_v3(path: Path, *, seed: int = 0) -> Path:
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
         n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=2, n_group=1, topk_group=1,
-        q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
         max_position_embeddings=4096, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
         tie_word_embeddings=False, rope_scaling=None,
     )
