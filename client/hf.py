@@ -30,7 +30,15 @@ Models with several KV groups get a layout with groups (`kvstore.groups`):
 - multi-head latent attention (DeepSeek-V2/V3, `kv_lora_rank` in the config): one "mla"
   group, each part `[L, B, kv_lora_rank + qk_rope_head_dim]`, the latent and the rope key
   that transformers caches as a layer's keys and values.
-Other layer kinds (chunked attention, linear attention, Mamba) are refused.
+- linear attention next to full attention (Qwen3-Next: `layer_types` names
+  "linear_attention"): a "full" group and a "state" group, whose part is each linear
+  layer's conv and recurrent state after the block's last token (their shapes in the
+  group's shape: layers, then the conv state's dims, then the recurrent state's, batch
+  left out), kept only at a put's end. A state exists only where a forward stopped, so
+  `prefill` runs the prompt in two pieces, up to its last full block and then the rest,
+  and stores at that boundary; `store_prefix` refuses a cache that went past its last
+  full block.
+Other layer kinds (chunked attention, Mamba layers of other cache classes) are refused.
 
 One kvstore block holds `block_size_tokens` tokens of every layer's K and V, laid out
 `[L, 2, H, B, D]` (layer, K/V, KV head, token, head dim), the order a transformers cache
@@ -43,6 +51,7 @@ because its logits are what the next step needs.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -119,7 +128,11 @@ def layout_for_model(
         groups = (KVGroup("mla", GroupKind.MLA, dtype_name, (num_layers, block_size_tokens, head_dim)),)
     else:
         kinds = _layer_kinds(text_config)
-        if GroupKind.SLIDING_WINDOW in kinds:
+        if GroupKind.STATE in kinds:
+            groups = (KVGroup("full", GroupKind.FULL, dtype_name,
+                              (kinds.count(GroupKind.FULL), 2, num_kv_heads, block_size_tokens, head_dim)),
+                      _state_group(model, kinds.count(GroupKind.STATE)))
+        elif GroupKind.SLIDING_WINDOW in kinds:
             for kind, group_name in ((GroupKind.FULL, "full"), (GroupKind.SLIDING_WINDOW, "sliding")):
                 layers = kinds.count(kind)
                 if layers:
@@ -149,18 +162,43 @@ def _layer_kinds(text_config: Any) -> list[GroupKind]:
     n = text_config.num_hidden_layers
     types = getattr(text_config, "layer_types", None)
     window = getattr(text_config, "sliding_window", None)
-    if not types or not window:
+    if not types:
         return [GroupKind.FULL] * n
     kinds = []
     for i, kind in enumerate(types):
         if kind == "full_attention":
             kinds.append(GroupKind.FULL)
-        elif kind == "sliding_attention":
+        elif kind == "sliding_attention" and window:
             kinds.append(GroupKind.SLIDING_WINDOW)
+        elif kind == "linear_attention":
+            kinds.append(GroupKind.STATE)
         else:
             raise InvalidArgument(f"layer {i} is {kind!r}, which the transformers adapter cannot store "
                                   "(it stores full-attention, sliding-window and MLA layers)")
     return kinds
+
+
+def _state_group(model: Any, layers: int) -> KVGroup:
+    """The state group of a linear-attention model, its shapes read from a one-token
+    forward (they depend on the model's heads and kernel, not on the prompt)."""
+    cache = _new_cache(model.config)
+    with torch.inference_mode():
+        model(torch.zeros((1, 1), dtype=torch.long, device=next(model.parameters()).device), past_key_values=cache,
+              use_cache=True)
+    conv, rec = next((layer.conv_states[0], layer.recurrent_states[0]) for layer in cache.layers
+                     if hasattr(layer, "conv_states"))
+    shape = (layers, conv.dim() - 1, *conv.shape[1:], *rec.shape[1:])
+    nbytes = layers * (conv[0].numel() * conv.element_size() + rec[0].numel() * rec.element_size())
+    return KVGroup("state", GroupKind.STATE, f"{_dtype_name(conv.dtype)}+{_dtype_name(rec.dtype)}", shape,
+                   block_bytes=nbytes)
+
+
+def _seq_length(cache: Any) -> int:
+    """Tokens an attention layer of `cache` has seen (linear layers count none)."""
+    lengths = [int(getattr(layer, "cumulative_length", 0) or layer.keys.shape[-2])
+               for layer in getattr(cache, "layers", [])
+               if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+    return max(lengths) if lengths else int(cache.get_seq_length())
 
 
 def _group_layers(layout: KVLayout, config: Any) -> list[list[int]]:
@@ -242,6 +280,17 @@ def pack_parts(cache: Any, layout: KVLayout, first_block: int, num_blocks: int,
             continue
         group = layout.groups[need.group]
         start, stop = (first_block + need.start) * bst, (first_block + need.stop) * bst
+        if group.kind is GroupKind.STATE:
+            seen = _seq_length(cache)
+            if seen != stop:
+                raise InvalidArgument(
+                    f"the cache's states are the states after token {seen}, but a put ending at token {stop} needs "
+                    "the states there: store from a cache that stopped at the put's last full block (prefill does)")
+            state = torch.cat([torch.cat((cache.layers[layer].conv_states[0][0].contiguous().view(torch.uint8).flatten(),
+                                          cache.layers[layer].recurrent_states[0][0].contiguous().view(torch.uint8)
+                                          .flatten())) for layer in layers]).cpu()
+            out[need.stop - 1][group.name] = state
+            continue
         per_layer = []
         for layer in layers:
             rows, offset = _layer_rows(cache, layer, layout)
@@ -267,7 +316,9 @@ def unpack_parts(parts: Sequence[dict[str, bytes]], layout: KVLayout, config: An
     """A fresh cache holding a grouped prefix (`parts`, one dict per block from position
     0, as a fetch answers it): every layer a plain `DynamicCache` layer of all the
     prefix's tokens, a sliding layer's tokens before its window zeros (never read)."""
-    cache = _new_cache(None)
+    stateful = any(g.kind is GroupKind.STATE for g in layout.groups)
+    # A linear-attention model needs its cache's linear layers; others keep every token.
+    cache = _new_cache(config if stateful else None)
     n, bst = len(parts), layout.block_size_tokens
     if not n:
         return cache
@@ -281,6 +332,9 @@ def unpack_parts(parts: Sequence[dict[str, bytes]], layout: KVLayout, config: An
     for need, layers in zip(needed(layout, n), _group_layers(layout, config)):
         group = layout.groups[need.group]
         got = len(need)
+        if group.kind is GroupKind.STATE:
+            _restore_states(cache, group, layers, parts[n - 1][group.name], device)
+            continue
         flat = torch.frombuffer(bytearray().join(parts[j][group.name] for j in range(need.start, need.stop)),
                                 dtype=dtype)
         if mla:
@@ -300,12 +354,32 @@ def unpack_parts(parts: Sequence[dict[str, bytes]], layout: KVLayout, config: An
                 k = torch.cat((k.new_zeros(*k.shape[:-2], pad, k.shape[-1]), k), dim=-2)
                 v = torch.cat((v.new_zeros(*v.shape[:-2], pad, v.shape[-1]), v), dim=-2)
             per_layer[layer] = (k, v)
-    for layer in range(layout.num_layers):
+    for layer in sorted(per_layer):
         k, v = per_layer[layer]
         if device is not None:
             k, v = k.to(device), v.to(device)
         cache.update(k.contiguous(), v.contiguous(), layer)
     return cache
+
+
+def _restore_states(cache: Any, group: KVGroup, layers: list[int], part: bytes,
+                    device: torch.device | str | None) -> None:
+    """Each linear layer's conv and recurrent state from a state part (see `_state_group`)."""
+    conv_dims = group.shape[1]
+    conv_shape, rec_shape = group.shape[2 : 2 + conv_dims], group.shape[2 + conv_dims :]
+    conv_dtype, rec_dtype = (getattr(torch, name) for name in group.dtype.split("+"))
+    conv_bytes = math.prod(conv_shape) * torch.tensor([], dtype=conv_dtype).element_size()
+    rec_bytes = math.prod(rec_shape) * torch.tensor([], dtype=rec_dtype).element_size()
+    raw = torch.frombuffer(bytearray(part), dtype=torch.uint8)
+    offset = 0
+    for layer in layers:
+        conv = raw[offset : offset + conv_bytes].view(conv_dtype).view(1, *conv_shape)
+        rec = raw[offset + conv_bytes : offset + conv_bytes + rec_bytes].view(rec_dtype).view(1, *rec_shape)
+        offset += conv_bytes + rec_bytes
+        if device is not None:
+            conv, rec = conv.to(device), rec.to(device)
+        cache.layers[layer].update_conv_state(conv.clone())
+        cache.layers[layer].update_recurrent_state(rec.clone())
 
 
 def _new_cache(config: Any) -> Any:
@@ -364,7 +438,7 @@ def _store_parts(client: Any, layout: KVLayout, tokens: list[int], cache: Any, h
                  config: Any) -> PutResult | None:
     """`store_prefix` of a grouped layout: every full block the cache holds; the parts the
     hit rules keep for a put ending there."""
-    held = int(cache.get_seq_length())
+    held = _seq_length(cache)
     n_blocks = min(len(tokens), held) // layout.block_size_tokens
     if held_blocks is None:
         held_blocks = client.lookup(layout, tokens[: n_blocks * layout.block_size_tokens]).num_blocks
@@ -393,8 +467,10 @@ def restore_prefix(client: Any, layout: KVLayout, token_ids: Sequence[int], *, c
                 cache = (unpack_parts(blocks, layout, config, device) if layout.groups
                          else unpack_blocks(blocks, layout, config, device))
                 return RestoredPrefix(cache, len(blocks) * layout.block_size_tokens)
-    # A grouped layout's caches keep every token of every layer (see the module docstring).
-    return RestoredPrefix(_new_cache(None if layout.groups else config), 0)
+    # A grouped layout's caches keep every token of every layer (see the module docstring),
+    # and a linear-attention model's its linear layers' states.
+    stateful = any(g.kind is GroupKind.STATE for g in layout.groups)
+    return RestoredPrefix(_new_cache(config if stateful or not layout.groups else None), 0)
 
 
 @torch.inference_mode()
@@ -410,6 +486,17 @@ def prefill(model: Any, client: Any, layout: KVLayout, input_ids: torch.Tensor) 
     device = input_ids.device
     restored = restore_prefix(client, layout, tokens, config=model.config, device=device)
     n = restored.num_tokens
+    end = len(tokens) // layout.block_size_tokens * layout.block_size_tokens
+    if any(g.kind is GroupKind.STATE for g in layout.groups) and n < end < len(tokens):
+        # States exist only where a forward stops: stop at the last full block, store there.
+        head = model(input_ids[:, n:end], past_key_values=restored.cache,
+                     cache_position=torch.arange(n, end, device=device), use_cache=True)
+        result = store_prefix(client, layout, tokens[:end], head.past_key_values,
+                              held_blocks=n // layout.block_size_tokens if n else None, config=model.config)
+        tail = model(input_ids[:, end:], past_key_values=head.past_key_values,
+                     cache_position=torch.arange(end, len(tokens), device=device), use_cache=True)
+        return PrefillResult(torch.cat((head.logits, tail.logits), dim=1), tail.past_key_values, n,
+                             result.stored if result else 0)
     cache_position = torch.arange(n, len(tokens), device=device)
     out = model(input_ids[:, n:], past_key_values=restored.cache, cache_position=cache_position, use_cache=True)
     # The restored blocks are held by the daemon: storing starts after them.

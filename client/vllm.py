@@ -48,7 +48,6 @@ skips saves, and retries after `retry_interval_s`; it logs once more when the da
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Mapping
@@ -224,9 +223,13 @@ def kv_groups_of(kv_cache_config: KVCacheConfig, kv_dtype: str,
         layers = len(group.layer_names)
         window = 0
         if isinstance(spec, MambaSpec):
-            kind = GroupKind.STATE
-            dtype = "+".join(_dtype_name(d) for d in spec.dtypes)
-            shape: tuple[int, ...] = (sum(math.prod(s) for s in spec.shapes),)
+            # A state group's hit rule fits (kvstore keeps a state at each put's end), but
+            # vLLM keeps Mamba and linear-attention states per running request outside
+            # its block-hash prefix cache unless mamba_cache_mode aligns them to blocks,
+            # and no engine test covers that here: refused rather than guessed at.
+            raise InvalidArgument(f"vLLM KV cache group {i} holds Mamba / linear-attention state, which the kvstore "
+                                  "vLLM connector does not load or save yet; the transformers adapter "
+                                  "(kvstore.client.hf) stores such models (docs/engines.md)")
         else:
             if isinstance(spec, MLAAttentionSpec):
                 kind = GroupKind.MLA
@@ -243,7 +246,7 @@ def kv_groups_of(kv_cache_config: KVCacheConfig, kv_dtype: str,
             quant = getattr(spec, "kv_quant_mode", None)
             # The KV dtype is in the key, and so are the scales a quantized cache keeps with it.
             dtype = kv_dtype if quant is None or quant.name == "NONE" else f"{kv_dtype}+scales:{quant.name.lower()}"
-            shape = (block_size, spec.num_heads, spec.state_content_size_bytes)
+            shape: tuple[int, ...] = (block_size, spec.num_heads, spec.state_content_size_bytes)
         key = (kind, window, dtype, shape, spec.real_page_size_bytes)
         kinds.setdefault(key, []).append(i)
         described[key] = (kind, dtype, shape, spec.real_page_size_bytes, window)

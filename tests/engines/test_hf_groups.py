@@ -1,6 +1,6 @@
 """transformers with kvstore, models with several KV groups: Gemma-3 (sliding-window and
-full-attention layers) and DeepSeek-V3 (multi-head latent attention), each a tiny random
-model built locally. A prefix restored from the daemon gives the logits and the greedy
+full-attention layers), DeepSeek-V3 (multi-head latent attention) and Qwen3-Next (linear
+attention, a state cache, next to full attention), each a tiny random model built locally. A prefix restored from the daemon gives the logits and the greedy
 tokens of the same prefix computed by the model itself; the sliding-window group keeps
 only its window's blocks; a layout that differs in a group never hits.
 
@@ -23,7 +23,7 @@ from kvstore.client import Client
 from kvstore.groups import full_bytes, stored_bytes
 from kvstore.layout import GroupKind
 
-from tinyhybrid import build_tiny_deepseek_v3, build_tiny_gemma3
+from tinyhybrid import build_tiny_deepseek_v3, build_tiny_gemma3, build_tiny_qwen3_next
 
 BLOCK = 16
 WINDOW = 48
@@ -45,13 +45,28 @@ def deepseek(tmp_path_factory: pytest.TempPathFactory):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="module")
+def qwen3next(tmp_path_factory: pytest.TempPathFactory):
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3-next"))
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+KINDS = {
+    "gemma": [GroupKind.FULL, GroupKind.SLIDING_WINDOW],
+    "deepseek": [GroupKind.MLA],
+    "qwen3next": [GroupKind.FULL, GroupKind.STATE],
+}
+
+
 def draw(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 500) for _ in range(n)]
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("which", ["gemma", "deepseek"])
+@pytest.mark.parametrize("which", ["gemma", "deepseek", "qwen3next"])
 def test_a_restored_grouped_prefix_gives_the_logits_and_tokens_of_a_full_prefill(which, request,
                                                                                  daemon: DaemonProcess):
     from kvstore.client.hf import layout_for_model, prefill, restore_prefix
@@ -59,7 +74,7 @@ def test_a_restored_grouped_prefix_gives_the_logits_and_tokens_of_a_full_prefill
     model = request.getfixturevalue(which)
     layout = layout_for_model(model, model_id=f"test/tiny-{which}", block_size_tokens=BLOCK)
     kinds = [g.kind for g in layout.groups]
-    assert kinds == ([GroupKind.FULL, GroupKind.SLIDING_WINDOW] if which == "gemma" else [GroupKind.MLA])
+    assert kinds == KINDS[which]
     tokens = draw(3, 330)
     input_ids = torch.tensor([tokens])
     held = len(tokens) // BLOCK * BLOCK
@@ -69,6 +84,7 @@ def test_a_restored_grouped_prefix_gives_the_logits_and_tokens_of_a_full_prefill
     own_again = model(input_ids[:, :held], use_cache=True).past_key_values
     plain = model.generate(input_ids, past_key_values=own_again, max_new_tokens=12, do_sample=False)
     with Client(daemon.target) as kv:
+        start = kv.stats().counters
         first = prefill(model, kv, layout, input_ids)  # a miss: computes all, stores every full block
         assert first.reused_tokens == 0 and first.stored_blocks == len(tokens) // BLOCK
         before = kv.stats().counters
@@ -81,9 +97,13 @@ def test_a_restored_grouped_prefix_gives_the_logits_and_tokens_of_a_full_prefill
     again = model.generate(input_ids, past_key_values=restored.cache, max_new_tokens=12, do_sample=False)
     assert again[0].tolist() == plain[0].tolist()
     assert after.hit_blocks - before.hit_blocks == 2 * (held // BLOCK)  # two lookups, each a whole hit
+    if which == "qwen3next":
+        # One state, at the put's end (the prompt's last full block), for 20 blocks.
+        assert after.group_bytes_skipped - start.group_bytes_skipped == 19 * layout.groups[1].bytes_per_block
     if which == "gemma":
         # The sliding group kept only ceil((48 - 1) / 16) = 3 blocks of its 20.
-        assert after.group_bytes_skipped == full_bytes(layout, 20) - stored_bytes(layout, 20) > 0
+        skipped = after.group_bytes_skipped - start.group_bytes_skipped
+        assert skipped == full_bytes(layout, 20) - stored_bytes(layout, 20) > 0
 
 
 @torch.inference_mode()

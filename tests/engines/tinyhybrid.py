@@ -50,3 +50,25 @@ def build_tiny_deepseek_v3(path: Path, *, seed: int = 0) -> Path:
     model = DeepseekV3ForCausalLM(config).to(torch.float32)
     model.save_pretrained(path)
     return path
+
+
+def build_tiny_qwen3_next(path: Path, *, seed: int = 0) -> Path:
+    """A 4-layer Qwen3-Next: three gated delta-net (linear attention) layers, whose cache is
+    a conv and a recurrent state, then one full-attention layer; dense MLPs only."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+        decoder_sparse_step=1, mlp_only_layers=[0, 1, 2, 3],
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        max_position_embeddings=4096, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(config).to(torch.float32)
+    model.save_pretrained(path)
+    return path
