@@ -60,7 +60,7 @@ import torch
 
 from kvstore.client.results import PutResult
 from kvstore.errors import InvalidArgument
-from kvstore.groups import Rule, needed, rule_of, window_blocks
+from kvstore.groups import Rule, needed, rule_of
 from kvstore.layout import GroupKind, KVGroup, KVLayout
 
 logger = logging.getLogger(__name__)
@@ -473,6 +473,34 @@ def restore_prefix(client: Any, layout: KVLayout, token_ids: Sequence[int], *, c
     return RestoredPrefix(_new_cache(config if stateful or not layout.groups else None), 0)
 
 
+def _prefill_to_ends(model: Any, client: Any, layout: KVLayout, input_ids: torch.Tensor, cache: Any, n: int,
+                     ends: list[int]) -> PrefillResult:
+    """`prefill` of a layout with window or state groups: a put at each of `ends`. A state
+    exists only where a forward stops, so a stateful model runs up to each end in turn;
+    the others keep every token, so they run once and store each end from the cache."""
+    tokens = input_ids[0].tolist()
+    device = input_ids.device
+    stateful = any(g.kind is GroupKind.STATE for g in layout.groups)
+    stops = [*ends, len(tokens)] if stateful else [len(tokens)]
+    logits = []
+    stored = 0
+    done = n
+    for stop in stops:
+        if stop > done:
+            out = model(input_ids[:, done:stop], past_key_values=cache,
+                        cache_position=torch.arange(done, stop, device=device), use_cache=True)
+            cache, done = out.past_key_values, stop
+            logits.append(out.logits)
+        if stateful and stop in ends:
+            result = store_prefix(client, layout, tokens[:stop], cache, config=model.config)
+            stored += result.stored if result else 0
+    if not stateful:
+        for end in ends:
+            result = store_prefix(client, layout, tokens[:end], cache, config=model.config)
+            stored += result.stored if result else 0
+    return PrefillResult(torch.cat(logits, dim=1), cache, n, stored)
+
+
 @torch.inference_mode()
 def prefill(model: Any, client: Any, layout: KVLayout, input_ids: torch.Tensor) -> PrefillResult:
     """Prefill `input_ids` (shape [1, n]) reusing kvstore's prefix, then store the new blocks.
@@ -486,17 +514,13 @@ def prefill(model: Any, client: Any, layout: KVLayout, input_ids: torch.Tensor) 
     device = input_ids.device
     restored = restore_prefix(client, layout, tokens, config=model.config, device=device)
     n = restored.num_tokens
-    end = len(tokens) // layout.block_size_tokens * layout.block_size_tokens
-    if any(g.kind is GroupKind.STATE for g in layout.groups) and n < end < len(tokens):
-        # States exist only where a forward stops: stop at the last full block, store there.
-        head = model(input_ids[:, n:end], past_key_values=restored.cache,
-                     cache_position=torch.arange(n, end, device=device), use_cache=True)
-        result = store_prefix(client, layout, tokens[:end], head.past_key_values,
-                              held_blocks=n // layout.block_size_tokens if n else None, config=model.config)
-        tail = model(input_ids[:, end:], past_key_values=head.past_key_values,
-                     cache_position=torch.arange(end, len(tokens), device=device), use_cache=True)
-        return PrefillResult(torch.cat((head.logits, tail.logits), dim=1), tail.past_key_values, n,
-                             result.stored if result else 0)
+    bst = layout.block_size_tokens
+    if any(rule_of(g) is not Rule.EVERY for g in layout.groups):
+        # Only put ends are reusable with a window or a state group: the prompt's last full
+        # block, and the end a later restore of this same prompt asks for (it leaves the
+        # last token to compute, one block less when the length is a multiple of the block).
+        ends = sorted({e for e in ((len(tokens) - 1) // bst * bst, len(tokens) // bst * bst) if e > n})
+        return _prefill_to_ends(model, client, layout, input_ids, restored.cache, n, ends)
     cache_position = torch.arange(n, len(tokens), device=device)
     out = model(input_ids[:, n:], past_key_values=restored.cache, cache_position=cache_position, use_cache=True)
     # The restored blocks are held by the daemon: storing starts after them.

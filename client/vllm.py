@@ -67,7 +67,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvstore.client.results import LookupResult
 from kvstore.client.sync import Client
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.groups import needed
+from kvstore.groups import Rule, needed, rule_of
 from kvstore.layout import GroupKind, KVGroup, KVLayout
 
 if TYPE_CHECKING:
@@ -412,6 +412,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._layouts: dict[str, KVLayout] = {}
         self._layout("")  # fail now, not mid-request, on a configuration kvstore cannot key
         self._check_platform(self._layout(""))
+        # Whether only put ends are reusable (a window or state group): see `_plan_save`.
+        self._ends_matter = any(rule_of(g) is not Rule.EVERY for g in self._layout("").groups)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             logger.warning("kv_load_failure_policy is %r: a block kvstore fails to deliver fails its request; "
                            "set it to 'recompute' to have vLLM recompute instead",
@@ -540,19 +542,30 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         full = min(computed_after_step, len(state.prompt)) // self._block_size
         if full <= state.saved_blocks or not state.block_ids or any(full > len(ids) for ids in state.block_ids):
             return
+        # With window or state groups only a put's end is reusable (kvstore.groups), and
+        # a later lookup of this same prompt asks for one block less than its full blocks
+        # when its length is a multiple of the block size (the last token is always
+        # computed): that end is put on its own too, at the cost of one block's window
+        # part and one state.
+        asked = (len(state.prompt) - 1) // self._block_size
+        if self._ends_matter and state.saved_blocks < asked < full:
+            self._save(state, asked, meta)
+        self._save(state, full, meta)
+
+    def _save(self, state: _RequestState, end: int, meta: KVStoreConnectorMetadata) -> None:
         # Each group's blocks by position; a sliding-window group's early positions may
         # name blocks vLLM freed since, but a save reads only those its hit rule keeps,
         # which lie inside the window of this step's tokens.
-        per_group = [ids[state.saved_blocks:full] for ids in state.block_ids]
+        per_group = [ids[state.saved_blocks:end] for ids in state.block_ids]
         meta.saves.append(SaveSpec(
             req_id=state.req_id,
             lora_id=state.lora_id,
-            token_ids=state.prompt[: full * self._block_size],
+            token_ids=state.prompt[: end * self._block_size],
             first_block=state.saved_blocks,
             block_ids=per_group[0],
             group_block_ids=per_group,
         ))
-        state.saved_blocks = full
+        state.saved_blocks = end
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta

@@ -418,39 +418,52 @@ class PutTxn:
         or ran past its deadline); it is called right before the publish, with no await
         in between, and the put is rolled back if it raises.
         """
-        await self.seal(checksums)
+        if checksums is not None:
+            self._seal_given(checksums)  # no await: a co-located client's commit stays one step
+        else:
+            await self.seal()
         return self.publish_sealed(check)
 
     async def seal(self, checksums: Sequence[int] | None = None) -> None:
         """`commit`'s first half, which may await: every block complete, checksums taken.
         A put of several transactions (a grouped layout's parts: kvstore.core.groups)
         seals them all, then publishes them all in one synchronous step."""
-        puts = self._puts
-        n = self._n
-        if self._received.count(self.block_bytes) != n:
-            self._check_all_arrived()
-        new_at = np.flatnonzero(self._rows >= 0)
-        rows = self._rows[new_at]
-        every = len(new_at) == n
-        tiers = puts.tiers
         if checksums is not None:
-            if len(checksums) != n:
-                raise InvalidArgument(f"{len(checksums)} checksums for a put of {n} blocks")
-            sums = checksums if every else [checksums[i] for i in new_at.tolist()]
+            self._seal_given(checksums)
+            return
+        new_at, rows = self._complete()
+        puts = self._puts
+        tiers = puts.tiers
+        slots = [slot for slot in self._slots if slot is not None]  # the new blocks', in order
+        nb = self.block_bytes
+        views = [tiers[s.tier].tier.view(s, nb) for s in slots]
+        if any(v is None for v in views):
+            # Not host-visible (HBM): the tier's read completes only after the device
+            # copy has, so the checksum covers bytes that have landed.
+            datas: list[bytes | memoryview] = [await tiers[s.tier].tier.read(s, nb) for s in slots]
         else:
-            slots = [slot for slot in self._slots if slot is not None]  # the new blocks', in order
-            nb = self.block_bytes
-            views = [tiers[s.tier].tier.view(s, nb) for s in slots]
-            if any(v is None for v in views):
-                # Not host-visible (HBM): the tier's read completes only after the device
-                # copy has, so the checksum covers bytes that have landed.
-                datas: list[bytes | memoryview] = [await tiers[s.tier].tier.read(s, nb) for s in slots]
-            else:
-                datas = [v for v in views if v is not None]
-            sums = await checksum_batch(datas, puts.executor)
+            datas = [v for v in views if v is not None]
+        sums = await checksum_batch(datas, puts.executor)
         if self._done:  # aborted while checksumming (cancelled call)
             raise FailedPrecondition("this put was aborted")
-        self._sealed = (new_at, rows, sums, checksums is not None)
+        self._sealed = (new_at, rows, sums, False)
+
+    def _seal_given(self, checksums: Sequence[int]) -> None:
+        """`seal` with the checksums a co-located client took (one per block of the put)."""
+        new_at, rows = self._complete()
+        n = self._n
+        if len(checksums) != n:
+            raise InvalidArgument(f"{len(checksums)} checksums for a put of {n} blocks")
+        sums = checksums if len(new_at) == n else [checksums[i] for i in new_at.tolist()]
+        self._sealed = (new_at, rows, sums, True)
+
+    def _complete(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every block got all its bytes (else say where the stream stopped); the
+        positions and PENDING rows of the blocks this put stores."""
+        if self._received.count(self.block_bytes) != self._n:
+            self._check_all_arrived()
+        new_at = np.flatnonzero(self._rows >= 0)
+        return new_at, self._rows[new_at]
 
     def publish_sealed(self, check: Callable[[], None] | None = None) -> PutResult:
         """`commit`'s second half, synchronous: `check`, then publish what `seal` sealed."""

@@ -21,6 +21,7 @@ from tinyhybrid import build_tiny_deepseek_v3, build_tiny_gemma3
 
 BLOCK = 32  # vLLM's CPU backend rounds the block size up to 32
 WINDOW = 48
+EVEN = 8 * BLOCK  # a prompt of whole blocks: a repeat of it asks for one block less
 
 
 def loaded(output: dict[str, Any]) -> int:
@@ -45,14 +46,16 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference(gemma3: Path, prompts: dict[str, list[int]], workdir: Path) -> dict[str, list[int]]:
     p = prompts
     run = run_engine(workdir, "reference", {"model": str(gemma3), "block_size": BLOCK, "target": None,
-                                            "steps": [{"generate": [p["P1"], p["P2"], p["P1"] + p["S"]]}]})
-    return dict(zip(["P1", "P2", "P1+S"], tokens(run, 0), strict=True))
+                                            "steps": [{"generate": [p["P1"], p["P2"], p["P1"] + p["S"],
+                                                                    p["P3"][:EVEN]]}]})
+    return dict(zip(["P1", "P2", "P1+S", "P3even"], tokens(run, 0), strict=True))
 
 
 @pytest.fixture(scope="module")
 def engine_a(gemma3: Path, prompts: dict[str, list[int]], daemon: DaemonProcess, workdir: Path) -> EngineRun:
     return run_engine(workdir, "A", {"model": str(gemma3), "block_size": BLOCK, "target": daemon.target,
-                                     "steps": [{"generate": [prompts["P1"], prompts["P2"]]}]})
+                                     "steps": [{"generate": [prompts["P1"], prompts["P2"]]},
+                                               {"generate": [prompts["P3"][:EVEN]]}]})
 
 
 def test_engine_a_stores_each_group_under_its_hit_rule(engine_a, reference, daemon, prompts):
@@ -67,9 +70,12 @@ def test_engine_a_stores_each_group_under_its_hit_rule(engine_a, reference, daem
     kinds = sorted(g.kind for g in ns.groups)
     assert kinds == ["full", "sliding_window"]
     full, window = sorted(ns.groups, key=lambda g: g.kind)
+    (even,) = engine_a.outputs(1)
+    assert even["token_ids"] == reference["P3even"] and even["kv_transfer_params"]["kvstore_stored_blocks"] == 8
     # Every block of the full-attention layer; of the window layers, ceil((48 - 1) / 32) =
-    # 2 blocks at the end of each put (one per prefill step of a prompt), and no others.
-    assert full.blocks == sum(blocks) and 4 <= window.blocks < full.blocks
+    # 2 blocks at the end of each put (one per prefill step of a prompt, and for the prompt
+    # of whole blocks one more at the end a repeat of it asks for), and no others.
+    assert full.blocks == sum(blocks) + 8 and 6 <= window.blocks < full.blocks
     assert stats.group_bytes_skipped == (full.blocks - window.blocks) * window.block_bytes
 
 
@@ -77,23 +83,24 @@ def test_engine_b_loads_every_group_and_matches_a(engine_a, reference, daemon, p
     before = daemon.stats().counters
     p1, p2, s = prompts["P1"], prompts["P2"], prompts["S"]
     run = run_engine(workdir, "B", {"model": str(gemma3), "block_size": BLOCK, "target": daemon.target, "steps": [
-        {"generate": [p1, p2]},
+        {"generate": [p1, p2, prompts["P3"][:EVEN]]},
         {"reset_prefix_cache": True},
         {"generate": [p1 + s]},
     ]})
     after = daemon.stats().counters
-    out_p1, out_p2 = run.outputs(0)
+    out_p1, out_p2, out_even = run.outputs(0)
     (out_p1s,) = run.outputs(2)
     assert out_p1["token_ids"] == reference["P1"]
     assert out_p2["token_ids"] == reference["P2"]
     assert out_p1s["token_ids"] == reference["P1+S"]
     assert loaded(out_p1) == (len(p1) - 1) // BLOCK * BLOCK > 0
     assert loaded(out_p2) == (len(p2) - 1) // BLOCK * BLOCK > 0
+    assert out_even["token_ids"] == reference["P3even"] and loaded(out_even) == EVEN - BLOCK
     # P1 + S resumes at the end of A's put of P1, where the window's blocks were kept.
     assert loaded(out_p1s) == len(p1) // BLOCK * BLOCK
     assert not any(o["kv_transfer_params"]["kvstore_load_failed"] for o in (out_p1, out_p2, out_p1s))
     assert out_p1["num_cached_tokens"] >= loaded(out_p1)
-    assert after.hit_blocks - before.hit_blocks == (loaded(out_p1) + loaded(out_p2) + loaded(out_p1s)) // BLOCK
+    assert after.hit_blocks - before.hit_blocks == sum(map(loaded, (out_p1, out_p2, out_even, out_p1s))) // BLOCK
 
 
 def test_a_model_with_another_window_never_hits(engine_a, daemon, prompts, workdir, tmp_path):
