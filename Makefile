@@ -10,7 +10,7 @@ NATIVE_SOURCES := $(wildcard kvstore/_native/*.c kvstore/_native/*.h)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: all setup stubs run test etcd test-gpu bench bench-deps bench-peers bench-tiers bench-scale bench-cluster soak fuzz lint clean
+.PHONY: all setup stubs run test etcd test-gpu bench bench-deps bench-peers bench-tiers bench-scale bench-cluster bench-net soak fuzz lint clean
 
 all: setup
 
@@ -79,6 +79,16 @@ bench-peers: setup bench-deps $(PEERS_VENV)/.installed
 
 $(PEERS_VENV)/.installed: bench/install-peers.sh
 	VENV=$(PEERS_VENV) PYTHON=$(PYTHON) bash bench/install-peers.sh
+
+# Bytes between two hosts (docs/net.md): two network namespaces joined by a veth pair (and
+# loopback, and the pair shaped to 10 Gbit/s by tc tbf), 1 MiB and 4 MiB blocks in batches
+# of 32 over one and four connections: a plain socket pair (the limit), kvstore's data
+# lane (also over TLS), its gRPC Put and Fetch, a raw gRPC echo, and Mooncake Store's TCP
+# transport (from PEERS_VENV, when installed). Needs root; every namespace, link and
+# qdisc it makes is removed at the end. About 4 minutes; QUICK=1 is a smoke run (1 MiB,
+# 0.3 s a cell). Results: bench/results/net.json and net.md.
+bench-net: setup
+	$(PY) bench/net.py $(if $(QUICK),--quick,) --peer-python $(PEERS_VENV)/bin/python
 
 # The tiers' benchmarks: SSD tier vs dd O_DIRECT on the same directory
 # (SSD_BENCH_DIR, default: under the current one), then the SSD codec's ratio on KV

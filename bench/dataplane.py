@@ -4,7 +4,10 @@ and LMCache too), all measured in one run.
 
 For each block size (256 KiB, 1 MiB, 4 MiB; 1 MiB only with --quick) and batch 32:
 put and fetch throughput (GB/s, blocks/s, per-call p50/p99); and the latency of a
-lookup of a 1,000-block chain. Every system moves the same payloads into and out of
+lookup of a 1,000-block chain. `kvstore-shm-auth2` is the shared-memory plane of a
+second daemon with auth on and two tenants, each with its own segment, taking turns
+(the other tenant's call runs, untimed, between the timed ones), so their puts and
+evictions share one host tier. Every system moves the same payloads into and out of
 caller-owned buffers. Writes results as JSON (the schema in README "Benchmarks") and a
 readable report with ratios, plus a bar chart.
 
@@ -76,16 +79,42 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float = 30) -> None:
 
 
 class Services:
-    """The daemon, the echo server and Redis, each a subprocess on loopback only."""
+    """The daemon, the echo server and Redis, each a subprocess on loopback only; with
+    `auth`, also a daemon with a token file of two tenants that may use the shared-memory
+    plane (and an admin, to see it is up), on a Unix socket only."""
 
-    def __init__(self, workdir: Path, host_capacity: str, redis: bool = True) -> None:
+    def __init__(self, workdir: Path, host_capacity: str, redis: bool = True, auth: bool = False) -> None:
         self.workdir = workdir
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.tokens: dict[str, str] = {}
         try:
             self._start(host_capacity, redis)
+            if auth:
+                self._start_auth(host_capacity)
         except BaseException:
             self.close()  # never leave a daemon (and its host segment) behind
             raise
+
+    def _start_auth(self, host_capacity: str) -> None:
+        from kvstore.server.auth import new_token
+
+        entries = []
+        for name, role, extra in (("ops", "admin", ""), ("alpha", "client", "local_plane = true\n"),
+                                  ("beta", "client", "local_plane = true\n")):
+            token, token_hash = new_token()
+            self.tokens[name] = token
+            entries.append(f'[[tenant]]\nname = "{name}"\nrole = "{role}"\ntokens = ["{token_hash}"]\n{extra}')
+        token_file = self.workdir / "tokens.toml"
+        token_file.write_text("\n".join(entries))
+        token_file.chmod(0o600)
+        self.auth_sock = self.workdir / "kv-auth.sock"
+        log = open(self.workdir / "daemon-auth.log", "wb")
+        self.procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "server.py"), "--listen", f"unix:{self.auth_sock}", "--host-capacity",
+             host_capacity, "--auth-token-file", str(token_file), "--log-level", "warning", "--metrics-listen",
+             "off"], stdout=log, stderr=subprocess.STDOUT))
+        wait_for(self.auth_sock.exists, "kvstore daemon with auth")
+        wait_for(lambda: _health(f"unix:{self.auth_sock}", self.tokens["ops"]), "kvstore daemon with auth health")
 
     def _start(self, host_capacity: str, redis: bool) -> None:
         workdir = self.workdir
@@ -127,9 +156,9 @@ class Services:
                 p.kill()
 
 
-def _health(target: str) -> bool:
+def _health(target: str, token: str | None = None) -> bool:
     try:
-        with Client(target, timeout_s=1) as kv:
+        with Client(target, timeout_s=1, token=token) as kv:
             kv.stats()
         return True
     except Exception:
@@ -203,6 +232,53 @@ def bench_kvstore(system: str, target: str, plane: str, block_bytes: int, batch:
         for o, s in zip(out, src):
             if not np.array_equal(o, s):
                 raise RuntimeError(f"{system} returned different bytes")
+    return [result(system, "put", block_bytes, batch, puts, note), result(system, "fetch", block_bytes, batch, fetches)]
+
+
+def bench_two_tenants(system: str, target: str, tokens: tuple[str, str], admin_token: str, block_bytes: int,
+                      batch: int, seconds: float) -> list[Result]:
+    """`bench_kvstore` of the shared-memory plane (one round trip per put) for the first
+    tenant, while the second does the same call between each two of its timed ones: the
+    tenants' blocks share the host tier and its eviction, each in its own segment.
+
+    Measured in the steady state, as the auth-off row is once its segment is prefaulted:
+    the tenants' segments are sparse (each gets pages as its blocks land), so the two
+    first fill the host tier, untimed."""
+    layout = layout_for(block_bytes)
+    srcs = [[np.random.randint(0, 255, block_bytes, dtype=np.uint8) for _ in range(batch)] for _ in tokens]
+    outs = [[np.empty(block_bytes, dtype=np.uint8) for _ in range(batch)] for _ in tokens]
+    with Client(target, token=admin_token) as admin:
+        host = next(t for t in admin.stats().tiers if t.name == "host")
+    with Client(target, token=tokens[0], reserve_ahead=batch) as a, \
+            Client(target, token=tokens[1], reserve_ahead=batch) as b:
+        clients = (a, b)
+        for kv in clients:
+            assert kv.warm_up() == "local", f"{system} wanted the shared-memory plane"
+
+        def putter(i: int) -> Callable[[int], None]:
+            def put(_: int) -> None:
+                clients[i].put(layout, None, srcs[i], block_hashes=[os.urandom(16) for _ in range(batch)])
+            return put
+
+        for r in range(host.capacity_bytes // (block_bytes * batch) + 4):
+            putter(r % 2)(r)
+        puts = measure(putter(0), seconds, after=putter(1))
+        hashes = [[os.urandom(16) for _ in range(batch)] for _ in tokens]
+        for kv, src, h in zip(clients, srcs, hashes):
+            kv.put(layout, None, src, block_hashes=h)
+
+        def fetcher(i: int) -> Callable[[int], None]:
+            def fetch(_: int) -> None:
+                got = clients[i].fetch(layout, block_hashes=hashes[i], out=outs[i])
+                if len(got) != batch:
+                    raise RuntimeError(f"{system} fetched {len(got)} of {batch} blocks")
+            return fetch
+
+        fetches = measure(fetcher(0), seconds, after=fetcher(1))
+        for out, src in zip(outs, srcs):
+            if not all(np.array_equal(o, s) for o, s in zip(out, src)):
+                raise RuntimeError(f"{system} returned different bytes")
+    note = (f"auth on, two tenants taking turns, each in its own segment; reserve_ahead={batch}")
     return [result(system, "put", block_bytes, batch, puts, note), result(system, "fetch", block_bytes, batch, fetches)]
 
 
@@ -365,6 +441,8 @@ def ratio_rows(results: list[Result]) -> list[tuple[str, str, float]]:
              ("kvstore-shm", "mooncake", "x Mooncake co-located batched zero-copy (target >= 1.0)"),
              ("kvstore-shm", "lmcache", "x LMCache multiprocess server"),
              ("kvstore-shm", "kvstore-shm-2trip", "one-trip put x two-trip put"),
+             ("kvstore-shm-auth2", "kvstore-shm", "auth on, two tenants x auth off"),
+             ("kvstore-shm-auth2", "mooncake", "x Mooncake co-located batched zero-copy"),
              ("kvstore-grpc", "grpc-echo", "of the raw gRPC echo (target >= 0.9)"),
              ("kvstore-grpc", "redis", "x Redis")]
     for size in sizes:
@@ -456,7 +534,8 @@ def median_of_rounds(results: list[Result]) -> list[Result]:
 
 PEERS_DIR = ROOT / "bench" / "peers"
 # What --systems may name: the throughput rows of each block size, and the lookup cells.
-SYSTEMS = ("memcpy", "kvstore-shm", "kvstore-shm-2trip", "kvstore-grpc", "grpc-echo", "redis", "lookup")
+SYSTEMS = ("memcpy", "kvstore-shm", "kvstore-shm-2trip", "kvstore-shm-auth2", "kvstore-grpc", "grpc-echo", "redis",
+           "lookup")
 
 
 def run_peers(python: str, sizes: list[int], batch: int, seconds: float, workdir: Path) -> tuple[list[Result], list[str]]:
@@ -505,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     failed: list[str] = []
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
-        services = Services(Path(tmp), "2GiB", redis=bool(systems & {"redis", "lookup"}))
+        services = Services(Path(tmp), "2GiB", redis=bool(systems & {"redis", "lookup"}),
+                            auth="kvstore-shm-auth2" in systems)
         pool = ThreadPoolExecutor(2)
         try:
             for rnd, size in ((r, size) for r in range(args.rounds) for size in sizes):
@@ -520,6 +600,10 @@ def main(argv: list[str] | None = None) -> int:
                 if "kvstore-shm-2trip" in systems:
                     results += bench_kvstore("kvstore-shm-2trip", f"unix:{services.sock}", "local", size, args.batch,
                                              seconds, put_only=True)
+                if "kvstore-shm-auth2" in systems:
+                    results += bench_two_tenants("kvstore-shm-auth2", f"unix:{services.auth_sock}",
+                                                 (services.tokens["alpha"], services.tokens["beta"]),
+                                                 services.tokens["ops"], size, args.batch, seconds)
                 if "kvstore-grpc" in systems:
                     results += bench_kvstore("kvstore-grpc", f"127.0.0.1:{services.kv_port}", "grpc", size,
                                              args.batch, seconds)

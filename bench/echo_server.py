@@ -5,8 +5,8 @@ small header message and then one message per chunk in; a server stream of a hea
 the chunks out), but no protobuf, no index, no copies into or out of a store and no
 checksums: bytes in, bytes out. Put keeps the chunks it received (the messages
 themselves, as gRPC handed them over); Fetch sends back the chunks of the last put, so a
-client gets back exactly the payloads it sent. Started by the benchmark as a subprocess;
-prints its port, serves until killed.
+client gets back exactly the payloads it sent. Started by the benchmark as a subprocess
+(`echo_server.py [HOST]`, default 127.0.0.1); prints its port, serves until killed.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ async def main() -> None:
         "Fetch": grpc.unary_stream_rpc_method_handler(_fetch, request_deserializer=_ident, response_serializer=_ident),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Echo", handlers),))
-    port = server.add_insecure_port("127.0.0.1:0")
+    host = sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1"  # bench/net.py serves another namespace
+    port = server.add_insecure_port(f"{host}:0")
     await server.start()
     print(port, flush=True)
     await server.wait_for_termination()

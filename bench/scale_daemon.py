@@ -95,7 +95,7 @@ class MetadataOnlyTier(Tier):
             return None
         return Slot(self.name, index * self.block_bytes, self.block_bytes)
 
-    def allocate_many(self, nbytes: int, count: int) -> list[Slot]:
+    def allocate_many(self, nbytes: int, count: int, space: int = 0) -> list[Slot]:
         """As `allocate` gives them one by one, in one step (as the production slab tier
         does): freed slots first, newest first, then fresh ones."""
         if nbytes > self.block_bytes or count <= 0:

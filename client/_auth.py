@@ -11,7 +11,6 @@ token is set, so the default (no token) path has no interceptor at all.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from kvstore.addresses import is_loopback
 from kvstore.client._peer import check_unix_target
 from kvstore.errors import InvalidArgument
 
@@ -144,15 +144,7 @@ class _AioStreamStream(grpc.aio.StreamStreamClientInterceptor):
 
 
 def _is_local(target: str) -> bool:
-    if target.startswith("unix:"):
-        return True
-    host = target.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return target.startswith("unix:") or is_loopback(target.rpartition(":")[0].strip("[]"))
 
 
 def _warn_plaintext(target: str, security: Security) -> None:

@@ -10,11 +10,13 @@ current CUDA stream, so they are ordered after whatever the engine queued on it.
 
 Verification. There is no XXH3 on the device, and the daemon's checksums are XXH3-64 of
 the bytes. So the copy is checked on the host: after the device-to-device copies, the
-destination bytes (`copy_out`) or the slot bytes (`copy_in`) go to a pinned host
-buffer on the same stream, the stream is synchronized, and each block is hashed. What is
-hashed is exactly what the engine got (or what the daemon will serve), as on the
-shared-memory plane; a fetched block that does not verify is not returned and the
-daemon is asked to `Verify` it. This costs one device->host copy per block (PCIe,
+destination bytes (`copy_out`) or the source blocks (`copy_in`) go to a pinned host
+buffer on the same stream, the stream is synchronized, and each block is hashed. As on
+the shared-memory plane, a fetch hashes exactly what the engine got, and a put the
+bytes the engine owns, never the slot, which another writer could have changed: a
+slot whose bytes differ from its checksum fails the daemon's next read, a miss. A
+fetched block that does not verify is not returned and the daemon is asked to
+`Verify` it. This costs one device->host copy per block (PCIe,
 tens of GB/s) next to the device-to-device copy; it is the price of never handing an
 engine unverified KV.
 
@@ -147,7 +149,7 @@ class DevicePlane:
 
     def copy_in(self, offsets: Sequence[int], blocks: Sequence[torch.Tensor], block_bytes: int) -> list[int]:
         """Copy each block into its slot (offset -1: already stored, skipped) on the
-        current stream; returns the XXH3-64 of what landed in each slot (0 for skipped)."""
+        current stream; returns the XXH3-64 of each block copied (0 for skipped)."""
         flats = [device_bytes(b, i, block_bytes) for i, b in enumerate(blocks)]
         self._check_device(flats)
         todo = [(i, self._slot(off, block_bytes)) for i, off in enumerate(offsets) if off >= 0]
@@ -155,9 +157,10 @@ class DevicePlane:
         with torch.cuda.stream(stream):
             for i, slot in todo:
                 slot.copy_(flats[i], non_blocking=True)
-        # Hash the slots, not the sources: the checksum must cover the bytes the daemon
-        # will serve, and the stream is synchronized before the commit makes them visible.
+        # Hash the sources, not the slots: the checksum comes from bytes this client owns
+        # (see the module docstring). The stream is synchronized before it returns, so the
+        # commit that makes the blocks visible follows the device copies.
         sums = [0] * len(offsets)
-        for (i, _), csum in zip(todo, self._to_host_and_hash(stream, [s for _, s in todo], block_bytes)):
+        for (i, _), csum in zip(todo, self._to_host_and_hash(stream, [flats[i] for i, _ in todo], block_bytes)):
             sums[i] = csum
         return sums

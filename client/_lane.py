@@ -20,6 +20,11 @@ cannot have reached the daemon (nothing was sent), or that is safe to repeat
 (`laneproto.IDEMPOTENT`), is then sent again on a new connection. A call that broke
 after it was sent and is not safe to repeat raises `Unavailable`: it may or may not
 have run.
+
+File descriptors: with auth on, the daemon answers `LocalSegment` with the caller's
+segment as a descriptor (SCM_RIGHTS) rather than a path. `segment_over_lane` asks for it
+on a blocking connection of its own (for both clients: asyncio streams cannot receive
+descriptors), made and closed for that one call.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import time
 from typing import Generic, Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvstore.client._errors import translate_status
 from kvstore.errors import (
@@ -44,6 +50,7 @@ from kvstore.errors import (
     Unavailable,
 )
 from kvstore.laneproto import HEADER, HELLO, HELLO_ANSWER, IDEMPOTENT, MAGIC, METHOD_IDS, frame, lane_path
+from kvstore.v1 import kvstore_pb2
 
 # The largest answer the SDK reads (as its gRPC channels cap messages).
 MAX_ANSWER_BYTES = 64 << 20
@@ -52,6 +59,8 @@ MAX_IDLE = 4
 # After the lane could not be used, calls go through gRPC; the lane is tried again this
 # much later (a daemon restarted, or started without the lane, and so on).
 LANE_RETRY_S = 5.0
+# Descriptors the SDK takes with one answer (the daemon passes at most one).
+MAX_PASSED_FDS = 4
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _PEERCRED = struct.Struct("3i")
 
@@ -261,6 +270,69 @@ class _SyncConn:
             return code, bytes(out)
         except (ConnectionResetError, BrokenPipeError) as exc:
             raise _Broken(f"the lane connection broke ({exc.strerror})", True) from None
+
+
+    def roundtrip_fds(self, data: bytes, timeout: float) -> tuple[int, bytes, list[int]]:
+        """`roundtrip`, also taking the descriptors the answer carries (the caller owns
+        them; closed here if the answer cannot be read)."""
+        self.sock.settimeout(timeout)
+        self.timeout = timeout
+        try:
+            self.sock.sendall(data, socket.MSG_NOSIGNAL)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise _Broken(f"the lane connection is closed ({exc.strerror})", False) from None
+        got = b""
+        fds: list[int] = []
+        try:
+            while len(got) < HEADER.size or len(got) < HEADER.size + HEADER.unpack_from(got)[0]:
+                if len(got) >= HEADER.size:
+                    check_answer_length(HEADER.unpack_from(got)[0])
+                data, passed, _flags, _addr = socket.recv_fds(self.sock, 1 << 16, MAX_PASSED_FDS)
+                fds += passed
+                if not data:
+                    raise _Broken("the daemon closed the lane connection", True)
+                got += data
+            length, code = HEADER.unpack_from(got)
+            if len(got) > HEADER.size + length:
+                raise _Broken("the daemon sent more than one answer", True)
+            return code, got[HEADER.size:], fds
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+
+def segment_over_lane(path: str, token: str,
+                      timeout: float) -> tuple[kvstore_pb2.LocalSegmentResponse, int | None] | None:
+    """The daemon's `LocalSegment` answer over the lane at `path`, with the descriptor it
+    passed (None: the answer names a path instead). None when no lane connection can be
+    made (ask over gRPC instead); the daemon's refusal raises its `KVStoreError`."""
+    lane = SyncLane(path, token, False)
+    try:
+        conn = lane._connect(timeout)
+    except LaneUnavailable as exc:
+        logger.info("no segment over the local control lane (%s)", exc)
+        return None
+    try:
+        code, answer, fds = conn.roundtrip_fds(frame(METHOD_IDS["LocalSegment"], b""), timeout)
+    except (_Broken, OSError) as exc:
+        logger.info("no segment over the local control lane (%s)", exc)
+        return None
+    finally:
+        conn.close()
+    for extra in fds[1:]:
+        os.close(extra)
+    fd = fds[0] if fds else None
+    if code:
+        if fd is not None:
+            os.close(fd)
+        raise status_error(code, answer)
+    try:
+        return kvstore_pb2.LocalSegmentResponse.FromString(answer), fd
+    except DecodeError:
+        if fd is not None:
+            os.close(fd)
+        raise ValueError("the daemon's LocalSegment answer does not parse") from None
 
 
 class SyncLane(Lane[_SyncConn]):

@@ -1,8 +1,10 @@
 """The client side of the local data plane: map the daemon's host-tier segment and move
 block bytes with one copy, hashing each block while it is in cache.
 
-`LocalPlane.attach(resp)` maps the segment named by a `LocalSegment` answer and checks
-its header token (proving it is this daemon's segment on this host). `copy_in` copies
+`LocalPlane.attach(resp, fd)` maps the segment of a `LocalSegment` answer (by its path,
+or the descriptor that came with it over the control lane: with auth on, the caller's
+own tenant's segment) and checks its header token (proving it is this daemon's segment
+on this host). `copy_in` copies
 caller blocks into slots and returns their XXH3-64 checksums; `copy_out` copies slots
 into caller buffers and verifies each copy against the checksum the daemon recorded at
 put time, stopping at the first mismatch. On a fetch the hash reads the copy, so what
@@ -65,9 +67,12 @@ class LocalPlane:
         self._pool: ThreadPoolExecutor | None = None
 
     @classmethod
-    def attach(cls, resp: kvstore_pb2.LocalSegmentResponse) -> LocalPlane:
-        """Map the daemon's segment; raises OSError or ValueError when this process cannot."""
-        segment = AttachedSegment(resp.path, resp.token)
+    def attach(cls, resp: kvstore_pb2.LocalSegmentResponse, fd: int | None = None) -> LocalPlane:
+        """Map the daemon's segment (by path, or `fd`, which this takes); raises OSError or
+        ValueError when this process cannot."""
+        if fd is None and not resp.path:
+            raise ValueError("the daemon named no segment and passed none")
+        segment = AttachedSegment(resp.path, resp.token, fd)
         segment.populate_in_background()
         return cls(segment, resp.token)
 

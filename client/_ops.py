@@ -14,8 +14,9 @@ Steps:
 - `StreamPut(prepared, timeout_s)`: the Put client stream (a header, then each block in
   chunks, as gRPC bytes); the plan receives the PutResponse.
 - `Blocking(fn, *args)`: work that holds the thread (a shared-memory or device copy,
-  waiting for the segment's mapping): the blocking driver runs it inline, the asyncio
-  one in a worker thread so the event loop never stalls. The plan receives its return.
+  waiting for the segment's mapping, a data lane transfer): the blocking driver runs it
+  inline, the asyncio one in a worker thread so the event loop never stalls (and calls
+  its `cancel`, if any, when the awaiting task is cancelled). The plan receives its return.
 
 A step that fails is thrown into the plan where it yielded it, so a plan's own
 `try`/`except` sees the same exception the caller would (a put aborts its slots there).
@@ -36,8 +37,9 @@ from kvstore.client._auth import Security
 from kvstore.client._buffers import all_cuda, any_cuda, host_blocks, out_buffers, upload_blocks, writable_view
 from kvstore.client._groups import GroupedFetchAssembler, grouped_fetch_request, prepare_grouped_put
 from kvstore.client._held import HeldSlots, check_reserve_ahead, keep_held, take_held
-from kvstore.client._lane import lane_socket
+from kvstore.client._lane import lane_socket, segment_over_lane
 from kvstore.client._local import LocalPlane
+from kvstore.client.datalane import DEFAULT_CONNECTIONS, DataLane, LaneStats, choose_endpoint
 from kvstore.client._options import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -69,7 +71,15 @@ from kvstore.client.results import (
     put_result,
     response_hashes,
 )
-from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError
+from kvstore.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    KVStoreError,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2
 
@@ -96,13 +106,16 @@ class Unary(Generic[T]):
 
 
 class Blocking:
-    """Work that holds the thread: inline when blocking, in a worker thread under asyncio."""
+    """Work that holds the thread: inline when blocking, in a worker thread under asyncio.
+    `cancel`, if set, makes the work end at once (the asyncio driver calls it when the
+    awaiting task is cancelled, so the worker thread does not run on to its deadline)."""
 
-    __slots__ = ("fn", "args")
+    __slots__ = ("fn", "args", "cancel")
 
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+    def __init__(self, fn: Callable[..., Any], *args: Any, cancel: Callable[[], None] | None = None) -> None:
         self.fn = fn
         self.args = args
+        self.cancel = cancel
 
 
 class StreamFetch:
@@ -136,7 +149,8 @@ class ClientState:
     def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_plane: str = "auto", token: str | None = None,
                  token_file: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, reserve_ahead: int = 0, control_plane: str = "auto") -> None:
+                 tls_key: str | None = None, reserve_ahead: int = 0, control_plane: str = "auto",
+                 data_lane_connections: int = DEFAULT_CONNECTIONS) -> None:
         """Connect to a kvstore daemon (lazily: nothing is sent before the first call).
 
         `target` is `unix:PATH`, a socket path, or `HOST:PORT`; None reads `KVSTORE_TARGET`
@@ -146,9 +160,13 @@ class ClientState:
         bytes in messages of `chunk_bytes`.
 
         `data_plane`: `auto` moves block bytes through the daemon's shared-memory segment
-        when this process can map it (same host, same user) and through gRPC messages
-        otherwise; `local` insists on shared memory; `grpc` never uses it. Both give
-        byte-identical results. `data_plane_in_use` tells which one is active.
+        when this process can map it (same host, same user), else, for a TCP target, on
+        the daemon's data lane when it offers one (sockets of its own, one large frame per
+        block: docs/net.md), else through gRPC messages; `local` insists on shared
+        memory, `lane` on the data lane; `grpc` uses neither. All give byte-identical
+        results. `data_plane_in_use` tells which one is active. A transfer on the data
+        lane uses up to `data_lane_connections` sockets at once (fewer if the daemon
+        allows fewer).
 
         `reserve_ahead` (shared-memory plane only): after each put, the daemon holds up to
         this many empty slots for this client's next put of the same block size, which then
@@ -171,9 +189,17 @@ class ClientState:
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self.data_plane = check_data_plane(data_plane)
+        if not 1 <= data_lane_connections <= 64:
+            raise InvalidArgument(f"data_lane_connections must be in [1, 64], got {data_lane_connections}")
+        self.data_lane_connections = data_lane_connections
         self.security = Security.resolve(token, token_file, tls_ca, tls_cert, tls_key)
         self._plane: LocalPlane | None = None
-        self._plane_tried = data_plane == "grpc" or (data_plane == "auto" and not may_be_local(self.target))
+        self._plane_tried = data_plane in ("grpc", "lane") or (data_plane == "auto" and not may_be_local(self.target))
+        # The data lane: offered by the daemon (a DataLane call), tried when shared memory
+        # is not in use; in `auto`, only for TCP targets (a Unix socket's client is local).
+        self._datalane: DataLane | None = None
+        self._datalane_tried = data_plane in ("grpc", "local") or (data_plane == "auto"
+                                                                   and self.target.startswith("unix:"))
         # The device (CUDA IPC) plane: opened on the first put or fetch of CUDA tensors.
         self._device: Any = None
         self._device_tried = False
@@ -203,8 +229,17 @@ class ClientState:
         taken, self._releases = self._releases, []
         return taken
 
+    @property
+    def data_lane_stats(self) -> LaneStats | None:
+        """What the data lane moved for this client (None until it is in use): bytes each
+        way, and blocks that failed their checksum on arrival (dropped, never returned)."""
+        return self._datalane.stats() if self._datalane is not None else None
+
     def _detach(self) -> None:
         """Let go of the data planes (after `release_all`)."""
+        if self._datalane is not None:
+            self._datalane.close()
+            self._datalane = None
         if self._device is not None:
             self._device.close()
             self._device = None
@@ -218,13 +253,23 @@ class ClientState:
 
 def local_plane(c: ClientState) -> Plan[LocalPlane | None]:
     """The shared-memory plane, attached on first use; None when this process cannot map
-    the daemon's segment (an error when the caller insisted on it)."""
+    the daemon's segment (an error when the caller insisted on it).
+
+    The segment is asked for over the control lane first, on a connection of its own:
+    with auth on the daemon hands it out only there, as a file descriptor (the caller's
+    own tenant's segment). Without a lane, over gRPC, which names a path (auth off) or
+    refuses (auth on: block bytes then go through Put and Fetch)."""
     if c._plane_tried:
         return c._plane
     c._plane_tried = True
     try:
-        resp = yield Unary("LocalSegment", kvstore_pb2.LocalSegmentRequest(), c.timeout_s)
-        c._plane = LocalPlane.attach(resp)
+        lane = lane_socket(c.target) if c.control_plane != "grpc" else None
+        got = None
+        if lane is not None:
+            got = yield Blocking(segment_over_lane, lane, c.security.token, c.timeout_s)
+        if got is None:
+            got = (yield Unary("LocalSegment", kvstore_pb2.LocalSegmentRequest(), c.timeout_s)), None
+        c._plane = LocalPlane.attach(*got)
     except (KVStoreError, OSError, ValueError) as exc:
         if c.data_plane == "local":
             raise FailedPrecondition(f"cannot use the shared-memory data plane: {exc}") from None
@@ -252,14 +297,52 @@ def device_plane(c: ClientState) -> Plan[Any]:
     return c._device
 
 
+def data_lane(c: ClientState) -> Plan[DataLane | None]:
+    """The daemon's data lane, set up on first use from its DataLane offer; None when it
+    offers none (or predates it), or, in `auto`, while it cannot be reached."""
+    if not c._datalane_tried:
+        forced = c.data_plane == "lane"
+        try:
+            offer = yield Unary("DataLane", kvstore_pb2.DataLaneRequest(), c.timeout_s)
+        except (Unauthenticated, PermissionDenied, Unavailable, DeadlineExceeded):
+            raise  # what the call itself would meet over gRPC; asked again next time
+        except KVStoreError as exc:  # UNIMPLEMENTED: a daemon that predates the lane
+            c._datalane_tried = True
+            if forced:
+                raise FailedPrecondition(f"cannot use the data lane: {exc}") from None
+            logger.info("no data lane (%s); block bytes go through gRPC", exc)
+            return None
+        c._datalane_tried = True
+        try:
+            endpoint = choose_endpoint(offer, c.target)
+            if endpoint is None:
+                raise FailedPrecondition("the daemon offers no data lane for this target (data_lane_listen)")
+            c._datalane = DataLane(endpoint, c.security, max_connections=min(offer.max_connections or 1,
+                                                                         c.data_lane_connections))
+        except KVStoreError as exc:
+            if forced:
+                raise FailedPrecondition(f"cannot use the data lane: {exc}") from None
+            logger.info("no data lane (%s); block bytes go through gRPC", exc)
+    lane = c._datalane
+    if lane is not None and c.data_plane == "auto" and not lane.usable():
+        return None
+    return lane
+
+
 def data_plane_in_use(c: ClientState) -> Plan[str]:
-    return "local" if (yield from local_plane(c)) is not None else "grpc"
+    if (yield from local_plane(c)) is not None:
+        return "local"
+    return "lane" if (yield from data_lane(c)) is not None else "grpc"
 
 
 def warm_up(c: ClientState, timeout_s: float) -> Plan[str]:
     plane = yield from local_plane(c)
     if plane is None:
-        return "grpc"
+        lane = yield from data_lane(c)
+        if lane is None:
+            return "grpc"
+        lane.checkin((yield Blocking(lane.checkout, 1, timeout_s)))
+        return "lane"
     yield Blocking(plane.wait_ready, timeout_s)
     return "local"
 
@@ -347,6 +430,9 @@ def fetch(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, blo
         return (yield from _fetch_to_cuda(c, layout, token_ids, block_hashes, keys, out, lease_id, timeout_s))
     plane = c._plane if c._plane_tried else (yield from local_plane(c))
     if plane is None:
+        lane = None if c._datalane_tried and c._datalane is None else (yield from data_lane(c))
+        if lane is not None:
+            return (yield from fetch_lane(c, lane, layout, keys, out, lease_id, timeout_s))
         return (yield from fetch_stream(layout, keys, out, lease_id, timeout_s))
     resp = yield Unary("LocalFetch", _slots_request(c, layout, keys, lease_id), timeout_s)
     n = len(resp.offsets)
@@ -413,6 +499,57 @@ def fetch_stream(layout: KVLayout, keys: kvstore_pb2.BlockKeys, out: Sequence[An
     return assembler.result()
 
 
+def fetch_lane(c: ClientState, lane: DataLane, layout: KVLayout, keys: kvstore_pb2.BlockKeys,
+               out: Sequence[Any] | None, lease_id: str, timeout_s: float) -> Plan[list[Any]]:
+    """A fetch on the data lane: connections first (a lane that cannot be reached is
+    found before the daemon holds anything), then LaneFetch opens the transfer, then the
+    blocks land straight in their buffers, verified. In `auto`, a lane that fails is set
+    aside for a while and the fetch goes through gRPC."""
+    request = kvstore_pb2.FetchRequest(namespace=namespace_ref(layout), keys=keys, lease_id=lease_id)
+    try:
+        conns = yield Blocking(lane.checkout, lane.connections_for(_blocks_named(keys, layout)), timeout_s)
+    except Unavailable as exc:
+        if c.data_plane == "lane":
+            raise
+        lane.mark_down(exc)
+        return (yield from fetch_stream(layout, keys, out, lease_id, timeout_s))
+    try:
+        grant = yield Unary("LaneFetch", kvstore_pb2.LaneFetchRequest(
+            fetch=request, connections=len(conns), timeout_ms=int(timeout_s * 1000)), timeout_s)
+    except BaseException:
+        lane.checkin(conns)
+        raise
+    if not grant.num_blocks:
+        lane.checkin(conns)
+        return []
+    dsts = out_buffers(out, grant.num_blocks, grant.block_bytes)
+    try:
+        views = [writable_view(d, i, grant.block_bytes) for i, d in enumerate(dsts)]
+    except BaseException:
+        lane.checkin(conns)  # the transfer expires on the daemon by itself
+        raise
+    try:
+        got = yield Blocking(lane.fetch_into, conns, grant.transfer_id, grant.block_bytes, views, timeout_s,
+                             cancel=lambda: lane.abort(conns))
+    except Unavailable as exc:
+        if c.data_plane == "lane":
+            raise
+        lane.mark_down(exc)
+        return (yield from fetch_stream(layout, keys, out, "", timeout_s))
+    return dsts[:got]
+
+
+def _blocks_named(keys: kvstore_pb2.BlockKeys, layout: KVLayout) -> int:
+    """How many blocks a request's keys name (for how many connections to use)."""
+    which = keys.WhichOneof("keys")
+    if which == "packed_hashes":
+        return len(keys.packed_hashes) // 16
+    if which == "hashes":
+        return len(keys.hashes.hashes)
+    tokens = len(keys.tokens.packed_u32le) // 4 + len(keys.tokens.token_ids)
+    return tokens // max(1, layout.block_size_tokens)
+
+
 def _slots_request(c: ClientState, layout: KVLayout, keys: kvstore_pb2.BlockKeys,
                    lease_id: str) -> kvstore_pb2.LocalFetchRequest:
     """A LocalFetch / DeviceFetch: the lookup lease (if any) ends here, as do the leases of
@@ -460,6 +597,9 @@ def put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, block
     prepared = prepare_put(layout, token_ids, block_hashes, host_blocks(blocks), first_block, hint)
     plane = c._plane if c._plane_tried else (yield from local_plane(c))
     if plane is None:
+        lane = None if c._datalane_tried and c._datalane is None else (yield from data_lane(c))
+        if lane is not None:
+            return (yield from put_lane(c, lane, prepared, timeout_s))
         return put_result((yield StreamPut(prepared, timeout_s)))
     n = len(prepared.views)
     held, unfit = take_held(c._reserved, layout.bytes_per_block, n)
@@ -483,6 +623,46 @@ def put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, block
     sums = yield from _copy_in(Blocking(plane.copy_in, begun.offsets, prepared.views),
                                kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout_s)
     return (yield _commit(begun.txn_id, sums, timeout_s))
+
+
+def put_lane(c: ClientState, lane: DataLane, prepared: PreparedPut, timeout_s: float) -> Plan[PutResult]:
+    """A put on the data lane: connections first, then LanePut reserves the slots and
+    says which blocks the daemon needs, those go on the lane (each verified as it lands),
+    and LaneCommit publishes, all or nothing. A failure aborts the transfer; in `auto`, a
+    lane that broke is set aside for a while and the put goes through gRPC instead."""
+    try:
+        conns = yield Blocking(lane.checkout, lane.connections_for(len(prepared.views)), timeout_s)
+    except Unavailable as exc:
+        if c.data_plane == "lane":
+            raise
+        lane.mark_down(exc)
+        return put_result((yield StreamPut(prepared, timeout_s)))
+    try:
+        grant = yield Unary("LanePut", kvstore_pb2.LanePutRequest(
+            header=prepared.header, connections=len(conns), timeout_ms=int(timeout_s * 1000)), timeout_s)
+    except BaseException:
+        lane.checkin(conns)
+        raise
+    if not any(grant.needed):
+        lane.checkin(conns)
+    else:
+        try:
+            yield Blocking(lane.put_from, conns, grant.transfer_id, grant.block_bytes, grant.needed,
+                           prepared.views, timeout_s, cancel=lambda: lane.abort(conns))
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            try:
+                yield Unary("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id, abort=True),
+                            min(1.0, timeout_s))
+            except KVStoreError:
+                pass  # it rolls back by itself at its deadline
+            if isinstance(exc, Unavailable) and c.data_plane != "lane":
+                lane.mark_down(exc)
+                return put_result((yield StreamPut(prepared, timeout_s)))
+            raise
+    return (yield Unary("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id), timeout_s,
+                        put_result))
 
 
 def _copy_in(copy: Blocking, abort: kvstore_pb2.LocalCommitRequest, timeout_s: float) -> Plan[list[int]]:

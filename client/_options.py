@@ -50,7 +50,7 @@ CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 1),
 ]
 
-DATA_PLANES = ("auto", "local", "grpc")
+DATA_PLANES = ("auto", "local", "lane", "grpc")
 CONTROL_PLANES = ("auto", "lane", "grpc")
 
 

@@ -3,11 +3,14 @@
 Each verb is a plan from `kvstore.client._ops`; this module holds what an asyncio
 client adds to `ClientState`: its grpc.aio channel and stubs, its lane (`AioLane`), and
 the driver that awaits each step. `Blocking` steps (shared-memory and device copies)
-run in a worker thread, so they never stall the event loop."""
+run in a worker thread, so they never stall the event loop; a caller cancelled during
+one gets its `CancelledError` only once the thread has returned (`_in_thread`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -28,6 +31,32 @@ from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 from kvstore.wire import FETCH_METHOD, PUT_METHOD, fetch_response_deserializer, put_request_serializer
 
 T = TypeVar("T")
+
+
+async def _in_thread(fn: Callable[..., T], *args: Any, cancel: Callable[[], None] | None = None) -> T:
+    """`fn(*args)` in a worker thread. If the caller is cancelled meanwhile, the
+    cancellation is delivered once the thread has returned, not before: the work is a
+    copy into slots the plan hands back to the daemon on that very error, and a copy still
+    running then would write into slots the daemon may already have given to another put.
+    `cancel`, if given, is called first so that work which can stop early (a data-lane
+    transfer) does, instead of running on to its deadline."""
+    call = functools.partial(contextvars.copy_context().run, fn, *args)
+    work = asyncio.get_running_loop().run_in_executor(None, call)
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        if cancel is not None:
+            cancel()
+        while not work.done():
+            try:
+                await asyncio.shield(work)
+            except asyncio.CancelledError:
+                continue
+            except BaseException:
+                break
+        if not work.cancelled():
+            work.exception()  # retrieved: the cancellation is what the caller gets
+        raise
 
 
 class AsyncClient(ClientState):
@@ -101,7 +130,7 @@ class AsyncClient(ClientState):
         if type(step) is Unary:
             return step.answer(await self._unary(step.name, step.request, step.timeout_s))
         if type(step) is Blocking:
-            return await asyncio.to_thread(step.fn, *step.args)
+            return await _in_thread(step.fn, *step.args, cancel=step.cancel)
         try:  # the streams are gRPC calls of their own: their failures surface here
             if type(step) is StreamPut:
                 return await self._put(put_requests(step.prepared, self.chunk_bytes), timeout=step.timeout_s)
@@ -159,7 +188,7 @@ class AsyncClient(ClientState):
         """Verified blocks of the longest held prefix, in order; fills `out` buffers if given.
 
         Without `out`, blocks come back as `bytes` over gRPC and as `bytearray` over shared
-        memory (equal content either way).
+        memory and the data lane (equal content either way).
         """
         return await self._run(ops.fetch(self, layout, token_ids, block_hashes, out, lease_id, self._t(timeout_s)))
 

@@ -18,6 +18,7 @@ from kvstore.convert import TIER_NAMES
 from kvstore.errors import Internal
 from kvstore.hashing import split_hashes
 from kvstore.native import native as _native
+from kvstore.results import PinResult, PrefetchResult
 from kvstore.v1 import kvstore_pb2
 
 __all__ = ["LookupResult", "PinResult", "PrefetchResult", "PutResult"]
@@ -40,25 +41,6 @@ class PutResult:
     stored: int
     existing: int
     block_hashes: list[bytes]
-
-
-@dataclass(frozen=True, slots=True)
-class PinResult:
-    lease_id: str
-    pinned: int
-    expires_in_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchResult:
-    """What a prefetch did: blocks raised into `tier`, already there, or missing."""
-
-    tier: str
-    requested: int
-    raised: int
-    already: int
-    missing: int
-    skipped: int  # no room could be made in the target tier
 
 
 def response_hashes(resp: Any) -> list[bytes]:

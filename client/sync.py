@@ -158,7 +158,7 @@ class Client(ClientState):
         """Verified blocks of the longest held prefix, in order; fills `out` buffers if given.
 
         Without `out`, blocks come back as `bytes` over gRPC and as `bytearray` over shared
-        memory (equal content either way).
+        memory and the data lane (equal content either way).
         """
         return self._run(ops.fetch(self, layout, token_ids, block_hashes, out, lease_id, self._t(timeout_s)))
 

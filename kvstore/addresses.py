@@ -1,11 +1,12 @@
 """Where a daemon listens by default, shared by the daemon and the SDK.
 
-Primitives: `DEFAULT_TCP_LISTEN`, `runtime_dir()`, `default_unix_socket()`. The SDK uses
+Primitives: `DEFAULT_TCP_LISTEN`, `runtime_dir()`, `default_unix_socket()`, `is_loopback(host)`. The SDK uses
 them to find a local daemon without importing the daemon's configuration.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tempfile
 
@@ -23,3 +24,13 @@ def runtime_dir() -> str:
 
 def default_unix_socket() -> str:
     return os.path.join(runtime_dir(), "kvstore.sock")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, IPv6 without brackets) is this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -42,6 +42,7 @@ SERVICE = "kvstore.v1.KVStore"
 METHODS: tuple[str, ...] = (
     "Lookup", "Delete", "Pin", "Unpin", "Prefetch", "Verify", "Hint", "EndSession",
     "LocalSegment", "LocalPut", "LocalCommit", "LocalFetch", "DeviceSegment", "DeviceFetch", "DevicePut",
+    "DataLane", "LaneFetch", "LanePut", "LaneCommit",
 )
 METHOD_IDS = {name: i + 1 for i, name in enumerate(METHODS)}
 METHOD_NAMES = {i: name for name, i in METHOD_IDS.items()}
@@ -57,7 +58,7 @@ RESPONSE_TYPES = {name: getattr(kvstore_pb2, _service.methods_by_name[name].outp
 # retry policy names the KVStore methods among them. Put is not here: a client stream
 # cannot be replayed without buffering every byte.
 IDEMPOTENT = frozenset({"Lookup", "Fetch", "Delete", "Pin", "Unpin", "Prefetch", "Verify", "LocalSegment",
-                        "DeviceSegment"})
+                        "DeviceSegment", "DataLane"})
 
 
 def method_path(name: str) -> str:

@@ -2,8 +2,14 @@
 anyone who maps it, and a client's read-write attachment to it.
 
 The daemon creates the segment (`kvstore.tiers.segment.Segment`); a client on the same
-host maps it by path (`AttachedSegment`) after the daemon told it the path and token over
-RPC. Layout: a 4 KiB header, then the data area that tier offsets are relative to.
+host maps it (`AttachedSegment`) after the daemon told it the token over RPC, and either
+the path (one segment for every client: auth off) or nothing, the segment itself coming
+as a file descriptor with the control lane's answer (one segment per tenant: auth on).
+A segment that came as a descriptor is sparse (it has pages only where its tenant's
+blocks are), so a client never faults all of it in; and it is mapped keeping no
+descriptor of it (Python's mmap keeps a duplicate, which any process allowed to read
+this one's /proc/<pid>/fd could open). Layout: a 4 KiB header, then the data area that
+tier offsets are relative to.
 
     magic    8 bytes  b"KVSTSEG1"
     token   16 bytes  random; returned by the daemon over RPC, so a client proves it
@@ -14,6 +20,7 @@ RPC. Layout: a 4 KiB header, then the data area that tier offsets are relative t
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -79,29 +86,63 @@ class MappedSegment:
         return True
 
 
+class _Mapping:
+    """mmap(2) of a whole file, shared and read-write, that keeps no descriptor of it."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            raise OSError(ctypes.get_errno(), f"cannot map the segment: {os.strerror(ctypes.get_errno())}")
+        self._munmap = libc.munmap
+        self._addr, self._size = addr, size
+        self._raw = memoryview((ctypes.c_ubyte * size).from_address(addr))
+        self.view = self._raw.cast("B")
+
+    def close(self) -> None:
+        """Unmap; refused (BufferError, the memory stays mapped) while views of it exist."""
+        self.view.release()
+        self._raw.release()
+        self._munmap(self._addr, self._size)
+
+
 class AttachedSegment(MappedSegment):
-    """Another process's segment, mapped by path; read-write so a client can fill slots
-    it was handed. Checks the magic and the token the owner announced.
+    """Another process's segment, mapped by path or from a descriptor `fd` (which this
+    takes: it is closed once mapped); read-write so a client can fill slots it was
+    handed. Checks the magic and the token the owner announced.
 
     Each process maps pages into its own page tables on first touch, so an attached
     mapping is slow until populated too; `populate_in_background` does that without
-    delaying the caller."""
+    delaying the caller (never for a sparse segment: `sparse`)."""
 
-    def __init__(self, path: str, token: bytes) -> None:
-        self.path = path
+    def __init__(self, path: str, token: bytes, fd: int | None = None) -> None:
+        self.path = path or "(a descriptor from the daemon)"
+        self.sparse = fd is not None
         self._stop = threading.Event()
         self._populator: threading.Thread | None = None
-        fd = os.open(path, os.O_RDWR)
+        self._mapping: _Mapping | None = None
+        opened = fd if fd is not None else os.open(path, os.O_RDWR)
         try:
-            size = os.fstat(fd).st_size
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            size = os.fstat(opened).st_size
+            if fd is not None:
+                self._mapping = _Mapping(opened, size)
+            else:
+                self._map = mmap.mmap(opened, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
-            os.close(fd)
-        self._view = memoryview(self._map)
-        header = read_header(self._view)
+            os.close(opened)
+        self._view = self._mapping.view if self._mapping is not None else memoryview(self._map)
+        try:
+            header = read_header(self._view)
+        except (ValueError, struct.error):
+            self.close()
+            raise
         if header.token != token:
             self.close()
-            raise ValueError(f"segment {path} belongs to another daemon (token mismatch)")
+            raise ValueError(f"segment {self.path} belongs to another daemon (token mismatch)")
         self.data = self._view[header.data_offset : header.data_offset + header.capacity]
         self.capacity = header.capacity
 
@@ -113,6 +154,8 @@ class AttachedSegment(MappedSegment):
         return not self._populator.is_alive()
 
     def populate_in_background(self) -> None:
+        if self.sparse:
+            return  # faulting a sparse segment in would give it the whole capacity
         self._populator = threading.Thread(target=self.populate, args=(self._stop,), name="kvstore-populate",
                                            daemon=True)
         self._populator.start()
@@ -123,5 +166,8 @@ class AttachedSegment(MappedSegment):
             self._populator.join()
         if hasattr(self, "data"):
             self.data.release()
+        if self._mapping is not None:
+            self._mapping.close()
+            return
         self._view.release()
         self._map.close()

@@ -4,8 +4,8 @@ how they move.
 Primitives: `TIER_BUILDERS` (tier kind -> builder, top tier first), `TIER_KINDS`, the
 kind names `HBM`, `HOST`, `SSD`, `TierSettings` (what the builders need, as plain
 values), `build_tiers(settings) -> (tiers, absent)`; and what the daemon uses from the
-modules: `HostTier`, `Segment`, `make_copier`, `default_shm_dir`, `free_bytes`,
-`remove_stale_segments`.
+modules: `HostTier`, `SpacedHostTier`, `Segment`, `make_copier`, `default_shm_dir`,
+`free_bytes`, `remove_stale_segments`.
 
 A builder returns its tier, or the reason it is absent (not configured, or no CUDA
 device), which stats and INFO show. The HBM and SSD modules are imported only by their
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from kvstore.core.tier import Slot, Tier
 from kvstore.tiers.copiers import make_copier
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.host import HostTier, SpacedHostTier
 from kvstore.tiers.segment import Segment, default_shm_dir, free_bytes, remove_stale_segments
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ class TierSettings:
 
     host_capacity_bytes: int
     shm_dir: str | None = None
+    host_spaces: bool = False  # one host segment per tenant (auth on), not one named segment
     hbm_capacity_bytes: int = 0  # 0: no HBM tier
     gpu: int = 0
     ssd_path: str = ""  # empty: no SSD tier
@@ -65,6 +66,8 @@ def build_hbm(settings: TierSettings) -> Tier | str:
 
 
 def build_host(settings: TierSettings) -> Tier | str:
+    if settings.host_spaces:
+        return SpacedHostTier(settings.host_capacity_bytes)
     return HostTier(settings.host_capacity_bytes, shm_dir=settings.shm_dir)
 
 
@@ -104,7 +107,8 @@ def build_tiers(settings: TierSettings,
 
 
 __all__ = [
-    "HBM", "HOST", "SSD", "TIER_BUILDERS", "TIER_KINDS", "HostTier", "Segment", "Slot", "Tier", "TierBuilder",
+    "HBM", "HOST", "SSD", "TIER_BUILDERS", "TIER_KINDS", "HostTier", "Segment", "Slot", "SpacedHostTier", "Tier",
+    "TierBuilder",
     "TierSettings", "build_hbm", "build_host", "build_ssd", "build_tiers", "default_shm_dir", "free_bytes",
     "make_copier", "remove_stale_segments",
 ]

@@ -5,9 +5,12 @@ slab, HBM slab, a shared-memory segment) can use it. Sizes are rounded up to the
 alignment; what a caller gets back is exactly what is accounted.
 
 Primitives: `allocate(n) -> offset | None`, `allocate_many(n, count) -> offsets`,
-`free(offset, n)`. Free extents are kept in
-a list sorted by (size, offset) for best fit, and in two dicts keyed by start and end so
-that a freed extent merges with both neighbours in O(1) lookups.
+`free(offset, n)`, `fits(n, limit)` (the free extents that could hold n, best first), and
+with `indexed=True`, `take(offset, n)` (that exact extent, if it is free). Free extents
+are kept in a list sorted by (size, offset) for best fit, and in two dicts keyed by start
+and end so that a freed extent merges with both neighbours in O(1) lookups; `indexed`
+adds a sorted list of their starts, to find the free extent that holds a given offset
+(a tier that prefers particular extents takes them by offset).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import bisect
 
 
 class ExtentAllocator:
-    def __init__(self, capacity_bytes: int, alignment: int = 64) -> None:
+    def __init__(self, capacity_bytes: int, alignment: int = 64, indexed: bool = False) -> None:
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         self.alignment = alignment
@@ -25,6 +28,7 @@ class ExtentAllocator:
         self._by_size: list[tuple[int, int]] = []
         self._by_start: dict[int, int] = {}
         self._by_end: dict[int, int] = {}
+        self._starts: list[int] | None = [] if indexed else None
         self.used_bytes = 0
         if self.capacity_bytes:
             self._add_free(0, self.capacity_bytes)
@@ -65,6 +69,9 @@ class ExtentAllocator:
                     del by_start[s]
                     del by_end[s + size]
                     out.append(s)
+                if self._starts is not None:
+                    for _, s in by_size[i:j]:
+                        del self._starts[bisect.bisect_left(self._starts, s)]
                 del by_size[i:j]
                 continue
             # The smallest larger extent: cut from its start, as `allocate` does, as many
@@ -76,6 +83,34 @@ class ExtentAllocator:
                 self._add_free(start + k * size, free_size - k * size)
         self.used_bytes += size * len(out)
         return out
+
+    def fits(self, nbytes: int, limit: int) -> list[tuple[int, int]]:
+        """Up to `limit` free extents that hold `aligned(nbytes)` bytes, as (start, size),
+        best fit first (the order `allocate` prefers them in)."""
+        size = self.aligned(max(nbytes, 1))
+        i = bisect.bisect_left(self._by_size, (size, -1))
+        return [(start, free_size) for free_size, start in self._by_size[i:i + limit]]
+
+    def take(self, offset: int, nbytes: int) -> bool:
+        """Allocate exactly `[offset, offset + aligned(nbytes))` if all of it is free (an
+        `indexed` allocator only); False, changing nothing, if not."""
+        assert self._starts is not None, "take needs an indexed allocator"
+        size = self.aligned(max(nbytes, 1))
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0:
+            return False
+        start = self._starts[i]
+        free_size = self._by_start[start]
+        end, free_end = offset + size, start + free_size
+        if end > free_end:
+            return False
+        self._remove_free(start, free_size)
+        if offset > start:
+            self._add_free(start, offset - start)
+        if free_end > end:
+            self._add_free(end, free_end - end)
+        self.used_bytes += size
+        return True
 
     def free(self, offset: int, nbytes: int) -> None:
         size = self.aligned(max(nbytes, 1))
@@ -105,6 +140,8 @@ class ExtentAllocator:
         bisect.insort(self._by_size, (size, start))
         self._by_start[start] = size
         self._by_end[start + size] = start
+        if self._starts is not None:
+            bisect.insort(self._starts, start)
 
     def _remove_free(self, start: int, size: int, index: int | None = None) -> None:
         if index is None:
@@ -112,3 +149,5 @@ class ExtentAllocator:
         del self._by_size[index]
         del self._by_start[start]
         del self._by_end[start + size]
+        if self._starts is not None:
+            del self._starts[bisect.bisect_left(self._starts, start)]

@@ -35,7 +35,7 @@ class SlabTier(Tier):
         size = self.accounted_size(nbytes)
         return Slot(self.name, offset, self._sizes.setdefault(size, size))
 
-    def allocate_many(self, nbytes: int, count: int) -> list[Slot]:
+    def allocate_many(self, nbytes: int, count: int, space: int = 0) -> list[Slot]:
         offsets = self._extents.allocate_many(nbytes, count)
         if not offsets:
             return []

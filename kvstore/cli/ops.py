@@ -407,11 +407,13 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     try:
         set_keys = set(read_toml(args.file))
         cfg = load_config({"config": args.file}, env={})
+        from kvstore.server.datalane import check_lane_exposure, lane_addresses
         from kvstore.server.listen import check_exposure
 
         # Addresses are checked the way the daemon checks them (loopback unless auth is set up),
-        # and so is the token file.
-        check_exposure(cfg)
+        # the data lane's too, and so is the token file.
+        addresses, _ = check_exposure(cfg)
+        check_lane_exposure(cfg, lane_addresses(cfg, addresses))
         if cfg.auth_token_file:
             from kvstore.server.auth import parse_token_file
 

@@ -46,7 +46,7 @@ import numpy as np
 from kvstore.core.fetch import FetchPath, FetchStream, FramedBlock
 from kvstore.core.index import BlockIndex, make_key
 from kvstore.core.put import PutPath, PutTxn
-from kvstore.core.results import LookupResult, NamespaceInfo, PutResult, StoreCounters, StoreObserver
+from kvstore.core.results import NamespaceInfo, PrefixLookup, PutOutcome, StoreCounters, StoreObserver
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
 from kvstore.errors import FailedPrecondition, InvalidArgument
@@ -134,7 +134,7 @@ class GroupBook:
             out.append(rows[need.start : need.stop])
         return m, out
 
-    def lookup(self, info: NamespaceInfo, packed: bytes, lease_ms: int) -> LookupResult:
+    def lookup(self, info: NamespaceInfo, packed: bytes, lease_ms: int) -> PrefixLookup:
         """`Store.lookup` of a grouped namespace: blocks of the longest prefix every group
         serves, each reported in the lowest tier any of its needed parts is in."""
         n_asked = len(packed) // HASH_BYTES
@@ -164,7 +164,7 @@ class GroupBook:
                 mine = all_rows[part_tops == tid]
                 if len(mine):
                     st.defer_touch(mine[::-1])
-        return LookupResult(
+        return PrefixLookup(
             namespace_id=info.namespace_id,
             num_blocks=m,
             block_size_tokens=info.layout.block_size_tokens,
@@ -322,14 +322,14 @@ class GroupedPutTxn:
         await self._subs[s].write(part - starts[s], data)
 
     async def commit(self, checksums: Sequence[int] | None = None,
-                     check: Callable[[], None] | None = None) -> PutResult:
+                     check: Callable[[], None] | None = None) -> PutOutcome:
         """Seal every group's transaction, then publish them all in one synchronous step
         (`check` first, as `PutTxn.commit` does). `checksums`: one per part, in wire order."""
         if checksums is not None and len(checksums) != self.num_parts:
             raise InvalidArgument(f"{len(checksums)} checksums for a put of {self.num_parts} parts")
         try:
             for s, sub in enumerate(self._subs):
-                await sub.seal(None if checksums is None else checksums[self._starts[s] : self._starts[s + 1]])
+                sub.seal(None if checksums is None else checksums[self._starts[s] : self._starts[s + 1]])
             if self._done:
                 raise FailedPrecondition("this put was aborted")
             if check is not None:
@@ -359,7 +359,7 @@ class GroupedPutTxn:
         c.group_parts_stored += stored_parts
         c.group_bytes_skipped += self._skipped_bytes
         filed = self._book._puts.registry.get(self._info.namespace_id) or self._info
-        return PutResult(filed.namespace_id, len(stored_at), n - len(stored_at), list(self._hashes))
+        return PutOutcome(filed.namespace_id, len(stored_at), n - len(stored_at), list(self._hashes))
 
     def abort(self) -> None:
         if self._done:

@@ -24,8 +24,15 @@ server checks before: a namespace id is 16 bytes and known, a block hash is 16 b
 a call names at most `max_blocks_per_call` blocks, a hint names a session and a bounded
 time.
 
+Each tenant also has a space (`space_of_tenant`: 1, 2, ... in order of first sight;
+`space(namespace_id)`: its namespace's tenant's, 0 for a namespace not registered): a
+tier with spaces keeps each space's blocks in memory of its own, so a co-located client
+maps its tenant's blocks and no other's (`kvstore.core.tier.Tier.spaces`). A tenant's
+space outlives its namespaces.
+
 Primitives: `prepare`/`ensure`, `register`, `recovered`/`awaits_adoption`, `expire`,
-`namespace`, `get`, `check_hashes`, `packed_chain`, `chain_for_tokens`, `check_hint`.
+`namespace`, `get`, `check_hashes`, `packed_chain`, `chain_for_tokens`, `check_hint`,
+`space`, `space_of_tenant`.
 """
 
 from __future__ import annotations
@@ -94,6 +101,7 @@ class NamespaceRegistry:
         self._group_records: dict[bytes, NamespaceInfo] = {}
         # Told of a grouped namespace that adopted blocks recovered from SSD.
         self.on_adopted: Callable[[NamespaceInfo], object] | None = None
+        self._spaces: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._namespaces)
@@ -239,6 +247,18 @@ class NamespaceRegistry:
                 info.blocks = max(g.blocks for g in info.groups)
                 info.bytes = sum(g.bytes for g in info.groups)
         return out
+
+    def space_of_tenant(self, tenant: str) -> int:
+        """`tenant`'s space: the same for the daemon's lifetime, never 0."""
+        space = self._spaces.get(tenant)
+        if space is None:
+            space = self._spaces[tenant] = len(self._spaces) + 1
+        return space
+
+    def space(self, namespace_id: bytes) -> int:
+        """The space of a namespace's blocks: its tenant's; 0 if it is not registered."""
+        info = self._namespaces.get(namespace_id)
+        return 0 if info is None else self.space_of_tenant(info.tenant)
 
     def owned_by(self, tenant: str) -> set[bytes]:
         """The ids of `tenant`'s namespaces."""

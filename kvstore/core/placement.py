@@ -17,7 +17,10 @@ Ordering decisions that matter:
   SSD log) drops the victim's whole region. A demotion that finds no room below drops the
   block, as the last tier would: a put that needs the room never fails for it.
 - Tenancy: a put over its tenant's quota first demotes that tenant's own victims
-  (`quota_room`); promotions, demotions and SSD writes never take a tenant over.
+  (`quota_room`); promotions, demotions and SSD writes never take a tenant over. In a
+  tier with spaces, every block is allocated, demoted into and promoted into its
+  tenant's space (`space_of`), and room kept free for a space's own reuse is taken only
+  when nothing is left to evict (`allocate`).
 - Blocks already on the inclusive tier (SSD) are demoted by dropping the memory copy; a
   hit there may leave a copy in the top memory tier on its way out (`promote_on_hit`).
 
@@ -26,8 +29,8 @@ time them).
 
 Primitives: `read_verified`, `allocate`/`allocate_put`, `evict_some`/`evict_one`,
 `demote`, `ensure_inclusive_copy`, `copy_into`, `raise_into`, `promote_on_hit`,
-`quota_room`, `landing_tiers`; and the two operator-facing loops over them, `prefetch`
-and `evict_bytes`.
+`quota_room`, `landing_tiers`, `space_of`/`space_of_tenant`; and the two operator-facing loops over them,
+`prefetch` and `evict_bytes`.
 """
 
 from __future__ import annotations
@@ -41,12 +44,13 @@ from kvstore.checksum import checksum_batch
 from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex, make_key
 from kvstore.core.namespaces import NamespaceRegistry
-from kvstore.core.results import MigrationConfig, NamespaceInfo, PrefetchResult, RemovalResult, StoreCounters
+from kvstore.core.results import MigrationConfig, NamespaceInfo, RemovalResult, StoreCounters
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.tenancy import TenantLedger
 from kvstore.core.tier import BlockMeta, Copier, Slot
 from kvstore.errors import DataLoss, FailedPrecondition, ResourceExhausted
 from kvstore.hashing import HASH_BYTES
+from kvstore.results import PrefetchResult
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +73,8 @@ class Placement:
         self._tiers = list(tiers)
         self.memory_tiers = [t for t in self._tiers if t.tier.addressable]
         self.inclusive: StoreTier | None = next((t for t in self._tiers if t.tier.inclusive), None)
+        # Whether any tier keeps spaces apart: else no block's space is ever looked up.
+        self._spaced = any(t.tier.spaces for t in self.memory_tiers)
         self._by_name = {t.name: t for t in self._tiers}
         self._rank = {t.name: i for i, t in enumerate(self._tiers)}
         self._tier_ids = {t.name: index.table.tier_id(t.name) for t in self._tiers}
@@ -83,6 +89,15 @@ class Placement:
     def below(self, st: StoreTier) -> StoreTier | None:
         i = self._rank[st.name] + 1
         return self._tiers[i] if i < len(self._tiers) else None
+
+    def space_of(self, namespace_id: bytes) -> int:
+        """The space blocks of `namespace_id` are allocated in (0 where no tier has spaces)."""
+        return self._registry.space(namespace_id) if self._spaced else 0
+
+    def space_of_tenant(self, tenant: str) -> int:
+        """The space a tenant's new blocks are allocated in (0 where no tier has spaces):
+        a put's namespace may be filed only when it publishes."""
+        return self._registry.space_of_tenant(tenant) if self._spaced else 0
 
     def landing_tiers(self) -> list[StoreTier]:
         if self._config.put_tier == "auto":
@@ -114,30 +129,39 @@ class Placement:
             return None
         return (await checksum_batch([view], self._executor))[0] == entry.checksum
 
-    async def allocate(self, st: StoreTier, nbytes: int, want: int = 1) -> Slot:
-        """An empty slot in addressable tier `st`, demoting victims until one fits; `want`:
-        how many slots the caller is about to take, so that room for them is made at once."""
+    async def allocate(self, st: StoreTier, nbytes: int, want: int = 1, space: int = 0) -> Slot:
+        """An empty slot in addressable tier `st` (in `space`), demoting victims until one
+        fits; `want`: how many slots the caller is about to take, so that room for them is
+        made at once. With nothing left to evict, room a tier with spaces keeps for other
+        spaces' reuse is taken before giving up."""
         while True:
-            slot = st.tier.allocate(nbytes)
+            slot = st.tier.allocate(nbytes, space)
             if slot is not None:
                 return slot
-            await self.evict_some(st, nbytes, want)
+            try:
+                await self.evict_some(st, nbytes, want)
+            except ResourceExhausted:
+                slot = st.tier.allocate(nbytes, space, reclaim=True) if st.tier.spaces else None
+                if slot is None:
+                    raise
+                return slot
 
-    async def allocate_put(self, nbytes: int, landing: list[StoreTier], want: int = 1) -> Slot:
-        """A PENDING slot for a new block: the highest landing tier with room, else make room
-        in the first one (for `want` blocks: the caller's next ones take the rest)."""
+    async def allocate_put(self, nbytes: int, landing: list[StoreTier], want: int = 1, space: int = 0) -> Slot:
+        """A PENDING slot for a new block (of `space`): the highest landing tier with room,
+        else make room in the first one (for `want` blocks: the caller's next ones take the
+        rest)."""
         for st in landing:
-            slot = st.tier.allocate(nbytes)
+            slot = st.tier.allocate(nbytes, space)
             if slot is not None:
                 return slot
         # Make room in the first tier that can: the top one may be full of PENDING slots
         # of concurrent puts, which nothing can evict.
         for st in landing[:-1]:
             try:
-                return await self.allocate(st, nbytes, want)
+                return await self.allocate(st, nbytes, want, space)
             except ResourceExhausted:
                 continue
-        return await self.allocate(landing[-1], nbytes, want)
+        return await self.allocate(landing[-1], nbytes, want, space)
 
     async def _place(self, st: StoreTier, entry: BlockEntry, data: bytes | memoryview) -> Slot:
         """Store `data` as `entry` in `st`, demoting (or dropping) victims until it fits."""
@@ -300,7 +324,7 @@ class Placement:
             data = await self.read_verified(entry, src)
             if data is None:
                 return None
-            slot = await self.allocate(dst, entry.nbytes)
+            slot = await self.allocate(dst, entry.nbytes, space=self.space_of(entry.key[:HASH_BYTES]))
             try:
                 await dst.tier.write(slot, 0, data)
             except BaseException:
@@ -312,7 +336,7 @@ class Placement:
         if await self._verify_view(entry, src, entry.locations[src.name]) is False:
             self._copies.drop_bad_copy(entry, src)
             return None
-        slot = await self.allocate(dst, entry.nbytes)
+        slot = await self.allocate(dst, entry.nbytes, space=self.space_of(entry.key[:HASH_BYTES]))
         try:
             if src.name not in entry.locations:  # taken away (deleted) while room was made
                 raise FailedPrecondition(f"block {entry.key.hex()} left tier {src.name} during a copy")
@@ -352,7 +376,7 @@ class Placement:
             return
         if top.tier.used_bytes + top.tier.accounted_size(entry.nbytes) > top.high_watermark * top.tier.capacity_bytes:
             return
-        slot = top.tier.allocate(entry.nbytes)
+        slot = top.tier.allocate(entry.nbytes, self.space_of(entry.key[:HASH_BYTES]))
         if slot is None:
             return
         try:

@@ -2,9 +2,15 @@
 
 Ordering decisions that matter:
 - Publish after the data lands. A put allocates PENDING slots (rows of the block table
-  that no lookup sees), receives every byte, checksums them, and only then adds all its
-  blocks to the index in one synchronous step (`PutPath.publish`). A failed or cancelled
-  put frees its slots; nothing was ever visible.
+  that no lookup sees), receives every byte, and only then adds all its blocks to the
+  index in one synchronous step (`PutPath.publish`). A failed or cancelled put frees its
+  slots; nothing was ever visible.
+- A checksum comes only from bytes the writer owned, never from a re-read of the slot:
+  `write` hashes each chunk from the message it arrived in, in the same pass that copies
+  it into the slot; a co-located client's put brings the checksums it took from its own
+  source (`commit(checksums)`). A slot is memory other processes may map (the shared
+  segment), so anything written into it by anyone else, before or after the commit,
+  makes that block fail verification when it is next read: a miss, never wrong bytes.
 - Read-your-writes. `PutTxn.commit` returns only after the index holds the blocks.
 - A put registers its namespace when it publishes, not before: it may begin with a
   record the registry has not filed (`NamespaceRegistry.prepare`), which `commit` files
@@ -39,14 +45,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 import numpy as np
+import xxhash
 
-from kvstore.checksum import checksum_batch
+from kvstore.checksum import checksum
 from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex
 from kvstore.core.migration import Migrator
 from kvstore.core.namespaces import NamespaceRegistry
 from kvstore.core.placement import Placement
-from kvstore.core.results import NamespaceInfo, PutResult, StoreCounters
+from kvstore.core.results import NamespaceInfo, PutOutcome, StoreCounters
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
 from kvstore.core.tenancy import TenantLedger
@@ -54,6 +61,7 @@ from kvstore.core.tier import Slot
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import DTYPE_BYTES
+from kvstore.native import XXH3, native
 
 
 class PutPath:
@@ -99,18 +107,19 @@ class PutPath:
             raise FailedPrecondition(f"this daemon has no {tier} memory tier")
         return PutTxn(self, info, list(hashes), parent_hash, target, window_bytes)
 
-    async def reserve_slots(self, tier: str, nbytes: int, count: int) -> list[Slot]:
-        """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet
-        (making room as a put would): a co-located client fills them ahead of the put that
-        names them (`PutTxn.adopt`). The caller frees what it does not adopt."""
+    async def reserve_slots(self, tier: str, nbytes: int, count: int, space: int = 0) -> list[Slot]:
+        """`count` empty slots of `nbytes` in memory tier `tier` (in `space`, for a tier
+        with spaces), bound to no block yet (making room as a put would): a co-located
+        client fills them ahead of the put that names them (`PutTxn.adopt`). The caller
+        frees what it does not adopt."""
         st = self.tiers.get(tier)
         if st is None or not st.tier.addressable:
             raise FailedPrecondition(f"this daemon has no {tier} memory tier")
-        slots = st.tier.allocate_many(nbytes, count)  # what fits now, in one step
+        slots = st.tier.allocate_many(nbytes, count, space)  # what fits now, in one step
         try:
             while len(slots) < count:
-                slots.append(await self.placement.allocate_put(nbytes, [st], count - len(slots)))
-                slots += st.tier.allocate_many(nbytes, count - len(slots))  # the rest of the room made
+                slots.append(await self.placement.allocate_put(nbytes, [st], count - len(slots), space))
+                slots += st.tier.allocate_many(nbytes, count - len(slots), space)  # the rest of the room made
         except BaseException:
             self.free_slots(slots)
             raise
@@ -162,6 +171,10 @@ class PutTxn:
         # blocks cannot evict them (the put would otherwise report them present when not).
         self._held: list[BlockEntry] = []
         self._received = [0] * len(hashes)
+        # Each block's checksum, taken from the bytes `write` was given; for a block that
+        # arrives in several chunks, the running hash of the chunks so far.
+        self._sums = [0] * n
+        self._running: xxhash.xxh3_64 | None = None
         self._current = 0
         self._done = False
         self._tier = tier
@@ -257,12 +270,13 @@ class PutTxn:
                 self._quota_held[name] = self._quota_held.get(name, 0) + more
         # What fits in the first landing tier now, in one step; then, per block, the
         # next tier with room, or room made (no await and no coroutine where a tier has room).
-        slots: list[Slot] = landing[0].tier.allocate_many(nbytes, len(positions))
+        space = puts.placement.space_of_tenant(self._tenant)
+        slots: list[Slot] = landing[0].tier.allocate_many(nbytes, len(positions), space)
         try:
             for k in range(len(slots), len(positions)):
-                slot = next((s for st in landing if (s := st.tier.allocate(nbytes)) is not None), None)
+                slot = next((s for st in landing if (s := st.tier.allocate(nbytes, space)) is not None), None)
                 if slot is None:
-                    slot = await puts.placement.allocate_put(nbytes, landing, len(positions) - k)
+                    slot = await puts.placement.allocate_put(nbytes, landing, len(positions) - k, space)
                     if self._done:  # aborted while making room
                         puts.tiers[slot.tier].tier.free(slot)
                         raise FailedPrecondition("this put was aborted")
@@ -332,9 +346,28 @@ class PutTxn:
         if self._next_new < len(self._new) and self._new[self._next_new] == block:
             await self._reserve_window()  # the first chunk of a block without a slot yet
         slot = self._slots[block]
+        end = offset + len(data)
         if slot is not None:
-            await self._puts.tiers[slot.tier].tier.write(slot, offset, data)
-        self._received[block] = offset + len(data)
+            tier = self._puts.tiers[slot.tier].tier
+            if offset == 0 and end == self.block_bytes:  # the whole block in one chunk: one pass
+                view = tier.view(slot, end) if XXH3 else None
+                if view is not None:
+                    # Streamed into the slot, hashed from the message piece just copied.
+                    self._sums[block] = native.copy_hash(np.frombuffer(view, np.uint8),
+                                                         np.frombuffer(data, np.uint8), True)
+                else:
+                    self._sums[block] = checksum(data)
+                    await tier.write(slot, 0, data)
+            else:
+                if offset == 0:
+                    self._running = xxhash.xxh3_64()
+                assert self._running is not None
+                self._running.update(data)
+                await tier.write(slot, offset, data)
+                if end == self.block_bytes:
+                    self._sums[block] = self._running.intdigest()
+                    self._running = None
+        self._received[block] = end
 
     def _advance(self, block: int) -> None:
         """Move on to block `block` (a chunk for it arrived): it must be one of the put's,
@@ -407,55 +440,34 @@ class PutTxn:
         )
 
     async def commit(self, checksums: Sequence[int] | None = None,
-                     check: Callable[[], None] | None = None) -> PutResult:
-        """Verify every block is complete, checksum, and publish. Read-your-writes holds on return.
+                     check: Callable[[], None] | None = None) -> PutOutcome:
+        """Verify every block is complete and publish. Read-your-writes holds on return.
 
-        `checksums` (one per block of the put, in order) are taken as given instead of
-        hashing the slots: a co-located client hashes its source while copying it in. A
-        wrong one cannot cause a wrong block to be served: every read verifies.
+        Each block's checksum is the one `write` took from the bytes it was given; or, for
+        bytes a co-located client copied in itself (`mark_written`), `checksums` (one per
+        block of the put, in order), which the client took from its source while copying.
+        A wrong one cannot cause a wrong block to be served: every read verifies.
 
         `check`, if given, raises when the put is no longer wanted (its call was cancelled
         or ran past its deadline); it is called right before the publish, with no await
         in between, and the put is rolled back if it raises.
         """
-        if checksums is not None:
-            self._seal_given(checksums)  # no await: a co-located client's commit stays one step
-        else:
-            await self.seal()
+        self.seal(checksums)
         return self.publish_sealed(check)
 
-    async def seal(self, checksums: Sequence[int] | None = None) -> None:
-        """`commit`'s first half, which may await: every block complete, checksums taken.
-        A put of several transactions (a grouped layout's parts: kvstore.core.groups)
-        seals them all, then publishes them all in one synchronous step."""
-        if checksums is not None:
-            self._seal_given(checksums)
-            return
-        new_at, rows = self._complete()
-        puts = self._puts
-        tiers = puts.tiers
-        slots = [slot for slot in self._slots if slot is not None]  # the new blocks', in order
-        nb = self.block_bytes
-        views = [tiers[s.tier].tier.view(s, nb) for s in slots]
-        if any(v is None for v in views):
-            # Not host-visible (HBM): the tier's read completes only after the device
-            # copy has, so the checksum covers bytes that have landed.
-            datas: list[bytes | memoryview] = [await tiers[s.tier].tier.read(s, nb) for s in slots]
-        else:
-            datas = [v for v in views if v is not None]
-        sums = await checksum_batch(datas, puts.executor)
-        if self._done:  # aborted while checksumming (cancelled call)
-            raise FailedPrecondition("this put was aborted")
-        self._sealed = (new_at, rows, sums, False)
-
-    def _seal_given(self, checksums: Sequence[int]) -> None:
-        """`seal` with the checksums a co-located client took (one per block of the put)."""
+    def seal(self, checksums: Sequence[int] | None = None) -> None:
+        """`commit`'s first half: every block complete, its checksum the one `write` took
+        (or the client's, given). A put of several transactions (a grouped layout's parts:
+        kvstore.core.groups) seals them all, then publishes them all in one step."""
         new_at, rows = self._complete()
         n = self._n
-        if len(checksums) != n:
-            raise InvalidArgument(f"{len(checksums)} checksums for a put of {n} blocks")
-        sums = checksums if len(new_at) == n else [checksums[i] for i in new_at.tolist()]
-        self._sealed = (new_at, rows, sums, True)
+        given = self._sums if checksums is None else checksums
+        if len(given) != n:
+            raise InvalidArgument(f"{len(given)} checksums for a put of {n} blocks")
+        sums = given if len(new_at) == n else [given[i] for i in new_at.tolist()]
+        if self._done:
+            raise FailedPrecondition("this put was aborted")
+        self._sealed = (new_at, rows, sums, checksums is not None)
 
     def _complete(self) -> tuple[np.ndarray, np.ndarray]:
         """Every block got all its bytes (else say where the stream stopped); the
@@ -465,7 +477,7 @@ class PutTxn:
         new_at = np.flatnonzero(self._rows >= 0)
         return new_at, self._rows[new_at]
 
-    def publish_sealed(self, check: Callable[[], None] | None = None) -> PutResult:
+    def publish_sealed(self, check: Callable[[], None] | None = None) -> PutOutcome:
         """`commit`'s second half, synchronous: `check`, then publish what `seal` sealed."""
         assert self._sealed is not None, "seal() comes first"
         if self._done:  # aborted since it was sealed
@@ -503,7 +515,7 @@ class PutTxn:
         c.bytes_in += stored * self.block_bytes
         if client_sums:  # the client wrote the bytes into the segment itself
             c.local_bytes_in += stored * self.block_bytes
-        return PutResult(self._info.namespace_id, stored, existing, list(self._hashes))
+        return PutOutcome(self._info.namespace_id, stored, existing, list(self._hashes))
 
     def stored_positions(self) -> list[int]:
         """After the publish: the positions (in the put) of the blocks it stored."""

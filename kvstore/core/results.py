@@ -117,7 +117,7 @@ class NamespaceInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class LookupResult:
+class PrefixLookup:
     namespace_id: bytes
     num_blocks: int
     block_size_tokens: int
@@ -156,28 +156,11 @@ class BlockInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class PutResult:
+class PutOutcome:
     namespace_id: bytes
     stored: int
     existing: int
     block_hashes: list[bytes]
-
-
-@dataclass(frozen=True, slots=True)
-class PinResult:
-    lease_id: str
-    pinned: int
-    expires_in_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchResult:
-    tier: str
-    requested: int
-    raised: int  # copied or moved up into the tier by this call
-    already: int  # were in the tier (or above it) already
-    missing: int  # not in the store, or failed verification on the way up
-    skipped: int = 0  # no room in the target: everything there pinned, held or PENDING
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,13 +61,11 @@ from kvstore.core.results import (
     BlockGroup,
     BlockInfo,
     BlockRef,
-    LookupResult,
     MigrationConfig,
     MigrationStatus,
     NamespaceInfo,
-    PinResult,
-    PrefetchResult,
-    PutResult,
+    PrefixLookup,
+    PutOutcome,
     RemovalResult,
     StoreCounters,
     StoreLimits,
@@ -83,11 +81,12 @@ from kvstore.core.tier import BounceCopier, Copier, Slot, Tier
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
+from kvstore.results import PinResult, PrefetchResult
 
 # The facade and the values its verbs take and return.
 __all__ = [
-    "BlockGroup", "BlockInfo", "BlockRef", "FetchStream", "LookupResult", "MigrationConfig", "MigrationStatus",
-    "NamespaceInfo", "PinResult", "PolicyDeferral", "PrefetchResult", "PutResult", "PutTxn", "RemovalResult",
+    "BlockGroup", "BlockInfo", "BlockRef", "FetchStream", "PrefixLookup", "MigrationConfig", "MigrationStatus",
+    "NamespaceInfo", "PinResult", "PolicyDeferral", "PrefetchResult", "PutOutcome", "PutTxn", "RemovalResult",
     "Store", "StoreCounters", "StoreLimits", "StoreObserver", "StoreStatus", "StoreTier", "TierCounters",
     "TierStatus", "WritePolicy", "check_hint",
 ]
@@ -326,7 +325,7 @@ class Store:
 
     # ----------------------------------------------------------------- lookup
 
-    def lookup(self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, lease_ms: int = 0) -> LookupResult:
+    def lookup(self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, lease_ms: int = 0) -> PrefixLookup:
         """The longest READY prefix of a chain, given as hashes or packed (N x 16 bytes:
         what the wire carries, probed without cutting it into N objects)."""
         info = self._enter(namespace_id)
@@ -361,7 +360,7 @@ class Store:
                 # Tail first, so the head of a chain is the most recently used: a recency
                 # policy then evicts chain tails before the heads later blocks depend on.
                 st.defer_touch(tail_first if held == n_hit else tail_first[tops_tail_first == tid])
-        return LookupResult(
+        return PrefixLookup(
             namespace_id=namespace_id,
             num_blocks=n_hit,
             block_size_tokens=info.layout.block_size_tokens,
@@ -370,6 +369,16 @@ class Store:
             hashes_packed=packed[: n_hit * HASH_BYTES],
             lease_id=lease_id,
         )
+
+    def count_unknown_lookup(self, n_asked: int) -> None:
+        """A lookup of a layout the store holds nothing of (the server answers it without
+        registering one): counted as a lookup whose every block missed, in every tier."""
+        c = self.counters
+        c.lookups += 1
+        c.lookup_blocks += n_asked
+        c.miss_blocks += n_asked
+        for st in self.tiers:
+            st.counters.misses += n_asked
 
     def block(self, namespace_id: bytes, block_hash: bytes) -> BlockInfo | None:
         """A snapshot of one READY block's metadata; None if it is not in the store."""
@@ -422,11 +431,11 @@ class Store:
             return namespace
         return self._enter(namespace, hashes)
 
-    async def reserve_slots(self, tier: str, nbytes: int, count: int) -> list[Slot]:
-        """`count` empty slots of `nbytes` in memory tier `tier`, bound to no block yet: a
-        co-located client fills them ahead of the put that names them (`PutTxn.adopt`).
-        The caller frees what it does not adopt (`free_slots`)."""
-        return await self.puts.reserve_slots(tier, nbytes, count)
+    async def reserve_slots(self, tier: str, nbytes: int, count: int, space: int = 0) -> list[Slot]:
+        """`count` empty slots of `nbytes` in memory tier `tier` (in `space`), bound to no
+        block yet: a co-located client fills them ahead of the put that names them
+        (`PutTxn.adopt`). The caller frees what it does not adopt (`free_slots`)."""
+        return await self.puts.reserve_slots(tier, nbytes, count, space)
 
     def free_slots(self, slots: Sequence[Slot]) -> None:
         """Return reserved, never-published slots to their tiers."""
@@ -506,7 +515,7 @@ class Store:
 
     def lease_prefix(
         self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, ttl_ms: int, tier: str
-    ) -> tuple[LookupResult, list[int], list[int]]:
+    ) -> tuple[PrefixLookup, list[int], list[int]]:
         """The fetch of a co-located reader: the READY prefix of `hashes` (given one by one
         or packed, as `lookup` takes them), plus a bytes-holding lease on its leading run
         of blocks in `tier`, with their offsets in that tier and their checksums.
@@ -541,7 +550,7 @@ class Store:
             st.defer_touch(run[::-1])
         self.counters.fetches += 1
         self.counters.blocks_fetched += len(run)
-        result = LookupResult(
+        result = PrefixLookup(
             namespace_id=namespace_id,
             num_blocks=len(rows),
             block_size_tokens=info.layout.block_size_tokens,

@@ -16,9 +16,11 @@ Writes and reads are coroutines so that tiers whose bytes move off the event loo
 (SSD files, CUDA streams) share one interface with the memory-addressable ones.
 
 Capabilities the store plans with are declared here, never probed for: `addressable`,
-`has_host_view`, `inclusive` (its copy stays next to the copies above it), `recover`
-(blocks that survived a restart), `region_keys` (what must go for a victim's room to come
-back), and `copier_from_host` / `copier_to_host` (a tier's own transfer handlers).
+`has_host_view`, `inclusive` (its copy stays next to the copies above it), `spaces` (it
+keeps each space's blocks in memory of its own: `allocate` and `allocate_many` take the
+space, and tiers without spaces ignore it), `recover` (blocks that survived a restart),
+`region_keys` (what must go for a victim's room to come back), and `copier_from_host` /
+`copier_to_host` (a tier's own transfer handlers).
 """
 
 from __future__ import annotations
@@ -91,6 +93,12 @@ class Tier(ABC):
     #: themselves: a block raised out of it stays in it, a hit in it may leave a copy
     #: above, and it is where write-through writes.
     inclusive: ClassVar[bool] = False
+    #: Whether the tier keeps blocks of different spaces in memory of their own (the
+    #: host tier with auth on: one shared-memory segment per tenant, so that a client
+    #: can map its tenant's blocks and nobody else's). A space is a small int the store
+    #: derives from a block's tenant; 0 where there is none. A slot's space is the
+    #: tier's to record (in its offset, say): the store only passes it to `allocate`.
+    spaces: bool = False
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
@@ -107,18 +115,24 @@ class Tier(ABC):
     def blocks(self) -> int:
         return self._blocks
 
-    def allocate(self, nbytes: int) -> Slot | None:
-        """Reserve room for `nbytes`; None when no free extent fits (the caller evicts)."""
+    def allocate(self, nbytes: int, space: int = 0, reclaim: bool = False) -> Slot | None:
+        """Reserve room for `nbytes` (in `space`, for a tier with `spaces`); None when no
+        free extent fits (the caller evicts).
+
+        A tier with spaces may also answer None while it keeps free memory for the spaces
+        that freed it recently (their next blocks then land on pages their clients have
+        mapped already); `reclaim=True` takes that memory too, which the caller asks for
+        only when nothing is left to evict."""
         slot = self._allocate(nbytes)
         if slot is not None:
             self._account(slot)
         return slot
 
-    def allocate_many(self, nbytes: int, count: int) -> list[Slot]:
+    def allocate_many(self, nbytes: int, count: int, space: int = 0) -> list[Slot]:
         """Up to `count` slots of `nbytes` (fewer when the tier runs out of room: the
         caller evicts for the rest), as `allocate` gives them one by one."""
         slots: list[Slot] = []
-        while len(slots) < count and (slot := self.allocate(nbytes)) is not None:
+        while len(slots) < count and (slot := self.allocate(nbytes, space)) is not None:
             slots.append(slot)
         return slots
 

@@ -151,6 +151,18 @@ FIELDS: tuple[Field, ...] = (
           "is closed (clients reconnect on their next call)", lo=1, hi=86_400),
     Field("keepalive_s", "float", 60.0, "a gRPC connection with calls open that sent nothing for this many "
           "seconds is pinged, and closed when the ping goes unanswered (a client that vanished)", lo=1, hi=86_400),
+    Field("data_lane_listen", "list", ("auto",), "where the data lane (block bytes for remote clients and peers "
+          "on sockets of their own, not in gRPC messages; see docs/net.md) listens: auto (next to each TCP "
+          "listener, same host, a port of the system's choosing), off, or HOST:PORT and/or unix:PATH; "
+          "non-loopback needs auth and TLS like listen", metavar="auto|off|ADDR[,ADDR]"),
+    Field("data_lane_advertise", "list", (), "addresses the DataLane call offers clients instead of the bound "
+          "ones (behind NAT or port mapping), in the same form", metavar="ADDR[,ADDR]"),
+    Field("data_lane_connections", "int", 4, "most data lane connections one transfer may use", lo=1, hi=64),
+    Field("data_lane_window", "size", 32 << 20, "credit the daemon grants each data lane connection of a put: "
+          "the most block bytes a client may have in flight on it", lo=1 << 20, hi=1 << 32, metavar="SIZE"),
+    Field("data_lane_io_timeout_s", "float", 30.0, "seconds a data lane peer may make no progress on a frame "
+          "before its connection is dropped", lo=0.1, hi=3600),
+    Field("data_lane_max_connections", "int", 256, "most data lane connections open at once", lo=1, hi=1 << 16),
 )
 
 # Settings that were replaced, with what to use instead.
@@ -237,6 +249,12 @@ class Config:
     handshake_timeout_s: float
     connection_idle_s: float
     keepalive_s: float
+    data_lane_listen: tuple[str, ...]
+    data_lane_advertise: tuple[str, ...]
+    data_lane_connections: int
+    data_lane_window: int
+    data_lane_io_timeout_s: float
+    data_lane_max_connections: int
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

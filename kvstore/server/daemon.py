@@ -4,7 +4,8 @@ serves them over gRPC and the control lane, and shuts down cleanly.
 Start-up is one `contextlib.AsyncExitStack`: the checksum executor, the tiers and the
 store (which owns the tiers once built), the open local puts, the metrics endpoint, the
 gRPC server (KVStore, Admin, grpc.health.v1.Health, reflection) and its listeners, the
-control lanes, and the background tasks. Whatever fails, what was built is torn down in
+data lane's listeners (`kvstore.server.datalane`), the control lanes, and the background
+tasks. Whatever fails, what was built is torn down in
 reverse, and `stop` unwinds the same stack. It refuses to start, with a message naming
 the setting to change, on a bad address, an address in use (SO_REUSEPORT is turned off
 so a second daemon cannot silently share a port), a non-loopback TCP address without a
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import secrets
@@ -53,6 +55,7 @@ from kvstore.server.connections import (
     grpc_server_options,
     raise_open_file_limit,
 )
+from kvstore.server.datalane import DataLaneServer, LaneCollector, check_lane_exposure, lane_addresses, server_tls
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.events import EventBus
 from kvstore.server.host_resources import GcFreezer, check_disk_capacity, resolve_host_capacity
@@ -69,10 +72,12 @@ from kvstore.server.reflection import enable_reflection
 from kvstore.server.requests import RequestResolver
 from kvstore.server.runtime import RuntimeConfig
 from kvstore.server.servicer import KVStoreServicer
+from kvstore.server.transfers import LaneSettings, LaneTransfers
 from kvstore.tiers import (
     HBM,
     HOST,
     HostTier,
+    SpacedHostTier,
     Tier,
     TierSettings,
     build_tiers,
@@ -90,6 +95,7 @@ logger = logging.getLogger(__name__)
 AFTER_DRAIN_GRACE_S = 0.5
 
 LEASE_SWEEP_S = 1.0
+PR_SET_DUMPABLE = 4
 # Loggers whose records a flood of connections repeats (a refused peer, an accept out of
 # descriptors): one line per interval, with a count of the rest.
 REPEATING_LOGGERS = ("asyncio", "grpc._cython.cygrpc", "kvstore.server.lane")
@@ -110,6 +116,8 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.addresses, self._metrics_addr = check_exposure(config)
+        self.lane_addresses = lane_addresses(config, self.addresses)
+        check_lane_exposure(config, self.lane_addresses)
         # Read now, so a bad token file stops the daemon before it binds anything.
         self.tokens: TokenTable | None = parse_token_file(config.auth_token_file) if config.auth_token_file else None
         self._tls = tls_credentials(config)
@@ -125,6 +133,7 @@ class Daemon:
         self.bound: list[str] = []
         self.bound_lanes: list[str] = []  # socket paths of the local control lanes
         self.lanes: list[LaneServer] = []
+        self.data_lane: DataLaneServer | None = None  # block bytes for remote clients (docs/net.md)
         self.metrics_address = ""  # HOST:PORT once the endpoint is up; empty when off
         self.connection_limits: ConnectionLimits | None = None  # fitted to the open-file limit at start
         self.gc_freezer = GcFreezer()
@@ -132,6 +141,7 @@ class Daemon:
         self._executor: ThreadPoolExecutor | None = None
         self._health: HealthServicer | None = None
         self._local_puts: LocalPuts | None = None
+        self._transfers: LaneTransfers | None = None
         self._unix_paths: list[str] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._prefault: asyncio.Task[bool] | None = None
@@ -161,7 +171,8 @@ class Daemon:
         if cfg.ssd_path:
             check_disk_capacity(cfg.ssd_path, cfg.ssd_capacity)
         built, absent = build_tiers(TierSettings(
-            host_capacity_bytes=host_capacity, shm_dir=shm_dir, hbm_capacity_bytes=cfg.hbm_capacity, gpu=cfg.gpu,
+            host_capacity_bytes=host_capacity, shm_dir=shm_dir, host_spaces=self.tokens is not None,
+            hbm_capacity_bytes=cfg.hbm_capacity, gpu=cfg.gpu,
             ssd_path=cfg.ssd_path, ssd_capacity_bytes=cfg.ssd_capacity, ssd_region_size_bytes=cfg.ssd_region_size,
             ssd_io=cfg.ssd_io, ssd_io_threads=cfg.ssd_io_threads, ssd_compress=cfg.ssd_compress,
         ))
@@ -239,8 +250,9 @@ class Daemon:
         await self._start_metrics(stack)
         # The host tier is not the first one when an HBM tier sits above it.
         host_tier = next(st.tier for st in store.tiers if st.name == HOST)
-        assert isinstance(host_tier, HostTier)
+        assert isinstance(host_tier, (HostTier, SpacedHostTier))
         server, servicer = self._services(store, host_tier, absent)
+        await self._start_data_lane(stack)
         await self._start_grpc(stack, server)
         if cfg.local_lane:
             stack.push_async_callback(self._close_lanes)
@@ -253,12 +265,12 @@ class Daemon:
             # In the background: the daemon serves at once, and puts get faster as the
             # segment's pages are mapped in.
             self._prefault = asyncio.create_task(
-                asyncio.to_thread(host_tier.segment.populate, self._prefault_stop), name="kvstore-prefault"
+                asyncio.to_thread(host_tier.prefault, self._prefault_stop), name="kvstore-prefault"
             )
             stack.push_async_callback(self._stop_prefault)
         self._log_started(tiers, host_capacity)
 
-    def _services(self, store: Store, host_tier: HostTier,
+    def _services(self, store: Store, host_tier: HostTier | SpacedHostTier,
                   absent: list[tuple[str, str]]) -> tuple[grpc.aio.Server, KVStoreServicer]:
         """The gRPC server with every service on it (not bound yet), and the KVStore
         servicer, which the lanes serve too."""
@@ -283,9 +295,14 @@ class Daemon:
             max_tokens_per_call=cfg.max_tokens_per_call, max_block_bytes=cfg.max_block_bytes,
             max_namespaces_per_tenant=cfg.max_namespaces_per_tenant if auth_on else None)
         self.runtime.register("max_tokens_per_call", lambda value: setattr(resolver, "max_tokens_per_call", value))
-        local = LocalPlane(store, resolver, host_tier.segment, self._local_puts)
-        servicer = KVStoreServicer(store, resolver, local, DevicePlane(store, local), cfg.chunk_bytes,
-                                   cfg.max_put_reserve_bytes, cfg.put_idle_timeout_s)
+        local = LocalPlane(store, resolver, host_tier, self._local_puts)
+        transfers = LaneTransfers(store, resolver, LaneSettings(
+            window_bytes=cfg.data_lane_window, max_connections_per_transfer=cfg.data_lane_connections,
+            io_timeout_s=cfg.data_lane_io_timeout_s, max_block_bytes=cfg.max_block_bytes,
+        ), lambda: self.data_lane.endpoints() if self.data_lane is not None else [])
+        self._transfers = transfers
+        servicer = KVStoreServicer(store, resolver, local, DevicePlane(store, local, self._local_plane_tenants),
+                                   cfg.chunk_bytes, cfg.max_put_reserve_bytes, cfg.put_idle_timeout_s, transfers)
         add_kvstore_servicer(servicer, server)
         admin_pb2_grpc.add_AdminServicer_to_server(
             AdminServicer(store, self.runtime, self.events, absent, lambda: self.auth.in_flight), server
@@ -302,6 +319,11 @@ class Daemon:
         )
         return server, servicer
 
+    def _local_plane_tenants(self) -> int:
+        """How many tenants may use the shared-memory and device planes now."""
+        table = self.auth.table
+        return 1 if table is None else sum(i.local_plane for i in table.identities.values())
+
     async def _start_grpc(self, stack: contextlib.AsyncExitStack, server: grpc.aio.Server) -> None:
         """Bind every listen address and start serving; stopping the server releases them."""
         stack.callback(self._remove_unix_sockets)  # once the server has stopped
@@ -311,6 +333,19 @@ class Daemon:
             if addr.kind == "unix":
                 self._unix_paths.append(addr.path)
         await server.start()
+
+    async def _start_data_lane(self, stack: contextlib.AsyncExitStack) -> None:
+        """The data lane's listeners, closed (transfers released) before the store."""
+        assert self._transfers is not None
+        if not self.lane_addresses:
+            return
+        lane = DataLaneServer(self._transfers, self.auth, server_tls(self.config),
+                              self.config.data_lane_max_connections, self.config.data_lane_advertise)
+        stack.push_async_callback(lane.close)
+        self.data_lane = lane
+        await lane.start(self.lane_addresses)
+        self.metrics.registry.register(LaneCollector(lane.counters))
+        self.metrics.count_lane(lane.counters.get)
 
     async def _start_metrics(self, stack: contextlib.AsyncExitStack) -> None:
         if self._metrics_addr is None:
@@ -328,8 +363,9 @@ class Daemon:
 
     def _log_started(self, tiers: list[StoreTier], host_capacity: int) -> None:
         cfg = self.config
+        data_lanes = [f"data lane {a.grpc_target}" for a in self.data_lane.bound] if self.data_lane else []
         logger.info(
-            "kvstore serving on %s; tiers %s, policy %s", ", ".join(self.bound + self.bound_lanes),
+            "kvstore serving on %s; tiers %s, policy %s", ", ".join(self.bound + self.bound_lanes + data_lanes),
             ", ".join(f"{t.name} {human_bytes(t.tier.capacity_bytes)}" for t in tiers), cfg.policy
         )
         if self.metrics_address:
@@ -472,9 +508,11 @@ class Daemon:
         """Refuse new calls, then wait for calls in flight and for local puts whose bytes
         co-located clients are copying (their commit is still accepted; see `DrainGate`)."""
         local = self._local_puts
+        transfers = self._transfers
 
         def no_local_puts() -> bool:
-            return local is None or not len(local)
+            # Data lane transfers count too: their bytes are on the way after the call that opened them.
+            return (local is None or not len(local)) and (transfers is None or not len(transfers))
 
         self._gate.close()
         if self._gate.in_flight or not no_local_puts():
@@ -488,11 +526,25 @@ class Daemon:
         await self._stopped.wait()
 
 
+def make_undumpable() -> None:
+    """prctl(PR_SET_DUMPABLE, 0): this process's /proc entries (open files, memory, maps)
+    become root's, and other processes of its uid can neither ptrace it nor open them.
+    With auth on, the daemon holds every tenant's segment open; without this, any process
+    of its uid could open them through /proc/<pid>/fd."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+
+
 async def serve(config: Config, reload: Callable[[], Config] | None = None) -> None:
     """Run a daemon until SIGTERM or SIGINT, then shut it down gracefully.
 
-    `reload` re-reads the config sources; with it, SIGHUP applies runtime fields.
+    `reload` re-reads the config sources; with it, SIGHUP applies runtime fields. With a
+    token file, the process first becomes non-dumpable (`make_undumpable`): tenants'
+    segments are then reachable only through the control lane.
     """
+    if config.auth_token_file:
+        make_undumpable()
     daemon = Daemon(config)
     await daemon.start()
     loop = asyncio.get_running_loop()

@@ -35,6 +35,11 @@ once, many times over); it holds at most `max_connections`, dropping the oldest 
 that has not said hello to make room for a new one, and refuses the rest; a connection
 that sends no hello within `hello_timeout_s`, or nothing for `idle_s`, is closed; when
 accept() runs out of descriptors, accepting pauses for `ACCEPT_PAUSE_S`.
+
+File descriptors: a Unix socket can carry them, gRPC cannot. A `LocalSegment` call
+here runs with `PASSED_FDS` set to a list; the handler may put descriptors in it
+(a tenant's own shared-memory segment, with auth on), and they go to the client with
+the answer's first byte (SCM_RIGHTS). Over gRPC the list is None.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any
 
 import grpc
@@ -87,18 +93,25 @@ RECEIVE_KEEP = 1 << 20
 # Answers larger than this wait for the socket to drain before the next call is read.
 WRITE_HIGH_WATER = 1 << 20
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+# The calls whose handlers may pass file descriptors with their answer.
+PASSES_FDS = frozenset({"LocalSegment"})
+# Where such a handler puts them (see the module docstring); None outside the lane.
+PASSED_FDS: ContextVar[list[int] | None] = ContextVar("kvstore_lane_passed_fds", default=None)
 
 Handler = Callable[[Any, Any], Awaitable[Any]]
+# A call's answer: status, payload, and for a call that passes them, the descriptors.
+Answer = tuple[int, bytes] | tuple[int, bytes, list[int]]
 
 
 class _Method:
-    __slots__ = ("name", "request_type", "handler", "steps")
+    __slots__ = ("name", "request_type", "handler", "steps", "passes_fds")
 
     def __init__(self, name: str, handler: Handler, steps: CallSteps) -> None:
         self.name = name
         self.request_type = REQUEST_TYPES[name]
         self.handler = handler
         self.steps = steps
+        self.passes_fds = name in PASSES_FDS
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -290,7 +303,7 @@ class LaneServer:
             return exc, None
         return None, token
 
-    async def _call(self, mid: int, payload: bytes, token: str | None) -> tuple[int, bytes]:
+    async def _call(self, mid: int, payload: bytes, token: str | None) -> Answer:
         """One call, through the per-call pipeline (see the module docstring)."""
         method = self._methods.get(mid)
         if method is None:
@@ -301,6 +314,9 @@ class LaneServer:
         identity = None
         code = grpc.StatusCode.OK
         out = b""
+        fds: list[int] | None = None
+        if method.passes_fds:
+            PASSED_FDS.set(fds := [])
         try:
             identity = steps.enter(token, True, f"{self._id_prefix}{self.calls:x}")
             try:
@@ -321,6 +337,10 @@ class LaneServer:
             out = message.encode()
         finally:
             steps.leave(identity, code, start)
+            if fds is not None:
+                PASSED_FDS.set(None)
+        if fds and code is grpc.StatusCode.OK:
+            return code.value[0], out, fds
         return code.value[0], out
 
 
@@ -528,9 +548,36 @@ class _Connection(asyncio.BufferedProtocol):
         self.write(*task.result())
         self.take_frames()
 
-    def write(self, code: int, out: bytes) -> None:
+    def write(self, code: int, out: bytes, fds: list[int] | None = None) -> None:
         if self.transport is not None and not self.closing:
+            if fds:
+                self._write_with_fds(HEADER.pack(len(out), code) + out, fds)
+                return
             self.transport.write(HEADER.pack(len(out), code) + out)
+
+    def _write_with_fds(self, data: bytes, fds: list[int]) -> None:
+        """Send `data` with `fds` attached to its first byte. The transport cannot carry
+        them, so the first bytes go straight to the socket, which is only right while
+        nothing of an earlier answer waits in the transport's buffer."""
+        assert self.transport is not None
+        sock = self.transport.get_extra_info("socket")
+        sent = 0
+        if sock is not None and not self.transport.get_write_buffer_size():
+            try:
+                with socket.socket(fileno=os.dup(sock.fileno())) as raw:  # the same connection
+                    sent = socket.send_fds(raw, [data], fds, socket.MSG_NOSIGNAL)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                logger.debug("lane answer with descriptors not sent: %s", exc)
+                self.abort()
+                return
+        if not sent:
+            message = b"the answer could not be sent with its file descriptor; ask again on an idle connection"
+            self.transport.write(HEADER.pack(len(message), grpc.StatusCode.UNAVAILABLE.value[0]) + message)
+            return
+        if sent < len(data):
+            self.transport.write(data[sent:])
 
     def refuse(self, exc: KVStoreError) -> None:
         """Answer `exc` and hang up (after the answer is sent)."""

@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Callable
 
 # Calls that complete work begun before shutdown.
-ALLOWED_WHILE_DRAINING = frozenset({"/kvstore.v1.KVStore/LocalCommit"})
+ALLOWED_WHILE_DRAINING = frozenset({"/kvstore.v1.KVStore/LocalCommit", "/kvstore.v1.KVStore/LaneCommit"})
 REFUSAL = "kvstore is shutting down; retry against another daemon or after it restarts"
 
 

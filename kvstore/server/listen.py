@@ -23,7 +23,6 @@ one another user owns is refused in any case.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import os
 import socket
 import stat
@@ -31,10 +30,10 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvstore.addresses import is_loopback
 from kvstore.errors import ConfigError
 from kvstore.pathsafety import foreign_component, open_directory
 from kvstore.server.config import Config
-
 
 # While grpc creates a Unix socket: no access for group or others.
 UNIX_SOCKET_UMASK = 0o077
@@ -75,15 +74,6 @@ def parse_listen(addr: str) -> ListenAddress:
     if not 0 <= port <= 65535:
         raise ConfigError(f"listen address {addr!r}: port must be in [0, 65535]")
     return ListenAddress("tcp", host=host, port=port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_exposure(config: Config) -> tuple[list[ListenAddress], ListenAddress | None]:

@@ -21,20 +21,32 @@ exactly once, whatever fails:
   the spare ones (freed on failure, or passed on as the next reservation);
 - a put that reuses a reservation it does not need (`reuse_reservation_id`) takes its
   slots as spares for the next reservation, or frees them if they do not fit.
+
+Whose memory a client maps. With auth off there is one tenant: every client maps the
+host tier's one segment, by path. With auth on the host tier keeps one segment per
+tenant (`SpacedHostTier`): `LocalSegment` hands the caller its own tenant's segment, as
+a file descriptor over the control lane (`kvstore.server.lane.PASSED_FDS`; over gRPC it
+is refused, FAILED_PRECONDITION, and the SDK moves bytes through Put and Fetch), and
+every offset a client is given is one of its tenant's slots, in that segment: a put's
+slots and a reservation's come from the caller's space, a put into a namespace of
+another space (an admin naming it by id) is refused, and a fetch's leased run stops at
+the first block of another space (the client fetches the rest as bytes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvstore.core.results import NamespaceInfo
 from kvstore.core.store import Store
 from kvstore.core.tier import Slot
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.server.auth import current_identity
+from kvstore.server.lane import PASSED_FDS
 from kvstore.server.local_puts import LocalPuts
 from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
 from kvstore.shm import HEADER_BYTES
-from kvstore.tiers import HOST, Segment
+from kvstore.tiers import HOST, HostTier, Segment, SpacedHostTier
 from kvstore.v1 import kvstore_pb2
 
 # The tier the shared-memory plane serves from and puts into.
@@ -46,31 +58,76 @@ DEFAULT_LOCAL_LEASE_MS = 10_000
 MAX_RESERVE_AHEAD = 1024
 
 
+NO_SEGMENT = "this daemon has no shared-memory segment; use Put and Fetch"
+SEGMENT_NEEDS_LANE = (
+    "with auth on, each tenant's shared-memory segment is handed out only over the local control lane "
+    "(the Unix socket's .lane), which passes it as a file descriptor; call LocalSegment there, or use Put and Fetch"
+)
+ANOTHER_SPACE = ("this namespace's blocks live in another tenant's shared-memory segment; "
+                 "put them with Put, or from a client of that tenant")
+
+
 class LocalPlane:
-    def __init__(self, store: Store, resolver: RequestResolver, segment: Segment | None, puts: LocalPuts) -> None:
+    def __init__(self, store: Store, resolver: RequestResolver, host: HostTier | SpacedHostTier | None,
+                 puts: LocalPuts) -> None:
         self.store = store
         self.resolver = resolver
-        self._segment = segment
+        self._host = host
+        # One segment per tenant (auth on): offsets are translated and checked.
+        self._spaced: SpacedHostTier | None = host if isinstance(host, SpacedHostTier) else None
         # The daemon's own table: its sweep and shutdown must see these puts.
         self.puts = puts
 
     def require_segment(self) -> Segment:
-        if self._segment is None:
-            raise FailedPrecondition("this daemon has no shared-memory segment; use Put and Fetch")
-        return self._segment
+        """The segment the caller's blocks are in (its tenant's, with auth on)."""
+        return self._require_host().segment_for(self._caller_space())
+
+    def _require_host(self) -> HostTier | SpacedHostTier:
+        if self._host is None:
+            raise FailedPrecondition(NO_SEGMENT)
+        return self._host
+
+    def _caller_space(self) -> int:
+        return self.store.registry.space_of_tenant(current_identity().tenant) if self._spaced is not None else 0
+
+    def _in_another_space(self, info: NamespaceInfo) -> bool:
+        """Whether a namespace's blocks live in another segment than the caller's (its
+        tenant is not the caller's: an admin naming it by id)."""
+        return self._spaced is not None and self.store.registry.space_of_tenant(info.tenant) != self._caller_space()
 
     def segment(self) -> kvstore_pb2.LocalSegmentResponse:
+        if self._spaced is None:
+            seg = self.require_segment()
+            return kvstore_pb2.LocalSegmentResponse(
+                path=seg.path, token=seg.token, data_offset=HEADER_BYTES, capacity_bytes=seg.capacity
+            )
+        fds = PASSED_FDS.get()
+        if fds is None:
+            raise FailedPrecondition(SEGMENT_NEEDS_LANE)
         seg = self.require_segment()
-        return kvstore_pb2.LocalSegmentResponse(
-            path=seg.path, token=seg.token, data_offset=HEADER_BYTES, capacity_bytes=seg.capacity
-        )
+        fds.append(seg.fd)
+        return kvstore_pb2.LocalSegmentResponse(token=seg.token, data_offset=HEADER_BYTES, capacity_bytes=seg.capacity)
+
+    def _client_offsets(self, slots: Sequence[Slot | None], space: int) -> list[int]:
+        """What a client is told of `slots` (host slots of `space`; None: a block already
+        held, -1): offsets in its segment. Refused if any lies in another space."""
+        spaced = self._spaced
+        if spaced is None:
+            return [-1 if slot is None else slot.offset for slot in slots]
+        offsets = spaced.client_offsets(space, [slot.offset for slot in slots if slot is not None])
+        if len(offsets) != sum(slot is not None for slot in slots):
+            raise FailedPrecondition(ANOTHER_SPACE)
+        mine = iter(offsets)
+        return [-1 if slot is None else next(mine) for slot in slots]
 
     async def put(self, request: kvstore_pb2.LocalPutRequest) -> kvstore_pb2.LocalPutResponse:
-        self.require_segment()
+        if self._host is None:
+            raise FailedPrecondition(NO_SEGMENT)
         return await self.begin_put(request, LOCAL_TIER)
 
     async def fetch(self, request: kvstore_pb2.LocalFetchRequest) -> kvstore_pb2.LocalFetchResponse:
-        self.require_segment()
+        if self._host is None:
+            raise FailedPrecondition(NO_SEGMENT)
         return self.lease_blocks(request, LOCAL_TIER)
 
     def release_leases(self, lease_ids: Sequence[str]) -> None:
@@ -92,13 +149,21 @@ class LocalPlane:
         ns_id = info.namespace_id
         hashes, parent = resolver.put_keys(info, request.header)
         resolver.put_session(request.header)  # checked now; applied at commit
+        if tier == LOCAL_TIER and self._in_another_space(info):
+            raise FailedPrecondition(ANOTHER_SPACE)
         txn = store.begin_put(info, hashes, parent, tier=tier)
         await txn.reserve()
+        try:
+            offsets = (self._client_offsets(txn.slots(), self._caller_space()) if tier == LOCAL_TIER
+                       else [-1 if slot is None else slot.offset for slot in txn.slots()])
+        except BaseException:
+            txn.abort()
+            raise
         tenant = current_identity().tenant
         txn_id = self.puts.begin(txn, request.header, tenant)
         resp = kvstore_pb2.LocalPutResponse(
             txn_id=txn_id,
-            offsets=[-1 if slot is None else slot.offset for slot in txn.slots()],
+            offsets=offsets,
             block_bytes=txn.block_bytes,
             namespace_id=ns_id,
             expires_in_ms=self.puts.ttl_ms,
@@ -130,16 +195,22 @@ class LocalPlane:
             raise InvalidArgument(f"reserve_ahead is {count}; at most {MAX_RESERVE_AHEAD} slots")
         keep, extra = spare[:count], spare[count:]
         store.free_slots(extra)
+        space = self._caller_space()
         try:
-            slots = keep + await store.reserve_slots(LOCAL_TIER, block_bytes, count - len(keep))
+            slots = keep + await store.reserve_slots(LOCAL_TIER, block_bytes, count - len(keep), space)
         except ResourceExhausted:
             store.free_slots(keep)
             return None
+        try:
+            offsets = self._client_offsets(slots, space)
+        except BaseException:
+            store.free_slots(slots)
+            raise
         res_id = self.puts.reserve(slots, block_bytes, store.free_slots, current_identity().tenant)
         # The put after next will want as many slots again: evict for them while the client
         # copies into these, rather than inside its next call.
         store.make_room_soon(LOCAL_TIER, block_bytes * count, block_bytes)
-        return kvstore_pb2.SlotReservation(reservation_id=res_id, offsets=[s.offset for s in slots],
+        return kvstore_pb2.SlotReservation(reservation_id=res_id, offsets=offsets,
                                            block_bytes=block_bytes, expires_in_ms=self.puts.ttl_ms)
 
     async def commit(self, request: kvstore_pb2.LocalCommitRequest) -> kvstore_pb2.PutResponse:
@@ -178,7 +249,7 @@ class LocalPlane:
             return kvstore_pb2.PutResponse()
         header = request.header
         try:
-            self.require_segment()
+            self._require_host()
             self.release_leases(request.release_lease_ids)
             info = resolver.put_namespace(header.namespace)
             hashes, parent = resolver.put_keys(info, header)
@@ -190,6 +261,8 @@ class LocalPlane:
             if len(hashes) > len(res.slots):
                 raise InvalidArgument(f"a put of {len(hashes)} blocks into a reservation of {len(res.slots)} "
                                       "slots; put them with LocalPut")
+            if self._in_another_space(info):
+                raise FailedPrecondition(ANOTHER_SPACE)
             txn = store.begin_put(info, hashes, parent, tier=LOCAL_TIER)
         except BaseException:
             store.free_slots(res.slots)
@@ -236,6 +309,11 @@ class LocalPlane:
         result, offsets, checksums = self.store.lease_prefix(
             ns_id, chain, request.lease_ms or DEFAULT_LOCAL_LEASE_MS, tier=tier
         )
+        if self._spaced is not None and tier == LOCAL_TIER and offsets:
+            # Only the caller's own segment is mapped on its side: the run stops at a block
+            # of another space (the lease still covers the rest until it ends).
+            offsets = self._spaced.client_offsets(self._caller_space(), offsets)
+            checksums = checksums[: len(offsets)]
         return kvstore_pb2.LocalFetchResponse(
             num_blocks=result.num_blocks,
             offsets=offsets,

@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Data plane labels: block bytes in gRPC messages, or copied through the shared segment.
-GRPC_PLANE, SHM_PLANE = "grpc", "shm"
+# Data plane labels: block bytes in gRPC messages, copied through the shared segment, or
+# on the data lane (kvstore.server.datalane).
+GRPC_PLANE, SHM_PLANE, LANE_PLANE = "grpc", "shm", "lane"
 
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -57,6 +58,9 @@ class StoreCollector(Collector):
         self._store = store_getter
         self._bus = bus
         self._started = started
+        # The data lane's byte counts by name (its puts commit with checksums, as the
+        # shared-memory plane's do, so the store counts their bytes as local).
+        self.lane: Callable[[str], int] | None = None
 
     def collect(self) -> Iterator[Any]:
         info = InfoMetricFamily("kvstore_build", "kvstore version")
@@ -90,13 +94,17 @@ class StoreCollector(Collector):
             if value is not None:
                 yield counter(name, doc, value)
         local_in, local_out = getattr(c, "local_bytes_in", 0), getattr(c, "local_bytes_out", 0)
+        lane_in = self.lane("committed_bytes_in") if self.lane is not None else 0
+        lane_out = self.lane("served_bytes_out") if self.lane is not None else 0
         data_in = CounterMetricFamily("kvstore_data_in_bytes", "block bytes received, by data plane", labels=["plane"])
         data_in.add_metric([GRPC_PLANE], c.bytes_in - local_in)
-        data_in.add_metric([SHM_PLANE], local_in)
+        data_in.add_metric([SHM_PLANE], local_in - lane_in)
+        data_in.add_metric([LANE_PLANE], lane_in)
         yield data_in
         data_out = CounterMetricFamily("kvstore_data_out_bytes", "block bytes sent, by data plane", labels=["plane"])
-        data_out.add_metric([GRPC_PLANE], c.bytes_out - local_out)
+        data_out.add_metric([GRPC_PLANE], c.bytes_out - local_out - lane_out)
         data_out.add_metric([SHM_PLANE], local_out)
+        data_out.add_metric([LANE_PLANE], lane_out)
         yield data_out
 
         hits = CounterMetricFamily("kvstore_tier_hits", "looked-up blocks found in the tier", labels=["tier"])
@@ -161,7 +169,8 @@ class Metrics:
 
     def __init__(self, store_getter: Callable[[], Store | None], bus: EventBus | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(StoreCollector(store_getter, bus, time.monotonic()))
+        self._store_collector = StoreCollector(store_getter, bus, time.monotonic())
+        self.registry.register(self._store_collector)
         self.rpc_seconds = Histogram(
             "kvstore_rpc_duration_seconds",
             "RPC handling time, by method and status code",
@@ -183,6 +192,11 @@ class Metrics:
             calls = self._calls[method] = CallsInFlight()
             self.rpcs_in_flight.labels(method).set_function(calls.value)
         return calls
+
+    def count_lane(self, counts: Callable[[str], int]) -> None:
+        """Split the data lane's bytes out of the plane labels (`counts(name)`, by the
+        names of `kvstore.server.transfers.LaneCounters`)."""
+        self._store_collector.lane = counts
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

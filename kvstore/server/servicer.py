@@ -7,7 +7,7 @@ one validation boundary: namespaces, keys, sessions, the caller's lease ids), ca
 store verb, and builds the answer. A read of a layout the daemon holds nothing of
 (`UnregisteredLayout`) is answered as a miss without registering it; only a Put that
 publishes registers a namespace. The shared-memory and device planes are delegated to
-`LocalPlane` and `DevicePlane`. The one piece of work beyond translation is the Fetch
+`LocalPlane` and `DevicePlane`, the data lane's transfers to `LaneTransfers`. The one piece of work beyond translation is the Fetch
 framer (`_frame`), which the store's fetch calls to cut a block into wire messages, so
 that the checksum it verifies is taken over the bytes that are sent.
 
@@ -52,11 +52,12 @@ import grpc
 
 from kvstore.convert import TIER_BY_NAME, TIER_NAMES, unknown_tier_message
 from kvstore.core.store import Store
-from kvstore.errors import Cancelled, DataLoss, DeadlineExceeded, InvalidArgument
+from kvstore.errors import Cancelled, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from kvstore.native import XXH3, native
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.local_plane import LocalPlane
 from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
+from kvstore.server.transfers import LaneTransfers
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvstore.wire import Framed, RawChunk, chunk_prefix, encode_chunk
 
@@ -108,11 +109,13 @@ def _still_alive(context: grpc.aio.ServicerContext) -> None:
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: Store, resolver: RequestResolver, local: LocalPlane, device: DevicePlane,
                  chunk_bytes: int, put_window_bytes: int = DEFAULT_PUT_WINDOW_BYTES,
-                 put_idle_timeout_s: float = DEFAULT_PUT_IDLE_TIMEOUT_S) -> None:
+                 put_idle_timeout_s: float = DEFAULT_PUT_IDLE_TIMEOUT_S,
+                 lane: LaneTransfers | None = None) -> None:
         self.store = store
         self.resolver = resolver
         self.local = local
         self.device = device
+        self.lane = lane
         self.chunk_bytes = chunk_bytes
         # What one Put stream may reserve ahead of its bytes, and how long it may send nothing.
         self.put_window_bytes = put_window_bytes
@@ -130,7 +133,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         try:
             ns_id = self._namespace(request.namespace)
         except UnregisteredLayout as unknown:
-            self._miss(request.keys, unknown)
+            self.store.count_unknown_lookup(self._miss(request.keys, unknown))
             if request.HasField("hint"):
                 self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
             return kvstore_pb2.LookupResponse(namespace_id=unknown.namespace_id,
@@ -366,3 +369,21 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def DevicePut(self, request: kvstore_pb2.LocalPutRequest, context: Context) -> kvstore_pb2.LocalPutResponse:
         return await self.device.put(request)
+
+    async def DataLane(self, request: kvstore_pb2.DataLaneRequest, context: Context) -> kvstore_pb2.DataLaneResponse:
+        return self.lane.offer() if self.lane is not None else kvstore_pb2.DataLaneResponse()
+
+    async def LaneFetch(self, request: kvstore_pb2.LaneFetchRequest,
+                        context: Context) -> kvstore_pb2.LaneFetchResponse:
+        return await self._lane().open_fetch(request)
+
+    async def LanePut(self, request: kvstore_pb2.LanePutRequest, context: Context) -> kvstore_pb2.LanePutResponse:
+        return await self._lane().open_put(request)
+
+    async def LaneCommit(self, request: kvstore_pb2.LaneCommitRequest, context: Context) -> kvstore_pb2.PutResponse:
+        return await self._lane().commit(request)
+
+    def _lane(self) -> LaneTransfers:
+        if self.lane is None or not self.lane.offer().endpoints:
+            raise FailedPrecondition("this daemon serves no data lane (data_lane_listen is off); use Put and Fetch")
+        return self.lane

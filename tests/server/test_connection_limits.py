@@ -89,7 +89,7 @@ def test_idle_connections_past_the_descriptor_limit_leave_the_daemon_serving(tmp
     proc = procs.start(args, sock, log, env=env, preexec_fn=_low_fd_limit)
     flood: list[socket.socket] = []
     try:
-        found = re.search(r"serving on .*127\.0\.0\.1:(\d+)", log.read_text())
+        found = re.search(r"serving on [^\n]*?127\.0\.0\.1:(\d+)", log.read_text())  # gRPC first, data lanes last
         assert found, log.read_text()
         tcp = ("127.0.0.1", int(found.group(1)))
         lane = lane_path(str(sock))

@@ -104,6 +104,21 @@ async def test_made_up_lookups_register_nothing(stubs: Stubs) -> None:
     assert await stubs.namespaces() == before + 1
 
 
+async def test_a_lookup_of_an_unknown_layout_is_counted_as_a_miss(stubs: Stubs) -> None:
+    """Registering nothing must not hide the lookup: an engine asking about a layout the
+    daemon has never seen shows up in the stats as a lookup whose every block missed."""
+    before = (await stubs.admin.Stats(admin_pb2.StatsRequest())).counters
+    request = kvstore_pb2.LookupRequest(namespace=ns(made_up(7)), keys=tokens_keys(list(range(12))))
+    assert (await stubs.kv.Lookup(request)).num_blocks == 0
+    stats = await stubs.admin.Stats(admin_pb2.StatsRequest())
+    after = stats.counters
+    assert after.lookups == before.lookups + 1
+    assert after.lookup_blocks == before.lookup_blocks + 3
+    assert after.miss_blocks == before.miss_blocks + 3
+    assert after.hit_blocks == before.hit_blocks
+    assert [t.misses for t in stats.tiers if t.present] == [3]
+
+
 async def test_every_read_of_an_unknown_layout_is_a_miss(stubs: Stubs) -> None:
     layout = made_up(1)
     ref, toks = ns(layout), tokens_keys(list(range(12)))

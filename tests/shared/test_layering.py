@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"kvstore": "kvstore", "tiers": "kvstore.tiers", "client": "kvstore.client"}
 
 # package -> prefixes of kvstore modules it may import (besides itself).
-SHARED = ("kvstore.errors", "kvstore.layout", "kvstore.groups", "kvstore.hashing", "kvstore.units", "kvstore.checksum",
-          "kvstore.native", "kvstore._native", "kvstore.addresses", "kvstore.pathsafety", "kvstore.convert",
-          "kvstore.shm", "kvstore.logs", "kvstore.wire", "kvstore.laneproto", "kvstore.v1", "kvstore")
-CORE_MAY = tuple(m for m in SHARED if m not in ("kvstore.wire", "kvstore.laneproto", "kvstore.v1"))
+# The shared root is every module directly in kvstore/, the stubs and the compiled helpers.
+SHARED = tuple(sorted(f"kvstore.{p.stem}" for p in (ROOT / "kvstore").glob("*.py") if p.stem != "__init__")) + (
+    "kvstore.v1", "kvstore._native", "kvstore")
+CORE_MAY = tuple(m for m in SHARED if m not in ("kvstore.wire", "kvstore.laneproto", "kvstore.datalane", "kvstore.v1"))
 ALLOWED: dict[str, tuple[str, ...]] = {
     "shared": SHARED,
     "core": CORE_MAY + ("kvstore.core",),

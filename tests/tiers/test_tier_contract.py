@@ -11,7 +11,7 @@ import pytest
 from kvstore.checksum import checksum
 from kvstore.core.tier import BlockMeta, Tier
 from kvstore.tiers.cuda import cuda_available
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.host import HostTier, SpacedHostTier
 from kvstore.tiers.memory import MemoryTier
 from kvstore.tiers.ssd import SsdTier
 
@@ -24,6 +24,8 @@ def _make(kind: str, tmp_path: Path) -> Tier:
         return MemoryTier(CAPACITY)
     if kind == "host":
         return HostTier(CAPACITY)
+    if kind == "spaced-host":
+        return SpacedHostTier(CAPACITY)
     if kind == "ssd":
         return SsdTier(str(tmp_path / "ssd"), CAPACITY, region_size=64 * 1024, io_threads=2)
     if kind == "hbm":
@@ -36,7 +38,7 @@ def _make(kind: str, tmp_path: Path) -> Tier:
 gpu_only = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(params=["memory", "host", "ssd", pytest.param("hbm", marks=[pytest.mark.gpu, gpu_only])])
+@pytest.fixture(params=["memory", "host", "spaced-host", "ssd", pytest.param("hbm", marks=[pytest.mark.gpu, gpu_only])])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
     t = _make(request.param, tmp_path)
     try:

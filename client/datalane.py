@@ -1,0 +1,525 @@
+"""The client side of the data lane (framing in `kvstore.datalane`; see docs/net.md): a
+pool of connections to one daemon's lane that moves a transfer's blocks with one
+`sendmsg` from the caller's buffer per block and `recv_into` straight into the caller's
+destination, verifying each block as it lands.
+
+Primitives: `LaneEndpoint` and `choose_endpoint(offer, target)` (which of the daemon's
+lane addresses to use), `client_tls(security)`, and `DataLane`: `checkout(n, timeout_s)`
+-> connections, `checkin(conns)`, `fetch_into(conns, transfer_id, block_bytes, dests,
+timeout_s)` -> how many leading blocks landed verified, `put_from(conns, transfer_id,
+block_bytes, needed, sources, timeout_s)`, `stats()`. Every call is blocking and
+thread-safe; the SDK's asyncio client runs them in a worker thread.
+
+A transfer is opened by a control call first (`LaneFetch` / `LanePut` on the daemon's
+gRPC service), which answers the transfer id; this module only moves its bytes. It is
+the API the cluster uses for remote fetches and forwards as well: open the transfer on
+the peer, then `fetch_into` host-tier slots (memoryviews) or `put_from` them.
+
+Connections are checked out before the control call, so a lane that cannot be reached
+is found before a transfer holds anything on the daemon. Each connection of a transfer
+runs in its own thread (the caller's thread runs the first); a connection that broke or
+timed out is closed, the others go back to the pool. A block whose bytes do not match
+their checksum is dropped and counted (`stats().blocks_rejected`), never returned: the
+fetch's result ends before it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import socket
+import ssl
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from kvstore.client._auth import Security
+from kvstore.datalane import (
+    CREDIT,
+    DATA,
+    END,
+    ERROR,
+    FETCH,
+    HEADER_BYTES,
+    HELLO,
+    MAX_ERROR_BYTES,
+    PUSH,
+    VERSION,
+    WELCOME,
+    Frame,
+    Grant,
+    LaneClosed,
+    LaneSocket,
+    LaneTimeout,
+    ProtocolError,
+    checksum_of,
+    hello_payload,
+    status_of,
+    unpack,
+)
+from kvstore.errors import DataLoss, KVStoreError, Unavailable, error_for_status
+from kvstore.v1 import kvstore_pb2
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONNECTIONS = 4
+# Credit this client grants a daemon per fetch connection: the most block bytes in
+# flight to it (blocks land straight in their destinations, so this bounds only what
+# sits in the sockets' buffers).
+DEFAULT_WINDOW_BYTES = 32 << 20
+CONNECT_TIMEOUT_S = 3.0
+# After the lane could not be reached, the SDK uses gRPC for this long before trying again.
+RETRY_AFTER_S = 10.0
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+@dataclass(frozen=True, slots=True)
+class LaneEndpoint:
+    kind: str  # "tcp" or "unix"
+    host: str = ""
+    port: int = 0
+    path: str = ""
+    tls: bool = False
+
+    @property
+    def address(self) -> str:
+        if self.kind == "unix":
+            return f"unix:{self.path}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def _split_host_port(address: str) -> tuple[str, int] | None:
+    host, sep, port = address.rpartition(":")
+    if not sep:
+        return None
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError:
+        return None
+
+
+def choose_endpoint(offer: kvstore_pb2.DataLaneResponse, target: str) -> LaneEndpoint | None:
+    """The lane address to use for a client of gRPC `target`: for a TCP target, the TCP
+    endpoint on the host the client reached (a wildcard host means that one), else the
+    first TCP endpoint; for a Unix socket target, a Unix endpoint. None if none fits."""
+    unix_target = target.startswith("unix:")
+    target_host = "" if unix_target else (_split_host_port(target) or ("", 0))[0]
+    tcp: list[LaneEndpoint] = []
+    for ep in offer.endpoints:
+        if ep.address.startswith("unix:"):
+            if unix_target:
+                return LaneEndpoint("unix", path=ep.address[len("unix:"):])
+            continue
+        parsed = _split_host_port(ep.address)
+        if parsed is None:
+            continue
+        host, port = parsed
+        if host in WILDCARD_HOSTS:
+            if unix_target:
+                continue
+            host = target_host
+        tcp.append(LaneEndpoint("tcp", host=host, port=port, tls=ep.tls))
+    if unix_target or not tcp:
+        return None
+    return next((ep for ep in tcp if ep.host == target_host), tcp[0])
+
+
+def client_tls(security: Security) -> ssl.SSLContext | None:
+    """The TLS context for TCP lanes: the SDK's roots, and its client certificate (mTLS)."""
+    if security.tls_ca is None:
+        return None
+    ctx = ssl.create_default_context(cadata=security.tls_ca.decode("ascii", "replace"))
+    if security.tls_cert is not None and security.tls_key is not None:
+        # ssl loads a certificate chain only from files: a private directory, removed at once.
+        with tempfile.TemporaryDirectory(prefix="kvstore-lane-") as tmp:
+            cert, key = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
+            for path, data in ((cert, security.tls_cert), (key, security.tls_key)):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(data)
+            ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+@dataclass(frozen=True, slots=True)
+class LaneStats:
+    """What a client's data lane moved (this process, this client)."""
+
+    bytes_sent: int
+    bytes_received: int
+    blocks_rejected: int
+    transfers: int
+    connections_opened: int
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.bytes_sent = self.bytes_received = self.blocks_rejected = self.transfers = self.connections = 0
+
+
+class _FetchState:
+    """What the connections of one fetch found, block by block."""
+
+    def __init__(self, n: int) -> None:
+        self.lock = threading.Lock()
+        self.status = bytearray(n)  # 0 waiting, 1 landed verified, 2 rejected
+        self.end: int | None = None
+
+
+class _Push:
+    """The blocks of one put still to send, taken by whichever connection is free."""
+
+    def __init__(self, positions: list[int]) -> None:
+        self.todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for p in positions:
+            self.todo.put(p)
+        self.failed = False
+
+    def next(self) -> int | None:
+        if self.failed:
+            return None
+        try:
+            return self.todo.get_nowait()
+        except queue.Empty:
+            return None
+
+
+class DataLane:
+    """Connections to one daemon's data lane. Thread-safe; `close` ends them all."""
+
+    def __init__(self, endpoint: LaneEndpoint, security: Security, *, max_connections: int = DEFAULT_CONNECTIONS,
+                 window_bytes: int = DEFAULT_WINDOW_BYTES, connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 io_timeout_s: float = 30.0, tls: ssl.SSLContext | None = None) -> None:
+        self.endpoint = endpoint
+        self.max_connections = max(1, max_connections)
+        self.window_bytes = window_bytes
+        self.connect_timeout_s = connect_timeout_s
+        self.io_timeout_s = io_timeout_s
+        self._token = security.token
+        self._tls = tls if tls is not None else (client_tls(security) if endpoint.tls else None)
+        if endpoint.tls and self._tls is None:
+            raise Unavailable(f"the data lane at {endpoint.address} uses TLS; pass tls_ca (or KVSTORE_TLS_CA)")
+        self._idle: list[LaneSocket] = []
+        self._lock = threading.Lock()
+        # The second and further connections of each transfer; several transfers at once
+        # (an asyncio client's concurrent calls) each get theirs.
+        self._pool = ThreadPoolExecutor(max_workers=4 * self.max_connections, thread_name_prefix="kvstore-lane")
+        self._counters = _Counters()
+        self.down_until = 0.0
+        self.closed = False
+
+    # -------------------------------------------------------------- connections
+
+    def usable(self) -> bool:
+        """False for a while after the lane could not be reached (`mark_down`)."""
+        return time.monotonic() >= self.down_until
+
+    def mark_down(self, reason: object) -> None:
+        logger.info("data lane at %s unavailable (%s); block bytes go through gRPC for %.0f s",
+                    self.endpoint.address, reason, RETRY_AFTER_S)
+        self.down_until = time.monotonic() + RETRY_AFTER_S
+
+    def connections_for(self, blocks: int) -> int:
+        return max(1, min(self.max_connections, blocks))
+
+    def _connect(self, timeout_s: float) -> LaneSocket:
+        ep = self.endpoint
+        timeout = max(0.05, min(self.connect_timeout_s, timeout_s))
+        try:
+            if ep.kind == "unix":
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(timeout)
+                try:
+                    sock.connect(ep.path)
+                except BaseException:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection((ep.host, ep.port), timeout=timeout)
+            if self._tls is not None:
+                try:
+                    # Python's ssl matches an IP address against the certificate's IP SANs.
+                    sock = self._tls.wrap_socket(sock, server_hostname=ep.host)
+                except BaseException:
+                    sock.close()
+                    raise
+        except (OSError, ssl.SSLError) as exc:
+            raise Unavailable(f"cannot connect to the data lane at {ep.address}: {exc}") from None
+        lane = LaneSocket(sock, timeout)
+        try:
+            lane.send_frame(HELLO, block=VERSION, payload=hello_payload(self._token))
+            frame = lane.read_frame(time.monotonic() + timeout)
+            if frame.kind == ERROR:
+                raise _error_of(lane, frame.block, frame.length)
+            if frame.kind != WELCOME:
+                raise ProtocolError(f"the data lane answered the hello with frame kind {frame.kind}")
+            lane.set_timeout(self.io_timeout_s)
+        except BaseException:
+            lane.close()
+            raise
+        with self._counters.lock:
+            self._counters.connections += 1
+        return lane
+
+    def checkout(self, count: int, timeout_s: float) -> list[LaneSocket]:
+        """Up to `count` ready connections (idle ones first, then new ones); at least one,
+        or `Unavailable` (an auth refusal raises as itself)."""
+        got: list[LaneSocket] = []
+        with self._lock:
+            while self._idle and len(got) < count:
+                got.append(self._idle.pop())
+        for conn in [c for c in got if not _alive(c)]:
+            got.remove(conn)
+            conn.close()
+        deadline = time.monotonic() + timeout_s
+        error: KVStoreError | None = None
+        while len(got) < count:
+            try:
+                got.append(self._connect(deadline - time.monotonic()))
+            except KVStoreError as exc:
+                error = exc
+                break
+        if not got:
+            assert error is not None
+            raise error
+        return got
+
+    def checkin(self, conns: Sequence[LaneSocket]) -> None:
+        """Give back connections that finished their transfer cleanly."""
+        with self._lock:
+            if self.closed:
+                for c in conns:
+                    c.close()
+                return
+            self._idle.extend(conns)
+            extra = self._idle[: max(0, len(self._idle) - self.max_connections)]
+            del self._idle[: len(extra)]
+        for c in extra:
+            c.close()
+
+    def abort(self, conns: Sequence[LaneSocket]) -> None:
+        """End a transfer running on `conns` at once, from any thread: their sockets are
+        shut, so the threads moving its bytes fail now (and close them)."""
+        for conn in conns:
+            conn.shutdown()
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
+        self._pool.shutdown(wait=False)
+
+    def stats(self) -> LaneStats:
+        c = self._counters
+        with c.lock:
+            return LaneStats(c.bytes_sent, c.bytes_received, c.blocks_rejected, c.transfers, c.connections)
+
+    # -------------------------------------------------------------- transfers
+
+    def _run_all(self, conns: Sequence[LaneSocket], work: Callable[..., None],
+                 *args: object) -> list[BaseException | None]:
+        """`work(conn, *args)` on every connection at once (the first on this thread).
+        Each connection goes back to the pool if its part ended cleanly, else closed."""
+        futures: list[Future[None]] = [self._pool.submit(_part, work, c, *args) for c in conns[1:]]
+        errors: list[BaseException | None] = []
+        try:
+            _part(work, conns[0], *args)
+            errors.append(None)
+        except BaseException as exc:
+            errors.append(exc)
+        for f in futures:
+            try:
+                f.result()
+                errors.append(None)
+            except BaseException as exc:
+                errors.append(exc)
+        clean = [c for c, e in zip(conns, errors) if e is None]
+        for c, e in zip(conns, errors):
+            if e is not None:
+                c.close()
+        self.checkin(clean)
+        with self._counters.lock:
+            self._counters.transfers += 1
+        return errors
+
+    def fetch_into(self, conns: Sequence[LaneSocket], transfer_id: bytes, block_bytes: int,
+                   dests: Sequence[memoryview], timeout_s: float) -> int:
+        """Receive fetch `transfer_id`'s blocks into `dests` (block i into dests[i], each
+        `block_bytes`) on `conns`, which this call owns; how many leading blocks landed
+        verified. A rejected block, or one that never came, ends the result before it."""
+        state = _FetchState(len(dests))
+        deadline = time.monotonic() + timeout_s
+        errors = self._run_all(conns, self._fetch_on, transfer_id, block_bytes, dests, state, deadline)
+        if state.end is None:
+            raise next(e for e in errors if e is not None)
+        good = 0
+        while good < state.end and state.status[good] == 1:
+            good += 1
+        if good < state.end and state.status[good] == 0 and any(errors):
+            raise next(e for e in errors if e is not None)  # a block went missing with its connection
+        return good
+
+    def _fetch_on(self, lane: LaneSocket, transfer_id: bytes, block_bytes: int, dests: Sequence[memoryview],
+                  state: _FetchState, deadline: float) -> None:
+        n = len(dests)
+        # Any connection may carry every block: never more credit than the whole fetch.
+        grant = Grant(max(self.window_bytes, block_bytes), n * block_bytes)
+        self._bound_waits(lane, deadline)
+        lane.send_frame(FETCH, transfer_id, value=grant.first)
+        counters = self._counters
+        while True:
+            frame = lane.read_frame(deadline)
+            if frame.transfer != transfer_id:
+                _skip_stale(lane, frame)
+                continue
+            if frame.kind == DATA:
+                i = frame.block
+                if not 0 <= i < n or frame.length != block_bytes:
+                    raise ProtocolError(f"the data lane sent block {i} of {frame.length} bytes; the fetch has {n} "
+                                        f"blocks of {block_bytes}")
+                with state.lock:
+                    if state.status[i]:
+                        raise ProtocolError(f"the data lane sent block {i} twice")
+                    state.status[i] = 3  # arriving
+                got, want = lane.recv_block(dests[i], deadline)
+                ok = got == want
+                with state.lock:
+                    state.status[i] = 1 if ok else 2
+                with counters.lock:
+                    counters.bytes_received += block_bytes
+                    if not ok:
+                        counters.blocks_rejected += 1
+                if not ok:
+                    logger.warning("fetched block %d failed its checksum on arrival over the data lane; not returned",
+                                   i)
+                more = grant.landed(block_bytes)
+                if more:
+                    lane.send_frame(CREDIT, transfer_id, value=more)
+            elif frame.kind == END:
+                with state.lock:
+                    state.end = frame.block if state.end is None else min(state.end, frame.block)
+                return
+            elif frame.kind == ERROR:
+                raise _error_of(lane, frame.block, frame.length)
+            else:
+                raise ProtocolError(f"unexpected data lane frame kind {frame.kind} during a fetch")
+
+    def put_from(self, conns: Sequence[LaneSocket], transfer_id: bytes, block_bytes: int, needed: bytes,
+                 sources: Sequence[memoryview], timeout_s: float) -> None:
+        """Send put `transfer_id`'s needed blocks (needed[i] set: sources[i]) on `conns`,
+        which this call owns; raises what the daemon reported meanwhile (e.g. a block that
+        failed its checksum). The daemon may still be receiving the last of them when this
+        returns: LaneCommit waits until every one has landed verified."""
+        push = _Push([i for i, flag in enumerate(needed) if flag])
+        deadline = time.monotonic() + timeout_s
+        errors = self._run_all(conns, self._push_on, transfer_id, block_bytes, sources, push, deadline)
+        failures = [e for e in errors if e is not None]
+        if failures:
+            # What the daemon said (a block that failed its checksum) over what it did to
+            # the other connections meanwhile.
+            raise min(failures, key=lambda e: (not isinstance(e, DataLoss), isinstance(e, (LaneClosed, LaneTimeout))))
+
+    def _push_on(self, lane: LaneSocket, transfer_id: bytes, block_bytes: int, sources: Sequence[memoryview],
+                 push: _Push, deadline: float) -> None:
+        self._bound_waits(lane, deadline)
+        lane.send_frame(PUSH, transfer_id)
+        credit = self._credit(lane, transfer_id, deadline, push)
+        counters = self._counters
+        try:
+            while True:
+                i = push.next()
+                if i is None:
+                    return  # LaneCommit waits for what is still on the way
+                while credit < block_bytes:
+                    credit += self._credit(lane, transfer_id, deadline, push)
+                data = sources[i]
+                lane.send_data(transfer_id, i, data, checksum_of(data))
+                credit -= block_bytes
+                with counters.lock:
+                    counters.bytes_sent += block_bytes
+        except BaseException:
+            push.failed = True
+            raise
+
+    def _bound_waits(self, lane: LaneSocket, deadline: float) -> None:
+        """No single wait of this transfer outlasts its deadline (nor the I/O timeout)."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise LaneTimeout("the data lane transfer passed its deadline before it began")
+        lane.set_timeout(min(self.io_timeout_s, left))
+
+    @staticmethod
+    def _credit(lane: LaneSocket, transfer_id: bytes, deadline: float, push: _Push) -> int:
+        """The next credit the daemon grants this put (frames of earlier transfers skipped)."""
+        while True:
+            frame = lane.read_frame(deadline)
+            if frame.transfer != transfer_id:
+                _skip_stale(lane, frame)
+            elif frame.kind == CREDIT:
+                return frame.value
+            elif frame.kind == ERROR:
+                push.failed = True
+                raise _error_of(lane, frame.block, frame.length)
+            else:
+                raise ProtocolError(f"unexpected data lane frame kind {frame.kind} during a put")
+
+
+def _skip_stale(lane: LaneSocket, frame: Frame) -> None:
+    """A frame about an earlier transfer on this connection (the daemon reports a failed
+    put once, maybe after its sender finished): its error is what that put's LaneCommit
+    answered already."""
+    if frame.kind == ERROR:
+        lane.read_payload(frame.length, MAX_ERROR_BYTES)
+    elif frame.kind != CREDIT:
+        raise ProtocolError(f"a frame of kind {frame.kind} for another transfer")
+
+
+def _part(work: Callable[..., None], lane: LaneSocket, *args: object) -> None:
+    """One connection's share of a transfer. A daemon (or something between) that breaks
+    the protocol is a broken lane to this client, not a request to fix."""
+    try:
+        work(lane, *args)
+    except ProtocolError as exc:
+        raise LaneClosed(f"the data lane broke its protocol: {exc}") from None
+
+
+def _error_of(lane: LaneSocket, code: int, length: int) -> KVStoreError:
+    message = lane.read_payload(length, MAX_ERROR_BYTES).decode("utf-8", "replace")
+    return error_for_status(status_of(code), message or "the data lane refused the transfer")
+
+
+def _alive(lane: LaneSocket) -> bool:
+    """Whether an idle pooled connection is still good. CREDIT frames of a put that had
+    finished sending (the daemon topped its credit up as the last blocks landed) are
+    read and dropped; anything else waiting (the daemon closed it, or reported an error)
+    means it is not."""
+    poller = select.poll()
+    try:
+        poller.register(lane.sock, select.POLLIN)
+    except (OSError, ValueError):
+        return False
+    while poller.poll(0):
+        if lane.tls:
+            return False  # no peeking into TLS records: a fresh connection is cheaper
+        try:
+            head = lane.sock.recv(HEADER_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            if len(head) < HEADER_BYTES or unpack(head).kind != CREDIT:
+                return False
+            lane.sock.recv(HEADER_BYTES, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+    return True
+
+
+__all__ = ["DataLane", "LaneClosed", "LaneEndpoint", "LaneStats", "LaneTimeout", "choose_endpoint", "client_tls"]

@@ -1,0 +1,324 @@
+"""The data lane's framing and socket primitives, shared by the daemon, the SDK and the
+cluster: block bytes between machines on a TCP (or Unix) stream socket of their own,
+one large frame per block, instead of in gRPC messages.
+
+Why not in `kvstore.laneproto`: the control lane carries protobuf messages of unary calls
+on a local socket, one call at a time; this lane carries only raw block bytes, on many
+connections, under credit-based flow control, and never a protobuf message. Control stays
+on the RPCs (`DataLane` offers the lane, `LaneFetch`/`LanePut` open a transfer and
+answer its id, `LaneCommit` publishes a put); a transfer's bytes then move here.
+
+Frames, both ways: a 40-byte header
+
+    u8 kind | u8 flags (0) | u16 reserved (0) | u32 block | 16s transfer | u64 length | u64 value
+
+then `length` payload bytes (HELLO, DATA, ERROR), and for DATA an 8-byte trailer, the
+XXH3-64 (seed 0) of the payload, little-endian: a sender may hash each piece just before
+it sends it, and the receiver hashes each piece as it lands in its destination.
+
+| kind | from | meaning |
+|---|---|---|
+| HELLO   | client | first frame: payload `MAGIC` + bearer token (UTF-8, may be empty); block = VERSION |
+| WELCOME | daemon | the hello passed; block = VERSION, value = largest DATA payload accepted |
+| FETCH   | client | join fetch transfer `transfer`; value = the credit granted, in bytes |
+| PUSH    | client | join put transfer `transfer`; the daemon answers CREDIT |
+| CREDIT  | receiver | `value` more payload bytes may be sent for `transfer` |
+| DATA    | sender | block `block` of `transfer`: `length` bytes, then the trailer |
+| END     | daemon | fetch `transfer` is complete on this connection; block = blocks in the result |
+| ERROR   | either | `transfer` (all zero: the connection) failed; block = gRPC status code, payload = message |
+
+Flow control: a receiver grants credit in bytes; a sender never has more DATA payload in
+flight on a connection than it was granted (a daemon that receives more closes the
+connection). A receiver grants a window ahead, never more than the transfer can still
+bring, and tops it up once half of it is used (`Grant`), so a transfer that fits its
+window costs no CREDIT frame beyond the first. Blocks land straight in their destination
+(a host-tier slot, a caller's buffer), so a connection holds no more memory than the
+socket's own buffers.
+
+Primitives: `Frame`, `pack`, `unpack`, `hello_payload`, `parse_hello`, `status_of`, `Grant`,
+`LaneSocket` (one blocking socket, plain or TLS: `send_frame`, `send_data`,
+`read_frame`, `recv_block`, `discard`, `read_payload`, timeouts), `checksum_of`.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import ssl
+import struct
+import time
+from typing import NamedTuple
+
+import grpc
+import xxhash
+
+from kvstore.errors import DeadlineExceeded, InvalidArgument, Unavailable
+
+MAGIC = b"KVD1"
+VERSION = 1
+HEADER = struct.Struct("<BBHI16sQQ")
+TRAILER = struct.Struct("<Q")
+HEADER_BYTES = HEADER.size
+NO_TRANSFER = bytes(16)
+TRANSFER_ID_BYTES = 16
+
+HELLO, WELCOME, FETCH, PUSH, CREDIT, DATA, END, ERROR = range(1, 9)
+KIND_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", FETCH: "FETCH", PUSH: "PUSH", CREDIT: "CREDIT", DATA: "DATA",
+              END: "END", ERROR: "ERROR"}
+# The hello is the magic and a token (at most 256 characters); an error, one message.
+MAX_HELLO_BYTES = 4096
+MAX_ERROR_BYTES = 4096
+# Receives land in pieces of this size, each hashed right after it arrives (still in cache).
+RECV_PIECE_BYTES = 256 << 10
+# TLS records carry at most 16 KiB; sends are cut in pieces of this size.
+TLS_SEND_PIECE_BYTES = 256 << 10
+
+_STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class Frame(NamedTuple):
+    kind: int
+    block: int
+    transfer: bytes
+    length: int
+    value: int
+
+
+def pack(kind: int, transfer: bytes = NO_TRANSFER, block: int = 0, length: int = 0, value: int = 0) -> bytes:
+    return HEADER.pack(kind, 0, 0, block, transfer, length, value)
+
+
+def unpack(header: bytes | bytearray | memoryview) -> Frame:
+    kind, _flags, _reserved, block, transfer, length, value = HEADER.unpack(header)
+    return Frame(kind, block, transfer, length, value)
+
+
+def hello_payload(token: str) -> bytes:
+    return MAGIC + token.encode("utf-8")
+
+
+def parse_hello(payload: bytes) -> str:
+    """The bearer token of a hello's payload; `InvalidArgument` if it is not a lane hello."""
+    if payload[: len(MAGIC)] != MAGIC:
+        raise InvalidArgument("not a kvstore data lane hello (bad magic)")
+    try:
+        return payload[len(MAGIC) :].decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidArgument("the data lane hello's token is not UTF-8") from None
+
+
+def status_of(value: int) -> grpc.StatusCode:
+    return _STATUS_BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)
+
+
+def checksum_of(data: memoryview | bytes | bytearray) -> int:
+    """XXH3-64 of a block: what a DATA frame's trailer carries."""
+    h = xxhash.xxh3_64()
+    h.update(data)  # the streaming update releases the GIL for large inputs
+    return h.intdigest()
+
+
+class Grant:
+    """A receiver's credit on one connection for one transfer: at most `window` bytes
+    granted ahead of what arrived, at most `total` bytes in all; topped up once half of
+    the window is used. `first` is the opening grant; `landed(n)` returns what to grant
+    after `n` more bytes arrived (0: nothing to send)."""
+
+    __slots__ = ("window", "total", "granted", "received")
+
+    def __init__(self, window: int, total: int) -> None:
+        self.window = window
+        self.total = total
+        self.granted = min(window, total)
+        self.received = 0
+
+    @property
+    def first(self) -> int:
+        return self.granted
+
+    @property
+    def left(self) -> int:
+        """What the sender may still send."""
+        return self.granted - self.received
+
+    def landed(self, nbytes: int) -> int:
+        self.received += nbytes
+        outstanding = self.granted - self.received
+        if self.granted >= self.total or outstanding > self.window // 2:
+            return 0
+        more = min(self.window - outstanding, self.total - self.granted)
+        self.granted += more
+        return more
+
+
+class LaneClosed(Unavailable):
+    """The peer closed the connection or it broke."""
+
+
+class LaneTimeout(DeadlineExceeded):
+    """The peer made no progress within the connection's timeout, or a deadline passed."""
+
+
+class ProtocolError(InvalidArgument):
+    """The peer sent something the lane's protocol does not allow."""
+
+
+def _kernel_timeout(seconds: float) -> bytes:
+    seconds = max(seconds, 0.001)
+    whole = int(seconds)
+    return struct.pack("@ll", whole, int((seconds - whole) * 1e6))
+
+
+class LaneSocket:
+    """One lane connection's socket, in blocking mode, plain or TLS.
+
+    Plain sockets use the kernel's own timeouts (SO_RCVTIMEO / SO_SNDTIMEO), so a receive
+    with MSG_WAITALL waits for a whole piece in one system call and a send of a block is
+    one `sendmsg` of the header, the block's memory and the trailer (no copy in Python).
+    TLS sockets cannot do either: they use Python's socket timeout, and send piece by
+    piece (the encryption copies anyway). `deadline` arguments are `time.monotonic()`
+    values; a call that passes one raises `LaneTimeout`.
+    """
+
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        self.sock = sock
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.timeout_s = 0.0
+        self._header = bytearray(HEADER_BYTES)
+        self._header_view = memoryview(self._header)
+        self._trailer = bytearray(TRAILER.size)
+        self._scratch: bytearray | None = None
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.set_timeout(timeout_s)
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """How long one receive or send may wait for progress before `LaneTimeout`."""
+        if timeout_s == self.timeout_s:
+            return
+        self.timeout_s = timeout_s
+        if self.tls:
+            self.sock.settimeout(timeout_s)
+            return
+        self.sock.settimeout(None)
+        tv = _kernel_timeout(timeout_s)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+    # -------------------------------------------------------------- receiving
+
+    def _recv_into(self, view: memoryview, deadline: float | None) -> int:
+        """Fill `view` (all of it); its length."""
+        n = len(view)
+        got = 0
+        sock = self.sock
+        waitall = 0 if self.tls else socket.MSG_WAITALL
+        while got < n:
+            if deadline is not None and time.monotonic() > deadline:
+                raise LaneTimeout("the data lane transfer passed its deadline")
+            try:
+                k = sock.recv_into(view[got:], n - got, waitall)
+            except (TimeoutError, BlockingIOError):
+                raise LaneTimeout(f"the data lane peer sent nothing for {self.timeout_s:g} s") from None
+            except ssl.SSLError as exc:
+                raise LaneClosed(f"the data lane's TLS session failed: {exc}") from None
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    raise LaneTimeout(f"the data lane peer sent nothing for {self.timeout_s:g} s") from None
+                raise LaneClosed(f"the data lane connection broke: {exc.strerror or exc}") from None
+            if k == 0:
+                raise LaneClosed("the data lane peer closed the connection")
+            got += k
+        return n
+
+    def read_frame(self, deadline: float | None = None) -> Frame:
+        self._recv_into(self._header_view, deadline)
+        return unpack(self._header)
+
+    def read_payload(self, length: int, limit: int, deadline: float | None = None) -> bytes:
+        """A small payload (hello, error message) of at most `limit` bytes."""
+        if length > limit:
+            raise ProtocolError(f"a {length}-byte control payload on the data lane; at most {limit}")
+        buf = bytearray(length)
+        if length:
+            self._recv_into(memoryview(buf), deadline)
+        return bytes(buf)
+
+    def recv_block(self, dest: memoryview, deadline: float | None) -> tuple[int, int]:
+        """Receive a DATA frame's payload straight into `dest` (its whole length), hashing
+        each piece as it lands, then its trailer: (checksum of what landed, the sender's)."""
+        h = xxhash.xxh3_64()
+        n = len(dest)
+        for start in range(0, n, RECV_PIECE_BYTES):
+            piece = dest[start : start + RECV_PIECE_BYTES]
+            self._recv_into(piece, deadline)
+            h.update(piece)
+        self._recv_into(memoryview(self._trailer), deadline)
+        return h.intdigest(), TRAILER.unpack(self._trailer)[0]
+
+    def discard(self, nbytes: int, deadline: float | None) -> None:
+        """Read and drop `nbytes` (a DATA frame nobody wants, with its trailer)."""
+        if self._scratch is None:
+            self._scratch = bytearray(RECV_PIECE_BYTES)
+        view = memoryview(self._scratch)
+        while nbytes:
+            k = min(nbytes, len(view))
+            self._recv_into(view[:k], deadline)
+            nbytes -= k
+
+    # -------------------------------------------------------------- sending
+
+    def _send(self, buffers: list[memoryview]) -> None:
+        sock = self.sock
+        try:
+            if self.tls:
+                for buf in buffers:
+                    for start in range(0, len(buf), TLS_SEND_PIECE_BYTES):
+                        sock.sendall(buf[start : start + TLS_SEND_PIECE_BYTES])
+                return
+            while buffers:
+                sent = sock.sendmsg(buffers)
+                while sent:
+                    head = buffers[0]
+                    if sent >= len(head):
+                        sent -= len(head)
+                        buffers.pop(0)
+                    else:
+                        buffers[0] = head[sent:]
+                        sent = 0
+                while buffers and not len(buffers[0]):
+                    buffers.pop(0)
+        except (TimeoutError, BlockingIOError):
+            raise LaneTimeout(f"the data lane peer took nothing for {self.timeout_s:g} s") from None
+        except ssl.SSLError as exc:
+            raise LaneClosed(f"the data lane's TLS session failed: {exc}") from None
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise LaneTimeout(f"the data lane peer took nothing for {self.timeout_s:g} s") from None
+            raise LaneClosed(f"the data lane connection broke: {exc.strerror or exc}") from None
+
+    def send_frame(self, kind: int, transfer: bytes = NO_TRANSFER, block: int = 0, value: int = 0,
+                   payload: bytes = b"") -> None:
+        self._send([memoryview(pack(kind, transfer, block, len(payload), value)), memoryview(payload)])
+
+    def send_data(self, transfer: bytes, block: int, data: memoryview, checksum: int) -> None:
+        """A DATA frame: the header, `data` itself (never copied here) and the trailer."""
+        self._send([memoryview(pack(DATA, transfer, block, len(data))), data, memoryview(TRAILER.pack(checksum))])
+
+    def send_error(self, transfer: bytes, code: grpc.StatusCode, message: str) -> None:
+        self.send_frame(ERROR, transfer, code.value[0], payload=message.encode("utf-8")[:MAX_ERROR_BYTES])
+
+    # -------------------------------------------------------------- closing
+
+    def shutdown(self) -> None:
+        """Wake whatever blocks on this socket (it fails at once); safe from any thread."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,569 @@
+"""The daemon's side of the data lane (framing in `kvstore.datalane`): listeners of its
+own, one thread per connection, moving the bytes of the transfers that
+`kvstore.server.transfers` opened on control calls.
+
+Primitives: `DataLaneServer` (`start(addresses)`, `endpoints()`, `close()`),
+`lane_addresses(config, grpc_addresses)`, `check_lane_exposure(...)`, `server_tls(config)`,
+`LaneCollector` (the `kvstore_datalane_*` metrics).
+
+Why threads and not the event loop: a block is one `sendmsg` from the host segment's
+memory, or a few `recv_into` straight into a PENDING slot, each holding no GIL while the
+kernel copies; one thread per connection lets several connections copy at once while
+the loop keeps serving calls. The loop keeps everything the store owns (see
+`kvstore.server.transfers`); a connection thread touches only its socket and the shared
+state of the transfer it works on.
+
+Who may connect: the same rules as gRPC. The listeners are refused at start-up when they
+would expose the daemon beyond this host without a token file, and without TLS unless
+`insecure_remote` (`check_lane_exposure`); TCP lanes use TLS (Python's `ssl`, the
+daemon's gRPC certificate and client CA) whenever the gRPC listeners do. A Unix lane is
+created 0600 in the daemon's 0700 socket directory. The first frame of a connection is a
+hello with the bearer token, checked by the daemon's `Authenticator` (on the loop) as a
+call of `DataLane` would be; a connection may then only join transfers its tenant
+opened, so tenant isolation holds on the lane as on gRPC.
+
+Bounded by construction: at most `max_connections` connections; a hello must arrive
+within HELLO_TIMEOUT_S; a frame, once begun, must make progress within the I/O timeout;
+an idle connection is closed after IDLE_TIMEOUT_S; a sender that exceeds its credit is
+disconnected; a DATA payload is at most the daemon's `max_block_bytes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import select
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvstore.datalane import (
+    CREDIT,
+    DATA,
+    END,
+    ERROR,
+    FETCH,
+    HELLO,
+    MAX_ERROR_BYTES,
+    MAX_HELLO_BYTES,
+    PUSH,
+    TRAILER,
+    VERSION,
+    WELCOME,
+    Frame,
+    Grant,
+    LaneClosed,
+    LaneSocket,
+    LaneTimeout,
+    ProtocolError,
+    parse_hello,
+)
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.laneproto import method_path
+from kvstore.server.auth import Authenticator, Identity
+from kvstore.server.config import Config
+from kvstore.server.listen import ListenAddress, is_loopback, parse_listen, prepare_unix_path
+from kvstore.server.transfers import FetchTransfer, LaneCounters, LaneTransfers, PutTransfer
+from kvstore.v1 import kvstore_pb2
+
+logger = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_S = 5.0
+IDLE_TIMEOUT_S = 600.0
+# While a fetch waits for credit, how often it looks whether its transfer failed.
+CREDIT_POLL_S = 0.05
+# Put transfers one connection remembers credit for (a client runs one at a time).
+MAX_PUTS_PER_CONNECTION = 16
+AUTH_PATH = method_path("DataLane")
+OFF, AUTO = "off", "auto"
+UNIX_SUFFIX = ".data"
+
+
+def lane_addresses(config: Config, grpc_addresses: Sequence[ListenAddress]) -> list[ListenAddress]:
+    """Where the data lane listens: `off`; `auto`, next to each TCP gRPC listener, on the
+    same host with a port of the system's choosing; or the addresses listed."""
+    spec = [a.strip() for a in config.data_lane_listen if a.strip()]
+    if spec == [OFF]:
+        return []
+    if spec == [AUTO]:
+        return [ListenAddress("tcp", host=a.host, port=0) for a in grpc_addresses if a.kind == "tcp"]
+    if OFF in spec or AUTO in spec:
+        raise ConfigError(f"data_lane_listen {','.join(spec)!r}: 'off' and 'auto' stand alone; or list addresses")
+    return [parse_listen(a) for a in spec]
+
+
+def check_lane_exposure(config: Config, addresses: Sequence[ListenAddress]) -> None:
+    """The rules of the gRPC listeners (`kvstore.server.listen.check_exposure`)."""
+    for addr in addresses:
+        if addr.kind != "tcp" or is_loopback(addr.host):
+            continue
+        if not config.auth_token_file:
+            raise ConfigError(
+                f"data_lane_listen {addr.grpc_target} is not loopback, and serving other hosts needs "
+                "authentication: set --auth-token-file (see SECURITY.md), or a loopback data_lane_listen"
+            )
+        if not config.tls_cert and not config.insecure_remote:
+            raise ConfigError(
+                f"data_lane_listen {addr.grpc_target} is not loopback and TLS is off, so tokens and blocks would "
+                "cross the network in clear text: set --tls-cert and --tls-key, or --insecure-remote on a trusted "
+                "network"
+            )
+
+
+def server_tls(config: Config) -> ssl.SSLContext | None:
+    """The TCP lanes' TLS context: the gRPC listeners' certificate (and client CA)."""
+    if not config.tls_cert:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(config.tls_cert, config.tls_key)
+        if config.tls_client_ca:
+            ctx.load_verify_locations(config.tls_client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load the TLS certificate for the data lane: {exc}") from None
+    return ctx
+
+
+class DataLaneServer:
+    """The lane's listeners and connection threads for one daemon."""
+
+    def __init__(self, transfers: LaneTransfers, auth: Authenticator, tls: ssl.SSLContext | None,
+                 max_connections: int, advertise: Sequence[str] = ()) -> None:
+        self.transfers = transfers
+        self.settings = transfers.settings
+        self.counters = transfers.counters
+        self.auth = auth
+        self.tls = tls
+        self.max_connections = max_connections
+        self.advertise = list(advertise)
+        self.bound: list[ListenAddress] = []
+        self.closing = False
+        self._listeners: list[socket.socket] = []
+        self._unix_paths: list[str] = []
+        self._accepting: list[asyncio.Task[None]] = []
+        self._lock = threading.Lock()
+        self._sockets: set[LaneSocket] = set()
+        self._raw: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -------------------------------------------------------------- listeners
+
+    async def start(self, addresses: Sequence[ListenAddress]) -> None:
+        self._loop = asyncio.get_running_loop()
+        for addr in addresses:
+            sock = self._listen(addr)
+            self._listeners.append(sock)
+            if addr.kind == "unix":
+                self.bound.append(addr)
+            else:
+                host, port = sock.getsockname()[:2]
+                self.bound.append(ListenAddress("tcp", host=addr.host, port=port))
+            self._accepting.append(asyncio.create_task(self._accept(sock, addr.kind == "unix"),
+                                                       name="kvstore-datalane-accept"))
+
+    def _listen(self, addr: ListenAddress) -> socket.socket:
+        if addr.kind == "unix":
+            prepare_unix_path(addr.path)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.bind(addr.path)
+                os.chmod(addr.path, 0o600)  # before it listens: nobody connects in between
+            except OSError as exc:
+                sock.close()
+                raise ConfigError(f"cannot listen on data lane {addr.grpc_target}: {exc.strerror}") from None
+            self._unix_paths.append(addr.path)
+        else:
+            try:
+                infos = socket.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM)
+            except socket.gaierror as exc:
+                raise ConfigError(f"data lane address {addr.grpc_target}: {exc}") from None
+            family, _, _, _, sockaddr = infos[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(sockaddr)
+            except OSError as exc:
+                sock.close()
+                raise ConfigError(f"cannot listen on data lane {addr.grpc_target}: {exc.strerror}; is it in use? "
+                                  "choose another --data-lane-listen") from None
+        sock.listen(128)
+        sock.setblocking(False)
+        return sock
+
+    def endpoints(self) -> list[kvstore_pb2.DataLaneEndpoint]:
+        """What the DataLane call offers: the advertised addresses, else the bound ones."""
+        if self.closing:
+            return []
+        tls = self.tls is not None
+        if self.advertise:
+            return [kvstore_pb2.DataLaneEndpoint(address=a, tls=tls and not a.startswith("unix:"))
+                    for a in self.advertise]
+        return [kvstore_pb2.DataLaneEndpoint(address=a.grpc_target, tls=tls and a.kind == "tcp") for a in self.bound]
+
+    async def _accept(self, listener: socket.socket, on_unix: bool) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except asyncio.CancelledError:
+                raise
+            except OSError as exc:
+                if self.closing:
+                    return
+                logger.warning("data lane accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            with self._lock:
+                full = len(self._raw) >= self.max_connections
+                if not full:
+                    self._raw.add(sock)
+            if full:
+                self.counters.add("connections_refused")
+                self._refuse(sock)
+                continue
+            thread = threading.Thread(target=self._serve, args=(sock, on_unix), name="kvstore-datalane",
+                                      daemon=True)
+            with self._lock:
+                self._threads.add(thread)
+            thread.start()
+
+    def _refuse(self, sock: socket.socket) -> None:
+        try:
+            sock.setblocking(True)
+            sock.settimeout(0.5)
+            lane = LaneSocket(sock, 0.5)
+            lane.send_error(bytes(16), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"the data lane has {self.max_connections} connections, the most it allows; use "
+                            "Put and Fetch, or retry")
+        except (OSError, KVStoreError):
+            pass
+        finally:
+            sock.close()
+
+    # -------------------------------------------------------------- connections
+
+    def _serve(self, sock: socket.socket, on_unix: bool) -> None:
+        lane: LaneSocket | None = None
+        self.counters.add("connections")
+        self.counters.add("connections_total")
+        try:
+            sock.setblocking(True)
+            conn: socket.socket = sock
+            if self.tls is not None and not on_unix:
+                sock.settimeout(HELLO_TIMEOUT_S)
+                conn = self.tls.wrap_socket(sock, server_side=True)
+            lane = LaneSocket(conn, HELLO_TIMEOUT_S)
+            with self._lock:
+                if self.closing:
+                    return
+                self._sockets.add(lane)
+            identity = self._hello(lane, on_unix)
+            if identity is not None:
+                lane.set_timeout(self.settings.io_timeout_s)
+                _Connection(self, lane, identity).run()
+        except (LaneClosed, LaneTimeout, ssl.SSLError, OSError) as exc:
+            logger.debug("data lane connection ended: %s", exc)
+        except ProtocolError as exc:
+            logger.info("data lane connection closed: %s", exc)
+            if lane is not None:
+                self._try_error(lane, bytes(16), exc.code, str(exc))
+        except Exception:  # task boundary: one connection's bug must not stop the lane
+            logger.exception("data lane connection failed")
+        finally:
+            self.counters.add("connections", -1)
+            with self._lock:
+                if lane is not None:
+                    self._sockets.discard(lane)
+                self._raw.discard(sock)
+                self._threads.discard(threading.current_thread())
+            if lane is not None:
+                lane.close()
+            sock.close()
+
+    def _hello(self, lane: LaneSocket, on_unix: bool) -> Identity | None:
+        deadline = time.monotonic() + HELLO_TIMEOUT_S
+        frame = lane.read_frame(deadline)
+        if frame.kind != HELLO:
+            raise ProtocolError("the first frame on the data lane must be a hello")
+        token = parse_hello(lane.read_payload(frame.length, MAX_HELLO_BYTES, deadline))
+        try:
+            identity = self._identify(token, on_unix)
+        except KVStoreError as exc:
+            self._try_error(lane, bytes(16), exc.code, str(exc))
+            return None
+        lane.send_frame(WELCOME, block=VERSION, value=self.settings.max_block_bytes)
+        return identity
+
+    def _identify(self, token: str, on_unix: bool) -> Identity:
+        """The caller's identity, from the daemon's current token table (on the loop)."""
+        loop = self._loop
+        assert loop is not None
+
+        async def identify() -> Identity:
+            return self.auth.identify(AUTH_PATH, token or None, on_unix)
+
+        return asyncio.run_coroutine_threadsafe(identify(), loop).result(HELLO_TIMEOUT_S)
+
+    @staticmethod
+    def _try_error(lane: LaneSocket, transfer: bytes, code: grpc.StatusCode, message: str) -> None:
+        try:
+            lane.send_error(transfer, code, message)
+        except KVStoreError:
+            pass
+
+    async def close(self) -> None:
+        """Stop listening, end every connection (their threads fail at once and exit),
+        then release every transfer still open."""
+        self.closing = True
+        for task in self._accepting:
+            task.cancel()
+        for task in self._accepting:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._accepting.clear()
+        for sock in self._listeners:
+            sock.close()
+        self._listeners.clear()
+        for path in self._unix_paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._unix_paths.clear()
+        with self._lock:
+            lanes = list(self._sockets)
+            raw = list(self._raw)
+            threads = list(self._threads)
+        for lane in lanes:
+            lane.shutdown()
+        for sock in raw:  # connections still in their TLS handshake or hello
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        # A thread may be handing a result to the loop: join them off the loop.
+        await asyncio.to_thread(_join_all, threads, self.settings.io_timeout_s)
+        await self.transfers.close()
+
+
+def _join_all(threads: list[threading.Thread], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class _Connection:
+    """One authenticated connection: frames in order, one transfer at a time."""
+
+    def __init__(self, server: DataLaneServer, lane: LaneSocket, identity: Identity) -> None:
+        self.server = server
+        self.lane = lane
+        self.tenant = identity.tenant
+        self.transfers = server.transfers
+        self.settings = server.settings
+        # This connection's credit for each put transfer it joined.
+        self.credits: dict[bytes, Grant] = {}
+        self.told: set[bytes] = set()  # put transfers whose failure this connection reported
+
+    def run(self) -> None:
+        lane = self.lane
+        while not self.server.closing:
+            if not _readable(lane, IDLE_TIMEOUT_S):
+                logger.debug("data lane connection idle for %.0f s; closed", IDLE_TIMEOUT_S)
+                return
+            frame = lane.read_frame()
+            if frame.kind == DATA:
+                self._receive(frame)
+            elif frame.kind == FETCH:
+                self._send_fetch(frame)
+            elif frame.kind == PUSH:
+                self._join_put(frame)
+            elif frame.kind == CREDIT:
+                pass  # credit a fetch no longer needed (it ended first)
+            elif frame.kind == ERROR:
+                lane.read_payload(frame.length, MAX_ERROR_BYTES)  # the client gave up a transfer
+            else:
+                raise ProtocolError(f"unexpected data lane frame kind {frame.kind}")
+
+    # -------------------------------------------------------------- fetch
+
+    def _send_fetch(self, frame: Frame) -> None:
+        lane = self.lane
+        transfer = self.transfers.fetch_transfer(frame.transfer, self.tenant)
+        if transfer is None or not transfer.join(lane):
+            failed = transfer.failed if transfer is not None else None
+            if failed is not None:
+                lane.send_error(frame.transfer, failed.code, failed.message)
+            else:
+                lane.send_error(frame.transfer, grpc.StatusCode.NOT_FOUND, "this data lane fetch is not open "
+                                "(finished, expired, or joined by enough connections)")
+            return
+        # Waits of this transfer end by its deadline (the loop also shuts the socket then).
+        lane.set_timeout(max(0.001, min(self.settings.io_timeout_s, transfer.deadline - time.monotonic())))
+        try:
+            self._send_blocks(transfer, frame.value)
+        finally:
+            transfer.leave(lane)
+            lane.set_timeout(self.settings.io_timeout_s)
+
+    def _send_blocks(self, transfer: FetchTransfer, credit: int) -> None:
+        lane = self.lane
+        need = transfer.block_bytes
+        while True:
+            # Credit for a whole block first: a block is taken only when it can go at once.
+            while credit < need:
+                end = transfer.finished()
+                if end is not None:  # no block left to send: END needs no credit
+                    lane.send_frame(END, transfer.id, block=end)
+                    return
+                failed = transfer.failed
+                if failed is not None:
+                    lane.send_error(transfer.id, failed.code, failed.message)
+                    return
+                if time.monotonic() > transfer.deadline:
+                    lane.send_error(transfer.id, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    "the data lane fetch passed its deadline waiting for credit")
+                    return
+                if not _readable(lane, CREDIT_POLL_S):
+                    continue
+                got = lane.read_frame(transfer.deadline)
+                if got.kind == CREDIT and got.transfer == transfer.id:
+                    credit += got.value
+                elif got.kind == ERROR:
+                    lane.read_payload(got.length, MAX_ERROR_BYTES)
+                    return  # the client gave the fetch up
+                else:
+                    raise ProtocolError(f"frame kind {got.kind} during a fetch; only CREDIT or ERROR")
+            try:
+                item = transfer.take(transfer.deadline)
+            except KVStoreError as exc:
+                lane.send_error(transfer.id, exc.code, str(exc))
+                return
+            if isinstance(item, int):
+                lane.send_frame(END, transfer.id, block=item)
+                return
+            try:
+                lane.send_data(transfer.id, item.position, item.data, item.checksum)
+            except BaseException as exc:
+                transfer.abandon(str(exc))
+                raise
+            transfer.sent()
+            credit -= need
+
+    # -------------------------------------------------------------- put
+
+    def _join_put(self, frame: Frame) -> None:
+        lane = self.lane
+        transfer = self.transfers.put_transfer(frame.transfer, self.tenant)
+        if transfer is None or not transfer.join(lane):
+            self._tell_failed(frame.transfer, transfer)
+            return
+        if len(self.credits) >= MAX_PUTS_PER_CONNECTION:
+            self.credits.pop(next(iter(self.credits)))
+        # No more than the put still needs: the blocks it lacks now, whoever sends them.
+        grant = Grant(max(self.settings.window_bytes, transfer.block_bytes), transfer.missing * transfer.block_bytes)
+        self.credits[transfer.id] = grant
+        self.told.discard(transfer.id)
+        lane.send_frame(CREDIT, transfer.id, value=grant.first)
+
+    def _receive(self, frame: Frame) -> None:
+        lane = self.lane
+        grant = self.credits.get(frame.transfer)
+        if grant is None:
+            raise ProtocolError("DATA for a put this connection did not join (send PUSH first)")
+        if frame.length > grant.left:
+            transfer = self.transfers.put_transfer(frame.transfer, self.tenant)
+            if transfer is not None:
+                transfer.fail(grpc.StatusCode.INVALID_ARGUMENT, "a data lane sender exceeded its credit")
+            raise ProtocolError(f"a {frame.length}-byte block with {grant.left} bytes of credit left; a sender "
+                                "never sends more than it was granted")
+        more = grant.landed(frame.length)
+        transfer = self.transfers.put_transfer(frame.transfer, self.tenant)
+        dest = transfer.claim(frame.block, frame.length, lane) if transfer is not None else None
+        if transfer is None or dest is None:
+            lane.discard(frame.length + TRAILER.size, None)
+            self._tell_failed(frame.transfer, transfer)
+            return
+        try:
+            got, want = lane.recv_block(dest, transfer.deadline)
+        except BaseException as exc:
+            transfer.broke(frame.block, str(exc), lane)
+            raise
+        transfer.landed(frame.block, got, want, lane)
+        if transfer.failed is not None:
+            self._tell_failed(frame.transfer, transfer)
+            return
+        if more:
+            lane.send_frame(CREDIT, frame.transfer, value=more)
+
+    def _tell_failed(self, transfer_id: bytes, transfer: PutTransfer | None) -> None:
+        """Report a failed or unknown put once on this connection; its sender stops there
+        (frames it sent before it read this are within its credit, and are dropped)."""
+        if transfer_id in self.told:
+            return
+        self.told.add(transfer_id)
+        if transfer is None or transfer.failed is None:
+            self.lane.send_error(transfer_id, grpc.StatusCode.NOT_FOUND,
+                                 "this data lane put is not open (committed, aborted, or expired)")
+        else:
+            self.lane.send_error(transfer_id, transfer.failed.code, transfer.failed.message)
+
+
+def _readable(lane: LaneSocket, timeout_s: float) -> bool:
+    """Whether a frame can be read from `lane` within `timeout_s` (or it was closed:
+    the read that follows says so)."""
+    sock = lane.sock
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    poller = select.poll()
+    try:
+        poller.register(sock, select.POLLIN)
+    except (OSError, ValueError):  # closed under us
+        raise LaneClosed("the data lane connection was closed") from None
+    return bool(poller.poll(timeout_s * 1000.0))
+
+
+class LaneCollector(Collector):
+    """`kvstore_datalane_*`: the lane's counters, read at scrape time."""
+
+    DOCS = {
+        "bytes_in": ("kvstore_datalane_received_bytes", "block bytes received on the data lane and verified"),
+        "bytes_out": ("kvstore_datalane_sent_bytes", "block bytes sent on the data lane"),
+        "blocks_in": ("kvstore_datalane_received_blocks", "blocks received on the data lane and verified"),
+        "blocks_out": ("kvstore_datalane_sent_blocks", "blocks sent on the data lane"),
+        "blocks_rejected": ("kvstore_datalane_rejected_blocks",
+                            "blocks that failed their checksum on arrival (dropped; their put failed)"),
+        "transfers_failed": ("kvstore_datalane_failed_transfers",
+                             "transfers that failed, were aborted or expired (nothing of a failed put is stored)"),
+        "connections_total": ("kvstore_datalane_connections", "data lane connections accepted"),
+        "connections_refused": ("kvstore_datalane_refused_connections",
+                                "data lane connections refused (the connection limit)"),
+    }
+
+    def __init__(self, counters: LaneCounters) -> None:
+        self._counters = counters
+
+    def collect(self) -> Iterator[Any]:
+        get = self._counters.get
+        for field, (name, doc) in self.DOCS.items():
+            yield CounterMetricFamily(name, doc, value=get(field))
+        transfers = CounterMetricFamily("kvstore_datalane_transfers", "data lane transfers opened, by kind",
+                                        labels=["kind"])
+        transfers.add_metric(["fetch"], get("transfers_fetch"))
+        transfers.add_metric(["put"], get("transfers_put"))
+        yield transfers
+        yield GaugeMetricFamily("kvstore_datalane_open_connections", "data lane connections open now",
+                                value=get("connections"))
