@@ -10,7 +10,7 @@ NATIVE_SOURCES := $(wildcard kvstore/_native/*.c kvstore/_native/*.h)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: all setup stubs run test etcd test-gpu bench bench-deps bench-peers bench-tiers bench-scale bench-cluster bench-net soak fuzz lint clean
+.PHONY: all setup stubs run run-cluster test etcd test-gpu bench bench-deps bench-peers bench-tiers bench-scale bench-cluster bench-net soak fuzz lint clean
 
 all: setup
 
@@ -31,6 +31,11 @@ kvstore/v1/%_pb2.py: proto/kvstore/v1/%.proto $(VENV)/.installed
 
 run: setup
 	$(PY) server.py $(ARGS)
+
+# A local etcd and three daemons forming one pool, to try the cluster (docs/cluster.md);
+# Ctrl-C stops them all. ARGS go to every daemon.
+run-cluster: setup etcd
+	PY=$(PY) bash scripts/run-cluster.sh $(ARGS)
 
 test: setup etcd
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -58,13 +63,16 @@ BENCH_SCALE_SSD_RECORDS ?= $(if $(QUICK),20k,100k)
 bench-scale: setup
 	$(PY) bench/scale.py --n $(SCALE_N) --ssd-records $(SCALE_SSD_RECORDS)
 
-# Cluster, part 1 ("what a pool is worth"): the conversation trace through N = 3 and 8
-# engines, random and session-sticky routing, as islands, as a pool placed by
-# kvstore.cluster.placement, and as one shared cache of the same total capacity, on
-# metadata-only stores; see docs/cluster.md. CPU only: about 10 CPU-minutes over 2 processes.
+# Cluster (docs/cluster.md). Part 1, "what a pool is worth": the conversation trace
+# through N = 3 and 8 engines, random and session-sticky routing, as islands, as a pool
+# placed by kvstore.cluster.placement, and as one shared cache of the same total
+# capacity, on metadata-only stores (CPU only: about 10 CPU-minutes over 2 processes).
+# Part 2: remote lookup latency of a 1,000-block chain half on another node, next to a
+# local one, on real daemons; part 3: a failover (kill -9 of one of 3 daemons on etcd
+# under 8 clients). Under 10 minutes in all; SMOKE=1 runs each part reduced (a minute).
 CLUSTER_TRACE ?= ../shared/traces/conversation_trace.jsonl
-bench-cluster: setup
-	$(PY) bench/cluster.py $(CLUSTER_TRACE)
+bench-cluster: setup etcd
+	$(PY) bench/cluster.py $(CLUSTER_TRACE) $(if $(SMOKE),--smoke,)
 
 # `make bench` plus the peers measured in the same run: Mooncake Store (co-located
 # client, batched zero-copy) and LMCache (multiprocess server), from a venv of their own

@@ -37,9 +37,19 @@ over the mean (balance). Bytes use
 `--block-bytes`, by default 64 MiB: one 512-token block of Llama-3.1-8B in fp16
 (2 x 32 layers x 8 KV heads x 128 dims x 2 bytes = 128 KiB per token).
 
+Parts 2 and 3 run real daemons, each a process of its own, on this host
+(bench/cluster_daemons.py): 2, the latency of a lookup of a 1,000-block chain of which
+half is on another node, next to the same lookup once the chain is local (cluster on)
+and on a single daemon (cluster off), in the same run; 3, a failover: three daemons on
+etcd, eight clients, one daemon killed with SIGKILL part-way, the hit ratio and errors
+per second, wrong bytes, and how long until the dead node had left the views.
+
 Results: bench/results/cluster.json (`results`: one row per trace, nodes, routing,
-setup, policy), bench/results/cluster.txt (the table) and bench/results/cluster.png.
-CPU only; cells run in `--jobs` processes. `make bench-cluster` runs it.
+setup, policy; `remote_lookup_p50_us`, `remote_lookup_p99_us`, `local_lookup_p99_us`
+and `remote_lookup` with the rest of part 2; `failover`), bench/results/cluster.txt
+(the tables) and bench/results/cluster.png. Part 1 is CPU only, its cells run in
+`--jobs` processes. `make bench-cluster` runs everything (under 10 minutes on two
+cores); `--smoke` runs a reduced version of each part in about a minute.
 """
 
 from __future__ import annotations
@@ -347,8 +357,9 @@ def cells_for(nodes: Sequence[int], routings: Sequence[str], policies: Sequence[
         out.append(Cell("cluster", n, "random", policy, unit_blocks, True, replicas, None, "copies share capacity"))
         out.append(Cell("cluster", n, "random", policy, unit_blocks, True, replicas, 0.10, "replica budget 10%"))
         out.append(Cell("cluster", n, "random", policy, unit_blocks, False, replicas, budget, "no lead-in"))
-        out.append(Cell("cluster", n, "random", policy, 1, True, replicas, budget, "S=1"))
-        out.append(Cell("cluster", n, "random", policy, 16, True, replicas, budget, "S=16"))
+        for s in (1, 4, 16):
+            if s != unit_blocks:
+                out.append(Cell("cluster", n, "random", policy, s, True, replicas, budget, f"S={s}"))
         out.append(Cell("cluster", n, "random", policy, unit_blocks, True, 2, budget, "R=2"))
     return out
 
@@ -439,10 +450,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of random routing")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="processes (default 2)")
     p.add_argument("--out", default=str(RESULTS / "cluster.json"), help="JSON results (the table and plot beside it)")
+    p.add_argument("--parts", default="1,2,3", help="which parts to run (default 1,2,3)")
+    p.add_argument("--smoke", action="store_true", help="a reduced run of every part (about a minute): a slice of "
+                   "the trace, LRU only, no variants, fewer chains, a shorter failover")
+    p.add_argument("--chains", type=int, default=400, help="part 2: 1,000-block chains looked up (default 400)")
+    p.add_argument("--failover-s", type=float, default=30.0, help="part 3: seconds of load (the kill at a third)")
     args = p.parse_args(argv)
+    parts = {x.strip() for x in args.parts.split(",") if x.strip()}
+    if args.smoke:
+        args.limit = args.limit or 600
+        args.policies = "lru"
+        args.no_variants = True
+        args.chains = min(args.chains, 40)
+        args.failover_s = min(args.failover_s, 9.0)
     if not Path(args.trace).exists():
         print(f"bench/cluster.py: no trace at {args.trace}; pass the path of a Mooncake JSONL trace", file=sys.stderr)
         return 2
+    extra: dict[str, Any] = {}
+    if "2" in parts:
+        from cluster_daemons import remote_lookup
+
+        print(f"part 2: remote lookups of {args.chains} chains of 1,000 blocks", flush=True)
+        rl = remote_lookup(args.chains, unit_blocks=args.unit_blocks)
+        extra.update({"remote_lookup_p50_us": rl["remote_lookup_p50_us"],
+                      "remote_lookup_p99_us": rl["remote_lookup_p99_us"],
+                      "local_lookup_p99_us": rl["local_lookup_p99_us"], "remote_lookup": rl})
+    if "3" in parts:
+        from cluster_daemons import failover
+
+        print(f"part 3: failover, {args.failover_s:g} s of load, kill -9 at {args.failover_s / 3:.1f} s", flush=True)
+        extra["failover"] = failover(args.failover_s, args.failover_s / 3, unit_blocks=args.unit_blocks)
+    if "1" not in parts:
+        return _write_daemon_parts(Path(args.out), extra)
     trace = load_trace(args.trace, args.limit)
     capacity = capacity_from_fraction(trace, args.capacity_fraction)
     nodes = [int(x) for x in args.nodes.split(",") if x]
@@ -478,18 +517,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
+    out.write_text(json.dumps({**meta, "smoke": args.smoke, "results": rows, **extra}, indent=2) + "\n")
     header = (f"{meta['trace']}: {meta['requests']} requests, {meta['distinct_blocks']} distinct blocks; "
               f"{100 * args.capacity_fraction:g}% capacity ({capacity} blocks in all); S={args.unit_blocks}, "
               f"R={args.replicas}, replica budget {100 * args.replica_budget:g}%; "
               f"bytes per block {_fmt_bytes(args.block_bytes)} ({meta['block_bytes_model'] or 'given'})")
-    out.with_suffix(".txt").write_text(header + "\n" + report + "\n")
+    daemon_report = daemon_parts_text(extra)
+    out.with_suffix(".txt").write_text(header + "\n" + report + "\n" + daemon_report)
     plot(rows, out.with_suffix(".png"), header)
     print(header)
     print(report)
+    print(daemon_report, end="")
     print(f"results: {out}, {out.with_suffix('.txt')}, {out.with_suffix('.png')} ({wall_s:.0f} s)")
     return 0
 
+
+
+def daemon_parts_text(extra: dict[str, Any]) -> str:
+    """Parts 2 and 3 as text, for people."""
+    lines = []
+    rl = extra.get("remote_lookup")
+    if rl:
+        lines += [
+            "",
+            f"remote lookup: {rl['chains']} chains of {rl['chain_blocks']} blocks in {rl['namespaces']} namespaces, "
+            f"{rl['remote_share_mean']:.0%} of each on the other node, deadline {rl['lookup_deadline_ms']:g} ms "
+            f"({rl['complete_answers']} complete answers, {rl['wrong_blocks']} wrong blocks)",
+            f"  remote (cluster on, half elsewhere) p50 {rl['remote_lookup_p50_us']:.0f} us  "
+            f"p99 {rl['remote_lookup_p99_us']:.0f} us",
+            f"  local  (cluster on, chain here)     p50 {rl['local_lookup_p50_us']:.0f} us  "
+            f"p99 {rl['local_lookup_p99_us']:.0f} us",
+            f"  single (cluster off)                p50 {rl['single_node_lookup_p50_us']:.0f} us  "
+            f"p99 {rl['single_node_lookup_p99_us']:.0f} us",
+        ]
+    fo = extra.get("failover")
+    if fo:
+        lines += ["", f"failover: {fo['clients']} clients, kill -9 of one of 3 nodes at {fo['killed_at_s']:.1f} s: "
+                  f"{fo['wrong_bytes']} wrong bytes, {fo['client_errors']} client errors, left the views after "
+                  f"{fo['view_update_s']} s (lease TTL {fo['lease_ttl_s']} s)",
+                  "  second | lookups | hit ratio | errors"]
+        lines += [f"  {r['t']:>6} | {r['lookups']:>7} | {r['hit_ratio']:>9.3f} | {r['errors']}" for r in fo["per_second"]]
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def _write_daemon_parts(out: Path, extra: dict[str, Any]) -> int:
+    """Parts 2 and 3 alone: merged into an existing results file, else one of their own."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = json.loads(out.read_text()) if out.exists() else {"results": []}
+    data.update(extra)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    print(daemon_parts_text(extra), end="")
+    return 0
 
 
 if __name__ == "__main__":

@@ -124,6 +124,25 @@ class AdminClient:
     def unpin(self, lease_id: str) -> bool:
         return bool(self._call(self._kv.Unpin, kvstore_pb2.UnpinRequest(lease_id=lease_id)).released)  # type: ignore[attr-defined]
 
+    def cluster_status(self) -> admin_pb2.ClusterStatusResponse:
+        """The pool as the daemon sees it (`enabled` is false on a single daemon)."""
+        return self._call(self._admin.ClusterStatus, admin_pb2.ClusterStatusRequest())  # type: ignore[return-value]
+
+    def cluster_where(self, namespace: kvstore_pb2.Namespace, keys: kvstore_pb2.BlockKeys
+                      ) -> admin_pb2.ClusterWhereResponse:
+        """Which daemons own each placement unit of a chain (named from its first block)."""
+        return self._call(self._admin.ClusterWhere,  # type: ignore[return-value]
+                          admin_pb2.ClusterWhereRequest(namespace=namespace, keys=keys))
+
+    def cluster_drain(self, timeout_s: float = 0.0) -> admin_pb2.ClusterDrainResponse:
+        """Hand the daemon's units off and leave the pool (the call waits up to `timeout_s`
+        for the hand-off, 0: the daemon's default, so give the client a longer deadline)."""
+        try:
+            return self._admin.ClusterDrain(admin_pb2.ClusterDrainRequest(timeout_s=timeout_s),  # type: ignore[no-any-return]
+                                            timeout=max(self.timeout_s, (timeout_s or 60.0) + 10.0))
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+
     def watch_events(
         self, namespace_id: bytes = b"", *, snapshot: bool = False, queue_size: int = 0, timeout_s: float | None = None
     ) -> Iterator[admin_pb2.Event]:

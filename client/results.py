@@ -34,6 +34,10 @@ class LookupResult:
     block_hashes: list[bytes]
     namespace_id: bytes
     lease_id: str
+    # In a pool: how many of the hits are held by other daemons ("remote" in `tiers`);
+    # they are being copied here, and a fetch serves them once they landed (or returns
+    # the shorter verified prefix).
+    remote_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,10 @@ class PutResult:
     stored: int
     existing: int
     block_hashes: list[bytes]
+    # In a pool: blocks sent on to the owners of their units, and (with wait_for_owners)
+    # how many of those every owner committed before the answer.
+    forwarded_blocks: int = 0
+    owner_committed_blocks: int = 0
 
 
 def response_hashes(resp: Any) -> list[bytes]:
@@ -54,7 +62,8 @@ def response_hashes(resp: Any) -> list[bytes]:
 
 def put_result(resp: kvstore_pb2.PutResponse) -> PutResult:
     """The result of a Put or of a LocalCommit (both answer a PutResponse)."""
-    return PutResult(resp.stored, resp.existing, response_hashes(resp))
+    return PutResult(resp.stored, resp.existing, response_hashes(resp), resp.forwarded_blocks,
+                     resp.owner_committed_blocks)
 
 
 def pin_result(resp: kvstore_pb2.PinResponse) -> PinResult:
@@ -66,16 +75,20 @@ def prefetch_result(resp: kvstore_pb2.PrefetchResponse) -> PrefetchResult:
                           resp.missing, resp.skipped)
 
 
+# A lookup's tiers: the daemon's, and "remote" for blocks other daemons of a pool hold.
+LOOKUP_TIER_NAMES: dict[int, str] = {**{int(v): n for v, n in TIER_NAMES.items()}, kvstore_pb2.TIER_REMOTE: "remote"}
+
+
 def tier_names(tiers: Sequence[Any]) -> list[str]:
     """Tier names of a lookup's blocks. Usually every block sits in one tier: then one
     name repeated, without a dictionary step per block."""
     values: list[Any] = list(tiers)
     if values and values.count(values[0]) == len(values):
-        return [TIER_NAMES.get(values[0], "unknown")] * len(values)
-    return list(map(TIER_NAMES.get, values, repeat("unknown", len(values))))
+        return [LOOKUP_TIER_NAMES.get(values[0], "unknown")] * len(values)
+    return list(map(LOOKUP_TIER_NAMES.get, values, repeat("unknown", len(values))))
 
 
-_TIER_NAME_BY_VALUE: dict[int, str] = {int(value): name for value, name in TIER_NAMES.items()}
+_TIER_NAME_BY_VALUE: dict[int, str] = LOOKUP_TIER_NAMES
 
 
 def packed_tier_names(packed: bytes) -> list[str]:
@@ -110,4 +123,5 @@ def lookup_result(resp: kvstore_pb2.LookupResponse, mine: list[bytes] | None = N
         block_hashes=hashes,
         namespace_id=resp.namespace_id,
         lease_id=resp.lease_id,
+        remote_blocks=resp.remote_blocks,
     )

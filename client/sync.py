@@ -147,10 +147,14 @@ class Client(ClientState):
     def put(self, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any], *,
             first_block: int = 0, block_hashes: Sequence[bytes] | None = None,
             session_id: str | None = None, expect_reuse_within_s: float | None = None,
-            timeout_s: float | None = None) -> PutResult:
-        """Store `blocks` (all or nothing). With token_ids, block i is block first_block + i of the prefix."""
+            timeout_s: float | None = None, wait_for_owners: bool = False) -> PutResult:
+        """Store `blocks` (all or nothing). With token_ids, block i is block first_block + i of the prefix.
+
+        In a pool (docs/cluster.md), `wait_for_owners` answers only once the blocks sent to
+        other daemons (the owners of their placement units) are committed there, or the
+        forward timed out: `PutResult.owner_committed_blocks` says how many made it."""
         return self._run(ops.put(self, layout, token_ids, blocks, first_block, block_hashes, session_id,
-                                 expect_reuse_within_s, self._t(timeout_s)))
+                                 expect_reuse_within_s, self._t(timeout_s), wait_for_owners))
 
     def fetch(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
               block_hashes: Sequence[bytes] | None = None, out: Sequence[Any] | None = None,

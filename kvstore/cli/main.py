@@ -1,7 +1,8 @@
 """The `kvstore` command: `serve` runs the daemon; the rest talk to a running one.
 
 This module builds the parser and dispatches; the commands live in `serve` (the
-daemon's side), `ops` (operator commands over the admin SDK) and `top`. Exit codes and
+daemon's side), `ops` (operator commands over the admin SDK), `top` and `cluster` (the
+pool of daemons). Exit codes and
 the client options are in `common`.
 """
 
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore import __version__
+from kvstore.cli.cluster import register as register_cluster_commands
 from kvstore.cli.common import EXIT_ERROR, add_client_options
 from kvstore.cli.ops import cmd_health, cmd_info
 from kvstore.cli.ops import register as register_operator_commands
@@ -43,12 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     info = client_command("info", "Redis-INFO-style report", cmd_info)
     info.add_argument("section", nargs="?", help="server, tiers, stats, namespaces, config, events or tenants")
     register_operator_commands(sub, client_command)
+    register_cluster_commands(sub)
 
     token = sub.add_parser("token", help="make bearer tokens for the daemon's token file")
     token_sub = token.add_subparsers(dest="token_command", metavar="ACTION", required=True)
     new = token_sub.add_parser("new", help="print a new random token once, and the entry to add to the token file")
     new.add_argument("--tenant", required=True, help="tenant name (letters, digits, '-', '_', '.')")
-    new.add_argument("--role", choices=("client", "admin"), default="client", help="client (default) or admin")
+    new.add_argument("--role", choices=("client", "admin", "peer"), default="client",
+                     help="client (default), admin, or peer (a cluster credential for calls between daemons)")
     new.add_argument("--file", metavar="TOKEN_FILE", help="also append the entry to this token file (created "
                      "0600 if missing; the tenant must not be in it yet); then send the daemon SIGHUP")
     new.add_argument("--json", action="store_true", help="machine-readable output")

@@ -90,13 +90,20 @@ class Member:
     capacity_bytes: int = 0
     version: str = ""
     started_at: float = 0.0  # Unix time, for people reading it
+    # The placement rule the member places units by (`kvstore.cluster.pool.placement_rule`):
+    # members with another rule would disagree on owners, so they are never owners here.
+    placement: str = ""
+    draining: bool = False  # handing its units off before it leaves: no longer an owner
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {"node_id": self.node_id, "addresses": list(self.addresses), "zone": self.zone,
-             "capacity_bytes": self.capacity_bytes, "version": self.version, "started_at": self.started_at},
-            separators=(",", ":"), sort_keys=True,
-        ).encode()
+        record: dict[str, object] = {
+            "node_id": self.node_id, "addresses": list(self.addresses), "zone": self.zone,
+            "capacity_bytes": self.capacity_bytes, "version": self.version, "started_at": self.started_at}
+        if self.placement:
+            record["placement"] = self.placement
+        if self.draining:
+            record["draining"] = True
+        return json.dumps(record, separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, node_id: str, data: bytes) -> Member:
@@ -115,8 +122,12 @@ class Member:
         started = obj.get("started_at", 0.0)
         if not isinstance(capacity, int) or not isinstance(started, (int, float)):
             raise ValueError("member capacity_bytes or started_at is not a number")
+        draining = obj.get("draining", False)
+        if not isinstance(draining, bool):
+            raise ValueError("member draining is not true or false")
         return cls(node_id=node_id, addresses=tuple(addresses), zone=str(obj.get("zone", "")),
-                   capacity_bytes=capacity, version=str(obj.get("version", "")), started_at=float(started))
+                   capacity_bytes=capacity, version=str(obj.get("version", "")), started_at=float(started),
+                   placement=str(obj.get("placement", "")), draining=draining)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +226,16 @@ class Membership(abc.ABC):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    async def update_me(self, me: Member) -> None:
+        """Publish a new record for this node (e.g. `draining`): in its own view now, and
+        to the others where the backend carries records (etcd)."""
+        if me.node_id != self.node_id:
+            raise ValueError(f"a member cannot change its node id ({self.node_id!r} -> {me.node_id!r})")
+        self.me = me
+        members = dict(self._view.members)
+        members[me.node_id] = me
+        self._publish(replace(self._view, members=View.of(members.values()).members))
 
     def subscribe(self, listener: Callable[[View], None]) -> Callable[[], None]:
         """Call `listener(view)` on the loop after each change of the member set or of
@@ -419,6 +440,7 @@ class EtcdMembership(Membership):
         self._rng = rng or random.Random()
         self._aetcd: Any = None
         self._stopping = asyncio.Event()
+        self._session: _Session | None = None  # the live one, while registered
 
     @property
     def key(self) -> bytes:
@@ -434,6 +456,16 @@ class EtcdMembership(Membership):
             endpoint=c.endpoint, sessions_total=c.sessions, session_failures_total=c.failures,
             bad_records_total=c.bad_records, last_error=c.last_error,
         )
+
+    async def update_me(self, me: Member) -> None:
+        await super().update_me(me)
+        session = self._session
+        if session is not None and self._registered:
+            try:
+                async with asyncio.timeout(self.settings.call_timeout_s):
+                    await session.client.put(self._key, self._record(), lease=session.lease_id)
+            except Exception as exc:  # the next session writes the record anyway
+                logger.warning("etcd membership: could not update this node's record now: %r", exc)
 
     async def start(self) -> None:
         if self._task is not None:
@@ -518,6 +550,7 @@ class EtcdMembership(Membership):
             for kv in snap:
                 self._apply_put(session, kv)
             self._registered = True
+            self._session = session
             self._state = MembershipState.JOINED
             self._counters.sessions += 1
             self._counters.last_error = ""
@@ -531,6 +564,7 @@ class EtcdMembership(Membership):
                 tg.create_task(self._follow(session, watch))
                 tg.create_task(self._until_stopped())
         finally:
+            self._session = None
             await self._end_session(session)
 
     async def _until_stopped(self) -> None:

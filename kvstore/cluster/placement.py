@@ -7,7 +7,7 @@ Every node computes the same owners from the same member set, so no metadata ser
   long prompt touches few nodes. A unit is keyed by the hash of its first block, which
   already encodes the whole prefix before it. Unit boundaries depend only on a block's
   position in the chain: with `lead_in` (the default) the first units grow 1, 1, 2, 4, ...
-  blocks up to `unit_blocks` (S, default 4), then every unit is S blocks; without it
+  blocks up to `unit_blocks` (S, default 2), then every unit is S blocks; without it
   every unit is S blocks from position 0. The lead-in exists because many chains share their first
   blocks (a system prompt): a unit that begins inside the shared part has the same key in
   every chain, so all its non-shared blocks would land on one node. Short units at the
@@ -28,7 +28,7 @@ Every node computes the same owners from the same member set, so no metadata ser
   held them still does.
 
 Pure and synchronous; time only through the `clock` passed in. Primitives: `UnitSpan`,
-`unit_start`, `unit_spans`, `score`, `rank`, `Hotness`, `HotUnits`, `Placement`.
+`unit_start`, `unit_stop`, `unit_spans`, `score`, `rank`, `Hotness`, `HotUnits`, `Placement`.
 """
 
 from __future__ import annotations
@@ -39,13 +39,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import xxhash
 
 from kvstore.errors import ConfigError
 
 # Smaller units keep a pool's hit ratio closer to one shared cache, larger ones touch
-# fewer nodes per prompt; docs/cluster.md has the measurements behind 4.
-DEFAULT_UNIT_BLOCKS = 4
+# fewer nodes per prompt and cost a lookup less work per block; docs/cluster.md has the
+# measurements behind 2 (the smallest S at or above 0.95x one shared cache at 3 and 8 nodes).
+DEFAULT_UNIT_BLOCKS = 2
 DEFAULT_REPLICAS = 1
 DEFAULT_MAX_EXTRA_OWNERS = 2
 DEFAULT_GRACE_S = 30.0
@@ -88,10 +90,14 @@ def unit_start(position: int, unit_blocks: int = DEFAULT_UNIT_BLOCKS, lead_in: b
     return position // unit_blocks * unit_blocks
 
 
-def _unit_stop(start: int, unit_blocks: int, lead_in: bool) -> int:
+def unit_stop(start: int, unit_blocks: int = DEFAULT_UNIT_BLOCKS, lead_in: bool = True) -> int:
+    """The position just past the unit that starts at position `start` (a unit boundary)."""
     if lead_in and start < unit_blocks:
         return min(max(1, start * 2), unit_blocks)
     return start + unit_blocks
+
+
+_unit_stop = unit_stop
 
 
 def unit_spans(
@@ -129,17 +135,40 @@ def rank(node_ids: Iterable[str], unit_key: bytes, count: int) -> tuple[str, ...
 class _Ranker:
     """`rank` over one fixed member set, with each member's bytes encoded once."""
 
-    __slots__ = ("members", "_encoded")
+    __slots__ = ("members", "_encoded", "_prefixes", "_names")
 
     def __init__(self, members: frozenset[str]) -> None:
         self.members = members
         self._encoded = [(n.encode(), n) for n in sorted(members)]
+        self._prefixes = [raw + _SEPARATOR for raw, _ in self._encoded]
+        self._names = [n for _, n in self._encoded]
+
+    def best_many(self, unit_keys: Sequence[bytes]) -> list[str]:
+        """`top(key, 1)[0]` of each key (empty names without members): the scores of every
+        member for every key in one pass each, the best found by one vectorized step.
+        Members are in byte order and argmax keeps the first of equal scores, which is the
+        tie rule of `top`."""
+        names = self._names
+        if len(names) <= 1:
+            return [names[0] if names else ""] * len(unit_keys)
+        scores = np.array([[_score64(pre + k) for k in unit_keys] for pre in self._prefixes], dtype=np.uint64)
+        return [names[i] for i in scores.argmax(axis=0).tolist()]
 
     def top(self, unit_key: bytes, count: int) -> tuple[str, ...]:
-        if count <= 0 or not self._encoded:
+        encoded = self._encoded
+        if count <= 0 or not encoded:
             return ()
         suffix = _SEPARATOR + unit_key
-        scored = sorted(self._encoded, key=lambda e: (-_score64(e[0] + suffix), e[0]))
+        if count == 1:
+            # The common case (one owner): the best score in one pass, no sort. Members
+            # are in byte order, so a tie keeps the earlier one, as the sort below does.
+            best_score, best = -1, ""
+            for raw, name in encoded:
+                s = _score64(raw + suffix)
+                if s > best_score:
+                    best_score, best = s, name
+            return (best,)
+        scored = sorted(encoded, key=lambda e: (-_score64(e[0] + suffix), e[0]))
         return tuple(n for _, n in scored[:count])
 
 
@@ -147,9 +176,14 @@ class _Ranker:
 
 
 class Hotness(Protocol):
-    """A signal of which units are hot: how many owners beyond R a unit should get."""
+    """A signal of which units are hot: how many owners beyond R a unit should get, and
+    (cheaply) whether it tracks a unit at all: one it does not track gets none."""
 
     def extra_owners(self, unit_key: bytes) -> int: ...
+
+    def tracked(self, unit_keys: Sequence[bytes]) -> list[int]:
+        """The positions in `unit_keys` of the units it tracks (the others get no extra owner)."""
+        ...
 
 
 class HotUnits:
@@ -185,6 +219,13 @@ class HotUnits:
 
     def __len__(self) -> int:
         return len(self._counts)
+
+    def __contains__(self, unit_key: object) -> bool:
+        return unit_key in self._counts
+
+    def tracked(self, unit_keys: Sequence[bytes]) -> list[int]:
+        counts = self._counts
+        return [j for j, k in enumerate(unit_keys) if k in counts]
 
     def _decayed(self, entry: tuple[float, float], now: float) -> float:
         count, at = entry
@@ -296,10 +337,41 @@ class Placement:
     def lookup_targets(self, unit_key: bytes) -> tuple[str, ...]:
         """Where a unit's blocks are looked for: the current owners, then the owners under
         each previous member set still within its grace period (no duplicates)."""
+        return self.route(unit_key)[1]
+
+    def route(self, unit_key: bytes) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """`owners` and `lookup_targets` of a unit together, from one ranking of the
+        current members (the read path wants both)."""
         count = self._count(unit_key)
         out = self._current.top(unit_key, count)
         if not self._previous:
-            return out
+            return out, out
+        return out, self._with_previous(unit_key, count, out)
+
+    def route_many(self, unit_keys: Sequence[bytes]) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
+        """`route` of many units at once (a lookup's units past its local prefix): the
+        same answers, with each member set ranked over all keys in one pass."""
+        hot = self._hotness
+        if self.replicas != 1 or not self._current.members:
+            routes = [self.route(k) for k in unit_keys]
+            return [r[0] for r in routes], [r[1] for r in routes]
+        owners: list[tuple[str, ...]] = [(n,) for n in self._current.best_many(unit_keys)]
+        self._expire(self._clock())
+        if self._previous:
+            targets = list(owners)
+            for prev in self._previous:
+                for j, name in enumerate(prev.ranker.best_many(unit_keys)):
+                    if name and name not in targets[j]:
+                        targets[j] += (name,)
+        else:
+            targets = owners
+        if hot is not None and self.max_extra_owners:
+            for j in hot.tracked(unit_keys):
+                if self._count(unit_keys[j]) > 1:  # a hot unit: its extra owners too
+                    owners[j], targets[j] = self.route(unit_keys[j])
+        return owners, targets
+
+    def _with_previous(self, unit_key: bytes, count: int, out: tuple[str, ...]) -> tuple[str, ...]:
         self._expire(self._clock())
         seen = set(out)
         extra: list[str] = []

@@ -141,6 +141,12 @@ class FetchStream:
         for entry in entries:
             path.copies.hold(entry)
 
+    @property
+    def checksums(self) -> list[int]:
+        """The checksum taken at put time of each planned block, in order (a receiver
+        that keeps the blocks verifies them against these)."""
+        return [entry.checksum for entry in self._entries]
+
     async def __aenter__(self) -> FetchStream:
         return self
 

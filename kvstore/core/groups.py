@@ -396,6 +396,11 @@ class GroupedFetchStream:
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
         self.close()
 
+    @property
+    def checksums(self) -> list[int]:
+        """The put-time checksum of each planned part, in wire order."""
+        return [c for stream in self._streams for c in stream.checksums]
+
     def close(self) -> None:
         if self._closed:
             return

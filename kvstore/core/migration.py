@@ -54,7 +54,6 @@ class Migrator:
         self._expire_leases = expire_leases
         self._inclusive = placement.inclusive
         self._through = self._inclusive is not None and config.write_policy is WritePolicy.THROUGH
-        self._evictable_row = index.evictable_row
         self._queue: deque[BlockEntry] = deque()
         self._inflight = 0
         self._write_wakeup = asyncio.Event()
@@ -201,10 +200,10 @@ class Migrator:
         target = st.low_watermark * cap
         moved = 0
         while st.tier.used_bytes > target and moved < self._config.batch_blocks:
-            row = st.policy.victim_row(self._evictable_row)
+            row, replica = self._placement.victim_row(st)
             if row is None:
                 return MigrationStatus.FAIL
-            await self._placement.demote(self._index.entry(row), st)
+            await self._placement.evict_victim(st, row, replica)
             moved += 1
         if st.tier.used_bytes > target:
             return MigrationStatus.RUNNING

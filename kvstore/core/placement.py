@@ -25,7 +25,8 @@ Ordering decisions that matter:
   hit there may leave a copy in the top memory tier on its way out (`promote_on_hit`).
 
 `evict_some` and `evict_one` are the seams through which all room is made (benchmarks
-time them).
+time them). Victims come from `victim_row`: a tier's replicas (copies of blocks another
+daemon of a pool owns, `StoreTier.replicas`) go first, and are dropped, not demoted.
 
 Primitives: `read_verified`, `allocate`/`allocate_put`, `evict_some`/`evict_one`,
 `demote`, `ensure_inclusive_copy`, `copy_into`, `raise_into`, `promote_on_hit`,
@@ -196,25 +197,45 @@ class Placement:
         rows: list[int] = []
         policy = st.policy
         for _ in range(count):
-            row = policy.victim_row(self._evictable_row)
+            row, _replica = self.victim_row(st)
             if row is None or not only_copy_in(row, tid):
                 break
             policy.remove_row(row)
+            st.replicas.discard(row)
             rows.append(row)
         return rows
+
+    def victim_row(self, st: StoreTier) -> tuple[int | None, bool]:
+        """The next block to leave `st`: its oldest evictable replica (a copy of another
+        daemon's block), else its policy's victim; and whether it is a replica."""
+        if len(st.replicas):
+            row = st.replicas.victim_row(self._index.table, st.name, self._evictable_row)
+            if row is not None:
+                return row, True
+        return st.policy.victim_row(self._evictable_row), False
+
+    async def evict_victim(self, st: StoreTier, row: int, replica: bool) -> None:
+        """Move a victim out of `st`: demoted to the tier below, except a replica, which is
+        dropped (its owner holds the block; a copy is not worth SSD writes)."""
+        entry = self._index.entry(row)
+        if replica:
+            st.replicas.discard(row)
+            self.evict_location(entry, st)
+            return
+        await self.demote(entry, st)
 
     async def evict_one(self, st: StoreTier, nbytes: int) -> None:
         """Make progress towards room in `st`: demote one victim, or (in the last tier) drop
         it with whatever shares its room."""
-        row = st.policy.victim_row(self._evictable_row)
+        row, replica = self.victim_row(st)
         if row is None:
             raise ResourceExhausted(
                 f"tier {st.name} is full ({st.tier.used_bytes} of {st.tier.capacity_bytes} bytes) and every "
                 "block in it is pinned or being moved; retry later, release leases, or add capacity"
             )
         entry = self._index.entry(row)
-        if self.below(st) is not None:
-            await self.demote(entry, st)
+        if self.below(st) is not None or replica:
+            await self.evict_victim(st, row, replica)
             return
         # Region-level reclaim: a tier that frees whole regions (the SSD log) gets a
         # region back only when all its records are dead, so the victim's whole region

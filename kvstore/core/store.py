@@ -33,7 +33,8 @@ depend on what is pinned. Nothing outside needs to sweep; `expire_leases` stays 
 for a host that wants an idle store's pins released on its own schedule.
 
 Verbs: `lookup`, `lease_prefix`, `begin_put`, `open_fetch`, `prefetch`, `delete`,
-`pin`/`unpin`, `hint`/`end_session`, `verify`, `purge`, `evict_bytes`, `stats`;
+`pin`/`unpin`, `hint`/`end_session`, `verify`, `purge`, `evict_bytes`, `stats`; for a
+cluster, `present` (a probe without a lookup's side effects) and `mark_replicas`;
 `start`/`aclose` own the background tasks.
 """
 
@@ -369,6 +370,48 @@ class Store:
             hashes_packed=packed[: n_hit * HASH_BYTES],
             lease_id=lease_id,
         )
+
+    # The byte `present` answers for a block that is not held.
+    ABSENT = 255
+
+    @property
+    def tier_id_names(self) -> tuple[str, ...]:
+        """Tier id -> tier name, for `PrefixLookup.tier_ids` and `present`."""
+        return self._tier_id_names
+
+    def present(self, namespace_id: bytes, packed: bytes) -> bytes:
+        """Which of the named blocks (N x 16-byte hashes, not necessarily a chain's prefix)
+        are held: one byte per block, its top tier id, or `ABSENT`. A probe without a
+        lookup's side effects (no counters, touches or leases): a cluster asks it of the
+        units past a lookup's local prefix, in one vectorized step."""
+        self._enter(namespace_id)
+        if len(packed) % HASH_BYTES:
+            raise InvalidArgument(f"a packed chain is a multiple of {HASH_BYTES} bytes, got {len(packed)}")
+        q = np.frombuffer(packed, "<u8")
+        rows = self.index.find_chain(namespace_id, q[0::2], q[1::2])
+        out = np.full(len(rows), self.ABSENT, np.uint8)
+        found = rows >= 0
+        if found.any():
+            out[found] = self._top_ids(rows[found])
+        return out.tobytes()
+
+    def mark_replicas(self, namespace_id: bytes, hashes: Sequence[bytes]) -> int:
+        """Hold the named blocks as replicas: copies of blocks another daemon of a pool
+        owns. Each becomes one of the first victims of the memory tier it is in
+        (`StoreTier.replicas`), is dropped rather than demoted, and is not written through
+        to SSD. Returns how many were present."""
+        self._enter(namespace_id, hashes)
+        marked = 0
+        for h in hashes:
+            entry = self.index.get(make_key(namespace_id, h))
+            if entry is None:
+                continue
+            top = self.copies.top_tier(entry)
+            if top is not None and top.tier.addressable:
+                top.replicas.add(entry)
+                entry.ssd_queued = False  # the write-through writer skips it
+                marked += 1
+        return marked
 
     def count_unknown_lookup(self, n_asked: int) -> None:
         """A lookup of a layout the store holds nothing of (the server answers it without

@@ -1,5 +1,6 @@
 """A tier as the control plane sees it (`StoreTier`: bytes, order, watermarks, counters),
-and who applies the policy calls a verb leaves for after its answer (`PolicyDeferral`).
+who applies the policy calls a verb leaves for after its answer (`PolicyDeferral`), and
+the blocks the tier holds as replicas of another daemon's (`ReplicaSet`).
 
 A lookup's hits and a put's new blocks reach a tier's policy after the reply has gone
 out: that is the one reverse edge between a server and the store, and it is named here
@@ -10,12 +11,15 @@ its answer instead of leaving them to a loop callback).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from kvstore.core.index import BlockEntry
 from kvstore.core.policies import EvictionPolicy
 from kvstore.core.results import TierCounters
+from kvstore.core.table import BlockTable
 from kvstore.core.tier import Tier
 
 # Policy calls that may wait for the loop (see `StoreTier.defer_touch`).
@@ -53,6 +57,50 @@ class PolicyDeferral:
                 tier.apply_deferred()
 
 
+class ReplicaSet:
+    """Blocks a tier holds as copies of blocks another daemon of a pool owns (a cluster's
+    replicas): the first victims when room is needed, oldest first, before anything the
+    tier's policy orders, so copies never crowd out the blocks this daemon owns (what the
+    cluster benchmark measured, docs/cluster.md). They stay while nothing needs their room,
+    and while they are pinned or read (a fetch serving them).
+
+    Rows are kept with their generation; a row that was recycled, or whose block left this
+    tier, is forgotten when a scan meets it (no hook on every removal is needed)."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self) -> None:
+        self._rows: dict[int, int] = {}  # row -> generation, in marking order
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def add(self, entry: BlockEntry) -> None:
+        self._rows.pop(entry.row, None)
+        self._rows[entry.row] = int(entry.table.vgen[entry.row])
+
+    def discard(self, row: int) -> None:
+        self._rows.pop(row, None)
+
+    def holds(self, table: BlockTable, row: int, tier: str) -> bool:
+        gen = self._rows.get(row)
+        return gen is not None and int(table.vgen[row]) == gen and BlockEntry.of(table, row).slot_in(tier) is not None
+
+    def victim_row(self, table: BlockTable, tier: str, evictable: Callable[[int], bool]) -> int | None:
+        """The oldest replica in `tier` that could leave now; stale rows are dropped on the way."""
+        stale: list[int] = []
+        found = None
+        for row, gen in self._rows.items():
+            if int(table.vgen[row]) != gen or BlockEntry.of(table, row).slot_in(tier) is None:
+                stale.append(row)
+            elif evictable(row):
+                found = row
+                break
+        for row in stale:
+            del self._rows[row]
+        return found
+
+
 class StoreTier:
     """A tier as the control plane sees it: bytes (`tier`), order (`policy`), counters.
 
@@ -67,7 +115,7 @@ class StoreTier:
     """
 
     __slots__ = ("tier", "_policy", "high_watermark", "low_watermark", "counters", "draining",
-                 "_deferred", "_flush_scheduled", "deferral")
+                 "_deferred", "_flush_scheduled", "deferral", "replicas")
 
     def __init__(self, tier: Tier, policy: EvictionPolicy, high_watermark: float = 0.95,
                  low_watermark: float = 0.85) -> None:
@@ -85,6 +133,7 @@ class StoreTier:
         self._deferred: list[tuple[bool, np.ndarray[Any, Any]]] = []  # (insert, rows), in call order
         self._flush_scheduled = False
         self.deferral = PolicyDeferral()  # its store's, once in one
+        self.replicas = ReplicaSet()
 
     def __repr__(self) -> str:
         return f"StoreTier({self.tier.name}, {self._policy.name})"

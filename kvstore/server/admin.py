@@ -1,5 +1,5 @@
 """The `kvstore.v1.Admin` servicer: stats, INFO, namespaces, blocks, evict, flush,
-config, events.
+config, events, and the pool's status, placement and drain (kvstore.server.cluster).
 
 Primitives: `AdminServicer`, `stats_to_proto(status, uptime_s, absent)`.
 
@@ -13,22 +13,29 @@ per-call pipeline's auth step).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
 from kvstore import __version__
 from kvstore.convert import TIER_BY_NAME, layout_to_proto
 from kvstore.core.store import RemovalResult, Store, StoreStatus
-from kvstore.errors import InvalidArgument
+from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import HASH_BYTES
+from kvstore.server.cluster import drain_proto, info_section, status_proto, where_proto
 from kvstore.server.events import EventBus, EventKind
 from kvstore.server.info import SECTIONS, render_info
+from kvstore.server.requests import RequestResolver
 from kvstore.server.runtime import ConfigValue, RuntimeConfig
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 
-INFO_SECTIONS = (*SECTIONS, "events", "tenants")
+if TYPE_CHECKING:
+    from kvstore.cluster.pool import ClusterNode
+
+INFO_SECTIONS = (*SECTIONS, "events", "tenants", "cluster")
 
 # Block references per ListBlocks message: 32 bytes each, far under the message cap.
 LIST_BLOCKS_BATCH = 8192
@@ -125,6 +132,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.absent_tiers = list(absent_tiers)
         self._calls_in_flight = calls_in_flight
         self.started = time.monotonic()
+        # Set by the daemon when it is one of a pool (kvstore.server.cluster).
+        self.cluster: ClusterNode | None = None
+        self.node_id = ""
+        self.resolver: RequestResolver | None = None
 
     async def Stats(self, request: admin_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.StatsResponse:
         return stats_to_proto(self.store.stats(), time.monotonic() - self.started, self.absent_tiers)
@@ -137,12 +148,15 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             return admin_pb2.InfoResponse(text=self._events_section())
         if section == "tenants":
             return admin_pb2.InfoResponse(text=self._tenants_section())
+        if section == "cluster":
+            return admin_pb2.InfoResponse(text=info_section(self.cluster))
         # The config section shows the settings as they are now, after SetConfig or SIGHUP.
         text = render_info(
             self.store, time.monotonic() - self.started, self.runtime.as_dict(), self.absent_tiers, section
         )
         if not section:
-            text = text.rstrip("\n") + "\n\n" + self._events_section() + "\n" + self._tenants_section()
+            text = (text.rstrip("\n") + "\n\n" + self._events_section() + "\n" + self._tenants_section() + "\n"
+                    + info_section(self.cluster))
         return admin_pb2.InfoResponse(text=text)
 
     def _events_section(self) -> str:
@@ -229,9 +243,34 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             async for e in sub:
                 yield admin_pb2.Event(
                     seq=e.seq, kind=EVENT_KIND[e.kind], namespace_id=e.namespace_id, block_hashes=e.block_hashes,
-                    tier=e.tier, from_tier=e.from_tier, dropped=e.dropped,
+                    tier=e.tier, from_tier=e.from_tier, dropped=e.dropped, node_id=self.node_id,
                     tier_enum=TIER_BY_NAME.get(e.tier, kvstore_pb2.TIER_UNSPECIFIED),
                     from_tier_enum=TIER_BY_NAME.get(e.from_tier, kvstore_pb2.TIER_UNSPECIFIED),
                 )
         finally:
             sub.close()
+
+    # ---- the pool (docs/cluster.md)
+
+    def _cluster(self) -> ClusterNode:
+        if self.cluster is None:
+            raise FailedPrecondition("this daemon is not one of a pool (cluster is off); see docs/cluster.md")
+        return self.cluster
+
+    async def ClusterStatus(self, request: admin_pb2.ClusterStatusRequest,
+                            context: grpc.aio.ServicerContext) -> admin_pb2.ClusterStatusResponse:
+        return status_proto(self.cluster)
+
+    async def ClusterWhere(self, request: admin_pb2.ClusterWhereRequest,
+                           context: grpc.aio.ServicerContext) -> admin_pb2.ClusterWhereResponse:
+        node = self._cluster()
+        assert self.resolver is not None
+        ns_id = self.resolver.namespace(request.namespace)
+        chain = self.resolver.chain(ns_id, request.keys)
+        return where_proto(node, ns_id, chain)
+
+    async def ClusterDrain(self, request: admin_pb2.ClusterDrainRequest,
+                           context: grpc.aio.ServicerContext) -> admin_pb2.ClusterDrainResponse:
+        if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
+            raise InvalidArgument(f"timeout_s must be a finite number >= 0, got {request.timeout_s}")
+        return await drain_proto(self._cluster(), request.timeout_s)

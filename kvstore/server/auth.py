@@ -4,7 +4,7 @@ admission of calls that puts the caller's identity into a contextvar.
 Primitives: `parse_token_file(path) -> TokenTable`, `TokenTable.authenticate(token)`,
 `new_token() -> (token, hash)`, `Authenticator` (`identify`, `admit`/`leave`: the auth
 step of the per-call pipeline, `kvstore.server.pipeline`), `bearer_token(metadata)`,
-`current_identity()`.
+`peer_call(metadata)`, `current_identity()`.
 
 The token file is TOML, one `[[tenant]]` table per tenant (see SECURITY.md):
 
@@ -24,6 +24,15 @@ entry a token nearly matched.
 
 Without a token file the daemon has one tenant, `default`, with the admin role and an
 empty salt: namespace ids are the public ones from docs/hashing.md, as before tenancy.
+
+Calls between the daemons of a pool (docs/cluster.md) carry the sending node's cluster
+credential (a token of role `peer`, or `admin`) and two metadata entries: `x-kvstore-peer`
+(the sender's node id) and `x-kvstore-tenant` (the tenant the call is made for). Such a
+call acts as that tenant of this daemon's own token file (its salt and quotas), only for
+the methods a pool uses (`PEER_METHODS`); the tenant entries are trusted only from a
+credential of those roles, so a client cannot act for another tenant, and a peer token
+alone reaches nothing. Without a token file every call is the default tenant's, and a
+call for any other tenant is refused.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ import secrets
 import stat
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvstore.errors import ConfigError, PermissionDenied, ResourceExhausted, Unauthenticated
@@ -47,7 +56,13 @@ from kvstore.units import parse_size
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("client", "admin")
+ROLES = ("client", "admin", "peer")
+# Roles whose calls may act for a tenant named in the call (node-to-node calls).
+ACTS_FOR_TENANTS = ("peer", "admin")
+PEER_HEADER = "x-kvstore-peer"
+TENANT_HEADER = "x-kvstore-tenant"
+# What one daemon of a pool asks of another.
+PEER_METHODS = ("/kvstore.v1.KVStore/Lookup", "/kvstore.v1.KVStore/Fetch", "/kvstore.v1.KVStore/Put")
 QUOTA_TIERS = TIER_KINDS
 DEFAULT_TENANT = "default"
 HASH_SCHEME = "sha256"
@@ -71,6 +86,7 @@ class Identity:
     salt: bytes = b""
     quota: Mapping[str, int] = field(default_factory=dict)
     local_plane: bool = True
+    peer: str = ""  # the node id of the pool's daemon that made this call for the tenant
 
     @property
     def is_admin(self) -> bool:
@@ -286,6 +302,19 @@ def check_unix_tenant(table: TokenTable, tenant: str, path: str) -> None:
         )
 
 
+def peer_call(metadata: Any) -> tuple[str, str] | None:
+    """(sender node id, tenant) of a node-to-node call's metadata; None for other calls."""
+    node = tenant = None
+    for key, value in metadata or ():
+        if key == PEER_HEADER:
+            node = value
+        elif key == TENANT_HEADER:
+            tenant = value
+    if node is None:
+        return None
+    return str(node)[:64], "" if tenant is None else str(tenant)
+
+
 def bearer_token(metadata: Any) -> str | None:
     """The token of gRPC metadata's `authorization: Bearer <token>`: None when there is
     none, "" when it is malformed (refused like a wrong one)."""
@@ -328,11 +357,15 @@ class Authenticator:
             raise Unauthenticated("the bearer token is not valid for this daemon; ask its operator for one")
         return found
 
-    def identify(self, method: str, token: str | None, on_unix_socket: bool) -> Identity:
+    def identify(self, method: str, token: str | None, on_unix_socket: bool,
+                 peer: tuple[str, str] | None = None) -> Identity:
         """Who a call of `method` (a gRPC method path) carrying `token` (None: no token;
         "": a malformed one) is, and whether it may make that call; raises
-        `Unauthenticated` or `PermissionDenied`. Shared by gRPC calls and the local lane."""
+        `Unauthenticated` or `PermissionDenied`. Shared by gRPC calls and the local lane.
+        `peer`: (node id, tenant) of a node-to-node call (`peer_call`)."""
         identity = DEFAULT_IDENTITY if self.table is None else self._authenticate(self.table, token, on_unix_socket)
+        if peer is not None or identity.role == "peer":
+            identity = self._acting_for(method, identity, peer)
         if method.startswith(ADMIN_SERVICE) and not identity.is_admin:
             raise PermissionDenied(f"{method} needs the admin role; tenant {identity.tenant!r} has role {identity.role}")
         if not identity.local_plane and method.rsplit("/", 1)[-1] in LOCAL_METHODS:
@@ -342,11 +375,39 @@ class Authenticator:
             )
         return identity
 
-    def admit(self, method: str, token: str | None, on_unix_socket: bool) -> Identity:
+    def _acting_for(self, method: str, caller: Identity, peer: tuple[str, str] | None) -> Identity:
+        """The tenant a node-to-node call acts for (see the module docstring)."""
+        if peer is None:
+            raise PermissionDenied(
+                f"tenant {caller.tenant!r} has role peer: its token is a cluster credential for calls between "
+                "daemons, which name the tenant they act for; use a client token"
+            )
+        node, tenant = peer
+        if caller.role not in ACTS_FOR_TENANTS:
+            raise PermissionDenied(
+                f"tenant {caller.tenant!r} (role {caller.role}) may not act for another tenant; node-to-node "
+                "calls need a cluster credential (role peer or admin)"
+            )
+        if method not in PEER_METHODS:
+            raise PermissionDenied(f"{method} is not a node-to-node call; a pool's daemons call only "
+                                   "Lookup, Fetch and Put on each other")
+        if self.table is None:
+            acting = DEFAULT_IDENTITY if tenant in ("", DEFAULT_TENANT) else None
+        else:
+            acting = self.table.identities.get(tenant)
+        if acting is None:
+            raise PermissionDenied(
+                f"node {node!r} called for tenant {tenant!r}, which this daemon's token file does not name; "
+                "every daemon of a pool needs the same tenants with the same salts"
+            )
+        return replace(acting, peer=node)
+
+    def admit(self, method: str, token: str | None, on_unix_socket: bool,
+              peer: tuple[str, str] | None = None) -> Identity:
         """`identify`, then count the call against the tenant's cap on calls in flight
         (`ResourceExhausted` past it), and make the identity current for the handler.
         Every admitted call must be ended with `leave`."""
-        identity = self.identify(method, token, on_unix_socket)
+        identity = self.identify(method, token, on_unix_socket, peer)
         self._enter(identity)
         _identity.set(identity)
         return identity

@@ -151,6 +151,43 @@ FIELDS: tuple[Field, ...] = (
           "is closed (clients reconnect on their next call)", lo=1, hi=86_400),
     Field("keepalive_s", "float", 60.0, "a gRPC connection with calls open that sent nothing for this many "
           "seconds is pinged, and closed when the ping goes unanswered (a client that vanished)", lo=1, hi=86_400),
+    # The pool of daemons (docs/cluster.md). Off by default: a single daemon needs none of these.
+    Field("cluster", "bool", False, "join a pool of daemons, so a prefix computed on one node is a hit on every "
+          "node; needs cluster_etcd or cluster_peers (see docs/cluster.md)"),
+    Field("cluster_etcd", "list", (), "etcd v3 endpoints for the pool's membership, host:port (comma-separated)",
+          metavar="HOST:PORT[,...]"),
+    Field("cluster_peers", "list", (), "a static pool instead of etcd: node_id=host:port entries (comma-separated), "
+          "the same list on every node, this one included", metavar="ID=HOST:PORT[,...]"),
+    Field("cluster_prefix", "str", "/kvstore", "etcd key prefix of the pool (one prefix per pool)", metavar="PREFIX"),
+    Field("cluster_lease_ttl_s", "int", 10, "seconds this member's etcd lease outlives its last keep-alive: a "
+          "daemon that dies leaves every view within it", lo=1, hi=300),
+    Field("node_id", "str", "", "this daemon's id in the pool (placement hashes it); empty: the id kept in "
+          "<ssd_path>/node-id, made on the first start", metavar="ID"),
+    Field("cluster_advertise", "list", (), "host:port where the pool's other daemons reach this one; empty: its "
+          "TCP listen addresses that are not a wildcard", metavar="HOST:PORT[,...]"),
+    Field("cluster_zone", "str", "", "zone or rack label this member publishes", metavar="ZONE"),
+    Field("cluster_unit_blocks", "int", 2, "placement unit: consecutive blocks of a chain placed together (the "
+          "same on every node)", lo=1, hi=4096),
+    Field("cluster_replicas", "int", 1, "owners per placement unit (the same on every node)", lo=1, hi=16),
+    Field("cluster_hot_extra_owners", "int", 2, "most owners a hot unit gets beyond cluster_replicas (0: none)",
+          lo=0, hi=16),
+    Field("cluster_grace_s", "float", 30.0, "seconds the previous owners of a unit are still asked after the "
+          "membership changed", lo=0, hi=3600),
+    Field("cluster_lookup_timeout_ms", "float", 5.0, "deadline of a lookup's one round of calls to other nodes: "
+          "a slower or dead node is a miss", lo=0.1, hi=60_000, runtime=True),
+    Field("cluster_fetch_timeout_s", "float", 5.0, "how long a fetch waits for blocks its lookup is copying from "
+          "other nodes before it answers the shorter prefix", lo=0.01, hi=600, runtime=True),
+    Field("cluster_forward_queue", "int", 4096, "blocks waiting to be forwarded to their owners; past it new "
+          "forwards are dropped and counted (puts never wait for it)", lo=1, hi=1 << 24),
+    Field("cluster_forward_timeout_s", "float", 10.0, "deadline of one forward to an owner, and of a put that "
+          "waits for its owners", lo=0.01, hi=600),
+    Field("cluster_pulls", "int", 16, "copies of remote blocks into this node running at once", lo=1, hi=1024),
+    Field("cluster_suspect_s", "float", 2.0, "seconds a node whose calls failed is skipped before it is tried "
+          "again (doubling while it keeps failing, up to 30 s)", lo=0.01, hi=3600),
+    Field("cluster_token_file", "str", "", "file holding the bearer token this daemon presents to the others "
+          "(role peer or admin in their token files; see SECURITY.md)", metavar="FILE"),
+    Field("cluster_tls_ca", "str", "", "PEM roots that sign the other daemons' certificates: node-to-node calls "
+          "use TLS (tls_cert/tls_key, when set, are this node's client certificate)", metavar="FILE"),
     Field("data_lane_listen", "list", ("auto",), "where the data lane (block bytes for remote clients and peers "
           "on sockets of their own, not in gRPC messages; see docs/net.md) listens: auto (next to each TCP "
           "listener, same host, a port of the system's choosing), off, or HOST:PORT and/or unix:PATH; "
@@ -249,6 +286,26 @@ class Config:
     handshake_timeout_s: float
     connection_idle_s: float
     keepalive_s: float
+    cluster: bool
+    cluster_etcd: tuple[str, ...]
+    cluster_peers: tuple[str, ...]
+    cluster_prefix: str
+    cluster_lease_ttl_s: int
+    node_id: str
+    cluster_advertise: tuple[str, ...]
+    cluster_zone: str
+    cluster_unit_blocks: int
+    cluster_replicas: int
+    cluster_hot_extra_owners: int
+    cluster_grace_s: float
+    cluster_lookup_timeout_ms: float
+    cluster_fetch_timeout_s: float
+    cluster_forward_queue: int
+    cluster_forward_timeout_s: float
+    cluster_pulls: int
+    cluster_suspect_s: float
+    cluster_token_file: str
+    cluster_tls_ca: str
     data_lane_listen: tuple[str, ...]
     data_lane_advertise: tuple[str, ...]
     data_lane_connections: int
@@ -369,7 +426,25 @@ def load_config(
         raise ConfigError("tls_cert and tls_key go together: set both (TLS) or neither")
     if values["tls_client_ca"] and not values["tls_cert"]:
         raise ConfigError("tls_client_ca (mTLS) needs tls_cert and tls_key too")
+    check_cluster(values)
     return Config(**values)
+
+
+def check_cluster(values: Mapping[str, Any]) -> None:
+    """The cluster settings that only make sense together."""
+    etcd, peers = values["cluster_etcd"], values["cluster_peers"]
+    if not values["cluster"]:
+        if etcd or peers:
+            raise ConfigError("cluster_etcd or cluster_peers is set but cluster is off: set cluster = true "
+                              "(--cluster) to join the pool, or remove them")
+        return
+    if not etcd and not peers:
+        raise ConfigError("cluster is on but names no members: set cluster_etcd (etcd endpoints) or "
+                          "cluster_peers (a static node_id=host:port list)")
+    if etcd and peers:
+        raise ConfigError("set either cluster_etcd or cluster_peers, not both")
+    if not values["cluster_prefix"].startswith("/"):
+        raise ConfigError(f"cluster_prefix must start with '/', got {values['cluster_prefix']!r}")
 
 
 def check_env_names(env: Mapping[str, str]) -> None:

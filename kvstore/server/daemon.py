@@ -4,8 +4,10 @@ serves them over gRPC and the control lane, and shuts down cleanly.
 Start-up is one `contextlib.AsyncExitStack`: the checksum executor, the tiers and the
 store (which owns the tiers once built), the open local puts, the metrics endpoint, the
 gRPC server (KVStore, Admin, grpc.health.v1.Health, reflection) and its listeners, the
-data lane's listeners (`kvstore.server.datalane`), the control lanes, and the background
-tasks. Whatever fails, what was built is torn down in
+data lane's listeners (`kvstore.server.datalane`), the control lanes, the cluster node
+when the daemon is one of a pool (`cluster = true`: kvstore.server.cluster; it joins once
+the listeners are bound, and leaves first on SIGTERM), and the background tasks.
+Whatever fails, what was built is torn down in
 reverse, and `stop` unwinds the same stack. It refuses to start, with a message naming
 the setting to change, on a bad address, an address in use (SO_REUSEPORT is turned off
 so a second daemon cannot silently share a port), a non-loopback TCP address without a
@@ -36,6 +38,7 @@ import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -48,6 +51,7 @@ from kvstore.laneproto import lane_path
 from kvstore.logs import rate_limited
 from kvstore.server.admin import AdminServicer
 from kvstore.server.auth import Authenticator, TokenTable, check_unix_tenant, parse_token_file
+from kvstore.server.cluster import ClusterCollector, health_watcher, resolve_cluster_node_id, start_cluster
 from kvstore.server.config import Config
 from kvstore.server.connections import (
     ConnectionLimits,
@@ -88,6 +92,9 @@ from kvstore.tiers import (
 from kvstore.units import human_bytes
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 from kvstore.wire import add_kvstore_servicer
+
+if TYPE_CHECKING:
+    from kvstore.cluster.pool import ClusterNode
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +144,12 @@ class Daemon:
         self.metrics_address = ""  # HOST:PORT once the endpoint is up; empty when off
         self.connection_limits: ConnectionLimits | None = None  # fitted to the open-file limit at start
         self.gc_freezer = GcFreezer()
+        # The pool (cluster = true): its node id is resolved now, so a bad one stops the
+        # daemon before it binds anything; the node joins once the listeners are up.
+        self.node_id = resolve_cluster_node_id(config) if config.cluster else ""
+        self.cluster: ClusterNode | None = None
+        self._admin: AdminServicer | None = None
+        self._resolver: RequestResolver | None = None
         self._recovered_blocks = 0
         self._executor: ThreadPoolExecutor | None = None
         self._health: HealthServicer | None = None
@@ -257,6 +270,8 @@ class Daemon:
         if cfg.local_lane:
             stack.push_async_callback(self._close_lanes)
             await self._start_lanes(servicer)
+        if cfg.cluster:
+            await self._start_cluster(stack, store, servicer)
         for name in ("", "kvstore.v1.KVStore", "kvstore.v1.Admin"):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.create_task(self._sweep_leases(), name="kvstore-lease-sweeper")
@@ -269,6 +284,29 @@ class Daemon:
             )
             stack.push_async_callback(self._stop_prefault)
         self._log_started(tiers, host_capacity)
+
+    async def _start_cluster(self, stack: contextlib.AsyncExitStack, store: Store, servicer: KVStoreServicer) -> None:
+        """Join the pool, and hand the node to what serves it (see kvstore.server.cluster)."""
+        node = self.cluster = await start_cluster(self.config, store, self.node_id, self.bound,
+                                                  executor=self._executor, auth_on=self.tokens is not None)
+        stack.push_async_callback(self._close_cluster)
+        servicer.cluster = node
+        servicer.local.cluster = node
+        if self._transfers is not None:
+            self._transfers.cluster = node
+        assert self._admin is not None and self.runtime is not None
+        self._admin.cluster = node
+        self._admin.node_id = node.node_id
+        self._admin.resolver = self._resolver
+        self.metrics.registry.register(ClusterCollector(lambda: self.cluster))
+        self.runtime.register("cluster_lookup_timeout_ms", lambda ms: setattr(node, "lookup_timeout_s", ms / 1000.0))
+        self.runtime.register("cluster_fetch_timeout_s", lambda s: setattr(node, "fetch_timeout_s", s))
+        await stack.enter_async_context(health_watcher(node, self.health))
+
+    async def _close_cluster(self) -> None:
+        node, self.cluster = self.cluster, None
+        if node is not None:
+            await node.aclose()
 
     def _services(self, store: Store, host_tier: HostTier | SpacedHostTier,
                   absent: list[tuple[str, str]]) -> tuple[grpc.aio.Server, KVStoreServicer]:
@@ -295,6 +333,7 @@ class Daemon:
             max_tokens_per_call=cfg.max_tokens_per_call, max_block_bytes=cfg.max_block_bytes,
             max_namespaces_per_tenant=cfg.max_namespaces_per_tenant if auth_on else None)
         self.runtime.register("max_tokens_per_call", lambda value: setattr(resolver, "max_tokens_per_call", value))
+        self._resolver = resolver
         local = LocalPlane(store, resolver, host_tier, self._local_puts)
         transfers = LaneTransfers(store, resolver, LaneSettings(
             window_bytes=cfg.data_lane_window, max_connections_per_transfer=cfg.data_lane_connections,
@@ -304,9 +343,8 @@ class Daemon:
         servicer = KVStoreServicer(store, resolver, local, DevicePlane(store, local, self._local_plane_tenants),
                                    cfg.chunk_bytes, cfg.max_put_reserve_bytes, cfg.put_idle_timeout_s, transfers)
         add_kvstore_servicer(servicer, server)
-        admin_pb2_grpc.add_AdminServicer_to_server(
-            AdminServicer(store, self.runtime, self.events, absent, lambda: self.auth.in_flight), server
-        )
+        self._admin = AdminServicer(store, self.runtime, self.events, absent, lambda: self.auth.in_flight)
+        admin_pb2_grpc.add_AdminServicer_to_server(self._admin, server)
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         enable_reflection(
@@ -493,6 +531,9 @@ class Daemon:
         logger.info("shutting down: draining in-flight calls for up to %.1fs", grace)
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        if self.cluster is not None:
+            # Leave every view first: peers stop forwarding here while calls drain.
+            await self.cluster.leave()
         # Event streams never end by themselves; end them so the drain is not held open.
         self.events.close()
         self._prefault_stop.set()

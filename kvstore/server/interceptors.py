@@ -37,7 +37,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvstore.errors import InvalidArgument
-from kvstore.server.auth import bearer_token
+from kvstore.server.auth import bearer_token, peer_call
 from kvstore.server.pipeline import CallSteps, Pipeline
 
 UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
@@ -103,7 +103,8 @@ def _enter(steps: CallSteps, context: grpc.aio.ServicerContext) -> Any:
     metadata = context.invocation_metadata()
     if steps.open:
         return steps.enter(None, False, request_id_of(metadata))
-    return steps.enter(bearer_token(metadata), context.peer().startswith("unix:"), request_id_of(metadata))
+    return steps.enter(bearer_token(metadata), context.peer().startswith("unix:"), request_id_of(metadata),
+                       peer_call(metadata))
 
 
 def wrap_handler(

@@ -35,19 +35,25 @@ the first block of another space (the client fetches the rest as bytes).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvstore.core.results import NamespaceInfo
-from kvstore.core.store import Store
+from kvstore.core.store import PutOutcome, Store
 from kvstore.core.tier import Slot
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.server.auth import current_identity
+from kvstore.server.cluster import forward_put
 from kvstore.server.lane import PASSED_FDS
 from kvstore.server.local_puts import LocalPuts
 from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
 from kvstore.shm import HEADER_BYTES
 from kvstore.tiers import HOST, HostTier, Segment, SpacedHostTier
 from kvstore.v1 import kvstore_pb2
+
+if TYPE_CHECKING:
+    from kvstore.cluster.pool import ClusterNode
 
 # The tier the shared-memory plane serves from and puts into.
 LOCAL_TIER = HOST
@@ -77,6 +83,8 @@ class LocalPlane:
         self._spaced: SpacedHostTier | None = host if isinstance(host, SpacedHostTier) else None
         # The daemon's own table: its sweep and shutdown must see these puts.
         self.puts = puts
+        # The pool this daemon is one of (kvstore.server.cluster); None on a single daemon.
+        self.cluster: ClusterNode | None = None
 
     def require_segment(self) -> Segment:
         """The segment the caller's blocks are in (its tenant's, with auth on)."""
@@ -128,7 +136,22 @@ class LocalPlane:
     async def fetch(self, request: kvstore_pb2.LocalFetchRequest) -> kvstore_pb2.LocalFetchResponse:
         if self._host is None:
             raise FailedPrecondition(NO_SEGMENT)
+        cluster = self.cluster
+        if cluster is not None and cluster.pulling:
+            # Blocks a lookup is copying here from other nodes: served once they landed.
+            with contextlib.suppress(UnregisteredLayout):  # nothing was put in it: a miss below
+                ns_id = self.resolver.namespace(request.namespace)
+                await cluster.settle_fetch(ns_id, self.resolver.chain(ns_id, request.keys))
         return self.lease_blocks(request, LOCAL_TIER)
+
+    async def _forward(self, result: PutOutcome, header: kvstore_pb2.PutHeader, resp: kvstore_pb2.PutResponse,
+                       hashes: Sequence[bytes] | None = None, parent: bytes | None = None) -> None:
+        """A committed put's forwards to the owners of its units (in a pool)."""
+        cluster = self.cluster
+        assert cluster is not None
+        if hashes is None:
+            hashes, parent = self.resolver.put_keys(self.store.namespace(result.namespace_id), header)
+        await forward_put(cluster, result.namespace_id, hashes, parent, header, resp, current_identity().peer)
 
     def release_leases(self, lease_ids: Sequence[str]) -> None:
         if len(lease_ids) > MAX_PIGGYBACK_RELEASES:
@@ -234,10 +257,13 @@ class LocalPlane:
             if session:
                 self.store.hint(result.namespace_id, result.block_hashes, session, header.hint.expect_reuse_within_s)
         packed = header is not None and packed_reply(header.keys)
-        return kvstore_pb2.PutResponse(
+        resp = kvstore_pb2.PutResponse(
             stored=result.stored, existing=result.existing, namespace_id=result.namespace_id,
             **hash_fields(result.block_hashes, packed),
         )
+        if self.cluster is not None and header is not None:
+            await self._forward(result, header, resp)
+        return resp
 
     async def _commit_reserved(self, request: kvstore_pb2.LocalCommitRequest) -> kvstore_pb2.PutResponse:
         """A put in one round trip: its blocks already sit in the slots of a reservation
@@ -286,6 +312,8 @@ class LocalPlane:
         resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
                                        namespace_id=result.namespace_id,
                                        **hash_fields(result.block_hashes, packed_reply(header.keys)))
+        if self.cluster is not None:
+            await self._forward(result, header, resp, hashes, parent)
         if request.reserve_ahead:
             reservation = await self._reserve_ahead(block_bytes, request.reserve_ahead, spare)
             if reservation is not None:

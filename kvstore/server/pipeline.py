@@ -63,10 +63,12 @@ class CallSteps:
         self._gate = gate
         self._auth = auth
 
-    def enter(self, token: str | None, on_unix_socket: bool, rid: str) -> Identity | None:
+    def enter(self, token: str | None, on_unix_socket: bool, rid: str,
+              peer: tuple[str, str] | None = None) -> Identity | None:
         """Steps 1 to 4: the caller's identity (None for an open method). Raises the
         refusal (`KVStoreError`) when the gate or auth refuses; nothing is held then
-        but the in-flight count, which `leave` ends."""
+        but the in-flight count, which `leave` ends. `peer`: a node-to-node call's
+        (node id, tenant), from `kvstore.server.auth.peer_call`."""
         self.in_flight.n += 1
         if self.open:
             request_id.set(rid)
@@ -77,7 +79,7 @@ class CallSteps:
         gate.enter()
         try:
             request_id.set(rid)
-            return self._auth.admit(self.path, token, on_unix_socket)
+            return self._auth.admit(self.path, token, on_unix_socket, peer)
         except BaseException:
             gate.leave()
             raise

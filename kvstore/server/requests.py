@@ -84,11 +84,13 @@ class RequestResolver:
 
     # -------------------------------------------------------------- namespaces
 
-    def namespace(self, ref: kvstore_pb2.Namespace) -> bytes:
+    def namespace(self, ref: kvstore_pb2.Namespace, *, register: bool = False) -> bytes:
         """The caller's namespace, for a read: a layout is filed under the caller's tenant
         (salted id); an id must name a namespace of the caller's tenant (admins may name
         any). A layout the daemon holds nothing of raises `UnregisteredLayout`, and is
-        not registered: the read is a miss (blocks recovered from SSD are adopted)."""
+        not registered: the read is a miss (blocks recovered from SSD are adopted).
+        `register` files it instead (the caps checked): a daemon of a pool looks such a
+        layout up on the other nodes, and copies what they hold into it."""
         who = current_identity()
         which = ref.WhichOneof("ref")
         if which == "layout":
@@ -99,7 +101,7 @@ class RequestResolver:
             layout = self._checked_layout(ref.layout)
             ns_id = tenant_namespace_id(layout.namespace_id, who.salt)
             if not self.store.has_namespace(ns_id):
-                if not self.store.has_recovered(ns_id, layout):
+                if not register and not self.store.has_recovered(ns_id, layout):
                     raise UnregisteredLayout(ns_id, layout)
                 if self.max_namespaces_per_tenant is not None:
                     self._check_tenant_namespaces(layout, who.tenant, who.salt)

@@ -34,6 +34,11 @@ The per-call steps (request id, drain gate, auth, metrics, error mapping) are no
 `kvstore.server.pipeline` runs them around every method, for gRPC and for the control
 lane alike. Failures are `kvstore.errors` exceptions, mapped to a status there.
 
+In a pool (`cluster`), a lookup whose chain goes on past the local prefix asks the other
+nodes (`ClusterNode.extend`), a committed put is forwarded to its units' owners
+(`forward_put`), and a fetch first waits for blocks a lookup is copying here; calls that
+other nodes make (`Identity.peer`) are answered from this node alone.
+
 `context` may be None. The control lane (`kvstore.server.lane`) calls the unary methods
 itself, with the parsed request and no gRPC context, so no unary method reads or uses its
 `context`: what a method needs from the call (the caller's identity, the request id) is
@@ -46,14 +51,17 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import AsyncIterator
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
 from kvstore.convert import TIER_BY_NAME, TIER_NAMES, unknown_tier_message
-from kvstore.core.store import Store
+from kvstore.core.store import PrefixLookup, Store
 from kvstore.errors import Cancelled, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument
+from kvstore.hashing import HASH_BYTES, split_hashes
 from kvstore.native import XXH3, native
+from kvstore.server.auth import current_identity
+from kvstore.server.cluster import forward_put
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.local_plane import LocalPlane
 from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
@@ -69,6 +77,9 @@ DEFAULT_PUT_IDLE_TIMEOUT_S = 30.0
 # The trailing metadata of a Fetch that ended before the header's count: how many
 # blocks it sent (with DATA_LOSS when a block failed verification and had no intact copy).
 BLOCKS_SENT_TRAILER = "kvstore-blocks-sent"
+
+if TYPE_CHECKING:
+    from kvstore.cluster.pool import ClusterNode, Extension
 
 # A gRPC context, or None when the control lane calls (see the module docstring).
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any] | None"
@@ -126,6 +137,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self._hashes = resolver.hashes
         self._lease_out = resolver.tags.tag
         self._lease_in = resolver.tags.untag
+        # The pool this daemon is one of (kvstore.server.cluster); None on a single daemon.
+        self.cluster: ClusterNode | None = None
 
     # -------------------------------------------------------------- store verbs
 
@@ -133,11 +146,19 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         try:
             ns_id = self._namespace(request.namespace)
         except UnregisteredLayout as unknown:
+            if self.cluster is not None and not current_identity().peer:
+                # The pool may hold what this daemon never saw: the layout is filed here
+                # (forgotten after namespace_grace_s if nothing lands in it) and asked for.
+                ns_id = self.resolver.namespace(request.namespace, register=True)
+                return await self._lookup(request, ns_id)
             self.store.count_unknown_lookup(self._miss(request.keys, unknown))
             if request.HasField("hint"):
                 self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
             return kvstore_pb2.LookupResponse(namespace_id=unknown.namespace_id,
                                               block_size_tokens=unknown.layout.block_size_tokens)
+        return await self._lookup(request, ns_id)
+
+    async def _lookup(self, request: kvstore_pb2.LookupRequest, ns_id: bytes) -> kvstore_pb2.LookupResponse:
         keys = request.keys
         chain = self._chain(ns_id, keys)
         session = self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s) \
@@ -145,6 +166,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         r = self.store.lookup(ns_id, chain, request.lease_ms)
         if session and r.num_blocks:
             self.store.hint(ns_id, r.block_hashes, session, request.hint.expect_reuse_within_s)
+        cluster = self.cluster
+        if cluster is not None and r.num_blocks < (len(chain) // HASH_BYTES if isinstance(chain, bytes) else len(chain)) \
+                and not current_identity().peer:
+            # The rest of the chain may be on other nodes of the pool (a chain held here
+            # is answered without asking them).
+            ext = await cluster.extend(ns_id, chain, r.num_blocks)
+            if ext is not None:
+                return self._extended(request, keys, r, ext, chain)
         resp = kvstore_pb2.LookupResponse(
             num_blocks=r.num_blocks,
             num_tokens=r.num_tokens,
@@ -164,6 +193,26 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         resp.tiers_packed = tiers
         if not omit:
             resp.block_hashes_packed = r.hashes_packed
+        return resp
+
+    def _extended(self, request: kvstore_pb2.LookupRequest, keys: kvstore_pb2.BlockKeys, r: PrefixLookup,
+                  ext: Extension, chain: bytes | list[bytes]) -> kvstore_pb2.LookupResponse:
+        """A lookup's answer with the blocks the pool adds past the local prefix."""
+        n = r.num_blocks + ext.blocks
+        resp = kvstore_pb2.LookupResponse(
+            num_blocks=n, num_tokens=n * r.block_size_tokens, namespace_id=r.namespace_id,
+            lease_id=self._lease_out(r.lease_id), block_size_tokens=r.block_size_tokens, remote_blocks=ext.remote)
+        omit = request.omit_hashes and keys.WhichOneof("keys") != "tokens"
+        tiers = r.tier_ids.translate(tier_enum_table(r.tier_names)) + ext.tiers
+        packed = chain[: n * HASH_BYTES] if isinstance(chain, bytes) else b"".join(chain[:n])
+        if not packed_reply(keys):
+            resp.tiers.extend(tiers)
+            if not omit:
+                resp.block_hashes.extend(split_hashes(packed))
+            return resp
+        resp.tiers_packed = tiers
+        if not omit:
+            resp.block_hashes_packed = packed
         return resp
 
     async def Put(
@@ -215,8 +264,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             ) from None
         if session:
             self.store.hint(ns_id, hashes, session, header.hint.expect_reuse_within_s)
-        return kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing, namespace_id=ns_id,
+        resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing, namespace_id=ns_id,
                                        **hash_fields(result.block_hashes, packed_reply(header.keys)))
+        if self.cluster is not None:
+            await forward_put(self.cluster, ns_id, hashes, parent, header, resp, current_identity().peer)
+        return resp
 
     async def Fetch(
         self, request: kvstore_pb2.FetchRequest, context: grpc.aio.ServicerContext
@@ -232,13 +284,19 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 block_bytes=unknown.layout.bytes_per_block, namespace_id=unknown.namespace_id))
             return
         hashes = self._hashes(ns_id, request.keys)
+        cluster = self.cluster
+        if cluster is not None:
+            peer = current_identity().peer
+            if peer:
+                cluster.peer_fetched(ns_id, hashes)
+            else:
+                await cluster.settle_fetch(ns_id, hashes)  # blocks a lookup is copying here
         async with self.store.open_fetch(ns_id, hashes, self._lease_in(request.lease_id)) as stream:
-            yield kvstore_pb2.FetchResponse(
-                header=kvstore_pb2.FetchHeader(
-                    num_blocks=stream.num_blocks, block_bytes=stream.block_bytes, namespace_id=ns_id,
-                    prefix_blocks=stream.prefix_blocks,
-                )
-            )
+            header = kvstore_pb2.FetchHeader(num_blocks=stream.num_blocks, block_bytes=stream.block_bytes,
+                                             namespace_id=ns_id, prefix_blocks=stream.prefix_blocks)
+            if request.with_checksums:
+                header.checksums.extend(stream.checksums)
+            yield kvstore_pb2.FetchResponse(header=header)
             # Each block goes out as wire messages made by one copy out of its tier, and the
             # checksum is taken over the payload inside those messages (kvstore.wire); a
             # block is framed only once the one before it has gone out.

@@ -40,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, cast
 
 import grpc
 
@@ -50,9 +50,13 @@ from kvstore.core.store import Store
 from kvstore.datalane import VERSION, LaneSocket, checksum_of
 from kvstore.errors import DeadlineExceeded, FailedPrecondition, KVStoreError, ResourceExhausted, error_for_status
 from kvstore.server.auth import current_identity
+from kvstore.server.cluster import forward_put
 from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
 from kvstore.tiers import HOST
 from kvstore.v1 import kvstore_pb2
+
+if TYPE_CHECKING:
+    from kvstore.cluster.pool import ClusterNode
 
 logger = logging.getLogger(__name__)
 
@@ -458,6 +462,8 @@ class LaneTransfers:
         self.settings = settings
         self.counters = LaneCounters()
         self._endpoints = endpoints
+        # The pool this daemon is one of (kvstore.server.cluster); None on a single daemon.
+        self.cluster: ClusterNode | None = None
         self._open: dict[bytes, Transfer] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timers: dict[bytes, asyncio.TimerHandle] = {}
@@ -524,6 +530,13 @@ class LaneTransfers:
         if self.store.namespace(ns_id).layout.groups:
             raise FailedPrecondition(GROUPED_NOT_ON_LANE)
         hashes = resolver.hashes(ns_id, fetch.keys)
+        cluster = self.cluster
+        if cluster is not None:  # as for a gRPC Fetch
+            peer = current_identity().peer
+            if peer:
+                cluster.peer_fetched(ns_id, hashes)
+            else:
+                await cluster.settle_fetch(ns_id, hashes)  # blocks a lookup is copying here
         stream = self.store.open_fetch(ns_id, hashes, resolver.tags.untag(fetch.lease_id))
         assert isinstance(stream, FetchStream)  # grouped layouts were refused above
         resp = kvstore_pb2.LaneFetchResponse(num_blocks=stream.num_blocks, block_bytes=stream.block_bytes,
@@ -622,9 +635,14 @@ class LaneTransfers:
         session = self.resolver.put_session(header)
         if session:
             self.store.hint(result.namespace_id, result.block_hashes, session, header.hint.expect_reuse_within_s)
-        return kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
+        resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
                                        namespace_id=result.namespace_id,
                                        **hash_fields(result.block_hashes, packed_reply(header.keys)))
+        if self.cluster is not None:  # as for a gRPC Put: forwarded to its units' owners
+            hashes, parent = self.resolver.put_keys(self.store.namespace(result.namespace_id), header)
+            await forward_put(self.cluster, result.namespace_id, hashes, parent, header, resp,
+                              current_identity().peer)
+        return resp
 
     async def _roll_back(self, transfer: PutTransfer) -> None:
         try:

@@ -1,0 +1,408 @@
+"""Cluster benchmark, parts 2 and 3: real daemons (processes of their own) on this host.
+
+Part 2, remote lookup latency (`remote_lookup`): two daemons A and B in a static pool on
+loopback TCP, and a third, S, alone (cluster off), all with the default settings (the
+lookup deadline is 5 ms). Chains of 1,000 blocks in 4 namespaces (layouts) are put on B,
+which forwards the units A owns (about half: rendezvous over two members) and keeps the
+rest. Then, chain by chain, in the same run and over each daemon's Unix socket (the
+local control lane, the path a co-located engine takes):
+
+* `remote`: the first lookup of the chain on A, which holds about half of it and asks B
+  for the rest in one call (the answer says which blocks are remote);
+* `local`: the same chain looked up on A again once the fetch that followed copied B's
+  part (the chain is all local: no peer is asked), with the cluster on;
+* `single`: the same chain on S, a daemon with the cluster off.
+
+Part 3, failover (`failover`): three daemons on a real etcd (lease TTL 2 s), eight client
+threads on A and C putting, looking up and fetching chains (each fetched block compared
+with what was put), one of them computing and putting the tail of a chain the pool
+missed, as an engine would. B is killed with SIGKILL part-way; the run reports the hit
+ratio, lookups and client errors per second, wrong bytes, and how long until B had left
+A's and C's views.
+
+Primitives: `DaemonProcess`, `EtcdProcess`, `remote_lookup`, `failover`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstore.client import Client
+from kvstore.client.admin import AdminClient
+from kvstore.errors import KVStoreError
+from kvstore.hashing import block_hashes, namespace_id
+from kvstore.layout import KVLayout
+
+START_TIMEOUT_S = 30.0
+CHAIN_BLOCKS = 1000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the bench process dies, however it dies (a
+    killed bench must not leave daemons or etcd running). Linux only; elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    return env
+
+
+class DaemonProcess:
+    """`kvstore serve` in a process of its own, on a Unix socket and a loopback port."""
+
+    def __init__(self, workdir: Path, name: str, *flags: str) -> None:
+        self.dir = workdir / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.port = free_port()
+        self.sock = self.dir / "kv.sock"
+        self.flags = flags
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def target(self) -> str:
+        return f"unix:{self.sock}"
+
+    @property
+    def tcp(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, *more: str) -> DaemonProcess:
+        args = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"unix:{self.sock},{self.tcp}",
+                "--metrics-listen", "off", "--log-level", "warning", "--grace-s", "1", *self.flags, *more]
+        with open(self.dir / "daemon.log", "ab") as log:
+            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=_env(),
+                                         preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon {self.name} exited: {(self.dir / 'daemon.log').read_text()[-2000:]}")
+            if self.sock.exists():
+                try:
+                    with AdminClient(self.target, timeout_s=2) as admin:
+                        admin.stats()
+                    return self
+                except KVStoreError:
+                    pass
+            time.sleep(0.05)
+        self.kill9()
+        raise RuntimeError(f"daemon {self.name} did not start in {START_TIMEOUT_S:g}s")
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self._remove_segments()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._remove_segments()
+
+    def _remove_segments(self) -> None:
+        if self.proc is not None:
+            for seg in Path("/dev/shm").glob(f"kvstore-{self.proc.pid}-*"):
+                with contextlib.suppress(OSError):
+                    seg.unlink()
+
+
+class EtcdProcess:
+    """Debian's etcd on loopback free ports, its data in a temporary directory."""
+
+    def __init__(self, workdir: Path) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise RuntimeError("etcd is not installed: run scripts/install-etcd.sh (make bench-cluster runs it)")
+        self.client_port, peer_port = free_port(), free_port()
+        data = workdir / "etcd"
+        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{peer_port}"
+        env = dict(os.environ)
+        if os.uname().machine in ("aarch64", "arm64"):
+            env["ETCD_UNSUPPORTED_ARCH"] = "arm64"
+        with open(workdir / "etcd.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [binary, "--name", "bench", "--data-dir", str(data), "--listen-client-urls", client,
+                 "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                 "--initial-cluster", f"bench={peer}", "--logger", "zap", "--log-level", "warn"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{client}/health", timeout=1) as r:
+                    if json.loads(r.read()).get("health") == "true":
+                        return
+            except (OSError, ValueError):
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("etcd did not become healthy")
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def _workdir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="kvstore-bench-cluster-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _layouts(count: int) -> list[KVLayout]:
+    return [KVLayout(model=f"bench/cluster-{i}", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=16,
+                     block_size_tokens=4) for i in range(count)]
+
+
+def _payloads(layout: KVLayout, n: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, layout.bytes_per_block * n, dtype=np.uint8).tobytes()
+    b = layout.bytes_per_block
+    return [data[i * b : (i + 1) * b] for i in range(n)]
+
+
+def _tokens(seed: int, n_blocks: int, bst: int) -> list[int]:
+    base = seed * 7_919_999
+    return [(base + i) % 4_000_000_000 for i in range(n_blocks * bst)]
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0) -> dict[str, Any]:
+    """Part 2 (see the module docstring). `unit_blocks`: the pool's placement unit (0: the default)."""
+    units = ("--cluster-unit-blocks", str(unit_blocks)) if unit_blocks else ()
+    with _workdir() as work:
+        a = DaemonProcess(work, "a", "--host-capacity", "1GiB", *units)
+        b = DaemonProcess(work, "b", "--host-capacity", "1GiB", *units)
+        s = DaemonProcess(work, "s", "--host-capacity", "1GiB")
+        peers = f"a={a.tcp},b={b.tcp}"
+        try:
+            a.start("--cluster", "--cluster-peers", peers, "--node-id", "a")
+            b.start("--cluster", "--cluster-peers", peers, "--node-id", "b")
+            s.start()
+            layouts = _layouts(namespaces)
+            remote_us: list[float] = []
+            local_us: list[float] = []
+            single_us: list[float] = []
+            remote_share: list[float] = []
+            complete = wrong = 0
+            with Client(a.target) as ka, Client(b.target) as kb, Client(s.target) as ks:
+                # Warm-up: A's channel to B, and a first lookup on each daemon (not measured).
+                warm = layouts[0]
+                tok = _tokens(0, 64, warm.block_size_tokens)
+                kb.put(warm, tok, _payloads(warm, 64, 0), wait_for_owners=True)
+                for _ in range(3):
+                    ka.lookup(warm, tok)
+                    ka.fetch(warm, tok)
+                    ks.lookup(warm, tok)
+                for i in range(chains):
+                    layout = layouts[i % len(layouts)]
+                    tok = _tokens(i + 1, CHAIN_BLOCKS, layout.block_size_tokens)
+                    hashes = block_hashes(namespace_id(layout), tok, layout.block_size_tokens)
+                    blocks = _payloads(layout, CHAIN_BLOCKS, i + 1)
+                    kb.put(layout, tok, blocks, wait_for_owners=True)
+                    ks.put(layout, tok, blocks)
+                    t = time.perf_counter()
+                    hit = ka.lookup(layout, block_hashes=hashes)
+                    remote_us.append((time.perf_counter() - t) * 1e6)
+                    complete += hit.num_blocks == CHAIN_BLOCKS
+                    remote_share.append(hit.remote_blocks / CHAIN_BLOCKS)
+                    got = ka.fetch(layout, block_hashes=hashes)  # joins the copy of B's part
+                    wrong += sum(bytes(g) != blocks[k] for k, g in enumerate(got))
+                    for _ in range(20):  # a lookup that missed its deadline copied less: again
+                        if len(got) == CHAIN_BLOCKS:
+                            break
+                        ka.lookup(layout, block_hashes=hashes)
+                        got = ka.fetch(layout, block_hashes=hashes)
+                        wrong += sum(bytes(g) != blocks[k] for k, g in enumerate(got))
+                    for _ in range(3):
+                        t = time.perf_counter()
+                        again = ka.lookup(layout, block_hashes=hashes)
+                        if again.num_blocks == CHAIN_BLOCKS and again.remote_blocks == 0:
+                            local_us.append((time.perf_counter() - t) * 1e6)
+                        t = time.perf_counter()
+                        ks.lookup(layout, block_hashes=hashes)
+                        single_us.append((time.perf_counter() - t) * 1e6)
+                with AdminClient(a.target) as admin:
+                    text = admin.info("cluster")
+            asked = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+        finally:
+            for d in (a, b, s):
+                d.stop()
+    return {
+        "chains": chains, "chain_blocks": CHAIN_BLOCKS, "namespaces": namespaces, "unit_blocks": unit_blocks or None,
+        "lookup_deadline_ms": 5.0, "block_bytes": layouts[0].bytes_per_block,
+        "complete_answers": complete, "wrong_blocks": wrong,
+        "remote_share_mean": round(statistics.fmean(remote_share), 3) if remote_share else 0.0,
+        "remote_lookup_p50_us": round(_pct(remote_us, 0.50), 1), "remote_lookup_p99_us": round(_pct(remote_us, 0.99), 1),
+        "local_lookup_p50_us": round(_pct(local_us, 0.50), 1), "local_lookup_p99_us": round(_pct(local_us, 0.99), 1),
+        "single_node_lookup_p50_us": round(_pct(single_us, 0.50), 1),
+        "single_node_lookup_p99_us": round(_pct(single_us, 0.99), 1),
+        "peer_rounds_on_a": int(asked.get("cluster_remote_lookups", "0")),
+    }
+
+
+@dataclass
+class _Second:
+    asked: int = 0
+    hit: int = 0
+    lookups: int = 0
+    errors: int = 0
+
+
+@dataclass
+class _Load:
+    seconds: dict[int, _Second] = field(default_factory=dict)
+    wrong_bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def second(self, t: float) -> _Second:
+        k = int(t)
+        sec = self.seconds.get(k)
+        if sec is None:
+            sec = self.seconds[k] = _Second()
+        return sec
+
+
+def _client(target: str, layout: KVLayout, chains: list[tuple[list[int], list[bytes]]], seed: int, began: float,
+            stop: threading.Event, load: _Load) -> None:
+    rng = random.Random(seed)
+    with Client(target) as kv:
+        while not stop.is_set():
+            tok, blocks = rng.choice(chains)
+            try:
+                hit = kv.lookup(layout, tok)
+                got = kv.fetch(layout, tok)
+                wrong = sum(len(bytes(g)) for k, g in enumerate(got) if bytes(g) != blocks[k])
+                if len(got) < len(blocks):
+                    # The engine computes what the pool missed and puts it.
+                    kv.put(layout, tok, blocks[len(got):], first_block=len(got))
+                error = 0
+            except KVStoreError as exc:
+                error, wrong = 1, 0
+                with load.lock:
+                    load.errors.append(f"{type(exc).__name__}: {exc}"[:200])
+            with load.lock:
+                sec = load.second(time.monotonic() - began)
+                sec.lookups += 1
+                sec.errors += error
+                if not error:
+                    sec.asked += len(blocks)
+                    sec.hit += hit.num_blocks
+                load.wrong_bytes += wrong
+
+
+def _members(target: str) -> set[str]:
+    with AdminClient(target, timeout_s=2) as admin:
+        return {m.node_id for m in admin.cluster_status().members}
+
+
+def failover(duration_s: float, kill_at_s: float, clients: int = 8, chains: int = 60, blocks: int = 32,
+             ttl_s: int = 2, unit_blocks: int = 0) -> dict[str, Any]:
+    """Part 3 (see the module docstring)."""
+    with _workdir() as work:
+        etcd = EtcdProcess(work)
+        prefix = f"/bench/{random.getrandbits(32):08x}"
+        common = ("--host-capacity", "256MiB", "--cluster", "--cluster-etcd", etcd.endpoint, "--cluster-prefix",
+                  prefix, "--cluster-lease-ttl-s", str(ttl_s),
+                  *(("--cluster-unit-blocks", str(unit_blocks)) if unit_blocks else ()))
+        nodes = [DaemonProcess(work, n, *common, "--node-id", n) for n in ("a", "b", "c")]
+        try:
+            for node in nodes:
+                node.start()
+            a, b, c = nodes
+            deadline = time.monotonic() + 20
+            while any(_members(n.target) != {"a", "b", "c"} for n in nodes):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the three daemons did not see each other")
+                time.sleep(0.1)
+            layout = _layouts(1)[0]
+            work_chains = [(_tokens(10_000 + i, blocks, layout.block_size_tokens),
+                            _payloads(layout, blocks, 10_000 + i)) for i in range(chains)]
+            with Client(a.target) as kv:
+                for tok, payloads in work_chains:
+                    kv.put(layout, tok, payloads, wait_for_owners=True)
+            load = _Load()
+            stop = threading.Event()
+            began = time.monotonic()
+            threads = [threading.Thread(target=_client, args=((a, c)[k % 2].target, layout, work_chains, k, began,
+                                                             stop, load), daemon=True) for k in range(clients)]
+            for t in threads:
+                t.start()
+            time.sleep(kill_at_s)
+            b.kill9()
+            killed = time.monotonic()
+            view_update_s = None
+            while time.monotonic() - killed < ttl_s + 10:
+                if all(_members(n.target) == {"a", "c"} for n in (a, c)):
+                    view_update_s = time.monotonic() - killed
+                    break
+                time.sleep(0.05)
+            time.sleep(max(0.0, duration_s - (time.monotonic() - began)))
+            stop.set()
+            for t in threads:
+                t.join(30)
+        finally:
+            for node in nodes:
+                node.stop()
+            etcd.stop()
+    per_second = [{"t": k, "lookups": s.lookups, "hit_ratio": round(s.hit / s.asked, 4) if s.asked else 0.0,
+                   "errors": s.errors} for k, s in sorted(load.seconds.items())]
+    return {
+        "wrong_bytes": load.wrong_bytes, "client_errors": len(load.errors),
+        "view_update_s": round(view_update_s, 2) if view_update_s is not None else None,
+        "lease_ttl_s": ttl_s, "killed_at_s": kill_at_s, "duration_s": duration_s, "clients": clients,
+        "chains": chains, "chain_blocks": blocks, "first_errors": load.errors[:5], "per_second": per_second,
+    }

@@ -1,0 +1,164 @@
+"""Forwards: blocks committed here sent on to the nodes that own their placement units.
+
+A put commits locally first (read-your-writes is a local matter), then its blocks that
+belong to units other nodes own are queued here, one job per owner and run of
+consecutive blocks. A few workers take jobs in order: each reads its blocks out of the
+local store (a verified fetch, framed by the transport into the messages it sends) and
+puts them on the owner. The queue is bounded in blocks: a job that does not fit is
+dropped and counted, and so is one for a node that is suspect, since the pool is a cache
+and the engine must never wait for it. A job whose blocks were evicted meanwhile sends
+what is left of its prefix.
+
+A put that asked to wait for its owners (`PutHeader.wait_for_owners`) holds a future per
+job, settled with the blocks the owner committed (0 when dropped or failed).
+
+Primitives: `ForwardJob`, `Forwarder` (`submit`, `start`, `aclose`, `queued_blocks`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvstore.cluster.breaker import Breakers
+from kvstore.cluster.transport import PeerCall, PeerError, PeerTransport
+from kvstore.core.store import Store
+from kvstore.errors import KVStoreError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WORKERS = 4
+
+
+@dataclass(slots=True)
+class ForwardJob:
+    node: str
+    namespace_id: bytes
+    call: PeerCall
+    hashes: list[bytes]
+    parent: bytes | None
+    position: int
+    done: asyncio.Future[int] | None = None
+
+
+@dataclass(slots=True)
+class NodeForwards:
+    jobs: int = 0
+    blocks: int = 0  # committed on the node (stored or already there)
+    failures: int = 0
+
+
+@dataclass(slots=True)
+class ForwardCounters:
+    forwarded_blocks: int = 0
+    dropped_blocks: int = 0  # the queue was full, or the owner suspect
+    failed_blocks: int = 0  # the owner refused or the call failed
+    by_node: dict[str, NodeForwards] = field(default_factory=dict)
+
+    def node(self, node: str) -> NodeForwards:
+        c = self.by_node.get(node)
+        if c is None:
+            c = self.by_node[node] = NodeForwards()
+        return c
+
+
+class Forwarder:
+    def __init__(self, store: Store, transport: PeerTransport, breakers: Breakers, *, queue_blocks: int,
+                 timeout_s: float, workers: int = DEFAULT_WORKERS) -> None:
+        self.store = store
+        self.transport = transport
+        self.breakers = breakers
+        self.queue_blocks = queue_blocks
+        self.timeout_s = timeout_s
+        self.counters = ForwardCounters()
+        self.queued_blocks = 0
+        self._queue: deque[ForwardJob] = deque()
+        self._wakeup = asyncio.Event()
+        self._workers: list[asyncio.Task[None]] = []
+        self._n_workers = workers
+        self._closed = False
+
+    def start(self) -> None:
+        for i in range(self._n_workers):
+            self._workers.append(asyncio.get_running_loop().create_task(self._work(), name=f"kvstore-forward-{i}"))
+
+    def submit(self, job: ForwardJob) -> bool:
+        """Queue `job`; False (dropped, counted, its future settled with 0) when the queue
+        is full, the owner is suspect, or the forwarder is closed. Never waits."""
+        n = len(job.hashes)
+        if self._closed or self.queued_blocks + n > self.queue_blocks or self.breakers.suspect(job.node):
+            self.counters.dropped_blocks += n
+            _settle(job, 0)
+            return False
+        self.queued_blocks += n
+        self._queue.append(job)
+        self._wakeup.set()
+        return True
+
+    async def _work(self) -> None:
+        while True:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            job = self._queue.popleft()
+            self.queued_blocks -= len(job.hashes)
+            committed = 0
+            try:
+                committed = await self._send(job)
+            except asyncio.CancelledError:
+                _settle(job, 0)
+                raise
+            except Exception:  # task boundary: this job is lost, the worker goes on
+                logger.exception("forward to %s failed", job.node)
+            _settle(job, committed)
+
+    async def _send(self, job: ForwardJob) -> int:
+        c = self.counters.node(job.node)
+        if not self.breakers.allow(job.node):
+            self.counters.dropped_blocks += len(job.hashes)
+            return 0
+        try:
+            async with self.store.open_fetch(job.namespace_id, job.hashes) as stream:
+                k = stream.num_blocks
+                if k == 0:
+                    return 0
+                hashes = b"".join(job.hashes[:k])
+                stored, existing = await self.transport.put(
+                    job.node, job.call, hashes, job.parent or b"", job.position, stream.frames(self.transport.framer),
+                    self.timeout_s)
+        except PeerError as exc:
+            self.breakers.failure(job.node)
+            c.failures += 1
+            self.counters.failed_blocks += len(job.hashes)
+            logger.debug("forward of %d blocks to %s failed: %s", len(job.hashes), job.node, exc)
+            return 0
+        except KVStoreError as exc:  # the namespace went away here: nothing to send
+            logger.debug("forward to %s not sent: %s", job.node, exc)
+            return 0
+        self.breakers.success(job.node)
+        c.jobs += 1
+        c.blocks += stored + existing
+        self.counters.forwarded_blocks += stored + existing
+        return stored + existing
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for task in self._workers:
+            task.cancel()
+        for task in self._workers:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._workers.clear()
+        while self._queue:
+            _settle(self._queue.popleft(), 0)
+        self.queued_blocks = 0
+
+
+def _settle(job: ForwardJob, blocks: int) -> None:
+    if job.done is not None and not job.done.done():
+        job.done.set_result(blocks)

@@ -1,0 +1,940 @@
+"""The pool as one daemon takes part in it: `ClusterNode`, what the daemon's servicers call.
+
+Engines talk only to their local daemon; the daemons of a pool find each other's blocks
+(ARCHITECTURE.md section 8, docs/cluster.md). A `ClusterNode` holds the membership, the
+placement over its live members, the transport to them, a circuit breaker per peer, and
+the two background movers: pulls (copies of remote blocks into this node) and forwards
+(blocks committed here sent to their owners).
+
+Reads (`extend`). A lookup answers its local prefix from the local store as a single
+node does; only when the chain goes on past it does the node look further, and a chain
+held locally is answered without contacting anyone. Past the prefix the chain is cut
+into placement units; units this node holds (it owns them, or holds a replica) count as
+they are, and blocks a pull is already copying count as remote. For the others, one
+parallel round of lookups goes to their units' lookup targets (owners, then previous
+owners within the grace period), one call per node naming all the units asked of it,
+under `lookup_timeout_s`. A node that does not answer in time, fails or is suspect is a
+miss, never an error or a wait past the deadline. The answer extends the local prefix
+unit by unit while some node holds the rest of each unit; the blocks found elsewhere are
+TIER_REMOTE in it, and one pull per holder starts copying them at once. The lookup does
+not wait for the bytes (docs/cluster.md has the measurement behind that): a fetch that
+follows joins the pull (`settle_fetch`, bounded by `fetch_timeout_s`) and serves what
+landed and verified, so it may return a shorter prefix than the lookup promised, never
+wrong bytes.
+
+Writes (`after_put`). A put commits locally first; then its blocks are placed by chain
+position (a unit's key is the hash of its first block): units this node does not own are
+queued for their owners (`Forwarder`, bounded, drops counted) and held here as replicas
+(the first victims when room is needed, so copies never crowd out owned units), units it
+owns are remembered for a drain. A put may wait for its owners' commits (`ForwardTicket`).
+
+Hot units (`HotUnits`, from the units this node had to look for elsewhere) get extra
+owners, capped: a pull of a hot unit also pushes it to the extra owners that do not hold
+it yet, and a node that is one of them keeps its copy as its own. A pull from a previous
+owner (after a membership change) pushes the copy to the unit's current owner too, so
+the traffic rebuilds what moved.
+
+Membership changes (`_on_view`) feed the placement (members with another placement rule,
+or draining, are never owners), the transport (addresses) and the breakers (a member that
+rejoined is tried at once). `drain` hands off before a planned removal, `leave` leaves.
+
+Primitives: `ClusterSettings`, `placement_rule`, `PackedChain`, `Extension`,
+`ForwardTicket`, `UnitPlace`, `MemberState`, `ClusterStatus`, `DrainResult`, `ClusterNode`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field, replace
+from typing import Any, overload
+
+import numpy as np
+
+from kvstore.cluster.breaker import Breakers
+from kvstore.cluster.forward import Forwarder, ForwardJob
+from kvstore.cluster.membership import Member, Membership, MembershipStatus, View
+from kvstore.cluster.placement import (
+    DEFAULT_GRACE_S,
+    DEFAULT_MAX_EXTRA_OWNERS,
+    DEFAULT_REPLICAS,
+    DEFAULT_UNIT_BLOCKS,
+    HotUnits,
+    Placement,
+    unit_start,
+    unit_stop,
+)
+from kvstore.cluster.pull import Puller, PullRun, PullSpec
+from kvstore.cluster.transport import PeerCall, PeerError, PeerTransport
+from kvstore.convert import TIER_BY_NAME, layout_to_proto
+from kvstore.core.store import Store
+from kvstore.errors import FailedPrecondition, KVStoreError
+from kvstore.hashing import HASH_BYTES, split_hashes
+from kvstore.v1 import kvstore_pb2
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LOOKUP_TIMEOUT_S = 0.005
+DEFAULT_FETCH_TIMEOUT_S = 5.0
+DEFAULT_FORWARD_QUEUE_BLOCKS = 4096
+DEFAULT_FORWARD_TIMEOUT_S = 10.0
+DEFAULT_PULLS = 16
+DEFAULT_SUSPECT_S = 2.0
+DEFAULT_DRAIN_TIMEOUT_S = 60.0
+# How far a put's position is looked for through the parents of its first block.
+MAX_PARENT_WALK = 1 << 16
+OWNED_UNITS_KEPT = 65536
+PUSHED_KEPT = 65536
+POSITIONS_KEPT = 4096
+LAYOUTS_KEPT = 1024
+DRAIN_BATCH_UNITS = 64
+MAINTENANCE_S = 5.0
+_ABSENT = bytes([Store.ABSENT])
+
+
+def placement_rule(unit_blocks: int, replicas: int) -> str:
+    """What members must agree on to agree on owners; published in the member record."""
+    return f"units={unit_blocks},lead-in,replicas={replicas}"
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    unit_blocks: int = DEFAULT_UNIT_BLOCKS
+    replicas: int = DEFAULT_REPLICAS
+    hot_extra_owners: int = DEFAULT_MAX_EXTRA_OWNERS
+    grace_s: float = DEFAULT_GRACE_S
+    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
+    fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
+    forward_queue_blocks: int = DEFAULT_FORWARD_QUEUE_BLOCKS
+    forward_timeout_s: float = DEFAULT_FORWARD_TIMEOUT_S
+    pulls: int = DEFAULT_PULLS
+    suspect_s: float = DEFAULT_SUSPECT_S
+
+    @property
+    def rule(self) -> str:
+        return placement_rule(self.unit_blocks, self.replicas)
+
+
+class PackedChain(Sequence[bytes]):
+    """A packed chain (N x 16-byte hashes) read as a sequence of hashes, without cutting it."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: bytes) -> None:
+        self.packed = packed
+
+    def __len__(self) -> int:
+        return len(self.packed) // HASH_BYTES
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[bytes]: ...
+
+    def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                raise ValueError("a packed chain slices with step 1")
+            return PackedChain(self.packed[start * HASH_BYTES : stop * HASH_BYTES])
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.packed[i * HASH_BYTES : (i + 1) * HASH_BYTES]
+
+
+@dataclass(frozen=True, slots=True)
+class Extension:
+    """What a lookup's answer gains past its local prefix."""
+
+    blocks: int
+    tiers: bytes  # one Tier value per added block (TIER_REMOTE for those elsewhere)
+    remote: int  # of them, held by other nodes (being copied here)
+
+
+@dataclass(slots=True)
+class PeerStats:
+    lookups: int = 0
+    lookup_errors: int = 0
+    lookup_timeouts: int = 0
+    hit_blocks: int = 0  # blocks it held that lookups here counted
+
+
+@dataclass(slots=True)
+class ClusterCounters:
+    remote_lookups: int = 0  # lookups that asked other nodes
+    remote_hit_blocks: int = 0  # blocks those answers added (held elsewhere)
+    local_past_prefix_blocks: int = 0  # blocks held here past a local miss (owned units)
+    no_room_for_pulls: int = 0  # lookups that could not promise remote blocks: pulls at their cap
+    unplaced_blocks: int = 0  # put blocks whose chain position was unknown: not forwarded
+    replica_blocks: int = 0  # blocks marked replicas (put here or pulled, of units owned elsewhere)
+    hot_pushes: int = 0  # copies of hot units pushed to their extra owners
+    handoff_pushes: int = 0  # copies found on a previous owner pushed to the current one
+
+
+@dataclass(frozen=True, slots=True)
+class UnitPlace:
+    start: int
+    stop: int
+    key: bytes
+    owners: tuple[str, ...]
+    lookup_targets: tuple[str, ...]
+    held_here: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemberState:
+    member: Member
+    is_self: bool
+    suspect: bool
+    suspect_for_s: float
+    placed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterStatus:
+    node_id: str
+    membership: MembershipStatus
+    members: tuple[MemberState, ...]
+    unit_blocks: int
+    replicas: int
+    in_grace: bool
+    draining: bool
+    left: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DrainResult:
+    units_pushed: int
+    blocks_pushed: int
+    units_failed: int
+    left: bool
+
+
+@dataclass(slots=True)
+class _Piece:
+    """Blocks of one placement unit within a put."""
+
+    key: bytes
+    position: int
+    hashes: list[bytes]
+    parent: bytes | None
+
+
+@dataclass(slots=True)
+class _OwnedUnit:
+    namespace_id: bytes
+    key: bytes
+    position: int
+    hashes: list[bytes]
+    parent: bytes | None
+
+
+@dataclass(slots=True)
+class ForwardTicket:
+    """A put's forwards: how many blocks went to other owners, and (when the put waits
+    for them) how many every owner committed."""
+
+    blocks: int
+    # (future of the owner's job, offset of the piece in the job, blocks of the piece), per piece
+    _parts: list[list[tuple[asyncio.Future[int], int, int]]] = field(default_factory=list)
+
+    async def committed(self, timeout_s: float) -> int:
+        futures = {f for part in self._parts for f, _, _ in part}
+        if futures:
+            await asyncio.wait(futures, timeout=timeout_s)
+        total = 0
+        for part in self._parts:
+            got = min((max(0, min(n, (f.result() if f.done() else 0) - off)) for f, off, n in part), default=0)
+            total += got
+        return total
+
+
+@dataclass(slots=True)
+class _Round:
+    """A lookup's units past its local prefix that this node lacks part of, in chain order,
+    as arrays: positions [starts, stops), blocks held or pending here from the start
+    (`locs`), keys, each unit's first current owner, whether a copy here is a replica;
+    the units asked of each node (indices), and where the chain ends for sure."""
+
+    starts: np.ndarray[Any, Any]
+    stops: np.ndarray[Any, Any]
+    locs: np.ndarray[Any, Any]
+    keys: list[bytes]
+    first_owner: list[str]
+    replica: np.ndarray[Any, Any]
+    asks: dict[str, np.ndarray[Any, Any]]
+    end: int
+
+
+_EMPTY = np.zeros(0, np.int64)
+_EMPTY_BOOL = np.zeros(0, bool)
+
+
+def _concat(packed: bytes, starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any]) -> bytes:
+    """The hashes of positions [starts[i], stops[i]) of a packed chain (disjoint ranges in
+    order), laid end to end."""
+    n = len(packed) // HASH_BYTES
+    edges = np.zeros(n + 1, np.int32)
+    edges[starts] += 1
+    edges[stops] -= 1
+    inside = np.cumsum(edges[:-1]) > 0
+    return np.frombuffer(packed, np.uint8).reshape(n, HASH_BYTES)[inside].tobytes()
+
+
+_BOUNDS: OrderedDict[tuple[int, int, bool], np.ndarray[Any, Any]] = OrderedDict()
+
+
+def _unit_bounds(n: int, unit_blocks: int, lead_in: bool) -> np.ndarray[Any, Any]:
+    """The unit boundaries of an n-block chain, 0 and n included (kept for recent n)."""
+    key = (n, unit_blocks, lead_in)
+    bounds = _BOUNDS.get(key)
+    if bounds is None:
+        head = [0] + [p for p in (1 << k for k in range(unit_blocks.bit_length())) if p < unit_blocks] \
+            if lead_in else [0]
+        rest = np.arange(unit_blocks if lead_in else unit_blocks, n, unit_blocks, dtype=np.int64)
+        bounds = np.unique(np.concatenate([np.array(head, np.int64), rest, np.array([n], np.int64)]))
+        bounds = bounds[bounds <= n]
+        _BOUNDS[key] = bounds
+        if len(_BOUNDS) > 64:
+            _BOUNDS.popitem(last=False)
+    return bounds
+
+
+def _retrieve(task: asyncio.Task[int]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+class ClusterNode:
+    """One daemon's part in the pool (see the module docstring)."""
+
+    def __init__(self, store: Store, membership: Membership, transport: PeerTransport,
+                 settings: ClusterSettings = ClusterSettings(), *, executor: Executor | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.membership = membership
+        self.transport = transport
+        self.settings = settings
+        self.node_id = membership.node_id
+        self.rule = settings.rule
+        self._clock = clock
+        self.hot = HotUnits(max_extra=settings.hot_extra_owners, clock=clock)
+        self.placement = Placement([self.node_id], unit_blocks=settings.unit_blocks, replicas=settings.replicas,
+                                   max_extra_owners=settings.hot_extra_owners, grace_s=settings.grace_s,
+                                   hotness=self.hot, clock=clock)
+        self.breakers = Breakers(settings.suspect_s, clock=clock)
+        self.forwarder = Forwarder(store, transport, self.breakers, queue_blocks=settings.forward_queue_blocks,
+                                   timeout_s=settings.forward_timeout_s)
+        self.puller = Puller(store, transport, self.breakers, executor=executor, max_running=settings.pulls,
+                             timeout_s=settings.fetch_timeout_s)
+        self.puller.pulled = self._pulled
+        # May change while the daemon runs (SetConfig, SIGHUP).
+        self.lookup_timeout_s = settings.lookup_timeout_s
+        self.counters = ClusterCounters()
+        self.peers: dict[str, PeerStats] = {}
+        self.draining = False
+        self.left = False
+        # Store tier id -> Tier value; a block not held here (pending a pull) -> TIER_REMOTE.
+        table = bytearray(256)
+        for tid, name in enumerate(store.tier_id_names):
+            table[tid] = TIER_BY_NAME.get(name, kvstore_pb2.TIER_UNSPECIFIED)
+        table[Store.ABSENT] = kvstore_pb2.TIER_REMOTE
+        self._tier_values = bytes(table)
+        self._calls: dict[bytes, PeerCall] = {}
+        self._owned: OrderedDict[bytes, _OwnedUnit] = OrderedDict()
+        self._pushed: OrderedDict[tuple[bytes, str], None] = OrderedDict()
+        self._positions: OrderedDict[bytes, int] = OrderedDict()  # ns id + hash -> chain position
+        self._started: dict[str, float] = {}  # node id -> started_at of the record last seen
+        self._present: set[str] = set()  # the members of the last view
+        self._unplaced_rules: set[str] = set()
+        self._unsubscribe: Callable[[], None] | None = None
+        self._first_view = True
+        self._maintenance: asyncio.Task[None] | None = None
+
+    @property
+    def fetch_timeout_s(self) -> float:
+        return self.puller.timeout_s
+
+    @fetch_timeout_s.setter
+    def fetch_timeout_s(self, value: float) -> None:
+        self.puller.timeout_s = value
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Join: start the membership (waits briefly for a first view from etcd) and the movers."""
+        self._unsubscribe = self.membership.subscribe(self._on_view)
+        await self.membership.start()
+        self._on_view(self.membership.view)
+        self.forwarder.start()
+        self._maintenance = asyncio.get_running_loop().create_task(self._maintain(), name="kvstore-cluster")
+
+    async def leave(self) -> None:
+        """Leave every view now (a clean stop revokes the lease); keep serving peers' calls."""
+        if self.left:
+            return
+        self.left = True
+        await self.membership.aclose()
+
+    async def aclose(self) -> None:
+        await self.leave()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        if self._maintenance is not None:
+            self._maintenance.cancel()
+            try:
+                await self._maintenance
+            except asyncio.CancelledError:
+                pass
+        await self.forwarder.aclose()
+        await self.puller.aclose()
+        await self.transport.aclose()
+
+    async def _maintain(self) -> None:
+        reap = getattr(self.transport, "reap", None)
+        while True:
+            await asyncio.sleep(MAINTENANCE_S)
+            try:
+                if reap is not None:
+                    await reap()
+                self.placement.in_grace()  # expires past member sets
+            except Exception:  # task boundary: try again next round
+                logger.exception("cluster maintenance failed")
+
+    def _on_view(self, view: View) -> None:
+        placed: set[str] = set()
+        for node, member in view.members.items():
+            if member.draining or (node == self.node_id and self.draining):
+                continue
+            if member.placement and member.placement != self.rule:
+                if node not in self._unplaced_rules:
+                    self._unplaced_rules.add(node)
+                    logger.error("cluster: member %s places by %r, this node by %r: it is not used as an owner; "
+                                 "give every node the same cluster_unit_blocks and cluster_replicas",
+                                 node, member.placement, self.rule)
+                continue
+            placed.add(node)
+        if self._first_view:
+            # Joining is a change of the pool's member set: the units this node wins were
+            # the others' until now, so for the grace period it asks their previous owners.
+            self._first_view = False
+            p = self.placement
+            others = placed - {self.node_id}
+            self.placement = Placement(others or placed, unit_blocks=p.unit_blocks, replicas=p.replicas,
+                                       max_extra_owners=p.max_extra_owners, grace_s=p.grace_s, hotness=self.hot,
+                                       clock=self._clock)
+            self.placement.update(placed)
+        elif self.placement.update(placed):
+            logger.info("cluster: %d members place units (%s)", len(placed), ", ".join(sorted(placed)))
+        self.transport.update({n: m.addresses for n, m in view.members.items() if n != self.node_id})
+        forget = getattr(self.transport, "forget", None)
+        for node, member in view.members.items():
+            seen = self._started.get(node)
+            if node not in self._present or (seen is not None and seen != member.started_at):
+                # It restarted, or came back after it was gone (a partition healed): a new
+                # channel, and no suspicion carried over.
+                if forget is not None and node != self.node_id:
+                    forget(node)
+                self.breakers.forget(node)
+            self._started[node] = member.started_at
+        self._present = set(view.members)
+
+    # ------------------------------------------------------------------ reads
+
+    def _call(self, namespace_id: bytes) -> PeerCall:
+        call = self._calls.get(namespace_id)
+        if call is None:
+            info = self.store.namespace(namespace_id)
+            if len(self._calls) >= LAYOUTS_KEPT:
+                self._calls.clear()
+            call = self._calls[namespace_id] = PeerCall.of(info.tenant, layout_to_proto(info.layout))
+        return call
+
+    def _peer(self, node: str) -> PeerStats:
+        st = self.peers.get(node)
+        if st is None:
+            st = self.peers[node] = PeerStats()
+        return st
+
+    async def extend(self, namespace_id: bytes, chain: bytes | Sequence[bytes], held: int) -> Extension | None:
+        """The rest of a lookup's answer past its local prefix of `held` blocks (see the
+        module docstring); None when nothing past it is found.
+
+        Its work is in whole-array steps over the chain's units, not a Python step per
+        unit where it can be helped: a 1,000-block chain has hundreds of units."""
+        if self.left:
+            return None
+        packed = chain if isinstance(chain, bytes) else b"".join(chain)
+        if held * HASH_BYTES >= len(packed):
+            return None
+        present = self.store.present(namespace_id, packed[held * HASH_BYTES :])
+        rnd = self._plan(namespace_id, packed, held, present)
+        got = None
+        if rnd.asks:
+            if self.puller.has_room():
+                got = await self._ask(namespace_id, packed, rnd)
+            else:
+                self.counters.no_room_for_pulls += 1
+        return self._combine(namespace_id, packed, held, present, rnd, got)
+
+    def _units_past(self, namespace_id: bytes, packed: bytes, held: int,
+                    present: bytes) -> tuple[np.ndarray[Any, Any], ...]:
+        """The units from position `held` on (the first one from `held`, inside its unit),
+        as arrays: their first and past-last positions, how many of their leading blocks
+        are held here or pending a pull, and the position of each unit's first block
+        (its key). Cut as `unit_spans` cuts them, in whole-array steps."""
+        n = len(packed) // HASH_BYTES
+        s_blocks, lead_in = self.placement.unit_blocks, self.placement.lead_in
+        bounds = _unit_bounds(n, s_blocks, lead_in)
+        first = int(np.searchsorted(bounds, held, side="right")) - 1
+        unit_starts = bounds[first:-1]
+        stops = bounds[first + 1 :]
+        starts = unit_starts.copy()
+        starts[0] = held
+        absent = np.frombuffer(present, np.uint8) == Store.ABSENT
+        pending = self.puller.pending.get(namespace_id)
+        if pending:
+            gaps = np.flatnonzero(absent)
+            copying = [packed[(held + g) * HASH_BYTES : (held + g + 1) * HASH_BYTES] in pending for g in gaps.tolist()]
+            absent[gaps[np.array(copying, bool)]] = False
+        m = len(absent)
+        first_absent = np.minimum.reduceat(np.where(absent, np.arange(m), m), starts - held)
+        locs = np.minimum(first_absent - (starts - held), stops - starts)
+        return starts, stops, locs, unit_starts
+
+    def _plan(self, namespace_id: bytes, packed: bytes, held: int, present: bytes) -> _Round:
+        """The units past the prefix this node lacks part of, and whom to ask for each."""
+        starts, stops, locs, unit_starts = self._units_past(namespace_id, packed, held, present)
+        lacking = np.flatnonzero(locs < stops - starts)
+        end = len(packed) // HASH_BYTES
+        if not len(lacking):
+            return _Round(_EMPTY, _EMPTY, _EMPTY, [], [], _EMPTY_BOOL, {}, end)
+        keys = [packed[u * HASH_BYTES : (u + 1) * HASH_BYTES] for u in unit_starts[lacking].tolist()]
+        owners, ranked = self.placement.route_many(keys)
+        me = self.node_id
+        allow = self.breakers.allow
+        askable: dict[str, bool] = {}
+        # Few distinct target lists occur (one per owner, and per previous owner): each is
+        # filtered (this node, suspect peers) once.
+        filtered: dict[tuple[str, ...], tuple[str, ...]] = {}
+        targets: list[tuple[str, ...]] = []
+        for t in ranked:
+            f = filtered.get(t)
+            if f is None:
+                for node in t:
+                    if node != me and node not in askable:
+                        askable[node] = allow(node)
+                f = filtered[t] = tuple(node for node in t if node != me and askable[node])
+            targets.append(f)
+        cut = len(targets)
+        if () in filtered.values():
+            cut = next(j for j, t in enumerate(targets) if not t)  # nobody to ask: the chain ends there
+            end = int(starts[lacking[cut]] + locs[lacking[cut]])
+        lacking = lacking[:cut]
+        targets = targets[:cut]
+        distinct = list(dict.fromkeys(targets))
+        ids = {t: k for k, t in enumerate(distinct)}
+        target_ids = np.fromiter((ids[t] for t in targets), np.int64, len(targets))
+        asks: dict[str, np.ndarray[Any, Any]] = {}
+        for node, ok in askable.items():
+            if ok:
+                mine = [k for t, k in ids.items() if node in t]
+                idx = np.flatnonzero(np.isin(target_ids, mine))
+                if len(idx):
+                    asks[node] = idx
+        replica = np.fromiter((me not in o for o in owners[:cut]), bool, cut)
+        first_owner = [o[0] if o else "" for o in owners[:cut]]
+        return _Round(starts[lacking], stops[lacking], locs[lacking], keys[:cut], first_owner, replica, asks, end)
+
+    async def _ask(self, namespace_id: bytes, packed: bytes, rnd: _Round) -> dict[str, np.ndarray[Any, Any]]:
+        """One parallel round of lookups, one per node, under the lookup deadline: what
+        each node holds of each unit asked of it (in `_Round` order; 0 where not asked)."""
+        self.counters.remote_lookups += 1
+        call = self._call(namespace_id)
+        deadline_s = self.lookup_timeout_s
+        requests = {node: _concat(packed, rnd.starts[idx], rnd.stops[idx]) for node, idx in rnd.asks.items()}
+        results: dict[str, int | BaseException] = {}
+        if len(requests) == 1:
+            ((node, hashes),) = requests.items()
+            try:
+                # wait_for, not asyncio.timeout: a call over the control lane runs outside a task.
+                results[node] = await asyncio.wait_for(self.transport.lookup(node, call, hashes, 2 * deadline_s),
+                                                       deadline_s)
+            except (TimeoutError, PeerError) as exc:
+                results[node] = exc
+        else:
+            loop = asyncio.get_running_loop()
+            tasks = {node: loop.create_task(self.transport.lookup(node, call, hashes, 2 * deadline_s))
+                     for node, hashes in requests.items()}
+            for task in tasks.values():
+                task.add_done_callback(_retrieve)
+            _, late = await asyncio.wait(tasks.values(), timeout=deadline_s)
+            for task in late:
+                task.cancel()
+            for node, task in tasks.items():
+                if task in late:
+                    results[node] = TimeoutError()
+                elif task.cancelled():
+                    results[node] = asyncio.CancelledError()
+                else:
+                    failure = task.exception()
+                    results[node] = failure if failure is not None else task.result()
+        out: dict[str, np.ndarray[Any, Any]] = {}
+        sizes = rnd.stops - rnd.starts
+        for node, result in results.items():
+            st = self._peer(node)
+            st.lookups += 1
+            if isinstance(result, BaseException):
+                if isinstance(result, TimeoutError):
+                    st.lookup_timeouts += 1
+                else:
+                    st.lookup_errors += 1
+                    logger.debug("cluster lookup on %s failed: %r", node, result)
+                self.breakers.failure(node)
+                continue
+            self.breakers.success(node)
+            idx = rnd.asks[node]
+            asked = sizes[idx]
+            # The node answered a prefix of the units' blocks laid end to end: per unit.
+            got = np.zeros(len(sizes), np.int64)
+            got[idx] = np.clip(result - (np.cumsum(asked) - asked), 0, asked)
+            out[node] = got
+        return out
+
+    def _combine(self, namespace_id: bytes, packed: bytes, held: int, present: bytes, rnd: _Round,
+                 got: dict[str, np.ndarray[Any, Any]] | None) -> Extension | None:
+        """The answer past the local prefix from the plan and the nodes' answers, and the
+        pulls that copy what it found elsewhere."""
+        reach = rnd.end
+        sizes = rnd.stops - rnd.starts
+        holders: list[str] = []
+        if got and len(sizes):
+            holders = list(got)
+            found = np.stack([got[h] for h in holders])
+            # Ties go to the unit's current owner.
+            owner_of = np.array([[o == h for o in rnd.first_owner] for h in holders], bool)
+            pick = (found * 2 + owner_of).argmax(axis=0)
+            best_found = found[pick, np.arange(len(sizes))]
+        else:
+            pick = np.zeros(len(sizes), np.int64)
+            best_found = np.zeros(len(sizes), np.int64)
+        best = np.maximum(rnd.locs, best_found)
+        short = np.flatnonzero(best < sizes)
+        cut = len(sizes)
+        if len(short):
+            cut = int(short[0]) + 1
+            reach = int(rnd.starts[short[0]] + best[short[0]])
+        if reach <= held:
+            return None
+        # Blocks absent here within the reach are found elsewhere or pending: TIER_REMOTE.
+        tiers = present[: reach - held].translate(self._tier_values)
+        remote = tiers.count(kvstore_pb2.TIER_REMOTE)
+        self.counters.local_past_prefix_blocks += len(tiers) - remote
+        self.counters.remote_hit_blocks += remote
+        copied = np.flatnonzero(best_found[:cut] > rnd.locs[:cut])
+        if len(copied) and holders:
+            call = self._call(namespace_id)
+            for k, holder in enumerate(holders):
+                idx = copied[pick[copied] == k]
+                if len(idx):
+                    self._start_pulls(holder, call, namespace_id, packed, (rnd.starts + rnd.locs)[idx],
+                                      (rnd.starts + best)[idx], rnd.replica[idx], [rnd.keys[i] for i in idx.tolist()])
+        return Extension(len(tiers), tiers, remote)
+
+    def _start_pulls(self, holder: str, call: PeerCall, namespace_id: bytes, packed: bytes,
+                     starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any], replica: np.ndarray[Any, Any],
+                     keys: list[bytes]) -> None:
+        """One pull from `holder` of these ranges, consecutive ones of the same kind
+        (replica or owned) merged into one run each."""
+        self._peer(holder).hit_blocks += int((stops - starts).sum())
+        joins = (starts[1:] == stops[:-1]) & (replica[1:] == replica[:-1])
+        firsts = np.concatenate([[0], np.flatnonzero(~joins) + 1]).astype(np.int64)
+        lasts = np.concatenate([firsts[1:] - 1, [len(starts) - 1]]).astype(np.int64)
+        unit_keys = [keys[f : l + 1] for f, l in zip(firsts.tolist(), lasts.tolist())]
+        run_starts, run_stops = starts[firsts], stops[lasts]
+        hashes = split_hashes(_concat(packed, run_starts, run_stops))
+        self.puller.start_spec(holder, call, PullSpec(namespace_id, packed, run_starts.tolist(), run_stops.tolist(),
+                                                      replica[firsts].tolist(), unit_keys, hashes))
+
+    @property
+    def pulling(self) -> bool:
+        """Whether any pull is copying blocks now (a fetch has something to wait for)."""
+        return bool(self.puller.pending)
+
+    async def settle_fetch(self, namespace_id: bytes, chain: bytes | Sequence[bytes]) -> None:
+        """Before a fetch: wait (bounded by `fetch_timeout_s`) for the pulls copying the
+        blocks where its held prefix ends, so it serves them once they landed."""
+        puller = self.puller
+        if namespace_id not in puller.pending:
+            return
+        packed = chain if isinstance(chain, bytes) else b"".join(chain)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.fetch_timeout_s
+        while namespace_id in puller.pending:
+            gap = self.store.present(namespace_id, packed).find(_ABSENT)
+            if gap < 0:
+                return
+            h = packed[gap * HASH_BYTES : (gap + 1) * HASH_BYTES]
+            if not await puller.wait(namespace_id, h, deadline - loop.time()):
+                return
+
+    def peer_fetched(self, namespace_id: bytes, hashes: Sequence[bytes]) -> None:
+        """Another node fetched these blocks from here: units this node owns among them heat up."""
+        owned = self._owned
+        if not owned:
+            return
+        for h in hashes:
+            key = namespace_id + h
+            if key in owned:
+                self.hot.record(h)
+
+    # ------------------------------------------------------------------ writes
+
+    def after_put(self, namespace_id: bytes, hashes: Sequence[bytes], parent: bytes | None, position: int | None,
+                  *, tokens: bytes = b"", wait: bool = False, from_peer: str = "") -> ForwardTicket | None:
+        """A put committed here: queue its blocks for the owners of their units, hold the
+        blocks of units owned elsewhere as replicas, remember the units owned here. A put
+        from another node (`from_peer`) is not forwarded again. `tokens`: the put's packed
+        token ids from the chain's start, when it named its blocks by tokens."""
+        if self.left or not hashes:
+            return None
+        pos = position if position is not None else self._position_of(namespace_id, parent)
+        if pos is None:
+            self.counters.unplaced_blocks += len(hashes)
+            return None
+        self._remember_position(namespace_id, hashes[-1], pos + len(hashes) - 1)
+        pieces = self._pieces(namespace_id, list(hashes), parent, pos, tokens)
+        me = self.node_id
+        replicas: list[bytes] = []
+        jobs: dict[str, ForwardJob] = {}
+        ticket = ForwardTicket(0)
+        loop = asyncio.get_running_loop()
+        for piece in pieces:
+            if piece.key == b"":
+                continue  # its unit's first block is unknown here: kept as if owned
+            owners = self.placement.owners(piece.key)
+            if me in owners:
+                self._remember_owned(namespace_id, piece)
+            else:
+                replicas += piece.hashes
+            if from_peer:
+                continue
+            parts = []
+            for node in owners:
+                if node == me:
+                    continue
+                job = jobs.get(node)
+                if job is not None and job.position + len(job.hashes) == piece.position:
+                    offset = len(job.hashes)
+                    job.hashes += piece.hashes
+                else:
+                    if job is not None:
+                        self.forwarder.submit(job)
+                    job = jobs[node] = ForwardJob(node, namespace_id, self._call(namespace_id), list(piece.hashes),
+                                                  piece.parent, piece.position,
+                                                  loop.create_future() if wait else None)
+                    offset = 0
+                if job.done is not None:
+                    parts.append((job.done, offset, len(piece.hashes)))
+            if len(owners) > (me in owners):
+                ticket.blocks += len(piece.hashes)
+                if parts:
+                    ticket._parts.append(parts)
+        for job in jobs.values():
+            self.forwarder.submit(job)
+        if replicas:
+            self.counters.replica_blocks += self.store.mark_replicas(namespace_id, replicas)
+        return ticket
+
+    def _pieces(self, namespace_id: bytes, hashes: list[bytes], parent: bytes | None, pos: int,
+                tokens: bytes) -> list[_Piece]:
+        s, lead_in = self.placement.unit_blocks, self.placement.lead_in
+        out: list[_Piece] = []
+        end = pos + len(hashes)
+        p = pos
+        while p < end:
+            start = unit_start(p, s, lead_in)
+            stop = min(unit_stop(start, s, lead_in), end)
+            if start >= pos:
+                key = hashes[start - pos]
+            else:
+                key = self._ancestor(namespace_id, parent, pos - start, tokens, start) or b""
+            out.append(_Piece(key, p, hashes[p - pos : stop - pos], hashes[p - pos - 1] if p > pos else parent))
+            p = stop
+        return out
+
+    def _ancestor(self, namespace_id: bytes, parent: bytes | None, distance: int, tokens: bytes,
+                  position: int) -> bytes | None:
+        """The hash `distance` blocks before a put's first block (1: its parent): through
+        the parents held here, else from the put's token ids."""
+        h = parent
+        index = self.store.index
+        for _ in range(distance - 1):
+            if h is None:
+                break
+            entry = index.get(namespace_id + h)
+            up = entry.parent if entry is not None else None
+            h = up[HASH_BYTES:] if up is not None else None
+        if h is not None:
+            return h
+        if tokens:
+            try:
+                info = self.store.namespace(namespace_id)
+                bst = info.layout.block_size_tokens
+                chain = self.store.hashes_for_tokens(namespace_id, tokens[: (position + 1) * bst * 4])
+            except KVStoreError:
+                return None
+            return chain[position] if len(chain) > position else None
+        return None
+
+    def _position_of(self, namespace_id: bytes, parent: bytes | None) -> int | None:
+        """A put's first block's position from its parent: 0 without one, else the
+        parent's position + 1, known from recent puts or by walking the parents held here."""
+        if parent is None:
+            return 0
+        known = self._positions.get(namespace_id + parent)
+        if known is not None:
+            return known + 1
+        index = self.store.index
+        h: bytes | None = parent
+        depth = 0
+        while h is not None and depth <= MAX_PARENT_WALK:
+            entry = index.get(namespace_id + h)
+            if entry is None:
+                return None
+            up = entry.parent
+            h = up[HASH_BYTES:] if up is not None else None
+            depth += 1
+        return depth if h is None else None
+
+    def _remember_position(self, namespace_id: bytes, last_hash: bytes, position: int) -> None:
+        positions = self._positions
+        positions[namespace_id + last_hash] = position
+        if len(positions) > POSITIONS_KEPT:
+            positions.popitem(last=False)
+
+    def _remember_owned(self, namespace_id: bytes, piece: _Piece) -> None:
+        key = namespace_id + piece.key
+        owned = self._owned
+        unit = owned.get(key)
+        if unit is not None and unit.position + len(unit.hashes) == piece.position:
+            unit.hashes += piece.hashes
+            owned.move_to_end(key)
+        elif unit is None or piece.position <= unit.position:
+            owned[key] = _OwnedUnit(namespace_id, piece.key, piece.position, list(piece.hashes), piece.parent)
+            owned.move_to_end(key)
+        if len(owned) > OWNED_UNITS_KEPT:
+            owned.popitem(last=False)
+
+    def _pulled(self, holder: str, run: PullRun, blocks: int) -> None:
+        """A pull published. Its copies also go where the pool wants them and lacks them:
+        to the extra owners of a hot unit, and to the current owners of a unit found on
+        a previous owner (a membership change: the traffic rebuilds the new owner's units)."""
+        me = self.node_id
+        for key in run.unit_keys:
+            self.hot.record(key)  # found elsewhere and copied here: its heat
+        if not run.replica:
+            for key in run.unit_keys:
+                if me in self.placement.owners(key):
+                    self._remember_owned(run.namespace_id, _Piece(key, run.position, run.hashes[:blocks], run.parent))
+                    break
+        for key in run.unit_keys:
+            owners = self.placement.owners(key)
+            hot = bool(self.hot.extra_owners(key))
+            if not hot and holder in owners:
+                continue
+            for node in owners:
+                if node in (me, holder) or (key, node) in self._pushed:
+                    continue
+                self._pushed[(key, node)] = None
+                if len(self._pushed) > PUSHED_KEPT:
+                    self._pushed.popitem(last=False)
+                if self.forwarder.submit(ForwardJob(node, run.namespace_id, self._call(run.namespace_id),
+                                                    run.hashes[:blocks], run.parent, run.position)):
+                    self.counters.hot_pushes += hot
+                    self.counters.handoff_pushes += not hot
+            break  # one push per run and owner, by its first unit that needs one
+
+    # ------------------------------------------------------------------ operations
+
+    def where(self, namespace_id: bytes, chain: bytes | Sequence[bytes]) -> list[UnitPlace]:
+        """Each placement unit of a chain (from its first block): owners, lookup targets
+        and how many of its leading blocks this node holds."""
+        packed = chain if isinstance(chain, bytes) else b"".join(chain)
+        present = self.store.present(namespace_id, packed)
+        out = []
+        for span in self.placement.spans(PackedChain(packed)):
+            gap = present.find(_ABSENT, span.start, span.stop)
+            out.append(UnitPlace(span.start, span.stop, span.key, self.placement.owners(span.key),
+                                 self.placement.lookup_targets(span.key),
+                                 (span.stop if gap < 0 else gap) - span.start))
+        return out
+
+    def status(self) -> ClusterStatus:
+        view = self.membership.view
+        suspects = self.breakers.suspects()
+        placed = self.placement.members
+        members = tuple(
+            MemberState(m, n == self.node_id, n in suspects, suspects.get(n, 0.0), n in placed)
+            for n, m in sorted(view.members.items()))
+        return ClusterStatus(self.node_id, self.membership.status(), members, self.placement.unit_blocks,
+                             self.placement.replicas, self.placement.in_grace(), self.draining, self.left)
+
+    async def drain(self, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> DrainResult:
+        """Before a planned removal: stop taking ownership (peers stop placing units here
+        and ask this node only as a previous owner, during their grace period), push the
+        owned units it remembers (hottest first) to their next owners, then leave the view."""
+        if self.left:
+            raise FailedPrecondition("this node has left the pool already")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        self.draining = True
+        await self.membership.update_me(replace(self.membership.me, draining=True))
+        self._on_view(self.membership.view)
+        units = sorted(self._owned.values(), key=lambda u: -self.hot.count(u.key))
+        pushed = failed = blocks = 0
+        me = self.node_id
+        for first in range(0, len(units), DRAIN_BATCH_UNITS):
+            batch: list[tuple[_OwnedUnit, list[asyncio.Future[int]]]] = []
+            for unit in units[first : first + DRAIN_BATCH_UNITS]:
+                owners = [n for n in self.placement.owners(unit.key) if n != me]
+                futures: list[asyncio.Future[int]] = []
+                for node in owners:
+                    job = ForwardJob(node, unit.namespace_id, self._call(unit.namespace_id), list(unit.hashes),
+                                     unit.parent, unit.position, loop.create_future())
+                    self.forwarder.submit(job)
+                    assert job.done is not None
+                    futures.append(job.done)
+                batch.append((unit, futures))
+            remaining = deadline - loop.time()
+            every = [f for _, fs in batch for f in fs]
+            if every and remaining > 0:
+                await asyncio.wait(every, timeout=remaining)
+            for unit, futures in batch:
+                got = [f.result() if f.done() else 0 for f in futures]
+                if futures and min(got) > 0:
+                    pushed += 1
+                    blocks += min(got)
+                else:
+                    failed += 1
+            if loop.time() >= deadline:
+                failed += max(0, len(units) - first - DRAIN_BATCH_UNITS)
+                break
+        await self.leave()
+        logger.info("cluster: drained %d units (%d blocks) to their next owners, %d not; left the pool",
+                    pushed, blocks, failed)
+        return DrainResult(pushed, blocks, failed, True)
+
+
+def forward_committed(ticket: ForwardTicket | None, timeout_s: float) -> Awaitable[int] | None:
+    """What a put that waits for its owners awaits (None when nothing was forwarded)."""
+    if ticket is None or not ticket._parts:
+        return None
+    return ticket.committed(timeout_s)

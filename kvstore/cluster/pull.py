@@ -1,0 +1,330 @@
+"""Pulls: copies of blocks another node holds, made into this node's host tier.
+
+A lookup that finds blocks on other nodes answers at once (they are TIER_REMOTE in its
+answer) and starts one pull per node that holds them: one `fetch` of the runs it holds,
+whose bytes go straight into the PENDING slots of a local put (`_PullSink`), one put per
+run of consecutive blocks. A run is published only once every block of it arrived whole
+and its checksum, computed here off the event loop, equals the one the holder took when
+the block was stored: a block that does not verify never becomes visible. A run cut
+short (the holder evicted a block meanwhile, or its own check failed) is rolled back.
+
+While a run is in flight its blocks are `pending`: a fetch (gRPC or shared memory) that
+reaches one of them waits for the run (`wait`, bounded by the fetch's deadline) and then
+serves whatever landed; a second lookup of the same chain counts them without asking
+again. Whatever fails (the node, the deadline, the tenant's quota, room in the host tier)
+is a miss for the fetch that waited, never an error.
+
+Blocks of units this node does not own are marked replicas once published
+(`Store.mark_replicas`): the first victims when room is needed, so copies never crowd out
+what this node owns.
+
+Primitives: `PullRun`, `PullSpec`, `Puller` (`start`, `start_spec`, `wait`, `has_room`, `pending`,
+`aclose`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from kvstore.checksum import checksum_batch
+from kvstore.cluster.breaker import Breakers
+from kvstore.cluster.transport import PeerCall, PeerError, PeerTransport
+from kvstore.core.put import PutTxn
+from kvstore.core.store import Store
+from kvstore.errors import KVStoreError
+from kvstore.hashing import HASH_BYTES
+
+logger = logging.getLogger(__name__)
+
+# The tier pulled blocks land in: the one the shared-memory plane serves.
+PULL_TIER = "host"
+# Pulls waiting for a turn, per running one, before lookups stop promising remote blocks.
+QUEUED_PER_RUNNING = 4
+
+
+class PullRun:
+    """Consecutive blocks of one chain to copy from one node, published as one put. A
+    lookup makes one per run of units it found elsewhere (a plain slotted class: a long
+    chain's lookup makes hundreds)."""
+
+    __slots__ = ("namespace_id", "hashes", "parent", "replica", "position", "unit_keys")
+
+    def __init__(self, namespace_id: bytes, hashes: list[bytes], parent: bytes | None, replica: bool,
+                 position: int = 0, unit_keys: list[bytes] | None = None) -> None:
+        self.namespace_id = namespace_id
+        self.hashes = hashes
+        self.parent = parent
+        self.replica = replica  # a unit this node does not own: marked a replica once published
+        self.position = position  # of its first block in the chain
+        self.unit_keys = unit_keys if unit_keys is not None else []  # the placement units it covers
+
+
+@dataclass(frozen=True, slots=True)
+class PullSpec:
+    """What a lookup hands a pull, without an object per run (it answers first): one
+    namespace, its chain packed, and runs of positions [starts[i], stops[i]), each a
+    replica or not, with the placement units each covers."""
+
+    namespace_id: bytes
+    packed: bytes
+    starts: list[int]
+    stops: list[int]
+    replicas: list[bool]
+    unit_keys: list[list[bytes]]
+    hashes: list[bytes]  # every block of the runs, in order (what is pending)
+
+    def runs(self) -> list[PullRun]:
+        out = []
+        offset = 0
+        for start, stop, replica, keys in zip(self.starts, self.stops, self.replicas, self.unit_keys):
+            n = stop - start
+            parent = self.packed[(start - 1) * HASH_BYTES : start * HASH_BYTES] if start else None
+            out.append(PullRun(self.namespace_id, self.hashes[offset : offset + n], parent, replica, start, keys))
+            offset += n
+        return out
+
+
+class _Pull:
+    """One fetch from one node: its runs, and a future settled once it is over."""
+
+    __slots__ = ("runs", "spec", "done")
+
+    def __init__(self, runs: list[PullRun] | None = None, spec: PullSpec | None = None) -> None:
+        self.runs = runs
+        self.spec = spec
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+
+@dataclass(slots=True)
+class PullCounters:
+    pulls: int = 0
+    pulled_blocks: int = 0
+    failures: int = 0
+    checksum_failures: int = 0
+    rolled_back_blocks: int = 0
+    replica_blocks: int = 0  # pulled copies of units owned elsewhere, held as replicas
+
+
+class _PullSink:
+    """Writes one fetch's blocks into the local puts of its runs, in order."""
+
+    def __init__(self, puller: Puller, node: str, runs: Sequence[PullRun]) -> None:
+        self._puller = puller
+        self._node = node
+        self._runs = list(runs)
+        self._avail = 0
+        self._sums: list[int] = []
+        self._run = -1  # the run being received
+        self._first = 0  # the global index of its first block
+        self._txn: PutTxn | None = None
+        self._n = 0  # blocks of the current run the txn carries
+
+    def begin(self, num_blocks: int, block_bytes: int, checksums: Sequence[int]) -> None:
+        store = self._puller.store
+        expected = store.namespace(self._runs[0].namespace_id).layout.bytes_per_block
+        if block_bytes != expected and num_blocks:
+            raise PeerError(self._node, f"fetch: {block_bytes}-byte blocks where this namespace's are {expected}")
+        self._avail = num_blocks
+        self._sums = list(checksums)
+
+    async def chunk(self, block: int, data: memoryview) -> None:
+        while self._txn is None or block >= self._first + self._n:
+            await self._next_run(block)
+        assert self._txn is not None
+        await self._txn.write(block - self._first, data)
+
+    async def _next_run(self, block: int) -> None:
+        if self._txn is not None:
+            await self._finish_run()
+        self._run += 1
+        if self._run >= len(self._runs):
+            raise PeerError(self._node, f"fetch: block {block} past the blocks asked for")
+        first = sum(len(r.hashes) for r in self._runs[: self._run])
+        run = self._runs[self._run]
+        self._first = first
+        self._n = max(0, min(len(run.hashes), self._avail - first))
+        if self._n == 0:
+            raise PeerError(self._node, f"fetch: block {block} past the {self._avail} announced")
+        self._txn = self._puller.store.begin_put(run.namespace_id, run.hashes[: self._n], run.parent, tier=PULL_TIER)
+        await self._txn.reserve()
+
+    async def _finish_run(self) -> None:
+        """Verify the current run's bytes against the holder's checksums, then publish."""
+        txn, self._txn = self._txn, None
+        if txn is None:
+            return
+        run = self._runs[self._run]
+        puller = self._puller
+        try:
+            slots = txn.slots()
+            sums = self._sums[self._first : self._first + self._n]
+            tiers = {st.name: st.tier for st in puller.store.tiers}
+            new = [(i, s) for i, s in enumerate(slots) if s is not None]
+            views = []
+            for _, slot in new:
+                view = tiers[slot.tier].view(slot, txn.block_bytes)
+                if view is None:
+                    raise PeerError(self._node, f"pulled blocks landed in tier {slot.tier}, which has no host view")
+                views.append(view)
+            got = await checksum_batch(views, puller.executor)
+            if any(g != sums[i] for (i, _), g in zip(new, got)):
+                puller.counters.checksum_failures += 1
+                raise PeerError(self._node, "fetch: a block's bytes do not match its checksum")
+            result = await txn.commit(sums)
+        except BaseException:
+            txn.abort()
+            puller.counters.rolled_back_blocks += self._n
+            self._resolve(run, 0)
+            raise
+        if run.replica:
+            puller.counters.replica_blocks += puller.store.mark_replicas(run.namespace_id, run.hashes[: self._n])
+        puller.counters.pulled_blocks += result.stored
+        self._resolve(run, self._n)
+        if puller.pulled is not None:
+            puller.pulled(self._node, run, self._n)
+
+    async def finish(self) -> None:
+        """The stream ended: publish the run in progress if it arrived whole."""
+        if self._txn is not None:
+            await self._finish_run()
+
+    def abort(self) -> None:
+        """Roll back what did not complete, and settle every run not settled yet."""
+        if self._txn is not None:
+            self._txn.abort()
+            self._puller.counters.rolled_back_blocks += self._n
+            self._txn = None
+        for run in self._runs:
+            self._resolve(run, 0)
+
+    def _resolve(self, run: PullRun, blocks: int) -> None:
+        self._puller.settled(run)
+
+
+class Puller:
+    """The pulls of one node: started by lookups, joined by fetches, bounded in number."""
+
+    def __init__(self, store: Store, transport: PeerTransport, breakers: Breakers, *, executor: Executor | None,
+                 max_running: int, timeout_s: float) -> None:
+        self.store = store
+        self.transport = transport
+        self.breakers = breakers
+        self.executor = executor
+        self.timeout_s = timeout_s
+        self.counters = PullCounters()
+        self.max_running = max_running
+        self._running = asyncio.Semaphore(max_running)
+        self._tasks: set[asyncio.Task[None]] = set()
+        # namespace id -> block hash -> the pull copying it
+        self.pending: dict[bytes, dict[bytes, _Pull]] = {}
+        self.pending_blocks = 0
+        # Told of each run published: (node, run, blocks).
+        self.pulled: Callable[[str, PullRun, int], None] | None = None
+        self._closed = False
+
+    def has_room(self) -> bool:
+        """Whether a new pull may start (lookups promise remote blocks only then)."""
+        return not self._closed and len(self._tasks) < self.max_running * (1 + QUEUED_PER_RUNNING)
+
+    def start(self, node: str, call: PeerCall, runs: list[PullRun]) -> None:
+        """Copy `runs` from `node` in the background; their blocks are pending until done."""
+        pull = _Pull(runs)
+        for run in runs:
+            by_hash = self.pending.get(run.namespace_id)
+            if by_hash is None:
+                by_hash = self.pending[run.namespace_id] = {}
+            before = len(by_hash)
+            by_hash.update(dict.fromkeys(run.hashes, pull))
+            self.pending_blocks += len(by_hash) - before
+        self._launch(node, call, pull)
+
+    def start_spec(self, node: str, call: PeerCall, spec: PullSpec) -> None:
+        """`start`, from a lookup's runs as positions (their objects are made in the task)."""
+        pull = _Pull(spec=spec)
+        by_hash = self.pending.get(spec.namespace_id)
+        if by_hash is None:
+            by_hash = self.pending[spec.namespace_id] = {}
+        before = len(by_hash)
+        by_hash.update(dict.fromkeys(spec.hashes, pull))
+        self.pending_blocks += len(by_hash) - before
+        self._launch(node, call, pull)
+
+    def _launch(self, node: str, call: PeerCall, pull: _Pull) -> None:
+        task = asyncio.get_running_loop().create_task(self._pull(node, call, pull), name=f"kvstore-pull-{node}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def settled(self, run: PullRun) -> None:
+        """`run` is published or given up: its blocks are no longer pending."""
+        by_hash = self.pending.get(run.namespace_id)
+        if by_hash is None:
+            return
+        pop = by_hash.pop
+        for h in run.hashes:
+            if pop(h, None) is not None:
+                self.pending_blocks -= 1
+        if not by_hash:
+            del self.pending[run.namespace_id]
+
+    async def _pull(self, node: str, call: PeerCall, pull: _Pull) -> None:
+        try:
+            if pull.runs is None:
+                assert pull.spec is not None
+                pull.runs = pull.spec.runs()
+            await self._run_pull(node, call, pull.runs)
+        finally:
+            if not pull.done.done():
+                pull.done.set_result(None)
+
+    async def _run_pull(self, node: str, call: PeerCall, runs: list[PullRun]) -> None:
+        sink = _PullSink(self, node, runs)
+        try:
+            async with self._running:
+                if not self.breakers.allow(node):
+                    raise PeerError(node, "suspect")
+                self.counters.pulls += 1
+                hashes = b"".join(h for run in runs for h in run.hashes)
+                await self.transport.fetch(node, call, hashes, sink, self.timeout_s)
+                await sink.finish()
+            self.breakers.success(node)
+        except PeerError as exc:
+            self.counters.failures += 1
+            if str(exc).endswith("suspect"):
+                pass
+            elif "checksum" in str(exc) or "blocks where" in str(exc):
+                logger.warning("pull from %s refused: %s", node, exc)
+            else:
+                self.breakers.failure(node)
+                logger.debug("pull from %s failed: %s", node, exc)
+        except (KVStoreError, OSError) as exc:  # no room, a quota, a namespace gone: a miss
+            self.counters.failures += 1
+            logger.debug("pull from %s not kept: %s", node, exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # task boundary: the runs are rolled back, the fetches that wait get a miss
+            self.counters.failures += 1
+            logger.exception("pull from %s failed", node)
+        finally:
+            sink.abort()
+
+    async def wait(self, namespace_id: bytes, block_hash: bytes, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) for the run copying a block; whether it was pending
+        and settled in time."""
+        by_hash = self.pending.get(namespace_id)
+        pull = None if by_hash is None else by_hash.get(block_hash)
+        if pull is None or timeout_s <= 0:
+            return False
+        done, _ = await asyncio.wait({pull.done}, timeout=timeout_s)
+        return bool(done)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

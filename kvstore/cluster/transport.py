@@ -1,0 +1,303 @@
+"""How bytes and questions travel between the daemons of a pool: the `PeerTransport` seam
+and its first implementation on the daemons' own gRPC API (`GrpcPeerTransport`).
+
+A node asks three things of another (and nothing else: the other side refuses the rest):
+
+* `lookup`: how many of these blocks, from the first, do you hold? (`Lookup`, local only
+  on the other side: a node never asks further);
+* `fetch`: send me the longest held prefix of these blocks, each with the checksum taken
+  when it was stored (`Fetch` with `with_checksums`); the bytes are handed, chunk by
+  chunk, to a `FetchSink`, which writes them straight into the slots of a local put;
+* `put`: store these blocks (`Put`, with the chain position of the first one), made into
+  messages by the transport's own `framer` as they are read out of the local store.
+
+Every call carries a `PeerCall`: the tenant it is made for and the layout of its
+namespace (so the other side files it under that tenant's own salt, and registers the
+namespace if it is new), and the sending node's id. Calls are authenticated with the
+pool's credential (a bearer token of role `peer` or `admin`, `kvstore.server.auth`), over
+TLS when the pool has roots for it. A call that fails, times out or is refused raises
+`PeerError`: to the caller that is a miss, never an error for an engine.
+
+A bulk data lane (large frames, scatter-gather sends, receives into slots) replaces the
+fetch and put paths later through this same interface; lookups stay small unary calls.
+
+Primitives: `PeerCall`, `PeerError`, `FetchSink`, `PeerTransport`, `GrpcPeerTransport`,
+`chunk_framer`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+
+from kvstore.wire import (
+    FETCH_METHOD,
+    PUT_METHOD,
+    Framed,
+    RawChunk,
+    encode_chunk,
+    fetch_response_deserializer,
+    put_request_serializer,
+)
+from kvstore.v1 import kvstore_pb2
+
+logger = logging.getLogger(__name__)
+
+# The metadata a node-to-node call carries (read by kvstore.server.auth.peer_call).
+PEER_HEADER = "x-kvstore-peer"
+TENANT_HEADER = "x-kvstore-tenant"
+LOOKUP_METHOD = "/kvstore.v1.KVStore/Lookup"
+DEFAULT_CHUNK_BYTES = 1 << 20
+# Reconnect quickly to a peer that restarted: grpc's default backoff grows to minutes.
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.enable_retries", 0),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCall:
+    """What every call for one namespace carries: its tenant and layout."""
+
+    tenant: str
+    layout: kvstore_pb2.Layout
+    # LookupRequest.namespace as wire bytes (field 1), made once: a lookup's request is
+    # then these bytes and the keys, with no message built per call.
+    namespace_field: bytes = b""
+
+    @classmethod
+    def of(cls, tenant: str, layout: kvstore_pb2.Layout) -> PeerCall:
+        ns = kvstore_pb2.Namespace(layout=layout).SerializeToString()
+        return cls(tenant, layout, b"\x0a" + _varint(len(ns)) + ns)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def lookup_request_bytes(call: PeerCall, hashes: bytes) -> bytes:
+    """A LookupRequest naming `hashes` (packed), answer packed, hashes omitted: the bytes
+    protobuf would write for it (field order aside, which parsers accept in any order)."""
+    namespace = call.namespace_field or _namespace_field(call.layout)
+    keys = b"\x22" + _varint(len(hashes)) + hashes + b"\x18\x01"  # packed_hashes, packed_reply
+    return namespace + b"\x12" + _varint(len(keys)) + keys + b"\x28\x01"  # keys, omit_hashes
+
+
+def _namespace_field(layout: kvstore_pb2.Layout) -> bytes:
+    ns = kvstore_pb2.Namespace(layout=layout).SerializeToString()
+    return b"\x0a" + _varint(len(ns)) + ns
+
+
+class PeerError(Exception):
+    """A call to another node failed: unreachable, timed out, refused, or malformed."""
+
+    def __init__(self, node: str, what: str) -> None:
+        super().__init__(f"node {node}: {what}")
+        self.node = node
+
+
+class FetchSink(Protocol):
+    """Where a fetch's bytes go: told the blocks coming, then each chunk in order."""
+
+    def begin(self, num_blocks: int, block_bytes: int, checksums: Sequence[int]) -> None: ...
+
+    async def chunk(self, block: int, data: memoryview) -> None: ...
+
+
+class PeerTransport(Protocol):
+    """The calls a node makes to the others (see the module docstring)."""
+
+    # Cuts a block that is to be sent into what `put` sends (the forwarder's local fetch
+    # frames with it, so a block is copied out of its tier once).
+    framer: Callable[[int, memoryview], Framed]
+
+    def update(self, addresses: Mapping[str, Sequence[str]]) -> None:
+        """The current members' addresses (node id -> host:port, best first)."""
+
+    async def lookup(self, node: str, call: PeerCall, hashes: bytes, timeout_s: float) -> int:
+        """How many of `hashes` (packed, in order) `node` holds, from the first."""
+
+    async def fetch(self, node: str, call: PeerCall, hashes: bytes, sink: FetchSink, timeout_s: float) -> int:
+        """The longest held prefix of `hashes` from `node` into `sink`; how many blocks
+        arrived whole."""
+
+    async def put(self, node: str, call: PeerCall, hashes: bytes, parent: bytes, position: int,
+                  blocks: AsyncIterator[Framed], timeout_s: float) -> tuple[int, int]:
+        """Store `blocks` (framed by `framer`) on `node` as the chain `hashes` after
+        `parent` from `position`; (stored, existing)."""
+
+    async def aclose(self) -> None: ...
+
+
+def chunk_framer(chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Callable[[int, memoryview], Framed]:
+    """A framer making a block into Put chunk messages of at most `chunk_bytes` (one copy:
+    the block's bytes go straight into the messages)."""
+
+    def frame(index: int, data: memoryview) -> Framed:
+        messages: list[bytes] = []
+        payload: list[memoryview] = []
+        for start in range(0, len(data), chunk_bytes):
+            piece = data[start : start + chunk_bytes]
+            message = encode_chunk(index, piece)
+            messages.append(message)
+            payload.append(memoryview(message)[len(message) - len(piece) :])
+        return Framed(messages, payload)
+
+    return frame
+
+
+class GrpcPeerTransport:
+    """`PeerTransport` on the KVStore gRPC API: one channel per peer, made on first use and
+    remade when the peer's address changes or it rejoins."""
+
+    def __init__(self, node_id: str, *, token: str = "", tls_ca: bytes | None = None,
+                 tls_cert: bytes | None = None, tls_key: bytes | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.node_id = node_id
+        self.framer = chunk_framer(chunk_bytes)
+        self._token = token
+        self._credentials = (grpc.ssl_channel_credentials(tls_ca, tls_key, tls_cert)
+                             if tls_ca is not None else None)
+        self._addresses: dict[str, tuple[str, ...]] = {}
+        self._channels: dict[str, tuple[str, grpc.aio.Channel, Any, Any, Any]] = {}
+        self._closing: list[grpc.aio.Channel] = []
+
+    def update(self, addresses: Mapping[str, Sequence[str]]) -> None:
+        # Channels of departed peers stay until their address changes: a peer that left is
+        # still asked during the grace period (`Placement.lookup_targets`).
+        for node, addrs in addresses.items():
+            new = tuple(addrs)
+            if self._addresses.get(node) != new:
+                self._addresses[node] = new
+                self.forget(node)
+
+    def forget(self, node: str) -> None:
+        """Close `node`'s channel (a new one is made on the next call)."""
+        entry = self._channels.pop(node, None)
+        if entry is not None:
+            self._closing.append(entry[1])
+
+    def _metadata(self, call: PeerCall) -> tuple[tuple[str, str], ...]:
+        pairs = [(PEER_HEADER, self.node_id), (TENANT_HEADER, call.tenant)]
+        if self._token:
+            pairs.append(("authorization", f"Bearer {self._token}"))
+        return tuple(pairs)
+
+    def _stubs(self, node: str) -> tuple[Any, Any, Any]:
+        entry = self._channels.get(node)
+        if entry is None:
+            addrs = self._addresses.get(node)
+            if not addrs:
+                raise PeerError(node, "no address known")
+            target = addrs[0]
+            if self._credentials is not None:
+                channel = grpc.aio.secure_channel(target, self._credentials, options=list(CHANNEL_OPTIONS))
+            else:
+                channel = grpc.aio.insecure_channel(target, options=list(CHANNEL_OPTIONS))
+            lookup = channel.unary_unary(LOOKUP_METHOD, request_serializer=_raw,
+                                         response_deserializer=kvstore_pb2.LookupResponse.FromString)
+            fetch = channel.unary_stream(FETCH_METHOD, request_serializer=kvstore_pb2.FetchRequest.SerializeToString,
+                                         response_deserializer=fetch_response_deserializer)
+            put = channel.stream_unary(PUT_METHOD, request_serializer=put_request_serializer,
+                                       response_deserializer=kvstore_pb2.PutResponse.FromString)
+            entry = self._channels[node] = (target, channel, lookup, fetch, put)
+        return entry[2], entry[3], entry[4]
+
+    async def lookup(self, node: str, call: PeerCall, hashes: bytes, timeout_s: float) -> int:
+        lookup, _, _ = self._stubs(node)
+        try:
+            resp = await lookup(lookup_request_bytes(call, hashes), timeout=timeout_s, metadata=self._metadata(call))
+        except grpc.RpcError as exc:
+            raise PeerError(node, f"lookup: {_status(exc)}") from None
+        n = int(resp.num_blocks)
+        if n > len(hashes) // 16:
+            raise PeerError(node, f"lookup answered {n} blocks of {len(hashes) // 16}")
+        return n
+
+    async def fetch(self, node: str, call: PeerCall, hashes: bytes, sink: FetchSink, timeout_s: float) -> int:
+        _, fetch, _ = self._stubs(node)
+        req = kvstore_pb2.FetchRequest(namespace=kvstore_pb2.Namespace(layout=call.layout),
+                                       keys=kvstore_pb2.BlockKeys(packed_hashes=hashes), with_checksums=True)
+        began = False
+        blocks = 0
+        try:
+            async for msg in fetch(req, timeout=timeout_s, metadata=self._metadata(call)):
+                if isinstance(msg, RawChunk):
+                    block, data = msg.block, msg.data
+                elif msg.WhichOneof("msg") == "header":
+                    h = msg.header
+                    if began or h.num_blocks > len(hashes) // 16 or len(h.checksums) != h.num_blocks:
+                        raise PeerError(node, "fetch: a malformed header")
+                    sink.begin(h.num_blocks, h.block_bytes, list(h.checksums))
+                    began = True
+                    continue
+                else:
+                    block, data = msg.chunk.block, memoryview(msg.chunk.data)
+                if not began:
+                    raise PeerError(node, "fetch: block bytes before the header")
+                await sink.chunk(block, data)
+                blocks = block + 1
+        except grpc.RpcError as exc:
+            raise PeerError(node, f"fetch: {_status(exc)}") from None
+        return blocks
+
+    async def put(self, node: str, call: PeerCall, hashes: bytes, parent: bytes, position: int,
+                  blocks: AsyncIterator[Framed], timeout_s: float) -> tuple[int, int]:
+        _, _, put = self._stubs(node)
+        header = kvstore_pb2.PutHeader(namespace=kvstore_pb2.Namespace(layout=call.layout),
+                                       keys=kvstore_pb2.BlockKeys(packed_hashes=hashes),
+                                       num_blocks=len(hashes) // 16, parent_hash=parent, position=position)
+
+        async def messages() -> AsyncIterator[kvstore_pb2.PutRequest | bytes]:
+            yield kvstore_pb2.PutRequest(header=header)
+            async for framed in blocks:
+                for message in framed.messages:
+                    yield message
+
+        try:
+            resp = await put(messages(), timeout=timeout_s, metadata=self._metadata(call))
+        except grpc.RpcError as exc:
+            raise PeerError(node, f"put: {_status(exc)}") from None
+        return int(resp.stored), int(resp.existing)
+
+    async def aclose(self) -> None:
+        channels = [entry[1] for entry in self._channels.values()] + self._closing
+        self._channels.clear()
+        self._closing.clear()
+        for channel in channels:
+            await channel.close(grace=None)
+
+    async def reap(self) -> None:
+        """Close channels replaced since the last call (their calls have had time to end)."""
+        closing, self._closing = self._closing, []
+        for channel in closing:
+            await channel.close(grace=1.0)
+
+
+def _raw(data: bytes) -> bytes:
+    return data
+
+
+def _status(exc: grpc.RpcError) -> str:
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else ""
+    return f"{code.name if code is not None else 'error'}: {details or ''}".strip()

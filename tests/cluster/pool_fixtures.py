@@ -1,0 +1,153 @@
+"""Real daemons forming a pool, for the cluster tests.
+
+* In-process: `pool(tmp_path, n, ...)` starts `n` daemons on the test's event loop, each
+  on a Unix socket and a loopback TCP port, joined by a static peer list or by etcd (the
+  module's `etcd` fixture), and stops them at the end whatever happened.
+* Subprocesses inside network namespaces (`NetworkHosts`): `serve_args` builds the
+  `kvstore serve` command line of one host's daemon (token file with a peer credential,
+  etcd on the switch), `start_in_host` starts it and waits until it answers on its Unix
+  socket, which the test reaches from the root namespace (Unix sockets and /dev/shm do
+  not depend on the network namespace: the test's clients are co-located engines).
+* `Tokens`: a token file with an admin tenant for the Unix socket, client tenants and the
+  pool's peer credential.
+* `chain(layout, n, seed)`: token ids and block payloads that are distinct per seed, so
+  a wrong block can never compare equal to the expected one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from conftest import make_config
+from kvstore.client.admin import AdminClient
+from kvstore.layout import KVLayout
+from kvstore.server.auth import new_token
+from kvstore.server.daemon import Daemon
+from tests.procs import DaemonProc, start
+
+# Generous for a shared, loaded test machine; tests of the deadline set their own.
+LOOKUP_TIMEOUT_MS = 1000.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def chain(layout: KVLayout, n: int, seed: int) -> tuple[list[int], list[bytes]]:
+    """`n` blocks of token ids (distinct per seed) and their payloads (a function of the
+    seed and the block's position, never equal across seeds or positions)."""
+    bst = layout.block_size_tokens
+    tokens = [(seed * 1_000_003 + i) % 4_000_000_000 for i in range(n * bst)]
+    rng = np.random.default_rng(seed)
+    payloads = [rng.integers(0, 256, layout.bytes_per_block, dtype=np.uint8).tobytes() for _ in range(n)]
+    return tokens, payloads
+
+
+@contextlib.asynccontextmanager
+async def pool(tmp_path: Path, n: int, *, etcd: str = "", prefix: str = "", first: int = 0,
+               **overrides: Any) -> AsyncIterator[list[Daemon]]:
+    """`n` daemons n{first}..: a static pool on loopback, or one on etcd (`etcd` endpoint)."""
+    ports = [free_port() for _ in range(n)]
+    ids = [f"n{first + i}" for i in range(n)]
+    peers = tuple(f"{node}=127.0.0.1:{port}" for node, port in zip(ids, ports))
+    started: list[Daemon] = []
+    try:
+        for node, port in zip(ids, ports):
+            d = tmp_path / node
+            d.mkdir(exist_ok=True)
+            cluster: dict[str, Any] = {"cluster_etcd": (etcd,), "cluster_prefix": prefix,
+                                       "cluster_lease_ttl_s": 2} if etcd else {"cluster_peers": peers}
+            options = {"cluster_lookup_timeout_ms": LOOKUP_TIMEOUT_MS, **cluster, **overrides}
+            cfg = make_config(d, listen=(f"unix:{d / 'kv.sock'}", f"127.0.0.1:{port}"), cluster=True,
+                              node_id=node, **options)
+            daemon = Daemon(cfg)
+            await daemon.start()
+            started.append(daemon)
+        yield started
+    finally:
+        for daemon in reversed(started):
+            await daemon.stop(grace_s=0)
+
+
+def unix_target(daemon: Daemon) -> str:
+    return daemon.bound[0]
+
+
+def info(daemon: Daemon) -> dict[str, str]:
+    """The `# Cluster` section of the daemon's INFO, as a dict."""
+    from kvstore.server.cluster import info_section
+
+    out = {}
+    for line in info_section(daemon.cluster).splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            out[key] = value
+    return out
+
+
+class Tokens:
+    """A token file: `ops` (admin, the Unix socket's tenant, local plane), client
+    tenants, and `pool` (role peer: the credential the daemons present to each other)."""
+
+    def __init__(self, path: Path, clients: Sequence[str] = ("alpha", "beta")) -> None:
+        self.path = path
+        self.tokens: dict[str, str] = {}
+        entries = []
+        for name, role, extra in (("ops", "admin", "local_plane = true\n"), *((c, "client", "local_plane = true\n")
+                                                                             for c in clients), ("pool", "peer", "")):
+            token, token_hash = new_token()
+            self.tokens[name] = token
+            entries.append(f'[[tenant]]\nname = "{name}"\nrole = "{role}"\ntokens = ["{token_hash}"]\n{extra}')
+        path.write_text("\n".join(entries))
+        os.chmod(path, 0o600)
+        self.peer_file = path.with_name("peer.token")
+        self.peer_file.write_text(self.tokens["pool"] + "\n")
+        os.chmod(self.peer_file, 0o600)
+
+
+def serve_args(sock: Path, tcp: str, node_id: str, etcd: str, prefix: str, tokens: Tokens, *extra: str) -> list[str]:
+    """`kvstore serve` for one host of a netns pool (a non-loopback listener: token file,
+    plain TCP on the test's private bridge)."""
+    return [sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"unix:{sock},{tcp}", "--grace-s", "1",
+            "--log-level", "warning", "--metrics-listen", "off", "--host-capacity", "64MiB",
+            "--auth-token-file", str(tokens.path), "--unix-socket-tenant", "ops", "--insecure-remote",
+            "--cluster", "--cluster-etcd", etcd, "--cluster-prefix", prefix, "--cluster-lease-ttl-s", "2",
+            "--node-id", node_id, "--cluster-token-file", str(tokens.peer_file), *extra]
+
+
+def start_in_host(hosts: Any, i: int, args: list[str], sock: Path, log: Path) -> DaemonProc:
+    """Start a daemon inside host `i`'s namespace (`ip netns exec` execs it: same pid)."""
+    return start(hosts.command(i, args), sock, log)
+
+
+def members_of(target: str) -> set[str]:
+    with AdminClient(target, timeout_s=5) as admin:
+        return {m.node_id for m in admin.cluster_status().members}
+
+
+def wait_members(target: str, want: set[str], timeout_s: float) -> float:
+    """Poll a daemon's view until it is `want`; the seconds it took (AssertionError past timeout)."""
+    began = time.monotonic()
+    seen: set[str] = set()
+    while time.monotonic() - began < timeout_s:
+        seen = members_of(target)
+        if seen == want:
+            return time.monotonic() - began
+        time.sleep(0.05)
+    raise AssertionError(f"{target}: members {sorted(seen)} after {timeout_s:g}s, expected {sorted(want)}")
+
+
+def with_overrides(daemon: Daemon, **changes: Any) -> Any:
+    return replace(daemon.config, **changes)
