@@ -71,6 +71,8 @@ LATE_JOIN_GRACE_S = 1.0
 # SSD are copies, and are read ahead by at most FETCH_AHEAD_BYTES anyway). The loop is
 # woken to verify more once half of them are taken: one wake-up per several blocks.
 READY_BYTES_PER_CONNECTION = 16 << 20
+# A grouped block is parts that only some prefix ends have: it moves as Put and Fetch do.
+GROUPED_NOT_ON_LANE = "a layout with KV groups moves as gRPC bytes (Put and Fetch), not on the data lane"
 
 
 @dataclass(frozen=True, slots=True)
@@ -525,6 +527,8 @@ class LaneTransfers:
                 self.store.unpin(lease_id)
             return kvstore_pb2.LaneFetchResponse(block_bytes=unknown.layout.bytes_per_block,
                                                  namespace_id=unknown.namespace_id)
+        if self.store.namespace(ns_id).layout.groups:
+            raise FailedPrecondition(GROUPED_NOT_ON_LANE)
         hashes = resolver.hashes(ns_id, fetch.keys)
         cluster = self.cluster
         if cluster is not None:  # as for a gRPC Fetch
@@ -534,6 +538,7 @@ class LaneTransfers:
             else:
                 await cluster.settle_fetch(ns_id, hashes)  # blocks a lookup is copying here
         stream = self.store.open_fetch(ns_id, hashes, resolver.tags.untag(fetch.lease_id))
+        assert isinstance(stream, FetchStream)  # grouped layouts were refused above
         resp = kvstore_pb2.LaneFetchResponse(num_blocks=stream.num_blocks, block_bytes=stream.block_bytes,
                                              namespace_id=ns_id)
         if not stream.num_blocks:
@@ -568,6 +573,8 @@ class LaneTransfers:
         resolver, store = self.resolver, self.store
         header = request.header
         info = resolver.put_namespace(header.namespace)  # filed when the put publishes
+        if info.layout.groups:
+            raise FailedPrecondition(GROUPED_NOT_ON_LANE)
         hashes, parent = resolver.put_keys(info, header)
         resolver.put_session(header)  # checked now; applied at commit
         txn = store.begin_put(info, hashes, parent, tier=HOST)
