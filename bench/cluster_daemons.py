@@ -62,6 +62,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the bench process dies, however it dies (a
+    killed bench must not leave daemons or etcd running). Linux only; elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     root = str(Path(__file__).resolve().parents[1])
@@ -93,7 +102,8 @@ class DaemonProcess:
         args = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"unix:{self.sock},{self.tcp}",
                 "--metrics-listen", "off", "--log-level", "warning", "--grace-s", "1", *self.flags, *more]
         with open(self.dir / "daemon.log", "ab") as log:
-            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=_env())
+            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=_env(),
+                                         preexec_fn=_die_with_parent)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -150,7 +160,7 @@ class EtcdProcess:
                 [binary, "--name", "bench", "--data-dir", str(data), "--listen-client-urls", client,
                  "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                  "--initial-cluster", f"bench={peer}", "--logger", "zap", "--log-level", "warn"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             try:

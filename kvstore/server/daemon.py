@@ -292,6 +292,8 @@ class Daemon:
         stack.push_async_callback(self._close_cluster)
         servicer.cluster = node
         servicer.local.cluster = node
+        if self._transfers is not None:
+            self._transfers.cluster = node
         assert self._admin is not None and self.runtime is not None
         self._admin.cluster = node
         self._admin.node_id = node.node_id

@@ -236,7 +236,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 ns_id = info.namespace_id
                 hashes, parent = self.resolver.put_keys(info, header)
                 session = self.resolver.put_session(header)
-                async with self.store.begin_put(info, hashes, parent, window_bytes=self.put_window_bytes) as txn:
+                async with self.store.begin_stream_put(info, hashes, parent, window_bytes=self.put_window_bytes) as txn:
                     while True:
                         idle.reschedule(loop.time() + idle_s)
                         msg = await anext(stream, None)
@@ -294,7 +294,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 await cluster.settle_fetch(ns_id, hashes)  # blocks a lookup is copying here
         async with self.store.open_fetch(ns_id, hashes, self._lease_in(request.lease_id)) as stream:
             header = kvstore_pb2.FetchHeader(num_blocks=stream.num_blocks, block_bytes=stream.block_bytes,
-                                             namespace_id=ns_id)
+                                             namespace_id=ns_id, prefix_blocks=stream.prefix_blocks)
             if request.with_checksums:
                 header.checksums.extend(stream.checksums)
             yield kvstore_pb2.FetchResponse(header=header)

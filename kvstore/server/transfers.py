@@ -40,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, cast
 
 import grpc
 
@@ -50,9 +50,13 @@ from kvstore.core.store import Store
 from kvstore.datalane import VERSION, LaneSocket, checksum_of
 from kvstore.errors import DeadlineExceeded, FailedPrecondition, KVStoreError, ResourceExhausted, error_for_status
 from kvstore.server.auth import current_identity
+from kvstore.server.cluster import forward_put
 from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
 from kvstore.tiers import HOST
 from kvstore.v1 import kvstore_pb2
+
+if TYPE_CHECKING:
+    from kvstore.cluster.pool import ClusterNode
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,8 @@ LATE_JOIN_GRACE_S = 1.0
 # SSD are copies, and are read ahead by at most FETCH_AHEAD_BYTES anyway). The loop is
 # woken to verify more once half of them are taken: one wake-up per several blocks.
 READY_BYTES_PER_CONNECTION = 16 << 20
+# A grouped block is parts that only some prefix ends have: it moves as Put and Fetch do.
+GROUPED_NOT_ON_LANE = "a layout with KV groups moves as gRPC bytes (Put and Fetch), not on the data lane"
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,6 +465,8 @@ class LaneTransfers:
         self.settings = settings
         self.counters = LaneCounters()
         self._endpoints = endpoints
+        # The pool this daemon is one of (kvstore.server.cluster); None on a single daemon.
+        self.cluster: ClusterNode | None = None
         self._open: dict[bytes, Transfer] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timers: dict[bytes, asyncio.TimerHandle] = {}
@@ -522,8 +530,18 @@ class LaneTransfers:
                 self.store.unpin(lease_id)
             return kvstore_pb2.LaneFetchResponse(block_bytes=unknown.layout.bytes_per_block,
                                                  namespace_id=unknown.namespace_id)
+        if self.store.namespace(ns_id).layout.groups:
+            raise FailedPrecondition(GROUPED_NOT_ON_LANE)
         hashes = resolver.hashes(ns_id, fetch.keys)
+        cluster = self.cluster
+        if cluster is not None:  # as for a gRPC Fetch
+            peer = current_identity().peer
+            if peer:
+                cluster.peer_fetched(ns_id, hashes)
+            else:
+                await cluster.settle_fetch(ns_id, hashes)  # blocks a lookup is copying here
         stream = self.store.open_fetch(ns_id, hashes, resolver.tags.untag(fetch.lease_id))
+        assert isinstance(stream, FetchStream)  # grouped layouts were refused above
         resp = kvstore_pb2.LaneFetchResponse(num_blocks=stream.num_blocks, block_bytes=stream.block_bytes,
                                              namespace_id=ns_id)
         if not stream.num_blocks:
@@ -559,6 +577,8 @@ class LaneTransfers:
         resolver, store = self.resolver, self.store
         header = request.header
         info = resolver.put_namespace(header.namespace)  # filed when the put publishes
+        if info.layout.groups:
+            raise FailedPrecondition(GROUPED_NOT_ON_LANE)
         hashes, parent = resolver.put_keys(info, header)
         resolver.put_session(header)  # checked now; applied at commit
         txn = store.begin_put(info, hashes, parent, tier=HOST)
@@ -620,9 +640,14 @@ class LaneTransfers:
         session = self.resolver.put_session(header)
         if session:
             self.store.hint(result.namespace_id, result.block_hashes, session, header.hint.expect_reuse_within_s)
-        return kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
+        resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
                                        namespace_id=result.namespace_id,
                                        **hash_fields(result.block_hashes, packed_reply(header.keys)))
+        if self.cluster is not None:  # as for a gRPC Put: forwarded to its units' owners
+            hashes, parent = self.resolver.put_keys(self.store.namespace(result.namespace_id), header)
+            await forward_put(self.cluster, result.namespace_id, hashes, parent, header, resp,
+                              current_identity().peer)
+        return resp
 
     async def _roll_back(self, transfer: PutTransfer) -> None:
         try:

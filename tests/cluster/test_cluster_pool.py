@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SMALL_LAYOUT, make_config
-from kvstore.client import AsyncClient
+from kvstore.client import AsyncClient, GroupKind, KVGroup, KVLayout
 from kvstore.client.admin import AdminClient
 from kvstore.errors import ConfigError
 from kvstore.server.config import load_config
@@ -55,6 +55,45 @@ async def test_a_prefix_put_on_one_node_is_a_hit_on_every_node(tmp_path: Path) -
         for d in (b, c):
             st = info(d)
             assert int(st["cluster_pulled_blocks"]) > 0 and st["cluster_pull_checksum_failures"] == "0"
+
+
+async def test_puts_and_fetches_on_the_data_lane_are_the_pools_too(tmp_path: Path) -> None:
+    """A client on a node's data lane: its put is forwarded to the owners as a gRPC put
+    is, and its fetch after a lookup waits for the blocks that lookup is copying in."""
+    async with pool(tmp_path, 3) as (a, b, c):
+        tokens, blocks = chain(LAYOUT, 40, seed=2)
+        async with AsyncClient(a.bound[1], data_plane="lane") as kv:
+            assert await kv.data_plane_in_use() == "lane"
+            put = await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
+        assert put.stored == 40 and put.forwarded_blocks == put.owner_committed_blocks > 0
+        for d in (b, c):
+            async with AsyncClient(d.bound[1], data_plane="lane") as kv:
+                hit = await kv.lookup(LAYOUT, tokens)
+                assert hit.num_blocks == 40 and hit.remote_blocks > 0
+                assert [bytes(g) for g in await kv.fetch(LAYOUT, tokens)] == blocks
+                stats = kv.data_lane_stats
+                assert stats is not None and stats.bytes_received == 40 * LAYOUT.bytes_per_block
+
+
+async def test_layouts_with_kv_groups_stay_on_the_node_that_computed_them(tmp_path: Path) -> None:
+    """The pool carries whole blocks; a grouped layout's parts are neither forwarded nor
+    looked for elsewhere: a hit where they were put, a plain miss on the other nodes."""
+    hybrid = KVLayout(model="test/pool-hybrid", dtype="bfloat16", num_layers=2, num_kv_heads=1, head_dim=8,
+                      block_size_tokens=4, groups=(
+                          KVGroup("full", GroupKind.FULL, "bfloat16", (2, 1, 4, 1, 8)),
+                          KVGroup("swa", GroupKind.SLIDING_WINDOW, "bfloat16", (2, 1, 4, 1, 8), window_tokens=5)))
+    tokens = list(range(4 * 12))
+    blocks = [{g.name: bytes([i]) * g.bytes_per_block for g in hybrid.groups} for i in range(12)]
+    async with pool(tmp_path, 2) as (a, b):
+        async with AsyncClient(unix_target(a)) as kv:
+            put = await kv.put(hybrid, tokens, blocks, wait_for_owners=True)
+            assert (put.stored, put.forwarded_blocks) == (12, 0)
+            assert (await kv.lookup(hybrid, tokens)).num_blocks == 12
+        async with AsyncClient(unix_target(b)) as kv:
+            miss = await kv.lookup(hybrid, tokens)
+            assert (miss.num_blocks, miss.remote_blocks) == (0, 0)
+            assert await kv.fetch(hybrid, tokens) == []
+        assert int(info(b)["cluster_remote_lookups"]) == 0
 
 
 async def test_forwards_reach_their_owners_in_the_background(tmp_path: Path) -> None:
