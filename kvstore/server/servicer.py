@@ -434,41 +434,15 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def LaneFetch(self, request: kvstore_pb2.LaneFetchRequest,
                         context: Context) -> kvstore_pb2.LaneFetchResponse:
-        lane = self._lane()
-        if self.cluster is not None:
-            await self._pool_fetch(self.cluster, request.fetch)
-        return await lane.open_fetch(request)
-
-    async def _pool_fetch(self, cluster: ClusterNode, fetch: kvstore_pb2.FetchRequest) -> None:
-        """What Fetch does in a pool before it plans, for a fetch on the lane."""
-        try:
-            ns_id = self._namespace(fetch.namespace)
-        except UnregisteredLayout:
-            return  # a miss: open_fetch answers it
-        hashes = self._hashes(ns_id, fetch.keys)
-        peer = current_identity().peer
-        if peer:
-            cluster.peer_fetched(ns_id, hashes)
-        else:
-            await cluster.settle_fetch(ns_id, hashes)
+        return await self._lane().open_fetch(request)
 
     async def LanePut(self, request: kvstore_pb2.LanePutRequest, context: Context) -> kvstore_pb2.LanePutResponse:
         return await self._lane().open_put(request)
 
     async def LaneCommit(self, request: kvstore_pb2.LaneCommitRequest, context: Context) -> kvstore_pb2.PutResponse:
-        lane = self._lane()
-        cluster = self.cluster
-        if cluster is None or request.abort:
-            return await lane.commit(request)
-        # In a pool a committed lane put is forwarded (or, from a peer, filed) as a Put is.
-        who = current_identity()
-        transfer = lane.put_transfer(request.transfer_id, who.tenant)
-        resp = await lane.commit(request)
-        if transfer is not None:
-            header = transfer.header
-            hashes, parent = self.resolver.put_keys(self.resolver.put_namespace(header.namespace), header)
-            await forward_put(cluster, resp.namespace_id, hashes, parent, header, resp, who.peer)
-        return resp
+        # In a pool, the transfers forward a committed lane put and make a lane fetch wait
+        # for pulls, as Put and Fetch do (kvstore.server.transfers).
+        return await self._lane().commit(request)
 
     def _lane(self) -> LaneTransfers:
         if self.lane is None or not self.lane.offer().endpoints:
