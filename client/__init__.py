@@ -8,6 +8,14 @@
         hit = kv.lookup(layout, token_ids)
         got = kv.fetch(layout, token_ids[: hit.num_tokens])
 
+A model with several KV groups (sliding-window and full attention, MLA, Mamba state)
+lists them in its layout; each block is then put as a mapping of group name to part,
+and fetched as one (see kvstore.groups for which parts a prefix needs):
+
+    layout = KVLayout(..., groups=(KVGroup("full", GroupKind.FULL, "bfloat16", (2, 4, 16, 8, 128)),
+                                   KVGroup("swa", GroupKind.SLIDING_WINDOW, "bfloat16", (2, 20, 16, 8, 128),
+                                           window_tokens=4096)))
+
 Importing this package does not import torch; tensors are handled lazily.
 """
 
@@ -15,6 +23,6 @@ from kvstore.client.results import LookupResult, PinResult, PrefetchResult, PutR
 from kvstore.client.aio import AsyncClient
 from kvstore.client.sync import Client
 from kvstore.hashing import block_hashes
-from kvstore.layout import KVLayout
+from kvstore.layout import GroupKind, KVGroup, KVLayout
 
-__all__ = ["AsyncClient", "Client", "KVLayout", "LookupResult", "PinResult", "PrefetchResult", "PutResult", "block_hashes"]
+__all__ = ["AsyncClient", "Client", "GroupKind", "KVGroup", "KVLayout", "LookupResult", "PinResult", "PrefetchResult", "PutResult", "block_hashes"]

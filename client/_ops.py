@@ -35,6 +35,7 @@ from typing import Any, Generic, TypeVar, Union
 from kvstore.client._assembler import FetchAssembler
 from kvstore.client._auth import Security
 from kvstore.client._buffers import all_cuda, any_cuda, host_blocks, out_buffers, upload_blocks, writable_view
+from kvstore.client._groups import GroupedFetchAssembler, grouped_fetch_request, prepare_grouped_put
 from kvstore.client._held import HeldSlots, check_reserve_ahead, keep_held, take_held
 from kvstore.client._lane import lane_socket, segment_over_lane
 from kvstore.client._local import LocalPlane
@@ -122,7 +123,7 @@ class StreamFetch:
 
     __slots__ = ("request", "assembler", "timeout_s")
 
-    def __init__(self, request: kvstore_pb2.FetchRequest, assembler: FetchAssembler, timeout_s: float) -> None:
+    def __init__(self, request: kvstore_pb2.FetchRequest, assembler: FetchAssembler | GroupedFetchAssembler, timeout_s: float) -> None:
         self.request = request
         self.assembler = assembler
         self.timeout_s = timeout_s
@@ -420,7 +421,10 @@ def verify(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequ
 def fetch(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
           out: Sequence[Any] | None, lease_id: str, timeout_s: float) -> Plan[list[Any]]:
     """Verified blocks of the longest held prefix, into `out` if given: through shared
-    memory when the plane is attached, else as gRPC bytes."""
+    memory when the plane is attached, else as gRPC bytes. A layout with KV groups:
+    each block as a dict of its parts, as gRPC bytes (`kvstore.client._groups`)."""
+    if layout.groups:
+        return (yield from _fetch_parts(layout, token_ids, block_hashes, out, lease_id, timeout_s))
     keys = fetch_keys(layout, token_ids, block_hashes, out)
     if out is not None and any_cuda(out):
         return (yield from _fetch_to_cuda(c, layout, token_ids, block_hashes, keys, out, lease_id, timeout_s))
@@ -446,6 +450,15 @@ def fetch(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, blo
                                        dsts[n:] if out is not None else None, "", timeout_s)
         return dsts[:n] + rest
     return dsts[:n]
+
+
+def _fetch_parts(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
+                 out: Sequence[Any] | None, lease_id: str, timeout_s: float) -> Plan[list[Any]]:
+    if out is not None:
+        raise InvalidArgument("a layout with KV groups fetches each block as a dict of its parts; leave out `out`")
+    assembler = GroupedFetchAssembler(layout)
+    yield StreamFetch(grouped_fetch_request(layout, token_ids, block_hashes, lease_id), assembler, timeout_s)
+    return assembler.result()
 
 
 def _fetch_to_cuda(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None,
@@ -567,8 +580,12 @@ def put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, block
     """Store `blocks`, all or nothing: device to device when they are CUDA tensors and the
     device plane opens; through shared memory (in one round trip when the daemon holds
     slots for this client, else two) when the plane is attached; else as gRPC bytes.
-    `wait_for_owners`: in a pool, answer once the owners of the blocks' units committed them."""
+    `wait_for_owners`: in a pool, answer once the owners of the blocks' units committed them.
+    A layout with KV groups: each block a mapping of group name to part, as gRPC bytes."""
     hint = reuse_hint(session_id, expect_reuse_within_s)
+    if layout.groups:
+        grouped = prepare_grouped_put(layout, token_ids, block_hashes, blocks, first_block, hint)
+        return put_result((yield StreamPut(grouped, timeout_s)))
     if all_cuda(blocks):
         device = yield from device_plane(c)
         if device is not None:

@@ -167,10 +167,11 @@ class _Counters:
 class _FetchState:
     """What the connections of one fetch found, block by block."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, checksums: list[int] | None = None) -> None:
         self.lock = threading.Lock()
         self.status = bytearray(n)  # 0 waiting, 1 landed verified, 2 rejected
         self.end: int | None = None
+        self.checksums = checksums  # each block's sender checksum, once it landed
 
 
 class _Push:
@@ -356,11 +357,14 @@ class DataLane:
         return errors
 
     def fetch_into(self, conns: Sequence[LaneSocket], transfer_id: bytes, block_bytes: int,
-                   dests: Sequence[memoryview], timeout_s: float) -> int:
+                   dests: Sequence[memoryview], timeout_s: float, checksums: list[int] | None = None) -> int:
         """Receive fetch `transfer_id`'s blocks into `dests` (block i into dests[i], each
         `block_bytes`) on `conns`, which this call owns; how many leading blocks landed
-        verified. A rejected block, or one that never came, ends the result before it."""
-        state = _FetchState(len(dests))
+        verified. A rejected block, or one that never came, ends the result before it.
+        `checksums` (one entry per dest), when given, gets the checksum the sender sent
+        with each block that landed, whether its bytes matched it or not (a daemon sends
+        the checksum it stored with the block, which its bytes matched before they left)."""
+        state = _FetchState(len(dests), checksums)
         deadline = time.monotonic() + timeout_s
         errors = self._run_all(conns, self._fetch_on, transfer_id, block_bytes, dests, state, deadline)
         if state.end is None:
@@ -398,6 +402,8 @@ class DataLane:
                 ok = got == want
                 with state.lock:
                     state.status[i] = 1 if ok else 2
+                    if state.checksums is not None:
+                        state.checksums[i] = want
                 with counters.lock:
                     counters.bytes_received += block_bytes
                     if not ok:

@@ -82,6 +82,10 @@ def export_namespace(admin: AdminClient, namespace_id: bytes, out: BinaryIO, pro
         raise InvalidArgument(f"namespace {namespace_id.hex()} is not known to the daemon; see `kvstore ls`")
     ns = known[namespace_id]
     layout = layout_from_proto(ns.layout)
+    if layout.groups:
+        # A grouped block is parts that only some prefix ends have: not one payload per block.
+        raise InvalidArgument(f"namespace {namespace_id.hex()} has KV groups ({', '.join(g.name for g in layout.groups)}); "
+                              "export does not carry grouped namespaces yet")
     refs = admin.list_blocks(namespace_id)
     if total is not None:
         total(len(refs))

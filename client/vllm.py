@@ -26,7 +26,16 @@ Two halves, as vLLM splits every connector:
 
 One kvstore block holds `block_size` tokens of every layer: the per-layer paged blocks
 (vLLM's standardized per-layer view puts the block index first) concatenated in layer
-order, bytes as the attention backend keeps them. The namespace is built from vLLM's
+order, bytes as the attention backend keeps them.
+
+Models with several KV cache groups (vLLM's hybrid allocator: sliding-window next to
+full-attention layers, MLA, Mamba) get a layout with one kvstore group per vLLM group
+(`layout_from_vllm_config` with the `kv_cache_config`), each part the group's layers'
+paged blocks concatenated in layer order. The connector supports the hybrid allocator
+(`SupportsHMA`): it loads and saves each group's blocks through that group's block
+table, under the group's hit rule (`kvstore.groups`): full attention and MLA every block,
+a sliding window the blocks inside its window before the prefix end (vLLM has freed the
+rest), a state only at the prefix end. The namespace is built from vLLM's
 config: model, revision, KV dtype, layers, KV heads, head size, block size, the backend's
 in-block layout and TP rank/size, so differently configured engines never share blocks.
 Requests whose KV depends on more than their token ids (multimodal inputs, prompt
@@ -51,13 +60,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.client.results import LookupResult
 from kvstore.client.sync import Client
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.layout import KVLayout
+from kvstore.groups import Rule, needed, rule_of
+from kvstore.layout import GroupKind, KVGroup, KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -156,8 +167,10 @@ def _in_block_layout(vllm_config: VllmConfig, dtype: torch.dtype) -> str:
 
 
 def layout_from_vllm_config(vllm_config: VllmConfig, *, tp_rank: int = 0, lora_id: str = "",
-                            model_id: str | None = None) -> KVLayout:
-    """The kvstore namespace of one vLLM engine's KV cache (one TP rank, one LoRA)."""
+                            model_id: str | None = None, kv_cache_config: KVCacheConfig | None = None) -> KVLayout:
+    """The kvstore namespace of one vLLM engine's KV cache (one TP rank, one LoRA). With
+    the `kv_cache_config`, a model whose cache is not one group of full-attention layers
+    gets a layout with kvstore groups (`kv_groups_of`)."""
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     parallel_config = vllm_config.parallel_config
@@ -182,7 +195,72 @@ def layout_from_vllm_config(vllm_config: VllmConfig, *, tp_rank: int = 0, lora_i
         kv_layout=_in_block_layout(vllm_config, torch_dtype),
         tp_rank=tp_rank,
         tp_size=parallel_config.tensor_parallel_size,
+        groups=kv_groups_of(kv_cache_config, dtype, cache_config.block_size)[0] if kv_cache_config is not None else (),
     )
+
+
+def kv_groups_of(kv_cache_config: KVCacheConfig, kv_dtype: str,
+                 block_size: int) -> tuple[tuple[KVGroup, ...], list[list[int]]]:
+    """The kvstore groups of a vLLM KV cache config, and for each the vLLM groups it holds.
+
+    vLLM splits layers into groups of equal size (Gemma-3's 5 sliding-window layers to 1
+    full-attention layer become 6 groups of one layer); vLLM groups of the same kind and
+    page size make one kvstore group, whose part is their layers' pages of one block
+    (unpadded), vLLM group by vLLM group, each in layer order: fewer parts per block for
+    the store to index. One group of plain full attention is the layout without groups
+    (the fingerprint it always had)."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    kinds: dict[tuple[Any, ...], list[int]] = {}
+    described: dict[tuple[Any, ...], tuple[GroupKind, str, tuple[int, ...], int, int]] = {}
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        layers = len(group.layer_names)
+        window = 0
+        if isinstance(spec, MambaSpec):
+            # A state group's hit rule fits (kvstore keeps a state at each put's end), but
+            # vLLM keeps Mamba and linear-attention states per running request outside
+            # its block-hash prefix cache unless mamba_cache_mode aligns them to blocks,
+            # and no engine test covers that here: refused rather than guessed at.
+            raise InvalidArgument(f"vLLM KV cache group {i} holds Mamba / linear-attention state, which the kvstore "
+                                  "vLLM connector does not load or save yet; the transformers adapter "
+                                  "(kvstore.client.hf) stores such models (docs/engines.md)")
+        else:
+            if isinstance(spec, MLAAttentionSpec):
+                kind = GroupKind.MLA
+            elif isinstance(spec, SlidingWindowSpec):
+                kind, window = GroupKind.SLIDING_WINDOW, spec.sliding_window
+            elif type(spec) is FullAttentionSpec and not spec.sliding_window and not spec.attention_chunk_size:
+                kind = GroupKind.FULL
+            else:
+                raise InvalidArgument(f"vLLM KV cache group {i} is {type(spec).__name__}, which the kvstore "
+                                      "connector does not support (docs/engines.md lists what works)")
+            if spec.block_size != block_size:
+                raise InvalidArgument(f"vLLM KV cache group {i} has {spec.block_size}-token blocks, the engine "
+                                      f"{block_size}: the kvstore connector needs one block size for all groups")
+            quant = getattr(spec, "kv_quant_mode", None)
+            # The KV dtype is in the key, and so are the scales a quantized cache keeps with it.
+            dtype = kv_dtype if quant is None or quant.name == "NONE" else f"{kv_dtype}+scales:{quant.name.lower()}"
+            shape: tuple[int, ...] = (block_size, spec.num_heads, spec.state_content_size_bytes)
+        key = (kind, window, dtype, shape, spec.real_page_size_bytes)
+        kinds.setdefault(key, []).append(i)
+        described[key] = (kind, dtype, shape, spec.real_page_size_bytes, window)
+    groups: list[KVGroup] = []
+    members = []
+    for key, vgroups in kinds.items():
+        kind, dtype, shape, page_bytes, window = described[key]
+        layers = sum(len(kv_cache_config.kv_cache_groups[v].layer_names) for v in vgroups)
+        groups.append(KVGroup(f"{len(groups)}:{kind.value}", kind, dtype, (layers, *shape),
+                              block_bytes=layers * page_bytes, window_tokens=window))
+        members.append(vgroups)
+    if len(groups) == 1 and groups[0].kind is GroupKind.FULL:
+        return (), members
+    return tuple(groups), members
 
 
 # ------------------------------------------------------------------ daemon health
@@ -246,6 +324,8 @@ class LoadSpec:
     block_hashes: list[bytes]
     block_ids: list[int]
     lease_id: str
+    # Per vLLM KV cache group, its blocks for the same positions (a grouped layout).
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +337,7 @@ class SaveSpec:
     token_ids: list[int]
     first_block: int
     block_ids: list[int]
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -293,7 +374,7 @@ class _RequestState:
     req_id: str
     lora_id: str
     prompt: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per vLLM KV cache group, by block position
     saved_blocks: int  # prompt blocks the daemon holds or a save was planned for
     loaded_tokens: int = 0
     stored_blocks: int = 0
@@ -311,7 +392,7 @@ class _Match:
 # ------------------------------------------------------------------ connector
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector for kvstore; see the module docstring for the protocol."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -330,6 +411,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._tp_rank = get_tensor_model_parallel_rank()
         self._layouts: dict[str, KVLayout] = {}
         self._layout("")  # fail now, not mid-request, on a configuration kvstore cannot key
+        self._check_platform(self._layout(""))
+        # Whether only put ends are reusable (a window or state group): see `_plan_save`.
+        self._ends_matter = any(rule_of(g) is not Rule.EVERY for g in self._layout("").groups)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             logger.warning("kv_load_failure_policy is %r: a block kvstore fails to deliver fails its request; "
                            "set it to 'recompute' to have vLLM recompute instead",
@@ -340,16 +424,30 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._requests: dict[str, _RequestState] = {}
         # worker side
         self._kv_caches: list[torch.Tensor] = []
+        # A grouped layout: each kvstore group's layers, as (vLLM group, paged tensor) in part order.
+        self._group_caches: list[list[tuple[int, torch.Tensor]]] = []
         self._load_errors: set[int] = set()
         self._report = KVStoreWorkerReport()
         logger.info("kvstore connector (%s) for %s, namespace %s", role.name.lower(), self._client.target,
                     self._layout("").namespace_id.hex())
 
+    @staticmethod
+    def _check_platform(layout: KVLayout) -> None:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and any(g.kind is GroupKind.MLA for g in layout.groups):
+            # vLLM turns prefix caching off for MLA on CPU: its CPU MLA backend does not
+            # prefill over cached context, so a loaded prefix would give other tokens.
+            raise InvalidArgument("the kvstore connector does not load MLA caches on vLLM's CPU backend, which "
+                                  "cannot prefill over a cached prefix (vLLM disables prefix caching for MLA on "
+                                  "CPU); run without the connector, or on a GPU")
+
     def _layout(self, lora_id: str) -> KVLayout:
         layout = self._layouts.get(lora_id)
         if layout is None:
             layout = self._layouts[lora_id] = layout_from_vllm_config(
-                self._vllm_config, tp_rank=self._tp_rank, lora_id=lora_id, model_id=self._config.model_id)
+                self._vllm_config, tp_rank=self._tp_rank, lora_id=lora_id, model_id=self._config.model_id,
+                kv_cache_config=self._kv_cache_config)
         return layout
 
     @staticmethod
@@ -401,13 +499,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         first = match.num_computed_tokens // self._block_size
         count = num_external_tokens // self._block_size
-        block_ids = list(blocks.get_block_ids()[0])
+        per_group = [list(ids[first:first + count]) for ids in blocks.get_block_ids()]
         self._pending_loads.append(LoadSpec(
             req_id=request.request_id,
             lora_id=state.lora_id,
             block_hashes=hit.block_hashes[first:first + count],
-            block_ids=block_ids[first:first + count],
+            block_ids=per_group[0],
             lease_id=hit.lease_id,
+            group_block_ids=per_group,
         ))
         state.loaded_tokens = num_external_tokens  # confirmed or corrected by the worker's report
 
@@ -418,7 +517,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = [list(ids) for ids in new.block_ids]
             self._plan_save(state, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id], meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -427,9 +526,12 @@ class KVStoreConnector(KVConnectorBase_V1):
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else []
+                state.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
-                state.block_ids.extend(new_ids[0])
+                if not state.block_ids:
+                    state.block_ids = [[] for _ in new_ids]
+                for mine, ids in zip(state.block_ids, new_ids):
+                    mine.extend(ids)
             self._plan_save(state, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id], meta)
         return meta
 
@@ -438,16 +540,32 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not state.prompt or not self._health.usable():
             return
         full = min(computed_after_step, len(state.prompt)) // self._block_size
-        if full <= state.saved_blocks or full > len(state.block_ids):
+        if full <= state.saved_blocks or not state.block_ids or any(full > len(ids) for ids in state.block_ids):
             return
+        # With window or state groups only a put's end is reusable (kvstore.groups), and
+        # a later lookup of this same prompt asks for one block less than its full blocks
+        # when its length is a multiple of the block size (the last token is always
+        # computed): that end is put on its own too, at the cost of one block's window
+        # part and one state.
+        asked = (len(state.prompt) - 1) // self._block_size
+        if self._ends_matter and state.saved_blocks < asked < full:
+            self._save(state, asked, meta)
+        self._save(state, full, meta)
+
+    def _save(self, state: _RequestState, end: int, meta: KVStoreConnectorMetadata) -> None:
+        # Each group's blocks by position; a sliding-window group's early positions may
+        # name blocks vLLM freed since, but a save reads only those its hit rule keeps,
+        # which lie inside the window of this step's tokens.
+        per_group = [ids[state.saved_blocks:end] for ids in state.block_ids]
         meta.saves.append(SaveSpec(
             req_id=state.req_id,
             lora_id=state.lora_id,
-            token_ids=state.prompt[: full * self._block_size],
+            token_ids=state.prompt[: end * self._block_size],
             first_block=state.saved_blocks,
-            block_ids=state.block_ids[state.saved_blocks:full],
+            block_ids=per_group[0],
+            group_block_ids=per_group,
         ))
-        state.saved_blocks = full
+        state.saved_blocks = end
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
@@ -462,6 +580,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         for req_id, n in report.stored_blocks.items():
             if (state := self._requests.get(req_id)) is not None:
                 state.stored_blocks += n
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves are synchronous (wait_for_save): no group's blocks are held past the request.
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._matches.pop(request.request_id, None)
@@ -482,6 +605,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         names = sorted(kv_caches, key=lambda name: (extract_layer_index(name), name))
         self._kv_caches = [kv_caches[name] for name in names]
         layout = self._layout("")
+        if layout.groups:
+            self._register_groups(kv_caches, layout, extract_layer_index)
+            return
         per_layer = {kv[0].numel() * kv.element_size() for kv in self._kv_caches}
         got = sum(kv[0].numel() * kv.element_size() for kv in self._kv_caches)
         if len(self._kv_caches) != layout.num_layers or len(per_layer) != 1 or got != layout.bytes_per_block:
@@ -491,6 +617,32 @@ class KVStoreConnector(KVConnectorBase_V1):
                 f"{layout.bytes_per_block} bytes per block; this attention backend's layout is not supported")
         logger.info("kvstore connector: %d layers, per-layer block %s %s, %d bytes per kvstore block",
                     len(names), tuple(self._kv_caches[0].shape[1:]), self._kv_caches[0].dtype, got)
+
+    def _register_groups(self, kv_caches: dict[str, torch.Tensor], layout: KVLayout, layer_index: Any) -> None:
+        """Each kvstore group's layers, vLLM group by vLLM group, in layer order; each
+        group's part must be the bytes of its layers' paged blocks."""
+        config = self._kv_cache_config
+        assert config is not None
+        _, members = kv_groups_of(config, layout.dtype, self._block_size)
+        self._group_caches = []
+        for group, vgroups in zip(layout.groups, members):
+            caches: list[tuple[int, torch.Tensor]] = []
+            for v in vgroups:
+                names = sorted(config.kv_cache_groups[v].layer_names, key=lambda name: (layer_index(name), name))
+                missing = [n for n in names if n not in kv_caches]
+                if missing:
+                    raise InvalidArgument(f"vLLM registered no KV cache for layers {missing} of group {group.name}")
+                caches += [(v, kv_caches[n]) for n in names]
+            got = sum(kv[0].numel() * kv.element_size() for _, kv in caches)
+            if got != group.bytes_per_block:
+                raise InvalidArgument(
+                    f"vLLM's KV cache group {group.name} holds {got} bytes per block in its layers' tensors, but "
+                    f"the kvstore group expects {group.bytes_per_block}; this attention backend's layout is not "
+                    "supported")
+            self._group_caches.append(caches)
+        logger.info("kvstore connector: %d KV groups (%s), %d bytes per kvstore block with every part",
+                    len(layout.groups), ", ".join(f"{g.name}: {len(c)} layers" for g, c in
+                                                  zip(layout.groups, self._group_caches)), layout.bytes_per_block)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -507,8 +659,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Write the fetched blocks into vLLM's cache; returns how many landed."""
         if not self._health.usable():
             return 0
+        layout = self._layout(spec.lora_id)
+        if layout.groups:
+            return self._load_parts(spec, layout)
         try:
-            blocks = self._client.fetch(self._layout(spec.lora_id), block_hashes=spec.block_hashes,
+            blocks = self._client.fetch(layout, block_hashes=spec.block_hashes,
                                         lease_id=spec.lease_id)
             self._health.ok()
         except KVStoreError as exc:
@@ -529,6 +684,32 @@ class KVStoreConnector(KVConnectorBase_V1):
             kv.index_copy_(0, ids, src.to(kv.device))
         return n
 
+    def _load_parts(self, spec: LoadSpec, layout: KVLayout) -> int:
+        """A grouped load: every part of the longest prefix every group serves, each written
+        through its group's block table. All or nothing: a prefix cut short loads none."""
+        try:
+            blocks = self._client.fetch(layout, block_hashes=spec.block_hashes, lease_id=spec.lease_id)
+            self._health.ok()
+        except KVStoreError as exc:
+            self._health.failed("fetch", exc)
+            return 0
+        n = min(len(blocks), len(spec.block_ids))
+        if n < len(blocks) or n == 0:
+            return 0  # a prefix other than the one looked up: its window and state parts do not fit
+        for need in needed(layout, n):
+            group = layout.groups[need.group]
+            positions = list(range(need.start, need.stop))
+            offset = 0
+            for v, kv in self._group_caches[need.group]:
+                ids = [spec.group_block_ids[v][j] for j in positions]
+                layer_bytes = kv[0].numel() * kv.element_size()
+                raw = bytearray().join(memoryview(blocks[j][group.name])[offset:offset + layer_bytes]
+                                       for j in positions)
+                src = torch.frombuffer(raw, dtype=torch.uint8).view(kv.dtype).view(len(positions), *kv.shape[1:])
+                kv.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=kv.device), src.to(kv.device))
+                offset += layer_bytes
+        return n
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are complete when start_load_kv returns
 
@@ -545,10 +726,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         for spec in meta.saves:
             if not self._health.usable():
                 return
-            blocks = self._gather(spec.block_ids)
+            layout = self._layout(spec.lora_id)
+            blocks: list[Any] = (self._gather_parts(spec, layout) if layout.groups
+                                 else self._gather(spec.block_ids))
             try:
-                result = self._client.put(self._layout(spec.lora_id), spec.token_ids, blocks,
-                                          first_block=spec.first_block)
+                result = self._client.put(layout, spec.token_ids, blocks, first_block=spec.first_block)
                 self._health.ok()
             except KVStoreError as exc:
                 self._health.failed("put", exc)
@@ -564,6 +746,24 @@ class KVStoreConnector(KVConnectorBase_V1):
             per_layer.append(kv.index_select(0, ids).cpu().contiguous().view(torch.uint8).view(len(block_ids), -1))
         packed = torch.stack(per_layer, dim=1)  # [n, L, layer_bytes]
         return list(packed.view(len(block_ids), -1).unbind(0))
+
+    def _gather_parts(self, spec: SaveSpec, layout: KVLayout) -> list[dict[str, bytes]]:
+        """A grouped put's parts, block by block: for each group, the positions its hit rule
+        keeps for a put of these blocks, read through the group's block table."""
+        n = len(spec.block_ids)
+        out: list[dict[str, bytes]] = [{} for _ in range(n)]
+        for need in needed(layout, n):
+            if not len(need):
+                continue
+            group = layout.groups[need.group]
+            per_layer = []
+            for v, kv in self._group_caches[need.group]:
+                index = torch.tensor(spec.group_block_ids[v][need.start:need.stop], dtype=torch.long, device=kv.device)
+                per_layer.append(kv.index_select(0, index).cpu().contiguous().view(torch.uint8).view(len(need), -1))
+            packed = torch.cat(per_layer, dim=1)  # [blocks, the group's layers' bytes]
+            for k, j in enumerate(range(need.start, need.stop)):
+                out[j][group.name] = packed[k].numpy().tobytes()
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

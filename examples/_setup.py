@@ -1,5 +1,6 @@
-"""What both TTFT examples need: a random Llama big enough that prefill costs something on
-a CPU (built locally, nothing downloaded) and a kvstore daemon on a temp Unix socket."""
+"""What both TTFT examples need: a random Llama (or, for a hybrid model, a Gemma-3 with
+sliding-window and full-attention layers) big enough that prefill costs something on a
+CPU (built locally, nothing downloaded) and a kvstore daemon on a temp Unix socket."""
 
 from __future__ import annotations
 
@@ -30,6 +31,28 @@ def build_random_llama(path: Path, *, layers: int = 8, hidden: int = 1024, seed:
     )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    return path
+
+
+def build_random_gemma3(path: Path, *, layers: int = 8, hidden: int = 1024, window: int = 512,
+                        seed: int = 0) -> Path:
+    """A Gemma-3 with random weights of the Llama's size (8 layers, hidden 1024, 8 heads / 4
+    KV heads of dim 128), three sliding-window layers (window `window` tokens) to every
+    full-attention one, as Gemma-3 interleaves them (5 to 1 there)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    if (path / "config.json").exists():
+        return path
+    config = Gemma3TextConfig(
+        vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=128, sliding_window=window,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)],
+        max_position_embeddings=8192, initializer_range=0.02, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    Gemma3ForCausalLM(config).to(torch.float32).save_pretrained(path)
     return path
 
 

@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """Time to first token of vLLM (CPU) on a long prompt, without and with kvstore.
 
-    python examples/vllm_ttft.py [--prompt-tokens 3072] [--target unix:/path/kv.sock]
+    python examples/vllm_ttft.py [--prompt-tokens 3072] [--target unix:/path/kv.sock] [--hybrid]
 
 Runs three measurements, each engine in a fresh process:
   1. plain vLLM, no connector;
   2. vLLM with the kvstore connector on a cold daemon (a miss: prefill, then store);
   3. the same engine after its local prefix cache is reset: the prefill comes from kvstore.
 Without --target a daemon is started on a temp Unix socket. The model is a random Llama
-built locally (about 100M parameters, fp32), so nothing is downloaded.
+built locally (about 100M parameters, fp32), so nothing is downloaded; with --hybrid, a
+random Gemma-3 of the same size whose layers are three sliding-window (512 tokens) to one
+full-attention, stored as KV groups: the line after the times gives the bytes kvstore
+kept for the prompt's reusable prefix against keeping every layer in full.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _setup import Daemon, build_random_llama  # noqa: E402
+from _setup import Daemon, build_random_gemma3, build_random_llama  # noqa: E402
 
 
 def measure(model: str, prompt: list[int], target: str | None) -> list[float]:
@@ -74,6 +77,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=3072)
     parser.add_argument("--target", help="a running kvstore daemon (default: start one on a temp socket)")
     parser.add_argument("--model", help="a local model directory (default: a random Llama built here)")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="a random Gemma-3 (sliding-window and full-attention layers) instead of the Llama")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prompt-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -85,20 +90,36 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="kvstore-vllm-ttft-") as tmp:
         workdir = Path(tmp)
-        model = Path(args.model) if args.model else build_random_llama(workdir / "model")
+        build = build_random_gemma3 if args.hybrid else build_random_llama
+        model = Path(args.model) if args.model else build(workdir / "model")
         rng = random.Random(0)
         prompt_file = workdir / "prompt.json"
         prompt_file.write_text(json.dumps([rng.randrange(3, 32000) for _ in range(args.prompt_tokens)]))
         (plain,) = run_child(model, prompt_file, None)
         if args.target:
             cold, warm = run_child(model, prompt_file, args.target)
+            counters = stored_counters(args.target)
         else:
             with Daemon(workdir) as daemon:
                 cold, warm = run_child(model, prompt_file, daemon.target)
+                counters = stored_counters(daemon.target)
     print(f"vLLM {vllm.__version__} (CPU), {args.prompt_tokens}-token prompt, time to first token:")
     print(f"  without kvstore                 {plain:7.2f} s")
     print(f"  with kvstore, miss (+ store)    {cold:7.2f} s")
     print(f"  with kvstore, hit               {warm:7.2f} s   ({plain / warm:.1f}x faster than without)")
+    stored, skipped = counters
+    if skipped:
+        print(f"  stored for the reusable prefix  {stored / 2**20:7.1f} MiB of {(stored + skipped) / 2**20:.1f} MiB "
+              f"with every layer in full ({100 * stored / (stored + skipped):.0f}%)")
+
+
+def stored_counters(target: str) -> tuple[int, int]:
+    """Bytes the daemon stored, and the bytes its hit rules did not need to store."""
+    from kvstore.client.admin import AdminClient
+
+    with AdminClient(target) as admin:
+        c = admin.stats().counters
+    return c.bytes_in, c.group_bytes_skipped
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Conversions between the proto messages and kvstore's own types, written once for the
-SDK and the daemon: `KVLayout` <-> `Layout`, and tier names <-> the `Tier` enum.
+SDK and the daemon: `KVLayout` <-> `Layout` (with its KV groups), and tier names <-> the `Tier` enum.
 
 Tier names are the ones config, stats and events use ("hbm", "host", "ssd", "memory");
 the enum is what Lookup, Prefetch and the local planes carry.
@@ -7,7 +7,7 @@ the enum is what Lookup, Prefetch and the local planes carry.
 
 from __future__ import annotations
 
-from kvstore.layout import DEFAULT_KV_LAYOUT, KVLayout
+from kvstore.layout import DEFAULT_KV_LAYOUT, KVGroup, KVLayout, group_kind
 from kvstore.v1 import kvstore_pb2
 
 TIER_BY_NAME: dict[str, kvstore_pb2.Tier] = {
@@ -42,6 +42,9 @@ def layout_to_proto(layout: KVLayout) -> kvstore_pb2.Layout:
         tp_rank=layout.tp_rank,
         tp_size=layout.tp_size,
         block_bytes=layout.block_bytes,
+        groups=[kvstore_pb2.LayoutGroup(name=g.name, kind=g.kind.value, dtype=g.dtype, shape=g.shape,
+                                        block_bytes=g.block_bytes, window_tokens=g.window_tokens)
+                for g in layout.groups],
     )
 
 
@@ -61,4 +64,6 @@ def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
         tp_rank=msg.tp_rank,
         tp_size=msg.tp_size or 1,
         block_bytes=msg.block_bytes,
+        groups=tuple(KVGroup(name=g.name, kind=group_kind(g.kind), dtype=g.dtype, shape=tuple(g.shape),
+                             block_bytes=g.block_bytes, window_tokens=g.window_tokens) for g in msg.groups),
     )

@@ -3,6 +3,7 @@
 H is XXH3-128 with seed 0, and a digest is its 16-byte canonical (big-endian) form.
 
     namespace_id = H(b"kvstore.ns.v1\\0" || fields)          (field encoding in the doc)
+                 = H(b"kvstore.ns.v2\\0" || fields || groups)  (a layout with KV groups)
     h_0          = H(namespace_id || block 0)
     h_i          = H(h_{i-1} || block i)
     block i      = u32le(n_tokens) || u32le(token)*n_tokens || u32le(len(extra)) || extra
@@ -30,10 +31,11 @@ from kvstore.native import XXH3
 from kvstore.native import native as _native
 
 if TYPE_CHECKING:
-    from kvstore.layout import KVLayout
+    from kvstore.layout import KVGroup, KVLayout
 
 HASH_BYTES = 16
 NAMESPACE_DOMAIN = b"kvstore.ns.v1\x00"
+GROUPED_NAMESPACE_DOMAIN = b"kvstore.ns.v2\x00"
 MAX_TOKEN_ID = (1 << 32) - 1
 
 _U32 = struct.Struct("<I")
@@ -49,10 +51,31 @@ def _str_field(value: str) -> bytes:
 
 
 def namespace_bytes(layout: KVLayout) -> bytes:
-    """The exact bytes that `namespace_id` hashes (documented field by field)."""
+    """The exact bytes that `namespace_id` hashes (documented field by field). A layout
+    with KV groups is hashed under its own domain tag, the groups after the fields."""
+    if layout.groups:
+        return b"".join((GROUPED_NAMESPACE_DOMAIN, _layout_fields(layout), _U32.pack(len(layout.groups)),
+                         *(_group_fields(g) for g in layout.groups)))
+    return NAMESPACE_DOMAIN + _layout_fields(layout)
+
+
+def _group_fields(group: KVGroup) -> bytes:
     return b"".join(
         (
-            NAMESPACE_DOMAIN,
+            _str_field(group.name),
+            _str_field(group.kind.value),
+            _str_field(group.dtype),
+            _U32.pack(len(group.shape)),
+            *(_U64.pack(d) for d in group.shape),
+            _U64.pack(group.window_tokens),
+            _U64.pack(group.bytes_per_block),
+        )
+    )
+
+
+def _layout_fields(layout: KVLayout) -> bytes:
+    return b"".join(
+        (
             _str_field(layout.model),
             _str_field(layout.revision),
             _str_field(layout.lora_id),
@@ -71,6 +94,17 @@ def namespace_bytes(layout: KVLayout) -> bytes:
 
 def namespace_id(layout: KVLayout) -> bytes:
     return _h128(namespace_bytes(layout))
+
+
+GROUP_DOMAIN = b"kvstore.group.v1\x00"
+
+
+def group_namespace_id(namespace_id: bytes, group_index: int) -> bytes:
+    """The id the daemon files group `group_index`'s parts of a grouped namespace under:
+    H(domain || namespace_id || u32le(index)), from the id the namespace is filed under
+    (tenant-salted). Block hashes are the layout's: part g of block i is keyed
+    (group id g, h_i), so every group of a block shares its hash."""
+    return _h128(b"".join((GROUP_DOMAIN, namespace_id, _U32.pack(group_index))))
 
 
 TENANT_DOMAIN = b"kvstore.tenant.v1\x00"

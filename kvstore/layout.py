@@ -6,10 +6,20 @@ of every block hash chain, so two engines whose KV bytes could differ never shar
 shape, `2 (K and V) * layers * block_size_tokens * kv_heads * head_dim * dtype size`,
 and it can be given explicitly for layouts that do not follow that shape (MLA, packed
 quantized KV). The resolved value is part of the fingerprint.
+
+A layout may list KV groups (`KVGroup`): models whose cache is not one uniform tensor
+per block (sliding-window next to full-attention layers, MLA latents, Mamba or
+linear-attention state, a sparse-attention indexer, quantization scales). Each group has
+its own kind, dtype, shape and bytes per block, and a hit rule (`kvstore.groups`); the
+fingerprint covers every group. A layout without groups is one full-attention tensor and
+keeps the fingerprint it always had; so does a layout whose only group is exactly that
+(one full-attention group in the layout's dtype and size): its groups normalize to none.
 """
 
 from __future__ import annotations
 
+import enum
+import math
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument
@@ -31,6 +41,91 @@ DEFAULT_KV_LAYOUT = "2,L,B,H,D"
 MAX_NAME_CHARS = 512
 MAX_DIM = 1 << 20
 MAX_BLOCK_BYTES = 1 << 31
+MAX_GROUPS = 16
+MAX_SHAPE_DIMS = 8
+
+
+class GroupKind(enum.Enum):
+    """What a group's part of a block holds, which decides its hit rule (`kvstore.groups`)."""
+
+    FULL = "full"  # full attention: K and V of every token
+    SLIDING_WINDOW = "sliding_window"  # attention over the last `window_tokens` only
+    MLA = "mla"  # a compressed latent per token (DeepSeek): needed like full attention
+    STATE = "state"  # a recurrent state (Mamba, linear attention): only at the prefix end
+    AUXILIARY = "auxiliary"  # indexer keys, quantization scales: every block, or a window
+
+
+def group_kind(value: str | GroupKind) -> GroupKind:
+    """The kind a string names (its value, e.g. "sliding_window"); InvalidArgument if none."""
+    if isinstance(value, GroupKind):
+        return value
+    try:
+        return GroupKind(value)
+    except ValueError:
+        known = ", ".join(k.value for k in GroupKind)
+        raise InvalidArgument(f"KV group kind {value!r} is not one of {known}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One KV group of a layout: the part of each block that a set of layers keeps.
+
+    `shape` is one block's part (e.g. `(2, layers, block, heads, dim)`; for a state group
+    the state at a block's end), `block_bytes=0` means `prod(shape) * sizeof(dtype)`.
+    `window_tokens` is the sliding window (as engines count it, the token being computed
+    included); an auxiliary group with a window follows the window rule, without one the
+    full-attention rule. `kind` may be given as its string value."""
+
+    name: str
+    kind: GroupKind
+    dtype: str
+    shape: tuple[int, ...]
+    block_bytes: int = 0
+    window_tokens: int = 0
+    _resolved_block_bytes: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or len(self.name) > MAX_NAME_CHARS:
+            raise InvalidArgument(f"a KV group needs a name of 1 to {MAX_NAME_CHARS} characters, got {self.name!r}")
+        kind = group_kind(self.kind)
+        object.__setattr__(self, "kind", kind)
+        if not isinstance(self.dtype, str) or not self.dtype or len(self.dtype) > MAX_NAME_CHARS:
+            raise InvalidArgument(f"group {self.name!r}: dtype must be a non-empty string, got {self.dtype!r}")
+        try:
+            shape = tuple(self.shape)
+        except TypeError:
+            raise InvalidArgument(f"group {self.name!r}: shape must be a sequence of integers") from None
+        if not 1 <= len(shape) <= MAX_SHAPE_DIMS or any(
+                not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= MAX_DIM for d in shape):
+            raise InvalidArgument(f"group {self.name!r}: shape must be 1 to {MAX_SHAPE_DIMS} integers in "
+                                  f"[1, {MAX_DIM}], got {self.shape!r}")
+        object.__setattr__(self, "shape", shape)
+        if not isinstance(self.window_tokens, int) or not 0 <= self.window_tokens <= 1 << 30:
+            raise InvalidArgument(f"group {self.name!r}: window_tokens must be an integer >= 0, "
+                                  f"got {self.window_tokens!r}")
+        if kind is GroupKind.SLIDING_WINDOW and self.window_tokens < 1:
+            raise InvalidArgument(f"group {self.name!r} is a sliding-window group: give its window_tokens")
+        if kind not in (GroupKind.SLIDING_WINDOW, GroupKind.AUXILIARY) and self.window_tokens:
+            raise InvalidArgument(f"group {self.name!r}: only sliding-window and auxiliary groups have a window")
+        if not isinstance(self.block_bytes, int) or not 0 <= self.block_bytes <= MAX_BLOCK_BYTES:
+            raise InvalidArgument(f"group {self.name!r}: block_bytes must be in [0, {MAX_BLOCK_BYTES}], "
+                                  f"got {self.block_bytes!r}")
+        resolved = self.block_bytes
+        if resolved == 0:
+            itemsize = DTYPE_BYTES.get(self.dtype)
+            if itemsize is None:
+                raise InvalidArgument(f"group {self.name!r}: dtype {self.dtype!r} has no known size; use one of "
+                                      f"{', '.join(DTYPE_BYTES)}, or give block_bytes explicitly")
+            resolved = math.prod(shape) * itemsize
+            if resolved > MAX_BLOCK_BYTES:
+                raise InvalidArgument(f"group {self.name!r} describes {resolved} bytes per block, "
+                                      f"more than {MAX_BLOCK_BYTES}")
+        object.__setattr__(self, "_resolved_block_bytes", resolved)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Size of this group's part of one block, in bytes."""
+        return self._resolved_block_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +149,7 @@ class KVLayout:
     tp_rank: int = 0
     tp_size: int = 1
     block_bytes: int = 0
+    groups: tuple[KVGroup, ...] = ()
     _resolved_block_bytes: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
@@ -78,6 +174,8 @@ class KVLayout:
         resolved = self.block_bytes
         if resolved == 0:
             itemsize = DTYPE_BYTES.get(self.dtype)
+            if itemsize is None and self.groups:
+                itemsize = 0  # the groups give the sizes
             if itemsize is None:
                 known = ", ".join(DTYPE_BYTES)
                 raise InvalidArgument(
@@ -87,11 +185,50 @@ class KVLayout:
             resolved = 2 * self.num_layers * self.block_size_tokens * self.num_kv_heads * self.head_dim * itemsize
             if resolved > MAX_BLOCK_BYTES:
                 raise InvalidArgument(f"layout describes {resolved} bytes per block, more than {MAX_BLOCK_BYTES}")
+        if self.groups:
+            resolved = self._check_groups(resolved)
         object.__setattr__(self, "_resolved_block_bytes", resolved)
+
+    def _check_groups(self, plain_bytes: int) -> int:
+        """Validate the groups; the layout's bytes per block (every part of a block).
+        One full-attention group that is exactly the plain layout normalizes to none."""
+        try:
+            groups = tuple(self.groups)
+        except TypeError:
+            raise InvalidArgument("layout.groups must be a sequence of KVGroup") from None
+        if not all(isinstance(g, KVGroup) for g in groups):
+            raise InvalidArgument("layout.groups must be a sequence of KVGroup")
+        if len(groups) > MAX_GROUPS:
+            raise InvalidArgument(f"a layout has at most {MAX_GROUPS} KV groups, got {len(groups)}")
+        names = [g.name for g in groups]
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"KV group names must be distinct, got {names}")
+        only = groups[0]
+        if (len(groups) == 1 and only.kind is GroupKind.FULL and only.dtype == self.dtype
+                and only.bytes_per_block == plain_bytes):
+            object.__setattr__(self, "groups", ())
+            return plain_bytes
+        object.__setattr__(self, "groups", groups)
+        total = sum(g.bytes_per_block for g in groups)
+        if total > MAX_BLOCK_BYTES:
+            raise InvalidArgument(f"layout's groups describe {total} bytes per block, more than {MAX_BLOCK_BYTES}")
+        if self.block_bytes and self.block_bytes != total:
+            raise InvalidArgument(f"layout.block_bytes is {self.block_bytes} but its groups hold {total} bytes per "
+                                  "block; leave block_bytes 0 for a layout with groups")
+        return total
+
+    def group(self, name: str) -> KVGroup:
+        """The group called `name`."""
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise InvalidArgument(f"layout {self.model} has no KV group {name!r}; its groups: "
+                              f"{', '.join(g.name for g in self.groups) or '(none)'}")
 
     @property
     def bytes_per_block(self) -> int:
-        """Payload size of one block in bytes (explicit `block_bytes` or derived)."""
+        """Payload size of one block in bytes (explicit `block_bytes` or derived; with
+        groups, every group's part added up)."""
         return self._resolved_block_bytes
 
     @property

@@ -274,11 +274,34 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+GROUP_COLUMNS = ("NAMESPACE", "GROUP", "KIND", "WINDOW", "DTYPE", "SHAPE", "PART", "PARTS", "SIZE")
+
+
+def group_rows(namespaces: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """One row per KV group of the namespaces that have groups (hybrid, MLA, state caches)."""
+    rows = []
+    for ns in sorted(namespaces, key=lambda n: -n["used_bytes"]):
+        shapes = {g["name"]: g for g in ns["layout"].get("groups", [])}
+        for g in ns.get("groups", []):
+            lay = shapes.get(g["name"], {})
+            rows.append([ns["namespace_id"], g["name"], g["kind"], str(lay.get("window_tokens") or ABSENT),
+                         lay.get("dtype", ABSENT), "x".join(str(d) for d in lay.get("shape", [])) or ABSENT,
+                         human_bytes(g["block_bytes"]), str(g["blocks"]), human_bytes(g["used_bytes"])])
+    return rows
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     with open_admin(args) as admin:
         namespaces = [message_to_record(n) for n in admin.list_namespaces()]
+    for ns in namespaces:
+        for g in ns.get("groups", []):
+            g["group_id"] = g["group_id"].hex() if isinstance(g.get("group_id"), bytes) else g.get("group_id")
     text = render_table("", NS_DETAIL_COLUMNS, namespace_rows(namespaces, detail=True)) if namespaces else \
         "no namespaces yet (a client's first Lookup or Put registers its layout)"
+    groups = group_rows(namespaces)
+    if groups:
+        # A grouped namespace's BLOCK is every part of a block; its parts per group:
+        text += "\n\n" + render_table("KV groups", GROUP_COLUMNS, groups)
     emit(args, {"namespaces": namespaces}, text)
     return EXIT_OK
 

@@ -469,8 +469,8 @@ class ClusterNode:
 
         Its work is in whole-array steps over the chain's units, not a Python step per
         unit where it can be helped: a 1,000-block chain has hundreds of units."""
-        if self.left:
-            return None
+        if self.left or self.store.namespace(namespace_id).groups:
+            return None  # a grouped layout's parts stay on the node that computed them
         packed = chain if isinstance(chain, bytes) else b"".join(chain)
         if held * HASH_BYTES >= len(packed):
             return None
@@ -703,7 +703,7 @@ class ClusterNode:
         blocks of units owned elsewhere as replicas, remember the units owned here. A put
         from another node (`from_peer`) is not forwarded again. `tokens`: the put's packed
         token ids from the chain's start, when it named its blocks by tokens."""
-        if self.left or not hashes:
+        if self.left or not hashes or self.store.namespace(namespace_id).groups:
             return None
         pos = position if position is not None else self._position_of(namespace_id, parent)
         if pos is None:

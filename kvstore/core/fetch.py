@@ -127,6 +127,7 @@ class FetchStream:
         self._entries = entries
         self._lease_id = lease_id
         self.num_blocks = len(entries)
+        self.prefix_blocks = self.num_blocks  # the blocks of the prefix (a grouped fetch's differ)
         self.block_bytes = block_bytes
         self.sent = 0
         self.ended_early = ""

@@ -38,18 +38,35 @@ Primitives: `prepare`/`ensure`, `register`, `recovered`/`awaits_adoption`, `expi
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.core.index import BlockIndex
 from kvstore.core.results import NamespaceInfo, StoreLimits
 from kvstore.core.tenancy import TenantLedger
 from kvstore.errors import InvalidArgument, NotFound, ResourceExhausted
-from kvstore.hashing import HASH_BYTES, block_hashes_packed, chain_packed, packed_count, tenant_namespace_id
+from kvstore.hashing import (
+    HASH_BYTES,
+    block_hashes_packed,
+    chain_packed,
+    group_namespace_id,
+    packed_count,
+    tenant_namespace_id,
+)
 from kvstore.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
 MAX_SESSION_ID_CHARS = 128
+
+
+def group_layout(layout: KVLayout, g: int) -> KVLayout:
+    """The layout of group `g`'s record: its parts' dtype and size, under the layout's
+    model and block size (a put's messages name them)."""
+    group = layout.groups[g]
+    return KVLayout(model=layout.model, revision=layout.revision, lora_id=layout.lora_id, dtype=group.dtype,
+                    num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                    block_size_tokens=layout.block_size_tokens, kv_layout=f"group:{group.name}",
+                    tp_rank=layout.tp_rank, tp_size=layout.tp_size, block_bytes=group.bytes_per_block)
 MAX_HINT_S = 86_400.0
 
 
@@ -79,6 +96,11 @@ class NamespaceRegistry:
         # When each registered namespace was first seen holding no block (`expire`).
         self._empty_since: dict[bytes, float] = {}
         self._next_sweep = 0.0
+        # The groups of grouped namespaces (kvstore.core.groups), by their own ids: the
+        # copy book accounts their parts through `get`; requests never name them.
+        self._group_records: dict[bytes, NamespaceInfo] = {}
+        # Told of a grouped namespace that adopted blocks recovered from SSD.
+        self.on_adopted: Callable[[NamespaceInfo], object] | None = None
         self._spaces: dict[str, int] = {}
 
     def __len__(self) -> int:
@@ -99,41 +121,67 @@ class NamespaceRegistry:
         if info is not None:
             return info
         self._check_room()
-        return NamespaceInfo(ns_id, layout, tenant=tenant, chain_seed=public_id)
+        info = NamespaceInfo(ns_id, layout, tenant=tenant, chain_seed=public_id)
+        if layout.groups:
+            info.groups = tuple(
+                NamespaceInfo(group_namespace_id(ns_id, g), group_layout(layout, g), tenant=tenant,
+                              chain_seed=public_id, group_of=info)
+                for g in range(len(layout.groups))
+            )
+        return info
 
     def ensure(self, info: NamespaceInfo) -> NamespaceInfo:
         """The registered record of `info`'s namespace, filing `info` if there is none yet
         (adopting blocks recovered from SSD). Synchronous: a put calls it in the step
-        that publishes."""
+        that publishes. A group's record is filed with its layout's, all groups at once."""
+        if info.group_of is not None:
+            parent = self.ensure(info.group_of)
+            return self._group_records[parent.groups[info.group_of.groups.index(info)].namespace_id]
         known = self._namespaces.get(info.namespace_id)
         if known is not None:
             return known
         self._check_room()
         ns_id = info.namespace_id
-        if ns_id in self._unadopted:
-            # Blocks the index holds already (recovered from SSD) are adopted now.
-            self._unadopted.discard(ns_id)
-            usage = self._index.namespace_usage(ns_id)
-            if usage is not None:
-                info.blocks += usage.blocks
-                info.bytes += usage.nbytes
-                for name, nbytes in usage.by_tier.items():
-                    self._tenancy.add(info.tenant, name, nbytes)
+        adopted = False
+        for rec in (info, *info.groups):
+            if rec.namespace_id in self._unadopted:
+                adopted = True
+                self._adopt(rec)
         self._namespaces[ns_id] = info
+        for rec in info.groups:
+            self._group_records[rec.namespace_id] = rec
+        if adopted and info.groups and self.on_adopted is not None:
+            self.on_adopted(info)
         layout = info.layout
         logger.info("namespace %s registered: model=%s dtype=%s block=%d tokens / %d bytes",
                     ns_id.hex(), layout.model, layout.dtype, layout.block_size_tokens, layout.bytes_per_block)
         return info
 
+    def _adopt(self, info: NamespaceInfo) -> None:
+        """Blocks the index holds already (recovered from SSD) count for `info` from now."""
+        ns_id = info.namespace_id
+        self._unadopted.discard(ns_id)
+        usage = self._index.namespace_usage(ns_id)
+        if usage is not None:
+            info.blocks += usage.blocks
+            info.bytes += usage.nbytes
+            for name, nbytes in usage.by_tier.items():
+                self._tenancy.add(info.tenant, name, nbytes)
+
     def register(self, layout: KVLayout, tenant: str = "default", salt: bytes = b"") -> bytes:
         """Record a layout for `tenant`; returns its namespace id (salted by `salt`). Idempotent."""
         return self.ensure(self.prepare(layout, tenant, salt)).namespace_id
 
-    def awaits_adoption(self, namespace_id: bytes) -> bool:
+    def awaits_adoption(self, namespace_id: bytes, layout: KVLayout | None = None) -> bool:
         """Whether the index holds recovered blocks of this unregistered namespace (a read
         of its layout registers it to adopt them; a read of any other unregistered
-        layout is a miss, and registers nothing)."""
-        return namespace_id in self._unadopted
+        layout is a miss, and registers nothing). With the `layout`, a grouped one's
+        blocks are looked for under its groups' ids."""
+        if namespace_id in self._unadopted:
+            return True
+        if layout is None or not layout.groups or not self._unadopted:
+            return False
+        return any(group_namespace_id(namespace_id, g) in self._unadopted for g in range(len(layout.groups)))
 
     def _check_room(self) -> None:
         if len(self._namespaces) >= self.limits.max_namespaces:
@@ -153,14 +201,15 @@ class NamespaceRegistry:
         empty_since = self._empty_since
         gone = []
         for ns_id, info in self._namespaces.items():
-            if info.blocks:
+            if info.blocks or any(g.blocks for g in info.groups):
                 empty_since.pop(ns_id, None)
                 continue
             since = empty_since.setdefault(ns_id, now)
             if now - since >= grace:
                 gone.append(ns_id)
         for ns_id in gone:
-            del self._namespaces[ns_id]
+            for rec in self._namespaces.pop(ns_id).groups:
+                del self._group_records[rec.namespace_id]
             del empty_since[ns_id]
         if gone:
             logger.info("%d namespaces forgotten: they held no block for %gs (namespace_grace_s)", len(gone), grace)
@@ -171,8 +220,10 @@ class NamespaceRegistry:
 
     def get(self, namespace_id: bytes) -> NamespaceInfo | None:
         """The namespace's record, or None (not registered: e.g. blocks recovered from SSD
-        whose layout no request has sent yet)."""
-        return self._namespaces.get(namespace_id)
+        whose layout no request has sent yet). Also the record of one group of a grouped
+        namespace, by the group's id."""
+        info = self._namespaces.get(namespace_id)
+        return info if info is not None else self._group_records.get(namespace_id)
 
     def namespace(self, namespace_id: bytes) -> NamespaceInfo:
         """The record of a namespace a request names; InvalidArgument or NotFound if it
@@ -188,7 +239,14 @@ class NamespaceRegistry:
         return info
 
     def all(self) -> list[NamespaceInfo]:
-        return list(self._namespaces.values())
+        """Every namespace (not their groups' records); a grouped one's `blocks` and
+        `bytes` refreshed from its groups (blocks: the most any group holds)."""
+        out = list(self._namespaces.values())
+        for info in out:
+            if info.groups:
+                info.blocks = max(g.blocks for g in info.groups)
+                info.bytes = sum(g.bytes for g in info.groups)
+        return out
 
     def space_of_tenant(self, tenant: str) -> int:
         """`tenant`'s space: the same for the daemon's lifetime, never 0."""
@@ -204,7 +262,8 @@ class NamespaceRegistry:
 
     def owned_by(self, tenant: str) -> set[bytes]:
         """The ids of `tenant`'s namespaces."""
-        return {i.namespace_id for i in self._namespaces.values() if i.tenant == tenant}
+        return ({i.namespace_id for i in self._namespaces.values() if i.tenant == tenant}
+                | {i.namespace_id for i in self._group_records.values() if i.tenant == tenant})
 
     def hashes_for_tokens(self, namespace_id: bytes, packed_tokens: bytes, max_blocks: int | None = None) -> list[bytes]:
         """Block hashes of tokens packed as little-endian u32 (at most `max_blocks` blocks)."""

@@ -188,6 +188,8 @@ class PutTxn:
         self._new: list[int] = []  # with a window: positions of the blocks to store
         self._next_new = 0  # ... and how many of them have slots
         self._needed: list[int] = []  # positions of the blocks to store, once reserved
+        self._sealed: tuple[np.ndarray, np.ndarray, Sequence[int], bool] | None = None
+        self._stored_at = np.zeros(0, np.int64)
 
     async def __aenter__(self) -> PutTxn:
         await self.reserve()
@@ -478,20 +480,40 @@ class PutTxn:
         or ran past its deadline); it is called right before the publish, with no await
         in between, and the put is rolled back if it raises.
         """
-        puts = self._puts
+        self.seal(checksums)
+        return self.publish_sealed(check)
+
+    def seal(self, checksums: Sequence[int] | None = None) -> None:
+        """`commit`'s first half: every block complete, its checksum the one `write` took
+        (or the client's, given). A put of several transactions (a grouped layout's parts:
+        kvstore.core.groups) seals them all, then publishes them all in one step."""
+        new_at, rows = self._complete()
         n = self._n
-        if self._received.count(self.block_bytes) != n:
-            self._check_all_arrived()
-        new_at = np.flatnonzero(self._rows >= 0)
-        rows = self._rows[new_at]
-        every = len(new_at) == n
-        index = puts.index
         given = self._sums if checksums is None else checksums
         if len(given) != n:
             raise InvalidArgument(f"{len(given)} checksums for a put of {n} blocks")
-        sums = given if every else [given[i] for i in new_at.tolist()]
+        sums = given if len(new_at) == n else [given[i] for i in new_at.tolist()]
         if self._done:
             raise FailedPrecondition("this put was aborted")
+        self._sealed = (new_at, rows, sums, checksums is not None)
+
+    def _complete(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every block got all its bytes (else say where the stream stopped); the
+        positions and PENDING rows of the blocks this put stores."""
+        if self._received.count(self.block_bytes) != self._n:
+            self._check_all_arrived()
+        new_at = np.flatnonzero(self._rows >= 0)
+        return new_at, self._rows[new_at]
+
+    def publish_sealed(self, check: Callable[[], None] | None = None) -> PutOutcome:
+        """`commit`'s second half, synchronous: `check`, then publish what `seal` sealed."""
+        assert self._sealed is not None, "seal() comes first"
+        if self._done:  # aborted since it was sealed
+            raise FailedPrecondition("this put was aborted")
+        new_at, rows, sums, client_sums = self._sealed
+        puts = self._puts
+        n = self._n
+        index = puts.index
         try:
             if check is not None:
                 check()
@@ -507,6 +529,8 @@ class PutTxn:
             for k in np.flatnonzero(raced).tolist():
                 self._drop_pending(int(new_at[k]))
             rows = rows[~raced]
+            new_at = new_at[~raced]
+        self._stored_at = new_at
         stored = len(rows)
         existing = n - stored
         puts.publish(self._info, rows)
@@ -517,9 +541,13 @@ class PutTxn:
         c.blocks_stored += stored
         c.blocks_existing += existing
         c.bytes_in += stored * self.block_bytes
-        if checksums is not None:  # the client wrote the bytes into the segment itself
+        if client_sums:  # the client wrote the bytes into the segment itself
             c.local_bytes_in += stored * self.block_bytes
         return PutOutcome(self._info.namespace_id, stored, existing, list(self._hashes))
+
+    def stored_positions(self) -> list[int]:
+        """After the publish: the positions (in the put) of the blocks it stored."""
+        return self._stored_at.tolist()
 
     def abort(self) -> None:
         """Free every PENDING slot. Nothing of this put was ever visible."""

@@ -89,6 +89,12 @@ class StoreCounters:
     # (the rest went as gRPC bytes); metrics label throughput by plane with them.
     local_bytes_in: int = 0
     local_bytes_out: int = 0
+    # Layouts with KV groups (kvstore.core.groups): parts stored, the bytes the hit rules
+    # did not need to store (a put's parts outside every window, states before its end),
+    # and parts dropped because a sibling part of their block left the store.
+    group_parts_stored: int = 0
+    group_bytes_skipped: int = 0
+    group_parts_dropped: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -104,6 +110,10 @@ class NamespaceInfo:
     # Which engines get value from the cache: per-namespace block hit ratio for operators.
     lookup_blocks: int = 0
     hit_blocks: int = 0
+    # A layout with KV groups: one record per group (each a namespace of its own, filed
+    # under kvstore.hashing.group_namespace_id), each naming the layout's record back.
+    groups: tuple[NamespaceInfo, ...] = ()
+    group_of: NamespaceInfo | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

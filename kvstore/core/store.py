@@ -9,6 +9,8 @@ them. Each module states the ordering decisions it keeps:
 - kvstore.core.migration: `Migrator`, the periodic driver and the write-through writer;
 - kvstore.core.put: `PutPath`, two-phase puts (publish after the data lands);
 - kvstore.core.fetch: `FetchPath`, verified fetch streams (what is verified is what is sent);
+- kvstore.core.groups: `GroupBook`, layouts with several KV groups, whose parts are
+  stored, hit, published and dropped as one block;
 - kvstore.core.index / table / leases / tenancy: the block table and what hangs off it.
 
 Control plane on one event loop, no locks: every method either runs to completion
@@ -49,6 +51,7 @@ import numpy as np
 
 from kvstore.core.copies import CopyBook
 from kvstore.core.fetch import FetchPath, FetchStream
+from kvstore.core.groups import GroupBook, GroupedFetchStream, GroupedPutTxn
 from kvstore.core.index import BlockEntry, BlockIndex, make_key
 from kvstore.core.leases import Lease, LeaseTable
 from kvstore.core.migration import Migrator
@@ -76,7 +79,7 @@ from kvstore.core.results import (
 from kvstore.core.store_tier import PolicyDeferral, StoreTier
 from kvstore.core.tenancy import TenantLedger
 from kvstore.core.tier import BounceCopier, Copier, Slot, Tier
-from kvstore.errors import InvalidArgument
+from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
 from kvstore.results import PinResult, PrefetchResult
@@ -172,6 +175,9 @@ class Store:
                             self.counters, self.tiers, executor)
         self.fetches = FetchPath(self.index, self.copies, self.placement, self.counters, self.tiers, self.migration,
                                  executor, self.unpin)
+        self.groups = GroupBook(self.index, self.puts, self.fetches, self.counters, self.tiers,
+                                self._lease_for, self.unpin, self._listen)
+        self.registry.on_adopted = self.groups.adopted
         # Bound once: the lookup path calls these on every request.
         self._namespace = self.registry.namespace
         self._check_hashes = self.registry.check_hashes
@@ -203,11 +209,17 @@ class Store:
     @property
     def observer(self) -> StoreObserver | None:
         """Told of blocks stored, moved and removed (the daemon's event bus); None by default."""
-        return self.copies.observer
+        return self.groups.inner
 
     @observer.setter
     def observer(self, observer: StoreObserver | None) -> None:
-        self.copies.observer = observer
+        # Once grouped namespaces exist, the group book hears removals first (a block's
+        # parts leave together) and forwards every event.
+        self.groups.inner = observer
+        self.copies.observer = self.groups if self.groups.active else observer
+
+    def _listen(self, book: StoreObserver | None) -> None:
+        self.copies.observer = book
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -275,6 +287,8 @@ class Store:
 
     def register(self, layout: KVLayout, tenant: str = "default", salt: bytes = b"") -> bytes:
         """Record a layout for `tenant`; returns its namespace id (salted by `salt`). Idempotent."""
+        if layout.groups:
+            self.groups.activate()
         return self.registry.register(layout, tenant, salt)
 
     def prepare_namespace(self, layout: KVLayout, tenant: str = "default", salt: bytes = b"") -> NamespaceInfo:
@@ -286,10 +300,11 @@ class Store:
     def has_namespace(self, namespace_id: bytes) -> bool:
         return self.registry.has(namespace_id)
 
-    def has_recovered(self, namespace_id: bytes) -> bool:
+    def has_recovered(self, namespace_id: bytes, layout: KVLayout | None = None) -> bool:
         """Whether the index holds blocks of this unregistered namespace, recovered from
-        SSD: a read of its layout registers it to adopt them (`register`)."""
-        return self.registry.awaits_adoption(namespace_id)
+        SSD: a read of its layout registers it to adopt them (`register`). Give the
+        `layout` for a grouped one (its parts are filed under its groups' ids)."""
+        return self.registry.awaits_adoption(namespace_id, layout)
 
     def namespace(self, namespace_id: bytes) -> NamespaceInfo:
         return self.registry.namespace(namespace_id)
@@ -316,6 +331,8 @@ class Store:
         what the wire carries, probed without cutting it into N objects)."""
         info = self._enter(namespace_id)
         packed = self._packed_chain(hashes)
+        if info.groups:
+            return self.groups.lookup(info, packed, lease_ms)
         n_asked = len(packed) // HASH_BYTES
         # One vectorized probe of the block table, no Python step (nor object) per block.
         rows = self._prefix_rows(namespace_id, packed)
@@ -430,14 +447,32 @@ class Store:
         `tier` names the memory tier the new blocks land in (default: `put_tier`).
         `window_bytes`: reserve slots as the chunks arrive, at most this many bytes ahead
         of them, instead of all at once (`PutPath.begin`).
+        A grouped namespace's blocks travel as parts: put them with `begin_stream_put`.
         """
+        info = self._put_namespace(namespace, hashes)
+        if info.groups:
+            raise FailedPrecondition("a layout with KV groups is put as gRPC bytes (Put), not through shared "
+                                     "memory or the device plane")
+        return self.puts.begin(info, hashes, parent_hash, tier, window_bytes)
+
+    def begin_stream_put(
+        self, namespace: bytes | NamespaceInfo, hashes: Sequence[bytes], parent_hash: bytes | None = None,
+        tier: str | None = None, window_bytes: int | None = None,
+    ) -> PutTxn | GroupedPutTxn:
+        """`begin_put` of a put whose bytes arrive as a stream of wire blocks (the Put
+        RPC): a block each, or for a grouped namespace its parts, group-major
+        (`GroupedPutTxn`, published all together)."""
+        info = self._put_namespace(namespace, hashes)
+        if info.groups:
+            return self.groups.begin_put(info, hashes, parent_hash, tier, window_bytes)
+        return self.puts.begin(info, hashes, parent_hash, tier, window_bytes)
+
+    def _put_namespace(self, namespace: bytes | NamespaceInfo, hashes: Sequence[bytes]) -> NamespaceInfo:
         if isinstance(namespace, NamespaceInfo):
             self._check_hashes(hashes)
             self._expire(self._clock())
-            info = namespace
-        else:
-            info = self._enter(namespace, hashes)
-        return self.puts.begin(info, hashes, parent_hash, tier, window_bytes)
+            return namespace
+        return self._enter(namespace, hashes)
 
     async def reserve_slots(self, tier: str, nbytes: int, count: int, space: int = 0) -> list[Slot]:
         """`count` empty slots of `nbytes` in memory tier `tier` (in `space`), bound to no
@@ -460,17 +495,26 @@ class Store:
 
     # ----------------------------------------------------------------- fetch, prefetch
 
-    def open_fetch(self, namespace_id: bytes, hashes: Sequence[bytes], lease_id: str = "") -> FetchStream:
+    def open_fetch(self, namespace_id: bytes, hashes: Sequence[bytes],
+                   lease_id: str = "") -> FetchStream | GroupedFetchStream:
         """Plan a fetch of the longest present prefix of `hashes`; use as `async with`
-        (`FetchPath.open`). `lease_id`, if given, is released when the stream closes."""
-        return self.fetches.open(self._enter(namespace_id, hashes), hashes, lease_id)
+        (`FetchPath.open`). `lease_id`, if given, is released when the stream closes.
+        A grouped namespace's fetch streams the parts of its longest hit (`GroupBook`)."""
+        info = self._enter(namespace_id, hashes)
+        if info.groups:
+            return self.groups.open_fetch(info, hashes, lease_id)
+        return self.fetches.open(info, hashes, lease_id)
 
     async def prefetch(self, namespace_id: bytes, hashes: Sequence[bytes], tier: str = "") -> PrefetchResult:
         """Raise the named blocks that are present into `tier` (default: the top tier)."""
-        self._enter(namespace_id, hashes)
+        info = self._enter(namespace_id, hashes)
         target = self._by_name[self.prefetch_target(tier)]
         self.counters.prefetches += 1
-        return await self.placement.prefetch(namespace_id, hashes, target)
+        if not info.groups:
+            return await self.placement.prefetch(namespace_id, hashes, target)
+        results = [await self.placement.prefetch(part_id, hashes, target) for part_id in self.groups.part_ids(info)]
+        return PrefetchResult(target.name, *(sum(getattr(r, k) for r in results)
+                                             for k in ("requested", "raised", "already", "missing", "skipped")))
 
     def prefetch_target(self, tier: str = "") -> str:
         """The memory tier a prefetch into `tier` raises blocks into (default: the top one)."""
@@ -484,7 +528,13 @@ class Store:
 
     def delete(self, namespace_id: bytes, hashes: Sequence[bytes]) -> int:
         """Remove the named blocks, leased or not (an explicit delete wins over a lease)."""
-        self._enter(namespace_id, hashes)
+        info = self._enter(namespace_id, hashes)
+        if info.groups:
+            present = sum(1 for h in hashes
+                          if any(make_key(i, h) in self.index for i in self.groups.part_ids(info)))
+            self.groups.drop_blocks(info, hashes)
+            self.counters.deletes += present
+            return present
         deleted = 0
         for h in hashes:
             entry = self.index.get(make_key(namespace_id, h))
@@ -498,11 +548,13 @@ class Store:
         """Pin every named block that is present (not only a prefix) for `ttl_ms`."""
         info = self._enter(namespace_id, hashes)
         ttl = ttl_ms or self._limits.default_pin_ms
-        entries = [e for h in hashes if (e := self.index.get(make_key(namespace_id, h))) is not None]
+        part_ids = self.groups.part_ids(info)
+        entries = [e for i in part_ids for h in hashes if (e := self.index.get(make_key(i, h))) is not None]
         if not entries:
             return PinResult("", 0, 0)
         lease = self._acquire_lease(np.array([e.row for e in entries], np.int64), ttl, tenant=info.tenant)
-        return PinResult(lease.lease_id, len(entries), min(ttl, self._limits.max_lease_ms))
+        pinned = len(entries) if len(part_ids) == 1 else len({e.key[HASH_BYTES:] for e in entries})
+        return PinResult(lease.lease_id, pinned, min(ttl, self._limits.max_lease_ms))
 
     def lease_prefix(
         self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, ttl_ms: int, tier: str
@@ -518,6 +570,9 @@ class Store:
         or Python step per block beyond the lease's hold on each.
         """
         info = self._enter(namespace_id)
+        if info.groups:
+            raise FailedPrecondition("a layout with KV groups is fetched as gRPC bytes (Fetch), not through "
+                                     "shared memory")
         packed = self._packed_chain(hashes)
         rows = self._prefix_rows(namespace_id, packed)
         tops = self._top_ids(rows)
@@ -553,10 +608,12 @@ class Store:
         """Re-check the named blocks against their checksums; drop and count the bad ones.
 
         Returns (verified, dropped). A client that saw a mismatch asks for this: the
-        daemon does not take the client's word, it looks for itself.
+        daemon does not take the client's word, it looks for itself. A grouped
+        namespace's blocks count per part.
         """
-        self._enter(namespace_id, hashes)
-        entries = [e for h in hashes if (e := self.index.get(make_key(namespace_id, h))) is not None]
+        info = self._enter(namespace_id, hashes)
+        entries = [e for i in self.groups.part_ids(info) for h in hashes
+                   if (e := self.index.get(make_key(i, h))) is not None]
         verified = dropped = 0
         for entry in entries:
             self.copies.hold(entry)
@@ -586,15 +643,18 @@ class Store:
         ignore it, so a hint never changes correctness, only what is evicted first.
         """
         check_hint(session_id, expect_reuse_within_s)
-        self._enter(namespace_id, hashes)
+        info = self._enter(namespace_id, hashes)
         by_tier: dict[str, list[bytes]] = {}
         present = 0
         for h in hashes:
-            entry = self.index.get(make_key(namespace_id, h))
-            if entry is not None:
-                present += 1
-                for name in entry.locations:  # every copy is protected where it lives
-                    by_tier.setdefault(name, []).append(entry.key)
+            held = False
+            for part_id in self.groups.part_ids(info):
+                entry = self.index.get(make_key(part_id, h))
+                if entry is not None:
+                    held = True
+                    for name in entry.locations:  # every copy is protected where it lives
+                        by_tier.setdefault(name, []).append(entry.key)
+            present += held
         for name, keys in by_tier.items():
             self._by_name[name].policy.hint(keys, session_id, expect_reuse_within_s)
         return present
@@ -607,6 +667,9 @@ class Store:
 
     def unpin(self, lease_id: str) -> bool:
         return self._leases.release(lease_id) is not None
+
+    def _lease_for(self, rows: np.ndarray[Any, Any], ttl_ms: int, tenant: str) -> str:
+        return self._acquire_lease(rows, ttl_ms, tenant=tenant).lease_id
 
     def _acquire_lease(
         self, rows: np.ndarray[Any, Any], ttl_ms: int, holds_bytes: bool = False, tenant: str = "default"
@@ -634,11 +697,12 @@ class Store:
     def purge(self, namespace_id: bytes | None = None) -> RemovalResult:
         """Remove every block (of one namespace, if given), leased or not, like `delete`.
         The operator's `kvstore flush`."""
+        ids: set[bytes] = set()
         if namespace_id is not None:
-            self._enter(namespace_id)
+            ids.update(self.groups.part_ids(self._enter(namespace_id)))
         else:
             self.expire_leases()
-        doomed = [e for e in self.index if namespace_id is None or e.key[:HASH_BYTES] == namespace_id]
+        doomed = [e for e in self.index if namespace_id is None or e.key[:HASH_BYTES] in ids]
         for entry in doomed:
             self.copies.drop(entry)
         self.counters.deletes += len(doomed)
@@ -662,24 +726,27 @@ class Store:
 
     def namespace_blocks(self, namespace_id: bytes) -> list[BlockRef]:
         """Every READY block of a namespace, parents before children, chains consecutive
-        (depth-first from each root), so the list replays as chained puts."""
-        self._enter(namespace_id)
-        entries = [e for e in self.index if e.key[:HASH_BYTES] == namespace_id]
-        present = {e.key for e in entries}
-        children: dict[bytes, list[BlockEntry]] = {}
+        (depth-first from each root), so the list replays as chained puts. A grouped
+        namespace lists each block once, whichever of its parts it holds."""
+        ids = set(self.groups.part_ids(self._enter(namespace_id)))
+        # Block hash -> parent hash (b"" at a chain's start), first part seen of each block.
+        blocks: dict[bytes, bytes] = {}
+        for e in self.index:
+            if e.key[:HASH_BYTES] in ids:
+                blocks.setdefault(e.key[HASH_BYTES:], e.parent[HASH_BYTES:] if e.parent is not None else b"")
+        children: dict[bytes, list[bytes]] = {}
         roots = []
-        for e in entries:
-            if e.parent is not None and e.parent in present:
-                children.setdefault(e.parent, []).append(e)
+        for h, parent in blocks.items():
+            if parent and parent in blocks:
+                children.setdefault(parent, []).append(h)
             else:
-                roots.append(e)
+                roots.append(h)
         out: list[BlockRef] = []
         stack = list(reversed(roots))
         while stack:
-            e = stack.pop()
-            parent = e.parent[HASH_BYTES:] if e.parent is not None else b""
-            out.append(BlockRef(e.key[HASH_BYTES:], parent))
-            stack.extend(reversed(children.get(e.key, ())))
+            h = stack.pop()
+            out.append(BlockRef(h, blocks[h]))
+            stack.extend(reversed(children.get(h, ())))
         return out
 
     def block_groups(self) -> list[BlockGroup]:

@@ -104,6 +104,9 @@ def stats_to_proto(status: StoreStatus, uptime_s: float, absent: Sequence[tuple[
             put_failures=c.put_failures,
             prefetches=c.prefetches,
             ssd_write_failures=c.ssd_write_failures,
+            group_parts_stored=c.group_parts_stored,
+            group_bytes_skipped=c.group_bytes_skipped,
+            group_parts_dropped=c.group_parts_dropped,
         ),
         namespaces=status.namespaces,
         uptime_s=uptime_s,
@@ -188,6 +191,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 namespace_id=ns.namespace_id, layout=layout_to_proto(ns.layout),
                 block_bytes=ns.layout.bytes_per_block, blocks=ns.blocks, used_bytes=ns.bytes,
                 lookup_blocks=ns.lookup_blocks, hit_blocks=ns.hit_blocks, tenant=ns.tenant,
+                groups=[admin_pb2.NamespaceGroupStats(
+                    name=g.name, kind=g.kind.value, block_bytes=g.bytes_per_block, blocks=rec.blocks,
+                    used_bytes=rec.bytes, group_id=rec.namespace_id) for g, rec in zip(ns.layout.groups, ns.groups)],
             )
             for ns in self.store.namespaces()
         ]

@@ -188,6 +188,9 @@ FIELDS: tuple[Field, ...] = (
           "(role peer or admin in their token files; see SECURITY.md)", metavar="FILE"),
     Field("cluster_tls_ca", "str", "", "PEM roots that sign the other daemons' certificates: node-to-node calls "
           "use TLS (tls_cert/tls_key, when set, are this node's client certificate)", metavar="FILE"),
+    Field("cluster_data_lane", "bool", True, "move the pool's block bytes (pulls of remote blocks, forwards to "
+          "owners) on the peers' data lanes; false: in gRPC Fetch and Put streams (peers without a lane are "
+          "used through gRPC either way)"),
     Field("data_lane_listen", "list", ("auto",), "where the data lane (block bytes for remote clients and peers "
           "on sockets of their own, not in gRPC messages; see docs/net.md) listens: auto (next to each TCP "
           "listener, same host, a port of the system's choosing), off, or HOST:PORT and/or unix:PATH; "
@@ -307,6 +310,7 @@ class Config:
     cluster_suspect_s: float
     cluster_token_file: str
     cluster_tls_ca: str
+    cluster_data_lane: bool
     data_lane_listen: tuple[str, ...]
     data_lane_advertise: tuple[str, ...]
     data_lane_connections: int

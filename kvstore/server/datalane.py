@@ -20,7 +20,10 @@ daemon's gRPC certificate and client CA) whenever the gRPC listeners do. A Unix 
 created 0600 in the daemon's 0700 socket directory. The first frame of a connection is a
 hello with the bearer token, checked by the daemon's `Authenticator` (on the loop) as a
 call of `DataLane` would be; a connection may then only join transfers its tenant
-opened, so tenant isolation holds on the lane as on gRPC.
+opened, so tenant isolation holds on the lane as on gRPC. A connection of the pool's
+cluster credential (role peer, or admin) may also join transfers that node-to-node calls
+opened: those calls were authorized for the tenant they act for, and the transfer's id
+(16 random bytes, answered only to that call) is the claim to it.
 
 Bounded by construction: at most `max_connections` connections; a hello must arrive
 within HELLO_TIMEOUT_S; a frame, once begun, must make progress within the I/O timeout;
@@ -69,7 +72,7 @@ from kvstore.datalane import (
 )
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.laneproto import method_path
-from kvstore.server.auth import Authenticator, Identity
+from kvstore.server.auth import ACTS_FOR_TENANTS, Authenticator, Identity
 from kvstore.server.config import Config
 from kvstore.server.listen import ListenAddress, is_loopback, parse_listen, prepare_unix_path
 from kvstore.server.transfers import FetchTransfer, LaneCounters, LaneTransfers, PutTransfer
@@ -312,7 +315,7 @@ class DataLaneServer:
         assert loop is not None
 
         async def identify() -> Identity:
-            return self.auth.identify(AUTH_PATH, token or None, on_unix)
+            return self.auth.identify_lane(AUTH_PATH, token or None, on_unix)
 
         return asyncio.run_coroutine_threadsafe(identify(), loop).result(HELLO_TIMEOUT_S)
 
@@ -374,6 +377,9 @@ class _Connection:
         self.server = server
         self.lane = lane
         self.tenant = identity.tenant
+        # A cluster credential's connection also carries transfers that node-to-node calls
+        # opened, for whichever tenant they act for (`LaneTransfers.fetch_transfer`).
+        self.peer = identity.role in ACTS_FOR_TENANTS
         self.transfers = server.transfers
         self.settings = server.settings
         # This connection's credit for each put transfer it joined.
@@ -404,7 +410,7 @@ class _Connection:
 
     def _send_fetch(self, frame: Frame) -> None:
         lane = self.lane
-        transfer = self.transfers.fetch_transfer(frame.transfer, self.tenant)
+        transfer = self.transfers.fetch_transfer(frame.transfer, self.tenant, self.peer)
         if transfer is None or not transfer.join(lane):
             failed = transfer.failed if transfer is not None else None
             if failed is not None:
@@ -469,7 +475,7 @@ class _Connection:
 
     def _join_put(self, frame: Frame) -> None:
         lane = self.lane
-        transfer = self.transfers.put_transfer(frame.transfer, self.tenant)
+        transfer = self.transfers.put_transfer(frame.transfer, self.tenant, self.peer)
         if transfer is None or not transfer.join(lane):
             self._tell_failed(frame.transfer, transfer)
             return
@@ -531,7 +537,7 @@ class _Connection:
         if transfer_id in self.told:
             return
         self.told.add(transfer_id)
-        failed = transfer.failed if transfer is not None else self.transfers.put_failure(transfer_id, self.tenant)
+        failed = transfer.failed if transfer is not None else self.transfers.put_failure(transfer_id, self.tenant, self.peer)
         if failed is None:
             self.lane.send_error(transfer_id, grpc.StatusCode.NOT_FOUND,
                                  "this data lane put is not open (committed, aborted, or expired)")

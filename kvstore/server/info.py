@@ -62,6 +62,9 @@ def render_info(
                 f"put_failures:{c.put_failures}", f"blocks_stored:{c.blocks_stored}",
                 f"blocks_existing:{c.blocks_existing}"]
         out += _bytes_line("bytes_in", c.bytes_in)
+        if c.group_parts_stored:
+            out += [f"group_parts_stored:{c.group_parts_stored}", f"group_parts_dropped:{c.group_parts_dropped}"]
+            out += _bytes_line("group_bytes_skipped", c.group_bytes_skipped)
         out += [f"fetches:{c.fetches}", f"blocks_fetched:{c.blocks_fetched}"]
         out += _bytes_line("bytes_out", c.bytes_out)
         out += [f"deletes:{c.deletes}", f"evictions:{c.evictions}", f"checksum_failures:{c.checksum_failures}",

@@ -47,6 +47,9 @@ OPTIONAL_TIER_COUNTERS = (("drops", "kvstore_tier_drops", "blocks whose last cop
 OPTIONAL_STORE_COUNTERS = (
     ("prefetches", "kvstore_prefetches", "Prefetch calls"),
     ("ssd_write_failures", "kvstore_ssd_write_failures", "SSD writes that failed (the block stayed in memory only)"),
+    ("group_parts_stored", "kvstore_group_parts_stored", "parts of grouped layouts' blocks stored"),
+    ("group_bytes_skipped", "kvstore_group_skipped_bytes", "bytes of grouped layouts' puts the hit rules did not store"),
+    ("group_parts_dropped", "kvstore_group_parts_dropped", "parts dropped with a sibling part of their block"),
 )
 
 

@@ -101,7 +101,7 @@ class RequestResolver:
             layout = self._checked_layout(ref.layout)
             ns_id = tenant_namespace_id(layout.namespace_id, who.salt)
             if not self.store.has_namespace(ns_id):
-                if not register and not self.store.has_recovered(ns_id):
+                if not register and not self.store.has_recovered(ns_id, layout):
                     raise UnregisteredLayout(ns_id, layout)
                 if self.max_namespaces_per_tenant is not None:
                     self._check_tenant_namespaces(layout, who.tenant, who.salt)

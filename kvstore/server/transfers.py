@@ -80,6 +80,8 @@ LATE_JOIN_GRACE_S = 1.0
 # SSD are copies, and are read ahead by at most FETCH_AHEAD_BYTES anyway). The loop is
 # woken to verify more once half of them are taken: one wake-up per several blocks.
 READY_BYTES_PER_CONNECTION = 16 << 20
+# A grouped block is parts that only some prefix ends have: it moves as Put and Fetch do.
+GROUPED_NOT_ON_LANE = "a layout with KV groups moves as gRPC bytes (Put and Fetch), not on the data lane"
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +149,9 @@ class Transfer:
                  loop: asyncio.AbstractEventLoop) -> None:
         self.id = transfer_id
         self.tenant = tenant
+        # The node whose node-to-node call opened it (else ""): a cluster credential's lane
+        # connection may join it whatever tenant it is for.
+        self.peer = ""
         self.deadline = deadline  # time.monotonic()
         self.connections = connections
         self.loop = loop
@@ -633,7 +638,7 @@ class LaneTransfers:
         self._closing = False
         # Why recent puts failed, for their LaneCommit and senders that come late (they
         # are rolled back at once). Connection threads read it: under its own lock.
-        self._failed_puts: OrderedDict[bytes, tuple[str, TransferFailed]] = OrderedDict()
+        self._failed_puts: OrderedDict[bytes, tuple[str, str, TransferFailed]] = OrderedDict()
         self._failed_lock = threading.Lock()
         host = next((st.tier for st in store.tiers if st.name == HOST), None)
         self._host = host
@@ -697,6 +702,8 @@ class LaneTransfers:
                 self.store.unpin(lease_id)
             return kvstore_pb2.LaneFetchResponse(block_bytes=unknown.layout.bytes_per_block,
                                                  namespace_id=unknown.namespace_id)
+        if self.store.namespace(ns_id).layout.groups:
+            raise FailedPrecondition(GROUPED_NOT_ON_LANE)
         hashes = resolver.hashes(ns_id, fetch.keys)
         cluster = self.cluster
         if cluster is not None:  # as for a gRPC Fetch
@@ -706,6 +713,7 @@ class LaneTransfers:
             else:
                 await cluster.settle_fetch(ns_id, hashes)  # blocks a lookup is copying here
         stream = self.store.open_fetch(ns_id, hashes, resolver.tags.untag(fetch.lease_id))
+        assert isinstance(stream, FetchStream)  # grouped layouts were refused above
         resp = kvstore_pb2.LaneFetchResponse(num_blocks=stream.num_blocks, block_bytes=stream.block_bytes,
                                              namespace_id=ns_id)
         if not stream.num_blocks:
@@ -715,6 +723,7 @@ class LaneTransfers:
         transfer = FetchTransfer(secrets.token_bytes(16), current_identity().tenant, deadline,
                                  self._connections(request.connections), asyncio.get_running_loop(), stream,
                                  self.counters)
+        transfer.peer = current_identity().peer
         self._register(transfer, loop_deadline)
         self.counters.add("transfers_fetch")
         self._spawn(self._run_fetch(transfer), "kvstore-lane-fetch")
@@ -740,6 +749,8 @@ class LaneTransfers:
         resolver, store, settings = self.resolver, self.store, self.settings
         header = request.header
         info = resolver.put_namespace(header.namespace)  # filed when the put publishes
+        if info.layout.groups:
+            raise FailedPrecondition(GROUPED_NOT_ON_LANE)
         hashes, parent = resolver.put_keys(info, header)
         resolver.put_session(header)  # checked now; applied at commit
         # Slots are reserved a window at a time as the blocks land, as for a Put stream.
@@ -756,6 +767,7 @@ class LaneTransfers:
         except BaseException:
             txn.abort()
             raise
+        transfer.peer = current_identity().peer
         self._register(transfer, loop_deadline)
         transfer.on_failed = lambda: self._put_failed(transfer)
         self._arm_idle(transfer, settings.put_idle_timeout_s)
@@ -804,7 +816,7 @@ class LaneTransfers:
         if transfer.ending or transfer.committing or failed is None:
             return
         with self._failed_lock:
-            self._failed_puts[transfer.id] = (transfer.tenant, failed)
+            self._failed_puts[transfer.id] = (transfer.tenant, transfer.peer, failed)
             while len(self._failed_puts) > max(16, self.settings.max_transfers):
                 self._failed_puts.popitem(last=False)
         self.counters.add("transfers_failed")
@@ -893,22 +905,24 @@ class LaneTransfers:
 
     # -------------------------------------------------------------- connection threads
 
-    def fetch_transfer(self, transfer_id: bytes, tenant: str) -> FetchTransfer | None:
-        """The open fetch `transfer_id` of `tenant` (another tenant's is not found)."""
+    def fetch_transfer(self, transfer_id: bytes, tenant: str, peer: bool = False) -> FetchTransfer | None:
+        """The open fetch `transfer_id` of `tenant` (another tenant's is not found); with
+        `peer` (a cluster credential's connection), also one a node-to-node call opened."""
         transfer = self._open.get(transfer_id)
-        if isinstance(transfer, FetchTransfer) and transfer.tenant == tenant:
+        if isinstance(transfer, FetchTransfer) and (transfer.tenant == tenant or (peer and transfer.peer)):
             return transfer
         return None
 
-    def put_failure(self, transfer_id: bytes, tenant: str) -> TransferFailed | None:
-        """Why `tenant`'s put `transfer_id` failed, if it did so lately (and was let go)."""
+    def put_failure(self, transfer_id: bytes, tenant: str, peer: bool = False) -> TransferFailed | None:
+        """Why `tenant`'s put `transfer_id` failed, if it did so lately (and was let go);
+        with `peer`, also one a node-to-node call opened."""
         with self._failed_lock:
             failed = self._failed_puts.get(transfer_id)
-        return failed[1] if failed is not None and failed[0] == tenant else None
+        return failed[2] if failed is not None and (failed[0] == tenant or (peer and failed[1])) else None
 
-    def put_transfer(self, transfer_id: bytes, tenant: str) -> PutTransfer | None:
+    def put_transfer(self, transfer_id: bytes, tenant: str, peer: bool = False) -> PutTransfer | None:
         transfer = self._open.get(transfer_id)
-        if isinstance(transfer, PutTransfer) and transfer.tenant == tenant:
+        if isinstance(transfer, PutTransfer) and (transfer.tenant == tenant or (peer and transfer.peer)):
             return transfer
         return None
 

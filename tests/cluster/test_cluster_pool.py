@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SMALL_LAYOUT, make_config
-from kvstore.client import AsyncClient
+from kvstore.client import AsyncClient, GroupKind, KVGroup, KVLayout
 from kvstore.client.admin import AdminClient
 from kvstore.errors import ConfigError
 from kvstore.server.config import load_config
@@ -73,6 +73,27 @@ async def test_puts_and_fetches_on_the_data_lane_are_the_pools_too(tmp_path: Pat
                 assert [bytes(g) for g in await kv.fetch(LAYOUT, tokens)] == blocks
                 stats = kv.data_lane_stats
                 assert stats is not None and stats.bytes_received == 40 * LAYOUT.bytes_per_block
+
+
+async def test_layouts_with_kv_groups_stay_on_the_node_that_computed_them(tmp_path: Path) -> None:
+    """The pool carries whole blocks; a grouped layout's parts are neither forwarded nor
+    looked for elsewhere: a hit where they were put, a plain miss on the other nodes."""
+    hybrid = KVLayout(model="test/pool-hybrid", dtype="bfloat16", num_layers=2, num_kv_heads=1, head_dim=8,
+                      block_size_tokens=4, groups=(
+                          KVGroup("full", GroupKind.FULL, "bfloat16", (2, 1, 4, 1, 8)),
+                          KVGroup("swa", GroupKind.SLIDING_WINDOW, "bfloat16", (2, 1, 4, 1, 8), window_tokens=5)))
+    tokens = list(range(4 * 12))
+    blocks = [{g.name: bytes([i]) * g.bytes_per_block for g in hybrid.groups} for i in range(12)]
+    async with pool(tmp_path, 2) as (a, b):
+        async with AsyncClient(unix_target(a)) as kv:
+            put = await kv.put(hybrid, tokens, blocks, wait_for_owners=True)
+            assert (put.stored, put.forwarded_blocks) == (12, 0)
+            assert (await kv.lookup(hybrid, tokens)).num_blocks == 12
+        async with AsyncClient(unix_target(b)) as kv:
+            miss = await kv.lookup(hybrid, tokens)
+            assert (miss.num_blocks, miss.remote_blocks) == (0, 0)
+            assert await kv.fetch(hybrid, tokens) == []
+        assert int(info(b)["cluster_remote_lookups"]) == 0
 
 
 async def test_forwards_reach_their_owners_in_the_background(tmp_path: Path) -> None:

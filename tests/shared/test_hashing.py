@@ -244,3 +244,154 @@ def test_compiled_chain_refuses_bad_arguments():
             native.chain_hashes(b"\0" * 16, b"\0" * 64, bst)
     with pytest.raises(TypeError):
         native.chain_hashes(b"\0" * 16, [1, 2, 3], 1)
+
+
+# ---------------------------------------------------------------- KV groups (docs/hashing.md, "KV groups")
+
+from kvstore.layout import KVGroup  # noqa: E402
+
+GROUPED = {
+    "G1": KVLayout(model="google/gemma-3-1b-it", dtype="bfloat16", num_layers=26, num_kv_heads=1, head_dim=256,
+                   block_size_tokens=16, groups=(
+                       KVGroup("full", "full", "bfloat16", (2, 4, 16, 1, 256)),
+                       KVGroup("swa", "sliding_window", "bfloat16", (2, 22, 16, 1, 256), window_tokens=512))),
+    "G2": KVLayout(model="deepseek-ai/DeepSeek-V3.2-Exp", dtype="float8_e4m3fn", num_layers=61, num_kv_heads=1,
+                   head_dim=576, block_size_tokens=64, groups=(
+                       KVGroup("mla", "mla", "float8_e4m3fn", (61, 64, 656)),
+                       KVGroup("indexer", "auxiliary", "float8_e4m3fn", (61, 64, 132)))),
+    "G3": KVLayout(model="ai21labs/Jamba-tiny", dtype="bfloat16", num_layers=8, num_kv_heads=8, head_dim=64,
+                   block_size_tokens=16, kv_layout="L,[2,B,H,D]", groups=(
+                       KVGroup("attn", "full", "bfloat16", (1, 2, 16, 8, 64)),
+                       KVGroup("mamba", "state", "float32", (7, 1), block_bytes=1_150_976),
+                       KVGroup("scales", "auxiliary", "float32", (1, 2, 16, 8), window_tokens=33))),
+}
+
+# sizeof per dtype, as the doc lists them.
+_DOC_SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+              "int8": 1, "uint8": 1}
+
+
+def reference_grouped_namespace_id(layout: KVLayout) -> bytes:
+    """Written from docs/hashing.md ("KV groups"), not from kvstore/hashing.py."""
+
+    def s(v: str) -> bytes:
+        raw = v.encode()
+        return struct.pack("<I", len(raw)) + raw
+
+    groups = []
+    for g in layout.groups:
+        size = g.block_bytes
+        if not size:
+            size = _DOC_SIZES[g.dtype]
+            for d in g.shape:
+                size *= d
+        groups.append(s(g.name) + s(g.kind.value) + s(g.dtype) + struct.pack("<I", len(g.shape))
+                      + b"".join(struct.pack("<Q", d) for d in g.shape) + struct.pack("<QQ", g.window_tokens, size))
+    total = sum(struct.unpack("<Q", raw[-8:])[0] for raw in groups)
+    data = b"kvstore.ns.v2\x00" + s(layout.model) + s(layout.revision) + s(layout.lora_id) + s(layout.dtype)
+    data += s(layout.kv_layout)
+    for v in (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size_tokens,
+              layout.tp_rank, layout.tp_size, total):
+        data += struct.pack("<Q", v)
+    data += struct.pack("<I", len(groups)) + b"".join(groups)
+    return xxhash.xxh3_128(data).digest()
+
+
+def test_grouped_namespace_vectors_from_doc():
+    from kvstore.hashing import group_namespace_id
+
+    rows = _doc_table("grouped")
+    assert [r[0] for r in rows] == ["G1", "G2", "G3"]
+    for name, block_bytes, ns_hex, group_hex in rows:
+        layout = GROUPED[name]
+        assert layout.bytes_per_block == int(block_bytes)
+        want = _hexes(ns_hex)[0]
+        assert layout.namespace_id.hex() == want == reference_grouped_namespace_id(layout).hex()
+        # Written from the doc: H("kvstore.group.v1\0" || namespace_id || u32le(g)).
+        ref_groups = [xxhash.xxh3_128(b"kvstore.group.v1\x00" + layout.namespace_id + struct.pack("<I", g)).hexdigest()
+                      for g in range(len(layout.groups))]
+        assert _hexes(group_hex) == ref_groups
+        assert [group_namespace_id(layout.namespace_id, g).hex() for g in range(len(layout.groups))] == ref_groups
+
+
+def test_grouped_namespace_bytes_dump_in_doc():
+    dump = DOC.read_text().split("The hashed bytes of G1's namespace", 1)[1].split("```")[1]
+    assert namespace_bytes(GROUPED["G1"]).hex() == "".join(dump.split())
+
+
+def test_grouped_block_vectors_from_doc(hashing_path):
+    rows = _doc_table("grouped blocks")
+    assert [r[0] for r in rows] == ["G1", "G3"]
+    for name, tokens_cell, hashes_cell in rows:
+        layout = GROUPED[name]
+        first, last = re.findall(r"\d+", tokens_cell)[0], re.findall(r"\d+", tokens_cell)[-1]
+        tokens = list(range(int(first), int(last) + 1))
+        got = block_hashes(layout.namespace_id, tokens, layout.block_size_tokens)
+        assert [h.hex() for h in got] == _hexes(hashes_cell)
+        assert got == reference_block_hashes(layout.namespace_id, tokens, layout.block_size_tokens)
+
+
+def test_a_layout_of_one_plain_full_group_keeps_the_plain_id_and_bytes():
+    plain = LAYOUTS["L1"]
+    one = KVLayout(**{**_fields(plain), "groups": (KVGroup("kv", "full", "bfloat16", (2, 32, 16, 8, 128)),)})
+    assert one == plain and one.groups == ()
+    assert one.namespace_id == plain.namespace_id == reference_namespace_id(plain)
+    assert namespace_bytes(one) == namespace_bytes(plain)
+    # One group that is not the plain tensor (another kind, dtype or size) is a grouped layout.
+    for group in (KVGroup("kv", "mla", "bfloat16", (2, 32, 16, 8, 128)),
+                  KVGroup("kv", "full", "float16", (2, 32, 16, 8, 128)),
+                  KVGroup("kv", "sliding_window", "bfloat16", (2, 32, 16, 8, 128), window_tokens=64)):
+        grouped = KVLayout(**{**_fields(plain), "groups": (group,)})
+        assert grouped.groups == (group,)
+        assert grouped.namespace_id == reference_grouped_namespace_id(grouped) != plain.namespace_id
+
+
+def test_every_group_field_changes_the_namespace():
+    from dataclasses import replace
+
+    base = GROUPED["G1"]
+    full, swa = base.groups
+    variants = [
+        replace(base, groups=(replace(full, name="f"), swa)),
+        replace(base, groups=(replace(full, kind="mla"), swa)),
+        replace(base, groups=(replace(full, dtype="float16"), swa)),
+        replace(base, groups=(replace(full, shape=(2, 4, 16, 2, 128)), swa)),
+        replace(base, groups=(replace(full, block_bytes=1 << 20), swa)),
+        replace(base, groups=(full, replace(swa, window_tokens=1024))),
+        replace(base, groups=(swa, full)),  # the order of the groups
+        replace(base, groups=(full,)),
+        replace(base, dtype="float8_e4m3fn"),  # a quantized cache: the dtype is in the key
+    ]
+    ids = {v.namespace_id for v in variants} | {base.namespace_id}
+    assert len(ids) == len(variants) + 1
+    assert all(v.namespace_id == reference_grouped_namespace_id(v) for v in variants if v.groups)
+
+
+@pytest.mark.parametrize(
+    "group",
+    [
+        {"name": ""},
+        {"kind": "linear"},
+        {"shape": ()},
+        {"shape": (0, 4)},
+        {"dtype": "float13"},
+        {"kind": "sliding_window", "window_tokens": 0},
+        {"kind": "full", "window_tokens": 64},
+        {"block_bytes": -1},
+    ],
+)
+def test_bad_groups_are_rejected(group):
+    fields = {"name": "g", "kind": "full", "dtype": "float16", "shape": (2, 4)} | group
+    with pytest.raises(InvalidArgument):
+        KVLayout(model="m", dtype="float16", num_layers=2, num_kv_heads=2, head_dim=8, block_size_tokens=4,
+                 groups=(KVGroup(**fields),))
+
+
+def test_a_layout_refuses_duplicate_group_names_and_a_block_bytes_that_disagrees():
+    g = KVGroup("g", "full", "float16", (2, 4))
+    with pytest.raises(InvalidArgument, match="distinct"):
+        KVLayout(model="m", dtype="float16", num_layers=2, num_kv_heads=2, head_dim=8, block_size_tokens=4,
+                 groups=(g, KVGroup("g", "state", "float32", (4,))))
+    with pytest.raises(InvalidArgument, match="block_bytes"):
+        KVLayout(model="m", dtype="float16", num_layers=2, num_kv_heads=2, head_dim=8, block_size_tokens=4,
+                 block_bytes=999, groups=(g, KVGroup("s", "state", "float32", (4,))))

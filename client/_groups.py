@@ -1,0 +1,99 @@
+"""Put and fetch of layouts with KV groups: a block is its parts, one per group its hit
+rule needs (`kvstore.groups`), and they travel as the wire blocks of one Put or Fetch,
+group-major. Sans-I/O plans, driven like every other verb (`kvstore.client._ops`).
+
+A grouped put takes, for each block, a mapping from group name to that group's part
+(bytes, a buffer, or a CPU tensor); it needs exactly the parts `kvstore.groups.needed`
+names for a put of that many blocks (a window's last blocks, the state at the end;
+other parts given are ignored, so an engine may hand every part it has). A grouped
+fetch answers, for each block of the longest prefix every group serves, a dict of the
+parts that prefix needs. A fetch cut short (a part failed verification or was evicted
+meanwhile) answers no block at all: the parts it got belong to a prefix end it did not
+reach. Shared memory and the device plane are not used for grouped layouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvstore.client._buffers import as_buffer
+from kvstore.client._requests import PreparedPut, block_keys, namespace_ref, put_header
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.groups import part_order
+from kvstore.layout import KVLayout
+from kvstore.v1 import kvstore_pb2
+from kvstore.wire import RawChunk
+
+
+def prepare_grouped_put(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
+                        blocks: Sequence[Mapping[str, Any]], first_block: int,
+                        hint: kvstore_pb2.ReuseHint | None) -> PreparedPut:
+    """A grouped put's header and its parts in wire order, each size-checked."""
+    n = len(blocks)
+    views: list[memoryview] = []
+    for g, j in part_order(layout, n):
+        group = layout.groups[g]
+        block = blocks[j]
+        if not isinstance(block, Mapping):
+            raise InvalidArgument(f"block {j} of a layout with KV groups must map group names to parts, "
+                                  f"got {type(block).__name__}")
+        part = block.get(group.name)
+        if part is None:
+            raise InvalidArgument(f"block {j} lacks its part of group {group.name!r}: a put of {n} blocks needs it "
+                                  "(kvstore.groups.needed says which parts a put needs)")
+        view = as_buffer(part)
+        if len(view) != group.bytes_per_block:
+            raise InvalidArgument(f"block {j}'s part of group {group.name!r} is {len(view)} bytes; the layout says "
+                                  f"{group.bytes_per_block} ({group.kind.value}, {group.dtype}, shape {group.shape})")
+        views.append(view)
+    # The header names the blocks; the sizes it checks are the layout's (one per block).
+    header = put_header(layout, token_ids, block_hashes, [layout.bytes_per_block] * n, first_block, hint)
+    return PreparedPut(header, views)
+
+
+class GroupedFetchAssembler:
+    """Collects a grouped Fetch stream into one dict of parts per block of the prefix."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.num_parts = -1
+        self.prefix_blocks = 0
+        self._parts: list[list[memoryview]] = []
+        self._index = -1
+
+    def feed(self, msg: kvstore_pb2.FetchResponse | RawChunk) -> None:
+        if isinstance(msg, RawChunk):
+            part, data = msg.block, msg.data
+        elif msg.WhichOneof("msg") == "header":
+            self.num_parts = msg.header.num_blocks
+            self.prefix_blocks = msg.header.prefix_blocks
+            return
+        else:
+            part, data = msg.chunk.block, memoryview(msg.chunk.data)
+        if part != self._index:
+            if part != self._index + 1:
+                raise KVStoreError(f"fetched part {part} after part {self._index}: parts out of order")
+            self._parts.append([])
+            self._index = part
+        self._parts[part].append(data)
+
+    def result(self) -> list[dict[str, bytes]]:
+        order = part_order(self.layout, self.prefix_blocks)
+        if self.num_parts != len(order) or len(self._parts) != len(order):
+            return []  # cut short (or not a prefix this layout has): nothing of it is usable
+        out: list[dict[str, bytes]] = [{} for _ in range(self.prefix_blocks)]
+        for (g, j), pieces in zip(order, self._parts):
+            group = self.layout.groups[g]
+            data = bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+            if len(data) != group.bytes_per_block:
+                raise KVStoreError(f"fetched part of group {group.name!r} for block {j} has {len(data)} bytes, "
+                                   f"expected {group.bytes_per_block}")
+            out[j][group.name] = data
+        return out
+
+
+def grouped_fetch_request(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
+                          lease_id: str) -> kvstore_pb2.FetchRequest:
+    return kvstore_pb2.FetchRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes),
+                                    lease_id=lease_id)
