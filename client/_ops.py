@@ -630,10 +630,11 @@ def put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, block
 
 
 def put_lane(c: ClientState, lane: DataLane, prepared: PreparedPut, timeout_s: float) -> Plan[PutResult]:
-    """A put on the data lane: connections first, then LanePut reserves the slots and
-    says which blocks the daemon needs, those go on the lane (each verified as it lands),
-    and LaneCommit publishes, all or nothing. A failure aborts the transfer; in `auto`, a
-    lane that broke is set aside for a while and the put goes through gRPC instead."""
+    """A put on the data lane: connections first, then LanePut opens it (its slots are
+    reserved a window at a time) and says which blocks the daemon needs, those go on the
+    lane as its credit allows (each verified as it lands), and LaneCommit publishes, all
+    or nothing. A failure aborts the transfer; in `auto`, a lane that broke is set aside
+    for a while and the put goes through gRPC instead."""
     try:
         conns = yield Blocking(lane.checkout, lane.connections_for(len(prepared.views)), timeout_s)
     except Unavailable as exc:

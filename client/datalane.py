@@ -167,14 +167,16 @@ class _Counters:
 class _FetchState:
     """What the connections of one fetch found, block by block."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, checksums: list[int] | None = None) -> None:
         self.lock = threading.Lock()
         self.status = bytearray(n)  # 0 waiting, 1 landed verified, 2 rejected
         self.end: int | None = None
+        self.checksums = checksums  # each block's sender checksum, once it landed
 
 
 class _Push:
-    """The blocks of one put still to send, taken by whichever connection is free."""
+    """The blocks of one put still to send, in order, taken by whichever connection holds
+    credit for one (never before: see `DataLane._push_on`)."""
 
     def __init__(self, positions: list[int]) -> None:
         self.todo: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -189,6 +191,9 @@ class _Push:
             return self.todo.get_nowait()
         except queue.Empty:
             return None
+
+    def empty(self) -> bool:
+        return self.failed or self.todo.empty()
 
 
 class DataLane:
@@ -352,11 +357,14 @@ class DataLane:
         return errors
 
     def fetch_into(self, conns: Sequence[LaneSocket], transfer_id: bytes, block_bytes: int,
-                   dests: Sequence[memoryview], timeout_s: float) -> int:
+                   dests: Sequence[memoryview], timeout_s: float, checksums: list[int] | None = None) -> int:
         """Receive fetch `transfer_id`'s blocks into `dests` (block i into dests[i], each
         `block_bytes`) on `conns`, which this call owns; how many leading blocks landed
-        verified. A rejected block, or one that never came, ends the result before it."""
-        state = _FetchState(len(dests))
+        verified. A rejected block, or one that never came, ends the result before it.
+        `checksums` (one entry per dest), when given, gets the checksum the sender sent
+        with each block that landed, whether its bytes matched it or not (a daemon sends
+        the checksum it stored with the block, which its bytes matched before they left)."""
+        state = _FetchState(len(dests), checksums)
         deadline = time.monotonic() + timeout_s
         errors = self._run_all(conns, self._fetch_on, transfer_id, block_bytes, dests, state, deadline)
         if state.end is None:
@@ -394,6 +402,8 @@ class DataLane:
                 ok = got == want
                 with state.lock:
                     state.status[i] = 1 if ok else 2
+                    if state.checksums is not None:
+                        state.checksums[i] = want
                 with counters.lock:
                     counters.bytes_received += block_bytes
                     if not ok:
@@ -432,15 +442,23 @@ class DataLane:
                  push: _Push, deadline: float) -> None:
         self._bound_waits(lane, deadline)
         lane.send_frame(PUSH, transfer_id)
-        credit = self._credit(lane, transfer_id, deadline, push)
         counters = self._counters
         try:
+            credit = more = self._credit(lane, transfer_id, deadline, push)
             while True:
+                # Credit first, then a block: the daemon's credit, over all of a put's
+                # connections, covers the slots it has reserved so far, in order; so a
+                # block taken in order once its credit is held is always among them.
+                while credit < block_bytes:
+                    if not more or push.empty():
+                        # Nothing left to send, or the daemon said so (CREDIT 0: the
+                        # blocks left are covered by credit on other connections).
+                        return  # LaneCommit waits for what is still on the way
+                    more = self._credit(lane, transfer_id, deadline, push)
+                    credit += more
                 i = push.next()
                 if i is None:
-                    return  # LaneCommit waits for what is still on the way
-                while credit < block_bytes:
-                    credit += self._credit(lane, transfer_id, deadline, push)
+                    return
                 data = sources[i]
                 lane.send_data(transfer_id, i, data, checksum_of(data))
                 credit -= block_bytes

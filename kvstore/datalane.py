@@ -22,7 +22,7 @@ it sends it, and the receiver hashes each piece as it lands in its destination.
 | WELCOME | daemon | the hello passed; block = VERSION, value = largest DATA payload accepted |
 | FETCH   | client | join fetch transfer `transfer`; value = the credit granted, in bytes |
 | PUSH    | client | join put transfer `transfer`; the daemon answers CREDIT |
-| CREDIT  | receiver | `value` more payload bytes may be sent for `transfer` |
+| CREDIT  | receiver | `value` more payload bytes may be sent for `transfer` (0, to a put's sender: no more on this connection) |
 | DATA    | sender | block `block` of `transfer`: `length` bytes, then the trailer |
 | END     | daemon | fetch `transfer` is complete on this connection; block = blocks in the result |
 | ERROR   | either | `transfer` (all zero: the connection) failed; block = gRPC status code, payload = message |
@@ -34,6 +34,13 @@ bring, and tops it up once half of it is used (`Grant`), so a transfer that fits
 window costs no CREDIT frame beyond the first. Blocks land straight in their destination
 (a host-tier slot, a caller's buffer), so a connection holds no more memory than the
 socket's own buffers.
+
+A put's credit, summed over all its connections, covers only the slots the daemon has
+reserved, and it reserves them in order, a window at a time, as blocks land. So a
+put's sender takes its needed blocks in order, each only once it holds credit for it
+(then whatever it sends has a slot; a block sent ahead of the reservation fails the
+put). A CREDIT of 0 answers a sender that has none left when every block still to come
+is covered by credit on the put's other connections: it stops there.
 
 Primitives: `Frame`, `pack`, `unpack`, `hello_payload`, `parse_hello`, `status_of`, `Grant`,
 `LaneSocket` (one blocking socket, plain or TLS: `send_frame`, `send_data`,

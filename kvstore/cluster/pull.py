@@ -4,9 +4,13 @@ A lookup that finds blocks on other nodes answers at once (they are TIER_REMOTE 
 answer) and starts one pull per node that holds them: one `fetch` of the runs it holds,
 whose bytes go straight into the PENDING slots of a local put (`_PullSink`), one put per
 run of consecutive blocks. A run is published only once every block of it arrived whole
-and its checksum, computed here off the event loop, equals the one the holder took when
-the block was stored: a block that does not verify never becomes visible. A run cut
-short (the holder evicted a block meanwhile, or its own check failed) is rolled back.
+and its checksum equals the one the holder took when the block was stored: a block that
+does not verify never becomes visible. Over gRPC the checksums come first and each run
+is hashed here, off the event loop, once it arrived; over the data lane the pull's puts
+are reserved first, every block lands in its slot directly and is hashed as it lands,
+against the checksum the holder sends with it (the one it stored, which the holder's
+bytes matched before they left: `kvstore.cluster.lane`). A run cut short (the holder
+evicted a block meanwhile, a check failed, the lane broke) is rolled back.
 
 While a run is in flight its blocks are `pending`: a fetch (gRPC or shared memory) that
 reaches one of them waits for the run (`wait`, bounded by the fetch's deadline) and then
@@ -122,6 +126,8 @@ class _PullSink:
         self._first = 0  # the global index of its first block
         self._txn: PutTxn | None = None
         self._n = 0  # blocks of the current run the txn carries
+        # Over the lane: the put of each run reserved up front, in order (`destinations`).
+        self._reserved: list[PutTxn | None] = []  # None once published
 
     def begin(self, num_blocks: int, block_bytes: int, checksums: Sequence[int]) -> None:
         store = self._puller.store
@@ -192,12 +198,71 @@ class _PullSink:
         if self._txn is not None:
             await self._finish_run()
 
+    async def destinations(self) -> list[memoryview]:
+        """Reserve the put of each run, in order, while there is room (the first one must
+        fit, else this raises); a view of each block's PENDING slot. A block this node
+        holds already (the put holds it meanwhile) lands in scratch memory, dropped."""
+        store = self._puller.store
+        tiers = {st.name: st.tier for st in store.tiers}
+        views: list[memoryview] = []
+        for run in self._runs:
+            txn = store.begin_put(run.namespace_id, run.hashes, run.parent, tier=PULL_TIER)
+            try:
+                await txn.reserve()
+            except KVStoreError:
+                txn.abort()
+                if not self._reserved:
+                    raise
+                break  # fetch the runs that have room
+            except BaseException:
+                txn.abort()
+                raise
+            self._reserved.append(txn)
+            for slot in txn.slots():
+                if slot is None:
+                    views.append(memoryview(bytearray(txn.block_bytes)))
+                    continue
+                view = tiers[slot.tier].view(slot, txn.block_bytes)
+                if view is None:
+                    raise PeerError(self._node, f"pulled blocks land in tier {slot.tier}, which has no host view")
+                views.append(view)
+        return views
+
+    async def landed(self, blocks: int, checksums: Sequence[int], corrupt: bool) -> None:
+        """Publish each reserved run whose blocks all landed verified (`checksums`: the
+        holder's, one per block landed); the others are rolled back by `abort`."""
+        puller = self._puller
+        first = 0
+        for k, txn in enumerate(self._reserved):
+            run = self._runs[k]
+            n = len(run.hashes)
+            if txn is None or first + n > blocks:
+                break
+            txn.mark_written()
+            result = await txn.commit(checksums[first : first + n])
+            self._reserved[k] = None
+            if run.replica:
+                puller.counters.replica_blocks += puller.store.mark_replicas(run.namespace_id, run.hashes)
+            puller.counters.pulled_blocks += result.stored
+            self._resolve(run, n)
+            if puller.pulled is not None:
+                puller.pulled(self._node, run, n)
+            first += n
+        if corrupt:
+            puller.counters.checksum_failures += 1
+            raise PeerError(self._node, "fetch: a block's bytes do not match its checksum")
+
     def abort(self) -> None:
         """Roll back what did not complete, and settle every run not settled yet."""
         if self._txn is not None:
             self._txn.abort()
             self._puller.counters.rolled_back_blocks += self._n
             self._txn = None
+        for k, reserved in enumerate(self._reserved):
+            if reserved is not None:
+                reserved.abort()
+                self._puller.counters.rolled_back_blocks += len(self._runs[k].hashes)
+        self._reserved = []
         for run in self._runs:
             self._resolve(run, 0)
 

@@ -1,15 +1,22 @@
 """How bytes and questions travel between the daemons of a pool: the `PeerTransport` seam
-and its first implementation on the daemons' own gRPC API (`GrpcPeerTransport`).
+and its implementation on the daemons' own gRPC API (`GrpcPeerTransport`); the one a
+daemon uses, which moves block bytes on the peers' data lanes, is
+`kvstore.cluster.lane.LanePeerTransport`.
 
 A node asks three things of another (and nothing else: the other side refuses the rest):
 
 * `lookup`: how many of these blocks, from the first, do you hold? (`Lookup`, local only
-  on the other side: a node never asks further);
-* `fetch`: send me the longest held prefix of these blocks, each with the checksum taken
-  when it was stored (`Fetch` with `with_checksums`); the bytes are handed, chunk by
-  chunk, to a `FetchSink`, which writes them straight into the slots of a local put;
-* `put`: store these blocks (`Put`, with the chain position of the first one), made into
-  messages by the transport's own `framer` as they are read out of the local store.
+  on the other side: a node never asks further); always a small unary gRPC call;
+* `fetch`: send me the longest held prefix of these blocks, each verified against the
+  checksum taken when it was stored. Over gRPC (`Fetch` with `with_checksums`) the
+  bytes are handed, chunk by chunk, to a `FetchSink`, which writes them into the slots
+  of a local put and verifies them against the holder's checksums; over the lane the
+  sink hands out its slots first (`destinations`) and the bytes land in them directly,
+  each block checked as it lands against the checksum the holder sends with it, which
+  is the one it stored (`landed`);
+* `put`: store these blocks (`Put`, or `LanePut` + `LaneCommit`), with the chain
+  position of the first one, made by the transport's own `framer` as they are read out
+  of the local store.
 
 Every call carries a `PeerCall`: the tenant it is made for and the layout of its
 namespace (so the other side files it under that tenant's own salt, and registers the
@@ -18,10 +25,11 @@ pool's credential (a bearer token of role `peer` or `admin`, `kvstore.server.aut
 TLS when the pool has roots for it. A call that fails, times out or is refused raises
 `PeerError`: to the caller that is a miss, never an error for an engine.
 
-A bulk data lane (large frames, scatter-gather sends, receives into slots) replaces the
-fetch and put paths later through this same interface; lookups stay small unary calls.
+What went which way is counted (`TransportCounters`: bytes and blocks over the lane and
+over gRPC, each way).
 
-Primitives: `PeerCall`, `PeerError`, `FetchSink`, `PeerTransport`, `GrpcPeerTransport`,
+Primitives: `PeerCall`, `PeerError`, `FetchSink`, `PeerTransport`, `TransportCounters`,
+`GrpcPeerTransport` (also `control`, the lane's control calls on the same channel),
 `chunk_framer`.
 """
 
@@ -34,6 +42,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from kvstore.laneproto import RESPONSE_TYPES, method_path
 from kvstore.wire import (
     FETCH_METHOD,
     PUT_METHOD,
@@ -108,19 +117,50 @@ def _namespace_field(layout: kvstore_pb2.Layout) -> bytes:
 
 
 class PeerError(Exception):
-    """A call to another node failed: unreachable, timed out, refused, or malformed."""
+    """A call to another node failed: unreachable, timed out, refused, or malformed.
+    `code`: the gRPC status the other side answered, when it answered one."""
 
-    def __init__(self, node: str, what: str) -> None:
+    def __init__(self, node: str, what: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(f"node {node}: {what}")
         self.node = node
+        self.code = code
 
 
 class FetchSink(Protocol):
-    """Where a fetch's bytes go: told the blocks coming, then each chunk in order."""
+    """Where a fetch's bytes go. A chunked transport (gRPC) says what is coming
+    (`begin`), then hands each chunk in order (`chunk`). A transport that lands whole
+    blocks in place (the lane) asks for the destinations first (`destinations`), then
+    says how many leading blocks landed verified and their checksums (`landed`)."""
 
     def begin(self, num_blocks: int, block_bytes: int, checksums: Sequence[int]) -> None: ...
 
     async def chunk(self, block: int, data: memoryview) -> None: ...
+
+    async def destinations(self) -> list[memoryview]:
+        """One writable view per block asked for, block i's bytes to land in views[i]
+        (the slots of local puts, reserved now); fewer when room ran out: ask only for
+        the blocks that have one."""
+
+    async def landed(self, blocks: int, checksums: Sequence[int], corrupt: bool) -> None:
+        """The first `blocks` blocks landed whole, each matching its entry of `checksums`
+        (the holder's); `corrupt`: the next one arrived and did not. Publishes what landed
+        whole, gives back the rest (then raises `PeerError` if `corrupt`)."""
+
+
+@dataclass(slots=True)
+class TransportCounters:
+    """Block bytes and blocks moved to and from the other nodes, by path; `fallbacks`:
+    fetches and puts sent over gRPC because the peer's lane was not to be had."""
+
+    lane_bytes_in: int = 0
+    lane_bytes_out: int = 0
+    lane_blocks_in: int = 0
+    lane_blocks_out: int = 0
+    grpc_bytes_in: int = 0
+    grpc_bytes_out: int = 0
+    grpc_blocks_in: int = 0
+    grpc_blocks_out: int = 0
+    fallbacks: int = 0
 
 
 class PeerTransport(Protocol):
@@ -146,6 +186,9 @@ class PeerTransport(Protocol):
         `parent` from `position`; (stored, existing)."""
 
     async def aclose(self) -> None: ...
+
+    @property
+    def counters(self) -> TransportCounters: ...
 
 
 def chunk_framer(chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Callable[[int, memoryview], Framed]:
@@ -174,11 +217,13 @@ class GrpcPeerTransport:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.node_id = node_id
         self.framer = chunk_framer(chunk_bytes)
+        self.counters = TransportCounters()
         self._token = token
         self._credentials = (grpc.ssl_channel_credentials(tls_ca, tls_key, tls_cert)
                              if tls_ca is not None else None)
         self._addresses: dict[str, tuple[str, ...]] = {}
         self._channels: dict[str, tuple[str, grpc.aio.Channel, Any, Any, Any]] = {}
+        self._controls: dict[tuple[grpc.aio.Channel, str], Any] = {}
         self._closing: list[grpc.aio.Channel] = []
 
     def update(self, addresses: Mapping[str, Sequence[str]]) -> None:
@@ -195,6 +240,13 @@ class GrpcPeerTransport:
         entry = self._channels.pop(node, None)
         if entry is not None:
             self._closing.append(entry[1])
+            for key in [k for k in self._controls if k[0] is entry[1]]:
+                del self._controls[key]
+
+    def target(self, node: str) -> str:
+        """The address `node` is called at ("" when none is known)."""
+        addrs = self._addresses.get(node)
+        return addrs[0] if addrs else ""
 
     def _metadata(self, call: PeerCall) -> tuple[tuple[str, str], ...]:
         pairs = [(PEER_HEADER, self.node_id), (TENANT_HEADER, call.tenant)]
@@ -222,6 +274,22 @@ class GrpcPeerTransport:
             entry = self._channels[node] = (target, channel, lookup, fetch, put)
         return entry[2], entry[3], entry[4]
 
+    async def control(self, node: str, call: PeerCall, name: str, request: Any, timeout_s: float) -> Any:
+        """A unary call of the KVStore service by `name` (the data lane's `DataLane`,
+        `LaneFetch`, `LanePut`, `LaneCommit`) on `node`'s channel, with the credentials
+        and tenant of every node-to-node call."""
+        self._stubs(node)
+        channel = self._channels[node][1]
+        stub = self._controls.get((channel, name))
+        if stub is None:
+            stub = self._controls[(channel, name)] = channel.unary_unary(
+                method_path(name), request_serializer=_serialize,
+                response_deserializer=RESPONSE_TYPES[name].FromString)
+        try:
+            return await stub(request, timeout=timeout_s, metadata=self._metadata(call))
+        except grpc.RpcError as exc:
+            raise PeerError(node, f"{name}: {_status(exc)}", exc.code() if hasattr(exc, "code") else None) from None
+
     async def lookup(self, node: str, call: PeerCall, hashes: bytes, timeout_s: float) -> int:
         lookup, _, _ = self._stubs(node)
         try:
@@ -239,6 +307,7 @@ class GrpcPeerTransport:
                                        keys=kvstore_pb2.BlockKeys(packed_hashes=hashes), with_checksums=True)
         began = False
         blocks = 0
+        counters = self.counters
         try:
             async for msg in fetch(req, timeout=timeout_s, metadata=self._metadata(call)):
                 if isinstance(msg, RawChunk):
@@ -256,8 +325,11 @@ class GrpcPeerTransport:
                     raise PeerError(node, "fetch: block bytes before the header")
                 await sink.chunk(block, data)
                 blocks = block + 1
+                counters.grpc_bytes_in += len(data)
         except grpc.RpcError as exc:
             raise PeerError(node, f"fetch: {_status(exc)}") from None
+        finally:
+            counters.grpc_blocks_in += blocks
         return blocks
 
     async def put(self, node: str, call: PeerCall, hashes: bytes, parent: bytes, position: int,
@@ -267,11 +339,15 @@ class GrpcPeerTransport:
                                        keys=kvstore_pb2.BlockKeys(packed_hashes=hashes),
                                        num_blocks=len(hashes) // 16, parent_hash=parent, position=position)
 
+        counters = self.counters
+
         async def messages() -> AsyncIterator[kvstore_pb2.PutRequest | bytes]:
             yield kvstore_pb2.PutRequest(header=header)
             async for framed in blocks:
                 for message in framed.messages:
                     yield message
+                counters.grpc_blocks_out += 1
+                counters.grpc_bytes_out += sum(len(p) for p in framed.payload)
 
         try:
             resp = await put(messages(), timeout=timeout_s, metadata=self._metadata(call))
@@ -282,6 +358,7 @@ class GrpcPeerTransport:
     async def aclose(self) -> None:
         channels = [entry[1] for entry in self._channels.values()] + self._closing
         self._channels.clear()
+        self._controls.clear()
         self._closing.clear()
         for channel in channels:
             await channel.close(grace=None)
@@ -295,6 +372,10 @@ class GrpcPeerTransport:
 
 def _raw(data: bytes) -> bytes:
     return data
+
+
+def _serialize(message: Any) -> bytes:
+    return bytes(message.SerializeToString())
 
 
 def _status(exc: grpc.RpcError) -> str:

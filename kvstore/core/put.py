@@ -36,7 +36,8 @@ Ordering decisions that matter:
   the checksums the client took while copying.
 
 Primitives: `PutPath.begin`, `reserve_slots`, `free_slots`, `publish`; `PutTxn.reserve`
-/ `adopt`, `write`, `commit`, `abort`.
+/ `adopt`, `write` (or `extend_window` and `mark_written`, for bytes that land in the
+slots by other means: the data lane), `commit`, `abort`.
 """
 
 from __future__ import annotations
@@ -186,6 +187,7 @@ class PutTxn:
         self._landing: list[StoreTier] = []
         self._new: list[int] = []  # with a window: positions of the blocks to store
         self._next_new = 0  # ... and how many of them have slots
+        self._needed: list[int] = []  # positions of the blocks to store, once reserved
         self._sealed: tuple[np.ndarray, np.ndarray, Sequence[int], bool] | None = None
         self._stored_at = np.zeros(0, np.int64)
 
@@ -212,6 +214,7 @@ class PutTxn:
                 f"hold {room}; put fewer blocks per call or raise their capacity"
             )
         self._landing = landing
+        self._needed = new
         try:
             if self._window_bytes is None:
                 await self._take_slots(new)
@@ -241,10 +244,35 @@ class PutTxn:
     async def _reserve_window(self) -> None:
         """Slots for the next new blocks, the one whose first chunk just arrived first, and
         at most `window_bytes` of them (at least that one)."""
+        await self.extend_window(self._window_blocks)
+
+    @property
+    def window_blocks(self) -> int:
+        """How many blocks' slots the window holds (a put begun with `window_bytes`)."""
+        return self._window_blocks
+
+    def needed(self) -> list[int]:
+        """Positions of the blocks this put stores (those not present when it began), in
+        order; known once `reserve` returned."""
+        return list(self._needed)
+
+    def slot(self, block: int) -> Slot | None:
+        """Where block `block`'s bytes land; None until its slot is reserved, and for a
+        block present before the put."""
+        return self._slots[block]
+
+    async def extend_window(self, count: int) -> list[int]:
+        """For a put whose bytes land in its slots by other means (`mark_written`): slots
+        for its next `count` new blocks in order, at most the window's worth, making room
+        as `write` does. The caller keeps what is reserved ahead of the bytes that landed
+        within the window. The positions given slots (empty once all have them)."""
+        if self._done:
+            raise FailedPrecondition("this put has already finished")
         start = self._next_new
-        positions = self._new[start : start + self._window_blocks]
+        positions = self._new[start : start + min(count, self._window_blocks)]
         self._next_new = start + len(positions)
         await self._take_slots(positions)
+        return positions
 
     async def _take_slots(self, positions: list[int]) -> None:
         """PENDING slots and rows for the blocks at `positions` (all new), making room as a

@@ -61,8 +61,11 @@ ROLES = ("client", "admin", "peer")
 ACTS_FOR_TENANTS = ("peer", "admin")
 PEER_HEADER = "x-kvstore-peer"
 TENANT_HEADER = "x-kvstore-tenant"
-# What one daemon of a pool asks of another.
-PEER_METHODS = ("/kvstore.v1.KVStore/Lookup", "/kvstore.v1.KVStore/Fetch", "/kvstore.v1.KVStore/Put")
+# What one daemon of a pool asks of another: lookups, and block bytes over gRPC streams or
+# the data lane (whose control calls open, and commit, transfers for the named tenant).
+PEER_METHODS = ("/kvstore.v1.KVStore/Lookup", "/kvstore.v1.KVStore/Fetch", "/kvstore.v1.KVStore/Put",
+                "/kvstore.v1.KVStore/DataLane", "/kvstore.v1.KVStore/LaneFetch", "/kvstore.v1.KVStore/LanePut",
+                "/kvstore.v1.KVStore/LaneCommit")
 QUOTA_TIERS = TIER_KINDS
 DEFAULT_TENANT = "default"
 HASH_SCHEME = "sha256"
@@ -375,6 +378,19 @@ class Authenticator:
             )
         return identity
 
+    def identify_lane(self, method: str, token: str | None, on_unix_socket: bool) -> Identity:
+        """Who opens a data lane connection (its hello names no tenant to act for): as
+        `identify` would say for a call of `method`, except that a cluster credential
+        (role peer) is accepted as itself. Such a connection carries the bytes of
+        transfers that node-to-node calls opened, and only those
+        (`kvstore.server.transfers`): the call that opened one was authorized for its
+        tenant, and its id is the connection's claim to it."""
+        if self.table is not None:
+            identity = self._authenticate(self.table, token, on_unix_socket)
+            if identity.role == "peer":
+                return identity
+        return self.identify(method, token, on_unix_socket)
+
     def _acting_for(self, method: str, caller: Identity, peer: tuple[str, str] | None) -> Identity:
         """The tenant a node-to-node call acts for (see the module docstring)."""
         if peer is None:
@@ -390,7 +406,7 @@ class Authenticator:
             )
         if method not in PEER_METHODS:
             raise PermissionDenied(f"{method} is not a node-to-node call; a pool's daemons call only "
-                                   "Lookup, Fetch and Put on each other")
+                                   "Lookup, Fetch, Put and the data lane's calls on each other")
         if self.table is None:
             acting = DEFAULT_IDENTITY if tenant in ("", DEFAULT_TENANT) else None
         else:

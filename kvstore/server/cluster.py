@@ -91,7 +91,8 @@ async def start_cluster(config: Config, store: Store, node_id: str, bound: Seque
     """Build this daemon's `ClusterNode` and join the pool."""
     from kvstore.cluster.membership import EtcdSettings, Member, make_membership, parse_static_peers
     from kvstore.cluster.pool import ClusterNode, ClusterSettings
-    from kvstore.cluster.transport import GrpcPeerTransport
+    from kvstore.cluster.lane import LanePeerTransport
+    from kvstore.cluster.transport import GrpcPeerTransport, PeerTransport
 
     token = ""
     if config.cluster_token_file:
@@ -128,8 +129,14 @@ async def start_cluster(config: Config, store: Store, node_id: str, bound: Seque
                             lease_ttl_s=config.cluster_lease_ttl_s)
     membership = make_membership(me, etcd=etcd, static_peers=config.cluster_peers)
     assert membership is not None
-    transport = GrpcPeerTransport(node_id, token=token, tls_ca=tls_ca, tls_cert=cert, tls_key=key,
-                                  chunk_bytes=config.chunk_bytes)
+    transport: PeerTransport
+    if config.cluster_data_lane:
+        transport = LanePeerTransport(node_id, token=token, tls_ca=tls_ca, tls_cert=cert, tls_key=key,
+                                      chunk_bytes=config.chunk_bytes, connections=config.data_lane_connections,
+                                      io_timeout_s=config.data_lane_io_timeout_s)
+    else:
+        transport = GrpcPeerTransport(node_id, token=token, tls_ca=tls_ca, tls_cert=cert, tls_key=key,
+                                      chunk_bytes=config.chunk_bytes)
     node = ClusterNode(store, membership, transport, settings, executor=executor)
     await node.start()
     view = membership.view
@@ -260,6 +267,24 @@ class ClusterCollector(Collector):
                       "here or pulled)", c.replica_blocks + pc.replica_blocks)
         yield counter("kvstore_cluster_unplaced_blocks", "put blocks not forwarded: their chain position was unknown",
                       c.unplaced_blocks)
+        tc = node.transport.counters
+        moved = CounterMetricFamily("kvstore_cluster_lane_bytes", "block bytes moved to (out) and from (in) other "
+                                    "nodes on their data lanes", labels=["direction"])
+        moved_blocks = CounterMetricFamily("kvstore_cluster_lane_blocks", "blocks moved to (out) and from (in) "
+                                           "other nodes on their data lanes", labels=["direction"])
+        grpc_moved = CounterMetricFamily("kvstore_cluster_grpc_bytes", "block bytes moved to (out) and from (in) "
+                                         "other nodes in gRPC Put and Fetch streams", labels=["direction"])
+        grpc_blocks = CounterMetricFamily("kvstore_cluster_grpc_blocks", "blocks moved to (out) and from (in) "
+                                          "other nodes in gRPC Put and Fetch streams", labels=["direction"])
+        for family, into, out in ((moved, tc.lane_bytes_in, tc.lane_bytes_out),
+                                  (moved_blocks, tc.lane_blocks_in, tc.lane_blocks_out),
+                                  (grpc_moved, tc.grpc_bytes_in, tc.grpc_bytes_out),
+                                  (grpc_blocks, tc.grpc_blocks_in, tc.grpc_blocks_out)):
+            family.add_metric(["in"], into)
+            family.add_metric(["out"], out)
+            yield family
+        yield counter("kvstore_cluster_lane_fallbacks", "pulls and forwards sent through gRPC because the peer's "
+                      "data lane was not to be had (none offered, or unreachable)", tc.fallbacks)
 
 
 # ------------------------------------------------------------------ INFO and Admin
@@ -268,6 +293,8 @@ class ClusterCollector(Collector):
 def info_section(node: ClusterNode | None) -> str:
     if node is None:
         return "# Cluster\ncluster_enabled:0\n"
+    from kvstore.cluster.lane import LanePeerTransport
+
     st = node.status()
     ms = st.membership
     age = "" if ms.last_confirmed_age_s is None else f"{ms.last_confirmed_age_s:.1f}"
@@ -301,6 +328,15 @@ def info_section(node: ClusterNode | None) -> str:
         f"cluster_unplaced_blocks:{c.unplaced_blocks}", f"cluster_hot_pushes:{c.hot_pushes}",
         f"cluster_handoff_pushes:{c.handoff_pushes}",
         f"cluster_suspect_peers:{sum(m.suspect for m in st.members)}",
+        f"cluster_data_lane:{int(isinstance(node.transport, LanePeerTransport))}",
+    ]
+    tc = node.transport.counters
+    lines += [
+        f"cluster_lane_bytes_in:{tc.lane_bytes_in}", f"cluster_lane_bytes_out:{tc.lane_bytes_out}",
+        f"cluster_lane_blocks_in:{tc.lane_blocks_in}", f"cluster_lane_blocks_out:{tc.lane_blocks_out}",
+        f"cluster_grpc_bytes_in:{tc.grpc_bytes_in}", f"cluster_grpc_bytes_out:{tc.grpc_bytes_out}",
+        f"cluster_grpc_blocks_in:{tc.grpc_blocks_in}", f"cluster_grpc_blocks_out:{tc.grpc_blocks_out}",
+        f"cluster_lane_fallbacks:{tc.fallbacks}",
         f"cluster_last_error:{ms.last_error}", "",
     ]
     return "\n".join(lines)

@@ -88,11 +88,11 @@ FIELDS: tuple[Field, ...] = (
     Field("host_low_watermark", "float", 0.85, "host use fraction where demotion stops", lo=0.01, hi=1.0),
     Field("migration_batch_blocks", "int", 64, "most blocks one migration step moves", lo=1, hi=1 << 20),
     Field("max_blocks_per_call", "int", 4096, "most blocks one request may name", lo=1, hi=1 << 20, runtime=True),
-    Field("max_put_reserve_bytes", "size", 64 << 20, "most bytes of slots one Put stream holds ahead of the chunks "
-          "it has sent (at least one block); the rest is reserved as its chunks arrive", lo=1 << 16, hi=1 << 40,
+    Field("max_put_reserve_bytes", "size", 64 << 20, "most bytes of slots one Put stream or data lane put holds "
+          "ahead of the bytes it has sent (at least one block); the rest is reserved as they arrive", lo=1 << 16, hi=1 << 40,
           metavar="SIZE"),
-    Field("put_idle_timeout_s", "float", 30.0, "a Put stream that sends nothing for this long is rolled back, and so "
-          "is a local put (LocalPut, DevicePut) or slot reservation not committed within it", lo=0.1, hi=3600),
+    Field("put_idle_timeout_s", "float", 30.0, "a Put stream or data lane put that sends nothing for this long is "
+          "rolled back, and so is a local put (LocalPut, DevicePut) or slot reservation not committed within it", lo=0.1, hi=3600),
     Field("max_message_bytes", "size", 16 << 20, "largest gRPC message accepted or sent", lo=1 << 20, hi=1 << 30,
           metavar="SIZE"),
     Field("chunk_bytes", "size", 1 << 20, "payload bytes per streamed message", lo=4096, hi=1 << 30, metavar="SIZE"),
@@ -188,6 +188,9 @@ FIELDS: tuple[Field, ...] = (
           "(role peer or admin in their token files; see SECURITY.md)", metavar="FILE"),
     Field("cluster_tls_ca", "str", "", "PEM roots that sign the other daemons' certificates: node-to-node calls "
           "use TLS (tls_cert/tls_key, when set, are this node's client certificate)", metavar="FILE"),
+    Field("cluster_data_lane", "bool", True, "move the pool's block bytes (pulls of remote blocks, forwards to "
+          "owners) on the peers' data lanes; false: in gRPC Fetch and Put streams (peers without a lane are "
+          "used through gRPC either way)"),
     Field("data_lane_listen", "list", ("auto",), "where the data lane (block bytes for remote clients and peers "
           "on sockets of their own, not in gRPC messages; see docs/net.md) listens: auto (next to each TCP "
           "listener, same host, a port of the system's choosing), off, or HOST:PORT and/or unix:PATH; "
@@ -195,8 +198,9 @@ FIELDS: tuple[Field, ...] = (
     Field("data_lane_advertise", "list", (), "addresses the DataLane call offers clients instead of the bound "
           "ones (behind NAT or port mapping), in the same form", metavar="ADDR[,ADDR]"),
     Field("data_lane_connections", "int", 4, "most data lane connections one transfer may use", lo=1, hi=64),
-    Field("data_lane_window", "size", 32 << 20, "credit the daemon grants each data lane connection of a put: "
-          "the most block bytes a client may have in flight on it", lo=1 << 20, hi=1 << 32, metavar="SIZE"),
+    Field("data_lane_window", "size", 32 << 20, "most credit the daemon grants each data lane connection of a "
+          "put: the most block bytes a client may have in flight on it (a put's connections together never get "
+          "more than its reserved slots, max_put_reserve_bytes)", lo=1 << 20, hi=1 << 32, metavar="SIZE"),
     Field("data_lane_io_timeout_s", "float", 30.0, "seconds a data lane peer may make no progress on a frame "
           "before its connection is dropped", lo=0.1, hi=3600),
     Field("data_lane_max_connections", "int", 256, "most data lane connections open at once", lo=1, hi=1 << 16),
@@ -306,6 +310,7 @@ class Config:
     cluster_suspect_s: float
     cluster_token_file: str
     cluster_tls_ca: str
+    cluster_data_lane: bool
     data_lane_listen: tuple[str, ...]
     data_lane_advertise: tuple[str, ...]
     data_lane_connections: int

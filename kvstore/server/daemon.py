@@ -338,6 +338,7 @@ class Daemon:
         transfers = LaneTransfers(store, resolver, LaneSettings(
             window_bytes=cfg.data_lane_window, max_connections_per_transfer=cfg.data_lane_connections,
             io_timeout_s=cfg.data_lane_io_timeout_s, max_block_bytes=cfg.max_block_bytes,
+            put_window_bytes=cfg.max_put_reserve_bytes, put_idle_timeout_s=cfg.put_idle_timeout_s,
         ), lambda: self.data_lane.endpoints() if self.data_lane is not None else [])
         self._transfers = transfers
         servicer = KVStoreServicer(store, resolver, local, DevicePlane(store, local, self._local_plane_tenants),

@@ -20,12 +20,17 @@ daemon's gRPC certificate and client CA) whenever the gRPC listeners do. A Unix 
 created 0600 in the daemon's 0700 socket directory. The first frame of a connection is a
 hello with the bearer token, checked by the daemon's `Authenticator` (on the loop) as a
 call of `DataLane` would be; a connection may then only join transfers its tenant
-opened, so tenant isolation holds on the lane as on gRPC.
+opened, so tenant isolation holds on the lane as on gRPC. A connection of the pool's
+cluster credential (role peer, or admin) may also join transfers that node-to-node calls
+opened: those calls were authorized for the tenant they act for, and the transfer's id
+(16 random bytes, answered only to that call) is the claim to it.
 
 Bounded by construction: at most `max_connections` connections; a hello must arrive
 within HELLO_TIMEOUT_S; a frame, once begun, must make progress within the I/O timeout;
 an idle connection is closed after IDLE_TIMEOUT_S; a sender that exceeds its credit is
-disconnected; a DATA payload is at most the daemon's `max_block_bytes`.
+disconnected; a DATA payload is at most the daemon's `max_block_bytes`. A put's credit
+covers only the slots its window has reserved (`PutTransfer.take_credit`): a connection
+that used its credit up waits, on its thread, for the window to move on.
 """
 
 from __future__ import annotations
@@ -59,7 +64,6 @@ from kvstore.datalane import (
     VERSION,
     WELCOME,
     Frame,
-    Grant,
     LaneClosed,
     LaneSocket,
     LaneTimeout,
@@ -68,7 +72,7 @@ from kvstore.datalane import (
 )
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.laneproto import method_path
-from kvstore.server.auth import Authenticator, Identity
+from kvstore.server.auth import ACTS_FOR_TENANTS, Authenticator, Identity
 from kvstore.server.config import Config
 from kvstore.server.listen import ListenAddress, is_loopback, parse_listen, prepare_unix_path
 from kvstore.server.transfers import FetchTransfer, LaneCounters, LaneTransfers, PutTransfer
@@ -311,7 +315,7 @@ class DataLaneServer:
         assert loop is not None
 
         async def identify() -> Identity:
-            return self.auth.identify(AUTH_PATH, token or None, on_unix)
+            return self.auth.identify_lane(AUTH_PATH, token or None, on_unix)
 
         return asyncio.run_coroutine_threadsafe(identify(), loop).result(HELLO_TIMEOUT_S)
 
@@ -354,6 +358,7 @@ class DataLaneServer:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        self.transfers.interrupt()  # threads waiting on a transfer, not on a socket
         # A thread may be handing a result to the loop: join them off the loop.
         await asyncio.to_thread(_join_all, threads, self.settings.io_timeout_s)
         await self.transfers.close()
@@ -372,10 +377,13 @@ class _Connection:
         self.server = server
         self.lane = lane
         self.tenant = identity.tenant
+        # A cluster credential's connection also carries transfers that node-to-node calls
+        # opened, for whichever tenant they act for (`LaneTransfers.fetch_transfer`).
+        self.peer = identity.role in ACTS_FOR_TENANTS
         self.transfers = server.transfers
         self.settings = server.settings
         # This connection's credit for each put transfer it joined.
-        self.credits: dict[bytes, Grant] = {}
+        self.credits: dict[bytes, _PutCredit] = {}
         self.told: set[bytes] = set()  # put transfers whose failure this connection reported
 
     def run(self) -> None:
@@ -402,7 +410,7 @@ class _Connection:
 
     def _send_fetch(self, frame: Frame) -> None:
         lane = self.lane
-        transfer = self.transfers.fetch_transfer(frame.transfer, self.tenant)
+        transfer = self.transfers.fetch_transfer(frame.transfer, self.tenant, self.peer)
         if transfer is None or not transfer.join(lane):
             failed = transfer.failed if transfer is not None else None
             if failed is not None:
@@ -467,47 +475,61 @@ class _Connection:
 
     def _join_put(self, frame: Frame) -> None:
         lane = self.lane
-        transfer = self.transfers.put_transfer(frame.transfer, self.tenant)
+        transfer = self.transfers.put_transfer(frame.transfer, self.tenant, self.peer)
         if transfer is None or not transfer.join(lane):
             self._tell_failed(frame.transfer, transfer)
             return
         if len(self.credits) >= MAX_PUTS_PER_CONNECTION:
             self.credits.pop(next(iter(self.credits)))
-        # No more than the put still needs: the blocks it lacks now, whoever sends them.
-        grant = Grant(max(self.settings.window_bytes, transfer.block_bytes), transfer.missing * transfer.block_bytes)
-        self.credits[transfer.id] = grant
+        # A sender that stops mid-block is one that stopped sending (put_idle_timeout_s).
+        lane.set_timeout(transfer.recv_timeout_s)
+        credit = _PutCredit(transfer, max(1, self.settings.window_bytes // transfer.block_bytes))
+        self.credits[transfer.id] = credit
         self.told.discard(transfer.id)
-        lane.send_frame(CREDIT, transfer.id, value=grant.first)
+        self._grant(transfer, credit, wait=True)
+
+    def _grant(self, transfer: PutTransfer, credit: _PutCredit, wait: bool) -> None:
+        """Credit this connection up to its window, out of the put's reserved slots that
+        no connection has credit for. With `wait` (the sender has none left), waits for
+        the window to move on; CREDIT 0 then means this connection gets no more (the
+        blocks left are covered by credit on the others)."""
+        try:
+            blocks = transfer.take_credit(credit.window_blocks - credit.blocks, wait)
+        except KVStoreError:
+            self._tell_failed(transfer.id, transfer)
+            return
+        if blocks or wait:
+            credit.blocks += blocks
+            self.lane.send_frame(CREDIT, transfer.id, value=blocks * transfer.block_bytes)
 
     def _receive(self, frame: Frame) -> None:
         lane = self.lane
-        grant = self.credits.get(frame.transfer)
-        if grant is None:
+        credit = self.credits.get(frame.transfer)
+        if credit is None:
             raise ProtocolError("DATA for a put this connection did not join (send PUSH first)")
-        if frame.length > grant.left:
-            transfer = self.transfers.put_transfer(frame.transfer, self.tenant)
-            if transfer is not None:
-                transfer.fail(grpc.StatusCode.INVALID_ARGUMENT, "a data lane sender exceeded its credit")
-            raise ProtocolError(f"a {frame.length}-byte block with {grant.left} bytes of credit left; a sender "
-                                "never sends more than it was granted")
-        more = grant.landed(frame.length)
-        transfer = self.transfers.put_transfer(frame.transfer, self.tenant)
-        dest = transfer.claim(frame.block, frame.length, lane) if transfer is not None else None
-        if transfer is None or dest is None:
+        left = credit.blocks * credit.block_bytes
+        transfer = credit.transfer
+        if frame.length > left:
+            transfer.fail(grpc.StatusCode.INVALID_ARGUMENT, "a data lane sender exceeded its credit")
+            raise ProtocolError(f"a {frame.length}-byte block with {left} bytes of credit left; a sender never "
+                                "sends more than it was granted")
+        dest = transfer.claim(frame.block, frame.length, lane)
+        if dest is None:
             lane.discard(frame.length + TRAILER.size, None)
             self._tell_failed(frame.transfer, transfer)
             return
+        credit.blocks -= 1
         try:
             got, want = lane.recv_block(dest, transfer.deadline)
         except BaseException as exc:
-            transfer.broke(frame.block, str(exc), lane)
+            transfer.broke(frame.block, exc, lane)
             raise
         transfer.landed(frame.block, got, want, lane)
         if transfer.failed is not None:
             self._tell_failed(frame.transfer, transfer)
             return
-        if more:
-            lane.send_frame(CREDIT, frame.transfer, value=more)
+        if credit.blocks <= credit.window_blocks // 2:  # topped up once half of it is used
+            self._grant(transfer, credit, wait=credit.blocks == 0)
 
     def _tell_failed(self, transfer_id: bytes, transfer: PutTransfer | None) -> None:
         """Report a failed or unknown put once on this connection; its sender stops there
@@ -515,11 +537,26 @@ class _Connection:
         if transfer_id in self.told:
             return
         self.told.add(transfer_id)
-        if transfer is None or transfer.failed is None:
+        failed = transfer.failed if transfer is not None else self.transfers.put_failure(transfer_id, self.tenant, self.peer)
+        if failed is None:
             self.lane.send_error(transfer_id, grpc.StatusCode.NOT_FOUND,
                                  "this data lane put is not open (committed, aborted, or expired)")
         else:
-            self.lane.send_error(transfer_id, transfer.failed.code, transfer.failed.message)
+            self.lane.send_error(transfer_id, failed.code, failed.message)
+
+
+class _PutCredit:
+    """One connection's credit for one put it joined, in blocks: granted and not yet
+    arrived. It keeps the transfer, so a sender that comes back after the put failed
+    and was let go hears why."""
+
+    __slots__ = ("transfer", "window_blocks", "block_bytes", "blocks")
+
+    def __init__(self, transfer: PutTransfer, window_blocks: int) -> None:
+        self.transfer = transfer
+        self.window_blocks = window_blocks
+        self.block_bytes = transfer.block_bytes
+        self.blocks = 0
 
 
 def _readable(lane: LaneSocket, timeout_s: float) -> bool:
@@ -567,3 +604,9 @@ class LaneCollector(Collector):
         yield transfers
         yield GaugeMetricFamily("kvstore_datalane_open_connections", "data lane connections open now",
                                 value=get("connections"))
+        yield GaugeMetricFamily("kvstore_datalane_put_reserved_bytes",
+                                "host-tier slots reserved for lane puts ahead of their bytes (at most "
+                                "max_put_reserve_bytes per put)", value=get("put_reserved_bytes"))
+        yield GaugeMetricFamily("kvstore_datalane_put_reserved_peak_bytes",
+                                "the most kvstore_datalane_put_reserved_bytes has been since the daemon started",
+                                value=get("put_reserved_peak_bytes"))

@@ -35,8 +35,9 @@ The per-call steps (request id, drain gate, auth, metrics, error mapping) are no
 lane alike. Failures are `kvstore.errors` exceptions, mapped to a status there.
 
 In a pool (`cluster`), a lookup whose chain goes on past the local prefix asks the other
-nodes (`ClusterNode.extend`), a committed put is forwarded to its units' owners
-(`forward_put`), and a fetch first waits for blocks a lookup is copying here; calls that
+nodes (`ClusterNode.extend`), a committed put (Put, or LaneCommit) is forwarded to its
+units' owners (`forward_put`), and a fetch (Fetch, or LaneFetch) first waits for blocks a
+lookup is copying here; calls that
 other nodes make (`Identity.peer`) are answered from this node alone.
 
 `context` may be None. The control lane (`kvstore.server.lane`) calls the unary methods
@@ -439,6 +440,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return await self._lane().open_put(request)
 
     async def LaneCommit(self, request: kvstore_pb2.LaneCommitRequest, context: Context) -> kvstore_pb2.PutResponse:
+        # In a pool, the transfers forward a committed lane put and make a lane fetch wait
+        # for pulls, as Put and Fetch do (kvstore.server.transfers).
         return await self._lane().commit(request)
 
     def _lane(self) -> LaneTransfers:

@@ -15,6 +15,12 @@ blocks from the transfer's hand-off queue and send them; a put's receive each bl
 straight into its PENDING slot, hashing it as it lands. The shared state of a transfer
 is guarded by its own lock; the loop is woken with `call_soon_threadsafe`.
 
+A put holds little ahead of its bytes, as a Put stream does: its slots are reserved by
+`PutTxn`'s window (`extend_window`), at most `put_window_bytes` (max_put_reserve_bytes)
+ahead of the blocks that landed, the first window when it opens and the next half as
+each half lands; the credit its connections get is taken out of reserved slots only.
+A put whose client sends nothing for `put_idle_timeout_s` is rolled back.
+
 Ordering decisions that matter:
 - Memory is never let go while a thread uses it. A fetch's blocks stay held (readers)
   until every thread that took one has finished sending it; a put's slots are freed
@@ -22,8 +28,10 @@ Ordering decisions that matter:
   transfer first refuses new work, then shuts the sockets of threads still at it (they
   fail at once), then waits for them.
 - A put is all or nothing: a block that fails its checksum on arrival, a connection that
-  breaks mid-block, or a block sent twice fails the whole transfer; the commit answers
-  the error and the slots are freed; nothing was ever visible (`PutTxn`).
+  breaks mid-block, a block sent twice or ahead of the window, a put that finds no room
+  mid-way or whose client stalls fails the whole transfer; it is rolled back at once
+  (its slots freed once no thread receives into them), its commit answers the error,
+  and nothing was ever visible (`PutTxn`).
 - A fetch ends at the first block the store could not verify (as the Fetch stream does);
   the lane's END frame carries how many blocks the result has.
 - Every transfer has a deadline (the client's, capped): past it the transfer is closed
@@ -37,7 +45,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, cast
@@ -47,7 +55,8 @@ import grpc
 from kvstore.core.fetch import FetchStream
 from kvstore.core.put import PutTxn
 from kvstore.core.store import Store
-from kvstore.datalane import VERSION, LaneSocket, checksum_of
+from kvstore.core.tier import Tier
+from kvstore.datalane import VERSION, LaneSocket, LaneTimeout, checksum_of
 from kvstore.errors import DeadlineExceeded, FailedPrecondition, KVStoreError, ResourceExhausted, error_for_status
 from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put
@@ -84,6 +93,10 @@ class LaneSettings:
     io_timeout_s: float = 30.0
     max_transfers: int = 1024
     max_block_bytes: int = 256 << 20
+    # A put's window and idle deadline: those of a Put stream (max_put_reserve_bytes,
+    # put_idle_timeout_s).
+    put_window_bytes: int = 64 << 20
+    put_idle_timeout_s: float = 30.0
 
 
 class LaneCounters:
@@ -92,7 +105,7 @@ class LaneCounters:
 
     FIELDS = ("bytes_in", "bytes_out", "blocks_in", "blocks_out", "blocks_rejected", "transfers_fetch",
               "transfers_put", "transfers_failed", "connections", "connections_total", "connections_refused",
-              "committed_bytes_in", "served_bytes_out")
+              "committed_bytes_in", "served_bytes_out", "put_reserved_bytes", "put_reserved_peak_bytes")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -104,6 +117,22 @@ class LaneCounters:
 
     def get(self, name: str) -> int:
         return self.values[name]
+
+    def reserved(self, nbytes: int) -> None:
+        """Slots of lane puts reserved (or, negative, let go) ahead of their bytes."""
+        with self._lock:
+            values = self.values
+            now = values["put_reserved_bytes"] = values["put_reserved_bytes"] + nbytes
+            if now > values["put_reserved_peak_bytes"]:
+                values["put_reserved_peak_bytes"] = now
+
+    def landed(self, nbytes: int) -> None:
+        """A lane put's block landed verified in its reserved slot."""
+        with self._lock:
+            values = self.values
+            values["blocks_in"] += 1
+            values["bytes_in"] += nbytes
+            values["put_reserved_bytes"] -= nbytes
 
 
 class TransferFailed(NamedTuple):
@@ -120,6 +149,9 @@ class Transfer:
                  loop: asyncio.AbstractEventLoop) -> None:
         self.id = transfer_id
         self.tenant = tenant
+        # The node whose node-to-node call opened it (else ""): a cluster credential's lane
+        # connection may join it whatever tenant it is for.
+        self.peer = ""
         self.deadline = deadline  # time.monotonic()
         self.connections = connections
         self.loop = loop
@@ -332,33 +364,120 @@ class FetchTransfer(Transfer):
 
 
 class PutTransfer(Transfer):
-    """A put on the lane: PENDING slots that connection threads receive blocks into
-    (`claim`, then `landed` or `broke`); the loop commits once all have landed."""
+    """A put on the lane: PENDING slots reserved in a window ahead of the blocks that
+    landed (`reserve_ahead`, on the loop, in batches: `PutTxn.extend_window`), credit
+    for reserved slots only (`take_credit`), and connection threads receiving blocks
+    into them (`claim`, then `landed` or `broke`); the loop commits once all landed.
+
+    Credit, over all of a put's connections together, never exceeds the slots reserved:
+    a sender takes a block only once it holds credit for it, and takes them in order, so
+    the blocks it sends are always among the reserved ones; one that is not is refused
+    (`claim`). The window moves on once half of it has landed, so the senders keep
+    credit while the next half is reserved."""
 
     kind: ClassVar[str] = "put"
 
     def __init__(self, transfer_id: bytes, tenant: str, deadline: float, connections: int,
-                 loop: asyncio.AbstractEventLoop, txn: PutTxn, header: kvstore_pb2.PutHeader,
-                 views: list[memoryview | None], counters: LaneCounters) -> None:
+                 loop: asyncio.AbstractEventLoop, txn: PutTxn, header: kvstore_pb2.PutHeader, blocks: int,
+                 host: Tier, counters: LaneCounters, idle_s: float, recv_timeout_s: float) -> None:
         super().__init__(transfer_id, tenant, deadline, connections, loop)
         self.txn = txn
         self.header = header
-        self.views = views
+        self.host = host
         self.block_bytes = txn.block_bytes
         self.counters = counters
-        self.needed = bytes(0 if v is None else 1 for v in views)
-        self.missing = sum(self.needed)
-        self.claimed = bytearray(len(views))
-        self.sums = [0] * len(views)
+        self.order = txn.needed()  # the blocks to receive, in the order their slots are reserved
+        needed = bytearray(blocks)
+        for i in self.order:
+            needed[i] = 1
+        self.needed = bytes(needed)
+        self.views: list[memoryview | None] = [None] * blocks  # set as slots are reserved
+        self.missing = len(self.order)
+        self.claimed = bytearray(blocks)
+        self.sums = [0] * blocks
         self.writers = 0
         self.committing = False
+        self.ending = False  # forgotten and rolled back, or about to be
+        self.window_blocks = max(1, txn.window_blocks)
+        self.batch_blocks = max(1, self.window_blocks // 2)
+        self.reserved = 0  # leading blocks of `order` with a slot
+        self.credited = 0  # blocks of credit granted, all connections together (<= reserved)
+        self.reserving = False  # the loop reserves more slots now (or was asked to)
+        self.idle_s = idle_s
+        self.recv_timeout_s = recv_timeout_s  # what a connection of this put waits for bytes
+        self.active_at = time.monotonic()  # last sign of life from the client (or work of the daemon's)
+        self.idle_timer: asyncio.TimerHandle | None = None
+        # Called on the loop when the transfer fails (set by `LaneTransfers`).
+        self.on_failed: Callable[[], None] | None = None
+        self._released = False
         self._landed = asyncio.Event()  # all needed blocks landed, or the transfer failed
         self._idle = asyncio.Event()
+        self._more = asyncio.Event()  # `reserving` was set, or the transfer failed or closed
         if not self.missing:
             self._landed.set()
 
     def _on_failed(self) -> None:
         self.wake(self._landed)
+        self.wake(self._more)
+        if self.on_failed is not None:
+            try:
+                self.loop.call_soon_threadsafe(self.on_failed)
+            except RuntimeError:  # the loop is closed: the daemon is gone
+                pass
+
+    def idle_message(self) -> str:
+        return (f"the data lane put sent nothing for {self.idle_s:g} s (put_idle_timeout_s); it was rolled back and "
+                "nothing of it was stored: send its blocks without pauses, then commit")
+
+    # -------------------------------------------------------------- loop side: the window
+
+    async def reserve_ahead(self) -> None:
+        """Slots for the blocks after those reserved, up to a window ahead of the blocks
+        that landed (making room as a put does)."""
+        with self.lock:
+            landed = len(self.order) - self.missing
+            count = min(landed + self.window_blocks, len(self.order)) - self.reserved
+        positions = await self.txn.extend_window(count) if count > 0 else []
+        nb, host = self.block_bytes, self.host
+        with self.lock:
+            if self.closed or self.failed is not None:
+                # Rolled back meanwhile: the transaction frees them.
+                self.reserving = False
+                return
+            views = self.views
+            txn = self.txn
+            for i in positions:
+                slot = txn.slot(i)
+                assert slot is not None
+                views[i] = host.view(slot, nb)
+            self.reserved += len(positions)
+            self.active_at = time.monotonic()
+            self.reserving = self._wants_slots()
+            self.lock.notify_all()  # connections waiting for credit
+        self.counters.reserved(len(positions) * nb)
+
+    def _wants_slots(self) -> bool:
+        """(under the lock) Whether half a window has landed since the last reservation."""
+        total = len(self.order)
+        return (self.reserved < total
+                and total - self.missing + self.window_blocks - self.reserved >= self.batch_blocks)
+
+    async def keep_reserving(self) -> None:
+        """Move the window on whenever a connection asks (`landed`), until every block has
+        a slot or the transfer ends. A put that finds no room fails; its slots are freed."""
+        while True:
+            await self.until(self._more, lambda: self.failed is not None or self.closed or self.reserving)
+            with self.lock:
+                if self.failed is not None or self.closed:
+                    return
+            try:
+                await self.reserve_ahead()
+            except KVStoreError as exc:
+                self.fail(exc.code, f"data lane put: {exc}")
+                return
+            with self.lock:
+                if self.reserved >= len(self.order):
+                    return
 
     # -------------------------------------------------------------- connection threads
 
@@ -367,12 +486,39 @@ class PutTransfer(Transfer):
             if self.closed or self.failed is not None:
                 return False
             self.joined += 1
+            self.active_at = time.monotonic()
             return True
+
+    def take_credit(self, most: int, wait: bool) -> int:
+        """Credit for one connection: up to `most` blocks of the reserved slots no
+        connection has credit for yet. With `wait`, waits until there are some, or until
+        every block the put needs has credit (0: this connection gets no more). Raises
+        `KVStoreError` if the transfer failed or passed its deadline."""
+        with self.lock:
+            while True:
+                if self.failed is not None:
+                    raise error_for_status(self.failed.code, self.failed.message)
+                if self.closed:  # committed: every block had its credit
+                    return 0
+                free = self.reserved - self.credited
+                if free > 0 and most > 0:
+                    got = min(most, free)
+                    self.credited += got
+                    if self.credited >= len(self.order):
+                        self.lock.notify_all()  # connections waiting for credit get none
+                    return got
+                if not wait or self.credited >= len(self.order):
+                    return 0
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineExceeded("the data lane put passed its deadline waiting for room")
+                self.lock.wait(left)
 
     def claim(self, block: int, length: int, sock: LaneSocket) -> memoryview | None:
         """The slot to receive block `block` into, or None when the transfer failed or
         closed (the caller reads the frame and drops it). A block the put does not need,
-        one sent twice, or of the wrong size fails the transfer."""
+        one sent twice, of the wrong size, or one whose slot is not reserved (sent ahead
+        of the window) fails the transfer."""
         with self.lock:
             if self.closed or self.failed is not None:
                 return None
@@ -385,22 +531,30 @@ class PutTransfer(Transfer):
                 problem = f"block {block} was sent twice"
             elif length != self.block_bytes:
                 problem = f"block {block} is {length} bytes; a block of this namespace is {self.block_bytes}"
+            elif self.views[block] is None:
+                problem = (f"block {block} was sent ahead of the put's window (its slot is not reserved yet); a "
+                           "sender takes a put's blocks in order, each once it holds credit for it")
             if not problem:
                 self.claimed[block] = 1
                 self.writers += 1
                 self.sockets.add(sock)
+                self.active_at = time.monotonic()
                 return self.views[block]
         self.fail(grpc.StatusCode.INVALID_ARGUMENT, f"data lane put: {problem}")
         return None
 
     def landed(self, block: int, got: int, want: int, sock: LaneSocket) -> None:
         bad = got != want
+        more = False
         with self.lock:
             self.writers -= 1
             self.sockets.discard(sock)
             if not bad:
                 self.sums[block] = got
                 self.missing -= 1
+                self.active_at = time.monotonic()
+                if not self.reserving and self._wants_slots():
+                    self.reserving = more = True
             complete = not bad and self.missing == 0
             idle = self.writers == 0 and self.closed
         if bad:
@@ -410,20 +564,27 @@ class PutTransfer(Transfer):
                       f"block {block} failed its checksum on arrival over the data lane; nothing of the put was "
                       "stored: retry it")
         else:
-            self.counters.add("blocks_in")
-            self.counters.add("bytes_in", self.block_bytes)
+            self.counters.landed(self.block_bytes)
+        if more:
+            self.wake(self._more)
         if complete:
             self.wake(self._landed)
         if idle:
             self.wake(self._idle)
 
-    def broke(self, block: int, reason: str, sock: LaneSocket) -> None:
-        """Receiving block `block` failed midway (the connection broke or timed out)."""
+    def broke(self, block: int, error: BaseException, sock: LaneSocket) -> None:
+        """Receiving block `block` failed midway (the connection broke, or its sender
+        stopped: nothing arrived for `recv_timeout_s`)."""
         with self.lock:
             self.writers -= 1
             self.sockets.discard(sock)
             idle = self.writers == 0 and self.closed
-        self.fail(grpc.StatusCode.UNAVAILABLE, f"the data lane connection broke while block {block} arrived: {reason}")
+        if (isinstance(error, LaneTimeout) and self.recv_timeout_s >= self.idle_s
+                and time.monotonic() < self.deadline):
+            self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, self.idle_message())
+        else:
+            self.fail(grpc.StatusCode.UNAVAILABLE,
+                      f"the data lane connection broke while block {block} arrived: {error}")
         if idle:
             self.wake(self._idle)
 
@@ -446,10 +607,17 @@ class PutTransfer(Transfer):
         with self.lock:
             self.closed = True
             busy = self.writers
+            self.lock.notify_all()  # connections waiting for credit
+        self._more.set()
         if busy:
             self.shut_sockets()
             await self.until(self._idle, lambda: self.writers == 0)
-        self.views = []
+        with self.lock:
+            self.views = []
+            ahead = 0 if self._released else self.reserved - (len(self.order) - self.missing)
+            self._released = True
+        if ahead:
+            self.counters.reserved(-ahead * self.block_bytes)
 
 
 class LaneTransfers:
@@ -468,6 +636,10 @@ class LaneTransfers:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timers: dict[bytes, asyncio.TimerHandle] = {}
         self._closing = False
+        # Why recent puts failed, for their LaneCommit and senders that come late (they
+        # are rolled back at once). Connection threads read it: under its own lock.
+        self._failed_puts: OrderedDict[bytes, tuple[str, str, TransferFailed]] = OrderedDict()
+        self._failed_lock = threading.Lock()
         host = next((st.tier for st in store.tiers if st.name == HOST), None)
         self._host = host
 
@@ -508,6 +680,9 @@ class LaneTransfers:
         timer = self._timers.pop(transfer.id, None)
         if timer is not None:
             timer.cancel()
+        if isinstance(transfer, PutTransfer) and transfer.idle_timer is not None:
+            transfer.idle_timer.cancel()
+            transfer.idle_timer = None
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -548,6 +723,7 @@ class LaneTransfers:
         transfer = FetchTransfer(secrets.token_bytes(16), current_identity().tenant, deadline,
                                  self._connections(request.connections), asyncio.get_running_loop(), stream,
                                  self.counters)
+        transfer.peer = current_identity().peer
         self._register(transfer, loop_deadline)
         self.counters.add("transfers_fetch")
         self._spawn(self._run_fetch(transfer), "kvstore-lane-fetch")
@@ -570,43 +746,108 @@ class LaneTransfers:
         self._admit()
         if self._host is None:
             raise FailedPrecondition("this daemon has no host tier for data lane puts; use Put")
-        resolver, store = self.resolver, self.store
+        resolver, store, settings = self.resolver, self.store, self.settings
         header = request.header
         info = resolver.put_namespace(header.namespace)  # filed when the put publishes
         if info.layout.groups:
             raise FailedPrecondition(GROUPED_NOT_ON_LANE)
         hashes, parent = resolver.put_keys(info, header)
         resolver.put_session(header)  # checked now; applied at commit
-        txn = store.begin_put(info, hashes, parent, tier=HOST)
+        # Slots are reserved a window at a time as the blocks land, as for a Put stream.
+        txn = store.begin_put(info, hashes, parent, tier=HOST, window_bytes=settings.put_window_bytes)
         await txn.reserve()
         try:
-            host = self._host
-            nb = txn.block_bytes
-            views = [None if slot is None else host.view(slot, nb) for slot in txn.slots()]
             deadline, loop_deadline = self._deadline(request.timeout_ms)
             transfer = PutTransfer(secrets.token_bytes(16), current_identity().tenant, deadline,
                                    self._connections(request.connections), asyncio.get_running_loop(), txn, header,
-                                   views, self.counters)
+                                   len(hashes), self._host, self.counters, settings.put_idle_timeout_s,
+                                   min(settings.io_timeout_s, settings.put_idle_timeout_s))
+            # The first window now: the connections get credit as soon as they join.
+            await transfer.reserve_ahead()
         except BaseException:
             txn.abort()
             raise
+        transfer.peer = current_identity().peer
         self._register(transfer, loop_deadline)
+        transfer.on_failed = lambda: self._put_failed(transfer)
+        self._arm_idle(transfer, settings.put_idle_timeout_s)
+        if transfer.reserved < len(transfer.order):
+            self._spawn(self._run_reserver(transfer), "kvstore-lane-reserve")
         self.counters.add("transfers_put")
-        return kvstore_pb2.LanePutResponse(transfer_id=transfer.id, needed=transfer.needed, block_bytes=nb,
-                                           namespace_id=info.namespace_id,
+        return kvstore_pb2.LanePutResponse(transfer_id=transfer.id, needed=transfer.needed,
+                                           block_bytes=transfer.block_bytes, namespace_id=info.namespace_id,
                                            expires_in_ms=int((deadline - time.monotonic()) * 1000))
+
+    async def _run_reserver(self, transfer: PutTransfer) -> None:
+        try:
+            await transfer.keep_reserving()
+        except Exception:  # task boundary: the put fails, its slots are freed
+            logger.exception("data lane put failed while reserving slots")
+            transfer.fail(grpc.StatusCode.INTERNAL, "the daemon failed this put; see its log")
+
+    def _arm_idle(self, transfer: PutTransfer, delay_s: float) -> None:
+        transfer.idle_timer = asyncio.get_running_loop().call_later(delay_s, self._check_idle, transfer)
+
+    def _check_idle(self, transfer: PutTransfer) -> None:
+        """Roll back a put whose client sent nothing for `put_idle_timeout_s`. A block on
+        its way is bounded by its connection's receive timeout instead, and the daemon's
+        own work (making room) is not the client's silence."""
+        transfer.idle_timer = None
+        if transfer.ending or self._open.get(transfer.id) is not transfer:
+            return
+        idle_s = self.settings.put_idle_timeout_s
+        now = time.monotonic()
+        with transfer.lock:
+            if transfer.committing and transfer.missing == 0:
+                return  # every byte is in; the commit publishes
+            if transfer.writers or transfer.reserving:
+                transfer.active_at = now
+            quiet_s = now - transfer.active_at
+        if quiet_s < idle_s:
+            self._arm_idle(transfer, idle_s - quiet_s)
+            return
+        logger.info("data lane put sent nothing for %g s; rolled back", idle_s)
+        transfer.fail(grpc.StatusCode.DEADLINE_EXCEEDED, transfer.idle_message())
+
+    def _put_failed(self, transfer: PutTransfer) -> None:
+        """(on the loop) A put failed: roll it back now, and keep why for its LaneCommit.
+        A commit under way rolls back itself."""
+        failed = transfer.failed
+        if transfer.ending or transfer.committing or failed is None:
+            return
+        with self._failed_lock:
+            self._failed_puts[transfer.id] = (transfer.tenant, transfer.peer, failed)
+            while len(self._failed_puts) > max(16, self.settings.max_transfers):
+                self._failed_puts.popitem(last=False)
+        self.counters.add("transfers_failed")
+        self._end(transfer)
+
+    def _end(self, transfer: PutTransfer) -> None:
+        """Forget a put and roll it back (once no thread receives into its slots)."""
+        if transfer.ending:
+            return
+        transfer.ending = True
+        self._forget(transfer)
+        self._spawn(self._roll_back(transfer), "kvstore-lane-abort")
 
     async def commit(self, request: kvstore_pb2.LaneCommitRequest) -> kvstore_pb2.PutResponse:
         transfer = self._open.get(request.transfer_id)
-        if (not isinstance(transfer, PutTransfer) or transfer.tenant != current_identity().tenant
-                or transfer.committing):
+        tenant = current_identity().tenant
+        if (not isinstance(transfer, PutTransfer) or transfer.tenant != tenant or transfer.committing
+                or transfer.ending):
+            why = self.put_failure(request.transfer_id, tenant)
+            if why is not None:
+                with self._failed_lock:
+                    self._failed_puts.pop(request.transfer_id, None)
+                if request.abort:
+                    return kvstore_pb2.PutResponse()
+                raise error_for_status(why.code, why.message)
             raise FailedPrecondition("this data lane put is not open: it was committed, aborted, or rolled back "
                                      "after its deadline; put the blocks again")
         txn = transfer.txn
         if request.abort:
-            self._forget(transfer)
+            self._end(transfer)
             transfer.fail(grpc.StatusCode.ABORTED, "the client aborted the put")
-            self._spawn(self._roll_back(transfer), "kvstore-lane-abort")
             return kvstore_pb2.PutResponse()
         # Blocks may still be landing: the transfer stays findable by the lane's threads
         # until the commit is done; its deadline now bounds the wait below instead.
@@ -628,7 +869,7 @@ class LaneTransfers:
             transfer.fail(grpc.StatusCode.ABORTED, "the put failed")
             # Not awaited here: a cancelled commit must still roll back, once no thread
             # receives into the slots.
-            self._spawn(self._roll_back(transfer), "kvstore-lane-abort")
+            self._end(transfer)
             raise
         self.counters.add("committed_bytes_in", result.stored * transfer.block_bytes)
         header = transfer.header
@@ -656,39 +897,50 @@ class LaneTransfers:
         if transfer is None:
             return
         logger.info("data lane %s transfer expired before it finished", transfer.kind)
-        transfer.fail(grpc.StatusCode.DEADLINE_EXCEEDED, f"the data lane {transfer.kind} passed its deadline")
         if isinstance(transfer, PutTransfer):
-            self._forget(transfer)
+            self._end(transfer)
             self.counters.add("transfers_failed")
-            self._spawn(self._roll_back(transfer), "kvstore-lane-abort")
+        transfer.fail(grpc.StatusCode.DEADLINE_EXCEEDED, f"the data lane {transfer.kind} passed its deadline")
         # A fetch's pump sees the failure, releases its blocks and forgets it.
 
     # -------------------------------------------------------------- connection threads
 
-    def fetch_transfer(self, transfer_id: bytes, tenant: str) -> FetchTransfer | None:
-        """The open fetch `transfer_id` of `tenant` (another tenant's is not found)."""
+    def fetch_transfer(self, transfer_id: bytes, tenant: str, peer: bool = False) -> FetchTransfer | None:
+        """The open fetch `transfer_id` of `tenant` (another tenant's is not found); with
+        `peer` (a cluster credential's connection), also one a node-to-node call opened."""
         transfer = self._open.get(transfer_id)
-        if isinstance(transfer, FetchTransfer) and transfer.tenant == tenant:
+        if isinstance(transfer, FetchTransfer) and (transfer.tenant == tenant or (peer and transfer.peer)):
             return transfer
         return None
 
-    def put_transfer(self, transfer_id: bytes, tenant: str) -> PutTransfer | None:
+    def put_failure(self, transfer_id: bytes, tenant: str, peer: bool = False) -> TransferFailed | None:
+        """Why `tenant`'s put `transfer_id` failed, if it did so lately (and was let go);
+        with `peer`, also one a node-to-node call opened."""
+        with self._failed_lock:
+            failed = self._failed_puts.get(transfer_id)
+        return failed[2] if failed is not None and (failed[0] == tenant or (peer and failed[1])) else None
+
+    def put_transfer(self, transfer_id: bytes, tenant: str, peer: bool = False) -> PutTransfer | None:
         transfer = self._open.get(transfer_id)
-        if isinstance(transfer, PutTransfer) and transfer.tenant == tenant:
+        if isinstance(transfer, PutTransfer) and (transfer.tenant == tenant or (peer and transfer.peer)):
             return transfer
         return None
 
     # -------------------------------------------------------------- shutdown
 
+    def interrupt(self) -> None:
+        """Fail every open transfer (the daemon is stopping): connection threads waiting
+        on one (for credit, for blocks to send) wake and leave."""
+        self._closing = True
+        for transfer in list(self._open.values()):
+            if isinstance(transfer, PutTransfer):
+                self._end(transfer)
+            transfer.fail(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
+
     async def close(self) -> None:
         """Fail every open transfer and wait until their blocks and slots are released.
         Call after the lane's connections are shut (no thread is left to wait for)."""
-        self._closing = True
-        for transfer in list(self._open.values()):
-            transfer.fail(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
-            if isinstance(transfer, PutTransfer):
-                self._forget(transfer)
-                self._spawn(self._roll_back(transfer), "kvstore-lane-abort")
+        self.interrupt()
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         for timer in self._timers.values():

@@ -57,19 +57,21 @@ def chain(layout: KVLayout, n: int, seed: int) -> tuple[list[int], list[bytes]]:
 
 @contextlib.asynccontextmanager
 async def pool(tmp_path: Path, n: int, *, etcd: str = "", prefix: str = "", first: int = 0,
-               **overrides: Any) -> AsyncIterator[list[Daemon]]:
-    """`n` daemons n{first}..: a static pool on loopback, or one on etcd (`etcd` endpoint)."""
+               per_node: Sequence[dict[str, Any]] = (), **overrides: Any) -> AsyncIterator[list[Daemon]]:
+    """`n` daemons n{first}..: a static pool on loopback, or one on etcd (`etcd` endpoint);
+    `per_node[i]`: settings of the i-th daemon alone."""
     ports = [free_port() for _ in range(n)]
     ids = [f"n{first + i}" for i in range(n)]
     peers = tuple(f"{node}=127.0.0.1:{port}" for node, port in zip(ids, ports))
     started: list[Daemon] = []
     try:
-        for node, port in zip(ids, ports):
+        for i, (node, port) in enumerate(zip(ids, ports)):
             d = tmp_path / node
             d.mkdir(exist_ok=True)
             cluster: dict[str, Any] = {"cluster_etcd": (etcd,), "cluster_prefix": prefix,
                                        "cluster_lease_ttl_s": 2} if etcd else {"cluster_peers": peers}
-            options = {"cluster_lookup_timeout_ms": LOOKUP_TIMEOUT_MS, **cluster, **overrides}
+            options = {"cluster_lookup_timeout_ms": LOOKUP_TIMEOUT_MS, **cluster, **overrides,
+                       **(per_node[i] if i < len(per_node) else {})}
             cfg = make_config(d, listen=(f"unix:{d / 'kv.sock'}", f"127.0.0.1:{port}"), cluster=True,
                               node_id=node, **options)
             daemon = Daemon(cfg)

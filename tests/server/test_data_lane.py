@@ -199,7 +199,8 @@ def test_puts_larger_than_the_window_keep_their_connection(tmp_path):
     last block: those late CREDIT frames do not cost the pooled connection."""
     n = 2 * (1 << 20) // BB
     with daemon_in_thread(make_config(tmp_path, data_lane_window=1 << 20)) as running:
-        # Two connections: each is granted credit for the whole put, and sends half of it.
+        # Two connections share the put's credit (each up to data_lane_window), as its
+        # slots are reserved; whichever has credit sends the next block.
         with Client(running.tcp_target, data_plane="lane", data_lane_connections=2) as kv:
             for r in range(3):
                 data = blocks_for(n, seed=30 + r)
