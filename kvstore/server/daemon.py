@@ -76,7 +76,8 @@ from kvstore.server.reflection import enable_reflection
 from kvstore.server.requests import RequestResolver
 from kvstore.server.runtime import RuntimeConfig
 from kvstore.server.servicer import KVStoreServicer
-from kvstore.server.transfers import LaneSettings, LaneTransfers
+from kvstore.server.transfer import LaneSettings
+from kvstore.server.transfers import LaneTransfers
 from kvstore.tiers import (
     HBM,
     HOST,

@@ -75,7 +75,10 @@ from kvstore.laneproto import method_path
 from kvstore.server.auth import ACTS_FOR_TENANTS, Authenticator, Identity
 from kvstore.server.config import Config
 from kvstore.server.listen import ListenAddress, is_loopback, parse_listen, prepare_unix_path
-from kvstore.server.transfers import FetchTransfer, LaneCounters, LaneTransfers, PutTransfer
+from kvstore.server.fetch_transfer import FetchTransfer
+from kvstore.server.put_transfer import PutTransfer
+from kvstore.server.transfer import LaneCounters
+from kvstore.server.transfers import LaneTransfers
 from kvstore.v1 import kvstore_pb2
 
 logger = logging.getLogger(__name__)

@@ -195,7 +195,7 @@ class Metrics:
 
     def count_lane(self, counts: Callable[[str], int]) -> None:
         """Split the data lane's bytes out of the plane labels (`counts(name)`, by the
-        names of `kvstore.server.transfers.LaneCounters`)."""
+        names of `kvstore.server.transfer.LaneCounters`)."""
         self._store_collector.lane = counts
 
     def exposition(self) -> bytes:
