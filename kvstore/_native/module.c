@@ -55,6 +55,9 @@ static PyMethodDef methods[] = {
     {"frame_copy", frame_copy, METH_VARARGS,
      "frame_copy(prefixes, src, chunk) -> (messages, checksum)\n\n"
      "Each prefix followed by a copy of its chunk of src, and the XXH3-64 of the copied payload."},
+    {"rendezvous_scores", rendezvous_scores, METH_VARARGS,
+     "rendezvous_scores(prefix, keys, key_bytes, out) -> int\n\n"
+     "XXH3-64 of prefix || key for each key_bytes-byte key of keys, into out (one uint64 each)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -56,5 +56,6 @@ KV_INTERNAL PyObject *bind_xxhash(PyObject *self, PyObject *arg);
 KV_INTERNAL PyObject *chain_hashes(PyObject *self, PyObject *args);
 KV_INTERNAL PyObject *copy_hash(PyObject *self, PyObject *args);
 KV_INTERNAL PyObject *frame_copy(PyObject *self, PyObject *args);
+KV_INTERNAL PyObject *rendezvous_scores(PyObject *self, PyObject *args);
 
 #endif

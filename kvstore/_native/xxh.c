@@ -186,6 +186,53 @@ done:
     return out;
 }
 
+/* rendezvous_scores(prefix, keys, key_bytes, out)
+
+   XXH3-64 of `prefix || key` for each `key_bytes`-byte key of `keys`, into `out` (a
+   writable buffer of one uint64 per key): one member's rendezvous scores for many
+   placement units (kvstore.cluster.placement), without a Python step per unit. */
+KV_INTERNAL PyObject *
+rendezvous_scores(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer prefix, keys, out;
+    Py_ssize_t key_bytes;
+    if (!need_xxhash())
+        return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*nw*", &prefix, &keys, &key_bytes, &out))
+        return NULL;
+    PyObject *result = NULL;
+    unsigned char *buf = NULL;
+    if (key_bytes <= 0 || keys.len % key_bytes != 0) {
+        PyErr_Format(PyExc_ValueError, "keys: %zd bytes is not a whole number of %zd-byte keys", keys.len, key_bytes);
+        goto done;
+    }
+    Py_ssize_t n = keys.len / key_bytes;
+    if (out.len != n * (Py_ssize_t)sizeof(uint64_t)) {
+        PyErr_Format(PyExc_ValueError, "out: %zd bytes for %zd scores of 8 bytes", out.len, n);
+        goto done;
+    }
+    buf = PyMem_RawMalloc((size_t)(prefix.len + key_bytes));
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(buf, prefix.buf, (size_t)prefix.len);
+    const unsigned char *k = keys.buf;
+    uint64_t *o = out.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(buf + prefix.len, k + i * key_bytes, (size_t)key_bytes);
+        o[i] = X.h64(buf, (size_t)(prefix.len + key_bytes));
+    }
+    result = PyLong_FromSsize_t(n);
+done:
+    PyMem_RawFree(buf);
+    PyBuffer_Release(&prefix);
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 /* Bytes copied and then hashed at a time: small enough that the copy is still in the
    first-level cache when it is hashed. */
 #ifndef COPY_PIECE

@@ -43,6 +43,7 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import ConfigError
+from kvstore.native import XXH3, native
 
 # Smaller units keep a pool's hit ratio closer to one shared cache, larger ones touch
 # fewer nodes per prompt and cost a lookup less work per block; docs/cluster.md has the
@@ -151,7 +152,17 @@ class _Ranker:
         names = self._names
         if len(names) <= 1:
             return [names[0] if names else ""] * len(unit_keys)
-        scores = np.array([[_score64(pre + k) for k in unit_keys] for pre in self._prefixes], dtype=np.uint64)
+        n = len(unit_keys)
+        size = len(unit_keys[0]) if n else 0
+        if XXH3 and n and all(len(k) == size for k in unit_keys):
+            # Each member's scores for every key in one native pass (a chain has hundreds
+            # of units; a Python hash call per member and unit cost milliseconds).
+            joined = b"".join(unit_keys)
+            scores = np.empty((len(names), n), np.uint64)
+            for row, pre in zip(scores, self._prefixes):
+                native.rendezvous_scores(pre, joined, size, row)
+        else:
+            scores = np.array([[_score64(pre + k) for k in unit_keys] for pre in self._prefixes], dtype=np.uint64)
         return [names[i] for i in scores.argmax(axis=0).tolist()]
 
     def top(self, unit_key: bytes, count: int) -> tuple[str, ...]:

@@ -234,3 +234,23 @@ def test_bad_settings_are_config_errors() -> None:
         Placement(["a"], unit_blocks=0)
     with pytest.raises(ConfigError):
         HotUnits(threshold=0)
+
+
+def test_routing_many_units_at_once_answers_as_one_at_a_time() -> None:
+    """`route_many` (a lookup's units, scored per member in one native pass) gives each
+    unit the owners and lookup targets `owners` / `lookup_targets` give it alone, in and
+    out of a grace period, and the owners are those `rank` names."""
+    clock = ManualClock(100.0)
+    members = ["n0", "n1", "n2"]
+    p = Placement(members, grace_s=30.0, clock=clock)
+    sample = keys(700, seed=11)
+    owners, targets = p.route_many(sample)
+    assert [o[0] for o in owners] == [rank(members, k, 1)[0] for k in sample]
+    assert owners == [p.owners(k) for k in sample] and targets == [p.lookup_targets(k) for k in sample]
+    p.update([*members, "n3"])
+    owners, targets = p.route_many(sample)
+    assert owners == [p.owners(k) for k in sample] and targets == [p.lookup_targets(k) for k in sample]
+    assert any(len(t) == 2 for t in targets)  # previous owners asked in the grace period
+    # Keys of another length (none the read path makes) take the per-key path, same answers.
+    odd = [k + b"x" for k in sample[:50]]
+    assert p.route_many(odd)[0] == [p.owners(k) for k in odd]
