@@ -11,7 +11,7 @@ back to the generated classes, so the wire contract stays the .proto file's.
 Primitives: `encode_chunk`, `decode_chunk`, and the (de)serializers that plug them into
 gRPC for the Put and Fetch methods (`put_request_*`, `fetch_response_*`); `Framed`, what a
 framer makes of a block for a fetch stream (kvstore.core.fetch), and `copy_frame`, the
-plain one.
+plain one; `varint`, for other hand-written messages (the pool's lookup requests).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class RawChunk:
     data: memoryview
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """`n` as a protobuf base-128 varint (what a message's lengths and tags are written in)."""
     out = bytearray()
     while True:
         byte = n & 0x7F
@@ -88,8 +89,8 @@ def encode_chunk(block: int, data: bytes | memoryview) -> bytes:
 
 def chunk_prefix(block: int, size: int) -> bytes:
     """The bytes of a chunk message before its `size` bytes of data."""
-    inner = (_BLOCK_TAG + _varint(block) if block else b"") + (_DATA_TAG + _varint(size) if size else b"")
-    return b"".join((_CHUNK_TAG, _varint(len(inner) + size), inner))
+    inner = (_BLOCK_TAG + varint(block) if block else b"") + (_DATA_TAG + varint(size) if size else b"")
+    return b"".join((_CHUNK_TAG, varint(len(inner) + size), inner))
 
 
 def decode_chunk(raw: bytes) -> RawChunk | None:

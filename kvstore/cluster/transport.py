@@ -51,6 +51,7 @@ from kvstore.wire import (
     encode_chunk,
     fetch_response_deserializer,
     put_request_serializer,
+    varint,
 )
 from kvstore.v1 import kvstore_pb2
 
@@ -88,32 +89,20 @@ class PeerCall:
     @classmethod
     def of(cls, tenant: str, layout: kvstore_pb2.Layout) -> PeerCall:
         ns = kvstore_pb2.Namespace(layout=layout).SerializeToString()
-        return cls(tenant, layout, b"\x0a" + _varint(len(ns)) + ns)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
+        return cls(tenant, layout, b"\x0a" + varint(len(ns)) + ns)
 
 
 def lookup_request_bytes(call: PeerCall, hashes: bytes) -> bytes:
     """A LookupRequest naming `hashes` (packed), answer packed, hashes omitted: the bytes
     protobuf would write for it (field order aside, which parsers accept in any order)."""
     namespace = call.namespace_field or _namespace_field(call.layout)
-    keys = b"\x22" + _varint(len(hashes)) + hashes + b"\x18\x01"  # packed_hashes, packed_reply
-    return namespace + b"\x12" + _varint(len(keys)) + keys + b"\x28\x01"  # keys, omit_hashes
+    keys = b"\x22" + varint(len(hashes)) + hashes + b"\x18\x01"  # packed_hashes, packed_reply
+    return namespace + b"\x12" + varint(len(keys)) + keys + b"\x28\x01"  # keys, omit_hashes
 
 
 def _namespace_field(layout: kvstore_pb2.Layout) -> bytes:
     ns = kvstore_pb2.Namespace(layout=layout).SerializeToString()
-    return b"\x0a" + _varint(len(ns)) + ns
+    return b"\x0a" + varint(len(ns)) + ns
 
 
 class PeerError(Exception):
