@@ -25,7 +25,8 @@ from kvstore.convert import layout_to_proto
 from kvstore.errors import KVStoreError
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import kvstore_pb2
-from tests.cluster.lane_proxy import LaneProxy, make_pki
+from tests.cluster.pki import make_pki
+from tests.lane_proxy import LaneProxy
 from tests.cluster.pool_fixtures import Tokens, chain, free_port, info, pool, unix_target
 
 LAYOUT = SMALL_LAYOUT

@@ -28,7 +28,6 @@ from kvstore.datalane import (
     HEADER_BYTES,
     HELLO,
     PUSH,
-    TRAILER,
     VERSION,
     WELCOME,
     LaneSocket,
@@ -54,6 +53,7 @@ from kvstore.server.auth import hash_token, new_token
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from conftest import RunningDaemon, daemon_in_thread, make_config
+from tests.lane_proxy import LaneProxy
 
 # 32 KiB blocks: small enough for many of them in a 16 MiB host tier.
 LAYOUT = KVLayout(model="test/lane", dtype="float16", num_layers=4, num_kv_heads=4, head_dim=64,
@@ -740,94 +740,10 @@ def test_the_lane_refuses_missing_and_wrong_tokens_and_keeps_tenants_apart(tmp_p
 # ------------------------------------------------------------------ bytes flipped in flight
 
 
-class FlippingProxy:
-    """A TCP proxy in front of the daemon's lane that flips one byte in the payload of
-    the first DATA frame going `direction` ("to_daemon" or "to_client")."""
-
-    def __init__(self, direction: str) -> None:
-        self.direction = direction
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.upstream: tuple[str, int] | None = None
-        self.flipped = 0
-        self.flipped_block: int | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._sockets: list[socket.socket] = []
-        self._pumps: list[threading.Thread] = []
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        self.listener.settimeout(0.2)
-        while not self._stop.is_set():
-            try:
-                client, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            assert self.upstream is not None
-            daemon = socket.create_connection(self.upstream)
-            self._sockets += [client, daemon]
-            for src, dst, way in ((client, daemon, "to_daemon"), (daemon, client, "to_client")):
-                pump = threading.Thread(target=self._pump, args=(src, dst, way == self.direction), daemon=True)
-                self._pumps.append(pump)
-                pump.start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, corrupt: bool) -> None:
-        """Copy frame by frame, so a DATA payload's byte can be found and flipped."""
-        try:
-            while True:
-                header = _exact(src, HEADER_BYTES)
-                frame = unpack(header)
-                payload_len = frame.length + (TRAILER.size if frame.kind == DATA else 0)
-                payload = bytearray(_exact(src, payload_len))
-                if corrupt and frame.kind == DATA:
-                    with self._lock:
-                        if not self.flipped:
-                            payload[frame.length // 2] ^= 0x01
-                            self.flipped += 1
-                            self.flipped_block = frame.block
-                dst.sendall(header + payload)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._stop.set()
-        self.listener.close()
-        self.thread.join(5)
-        for sock in self._sockets:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for pump in self._pumps:
-            pump.join(5)
-        for sock in self._sockets:
-            sock.close()
-
-
-def _exact(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            raise OSError("closed")
-        out += chunk
-    return bytes(out)
-
-
 @contextlib.contextmanager
-def proxied_daemon(tmp_path: Path, direction: str) -> Iterator[tuple[RunningDaemon, FlippingProxy]]:
+def proxied_daemon(tmp_path: Path, direction: str) -> Iterator[tuple[RunningDaemon, LaneProxy]]:
     """A daemon whose DataLane offer names the proxy in front of its lane."""
-    proxy = FlippingProxy(direction)
+    proxy = LaneProxy("flip", direction)
     cfg = make_config(tmp_path, data_lane_listen=("127.0.0.1:0",), data_lane_advertise=(proxy.address,))
     try:
         with daemon_in_thread(cfg) as running:
@@ -844,9 +760,9 @@ def test_a_block_flipped_on_its_way_to_the_client_is_never_returned_and_is_count
             kv.put(LAYOUT, tokens(6), data)
         with Client(running.tcp_target, data_plane="lane") as kv:
             got = kv.fetch(LAYOUT, tokens(6))
-            assert proxy.flipped == 1 and proxy.flipped_block is not None
+            assert proxy.hits == 1 and proxy.hit_block is not None
             # The result ends before the flipped block; what it has is exact.
-            assert len(got) == proxy.flipped_block
+            assert len(got) == proxy.hit_block
             assert [bytes(x) for x in got] == data[: len(got)]
             stats = kv.data_lane_stats
             assert stats is not None and stats.blocks_rejected == 1
@@ -861,7 +777,7 @@ def test_a_block_flipped_on_its_way_to_the_daemon_is_never_committed_and_is_coun
         with Client(running.tcp_target, data_plane="lane") as kv:
             with pytest.raises(DataLoss, match="checksum"):
                 kv.put(LAYOUT, tokens(6), data)
-            assert proxy.flipped == 1
+            assert proxy.hits == 1
             assert kv.lookup(LAYOUT, tokens(6)).num_blocks == 0  # nothing of the put is visible
             lane = running.daemon.data_lane
             assert lane is not None and lane.counters.get("blocks_rejected") == 1

@@ -1,20 +1,13 @@
-"""Faults on a daemon's data lane, for the cluster tests: `LaneProxy`, a TCP proxy in front
-of a lane (the daemon advertises the proxy's address) that, on the first DATA frame going
-one way, flips a byte of its payload (`mode="flip"`) or cuts the connection halfway
-through it (`mode="cut"`); and `make_pki`, a CA with a certificate for 127.0.0.1 that
-serves both as a daemon's server and as its client certificate.
+"""A TCP proxy in front of a daemon's data lane, for tests of faults in flight:
+`LaneProxy` copies lane frames both ways and, on the first DATA frame going one way,
+flips a byte of its payload (`mode="flip"`) or cuts the connection halfway through it
+(`mode="cut"`). The daemon advertises the proxy's address (data_lane_advertise).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
-import subprocess
 import threading
-from pathlib import Path
-
-import pytest
 
 from kvstore.datalane import DATA, HEADER_BYTES, TRAILER, unpack
 
@@ -31,6 +24,7 @@ class LaneProxy:
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.upstream: tuple[str, int] | None = None
         self.hits = 0  # DATA frames flipped or cut
+        self.hit_block: int | None = None  # the block of the frame flipped or cut
         self.data_frames = 0  # DATA frames going `direction`
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -67,6 +61,8 @@ class LaneProxy:
                         self.data_frames += 1
                         hit = not self.hits
                         self.hits += hit
+                        if hit:
+                            self.hit_block = frame.block
                     if hit and self.mode == "cut":
                         dst.sendall(header + payload[: frame.length // 2])
                         return
@@ -105,23 +101,3 @@ def _exact(sock: socket.socket, n: int) -> bytes:
             raise OSError("closed")
         out += chunk
     return bytes(out)
-
-
-def make_pki(d: Path) -> Path:
-    """ca.pem, and node.pem / node.key for 127.0.0.1 signed by it, in `d` (skips the
-    test without the openssl CLI)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl CLI to make certificates")
-
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
-
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=pool test CA")
-    (d / "node.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run("req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=node")
-    run("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
-        "node.pem", "-days", "1", "-extfile", "node.ext")
-    for key in d.glob("*.key"):
-        os.chmod(key, 0o600)
-    return d
