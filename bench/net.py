@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from peers.common import timed  # noqa: E402
 
 GB = 1e9
 MIB = 1 << 20
@@ -69,24 +71,6 @@ REQUEST = struct.Struct("<cIQ")  # op (b"P" put / b"F" fetch), blocks, bytes per
 
 
 # ---------------------------------------------------------------------- timing
-
-
-def measure(fn: Callable[[int], None], seconds: float, after: Callable[[int], None] | None = None) -> tuple[float, int]:
-    """(timed seconds, calls) of fn(i) called for about `seconds` after one warm-up call;
-    `after(i)` runs after each call, untimed."""
-    fn(-1)
-    if after is not None:
-        after(-1)
-    total, calls = 0.0, 0
-    deadline = time.perf_counter() + seconds
-    while calls < 3 or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        fn(calls)
-        total += time.perf_counter() - t0
-        if after is not None:
-            after(calls)
-        calls += 1
-    return total, calls
 
 
 def cell(system: str, op: str, size: int, conns: int, link: str, seconds: float, calls: int,
@@ -185,7 +169,7 @@ def client_socket_limit(args: argparse.Namespace) -> list[dict[str, Any]]:
                     on_all(pool, conns, one)
 
                 for op, fn in (("put", put), ("fetch", fetch)):
-                    rows.append(cell("socket-limit", op, size, conns, args.link, *measure(fn, args.seconds),
+                    rows.append(cell("socket-limit", op, size, conns, args.link, *timed(fn, args.seconds),
                                      note="sendall / recv_into of each block, no framing or checksum"))
             for s in socks:
                 s.close()
@@ -246,9 +230,9 @@ def client_kvstore(args: argparse.Namespace) -> list[dict[str, Any]]:
                             raise RuntimeError(f"{args.system} fetched {len(got)} of {len(parts[k])} blocks")
                     on_all(pool, len(clients), one)
 
-                rows.append(cell(args.system, "put", size, conns, args.link, *measure(put, args.seconds, forget)))
+                rows.append(cell(args.system, "put", size, conns, args.link, *timed(put, args.seconds, forget)))
                 clients[0].put(layout, None, src, block_hashes=fixed)
-                rows.append(cell(args.system, "fetch", size, conns, args.link, *measure(fetch, args.seconds)))
+                rows.append(cell(args.system, "fetch", size, conns, args.link, *timed(fetch, args.seconds)))
                 for o, s in zip(out, src):
                     if not np.array_equal(o, s):
                         raise RuntimeError(f"{args.system} returned different bytes")
@@ -301,12 +285,12 @@ def client_echo(args: argparse.Namespace) -> list[dict[str, Any]]:
                             memoryview(out[parts[k][block]])[off : off + len(piece)] = piece
                     on_all(pool, conns, one)
 
-                rows.append(cell("grpc-echo", "put", size, conns, args.link, *measure(put, args.seconds)))
+                rows.append(cell("grpc-echo", "put", size, conns, args.link, *timed(put, args.seconds)))
                 # The server returns the last put it got: the same share on every channel.
                 puts[0](chunks(0))
                 if conns > 1:
                     parts = [parts[0]] * conns
-                rows.append(cell("grpc-echo", "fetch", size, conns, args.link, *measure(fetch, args.seconds)))
+                rows.append(cell("grpc-echo", "fetch", size, conns, args.link, *timed(fetch, args.seconds)))
                 for i in parts[0]:
                     if not np.array_equal(out[i], src[i]):
                         raise RuntimeError("grpc-echo returned different bytes")

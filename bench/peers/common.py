@@ -1,4 +1,4 @@
-"""Shared by the peer drivers: the timing loop and the result rows of bench/dataplane.py
+"""Shared by the peer drivers and bench/net.py: the timing loop and the result rows of bench/dataplane.py
 (same fields, same definitions), and the loopback-only network namespace.
 
 The drivers run in the peers' venv (bench/install-peers.sh), which has neither kvstore
@@ -42,6 +42,13 @@ def measure(fn: Callable[[int], None], seconds: float, min_calls: int = 5,
             after(i)
         i += 1
     return times
+
+
+def timed(fn: Callable[[int], None], seconds: float, after: Callable[[int], None] | None = None,
+          min_calls: int = 3) -> tuple[float, int]:
+    """`measure`, summed: (timed seconds, calls)."""
+    times = measure(fn, seconds, min_calls, after)
+    return sum(times), len(times)
 
 
 def row(system: str, op: str, block_bytes: int, batch: int, times: list[float], note: str = "") -> dict[str, Any]:

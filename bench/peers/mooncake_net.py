@@ -25,6 +25,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import timed  # noqa: E402
+
 MIB = 1 << 20
 GB = 1e9
 
@@ -52,23 +55,6 @@ def store_role(args: argparse.Namespace) -> int:
     print("ready", flush=True)
     while True:
         time.sleep(1.0)
-
-
-def measure(fn, seconds: float, after=None) -> tuple[float, int]:  # type: ignore[no-untyped-def]
-    """(timed seconds, calls) of fn(i) called for about `seconds` after one warm-up."""
-    fn(-1)
-    if after is not None:
-        after(-1)
-    total, calls = 0.0, 0
-    deadline = time.perf_counter() + seconds
-    while calls < 3 or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        fn(calls)
-        total += time.perf_counter() - t0
-        if after is not None:
-            after(calls)
-        calls += 1
-    return total, calls
 
 
 def parallel(n: int, fn) -> None:  # type: ignore[no-untyped-def]
@@ -129,7 +115,7 @@ def client_role(args: argparse.Namespace) -> int:
                     for key in keys(i, k, "p"):
                         store.remove(key, True)
 
-            seconds, calls = measure(put, args.seconds, after=forget)
+            seconds, calls = timed(put, args.seconds, after=forget)
             rows.append(row("put", size, conns, args, calls * args.batch * size / seconds))
             for k in range(conns):
                 codes = store.batch_put_from(keys(0, k, "f"), ptrs(src, k), [size] * share)
@@ -143,7 +129,7 @@ def client_role(args: argparse.Namespace) -> int:
                         raise RuntimeError(f"mooncake batch_get_into returned {sorted(set(got))}")
                 parallel(conns, one)
 
-            seconds, calls = measure(fetch, args.seconds)
+            seconds, calls = timed(fetch, args.seconds)
             rows.append(row("fetch", size, conns, args, calls * args.batch * size / seconds))
             if not np.array_equal(src, dst):
                 raise RuntimeError("mooncake returned different bytes")
