@@ -255,6 +255,8 @@ class Daemon:
         await store.start()
         self._recovered_blocks = store.indexed_blocks
         self.gc_freezer.frozen_at(self._recovered_blocks)  # the rebuild froze what it indexed
+        self.gc_freezer.watch()
+        stack.callback(self.gc_freezer.unwatch)
         store.observer = self.events
         if self.tokens is not None:
             store.tenancy.quotas = self.tokens.quotas()

@@ -114,15 +114,24 @@ def tune_malloc() -> bool:
 
 
 class GcFreezer:
-    """Keeps the cyclic garbage collector off the block index.
+    """Keeps the cyclic garbage collector's full collections short.
 
-    Index entries are long-lived and hold no reference cycles, yet every full collection
-    walks all of them: a stall of the event loop that grows with the index. Once at least
-    `GC_FREEZE_MIN_BLOCKS` blocks were stored since the last time, and at least a
-    `GC_FREEZE_GROWTH` share of the index, the young generations are collected and
-    everything alive is frozen (`gc.freeze`): later collections skip it. A frozen object
-    is still freed by reference counting when its block leaves; only cyclic garbage
-    already in the oldest generation at that moment is kept.
+    Index entries, a pool's owned units and the like are long-lived and hold no reference
+    cycles, yet every full collection walks all of them: a stall of the event loop that
+    grows with what the daemon holds (tens of milliseconds at a hundred thousand blocks,
+    on a small machine). So what survives is frozen (`gc.freeze`), and later collections
+    skip it:
+
+    * once at least `GC_FREEZE_MIN_BLOCKS` blocks were stored since the last time, and at
+      least a `GC_FREEZE_GROWTH` share of the index;
+    * after each full collection the interpreter ran by itself (`watch`): what it left
+      alive is long-lived by definition. The next full collection then walks only what
+      came since.
+
+    Before freezing, the young generations are collected, so recent cyclic garbage is not
+    frozen with the survivors. A frozen object is still freed by reference counting when
+    it is dropped; only cyclic garbage already in the oldest generation at that moment is
+    kept.
     """
 
     def __init__(self, min_blocks: int = GC_FREEZE_MIN_BLOCKS, growth: float = GC_FREEZE_GROWTH) -> None:
@@ -130,6 +139,24 @@ class GcFreezer:
         self.growth = growth
         self.freezes = 0
         self._stored_at_freeze = 0
+        self._full_collections = 0  # seen by `watch` since the last freeze
+        self._watching = False
+
+    def watch(self) -> None:
+        """Freeze after each full collection too (at the next `maybe_freeze`)."""
+        if not self._watching:
+            gc.callbacks.append(self._collected)
+            self._watching = True
+
+    def unwatch(self) -> None:
+        if self._watching:
+            gc.callbacks.remove(self._collected)
+            self._watching = False
+
+    def _collected(self, phase: str, info: dict[str, int]) -> None:
+        # Runs inside the collector, in whatever thread triggered it: only a note here.
+        if phase == "stop" and info.get("generation") == 2:
+            self._full_collections += 1
 
     def frozen_at(self, stored_total: int) -> None:
         """Count from here: everything up to `stored_total` blocks is frozen already."""
@@ -138,10 +165,12 @@ class GcFreezer:
     def maybe_freeze(self, stored_total: int, indexed: int) -> bool:
         """`stored_total`: blocks ever stored or recovered; `indexed`: blocks in the index now."""
         fresh = stored_total - self._stored_at_freeze
-        if fresh < self.min_blocks or fresh < self.growth * indexed:
+        grown = fresh >= self.min_blocks and fresh >= self.growth * indexed
+        if not grown and not self._full_collections:
             return False
         gc.collect(1)
         gc.freeze()
+        self._full_collections = 0
         self._stored_at_freeze = stored_total
         self.freezes += 1
         logger.debug("gc: %d objects frozen after %d new blocks", gc.get_freeze_count(), fresh)

@@ -186,6 +186,32 @@ def test_gc_freezer_freezes_after_enough_new_blocks() -> None:
         gc.unfreeze()
 
 
+def test_gc_freezer_freezes_what_a_full_collection_left_alive() -> None:
+    import gc
+
+    from kvstore.server.host_resources import GcFreezer
+
+    gc.unfreeze()
+    freezer = GcFreezer(min_blocks=10**9)  # never for new blocks here
+    try:
+        assert not freezer.maybe_freeze(0, 0)
+        freezer.watch()
+        held = [[i] for i in range(1000)]
+        assert not freezer.maybe_freeze(0, 0)  # no full collection yet
+        gc.collect()
+        assert freezer.maybe_freeze(0, 0)
+        assert gc.get_freeze_count() >= len(held) and freezer.freezes == 1
+        assert not freezer.maybe_freeze(0, 0)  # once per full collection
+        gc.collect(0)
+        assert not freezer.maybe_freeze(0, 0)  # a young collection is not one
+        freezer.unwatch()
+        gc.collect()
+        assert not freezer.maybe_freeze(0, 0)
+    finally:
+        freezer.unwatch()
+        gc.unfreeze()
+
+
 def test_top_tiers_refuses_rows_outside_the_table() -> None:
     import numpy as np
 
