@@ -19,6 +19,13 @@ Frames, both ways: a 5-byte header `u32le payload length | u8 kind`, then the pa
 
 Calls on one connection are answered in order, one at a time; clients that want calls
 in flight together open more connections.
+
+The peer lane is the same framing on TCP (TLS when the daemon has a certificate), for
+the unary calls the daemons of a pool make on each other (`PEER_LANE_METHODS`; see
+docs/cluster.md). Its hello carries the pool's credential, and each request payload
+starts with an envelope, the sending node's id and the tenant the call is made for (each
+a u8 length and that many UTF-8 bytes), what a gRPC call carries as metadata, followed
+by the serialized request.
 """
 
 from __future__ import annotations
@@ -59,6 +66,37 @@ RESPONSE_TYPES = {name: getattr(kvstore_pb2, _service.methods_by_name[name].outp
 # cannot be replayed without buffering every byte.
 IDEMPOTENT = frozenset({"Lookup", "Fetch", "Delete", "Pin", "Unpin", "Prefetch", "Verify", "LocalSegment",
                         "DeviceSegment", "DataLane"})
+
+
+# What the peer lane serves: the node-to-node calls that are unary.
+PEER_LANE_METHODS = frozenset({"Lookup", "DataLane", "LaneFetch", "LanePut", "LaneCommit"})
+MAX_ENVELOPE_FIELD_BYTES = 255
+
+
+def peer_envelope(node_id: str, tenant: str) -> bytes:
+    """The start of every request payload on the peer lane (see the module docstring)."""
+    node, ten = node_id.encode("utf-8"), tenant.encode("utf-8")
+    if len(node) > MAX_ENVELOPE_FIELD_BYTES or len(ten) > MAX_ENVELOPE_FIELD_BYTES:
+        raise ValueError("a node id or tenant name of more than 255 bytes cannot travel on the peer lane")
+    return bytes((len(node),)) + node + bytes((len(ten),)) + ten
+
+
+def split_envelope(payload: bytes) -> tuple[str, str, bytes] | None:
+    """(node id, tenant, request bytes) of a peer lane request payload; None if it does
+    not start with a whole envelope."""
+    if not payload:
+        return None
+    n = payload[0]
+    if len(payload) < 2 + n:
+        return None
+    t = payload[1 + n]
+    end = 2 + n + t
+    if len(payload) < end:
+        return None
+    try:
+        return payload[1 : 1 + n].decode("utf-8"), payload[2 + n : end].decode("utf-8"), payload[end:]
+    except UnicodeDecodeError:
+        return None
 
 
 def method_path(name: str) -> str:

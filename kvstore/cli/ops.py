@@ -414,6 +414,8 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
         # the data lane's too, and so is the token file.
         addresses, _ = check_exposure(cfg)
         check_lane_exposure(cfg, lane_addresses(cfg, addresses))
+        if cfg.cluster:
+            check_lane_exposure(cfg, lane_addresses(cfg, addresses, "peer_lane_listen"), "peer_lane_listen")
         if cfg.auth_token_file:
             from kvstore.server.auth import parse_token_file
 

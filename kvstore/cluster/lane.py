@@ -1,9 +1,14 @@
 """Block bytes between the daemons of a pool on their data lanes: `LanePeerTransport`, the
 `PeerTransport` a daemon uses unless `cluster_data_lane` is off.
 
-Lookups and the lane's control calls are the small unary gRPC calls of
-`GrpcPeerTransport` (one channel per peer, the pool's credential, the tenant's metadata).
-Block bytes move on the peer's data lane (`kvstore.client.datalane.DataLane`):
+Lookups and the lane's control calls (`LaneFetch`, `LanePut`, `LaneCommit`) go on the
+peer's peer lane (`PeerLane`: the control lane's framing over TCP, one call per
+connection at a time, a few connections kept open), where the peer offers one; else they
+are the small unary gRPC calls of `GrpcPeerTransport` (one channel per peer, the pool's
+credential, the tenant's metadata). A grpc-python unary call costs a millisecond or more
+of per-call machinery on the two sides together, which was most of a remote lookup; on
+the peer lane it costs a write and a read each way. Block bytes move on the peer's data
+lane (`kvstore.client.datalane.DataLane`):
 
 * a fetch (a pull) reserves the local puts of its runs first (`FetchSink.destinations`),
   opens the transfer on the holder (`LaneFetch`), and receives each block straight into
@@ -18,7 +23,10 @@ Block bytes move on the peer's data lane (`kvstore.client.datalane.DataLane`):
   sends the blocks the owner lacks with one `sendmsg` each, and publishes with
   `LaneCommit`, all or nothing.
 
-Which peers have a lane is asked once (`DataLane`) and remembered. A peer that offers none
+Which peers have a lane, and a peer lane, is asked once (`DataLane`) and remembered; until
+the answer is in (it is asked in the background by a lookup), lookups use gRPC. A peer
+lane that cannot be connected to is left alone for a few seconds (gRPC meanwhile). A
+peer that offers no data lane
 (data_lane_listen = off), or predates the lane's node-to-node calls (it refuses or does
 not know them), is used through gRPC, and asked again after NO_LANE_RECHECK_S. A lane
 that cannot be connected to is left alone for LANE_RETRY_S, gRPC used meanwhile, and
@@ -32,7 +40,7 @@ and the lane's own pool for a transfer's further connections). A cancelled call 
 connections and waits for those threads to finish before it returns, so the slots and
 views it handed them are never given back while a thread may still use them.
 
-Primitives: `LanePeerTransport`, `lane_framer`, `NO_LANE_RECHECK_S`, `LANE_RETRY_S`.
+Primitives: `LanePeerTransport`, `PeerLane`, `lane_framer`, `NO_LANE_RECHECK_S`, `LANE_RETRY_S`.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import contextlib
 import functools
 import gc
 import logging
+import socket
 import ssl
 import time
 import traceback
@@ -51,9 +60,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvstore.checksum import checksum
 from kvstore.client._auth import Security
+from kvstore.client._lane import MAX_ANSWER_BYTES, Lane, LaneUnavailable
 from kvstore.client.datalane import DEFAULT_CONNECTIONS, DataLane, LaneEndpoint, choose_endpoint, client_tls
 from kvstore.cluster.transport import (
     DEFAULT_CHUNK_BYTES,
@@ -62,10 +73,13 @@ from kvstore.cluster.transport import (
     PeerCall,
     PeerError,
     TransportCounters,
+    lookup_count,
+    lookup_request_bytes,
 )
 from kvstore.datalane import LaneSocket
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, Unavailable
 from kvstore.hashing import HASH_BYTES
+from kvstore.laneproto import HEADER, IDEMPOTENT, RESPONSE_TYPES, peer_envelope
 from kvstore.v1 import kvstore_pb2
 from kvstore.wire import Framed
 
@@ -76,6 +90,8 @@ logger = logging.getLogger(__name__)
 NO_LANE_RECHECK_S = 60.0
 # A peer whose lane could not be connected to: gRPC for this long, then the lane is asked for anew.
 LANE_RETRY_S = 10.0
+# How long making a peer lane connection may take.
+CONNECT_TIMEOUT_S = 5.0
 # A DataLane answer that says "not here": a daemon that predates the lane does not know the
 # call; one that predates its node-to-node use refuses it to a peer credential.
 NO_LANE_CODES = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED)
@@ -88,15 +104,206 @@ def lane_framer(index: int, data: memoryview) -> Framed:
     return Framed([], [data], checksum(data))
 
 
+class _Broken(Exception):
+    """A peer lane connection failed mid-call; `sent`: whether the request may have left."""
+
+    def __init__(self, reason: str, sent: bool) -> None:
+        super().__init__(reason)
+        self.sent = sent
+
+
+class _PeerConn(asyncio.Protocol):
+    """One peer lane connection: one call at a time, its answer a future that the bytes
+    as they arrive settle (no reader task, no stream). A call given up on (its deadline,
+    a cancellation) closes the connection, which is then out of step."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.waiting: asyncio.Future[tuple[int, bytes]] | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        while len(buf) >= HEADER.size:
+            length, code = HEADER.unpack_from(buf)
+            if length > MAX_ANSWER_BYTES:
+                self._fail(_Broken(f"an answer of {length} bytes, more than {MAX_ANSWER_BYTES}", True))
+                return
+            if len(buf) < HEADER.size + length:
+                return
+            payload = bytes(buf[HEADER.size : HEADER.size + length])
+            del buf[: HEADER.size + length]
+            fut, self.waiting = self.waiting, None
+            if fut is None:
+                self._fail(_Broken("an answer to no call", True))  # out of step: never read on
+                return
+            if not fut.done():
+                fut.set_result((code, payload))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(_Broken(f"the peer lane connection broke ({exc})" if exc else "the peer closed the peer lane "
+                           "connection", True))
+
+    def _fail(self, exc: BaseException) -> None:
+        self.close()
+        fut, self.waiting = self.waiting, None
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
+
+    def request(self, data: bytes) -> asyncio.Future[tuple[int, bytes]]:
+        """Send one call's frame; the future of its (status, payload)."""
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise _Broken("the peer lane connection is closed", False)
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting = fut
+        self.transport.write(data)
+        fut.add_done_callback(self._settled)
+        return fut
+
+    def _settled(self, fut: asyncio.Future[tuple[int, bytes]]) -> None:
+        if fut.cancelled():
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.abort()
+
+
+class PeerLane(Lane[_PeerConn]):
+    """Unary calls to one peer on its peer lane (`kvstore.laneproto`): the lane client's
+    pool and policy (`kvstore.client._lane.Lane`) over TCP, TLS with the pool's roots
+    when the peer's lane uses it. `call` answers None while the lane cannot be connected
+    to (use gRPC), for `LANE_RETRY_S`; it raises `TimeoutError` at its deadline. It may
+    run outside a task (a call the control lane started by hand): it awaits only
+    futures, and tasks for connecting.
+
+    A connection is made under `CONNECT_TIMEOUT_S`, not under the deadline of the call
+    that needed it (a lookup's few milliseconds): a call whose deadline passes first is a
+    miss, and the connection, once made, serves the next ones. One is made ahead as soon
+    as the lane is known (`warm`)."""
+
+    def __init__(self, node: str, endpoint: LaneEndpoint, token: str, tls: ssl.SSLContext | None) -> None:
+        super().__init__(f"{endpoint.host}:{endpoint.port}", token, required=False)
+        self.node = node
+        self.endpoint = endpoint
+        self.tls = tls
+        self.closed = False
+
+    async def _connect(self, timeout: float) -> _PeerConn:
+        ep = self.endpoint
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(loop.create_connection(
+                _PeerConn, ep.host, ep.port, ssl=self.tls, server_hostname=ep.host if self.tls else None), timeout)
+        except (OSError, TimeoutError, ssl.SSLError) as exc:
+            raise LaneUnavailable(f"cannot connect to {self.path}: {getattr(exc, 'strerror', None) or exc}") from None
+        try:
+            self._handshake(*await asyncio.wait_for(conn.request(self._hello), timeout))
+        except BaseException as exc:
+            conn.close()
+            raise self._refused(exc) from None
+        return conn
+
+    async def call(self, name: str, payload: bytes, timeout: float) -> bytes | None:
+        """`name`'s answer bytes; None: no lane to use now. Raises the status the peer
+        answered (as `kvstore.errors`), `Unavailable` when the connection broke after the
+        call was sent (and it is not safe to send again), `TimeoutError` at `timeout`."""
+        if self.closed or (not self.up and time.monotonic() < self.retry_at):
+            return None
+        conn = self._take()
+        for attempt in (0, 1):
+            if conn is None:
+                try:
+                    conn = await self._connection(timeout)
+                except LaneUnavailable as exc:
+                    self._unusable(exc)
+                    return None
+            data = self._request(conn, name, payload)
+            try:
+                code, answer = await asyncio.wait_for(conn.request(data), timeout)
+            except _Broken as exc:
+                conn.close()
+                conn = None
+                if attempt or (exc.sent and name not in IDEMPOTENT):
+                    raise Unavailable(f"peer lane of node {self.node}: {exc} during {name}; it may or may not have "
+                                      "taken effect") from None
+                continue
+            except BaseException:
+                conn.close()
+                raise
+            return self._answer(conn, code, answer)
+        raise AssertionError("unreachable: the second failure raises")
+
+    def warm(self) -> None:
+        """Make a connection in the background, pooled once made."""
+        if not self.closed and not self._idle:
+            self._connecting().add_done_callback(self._made)
+
+    def _connecting(self) -> asyncio.Task[_PeerConn]:
+        return asyncio.get_running_loop().create_task(self._connect(CONNECT_TIMEOUT_S),
+                                                      name=f"kvstore-peer-lane-{self.node}")
+
+    async def _connection(self, timeout: float) -> _PeerConn:
+        """A new connection within `timeout`; past it `TimeoutError`, and the connection
+        still made goes to the pool."""
+        task = self._connecting()
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), timeout)
+        except BaseException:
+            if not task.done():  # made after this call gave up on it: pooled then
+                task.add_done_callback(self._made)
+            raise
+
+    def _made(self, task: asyncio.Task[_PeerConn]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if isinstance(exc, LaneUnavailable):
+            self._unusable(exc)
+        elif exc is None:
+            self.up = True
+            self._put_back(task.result())
+
+    def _unusable(self, exc: LaneUnavailable) -> None:
+        logger.info("cluster: the peer lane of node %s is not available (%s); its calls go through gRPC for %.0f s",
+                    self.node, exc, LANE_RETRY_S)
+        self.up = False
+        self.retry_at = time.monotonic() + LANE_RETRY_S
+
+    def _put_back(self, conn: _PeerConn) -> None:
+        if self.closed or conn.closed:
+            conn.close()
+        else:
+            super()._put_back(conn)
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()
+
+
 @dataclass(slots=True)
 class _PeerLane:
-    """What this node knows of one peer's lane: the lane, or none until `recheck_at`."""
+    """What this node knows of one peer's lanes: the data lane, or none until `recheck_at`,
+    and its peer lane (None: it offers none)."""
 
     target: str
     lane: DataLane | None
     recheck_at: float = 0.0
     users: int = 0  # calls using the lane now: it is closed once they are done
     retired: bool = False
+    calls: PeerLane | None = None
 
 
 class LanePeerTransport:
@@ -116,6 +323,8 @@ class LanePeerTransport:
         self._connections = connections
         self._io_timeout_s = io_timeout_s
         self._peers: dict[str, _PeerLane] = {}
+        # Peers whose lanes are being asked for in the background (by a lookup).
+        self._asking: dict[str, asyncio.Task[Any]] = {}
 
     @property
     def counters(self) -> TransportCounters:
@@ -135,6 +344,8 @@ class LanePeerTransport:
 
     def _drop(self, node: str) -> None:
         state = self._peers.pop(node, None)
+        if state is not None and state.calls is not None:
+            state.calls.close()
         if state is not None and state.lane is not None:
             state.retired = True
             if not state.users:
@@ -152,9 +363,12 @@ class LanePeerTransport:
             if state.retired and not state.users:
                 state.lane.close()
 
-    def _set(self, node: str, lane: DataLane | None, recheck_s: float) -> None:
+    def _set(self, node: str, lane: DataLane | None, recheck_s: float, calls: PeerLane | None = None) -> None:
+        kept = self._peers.get(node)
+        if calls is None and kept is not None and kept.calls is not None and not kept.calls.closed:
+            calls, kept.calls = kept.calls, None  # the data lane failed, not the peer lane: keep it
         self._drop(node)
-        self._peers[node] = _PeerLane(self.grpc.target(node), lane, time.monotonic() + recheck_s)
+        self._peers[node] = _PeerLane(self.grpc.target(node), lane, time.monotonic() + recheck_s, calls=calls)
 
     async def _lane(self, node: str, call: PeerCall, timeout_s: float) -> _PeerLane | None:
         """`node`'s lane, asked for when not known (None: use gRPC)."""
@@ -172,8 +386,67 @@ class LanePeerTransport:
         if state is not None and state.lane is not None:
             return state  # another call asked meanwhile
         lane = None if offer is None else self._lane_of(node, offer)
-        self._set(node, lane, NO_LANE_RECHECK_S)
+        self._set(node, lane, NO_LANE_RECHECK_S, None if offer is None else self._peer_lane_of(node, offer))
         return self._peers[node] if lane is not None else None
+
+    def _peer_lane_of(self, node: str, offer: kvstore_pb2.DataLaneResponse) -> PeerLane | None:
+        endpoint = choose_endpoint(kvstore_pb2.DataLaneResponse(endpoints=offer.peer_lane_endpoints),
+                                   self.grpc.target(node))
+        if endpoint is None:
+            return None
+        tls = self._tls_for(endpoint)
+        if endpoint.tls and tls is None:
+            logger.warning("cluster: the peer lane of node %s uses TLS and this node has no roots for it "
+                           "(cluster_tls_ca); its calls go through gRPC", node)
+            return None
+        calls = PeerLane(node, endpoint, self._security.token, tls)
+        calls.warm()
+        return calls
+
+    def _ask_soon(self, node: str, call: PeerCall) -> None:
+        """Ask `node` for its lanes in the background (the caller uses gRPC meanwhile)."""
+        if node in self._asking:
+            return
+        task = asyncio.get_running_loop().create_task(self._lane(node, call, self._io_timeout_s),
+                                                      name=f"kvstore-lanes-{node}")
+        self._asking[node] = task
+        task.add_done_callback(functools.partial(self._asked, node))
+
+    def _asked(self, node: str, task: asyncio.Task[Any]) -> None:
+        if self._asking.get(node) is task:
+            del self._asking[node]
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("cluster: asking node %s for its lanes failed: %s", node, task.exception())
+
+    async def _unary(self, node: str, call: PeerCall, name: str, request: bytes, timeout_s: float) -> bytes | None:
+        """`name` on `node`'s peer lane: the answer's bytes, or None where there is no
+        peer lane to use now (the caller uses gRPC)."""
+        state = self._peers.get(node)
+        if state is None or (state.lane is None and time.monotonic() >= state.recheck_at):
+            self._ask_soon(node, call)
+        if state is None or state.calls is None:
+            return None
+        try:
+            answer = await state.calls.call(name, peer_envelope(self.node_id, call.tenant) + request, timeout_s)
+            if answer is not None:
+                self.counters.peer_lane_calls += 1
+            return answer
+        except KVStoreError as exc:
+            raise PeerError(node, f"{name}: {exc.code.name}: {exc}", exc.code) from None
+
+    async def _control(self, node: str, call: PeerCall, name: str, request: Any, timeout_s: float) -> Any:
+        """A control call of the data lane: on the peer lane, else gRPC."""
+        try:
+            answer = await self._unary(node, call, name, request.SerializeToString(), timeout_s)
+        except TimeoutError:
+            raise PeerError(node, f"{name}: no answer within {timeout_s:g} s", grpc.StatusCode.DEADLINE_EXCEEDED) \
+                from None
+        if answer is None:
+            return await self.grpc.control(node, call, name, request, timeout_s)
+        try:
+            return RESPONSE_TYPES[name].FromString(answer)
+        except DecodeError:
+            raise PeerError(node, f"{name}: an answer that does not parse") from None
 
     def _lane_of(self, node: str, offer: kvstore_pb2.DataLaneResponse) -> DataLane | None:
         endpoint = choose_endpoint(offer, self.grpc.target(node))
@@ -214,7 +487,14 @@ class LanePeerTransport:
     # -------------------------------------------------------------- calls
 
     async def lookup(self, node: str, call: PeerCall, hashes: bytes, timeout_s: float) -> int:
-        return await self.grpc.lookup(node, call, hashes, timeout_s)
+        answer = await self._unary(node, call, "Lookup", lookup_request_bytes(call, hashes), timeout_s)
+        if answer is None:
+            return await self.grpc.lookup(node, call, hashes, timeout_s)
+        try:
+            resp = kvstore_pb2.LookupResponse.FromString(answer)
+        except DecodeError:
+            raise PeerError(node, "lookup: an answer that does not parse") from None
+        return lookup_count(node, resp, hashes)
 
     async def fetch(self, node: str, call: PeerCall, hashes: bytes, sink: FetchSink, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
@@ -237,7 +517,7 @@ class LanePeerTransport:
             if dests:
                 block_bytes = len(dests[0])
                 left = _left(deadline)
-                grant = await self.grpc.control(node, call, "LaneFetch", kvstore_pb2.LaneFetchRequest(
+                grant = await self._control(node, call, "LaneFetch", kvstore_pb2.LaneFetchRequest(
                     fetch=kvstore_pb2.FetchRequest(namespace=kvstore_pb2.Namespace(layout=call.layout),
                                                    keys=kvstore_pb2.BlockKeys(
                                                        packed_hashes=hashes[: len(dests) * HASH_BYTES])),
@@ -292,7 +572,7 @@ class LanePeerTransport:
                                        self._chunked(_each(sources)), _left(deadline))
         try:
             left = _left(deadline)
-            grant = await self.grpc.control(node, call, "LanePut", kvstore_pb2.LanePutRequest(
+            grant = await self._control(node, call, "LanePut", kvstore_pb2.LanePutRequest(
                 header=kvstore_pb2.PutHeader(namespace=kvstore_pb2.Namespace(layout=call.layout),
                                              keys=kvstore_pb2.BlockKeys(packed_hashes=hashes[: n * HASH_BYTES]),
                                              num_blocks=n, parent_hash=parent, position=position),
@@ -317,7 +597,7 @@ class LanePeerTransport:
                     raise PeerError(node, f"put over the data lane: {exc}") from None
                 raise
         sent = needed.count(1)
-        resp = await self.grpc.control(node, call, "LaneCommit",
+        resp = await self._control(node, call, "LaneCommit",
                                        kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id), _left(deadline))
         counters = self.counters
         counters.lane_blocks_out += sent
@@ -327,7 +607,7 @@ class LanePeerTransport:
     async def _abort_put(self, node: str, call: PeerCall, transfer_id: bytes) -> None:
         """Best effort: the owner rolls the put back at its deadline by itself anyway."""
         try:
-            await asyncio.shield(self.grpc.control(node, call, "LaneCommit", kvstore_pb2.LaneCommitRequest(
+            await asyncio.shield(self._control(node, call, "LaneCommit", kvstore_pb2.LaneCommitRequest(
                 transfer_id=transfer_id, abort=True), 1.0))
         except PeerError:
             pass
@@ -344,6 +624,10 @@ class LanePeerTransport:
         await self.grpc.reap()
 
     async def aclose(self) -> None:
+        asking = list(self._asking.values())
+        for task in asking:
+            task.cancel()
+        await asyncio.gather(*asking, return_exceptions=True)
         for node in list(self._peers):
             self._drop(node)
         await self.grpc.aclose()

@@ -105,6 +105,14 @@ def _namespace_field(layout: kvstore_pb2.Layout) -> bytes:
     return b"\x0a" + varint(len(ns)) + ns
 
 
+def lookup_count(node: str, resp: kvstore_pb2.LookupResponse, hashes: bytes) -> int:
+    """How many blocks `node`'s answer to a lookup of `hashes` says it holds (checked)."""
+    n = int(resp.num_blocks)
+    if n > len(hashes) // 16:
+        raise PeerError(node, f"lookup answered {n} blocks of {len(hashes) // 16}")
+    return n
+
+
 class PeerError(Exception):
     """A call to another node failed: unreachable, timed out, refused, or malformed.
     `code`: the gRPC status the other side answered, when it answered one."""
@@ -113,6 +121,11 @@ class PeerError(Exception):
         super().__init__(f"node {node}: {what}")
         self.node = node
         self.code = code
+
+    @property
+    def timed_out(self) -> bool:
+        """The call's deadline passed (the other side may just be slow)."""
+        return self.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class FetchSink(Protocol):
@@ -139,7 +152,8 @@ class FetchSink(Protocol):
 @dataclass(slots=True)
 class TransportCounters:
     """Block bytes and blocks moved to and from the other nodes, by path; `fallbacks`:
-    fetches and puts sent over gRPC because the peer's lane was not to be had."""
+    fetches and puts sent over gRPC because the peer's lane was not to be had; unary
+    calls made on the peers' peer lanes and over gRPC."""
 
     lane_bytes_in: int = 0
     lane_bytes_out: int = 0
@@ -150,6 +164,9 @@ class TransportCounters:
     grpc_blocks_in: int = 0
     grpc_blocks_out: int = 0
     fallbacks: int = 0
+    # Unary calls to other nodes (lookups, the data lane's control calls), by path.
+    peer_lane_calls: int = 0
+    grpc_calls: int = 0
 
 
 class PeerTransport(Protocol):
@@ -274,6 +291,7 @@ class GrpcPeerTransport:
             stub = self._controls[(channel, name)] = channel.unary_unary(
                 method_path(name), request_serializer=_serialize,
                 response_deserializer=RESPONSE_TYPES[name].FromString)
+        self.counters.grpc_calls += 1
         try:
             return await stub(request, timeout=timeout_s, metadata=self._metadata(call))
         except grpc.RpcError as exc:
@@ -281,14 +299,12 @@ class GrpcPeerTransport:
 
     async def lookup(self, node: str, call: PeerCall, hashes: bytes, timeout_s: float) -> int:
         lookup, _, _ = self._stubs(node)
+        self.counters.grpc_calls += 1
         try:
             resp = await lookup(lookup_request_bytes(call, hashes), timeout=timeout_s, metadata=self._metadata(call))
         except grpc.RpcError as exc:
-            raise PeerError(node, f"lookup: {_status(exc)}") from None
-        n = int(resp.num_blocks)
-        if n > len(hashes) // 16:
-            raise PeerError(node, f"lookup answered {n} blocks of {len(hashes) // 16}")
-        return n
+            raise PeerError(node, f"lookup: {_status(exc)}", exc.code() if hasattr(exc, "code") else None) from None
+        return lookup_count(node, resp, hashes)
 
     async def fetch(self, node: str, call: PeerCall, hashes: bytes, sink: FetchSink, timeout_s: float) -> int:
         _, fetch, _ = self._stubs(node)

@@ -285,6 +285,11 @@ class ClusterCollector(Collector):
             yield family
         yield counter("kvstore_cluster_lane_fallbacks", "pulls and forwards sent through gRPC because the peer's "
                       "data lane was not to be had (none offered, or unreachable)", tc.fallbacks)
+        calls = CounterMetricFamily("kvstore_cluster_peer_calls", "unary calls to other nodes (lookups, the data "
+                                    "lane's control calls) by path: their peer lane, or gRPC", labels=["path"])
+        calls.add_metric(["peer_lane"], tc.peer_lane_calls)
+        calls.add_metric(["grpc"], tc.grpc_calls)
+        yield calls
 
 
 # ------------------------------------------------------------------ INFO and Admin
@@ -337,6 +342,7 @@ def info_section(node: ClusterNode | None) -> str:
         f"cluster_grpc_bytes_in:{tc.grpc_bytes_in}", f"cluster_grpc_bytes_out:{tc.grpc_bytes_out}",
         f"cluster_grpc_blocks_in:{tc.grpc_blocks_in}", f"cluster_grpc_blocks_out:{tc.grpc_blocks_out}",
         f"cluster_lane_fallbacks:{tc.fallbacks}",
+        f"cluster_peer_lane_calls:{tc.peer_lane_calls}", f"cluster_grpc_calls:{tc.grpc_calls}",
         f"cluster_last_error:{ms.last_error}", "",
     ]
     return "\n".join(lines)

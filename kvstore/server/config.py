@@ -191,6 +191,11 @@ FIELDS: tuple[Field, ...] = (
     Field("cluster_data_lane", "bool", True, "move the pool's block bytes (pulls of remote blocks, forwards to "
           "owners) on the peers' data lanes; false: in gRPC Fetch and Put streams (peers without a lane are "
           "used through gRPC either way)"),
+    Field("peer_lane_listen", "list", ("auto",), "where the pool's other daemons make their lookups and the "
+          "data lane's control calls on this one, on the control lane's framing over TCP rather than gRPC (a "
+          "pool only; see docs/cluster.md): auto (next to each TCP listener, same host, a port of the system's "
+          "choosing), off (gRPC), or HOST:PORT; non-loopback needs auth and TLS like listen",
+          metavar="auto|off|HOST:PORT[,...]"),
     Field("data_lane_listen", "list", ("auto",), "where the data lane (block bytes for remote clients and peers "
           "on sockets of their own, not in gRPC messages; see docs/net.md) listens: auto (next to each TCP "
           "listener, same host, a port of the system's choosing), off, or HOST:PORT and/or unix:PATH; "
@@ -311,6 +316,7 @@ class Config:
     cluster_token_file: str
     cluster_tls_ca: str
     cluster_data_lane: bool
+    peer_lane_listen: tuple[str, ...]
     data_lane_listen: tuple[str, ...]
     data_lane_advertise: tuple[str, ...]
     data_lane_connections: int

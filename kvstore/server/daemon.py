@@ -126,6 +126,12 @@ class Daemon:
         self.addresses, self._metrics_addr = check_exposure(config)
         self.lane_addresses = lane_addresses(config, self.addresses)
         check_lane_exposure(config, self.lane_addresses)
+        # The peer lane serves a pool's node-to-node calls: a single daemon has none.
+        self.peer_lane_addresses = lane_addresses(config, self.addresses, "peer_lane_listen") if config.cluster else []
+        check_lane_exposure(config, self.peer_lane_addresses, "peer_lane_listen")
+        for addr in self.peer_lane_addresses:
+            if addr.kind != "tcp":
+                raise ConfigError(f"peer_lane_listen {addr.grpc_target}: the peer lane listens on TCP only")
         # Read now, so a bad token file stops the daemon before it binds anything.
         self.tokens: TokenTable | None = parse_token_file(config.auth_token_file) if config.auth_token_file else None
         self._tls = tls_credentials(config)
@@ -141,6 +147,7 @@ class Daemon:
         self.bound: list[str] = []
         self.bound_lanes: list[str] = []  # socket paths of the local control lanes
         self.lanes: list[LaneServer] = []
+        self.peer_lanes: list[LaneServer] = []  # the pool's node-to-node calls (docs/cluster.md)
         self.data_lane: DataLaneServer | None = None  # block bytes for remote clients (docs/net.md)
         self.metrics_address = ""  # HOST:PORT once the endpoint is up; empty when off
         self.connection_limits: ConnectionLimits | None = None  # fitted to the open-file limit at start
@@ -274,6 +281,8 @@ class Daemon:
             stack.push_async_callback(self._close_lanes)
             await self._start_lanes(servicer)
         if cfg.cluster:
+            stack.push_async_callback(self._close_peer_lanes)
+            await self._start_peer_lanes(servicer)
             await self._start_cluster(stack, store, servicer)
         for name in ("", "kvstore.v1.KVStore", "kvstore.v1.Admin"):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -445,6 +454,35 @@ class Daemon:
                 continue
             self.lanes.append(lane)
             self.bound_lanes.append(path)
+
+    async def _start_peer_lanes(self, servicer: KVStoreServicer) -> None:
+        """The peer lane (kvstore.server.lane, docs/cluster.md) on each of its addresses,
+        offered to the pool's other daemons by the DataLane call. It only saves time: one
+        that cannot be bound is logged and skipped (the peers then use gRPC)."""
+        limits = self.connection_limits
+        assert limits is not None
+        tls = server_tls(self.config) if self.peer_lane_addresses else None
+        bound: list[kvstore_pb2.DataLaneEndpoint] = []
+        for addr in self.peer_lane_addresses:
+            lane = LaneServer(servicer, self.pipeline, self.config.max_message_bytes, limits.max_connections,
+                              deferral=servicer.store.deferral, hello_timeout_s=limits.handshake_timeout_s,
+                              idle_s=limits.idle_s)
+            try:
+                where = await lane.start_tcp(addr.host, addr.port, tls)
+            except OSError as exc:
+                logger.warning("no peer lane at %s: %s", addr.grpc_target, exc.strerror or exc)
+                continue
+            self.peer_lanes.append(lane)
+            bound.append(kvstore_pb2.DataLaneEndpoint(address=where, tls=tls is not None))
+        if self._transfers is not None:
+            self._transfers.peer_lane_endpoints = bound
+
+    async def _close_peer_lanes(self) -> None:
+        if self._transfers is not None:
+            self._transfers.peer_lane_endpoints = []
+        for lane in self.peer_lanes:
+            await lane.close()
+        self.peer_lanes.clear()
 
     # -------------------------------------------------------------- teardown steps
 

@@ -94,32 +94,34 @@ OFF, AUTO = "off", "auto"
 UNIX_SUFFIX = ".data"
 
 
-def lane_addresses(config: Config, grpc_addresses: Sequence[ListenAddress]) -> list[ListenAddress]:
-    """Where the data lane listens: `off`; `auto`, next to each TCP gRPC listener, on the
-    same host with a port of the system's choosing; or the addresses listed."""
-    spec = [a.strip() for a in config.data_lane_listen if a.strip()]
+def lane_addresses(config: Config, grpc_addresses: Sequence[ListenAddress],
+                   key: str = "data_lane_listen") -> list[ListenAddress]:
+    """Where the lane of setting `key` (data_lane_listen, peer_lane_listen) listens: `off`;
+    `auto`, next to each TCP gRPC listener, on the same host with a port of the system's
+    choosing; or the addresses listed."""
+    spec = [a.strip() for a in getattr(config, key) if a.strip()]
     if spec == [OFF]:
         return []
     if spec == [AUTO]:
         return [ListenAddress("tcp", host=a.host, port=0) for a in grpc_addresses if a.kind == "tcp"]
     if OFF in spec or AUTO in spec:
-        raise ConfigError(f"data_lane_listen {','.join(spec)!r}: 'off' and 'auto' stand alone; or list addresses")
+        raise ConfigError(f"{key} {','.join(spec)!r}: 'off' and 'auto' stand alone; or list addresses")
     return [parse_listen(a) for a in spec]
 
 
-def check_lane_exposure(config: Config, addresses: Sequence[ListenAddress]) -> None:
+def check_lane_exposure(config: Config, addresses: Sequence[ListenAddress], key: str = "data_lane_listen") -> None:
     """The rules of the gRPC listeners (`kvstore.server.listen.check_exposure`)."""
     for addr in addresses:
         if addr.kind != "tcp" or is_loopback(addr.host):
             continue
         if not config.auth_token_file:
             raise ConfigError(
-                f"data_lane_listen {addr.grpc_target} is not loopback, and serving other hosts needs "
-                "authentication: set --auth-token-file (see SECURITY.md), or a loopback data_lane_listen"
+                f"{key} {addr.grpc_target} is not loopback, and serving other hosts needs "
+                f"authentication: set --auth-token-file (see SECURITY.md), or a loopback {key}"
             )
         if not config.tls_cert and not config.insecure_remote:
             raise ConfigError(
-                f"data_lane_listen {addr.grpc_target} is not loopback and TLS is off, so tokens and blocks would "
+                f"{key} {addr.grpc_target} is not loopback and TLS is off, so tokens and blocks would "
                 "cross the network in clear text: set --tls-cert and --tls-key, or --insecure-remote on a trusted "
                 "network"
             )

@@ -40,6 +40,13 @@ File descriptors: a Unix socket can carry them, gRPC cannot. A `LocalSegment` ca
 here runs with `PASSED_FDS` set to a list; the handler may put descriptors in it
 (a tenant's own shared-memory segment, with auth on), and they go to the client with
 the answer's first byte (SCM_RIGHTS). Over gRPC the list is None.
+
+The peer lane (`LaneServer.start_tcp`): the same server on a TCP socket, TLS when the
+daemon has a certificate, for the calls the daemons of a pool make on each other. Its
+connections skip the uid check (the network has none): the hello's token is what admits
+them, accepted as a cluster credential (`Authenticator.identify_lane`), and every call
+names the node and tenant it is made for (`kvstore.laneproto.split_envelope`), checked
+as gRPC checks those metadata entries, for `PEER_LANE_METHODS` only.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import logging
 import os
 import secrets
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -69,8 +77,10 @@ from kvstore.laneproto import (
     MAGIC,
     MAX_HELLO_BYTES,
     METHOD_IDS,
+    PEER_LANE_METHODS,
     REQUEST_TYPES,
     method_path,
+    split_envelope,
 )
 from kvstore.server.auth import MAX_TOKEN_CHARS
 from kvstore.server.pipeline import CallSteps, Pipeline
@@ -98,13 +108,15 @@ PASSES_FDS = frozenset({"LocalSegment"})
 # Where such a handler puts them (see the module docstring); None outside the lane.
 PASSED_FDS: ContextVar[list[int] | None] = ContextVar("kvstore_lane_passed_fds", default=None)
 
+_NO_ENVELOPE = "a peer lane request must start with the node and tenant it is made for"
+
 Handler = Callable[[Any, Any], Awaitable[Any]]
 # A call's answer: status, payload, and for a call that passes them, the descriptors.
 Answer = tuple[int, bytes] | tuple[int, bytes, list[int]]
 
 
 class _Method:
-    __slots__ = ("name", "request_type", "handler", "steps", "passes_fds")
+    __slots__ = ("name", "request_type", "handler", "steps", "passes_fds", "peer")
 
     def __init__(self, name: str, handler: Handler, steps: CallSteps) -> None:
         self.name = name
@@ -112,6 +124,7 @@ class _Method:
         self.handler = handler
         self.steps = steps
         self.passes_fds = name in PASSES_FDS
+        self.peer = name in PEER_LANE_METHODS
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -120,7 +133,8 @@ def peer_uid(sock: socket.socket) -> int:
 
 
 class LaneServer:
-    """Serves the KVStore servicer's unary methods on one Unix socket."""
+    """Serves the KVStore servicer's unary methods on one Unix socket (`start`), or the
+    pool's node-to-node calls on one TCP socket (`start_tcp`)."""
 
     def __init__(self, servicer: Any, pipeline: Pipeline, max_frame_bytes: int,
                  max_connections: int = MAX_CONNECTIONS, deferral: PolicyDeferral | None = None,
@@ -134,7 +148,10 @@ class LaneServer:
         self.hello_timeout_s = hello_timeout_s
         self.idle_s = idle_s
         self.uid = os.getuid()
-        self.path = ""
+        self.path = ""  # the Unix socket's path
+        self.tcp = False  # a peer lane (see the module docstring)
+        self.address = ""  # where it listens: the path, or host:port
+        self.tls: ssl.SSLContext | None = None
         self.calls = 0
         # Request ids for the logs, as gRPC calls get them: unique within this daemon's run
         # (a random prefix per server, then the call's number), without a syscall per call.
@@ -171,8 +188,31 @@ class LaneServer:
             sock.close()
             raise
         self._sock = sock
-        self.path = path
+        self.path = self.address = path
         self._sweeper = loop.call_later(self.idle_s, self._sweep)
+
+    async def start_tcp(self, host: str, port: int, tls: ssl.SSLContext | None) -> str:
+        """Listen for the pool's node-to-node calls on `host`:`port` (0: a port of the
+        system's choosing), TLS with `tls`; the address bound, host:port."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(LISTEN_BACKLOG)
+            sock.setblocking(False)
+            loop = self._loop = asyncio.get_running_loop()
+            loop.add_reader(sock.fileno(), self._accept)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self.tcp = True
+        self.tls = tls
+        bound_port = sock.getsockname()[1]
+        self.address = f"[{host}]:{bound_port}" if family == socket.AF_INET6 else f"{host}:{bound_port}"
+        self._sweeper = loop.call_later(self.idle_s, self._sweep)
+        return self.address
 
     async def close(self) -> None:
         """Stop listening, end every connection and remove the socket file."""
@@ -196,7 +236,7 @@ class LaneServer:
             await asyncio.gather(*pending, return_exceptions=True)
         self._connections.clear()
         self._unhelloed.clear()
-        if self.path:
+        if self.path and not self.tcp:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -220,7 +260,7 @@ class LaneServer:
                 # pause instead, while connections end and give descriptors back.
                 hint = (" (raise the open-file limit, or lower max_connections)"
                         if exc.errno in _OUT_OF_RESOURCES else "")
-                logger.error("control lane %s cannot accept connections (%s); accepting again in %gs%s", self.path,
+                logger.error("control lane %s cannot accept connections (%s); accepting again in %gs%s", self.address,
                              exc.strerror or exc, ACCEPT_PAUSE_S, hint)
                 self._pause_accepting()
                 return
@@ -239,7 +279,11 @@ class LaneServer:
     def _admit(self, sock: socket.socket) -> None:
         """Serve an accepted connection, or answer its refusal and hang up."""
         try:
-            refusal = self.admit_peer(peer_uid(sock))
+            if self.tcp:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                refusal = self.admit_peer(self.uid)  # the token admits it (module docstring)
+            else:
+                refusal = self.admit_peer(peer_uid(sock))
         except OSError as exc:
             sock.close()
             logger.debug("lane connection lost before it was served: %s", exc)
@@ -249,7 +293,8 @@ class LaneServer:
             return
         sock.setblocking(False)
         assert self._loop is not None
-        task = self._loop.create_task(self._loop.connect_accepted_socket(lambda: _Connection(self), sock))
+        task = self._loop.create_task(self._loop.connect_accepted_socket(
+            lambda: _Connection(self), sock, ssl=self.tls, ssl_handshake_timeout=self.hello_timeout_s if self.tls else None))
         self._opening.add(task)
         task.add_done_callback(self._opened)
 
@@ -297,7 +342,10 @@ class LaneServer:
         # As for gRPC metadata: no token is None, a malformed one "" (refused when auth is on).
         token: str | None = None if not text else ("" if len(text) > MAX_TOKEN_CHARS else text)
         try:
-            self.auth.identify(method_path("Lookup"), token, True)
+            if self.tcp:
+                self.auth.identify_lane(method_path("Lookup"), token, False)
+            else:
+                self.auth.identify(method_path("Lookup"), token, True)
         except KVStoreError as exc:
             logger.debug("lane hello refused: %s: %s", exc.code.name, exc)
             return exc, None
@@ -318,7 +366,17 @@ class LaneServer:
         if method.passes_fds:
             PASSED_FDS.set(fds := [])
         try:
-            identity = steps.enter(token, True, f"{self._id_prefix}{self.calls:x}")
+            if self.tcp:
+                envelope = split_envelope(payload)
+                identity = self._enter_peer(method, envelope, token)
+                if envelope is None:
+                    raise InvalidArgument(_NO_ENVELOPE)
+                if not method.peer:
+                    raise PermissionDenied(f"{method.name} is not a node-to-node call; the peer lane serves only "
+                                           f"{', '.join(sorted(PEER_LANE_METHODS))}")
+                payload = envelope[2]
+            else:
+                identity = steps.enter(token, True, f"{self._id_prefix}{self.calls:x}")
             try:
                 request = method.request_type.FromString(payload)
             except DecodeError:
@@ -342,6 +400,19 @@ class LaneServer:
         if fds and code is grpc.StatusCode.OK:
             return code.value[0], out, fds
         return code.value[0], out
+
+
+    def _enter_peer(self, method: _Method, envelope: tuple[str, str, bytes] | None, token: str | None) -> Any:
+        """The pipeline's entry of a peer lane call, its envelope checked as the same
+        call's metadata would be over gRPC: the identity, or what `enter` refused (a
+        request without a whole envelope, once its token passed, does not parse)."""
+        try:
+            return method.steps.enter(token, False, f"{self._id_prefix}{self.calls:x}",
+                                      None if envelope is None else envelope[:2])
+        except PermissionDenied:
+            if envelope is None:
+                raise InvalidArgument(_NO_ENVELOPE) from None
+            raise
 
 
 def _refuse_socket(sock: socket.socket, exc: KVStoreError) -> None:

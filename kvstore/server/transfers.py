@@ -58,6 +58,8 @@ class LaneTransfers:
         self.settings = settings
         self.counters = LaneCounters()
         self._endpoints = endpoints
+        # The peer lane's addresses (set by the daemon of a pool), offered with the lane's.
+        self.peer_lane_endpoints: list[kvstore_pb2.DataLaneEndpoint] = []
         # The pool this daemon is one of (kvstore.server.cluster); None on a single daemon.
         self.cluster: ClusterNode | None = None
         self._open: dict[bytes, Transfer] = {}
@@ -80,7 +82,8 @@ class LaneTransfers:
         endpoints = self._endpoints()
         return kvstore_pb2.DataLaneResponse(
             endpoints=endpoints, max_connections=self.settings.max_connections_per_transfer if endpoints else 0,
-            version=VERSION, max_block_bytes=self.settings.max_block_bytes)
+            version=VERSION, max_block_bytes=self.settings.max_block_bytes,
+            peer_lane_endpoints=self.peer_lane_endpoints)
 
     def _deadline(self, timeout_ms: int) -> tuple[float, float]:
         """(monotonic deadline, loop deadline) of a transfer asking for `timeout_ms`."""
