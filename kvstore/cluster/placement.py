@@ -37,12 +37,13 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
 
 from kvstore.errors import ConfigError
+from kvstore.hashing import split_hashes
 from kvstore.native import XXH3, native
 
 # Smaller units keep a pool's hit ratio closer to one shared cache, larger ones touch
@@ -165,6 +166,25 @@ class _Ranker:
             scores = np.array([[_score64(pre + k) for k in unit_keys] for pre in self._prefixes], dtype=np.uint64)
         return [names[i] for i in scores.argmax(axis=0).tolist()]
 
+    def best_index_many(self, joined: bytes, size: int) -> np.ndarray[Any, Any] | None:
+        """`best_many` of the `size`-byte keys laid end to end in `joined`, as indices into
+        `names` (-1 without members); None where the native hash is not built."""
+        names = self._names
+        n = len(joined) // size if size else 0
+        if len(names) <= 1:
+            return np.full(n, 0 if names else -1, np.int64)
+        if not XXH3:
+            return None
+        scores = np.empty((len(names), n), np.uint64)
+        for row, pre in zip(scores, self._prefixes):
+            native.rendezvous_scores(pre, joined, size, row)
+        return scores.argmax(axis=0)
+
+    @property
+    def names(self) -> list[str]:
+        """The members in byte order (what `best_index_many`'s indices name)."""
+        return self._names
+
     def top(self, unit_key: bytes, count: int) -> tuple[str, ...]:
         encoded = self._encoded
         if count <= 0 or not encoded:
@@ -194,6 +214,10 @@ class Hotness(Protocol):
 
     def tracked(self, unit_keys: Sequence[bytes]) -> list[int]:
         """The positions in `unit_keys` of the units it tracks (the others get no extra owner)."""
+        ...
+
+    def tracking(self) -> bool:
+        """Whether it tracks any unit now (none tracked: no unit gets an extra owner)."""
         ...
 
 
@@ -237,6 +261,9 @@ class HotUnits:
     def tracked(self, unit_keys: Sequence[bytes]) -> list[int]:
         counts = self._counts
         return [j for j, k in enumerate(unit_keys) if k in counts]
+
+    def tracking(self) -> bool:
+        return bool(self._counts)
 
     def _decayed(self, entry: tuple[float, float], now: float) -> float:
         count, at = entry
@@ -381,6 +408,35 @@ class Placement:
                 if self._count(unit_keys[j]) > 1:  # a hot unit: its extra owners too
                     owners[j], targets[j] = self.route(unit_keys[j])
         return owners, targets
+
+    def owner_indices(self, joined: bytes, size: int) -> tuple[list[str], list[np.ndarray[Any, Any]]] | None:
+        """`route_many` in arrays, for the common case of one owner per unit (R = 1, no hot
+        unit among these): the names of the members of every set still counted (the
+        current one first), and per set, current then previous ones in order, the index
+        into those names of each unit's owner (-1: none). `joined`: the keys laid end to
+        end, `size` bytes each. None otherwise (use `route_many`)."""
+        if self.replicas != 1 or not self._current.members:
+            return None
+        hot = self._hotness
+        if hot is not None and self.max_extra_owners and hot.tracking() and hot.tracked(split_hashes(joined)):
+            return None
+        self._expire(self._clock())
+        names = list(self._current.names)
+        where = {n: i for i, n in enumerate(names)}
+        out: list[np.ndarray[Any, Any]] = []
+        for ranker in [self._current] + [p.ranker for p in self._previous]:
+            best = ranker.best_index_many(joined, size)
+            if best is None:
+                return None
+            if ranker is not self._current:
+                for name in ranker.names:
+                    if name not in where:
+                        where[name] = len(names)
+                        names.append(name)
+                remap = np.array([where[name] for name in ranker.names] + [-1], np.int64)
+                best = remap[best]  # -1 (no members) picks the last entry, -1
+            out.append(best)
+        return names, out
 
     def _with_previous(self, unit_key: bytes, count: int, out: tuple[str, ...]) -> tuple[str, ...]:
         self._expire(self._clock())

@@ -51,7 +51,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 import numpy as np
 
@@ -260,17 +260,31 @@ class ForwardTicket:
 class _Round:
     """A lookup's units past its local prefix that this node lacks part of, in chain order,
     as arrays: positions [starts, stops), blocks held or pending here from the start
-    (`locs`), keys, each unit's first current owner, whether a copy here is a replica;
-    the units asked of each node (indices), and where the chain ends for sure."""
+    (`locs`), the position of each one's key (its first block), its first current owner
+    (an index into `names`, -1: none),
+    whether a copy here is a replica; the units asked of each node (indices), and where
+    the chain ends for sure."""
 
     starts: np.ndarray[Any, Any]
     stops: np.ndarray[Any, Any]
     locs: np.ndarray[Any, Any]
-    keys: list[bytes]
-    first_owner: list[str]
+    key_pos: np.ndarray[Any, Any]
+    first_owner: np.ndarray[Any, Any]
+    names: list[str]
     replica: np.ndarray[Any, Any]
     asks: dict[str, np.ndarray[Any, Any]]
     end: int
+
+
+class _Ranges(NamedTuple):
+    """What one pull of a lookup copies from `holder`: positions [starts, stops), whether
+    each range is a replica here, and the position of its unit's key."""
+
+    holder: str
+    starts: np.ndarray[Any, Any]
+    stops: np.ndarray[Any, Any]
+    replica: np.ndarray[Any, Any]
+    key_pos: np.ndarray[Any, Any]
 
 
 _EMPTY = np.zeros(0, np.int64)
@@ -515,9 +529,13 @@ class ClusterNode:
         lacking = np.flatnonzero(locs < stops - starts)
         end = len(packed) // HASH_BYTES
         if not len(lacking):
-            return _Round(_EMPTY, _EMPTY, _EMPTY, [], [], _EMPTY_BOOL, {}, end)
-        keys = [packed[u * HASH_BYTES : (u + 1) * HASH_BYTES] for u in unit_starts[lacking].tolist()]
-        owners, ranked = self.placement.route_many(keys)
+            return _Round(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, [], _EMPTY_BOOL, {}, end)
+        key_pos = unit_starts[lacking]
+        joined = np.frombuffer(packed, np.uint8).reshape(-1, HASH_BYTES)[key_pos].tobytes()
+        routed = self.placement.owner_indices(joined, HASH_BYTES)
+        if routed is not None:
+            return self._plan_indexed(starts[lacking], stops[lacking], locs[lacking], key_pos, end, *routed)
+        owners, ranked = self.placement.route_many(split_hashes(joined))
         me = self.node_id
         allow = self.breakers.allow
         askable: dict[str, bool] = {}
@@ -550,8 +568,37 @@ class ClusterNode:
                 if len(idx):
                     asks[node] = idx
         replica = np.fromiter((me not in o for o in owners[:cut]), bool, cut)
-        first_owner = [o[0] if o else "" for o in owners[:cut]]
-        return _Round(starts[lacking], stops[lacking], locs[lacking], keys[:cut], first_owner, replica, asks, end)
+        names = sorted({n for o in owners[:cut] for n in o})
+        where = {n: i for i, n in enumerate(names)}
+        first_owner = np.fromiter((where[o[0]] if o else -1 for o in owners[:cut]), np.int64, cut)
+        return _Round(starts[lacking], stops[lacking], locs[lacking], key_pos[:cut], first_owner, names, replica, asks,
+                      end)
+
+    def _plan_indexed(self, starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any], locs: np.ndarray[Any, Any],
+                      key_pos: np.ndarray[Any, Any], end: int, names: list[str],
+                      sets: list[np.ndarray[Any, Any]]) -> _Round:
+        """`_plan`'s round from each unit's owner under each member set still counted
+        (`Placement.owner_indices`), in whole-array steps: a unit is asked of its owners
+        that are not this node and not suspect; the chain ends at the first unit with none."""
+        me = self.node_id
+        allow = self.breakers.allow
+        askable = np.array([n != me and allow(n) for n in names] + [False], bool)  # [-1]: no owner
+        owner = sets[0]
+        asked = np.stack([askable[s] for s in sets])
+        some = asked.any(axis=0)
+        cut = len(owner)
+        if not some.all():
+            cut = int(np.argmin(some))  # nobody to ask: the chain ends there
+            end = int(starts[cut] + locs[cut])
+        asks: dict[str, np.ndarray[Any, Any]] = {}
+        every = np.stack(sets)[:, :cut]
+        for k in np.flatnonzero(askable[:-1]).tolist():
+            idx = np.flatnonzero((every == k).any(axis=0))
+            if len(idx):
+                asks[names[k]] = idx
+        mine = names.index(me) if me in names else -2
+        return _Round(starts[:cut], stops[:cut], locs[:cut], key_pos[:cut], owner[:cut], names, owner[:cut] != mine,
+                      asks, end)
 
     async def _ask(self, namespace_id: bytes, packed: bytes, rnd: _Round) -> dict[str, np.ndarray[Any, Any]]:
         """One parallel round of lookups, one per node, under the lookup deadline: what
@@ -564,9 +611,10 @@ class ClusterNode:
         if len(requests) == 1:
             ((node, hashes),) = requests.items()
             try:
-                # wait_for, not asyncio.timeout: a call over the control lane runs outside a task.
-                results[node] = await asyncio.wait_for(self.transport.lookup(node, call, hashes, 2 * deadline_s),
-                                                       deadline_s)
+                # Awaited here, not in a task of its own (a loop turn less): the transport
+                # keeps the deadline. (Not asyncio.timeout: a call over the control lane
+                # runs outside a task.)
+                results[node] = await self.transport.lookup(node, call, hashes, deadline_s)
             except (TimeoutError, PeerError) as exc:
                 results[node] = exc
         else:
@@ -592,7 +640,7 @@ class ClusterNode:
             st = self._peer(node)
             st.lookups += 1
             if isinstance(result, BaseException):
-                if isinstance(result, TimeoutError):
+                if isinstance(result, TimeoutError) or (isinstance(result, PeerError) and result.timed_out):
                     st.lookup_timeouts += 1
                 else:
                     st.lookup_errors += 1
@@ -619,7 +667,8 @@ class ClusterNode:
             holders = list(got)
             found = np.stack([got[h] for h in holders])
             # Ties go to the unit's current owner.
-            owner_of = np.array([[o == h for o in rnd.first_owner] for h in holders], bool)
+            where = {n: i for i, n in enumerate(rnd.names)}
+            owner_of = rnd.first_owner[None, :] == np.array([where.get(h, -2) for h in holders], np.int64)[:, None]
             pick = (found * 2 + owner_of).argmax(axis=0)
             best_found = found[pick, np.arange(len(sizes))]
         else:
@@ -640,23 +689,38 @@ class ClusterNode:
         self.counters.remote_hit_blocks += remote
         copied = np.flatnonzero(best_found[:cut] > rnd.locs[:cut])
         if len(copied) and holders:
-            call = self._call(namespace_id)
+            pulls: list[_Ranges] = []
             for k, holder in enumerate(holders):
                 idx = copied[pick[copied] == k]
                 if len(idx):
-                    self._start_pulls(holder, call, namespace_id, packed, (rnd.starts + rnd.locs)[idx],
-                                      (rnd.starts + best)[idx], rnd.replica[idx], [rnd.keys[i] for i in idx.tolist()])
+                    self._peer(holder).hit_blocks += int((best - rnd.locs)[idx].sum())
+                    pulls.append(_Ranges(holder, (rnd.starts + rnd.locs)[idx], (rnd.starts + best)[idx],
+                                         rnd.replica[idx], rnd.key_pos[idx]))
+            # Started once the answer is on its way, before anything else this loop reads:
+            # the answer is written by a callback the end of this call schedules, and what
+            # one scheduled now schedules runs after it, ahead of any socket's next bytes
+            # (a fetch that follows this answer finds the blocks pending).
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, self._start_pulls, namespace_id, packed, pulls)
         return Extension(len(tiers), tiers, remote)
 
-    def _start_pulls(self, holder: str, call: PeerCall, namespace_id: bytes, packed: bytes,
-                     starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any], replica: np.ndarray[Any, Any],
-                     keys: list[bytes]) -> None:
-        """One pull from `holder` of these ranges, consecutive ones of the same kind
-        (replica or owned) merged into one run each."""
-        self._peer(holder).hit_blocks += int((stops - starts).sum())
+    def _start_pulls(self, namespace_id: bytes, packed: bytes, pulls: list[_Ranges]) -> None:
+        """A lookup's pulls: one from each holder of its ranges (holder, starts, stops,
+        replica, key positions), consecutive ones of the same kind (replica or owned)
+        merged into one run each."""
+        if self.puller.closed:
+            return
+        call = self._call(namespace_id)
+        for holder, starts, stops, replica, key_pos in pulls:
+            self._start_pull(holder, call, namespace_id, packed, starts, stops, replica, key_pos)
+
+    def _start_pull(self, holder: str, call: PeerCall, namespace_id: bytes, packed: bytes,
+                    starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any], replica: np.ndarray[Any, Any],
+                    key_pos: np.ndarray[Any, Any]) -> None:
         joins = (starts[1:] == stops[:-1]) & (replica[1:] == replica[:-1])
         firsts = np.concatenate([[0], np.flatnonzero(~joins) + 1]).astype(np.int64)
         lasts = np.concatenate([firsts[1:] - 1, [len(starts) - 1]]).astype(np.int64)
+        keys = split_hashes(np.frombuffer(packed, np.uint8).reshape(-1, HASH_BYTES)[key_pos].tobytes())
         unit_keys = [keys[f : l + 1] for f, l in zip(firsts.tolist(), lasts.tolist())]
         run_starts, run_stops = starts[firsts], stops[lasts]
         hashes = split_hashes(_concat(packed, run_starts, run_stops))

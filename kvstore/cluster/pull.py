@@ -291,6 +291,10 @@ class Puller:
         self.pulled: Callable[[str, PullRun, int], None] | None = None
         self._closed = False
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def has_room(self) -> bool:
         """Whether a new pull may start (lookups promise remote blocks only then)."""
         return not self._closed and len(self._tasks) < self.max_running * (1 + QUEUED_PER_RUNNING)
