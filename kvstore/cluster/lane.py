@@ -223,16 +223,17 @@ class PeerLane(Lane[_PeerConn]):
         if self.closed or (not self.up and time.monotonic() < self.retry_at):
             return None
         conn = self._take()
+        deadline = time.monotonic() + timeout
         for attempt in (0, 1):
             if conn is None:
                 try:
-                    conn = await self._connection(timeout)
+                    conn = await self._connection(_left(deadline))
                 except LaneUnavailable as exc:
                     self._unusable(exc)
                     return None
             data = self._request(conn, name, payload)
             try:
-                code, answer = await asyncio.wait_for(conn.request(data), timeout)
+                code, answer = await asyncio.wait_for(conn.request(data), _left(deadline))
             except _Broken as exc:
                 conn.close()
                 conn = None
