@@ -78,7 +78,7 @@ class LaneUnavailable(Exception):
     """No lane connection could be made (no socket, refused, handshake failed)."""
 
 
-class _Broken(Exception):
+class LaneBroken(Exception):
     """The connection failed mid-call; `sent` says whether the request may have left."""
 
     def __init__(self, reason: str, sent: bool) -> None:
@@ -151,7 +151,7 @@ class Lane(Generic[C]):
     def _refused(self, exc: BaseException) -> BaseException:
         """What a failed handshake raises: `LaneUnavailable` (use gRPC), except for a
         refused token, which gRPC would refuse the same way, and for interruptions."""
-        if isinstance(exc, (_Broken, OSError)):  # TimeoutError included
+        if isinstance(exc, (LaneBroken, OSError)):  # TimeoutError included
             return LaneUnavailable(f"the lane at {self.path} refused the connection: {exc}")
         if isinstance(exc, KVStoreError) and not isinstance(exc, Unauthenticated):
             return LaneUnavailable(f"the lane at {self.path} refused this client: {exc}")
@@ -169,7 +169,7 @@ class Lane(Generic[C]):
     def _check_resend(self, name: str, exc: BaseException, attempt: int, timeout: float) -> None:
         """After a call failed on a connection (now closed): return to send it again on a
         new one, or raise what the caller gets."""
-        if isinstance(exc, _Broken):
+        if isinstance(exc, LaneBroken):
             if attempt or (exc.sent and name not in IDEMPOTENT):
                 raise Unavailable(f"kvstore daemon unavailable: {exc} during {name}; it may or may not have "
                                   "taken effect") from None
@@ -231,7 +231,7 @@ class _SyncConn:
         while got < n:
             k = self.sock.recv_into(into[got:n])
             if not k:
-                raise _Broken("the daemon closed the lane connection", True)
+                raise LaneBroken("the daemon closed the lane connection", True)
             got += k
 
     def roundtrip(self, data: bytes, timeout: float) -> tuple[int, bytes]:
@@ -244,24 +244,24 @@ class _SyncConn:
             self.sock.sendall(data, socket.MSG_NOSIGNAL)
         except (BrokenPipeError, ConnectionResetError) as exc:
             # On a Unix socket a failed send delivered nothing.
-            raise _Broken(f"the lane connection is closed ({exc.strerror})", False) from None
+            raise LaneBroken(f"the lane connection is closed ({exc.strerror})", False) from None
         try:
             buf = self.buf
             view = memoryview(buf)
             k = self.sock.recv_into(view)
             if not k:
-                raise _Broken("the daemon closed the lane connection", True)
+                raise LaneBroken("the daemon closed the lane connection", True)
             while k < HEADER.size:
                 k2 = self.sock.recv_into(view[k:])
                 if not k2:
-                    raise _Broken("the daemon closed the lane connection", True)
+                    raise LaneBroken("the daemon closed the lane connection", True)
                 k += k2
             length, code = HEADER.unpack_from(buf)
             check_answer_length(length)
             end = HEADER.size + length
             if k >= end:
                 if k > end:
-                    raise _Broken("the daemon sent more than one answer", True)
+                    raise LaneBroken("the daemon sent more than one answer", True)
                 return code, bytes(view[HEADER.size:end])
             out = bytearray(length)
             have = k - HEADER.size
@@ -269,7 +269,7 @@ class _SyncConn:
             self._read_exact(length - have, memoryview(out)[have:])
             return code, bytes(out)
         except (ConnectionResetError, BrokenPipeError) as exc:
-            raise _Broken(f"the lane connection broke ({exc.strerror})", True) from None
+            raise LaneBroken(f"the lane connection broke ({exc.strerror})", True) from None
 
 
     def roundtrip_fds(self, data: bytes, timeout: float) -> tuple[int, bytes, list[int]]:
@@ -280,7 +280,7 @@ class _SyncConn:
         try:
             self.sock.sendall(data, socket.MSG_NOSIGNAL)
         except (BrokenPipeError, ConnectionResetError) as exc:
-            raise _Broken(f"the lane connection is closed ({exc.strerror})", False) from None
+            raise LaneBroken(f"the lane connection is closed ({exc.strerror})", False) from None
         got = b""
         fds: list[int] = []
         try:
@@ -290,11 +290,11 @@ class _SyncConn:
                 data, passed, _flags, _addr = socket.recv_fds(self.sock, 1 << 16, MAX_PASSED_FDS)
                 fds += passed
                 if not data:
-                    raise _Broken("the daemon closed the lane connection", True)
+                    raise LaneBroken("the daemon closed the lane connection", True)
                 got += data
             length, code = HEADER.unpack_from(got)
             if len(got) > HEADER.size + length:
-                raise _Broken("the daemon sent more than one answer", True)
+                raise LaneBroken("the daemon sent more than one answer", True)
             return code, got[HEADER.size:], fds
         except BaseException:
             for fd in fds:
@@ -315,7 +315,7 @@ def segment_over_lane(path: str, token: str,
         return None
     try:
         code, answer, fds = conn.roundtrip_fds(frame(METHOD_IDS["LocalSegment"], b""), timeout)
-    except (_Broken, OSError) as exc:
+    except (LaneBroken, OSError) as exc:
         logger.info("no segment over the local control lane (%s)", exc)
         return None
     finally:
@@ -400,20 +400,20 @@ class _AioConn:
 
     async def roundtrip(self, data: bytes) -> tuple[int, bytes]:
         if self.writer.is_closing() or self.reader.at_eof():
-            raise _Broken("the lane connection is closed", False)
+            raise LaneBroken("the lane connection is closed", False)
         try:
             self.writer.write(data)
         except (BrokenPipeError, ConnectionResetError) as exc:
-            raise _Broken(f"the lane connection is closed ({exc.strerror})", False) from None
+            raise LaneBroken(f"the lane connection is closed ({exc.strerror})", False) from None
         try:
             head = await self.reader.readexactly(HEADER.size)
             length, code = HEADER.unpack(head)
             check_answer_length(length)
             return code, (await self.reader.readexactly(length) if length else b"")
         except asyncio.IncompleteReadError:
-            raise _Broken("the daemon closed the lane connection", True) from None
+            raise LaneBroken("the daemon closed the lane connection", True) from None
         except (ConnectionResetError, BrokenPipeError) as exc:
-            raise _Broken(f"the lane connection broke ({exc.strerror})", True) from None
+            raise LaneBroken(f"the lane connection broke ({exc.strerror})", True) from None
 
 
 class AioLane(Lane[_AioConn]):

@@ -21,11 +21,12 @@ Calls on one connection are answered in order, one at a time; clients that want 
 in flight together open more connections.
 
 The peer lane is the same framing on TCP (TLS when the daemon has a certificate), for
-the unary calls the daemons of a pool make on each other (`PEER_LANE_METHODS`; see
-docs/cluster.md). Its hello carries the pool's credential, and each request payload
-starts with an envelope, the sending node's id and the tenant the call is made for (each
-a u8 length and that many UTF-8 bytes), what a gRPC call carries as metadata, followed
-by the serialized request.
+the unary calls the daemons of a pool make on each other (Lookup and the data lane's
+control calls: what `kvstore.server.auth` admits from a peer; see docs/cluster.md). Its
+hello carries the pool's credential, and each request payload starts with an envelope,
+the sending node's id and the tenant the call is made for (each a u8 length and that
+many UTF-8 bytes), what a gRPC call carries as metadata, followed by the serialized
+request.
 """
 
 from __future__ import annotations
@@ -68,13 +69,12 @@ IDEMPOTENT = frozenset({"Lookup", "Fetch", "Delete", "Pin", "Unpin", "Prefetch",
                         "DeviceSegment", "DataLane"})
 
 
-# What the peer lane serves: the node-to-node calls that are unary.
-PEER_LANE_METHODS = frozenset({"Lookup", "DataLane", "LaneFetch", "LanePut", "LaneCommit"})
 MAX_ENVELOPE_FIELD_BYTES = 255
 
 
 def peer_envelope(node_id: str, tenant: str) -> bytes:
-    """The start of every request payload on the peer lane (see the module docstring)."""
+    """The start of every request payload on the peer lane (see the module docstring).
+    Node ids (1-63 characters) and tenant names (1-64) always fit its fields."""
     node, ten = node_id.encode("utf-8"), tenant.encode("utf-8")
     if len(node) > MAX_ENVELOPE_FIELD_BYTES or len(ten) > MAX_ENVELOPE_FIELD_BYTES:
         raise ValueError("a node id or tenant name of more than 255 bytes cannot travel on the peer lane")

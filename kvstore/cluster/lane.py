@@ -64,7 +64,7 @@ from google.protobuf.message import DecodeError
 
 from kvstore.checksum import checksum
 from kvstore.client._auth import Security
-from kvstore.client._lane import MAX_ANSWER_BYTES, Lane, LaneUnavailable
+from kvstore.client._lane import MAX_ANSWER_BYTES, Lane, LaneBroken, LaneUnavailable
 from kvstore.client.datalane import DEFAULT_CONNECTIONS, DataLane, LaneEndpoint, choose_endpoint, client_tls
 from kvstore.cluster.transport import (
     DEFAULT_CHUNK_BYTES,
@@ -104,14 +104,6 @@ def lane_framer(index: int, data: memoryview) -> Framed:
     return Framed([], [data], checksum(data))
 
 
-class _Broken(Exception):
-    """A peer lane connection failed mid-call; `sent`: whether the request may have left."""
-
-    def __init__(self, reason: str, sent: bool) -> None:
-        super().__init__(reason)
-        self.sent = sent
-
-
 class _PeerConn(asyncio.Protocol):
     """One peer lane connection: one call at a time, its answer a future that the bytes
     as they arrive settle (no reader task, no stream). A call given up on (its deadline,
@@ -137,7 +129,7 @@ class _PeerConn(asyncio.Protocol):
         while len(buf) >= HEADER.size:
             length, code = HEADER.unpack_from(buf)
             if length > MAX_ANSWER_BYTES:
-                self._fail(_Broken(f"an answer of {length} bytes, more than {MAX_ANSWER_BYTES}", True))
+                self._fail(LaneBroken(f"an answer of {length} bytes, more than {MAX_ANSWER_BYTES}", True))
                 return
             if len(buf) < HEADER.size + length:
                 return
@@ -145,13 +137,13 @@ class _PeerConn(asyncio.Protocol):
             del buf[: HEADER.size + length]
             fut, self.waiting = self.waiting, None
             if fut is None:
-                self._fail(_Broken("an answer to no call", True))  # out of step: never read on
+                self._fail(LaneBroken("an answer to no call", True))  # out of step: never read on
                 return
             if not fut.done():
                 fut.set_result((code, payload))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(_Broken(f"the peer lane connection broke ({exc})" if exc else "the peer closed the peer lane "
+        self._fail(LaneBroken(f"the peer lane connection broke ({exc})" if exc else "the peer closed the peer lane "
                            "connection", True))
 
     def _fail(self, exc: BaseException) -> None:
@@ -163,7 +155,7 @@ class _PeerConn(asyncio.Protocol):
     def request(self, data: bytes) -> asyncio.Future[tuple[int, bytes]]:
         """Send one call's frame; the future of its (status, payload)."""
         if self.closed or self.transport is None or self.transport.is_closing():
-            raise _Broken("the peer lane connection is closed", False)
+            raise LaneBroken("the peer lane connection is closed", False)
         fut = asyncio.get_running_loop().create_future()
         self.waiting = fut
         self.transport.write(data)
@@ -200,6 +192,7 @@ class PeerLane(Lane[_PeerConn]):
         self.endpoint = endpoint
         self.tls = tls
         self.closed = False
+        self._claimed: set[asyncio.Task[_PeerConn]] = set()  # connections a call waits for
 
     async def _connect(self, timeout: float) -> _PeerConn:
         ep = self.endpoint
@@ -234,7 +227,7 @@ class PeerLane(Lane[_PeerConn]):
             data = self._request(conn, name, payload)
             try:
                 code, answer = await asyncio.wait_for(conn.request(data), _left(deadline))
-            except _Broken as exc:
+            except LaneBroken as exc:
                 conn.close()
                 conn = None
                 if attempt or (exc.sent and name not in IDEMPOTENT):
@@ -250,27 +243,36 @@ class PeerLane(Lane[_PeerConn]):
     def warm(self) -> None:
         """Make a connection in the background, pooled once made."""
         if not self.closed and not self._idle:
-            self._connecting().add_done_callback(self._made)
+            self._connecting()
 
     def _connecting(self) -> asyncio.Task[_PeerConn]:
-        return asyncio.get_running_loop().create_task(self._connect(CONNECT_TIMEOUT_S),
+        task = asyncio.get_running_loop().create_task(self._connect(CONNECT_TIMEOUT_S),
                                                       name=f"kvstore-peer-lane-{self.node}")
+        task.add_done_callback(self._made)
+        return task
 
     async def _connection(self, timeout: float) -> _PeerConn:
         """A new connection within `timeout`; past it `TimeoutError`, and the connection
         still made goes to the pool."""
         task = self._connecting()
+        self._claimed.add(task)
         try:
             return await asyncio.wait_for(asyncio.shield(task), timeout)
         except BaseException:
-            if not task.done():  # made after this call gave up on it: pooled then
-                task.add_done_callback(self._made)
+            if task.done() and not task.cancelled() and task.exception() is None:
+                self._put_back(task.result())  # made just as this call gave up on it
             raise
+        finally:
+            self._claimed.discard(task)
 
     def _made(self, task: asyncio.Task[_PeerConn]) -> None:
+        """A connection attempt ended: pooled (or its failure noted) unless a call that
+        still waits for it takes it (`_connection`)."""
         if task.cancelled():
             return
         exc = task.exception()
+        if task in self._claimed:
+            return
         if isinstance(exc, LaneUnavailable):
             self._unusable(exc)
         elif exc is None:

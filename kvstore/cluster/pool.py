@@ -277,14 +277,20 @@ class _Round:
 
 
 class _Ranges(NamedTuple):
-    """What one pull of a lookup copies from `holder`: positions [starts, stops), whether
-    each range is a replica here, and the position of its unit's key."""
+    """What one pull of a lookup copies from `holder`, its blocks already pending: its
+    runs of consecutive positions [starts, stops) of one kind (replica or owned) and
+    their blocks' hashes, and per unit in them (`firsts`/`lasts`: each run's first and
+    last), the position of its key."""
 
     holder: str
+    pull: Any  # kvstore.cluster.pull's handle of the pull, made by `Puller.mark`
     starts: np.ndarray[Any, Any]
     stops: np.ndarray[Any, Any]
     replica: np.ndarray[Any, Any]
+    hashes: list[bytes]
     key_pos: np.ndarray[Any, Any]
+    firsts: np.ndarray[Any, Any]
+    lasts: np.ndarray[Any, Any]
 
 
 _EMPTY = np.zeros(0, np.int64)
@@ -694,38 +700,37 @@ class ClusterNode:
                 idx = copied[pick[copied] == k]
                 if len(idx):
                     self._peer(holder).hit_blocks += int((best - rnd.locs)[idx].sum())
-                    pulls.append(_Ranges(holder, (rnd.starts + rnd.locs)[idx], (rnd.starts + best)[idx],
-                                         rnd.replica[idx], rnd.key_pos[idx]))
-            # Started once the answer is on its way, before anything else this loop reads:
-            # the answer is written by a callback the end of this call schedules, and what
-            # one scheduled now schedules runs after it, ahead of any socket's next bytes
-            # (a fetch that follows this answer finds the blocks pending).
+                    pulls.append(self._mark(holder, namespace_id, packed, (rnd.starts + rnd.locs)[idx],
+                                            (rnd.starts + best)[idx], rnd.replica[idx], rnd.key_pos[idx]))
+            # The blocks are pending now (a fetch that follows this answer waits for them);
+            # the rest of starting the pulls waits until the answer is on its way: it is
+            # written by a callback the end of this call schedules, and what one scheduled
+            # now schedules runs after that.
             loop = asyncio.get_running_loop()
             loop.call_soon(loop.call_soon, self._start_pulls, namespace_id, packed, pulls)
         return Extension(len(tiers), tiers, remote)
 
-    def _start_pulls(self, namespace_id: bytes, packed: bytes, pulls: list[_Ranges]) -> None:
-        """A lookup's pulls: one from each holder of its ranges (holder, starts, stops,
-        replica, key positions), consecutive ones of the same kind (replica or owned)
-        merged into one run each."""
-        if self.puller.closed:
-            return
-        call = self._call(namespace_id)
-        for holder, starts, stops, replica, key_pos in pulls:
-            self._start_pull(holder, call, namespace_id, packed, starts, stops, replica, key_pos)
-
-    def _start_pull(self, holder: str, call: PeerCall, namespace_id: bytes, packed: bytes,
-                    starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any], replica: np.ndarray[Any, Any],
-                    key_pos: np.ndarray[Any, Any]) -> None:
+    def _mark(self, holder: str, namespace_id: bytes, packed: bytes, starts: np.ndarray[Any, Any],
+              stops: np.ndarray[Any, Any], replica: np.ndarray[Any, Any], key_pos: np.ndarray[Any, Any]) -> _Ranges:
+        """One pull from `holder` of these ranges (one per unit), consecutive ones of the
+        same kind merged into one run each, its blocks marked pending."""
         joins = (starts[1:] == stops[:-1]) & (replica[1:] == replica[:-1])
         firsts = np.concatenate([[0], np.flatnonzero(~joins) + 1]).astype(np.int64)
         lasts = np.concatenate([firsts[1:] - 1, [len(starts) - 1]]).astype(np.int64)
-        keys = split_hashes(np.frombuffer(packed, np.uint8).reshape(-1, HASH_BYTES)[key_pos].tobytes())
-        unit_keys = [keys[f : l + 1] for f, l in zip(firsts.tolist(), lasts.tolist())]
         run_starts, run_stops = starts[firsts], stops[lasts]
         hashes = split_hashes(_concat(packed, run_starts, run_stops))
-        self.puller.start_spec(holder, call, PullSpec(namespace_id, packed, run_starts.tolist(), run_stops.tolist(),
-                                                      replica[firsts].tolist(), unit_keys, hashes))
+        return _Ranges(holder, self.puller.mark(namespace_id, hashes), run_starts, run_stops, replica[firsts], hashes,
+                       key_pos, firsts, lasts)
+
+    def _start_pulls(self, namespace_id: bytes, packed: bytes, pulls: list[_Ranges]) -> None:
+        """Start a lookup's pulls (`_mark`ed already)."""
+        call = self._call(namespace_id)
+        for r in pulls:
+            keys = split_hashes(np.frombuffer(packed, np.uint8).reshape(-1, HASH_BYTES)[r.key_pos].tobytes())
+            unit_keys = [keys[f : l + 1] for f, l in zip(r.firsts.tolist(), r.lasts.tolist())]
+            self.puller.launch(r.holder, call, r.pull, PullSpec(namespace_id, packed, r.starts.tolist(),
+                                                                r.stops.tolist(), r.replica.tolist(), unit_keys,
+                                                                r.hashes))
 
     @property
     def pulling(self) -> bool:

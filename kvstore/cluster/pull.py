@@ -22,8 +22,8 @@ Blocks of units this node does not own are marked replicas once published
 (`Store.mark_replicas`): the first victims when room is needed, so copies never crowd out
 what this node owns.
 
-Primitives: `PullRun`, `PullSpec`, `Puller` (`start`, `start_spec`, `wait`, `has_room`, `pending`,
-`aclose`).
+Primitives: `PullRun`, `PullSpec`, `Puller` (`start`, `mark`, `launch`, `wait`,
+`has_room`, `pending`, `aclose`).
 """
 
 from __future__ import annotations
@@ -311,16 +311,38 @@ class Puller:
             self.pending_blocks += len(by_hash) - before
         self._launch(node, call, pull)
 
-    def start_spec(self, node: str, call: PeerCall, spec: PullSpec) -> None:
-        """`start`, from a lookup's runs as positions (their objects are made in the task)."""
-        pull = _Pull(spec=spec)
-        by_hash = self.pending.get(spec.namespace_id)
+    def mark(self, namespace_id: bytes, hashes: Sequence[bytes]) -> _Pull:
+        """A pull about to copy `hashes` (of one namespace): they are pending from now,
+        until it is `launch`ed and done (a fetch waits for them meanwhile)."""
+        pull = _Pull()
+        by_hash = self.pending.get(namespace_id)
         if by_hash is None:
-            by_hash = self.pending[spec.namespace_id] = {}
+            by_hash = self.pending[namespace_id] = {}
         before = len(by_hash)
-        by_hash.update(dict.fromkeys(spec.hashes, pull))
+        by_hash.update(dict.fromkeys(hashes, pull))
         self.pending_blocks += len(by_hash) - before
+        return pull
+
+    def launch(self, node: str, call: PeerCall, pull: _Pull, spec: PullSpec) -> None:
+        """Start a `mark`ed pull, from a lookup's runs as positions (their objects are
+        made in the task). Once closed, its blocks are no longer pending instead."""
+        pull.spec = spec
+        if self._closed:
+            self._drop_marks(spec.namespace_id, spec.hashes, pull)
+            return
         self._launch(node, call, pull)
+
+    def _drop_marks(self, namespace_id: bytes, hashes: Sequence[bytes], pull: _Pull) -> None:
+        by_hash = self.pending.get(namespace_id)
+        if by_hash is not None:
+            for h in hashes:
+                if by_hash.get(h) is pull:
+                    del by_hash[h]
+                    self.pending_blocks -= 1
+            if not by_hash:
+                del self.pending[namespace_id]
+        if not pull.done.done():
+            pull.done.set_result(None)
 
     def _launch(self, node: str, call: PeerCall, pull: _Pull) -> None:
         task = asyncio.get_running_loop().create_task(self._pull(node, call, pull), name=f"kvstore-pull-{node}")

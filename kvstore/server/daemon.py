@@ -442,11 +442,7 @@ class Daemon:
                                addr.path, path)
                 continue
             prepare_unix_path(path, self.config.unix_socket_shared_dir)
-            limits = self.connection_limits
-            assert limits is not None
-            lane = LaneServer(servicer, self.pipeline, self.config.max_message_bytes, limits.max_connections,
-                              deferral=servicer.store.deferral, hello_timeout_s=limits.handshake_timeout_s,
-                              idle_s=limits.idle_s)
+            lane = self._lane_server(servicer)
             try:
                 await lane.start(path)
             except OSError as exc:
@@ -455,18 +451,22 @@ class Daemon:
             self.lanes.append(lane)
             self.bound_lanes.append(path)
 
+    def _lane_server(self, servicer: KVStoreServicer) -> LaneServer:
+        """A control lane server for the servicer, within the daemon's connection limits."""
+        limits = self.connection_limits
+        assert limits is not None
+        return LaneServer(servicer, self.pipeline, self.config.max_message_bytes, limits.max_connections,
+                          deferral=servicer.store.deferral, hello_timeout_s=limits.handshake_timeout_s,
+                          idle_s=limits.idle_s)
+
     async def _start_peer_lanes(self, servicer: KVStoreServicer) -> None:
         """The peer lane (kvstore.server.lane, docs/cluster.md) on each of its addresses,
         offered to the pool's other daemons by the DataLane call. It only saves time: one
         that cannot be bound is logged and skipped (the peers then use gRPC)."""
-        limits = self.connection_limits
-        assert limits is not None
         tls = server_tls(self.config) if self.peer_lane_addresses else None
         bound: list[kvstore_pb2.DataLaneEndpoint] = []
         for addr in self.peer_lane_addresses:
-            lane = LaneServer(servicer, self.pipeline, self.config.max_message_bytes, limits.max_connections,
-                              deferral=servicer.store.deferral, hello_timeout_s=limits.handshake_timeout_s,
-                              idle_s=limits.idle_s)
+            lane = self._lane_server(servicer)
             try:
                 where = await lane.start_tcp(addr.host, addr.port, tls)
             except OSError as exc:

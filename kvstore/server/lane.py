@@ -46,13 +46,14 @@ daemon has a certificate, for the calls the daemons of a pool make on each other
 connections skip the uid check (the network has none): the hello's token is what admits
 them, accepted as a cluster credential (`Authenticator.identify_lane`), and every call
 names the node and tenant it is made for (`kvstore.laneproto.split_envelope`), checked
-as gRPC checks those metadata entries, for `PEER_LANE_METHODS` only.
+as gRPC checks those metadata entries (so only a pool's calls are admitted).
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import os
 import secrets
@@ -77,7 +78,6 @@ from kvstore.laneproto import (
     MAGIC,
     MAX_HELLO_BYTES,
     METHOD_IDS,
-    PEER_LANE_METHODS,
     REQUEST_TYPES,
     method_path,
     split_envelope,
@@ -116,7 +116,7 @@ Answer = tuple[int, bytes] | tuple[int, bytes, list[int]]
 
 
 class _Method:
-    __slots__ = ("name", "request_type", "handler", "steps", "passes_fds", "peer")
+    __slots__ = ("name", "request_type", "handler", "steps", "passes_fds")
 
     def __init__(self, name: str, handler: Handler, steps: CallSteps) -> None:
         self.name = name
@@ -124,7 +124,6 @@ class _Method:
         self.handler = handler
         self.steps = steps
         self.passes_fds = name in PASSES_FDS
-        self.peer = name in PEER_LANE_METHODS
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -293,15 +292,18 @@ class LaneServer:
             return
         sock.setblocking(False)
         assert self._loop is not None
+        handshake_s = self.hello_timeout_s if self.tls is not None else None
         task = self._loop.create_task(self._loop.connect_accepted_socket(
-            lambda: _Connection(self), sock, ssl=self.tls, ssl_handshake_timeout=self.hello_timeout_s if self.tls else None))
+            lambda: _Connection(self), sock, ssl=self.tls, ssl_handshake_timeout=handshake_s))
         self._opening.add(task)
-        task.add_done_callback(self._opened)
+        task.add_done_callback(functools.partial(self._opened, sock))
 
-    def _opened(self, task: asyncio.Task[Any]) -> None:
+    def _opened(self, sock: socket.socket, task: asyncio.Task[Any]) -> None:
         self._opening.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.debug("lane connection lost before it was served: %s", task.exception())
+        if task.cancelled() or task.exception() is not None:
+            sock.close()  # no transport took it (the daemon is stopping, or the handshake failed)
+            if not task.cancelled():
+                logger.debug("lane connection lost before it was served: %s", task.exception())
 
     def admit_peer(self, uid: int) -> KVStoreError | None:
         """The refusal of a new connection from a process of `uid`, or None. At the cap,
@@ -371,9 +373,6 @@ class LaneServer:
                 identity = self._enter_peer(method, envelope, token)
                 if envelope is None:
                     raise InvalidArgument(_NO_ENVELOPE)
-                if not method.peer:
-                    raise PermissionDenied(f"{method.name} is not a node-to-node call; the peer lane serves only "
-                                           f"{', '.join(sorted(PEER_LANE_METHODS))}")
                 payload = envelope[2]
             else:
                 identity = steps.enter(token, True, f"{self._id_prefix}{self.calls:x}")

@@ -45,6 +45,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def reserve_port() -> socket.socket:
+    """A loopback port held by a bound socket that gRPC can bind beside (SO_REUSEPORT)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
 def chain(layout: KVLayout, n: int, seed: int) -> tuple[list[int], list[bytes]]:
     """`n` blocks of token ids (distinct per seed) and their payloads (a function of the
     seed and the block's position, never equal across seeds or positions)."""
@@ -60,7 +69,10 @@ async def pool(tmp_path: Path, n: int, *, etcd: str = "", prefix: str = "", firs
                per_node: Sequence[dict[str, Any]] = (), **overrides: Any) -> AsyncIterator[list[Daemon]]:
     """`n` daemons n{first}..: a static pool on loopback, or one on etcd (`etcd` endpoint);
     `per_node[i]`: settings of the i-th daemon alone."""
-    ports = [free_port() for _ in range(n)]
+    # Each port is held (SO_REUSEPORT, as gRPC binds) until its daemon listens on it, so
+    # the ports the first daemons' lanes take (the system's choice) cannot be these.
+    held = [reserve_port() for _ in range(n)]
+    ports = [sock.getsockname()[1] for sock in held]
     ids = [f"n{first + i}" for i in range(n)]
     peers = tuple(f"{node}=127.0.0.1:{port}" for node, port in zip(ids, ports))
     started: list[Daemon] = []
@@ -76,9 +88,12 @@ async def pool(tmp_path: Path, n: int, *, etcd: str = "", prefix: str = "", firs
                               node_id=node, **options)
             daemon = Daemon(cfg)
             await daemon.start()
+            held[i].close()
             started.append(daemon)
         yield started
     finally:
+        for sock in held:
+            sock.close()
         for daemon in reversed(started):
             await daemon.stop(grace_s=0)
 
