@@ -105,8 +105,9 @@ AFTER_DRAIN_GRACE_S = 0.5
 LEASE_SWEEP_S = 1.0
 PR_SET_DUMPABLE = 4
 # Loggers whose records a flood of connections repeats (a refused peer, an accept out of
-# descriptors): one line per interval, with a count of the rest.
-REPEATING_LOGGERS = ("asyncio", "grpc._cython.cygrpc", "kvstore.server.lane")
+# descriptors, a peer lane that cannot be reached every few seconds): one line per interval,
+# with a count of the rest.
+REPEATING_LOGGERS = ("asyncio", "grpc._cython.cygrpc", "kvstore.server.lane", "kvstore.cluster.lane")
 LOG_REPEAT_INTERVAL_S = 10.0
 # sockaddr_un.sun_path: the longest Unix socket path, with its terminating NUL.
 UNIX_PATH_BYTES = 108
