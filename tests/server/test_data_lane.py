@@ -90,9 +90,18 @@ def lane_address(running: RunningDaemon) -> tuple[str, int]:
     return addr.host, addr.port
 
 
-def raw_lane(running: RunningDaemon, token: str = "") -> tuple[LaneSocket, int]:
-    """A lane connection made by hand: (socket, kind of the hello's answer)."""
-    sock = socket.create_connection(lane_address(running), timeout=5)
+def raw_lane(running: RunningDaemon, token: str = "", rcvbuf: int = 0) -> tuple[LaneSocket, int]:
+    """A lane connection made by hand: (socket, kind of the hello's answer). `rcvbuf`: its
+    receive buffer, fixed before it connects (no autotuning)."""
+    sock = socket.socket()
+    sock.settimeout(5)
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    try:
+        sock.connect(lane_address(running))
+    except BaseException:
+        sock.close()
+        raise
     lane = LaneSocket(sock, 5.0)
     try:
         lane.send_frame(HELLO, block=VERSION, payload=hello_payload(token))
@@ -485,26 +494,28 @@ def wait_until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 
 def test_a_fetch_reader_that_stops_reading_is_dropped_and_its_blocks_released(tmp_path):
-    cfg = make_config(tmp_path, data_lane_io_timeout_s=1.0)
-    big = blocks_for(12, BIG, seed=9)  # more than the sockets' buffers hold
+    cfg = make_config(tmp_path, data_lane_io_timeout_s=1.0, host_capacity=32 << 20)
+    # 11 MiB: more than the daemon's send buffer (4 MiB at most, tcp_wmem) and this
+    # reader's receive buffer (fixed at 64 KiB before it connects) hold together.
+    n = 36
+    big = blocks_for(n, BIG, seed=9)
     with daemon_in_thread(cfg) as running:
         with Client(running.tcp_target, data_plane="grpc") as kv:
-            kv.put(BIG, tokens(12, layout=BIG), big)
+            kv.put(BIG, tokens(n, layout=BIG), big)
         with grpc.insecure_channel(running.tcp_target) as channel:
             grant = kvstore_pb2_grpc.KVStoreStub(channel).LaneFetch(kvstore_pb2.LaneFetchRequest(
-                fetch=kvstore_pb2.FetchRequest(namespace=ns(BIG), keys=token_keys(tokens(12, layout=BIG))),
+                fetch=kvstore_pb2.FetchRequest(namespace=ns(BIG), keys=token_keys(tokens(n, layout=BIG))),
                 connections=1, timeout_ms=60_000), timeout=10)
-        lane, _ = raw_lane(running)
+        lane, _ = raw_lane(running, rcvbuf=64 << 10)
         transfers = running.daemon.data_lane.transfers
         with lane.sock:
-            lane.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
             lane.send_frame(FETCH, grant.transfer_id, value=1 << 40)  # all the credit, then silence
             assert len(transfers) == 1
             wait_until(lambda: len(transfers) == 0, 15)  # the daemon's send timed out
         # Its blocks are no longer held: they are served and deleted like any others.
         with Client(running.tcp_target, data_plane="lane") as kv:
-            assert [bytes(x) for x in kv.fetch(BIG, tokens(12, layout=BIG))] == big
-            assert kv.delete(BIG, tokens(12, layout=BIG)) == 12
+            assert [bytes(x) for x in kv.fetch(BIG, tokens(n, layout=BIG))] == big
+            assert kv.delete(BIG, tokens(n, layout=BIG)) == n
 
 
 def test_a_put_whose_sender_vanishes_mid_block_stores_nothing(daemon_thread):
