@@ -25,9 +25,8 @@ lane (`kvstore.client.datalane.DataLane`):
 
 Which peers have a lane, and a peer lane, is asked once (`DataLane`) and remembered; until
 the answer is in (it is asked in the background by a lookup), lookups use gRPC. A peer
-lane that cannot be connected to is left alone for a few seconds (gRPC meanwhile). A
-peer that offers no data lane
-(data_lane_listen = off), or predates the lane's node-to-node calls (it refuses or does
+lane that cannot be connected to is left alone for LANE_RETRY_S (gRPC meanwhile). A
+peer that offers no data lane (data_lane_listen = off), or predates the lane's node-to-node calls (it refuses or does
 not know them), is used through gRPC, and asked again after NO_LANE_RECHECK_S. A lane
 that cannot be connected to is left alone for LANE_RETRY_S, gRPC used meanwhile, and
 then asked for again (a restarted peer's lane may listen on another port). Once a
