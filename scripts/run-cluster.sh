@@ -22,12 +22,23 @@ cleanup() {
     trap - EXIT INT TERM
     echo
     echo "stopping the pool..."
-    for pid in "${pids[@]}"; do
+    # The daemons first, while etcd is still there for them to leave the pool; then etcd.
+    local daemons=("${pids[@]:1}")
+    for pid in "${daemons[@]}"; do
         kill -TERM "$pid" 2>/dev/null || true
     done
-    for pid in "${pids[@]}"; do
-        wait "$pid" 2>/dev/null || true
+    for pid in "${daemons[@]}"; do
+        # Their drain takes at most grace_s (10 s); past 30 s one is killed.
+        for _ in $(seq 300); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -KILL "$pid" 2>/dev/null || true
     done
+    if [[ ${#pids[@]} -gt 0 ]]; then
+        kill -TERM "${pids[0]}" 2>/dev/null || true
+        wait "${pids[0]}" 2>/dev/null || true
+    fi
     rm -rf "$DIR"
     echo "stopped"
 }
