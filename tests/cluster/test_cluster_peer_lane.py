@@ -91,19 +91,26 @@ async def put_chains(d: Daemon, seeds: range, n: int = 8) -> None:
             await kv.put(LAYOUT, tok, blocks, wait_for_owners=True)
 
 
+async def remote_hit_once_the_peer_lane_is_up(a: Daemon, b: Daemon, n: int, seed: int) -> tuple[int, int]:
+    """Put a chain on `a`; once `b` uses its peer lane, look it up and fetch it on `b`
+    (a hit, part of it remote, byte-exact); `b`'s calls (peer lane, gRPC) just before."""
+    await put_chains(a, range(100, 120))
+    tok, blocks = chain(LAYOUT, n, seed=seed)
+    async with AsyncClient(unix_target(a)) as kv:
+        put = await kv.put(LAYOUT, tok, blocks, wait_for_owners=True)
+    assert put.forwarded_blocks > 0
+    async with AsyncClient(unix_target(b)) as kv:
+        await until_the_peer_lane_is_up(kv, b, range(100, 120))
+        before = calls(b)
+        hit = await kv.lookup(LAYOUT, tok)
+        assert hit.num_blocks == n and hit.remote_blocks > 0
+        assert [bytes(g) for g in await kv.fetch(LAYOUT, tok)] == blocks
+    return before
+
+
 async def test_lookups_between_nodes_go_on_the_peer_lane_and_hit(tmp_path: Path) -> None:
     async with pool(tmp_path, 2) as (a, b):
-        await put_chains(a, range(100, 120))
-        tok, blocks = chain(LAYOUT, 24, seed=61)
-        async with AsyncClient(unix_target(a)) as kv:
-            put = await kv.put(LAYOUT, tok, blocks, wait_for_owners=True)
-        assert put.forwarded_blocks > 0
-        async with AsyncClient(unix_target(b)) as kv:
-            await until_the_peer_lane_is_up(kv, b, range(100, 120))
-            lane_before, grpc_before = calls(b)
-            hit = await kv.lookup(LAYOUT, tok)
-            assert hit.num_blocks == 24 and hit.remote_blocks > 0
-            assert [bytes(g) for g in await kv.fetch(LAYOUT, tok)] == blocks
+        lane_before, grpc_before = await remote_hit_once_the_peer_lane_is_up(a, b, 24, seed=61)
         lane_after, grpc_after = calls(b)
         # The lookup and the pull's LaneFetch went on the peer lane, nothing on gRPC.
         assert lane_after >= lane_before + 2 and grpc_after == grpc_before
@@ -217,16 +224,7 @@ async def test_the_pools_tls_settings_are_the_peer_lanes(tmp_path: Path) -> None
            "cluster_tls_ca": str(pki / "ca.pem")}
     async with pool(tmp_path, 2, **tls) as (a, b):
         assert a._transfers is not None and all(ep.tls for ep in a._transfers.peer_lane_endpoints)
-        await put_chains(a, range(100, 120))
-        tok, blocks = chain(LAYOUT, 16, seed=65)
-        async with AsyncClient(unix_target(a)) as kv:
-            await kv.put(LAYOUT, tok, blocks, wait_for_owners=True)
-        async with AsyncClient(unix_target(b)) as kv:
-            await until_the_peer_lane_is_up(kv, b, range(100, 120))
-            lane_before, grpc_before = calls(b)
-            hit = await kv.lookup(LAYOUT, tok)
-            assert hit.num_blocks == 16 and hit.remote_blocks > 0
-            assert [bytes(g) for g in await kv.fetch(LAYOUT, tok)] == blocks
+        lane_before, grpc_before = await remote_hit_once_the_peer_lane_is_up(a, b, 16, seed=65)
         assert calls(b)[0] > lane_before and calls(b)[1] == grpc_before
         # A plain connection to the TLS peer lane gets no answer it could read as one.
         reader, writer = await asyncio.open_connection(*peer_lane_address(a))
