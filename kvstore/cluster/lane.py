@@ -420,8 +420,8 @@ class LanePeerTransport:
         if not task.cancelled() and task.exception() is not None:
             logger.debug("cluster: asking node %s for its lanes failed: %s", node, task.exception())
 
-    async def _unary(self, node: str, call: PeerCall, name: str, request: bytes, timeout_s: float) -> bytes | None:
-        """`name` on `node`'s peer lane: the answer's bytes, or None where there is no
+    async def _unary(self, node: str, call: PeerCall, name: str, request: bytes, timeout_s: float) -> Any:
+        """`name` on `node`'s peer lane: its answer (parsed), or None where there is no
         peer lane to use now (the caller uses gRPC)."""
         state = self._peers.get(node)
         if state is None or (state.lane is None and time.monotonic() >= state.recheck_at):
@@ -430,11 +430,15 @@ class LanePeerTransport:
             return None
         try:
             answer = await state.calls.call(name, peer_envelope(self.node_id, call.tenant) + request, timeout_s)
-            if answer is not None:
-                self.counters.peer_lane_calls += 1
-            return answer
         except KVStoreError as exc:
             raise PeerError(node, f"{name}: {exc.code.name}: {exc}", exc.code) from None
+        if answer is None:
+            return None
+        self.counters.peer_lane_calls += 1
+        try:
+            return RESPONSE_TYPES[name].FromString(answer)
+        except DecodeError:
+            raise PeerError(node, f"{name}: an answer that does not parse") from None
 
     async def _control(self, node: str, call: PeerCall, name: str, request: Any, timeout_s: float) -> Any:
         """A control call of the data lane: on the peer lane, else gRPC."""
@@ -445,10 +449,7 @@ class LanePeerTransport:
                 from None
         if answer is None:
             return await self.grpc.control(node, call, name, request, timeout_s)
-        try:
-            return RESPONSE_TYPES[name].FromString(answer)
-        except DecodeError:
-            raise PeerError(node, f"{name}: an answer that does not parse") from None
+        return answer
 
     def _lane_of(self, node: str, offer: kvstore_pb2.DataLaneResponse) -> DataLane | None:
         endpoint = choose_endpoint(offer, self.grpc.target(node))
@@ -489,13 +490,9 @@ class LanePeerTransport:
     # -------------------------------------------------------------- calls
 
     async def lookup(self, node: str, call: PeerCall, hashes: bytes, timeout_s: float) -> int:
-        answer = await self._unary(node, call, "Lookup", lookup_request_bytes(call, hashes), timeout_s)
-        if answer is None:
+        resp = await self._unary(node, call, "Lookup", lookup_request_bytes(call, hashes), timeout_s)
+        if resp is None:
             return await self.grpc.lookup(node, call, hashes, timeout_s)
-        try:
-            resp = kvstore_pb2.LookupResponse.FromString(answer)
-        except DecodeError:
-            raise PeerError(node, "lookup: an answer that does not parse") from None
         return lookup_count(node, resp, hashes)
 
     async def fetch(self, node: str, call: PeerCall, hashes: bytes, sink: FetchSink, timeout_s: float) -> int:

@@ -155,15 +155,11 @@ class _Ranker:
             return [names[0] if names else ""] * len(unit_keys)
         n = len(unit_keys)
         size = len(unit_keys[0]) if n else 0
-        if XXH3 and n and all(len(k) == size for k in unit_keys):
-            # Each member's scores for every key in one native pass (a chain has hundreds
-            # of units; a Python hash call per member and unit cost milliseconds).
-            joined = b"".join(unit_keys)
-            scores = np.empty((len(names), n), np.uint64)
-            for row, pre in zip(scores, self._prefixes):
-                native.rendezvous_scores(pre, joined, size, row)
-        else:
-            scores = np.array([[_score64(pre + k) for k in unit_keys] for pre in self._prefixes], dtype=np.uint64)
+        if n and all(len(k) == size for k in unit_keys):
+            best = self.best_index_many(b"".join(unit_keys), size)
+            if best is not None:
+                return [names[i] for i in best.tolist()]
+        scores = np.array([[_score64(pre + k) for k in unit_keys] for pre in self._prefixes], dtype=np.uint64)
         return [names[i] for i in scores.argmax(axis=0).tolist()]
 
     def best_index_many(self, joined: bytes, size: int) -> np.ndarray[Any, Any] | None:
@@ -175,6 +171,8 @@ class _Ranker:
             return np.full(n, 0 if names else -1, np.int64)
         if not XXH3:
             return None
+        # Each member's scores for every key in one native pass (a chain has hundreds of
+        # units; a Python hash call per member and unit cost milliseconds).
         scores = np.empty((len(names), n), np.uint64)
         for row, pre in zip(scores, self._prefixes):
             native.rendezvous_scores(pre, joined, size, row)

@@ -590,14 +590,14 @@ class ClusterNode:
         allow = self.breakers.allow
         askable = np.array([n != me and allow(n) for n in names] + [False], bool)  # [-1]: no owner
         owner = sets[0]
-        asked = np.stack([askable[s] for s in sets])
-        some = asked.any(axis=0)
+        every = np.stack(sets)
+        some = askable[every].any(axis=0)
         cut = len(owner)
         if not some.all():
             cut = int(np.argmin(some))  # nobody to ask: the chain ends there
             end = int(starts[cut] + locs[cut])
         asks: dict[str, np.ndarray[Any, Any]] = {}
-        every = np.stack(sets)[:, :cut]
+        every = every[:, :cut]
         for k in np.flatnonzero(askable[:-1]).tolist():
             idx = np.flatnonzero((every == k).any(axis=0))
             if len(idx):

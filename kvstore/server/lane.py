@@ -233,6 +233,9 @@ class LaneServer:
             task.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+        # An aborted transport closes its socket in a callback of the next loop turn: let
+        # it run (the loop may be closed right after this returns).
+        await asyncio.sleep(0)
         self._connections.clear()
         self._unhelloed.clear()
         if self.path and not self.tcp:
