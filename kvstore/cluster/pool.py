@@ -902,20 +902,28 @@ class ClusterNode:
         if len(owned) > OWNED_UNITS_KEPT:
             owned.popitem(last=False)
 
-    def _pulled(self, holder: str, run: PullRun, blocks: int) -> None:
-        """A pull published. Its copies also go where the pool wants them and lacks them:
-        to the extra owners of a hot unit, and to the current owners of a unit found on
-        a previous owner (a membership change: the traffic rebuilds the new owner's units)."""
-        me = self.node_id
-        for key in run.unit_keys:
+    def _pulled(self, holder: str, landed: Sequence[tuple[PullRun, int]]) -> None:
+        """Runs of a pull published (with how many of their blocks). Their copies also go
+        where the pool wants them and lacks them: to the extra owners of a hot unit, and
+        to the current owners of a unit found on a previous owner (a membership change:
+        the traffic rebuilds the new owner's units)."""
+        keys = [key for run, _ in landed for key in run.unit_keys]
+        for key in keys:
             self.hot.record(key)  # found elsewhere and copied here: its heat
+        # Every unit's owners in one ranking pass (a pull has hundreds of units).
+        owners_of = dict(zip(keys, self.placement.route_many(keys)[0])) if keys else {}
+        for run, blocks in landed:
+            self._pulled_run(holder, run, blocks, owners_of)
+
+    def _pulled_run(self, holder: str, run: PullRun, blocks: int, owners_of: dict[bytes, tuple[str, ...]]) -> None:
+        me = self.node_id
         if not run.replica:
             for key in run.unit_keys:
-                if me in self.placement.owners(key):
+                if me in owners_of[key]:
                     self._remember_owned(run.namespace_id, _Piece(key, run.position, run.hashes[:blocks], run.parent))
                     break
         for key in run.unit_keys:
-            owners = self.placement.owners(key)
+            owners = owners_of[key]
             hot = bool(self.hot.extra_owners(key))
             if not hot and holder in owners:
                 continue

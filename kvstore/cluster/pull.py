@@ -2,15 +2,17 @@
 
 A lookup that finds blocks on other nodes answers at once (they are TIER_REMOTE in its
 answer) and starts one pull per node that holds them: one `fetch` of the runs it holds,
-whose bytes go straight into the PENDING slots of a local put (`_PullSink`), one put per
-run of consecutive blocks. A run is published only once every block of it arrived whole
-and its checksum equals the one the holder took when the block was stored: a block that
-does not verify never becomes visible. Over gRPC the checksums come first and each run
-is hashed here, off the event loop, once it arrived; over the data lane the pull's puts
-are reserved first, every block lands in its slot directly and is hashed as it lands,
-against the checksum the holder sends with it (the one it stored, which the holder's
-bytes matched before they left: `kvstore.cluster.lane`). A run cut short (the holder
-evicted a block meanwhile, a check failed, the lane broke) is rolled back.
+whose bytes go straight into the PENDING slots of a local put (`_PullSink`). A run of
+consecutive blocks is published only once every block of it arrived whole and its
+checksum equals the one the holder took when the block was stored: a block that does
+not verify never becomes visible. Over gRPC the checksums come first and each run is a
+put of its own, hashed here, off the event loop, once it arrived; over the data lane one
+put for all the pull's runs is reserved first (`Store.begin_put` with `runs`), every
+block lands in its slot directly and is hashed as it lands, against the checksum the
+holder sends with it (the one it stored, which the holder's bytes matched before they
+left: `kvstore.cluster.lane`), and the runs that landed whole are published together. A
+run cut short (the holder evicted a block meanwhile, a check failed, the lane broke) is
+rolled back, with the runs after it.
 
 While a run is in flight its blocks are `pending`: a fetch (gRPC or shared memory) that
 reaches one of them waits for the run (`wait`, bounded by the fetch's deadline) and then
@@ -33,6 +35,8 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvstore.checksum import checksum_batch
 from kvstore.cluster.breaker import Breakers
@@ -126,8 +130,10 @@ class _PullSink:
         self._first = 0  # the global index of its first block
         self._txn: PutTxn | None = None
         self._n = 0  # blocks of the current run the txn carries
-        # Over the lane: the put of each run reserved up front, in order (`destinations`).
-        self._reserved: list[PutTxn | None] = []  # None once published
+        # Over the lane: one put of the first `_lane_runs` runs, reserved up front
+        # (`destinations`); None once published or rolled back.
+        self._lane_txn: PutTxn | None = None
+        self._lane_runs = 0
 
     def begin(self, num_blocks: int, block_bytes: int, checksums: Sequence[int]) -> None:
         store = self._puller.store
@@ -191,7 +197,7 @@ class _PullSink:
         puller.counters.pulled_blocks += result.stored
         self._resolve(run, self._n)
         if puller.pulled is not None:
-            puller.pulled(self._node, run, self._n)
+            puller.pulled(self._node, [(run, self._n)])
 
     async def finish(self) -> None:
         """The stream ended: publish the run in progress if it arrived whole."""
@@ -199,55 +205,81 @@ class _PullSink:
             await self._finish_run()
 
     async def destinations(self) -> list[memoryview]:
-        """Reserve the put of each run, in order, while there is room (the first one must
-        fit, else this raises); a view of each block's PENDING slot. A block this node
-        holds already (the put holds it meanwhile) lands in scratch memory, dropped."""
+        """Reserve one put for the runs, in order, as many of them as there is room for
+        (the first one must fit, else this raises); a view of each block's PENDING slot.
+        A block this node holds already (the put holds it meanwhile) lands in scratch
+        memory, dropped. One put for a fetch's runs, not one per run: a 1,000-block chain
+        found half elsewhere is about 125 runs, and a put's own steps cost about as much
+        as copying a small block."""
         store = self._puller.store
         tiers = {st.name: st.tier for st in store.tiers}
-        views: list[memoryview] = []
-        for run in self._runs:
-            txn = store.begin_put(run.namespace_id, run.hashes, run.parent, tier=PULL_TIER)
+        runs = self._runs
+        count = len(runs)
+        while True:
+            txn = self._begin(runs[:count])
             try:
                 await txn.reserve()
+                break
             except KVStoreError:
                 txn.abort()
-                if not self._reserved:
+                if count == 1:
                     raise
-                break  # fetch the runs that have room
+                count = (count + 1) // 2  # fetch the runs that have room
             except BaseException:
                 txn.abort()
                 raise
-            self._reserved.append(txn)
-            for slot in txn.slots():
-                if slot is None:
-                    views.append(memoryview(bytearray(txn.block_bytes)))
-                    continue
-                view = tiers[slot.tier].view(slot, txn.block_bytes)
-                if view is None:
-                    raise PeerError(self._node, f"pulled blocks land in tier {slot.tier}, which has no host view")
-                views.append(view)
+        self._lane_txn, self._lane_runs = txn, count
+        views: list[memoryview] = []
+        for slot in txn.slots():
+            if slot is None:
+                views.append(memoryview(bytearray(txn.block_bytes)))
+                continue
+            view = tiers[slot.tier].view(slot, txn.block_bytes)
+            if view is None:
+                raise PeerError(self._node, f"pulled blocks land in tier {slot.tier}, which has no host view")
+            views.append(view)
         return views
 
+    def _begin(self, runs: Sequence[PullRun]) -> PutTxn:
+        """One put of `runs` (consecutive runs of one chain), laid end to end."""
+        first = runs[0]
+        hashes: list[bytes] = []
+        starts: list[tuple[int, bytes | None]] = []
+        for run in runs:
+            if hashes:
+                starts.append((len(hashes), run.parent))
+            hashes += run.hashes
+        return self._puller.store.begin_put(first.namespace_id, hashes, first.parent, tier=PULL_TIER, runs=starts)
+
     async def landed(self, blocks: int, checksums: Sequence[int], corrupt: bool) -> None:
-        """Publish each reserved run whose blocks all landed verified (`checksums`: the
-        holder's, one per block landed); the others are rolled back by `abort`."""
+        """Publish the reserved runs whose blocks all landed verified (`checksums`: the
+        holder's, one per block landed), in one step; the others are rolled back."""
         puller = self._puller
-        first = 0
-        for k, txn in enumerate(self._reserved):
-            run = self._runs[k]
-            n = len(run.hashes)
-            if txn is None or first + n > blocks:
+        txn = self._lane_txn
+        if txn is None:
+            return
+        done = total = 0
+        for run in self._runs[: self._lane_runs]:
+            if total + len(run.hashes) > blocks:
                 break
+            total += len(run.hashes)
+            done += 1
+        if done:
+            if done < self._lane_runs:
+                txn.shorten(total)
             txn.mark_written()
-            result = await txn.commit(checksums[first : first + n])
-            self._reserved[k] = None
-            if run.replica:
-                puller.counters.replica_blocks += puller.store.mark_replicas(run.namespace_id, run.hashes)
+            result = await txn.commit(checksums[:total])
+            self._lane_txn = None
+            published = self._runs[:done]
+            if any(run.replica for run in published):
+                positions, rows = txn.stored_rows()
+                replica = np.repeat([run.replica for run in published], [len(run.hashes) for run in published])
+                puller.counters.replica_blocks += puller.store.mark_replica_rows(rows[replica[positions]])
             puller.counters.pulled_blocks += result.stored
-            self._resolve(run, n)
+            for run in published:
+                self._resolve(run, len(run.hashes))
             if puller.pulled is not None:
-                puller.pulled(self._node, run, n)
-            first += n
+                puller.pulled(self._node, [(run, len(run.hashes)) for run in published])
         if corrupt:
             puller.counters.checksum_failures += 1
             raise PeerError(self._node, "fetch: a block's bytes do not match its checksum")
@@ -258,11 +290,10 @@ class _PullSink:
             self._txn.abort()
             self._puller.counters.rolled_back_blocks += self._n
             self._txn = None
-        for k, reserved in enumerate(self._reserved):
-            if reserved is not None:
-                reserved.abort()
-                self._puller.counters.rolled_back_blocks += len(self._runs[k].hashes)
-        self._reserved = []
+        if self._lane_txn is not None:
+            self._lane_txn.abort()
+            self._puller.counters.rolled_back_blocks += sum(len(r.hashes) for r in self._runs[: self._lane_runs])
+            self._lane_txn = None
         for run in self._runs:
             self._resolve(run, 0)
 
@@ -287,8 +318,8 @@ class Puller:
         # namespace id -> block hash -> the pull copying it
         self.pending: dict[bytes, dict[bytes, _Pull]] = {}
         self.pending_blocks = 0
-        # Told of each run published: (node, run, blocks).
-        self.pulled: Callable[[str, PullRun, int], None] | None = None
+        # Told of the runs each put of a pull published: (node, [(run, blocks)]).
+        self.pulled: Callable[[str, Sequence[tuple[PullRun, int]]], None] | None = None
         self._closed = False
 
     @property

@@ -55,6 +55,25 @@ from kvstore.native import native as _native  # the compiled top-tier pass; nump
 
 _new_entry = object.__new__
 _unpack_qq = struct.Struct("<QQ").unpack_from
+_EMPTY_I64 = np.zeros(0, np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class RunParents:
+    """The runs after the first of a put made of several runs of one chain laid end to
+    end: each one's first position in the put (increasing), and its parent's hash halves
+    (`has_parent` false: a run that starts its chain)."""
+
+    starts: I64
+    q0: U64
+    q1: U64
+    has_parent: npt.NDArray[np.bool_]
+
+    @classmethod
+    def of(cls, runs: Sequence[tuple[int, bytes | None]]) -> RunParents:
+        q = np.frombuffer(b"".join(p if p is not None else bytes(HASH_BYTES) for _, p in runs), "<u8")
+        return cls(np.fromiter((s for s, _ in runs), np.int64, len(runs)), q[0::2].copy(), q[1::2].copy(),
+                   np.fromiter((p is not None for _, p in runs), bool, len(runs)))
 _iter_qq = struct.Struct("<QQ").iter_unpack
 # Chains up to this long are probed key by key (see `BlockIndex.prefix_rows`).
 SCALAR_PROBE_MAX = 16
@@ -622,10 +641,12 @@ class BlockIndex:
         return t.find_rows(t.ns_id(namespace_id), q0, q1)
 
     def add_pending(self, namespace_id: bytes, q0: U64, q1: U64, at: I64, parent_hash: bytes | None,
-                    nbytes: int, itemsize: int, slots: Sequence[Slot]) -> I64:
+                    nbytes: int, itemsize: int, slots: Sequence[Slot], runs: RunParents | None = None) -> I64:
         """PENDING rows for the blocks at positions `at` of a chain (hash halves q0, q1),
         block `at[k]` with one copy, in slots[k], in whole-column steps. A block's parent
-        is the chain's block before it, or `parent_hash` for the chain's first block."""
+        is the chain's block before it, or `parent_hash` for the chain's first block.
+        `runs`: the blocks are runs of one chain laid end to end, and the first block of
+        each later run has the parent given there instead (`RunParents`)."""
         t = self.table
         rows = t.take_rows(len(at))
         t.ns[rows] = t.ns_id(namespace_id)
@@ -633,11 +654,25 @@ class BlockIndex:
         t.h1[rows] = q1[at]
         prev = at - 1
         chained = prev >= 0
+        heads = _EMPTY_I64
+        if runs is not None and len(runs.starts):
+            k = np.minimum(np.searchsorted(runs.starts, at), len(runs.starts) - 1)
+            head = runs.starts[k] == at
+            chained &= ~head
+            heads = np.flatnonzero(head)
+            k = k[heads]
+            given = runs.has_parent[k]
+            heads, k = heads[given], k[given]
         t.ph0[rows[chained]] = q0[prev[chained]]
         t.ph1[rows[chained]] = q1[prev[chained]]
         flags = np.full(len(rows), LIVE, np.uint8)
         flags[chained] |= HAS_PARENT
-        if parent_hash is not None and not chained[0]:
+        if len(heads):
+            assert runs is not None
+            t.ph0[rows[heads]] = runs.q0[k]
+            t.ph1[rows[heads]] = runs.q1[k]
+            flags[heads] |= HAS_PARENT
+        if parent_hash is not None and at[0] == 0:
             t.vph0[rows[0]], t.vph1[rows[0]] = _unpack_qq(parent_hash)
             flags[0] |= HAS_PARENT
         t.flags[rows] = flags

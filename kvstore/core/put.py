@@ -50,7 +50,7 @@ import xxhash
 
 from kvstore.checksum import checksum
 from kvstore.core.copies import CopyBook
-from kvstore.core.index import BlockEntry, BlockIndex
+from kvstore.core.index import BlockEntry, BlockIndex, RunParents
 from kvstore.core.migration import Migrator
 from kvstore.core.namespaces import NamespaceRegistry
 from kvstore.core.placement import Placement
@@ -83,16 +83,27 @@ class PutPath:
         self._migrator = migrator
 
     def begin(self, info: NamespaceInfo, hashes: Sequence[bytes], parent_hash: bytes | None = None,
-              tier: str | None = None, window_bytes: int | None = None) -> PutTxn:
+              tier: str | None = None, window_bytes: int | None = None,
+              runs: Sequence[tuple[int, bytes | None]] = ()) -> PutTxn:
         """A two-phase put of `hashes` (in chain order, checked against the per-call limits
         already) into `info`'s namespace. `tier` names the memory tier the new blocks land
         in (default: the store's `put_tier`). `window_bytes`: reserve slots as the blocks'
         chunks arrive, at most this many bytes of them ahead (at least one block), instead
-        of all at `reserve` (a streamed put whose bytes may never come)."""
+        of all at `reserve` (a streamed put whose bytes may never come). `runs`: `hashes`
+        are several runs of one chain laid end to end (the parts of it another node holds)
+        and these (position in `hashes`, parent hash) start the runs after the first one,
+        published with it in one step."""
         if window_bytes is not None and window_bytes <= 0:
             raise InvalidArgument(f"a put's reservation window must be positive, got {window_bytes} bytes")
         if parent_hash is not None and len(parent_hash) != HASH_BYTES:
             raise InvalidArgument(f"parent hash must be {HASH_BYTES} bytes, got {len(parent_hash)}")
+        last = 0
+        for start, parent in runs:
+            if not last < start < len(hashes):
+                raise InvalidArgument(f"a run of a put starts at {start}: after {last}, before {len(hashes)} expected")
+            if parent is not None and len(parent) != HASH_BYTES:
+                raise InvalidArgument(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
+            last = start
         if not hashes:
             raise InvalidArgument("a put must carry at least one block")
         if len(set(hashes)) != len(hashes):
@@ -106,7 +117,8 @@ class PutPath:
         target = self.tiers.get(tier) if tier is not None else None
         if tier is not None and (target is None or not target.tier.addressable):
             raise FailedPrecondition(f"this daemon has no {tier} memory tier")
-        return PutTxn(self, info, list(hashes), parent_hash, target, window_bytes)
+        return PutTxn(self, info, list(hashes), parent_hash, target, window_bytes,
+                      RunParents.of(runs) if runs else None)
 
     async def reserve_slots(self, tier: str, nbytes: int, count: int, space: int = 0) -> list[Slot]:
         """`count` empty slots of `nbytes` in memory tier `tier` (in `space`, for a tier
@@ -151,7 +163,7 @@ class PutTxn:
 
     def __init__(
         self, puts: PutPath, info: NamespaceInfo, hashes: list[bytes], parent_hash: bytes | None,
-        tier: StoreTier | None, window_bytes: int | None = None
+        tier: StoreTier | None, window_bytes: int | None = None, runs: RunParents | None = None
     ) -> None:
         self._puts = puts
         self._info = info
@@ -165,6 +177,7 @@ class PutTxn:
         q = np.frombuffer(b"".join(hashes), "<u8")
         self._q0, self._q1 = q[0::2], q[1::2]
         self._parent_hash = parent_hash or None
+        self._runs = runs
         # Each block's PENDING row and slot; -1 and None for a block present before the put.
         self._rows = np.full(n, -1, np.int64)
         self._slots: list[Slot | None] = [None] * n
@@ -331,7 +344,7 @@ class PutTxn:
             return
         at = np.array(new, np.int64)
         rows = self._puts.index.add_pending(self._info.namespace_id, self._q0, self._q1, at, self._parent_hash,
-                                              self.block_bytes, self._itemsize, slots)
+                                              self.block_bytes, self._itemsize, slots, self._runs)
         self._rows[at] = rows
         if len(new) == self._n:
             self._slots = list(slots)
@@ -447,6 +460,26 @@ class PutTxn:
         """Where each block's bytes must land; None for blocks already present."""
         return list(self._slots)
 
+    def shorten(self, n: int) -> None:
+        """Before the commit: keep the first `n` blocks only (those after them did not
+        arrive: their slots are freed, and they are not part of the put)."""
+        if self._done or self._sealed is not None or self._window_bytes is not None:
+            raise FailedPrecondition("only a reserved put, before its commit, can be shortened")
+        if not 0 < n <= self._n:
+            raise InvalidArgument(f"a put of {self._n} blocks cannot keep {n}")
+        for i in np.flatnonzero(self._rows[n:] >= 0).tolist():
+            self._drop_pending(n + i)
+        # Blocks held as present past `n` stay held until the put ends.
+        self._n = n
+        self._hashes = self._hashes[:n]
+        self._q0, self._q1 = self._q0[:n], self._q1[:n]
+        self._rows = self._rows[:n]
+        self._slots = self._slots[:n]
+        self._received = self._received[:n]
+        self._sums = self._sums[:n]
+        self._needed = [i for i in self._needed if i < n]
+        self._current = min(self._current, n - 1)
+
     def mark_written(self) -> None:
         """Every byte was written into the slots by someone else (a co-located client)."""
         self._received = [self.block_bytes] * self._n
@@ -544,6 +577,10 @@ class PutTxn:
         if client_sums:  # the client wrote the bytes into the segment itself
             c.local_bytes_in += stored * self.block_bytes
         return PutOutcome(self._info.namespace_id, stored, existing, list(self._hashes))
+
+    def stored_rows(self) -> tuple[list[int], I64]:
+        """After the publish: the positions (in the put) of the blocks it stored, and their rows."""
+        return self._stored_at.tolist(), self._rows[self._stored_at]
 
     def stored_positions(self) -> list[int]:
         """After the publish: the positions (in the put) of the blocks it stored."""

@@ -53,6 +53,7 @@ from kvstore.core.copies import CopyBook
 from kvstore.core.fetch import FetchPath, FetchStream
 from kvstore.core.groups import GroupBook, GroupedFetchStream, GroupedPutTxn
 from kvstore.core.index import BlockEntry, BlockIndex, make_key
+from kvstore.core.table import SSD_QUEUED
 from kvstore.core.leases import Lease, LeaseTable
 from kvstore.core.migration import Migrator
 from kvstore.core.namespaces import NamespaceRegistry, check_hint
@@ -413,6 +414,35 @@ class Store:
                 marked += 1
         return marked
 
+    def mark_replica_rows(self, rows: Sequence[int]) -> int:
+        """`mark_replicas` of blocks a put just published (`PutTxn.stored_rows`), by their
+        rows: a block with one copy (a put's) is marked in the tier of that copy without
+        a lookup per block. Returns how many were marked."""
+        t = self.index.table
+        at = np.asarray(rows, np.int64)
+        if not len(at):
+            return 0
+        single = (t.lt[at, 1] == 0) & (t.lt[at, 0] != 0)
+        marked = 0
+        by_name = {st.name: st for st in self.tiers}
+        for tid in np.unique(t.lt[at[single], 0]).tolist():
+            st = by_name.get(t.tier_names[tid])
+            if st is None or not st.tier.addressable:
+                continue
+            mine = at[single & (t.lt[at, 0] == tid)]
+            mine = mine[[r not in t.extra_locs for r in mine.tolist()]] if t.extra_locs else mine
+            t.flags[mine] &= np.uint8(~SSD_QUEUED & 0xFF)  # the write-through writer skips them
+            st.replicas.add_rows(mine.tolist(), t.gen[mine].tolist())
+            marked += len(mine)
+        for row in at[~single].tolist():
+            entry = BlockEntry.of(t, row)
+            top = self.copies.top_tier(entry)
+            if top is not None and top.tier.addressable:
+                top.replicas.add(entry)
+                entry.ssd_queued = False
+                marked += 1
+        return marked
+
     def count_unknown_lookup(self, n_asked: int) -> None:
         """A lookup of a layout the store holds nothing of (the server answers it without
         registering one): counted as a lookup whose every block missed, in every tier."""
@@ -438,7 +468,7 @@ class Store:
 
     def begin_put(
         self, namespace: bytes | NamespaceInfo, hashes: Sequence[bytes], parent_hash: bytes | None = None,
-        tier: str | None = None, window_bytes: int | None = None,
+        tier: str | None = None, window_bytes: int | None = None, runs: Sequence[tuple[int, bytes | None]] = (),
     ) -> PutTxn:
         """Start a two-phase put of `hashes` (in chain order). Use as `async with`.
 
@@ -447,13 +477,15 @@ class Store:
         `tier` names the memory tier the new blocks land in (default: `put_tier`).
         `window_bytes`: reserve slots as the chunks arrive, at most this many bytes ahead
         of them, instead of all at once (`PutPath.begin`).
+        `runs`: `hashes` are runs of one chain laid end to end, these (position, parent
+        hash) starting the runs after the first (`PutPath.begin`).
         A grouped namespace's blocks travel as parts: put them with `begin_stream_put`.
         """
         info = self._put_namespace(namespace, hashes)
         if info.groups:
             raise FailedPrecondition("a layout with KV groups is put as gRPC bytes (Put), not through shared "
                                      "memory or the device plane")
-        return self.puts.begin(info, hashes, parent_hash, tier, window_bytes)
+        return self.puts.begin(info, hashes, parent_hash, tier, window_bytes, runs)
 
     def begin_stream_put(
         self, namespace: bytes | NamespaceInfo, hashes: Sequence[bytes], parent_hash: bytes | None = None,

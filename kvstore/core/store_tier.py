@@ -11,7 +11,7 @@ its answer instead of leaving them to a loop callback).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -78,6 +78,13 @@ class ReplicaSet:
     def add(self, entry: BlockEntry) -> None:
         self._rows.pop(entry.row, None)
         self._rows[entry.row] = int(entry.table.vgen[entry.row])
+
+    def add_rows(self, rows: Sequence[int], gens: Sequence[int]) -> None:
+        """`add` of each of `rows` (with its generation), in order."""
+        held = self._rows
+        for row, gen in zip(rows, gens):
+            held.pop(row, None)
+            held[row] = gen
 
     def discard(self, row: int) -> None:
         self._rows.pop(row, None)

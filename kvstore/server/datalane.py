@@ -87,6 +87,10 @@ HELLO_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 600.0
 # While a fetch waits for credit, how often it looks whether its transfer failed.
 CREDIT_POLL_S = 0.05
+# Connections taken per wake-up of a listener, and the pause after a failed accept (out of
+# descriptors: retrying at once would fail the same way, as fast as the loop turns).
+ACCEPTS_PER_WAKEUP = 32
+ACCEPT_PAUSE_S = 0.1
 # Put transfers one connection remembers credit for (a client runs one at a time).
 MAX_PUTS_PER_CONNECTION = 16
 AUTH_PATH = method_path("DataLane")
@@ -159,7 +163,7 @@ class DataLaneServer:
         self.closing = False
         self._listeners: list[socket.socket] = []
         self._unix_paths: list[str] = []
-        self._accepting: list[asyncio.Task[None]] = []
+        self._paused: dict[int, asyncio.TimerHandle] = {}  # listener fd -> when it accepts again
         self._lock = threading.Lock()
         self._sockets: set[LaneSocket] = set()
         self._raw: set[socket.socket] = set()
@@ -178,8 +182,7 @@ class DataLaneServer:
             else:
                 host, port = sock.getsockname()[:2]
                 self.bound.append(ListenAddress("tcp", host=addr.host, port=port))
-            self._accepting.append(asyncio.create_task(self._accept(sock, addr.kind == "unix"),
-                                                       name="kvstore-datalane-accept"))
+            self._loop.add_reader(sock.fileno(), self._accept, sock, addr.kind == "unix")
 
     def _listen(self, addr: ListenAddress) -> socket.socket:
         if addr.kind == "unix":
@@ -220,32 +223,48 @@ class DataLaneServer:
                     for a in self.advertise]
         return [kvstore_pb2.DataLaneEndpoint(address=a.grpc_target, tls=tls and a.kind == "tcp") for a in self.bound]
 
-    async def _accept(self, listener: socket.socket, on_unix: bool) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
+    def _accept(self, listener: socket.socket, on_unix: bool) -> None:
+        """A listener is readable: take what is waiting, a bounded number. (A callback,
+        not a task awaiting `sock_accept`: a task cancelled once a connection was
+        accepted for it drops that socket unclosed.)"""
+        for _ in range(ACCEPTS_PER_WAKEUP):
+            if self.closing:
+                return
             try:
-                sock, _ = await loop.sock_accept(listener)
-            except asyncio.CancelledError:
-                raise
-            except OSError as exc:
-                if self.closing:
-                    return
-                logger.warning("data lane accept failed: %s", exc)
-                await asyncio.sleep(0.1)
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
                 continue
-            with self._lock:
-                full = len(self._raw) >= self.max_connections
-                if not full:
-                    self._raw.add(sock)
-            if full:
-                self.counters.add("connections_refused")
-                self._refuse(sock)
-                continue
-            thread = threading.Thread(target=self._serve, args=(sock, on_unix), name="kvstore-datalane",
-                                      daemon=True)
-            with self._lock:
-                self._threads.add(thread)
-            thread.start()
+            except OSError as exc:  # out of descriptors: pause rather than spin
+                logger.warning("data lane accept failed: %s; accepting again in %gs", exc, ACCEPT_PAUSE_S)
+                loop = self._loop
+                assert loop is not None
+                fd = listener.fileno()
+                loop.remove_reader(fd)
+                self._paused[fd] = loop.call_later(ACCEPT_PAUSE_S, self._resume, listener, on_unix)
+                return
+            self._take(sock, on_unix)
+
+    def _resume(self, listener: socket.socket, on_unix: bool) -> None:
+        self._paused.pop(listener.fileno(), None)
+        if not self.closing and self._loop is not None:
+            self._loop.add_reader(listener.fileno(), self._accept, listener, on_unix)
+
+    def _take(self, sock: socket.socket, on_unix: bool) -> None:
+        """Serve an accepted connection on a thread of its own, or refuse it at the cap."""
+        with self._lock:
+            full = len(self._raw) >= self.max_connections
+            if not full:
+                self._raw.add(sock)
+        if full:
+            self.counters.add("connections_refused")
+            self._refuse(sock)
+            return
+        thread = threading.Thread(target=self._serve, args=(sock, on_unix), name="kvstore-datalane", daemon=True)
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
 
     def _refuse(self, sock: socket.socket) -> None:
         try:
@@ -335,15 +354,12 @@ class DataLaneServer:
         """Stop listening, end every connection (their threads fail at once and exit),
         then release every transfer still open."""
         self.closing = True
-        for task in self._accepting:
-            task.cancel()
-        for task in self._accepting:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-        self._accepting.clear()
+        for handle in self._paused.values():
+            handle.cancel()
+        self._paused.clear()
         for sock in self._listeners:
+            if self._loop is not None:
+                self._loop.remove_reader(sock.fileno())
             sock.close()
         self._listeners.clear()
         for path in self._unix_paths:
