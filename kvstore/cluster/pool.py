@@ -294,18 +294,17 @@ class _Ranges(NamedTuple):
 
 
 _EMPTY = np.zeros(0, np.int64)
+_HASH_ITEM = np.dtype(f"V{HASH_BYTES}")  # one hash as one array item
 _EMPTY_BOOL = np.zeros(0, bool)
 
 
 def _concat(packed: bytes, starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any]) -> bytes:
     """The hashes of positions [starts[i], stops[i]) of a packed chain (disjoint ranges in
     order), laid end to end."""
-    n = len(packed) // HASH_BYTES
-    edges = np.zeros(n + 1, np.int32)
-    edges[starts] += 1
-    edges[stops] -= 1
-    inside = np.cumsum(edges[:-1]) > 0
-    return np.frombuffer(packed, np.uint8).reshape(n, HASH_BYTES)[inside].tobytes()
+    lens = stops - starts
+    # Each range's positions, laid end to end: its start, plus the offset within it.
+    at = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+    return np.frombuffer(packed, _HASH_ITEM)[at].tobytes()
 
 
 _BOUNDS: OrderedDict[tuple[int, int, bool], np.ndarray[Any, Any]] = OrderedDict()
@@ -590,7 +589,7 @@ class ClusterNode:
         allow = self.breakers.allow
         askable = np.array([n != me and allow(n) for n in names] + [False], bool)  # [-1]: no owner
         owner = sets[0]
-        every = np.stack(sets)
+        every = sets[0][None, :] if len(sets) == 1 else np.stack(sets)
         some = askable[every].any(axis=0)
         cut = len(owner)
         if not some.all():
