@@ -549,6 +549,12 @@ def daemon_parts_text(extra: dict[str, Any]) -> str:
             f"p99 {rl['local_lookup_p99_us']:.0f} us",
             f"  single (cluster off)                p50 {rl['single_node_lookup_p50_us']:.0f} us  "
             f"p99 {rl['single_node_lookup_p99_us']:.0f} us",
+            f"  single, a second one (cluster off)  p50 {rl['single_node_2_lookup_p50_us']:.0f} us  "
+            f"p99 {rl['single_node_2_lookup_p99_us']:.0f} us",
+            f"  bare round trip, two processes      p50 {rl['round_trip_p50_us']:.0f} us  "
+            f"p99 {rl['round_trip_p99_us']:.0f} us  ({rl['round_trip_request_bytes'] >> 10} KiB asked, 16 B answered)",
+            f"  local p99 / single p99 {rl['local_vs_single_p99_ratio']:.2f}x; the two single nodes' p99 differ "
+            f"{rl['single_nodes_p99_ratio']:.2f}x in the same run",
         ]
     fo = extra.get("failover")
     if fo:

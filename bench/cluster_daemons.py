@@ -1,7 +1,7 @@
 """Cluster benchmark, parts 2 and 3: real daemons (processes of their own) on this host.
 
 Part 2, remote lookup latency (`remote_lookup`): two daemons A and B in a static pool on
-loopback TCP, and a third, S, alone (cluster off), all with the default settings (the
+loopback TCP, and two more, S and S2, alone (cluster off), all with the default settings (the
 lookup deadline is 5 ms). Chains of 1,000 blocks in 4 namespaces (layouts) are put on B,
 which forwards the units A owns (about half: rendezvous over two members) and keeps the
 rest. Then, chain by chain, in the same run and over each daemon's Unix socket (the
@@ -11,7 +11,14 @@ local control lane, the path a co-located engine takes):
   for the rest in one call (the answer says which blocks are remote);
 * `local`: the same chain looked up on A again once the fetch that followed copied B's
   part (the chain is all local: no peer is asked), with the cluster on;
-* `single`: the same chain on S, a daemon with the cluster off.
+* `single`: the same chain on S, a daemon with the cluster off;
+* `single_2`: the same chain on S2, a second daemon with the cluster off, given the same
+  puts and lookups as S: how far two identical single nodes differ in the same run (the
+  noise a "within noise" comparison is judged against);
+* `round_trip`: a bare request of a peer lookup's size (8 KiB) to a process that answers
+  with 16 bytes (`echo_floor`: an asyncio server, as the daemons are), on loopback TCP:
+  what one process-to-process round trip costs on this host. A remote lookup takes two
+  of them where a local one takes one.
 
 Part 3, failover (`failover`): three daemons on a real etcd (lease TTL 2 s), eight client
 threads on A and C putting, looking up and fetching chains (each fetched block compared
@@ -229,6 +236,58 @@ def _collector_paused() -> Iterator[None]:
         gc.enable()
 
 
+ECHO_REQUEST_BYTES = 8 << 10
+_ECHO_SERVER = """
+import asyncio, struct, sys
+class P(asyncio.Protocol):
+    def connection_made(self, t):
+        self.t, self.buf = t, bytearray()
+    def data_received(self, d):
+        self.buf += d
+        while len(self.buf) >= 4:
+            (n,) = struct.unpack_from("<I", self.buf)
+            if len(self.buf) < 4 + n:
+                return
+            del self.buf[: 4 + n]
+            self.t.write(struct.pack("<I", 16) + bytes(16))
+async def main():
+    server = await asyncio.get_running_loop().create_server(P, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+class EchoFloor:
+    """A bare asyncio process answering each framed request with 16 bytes, on loopback
+    TCP (TCP_NODELAY): the round-trip floor of two processes on this host."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        assert self.proc.stdout is not None
+        port = int(self.proc.stdout.readline())
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.request = ECHO_REQUEST_BYTES.to_bytes(4, "little") + bytes(ECHO_REQUEST_BYTES)
+
+    def round_trip_us(self) -> float:
+        t = time.perf_counter()
+        self.sock.sendall(self.request)
+        got = 0
+        while got < 20:
+            chunk = self.sock.recv(20 - got)
+            if not chunk:
+                raise RuntimeError("the echo process closed the connection")
+            got += len(chunk)
+        return (time.perf_counter() - t) * 1e6
+
+    def stop(self) -> None:
+        self.sock.close()
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
 def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0) -> dict[str, Any]:
     """Part 2 (see the module docstring). `unit_blocks`: the pool's placement unit (0: the default)."""
     units = ("--cluster-unit-blocks", str(unit_blocks)) if unit_blocks else ()
@@ -236,18 +295,25 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0) -> dic
         a = DaemonProcess(work, "a", "--host-capacity", "1GiB", *units)
         b = DaemonProcess(work, "b", "--host-capacity", "1GiB", *units)
         s = DaemonProcess(work, "s", "--host-capacity", "1GiB")
+        s2 = DaemonProcess(work, "s2", "--host-capacity", "1GiB")
         peers = f"a={a.tcp},b={b.tcp}"
+        echo = None
         try:
             a.start("--cluster", "--cluster-peers", peers, "--node-id", "a")
             b.start("--cluster", "--cluster-peers", peers, "--node-id", "b")
             s.start()
+            s2.start()
+            echo = EchoFloor()
             layouts = _layouts(namespaces)
             remote_us: list[float] = []
             local_us: list[float] = []
             single_us: list[float] = []
+            single2_us: list[float] = []
+            trip_us: list[float] = []
             remote_share: list[float] = []
             complete = wrong = 0
-            with Client(a.target) as ka, Client(b.target) as kb, Client(s.target) as ks:
+            with Client(a.target) as ka, Client(b.target) as kb, Client(s.target) as ks, \
+                    Client(s2.target) as ks2:
                 # Warm-up: A's channel to B, and a first lookup on each daemon (not measured).
                 warm = layouts[0]
                 tok = _tokens(0, 64, warm.block_size_tokens)
@@ -256,6 +322,8 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0) -> dic
                     ka.lookup(warm, tok)
                     ka.fetch(warm, tok)
                     ks.lookup(warm, tok)
+                    ks2.lookup(warm, tok)
+                    echo.round_trip_us()
                 # This process's own collector stays out of the timings: paused while they
                 # run, and run between chains, outside them (the same for all three rows).
                 with _collector_paused():
@@ -267,6 +335,7 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0) -> dic
                         blocks = _payloads(layout, CHAIN_BLOCKS, i + 1)
                         kb.put(layout, tok, blocks, wait_for_owners=True)
                         ks.put(layout, tok, blocks)
+                        ks2.put(layout, tok, blocks)
                         t = time.perf_counter()
                         hit = ka.lookup(layout, block_hashes=hashes)
                         remote_us.append((time.perf_counter() - t) * 1e6)
@@ -288,12 +357,19 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0) -> dic
                             t = time.perf_counter()
                             ks.lookup(layout, block_hashes=hashes)
                             single_us.append((time.perf_counter() - t) * 1e6)
+                            t = time.perf_counter()
+                            ks2.lookup(layout, block_hashes=hashes)
+                            single2_us.append((time.perf_counter() - t) * 1e6)
+                            trip_us.append(echo.round_trip_us())
                 with AdminClient(a.target) as admin:
                     text = admin.info("cluster")
             asked = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
         finally:
-            for d in (a, b, s):
+            if echo is not None:
+                echo.stop()
+            for d in (a, b, s, s2):
                 d.stop()
+    single_p99, single2_p99 = _pct(single_us, 0.99), _pct(single2_us, 0.99)
     return {
         "chains": chains, "chain_blocks": CHAIN_BLOCKS, "namespaces": namespaces, "unit_blocks": unit_blocks or None,
         "lookup_deadline_ms": 5.0, "block_bytes": layouts[0].bytes_per_block,
@@ -302,7 +378,14 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0) -> dic
         "remote_lookup_p50_us": round(_pct(remote_us, 0.50), 1), "remote_lookup_p99_us": round(_pct(remote_us, 0.99), 1),
         "local_lookup_p50_us": round(_pct(local_us, 0.50), 1), "local_lookup_p99_us": round(_pct(local_us, 0.99), 1),
         "single_node_lookup_p50_us": round(_pct(single_us, 0.50), 1),
-        "single_node_lookup_p99_us": round(_pct(single_us, 0.99), 1),
+        "single_node_lookup_p99_us": round(single_p99, 1),
+        "single_node_2_lookup_p50_us": round(_pct(single2_us, 0.50), 1),
+        "single_node_2_lookup_p99_us": round(single2_p99, 1),
+        # Noise: how far apart two identical single nodes' p99 are in this run, as a ratio.
+        "single_nodes_p99_ratio": round(max(single_p99, single2_p99) / max(1e-9, min(single_p99, single2_p99)), 2),
+        "local_vs_single_p99_ratio": round(_pct(local_us, 0.99) / max(1e-9, single_p99), 2),
+        "round_trip_request_bytes": ECHO_REQUEST_BYTES,
+        "round_trip_p50_us": round(_pct(trip_us, 0.50), 1), "round_trip_p99_us": round(_pct(trip_us, 0.99), 1),
         "peer_rounds_on_a": int(asked.get("cluster_remote_lookups", "0")),
     }
 
