@@ -266,7 +266,9 @@ class _PullSink:
             done += 1
         if done:
             if done < self._lane_runs:
+                reserved = sum(len(run.hashes) for run in self._runs[: self._lane_runs])
                 txn.shorten(total)
+                puller.counters.rolled_back_blocks += reserved - total
             txn.mark_written()
             result = await txn.commit(checksums[:total])
             self._lane_txn = None

@@ -429,8 +429,7 @@ class Store:
             st = by_name.get(t.tier_names[tid])
             if st is None or not st.tier.addressable:
                 continue
-            mine = at[single & (t.lt[at, 0] == tid)]
-            mine = mine[[r not in t.extra_locs for r in mine.tolist()]] if t.extra_locs else mine
+            mine = at[single & (t.lt[at, 0] == tid)]  # (a third copy comes only after a second)
             t.flags[mine] &= np.uint8(~SSD_QUEUED & 0xFF)  # the write-through writer skips them
             st.replicas.add_rows(mine.tolist(), t.gen[mine].tolist())
             marked += len(mine)

@@ -59,6 +59,7 @@ async def test_the_runs_that_landed_whole_are_published_together_and_the_rest_ro
     assert await served(store, hashes[7:10]) == data[3:6]
     assert store.block(NS, hashes[11]) is None
     assert puller.counters.pulled_blocks == 6 and puller.counters.replica_blocks == 3
+    assert puller.counters.rolled_back_blocks == 3
     assert [(node, [(r.position, n) for r, n in landed]) for node, landed in told] == [("b", [(2, 3), (7, 3)])]
     assert not puller.pending
 
