@@ -70,13 +70,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the bench process dies, however it dies (a
-    killed bench must not leave daemons or etcd running). Linux only; elsewhere a no-op."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+# Run first in each child: SIGTERM when the bench process dies, however it dies (a killed
+# bench must not leave daemons or etcd running; Linux only, elsewhere nothing), then exec
+# the command. Not a `preexec_fn`: that makes Popen fork() rather than vfork(), and fork()
+# runs the gRPC library's fork handlers, which can wait forever for its own threads (the
+# admin clients' timer thread): the bench once hung there starting its third daemon.
+_DIE_WITH_PARENT = (
+    "import os, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    import ctypes\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "os.execv(sys.argv[1], sys.argv[1:])\n"
+)
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+def _dying_with_parent(args: Sequence[str]) -> list[str]:
+    """`args` (a command, its path first) run so that it dies with this process."""
+    return [sys.executable, "-c", _DIE_WITH_PARENT, *args]
 
 
 def _env() -> dict[str, str]:
@@ -110,8 +120,8 @@ class DaemonProcess:
         args = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"unix:{self.sock},{self.tcp}",
                 "--metrics-listen", "off", "--log-level", "warning", "--grace-s", "1", *self.flags, *more]
         with open(self.dir / "daemon.log", "ab") as log:
-            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=_env(),
-                                         preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(_dying_with_parent(args), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         env=_env())
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -164,11 +174,11 @@ class EtcdProcess:
         if os.uname().machine in ("aarch64", "arm64"):
             env["ETCD_UNSUPPORTED_ARCH"] = "arm64"
         with open(workdir / "etcd.log", "ab") as log:
-            self.proc = subprocess.Popen(
+            self.proc = subprocess.Popen(_dying_with_parent(
                 [binary, "--name", "bench", "--data-dir", str(data), "--listen-client-urls", client,
                  "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                 "--initial-cluster", f"bench={peer}", "--logger", "zap", "--log-level", "warn"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, preexec_fn=_die_with_parent)
+                 "--initial-cluster", f"bench={peer}", "--logger", "zap", "--log-level", "warn"]),
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             try:
@@ -263,8 +273,8 @@ class EchoFloor:
     TCP (TCP_NODELAY): the round-trip floor of two processes on this host."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE,
-                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(_dying_with_parent([sys.executable, "-c", _ECHO_SERVER]), stdout=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL)
         assert self.proc.stdout is not None
         port = int(self.proc.stdout.readline())
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
