@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvstore.client import Client
@@ -77,13 +77,14 @@ class DaemonProc:
 
 
 def start(args: Sequence[str], sock: Path, log: Path, pid_file: Path | None = None, *,
-          env: Mapping[str, str] | None = None, preexec_fn: Callable[[], None] | None = None) -> DaemonProc:
+          env: Mapping[str, str] | None = None) -> DaemonProc:
     """Run `args` (a daemon, or a wrapper that execs one) and wait until it answers on `sock`.
-    `env` adds variables to the clean environment; `preexec_fn` runs in the child before exec."""
+    `env` adds variables to the clean environment. (No preexec_fn: it makes Popen fork()
+    rather than vfork(), and fork() in a process with gRPC threads can hang in the gRPC
+    library's fork handlers; a wrapper that execs the daemon does the same job.)"""
     fh = open(log, "ab")
     try:
-        popen = subprocess.Popen(list(args), env={**clean_env(), **(env or {})}, stdout=subprocess.DEVNULL, stderr=fh,
-                                 preexec_fn=preexec_fn)
+        popen = subprocess.Popen(list(args), env={**clean_env(), **(env or {})}, stdout=subprocess.DEVNULL, stderr=fh)
     finally:
         fh.close()
     proc = DaemonProc(popen, f"unix:{sock}", log, pid_file)

@@ -11,6 +11,7 @@ import os
 import re
 import resource
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,8 +39,14 @@ MAX_LOG_LINES = 60
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
 
-def _low_fd_limit() -> None:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
+def _low_fd_limit(args: list[str]) -> list[str]:
+    """`args` run under an open-file limit of FD_LIMIT, set by a wrapper that execs them
+    (not a preexec_fn: Popen would fork() instead of vfork(), and fork() runs the gRPC
+    library's fork handlers, which can wait forever for its threads)."""
+    wrapper = ("import os, resource, sys\n"
+               f"resource.setrlimit(resource.RLIMIT_NOFILE, ({FD_LIMIT}, {FD_LIMIT}))\n"
+               "os.execv(sys.argv[1], sys.argv[1:])\n")
+    return [sys.executable, "-c", wrapper, *args]
 
 
 def _open(connect: Callable[[], socket.socket], count: int, first: bytes = b"") -> list[socket.socket]:
@@ -86,7 +93,7 @@ def test_idle_connections_past_the_descriptor_limit_leave_the_daemon_serving(tmp
     args[args.index("--listen") + 1] = f"unix:{sock},127.0.0.1:0"
     args[args.index("--log-level") + 1] = "info"
     env = {"KVSTORE_HANDSHAKE_TIMEOUT_S": str(HANDSHAKE_TIMEOUT_S), "KVSTORE_CONNECTION_IDLE_S": str(IDLE_S)}
-    proc = procs.start(args, sock, log, env=env, preexec_fn=_low_fd_limit)
+    proc = procs.start(_low_fd_limit(args), sock, log, env=env)
     flood: list[socket.socket] = []
     try:
         found = re.search(r"serving on [^\n]*?127\.0\.0\.1:(\d+)", log.read_text())  # gRPC first, data lanes last
@@ -164,7 +171,7 @@ def test_accept_out_of_descriptors_pauses_quietly_and_recovers(tmp_path: Path, l
     sock = tmp_path / "kv.sock"
     log = tmp_path / "daemon.log"
     args = procs.daemon_args(sock, "--host-capacity", "16MiB", "--no-host-prefault")
-    proc = procs.start(args, sock, log, preexec_fn=_low_fd_limit)
+    proc = procs.start(_low_fd_limit(args), sock, log)
     flood: list[socket.socket] = []
     try:
         lines_before = len(log.read_text().splitlines())
