@@ -261,9 +261,9 @@ class _Round:
     """A lookup's units past its local prefix that this node lacks part of, in chain order,
     as arrays: positions [starts, stops), blocks held or pending here from the start
     (`locs`), the position of each one's key (its first block), its first current owner
-    (an index into `names`, -1: none),
-    whether a copy here is a replica; the units asked of each node (indices), and where
-    the chain ends for sure."""
+    (an index into `names`, -1: none), whether a copy here is a replica; the units asked
+    of each node (indices, in the order they are asked of it: see `ClusterNode._ask`),
+    and where the chain ends for sure."""
 
     starts: np.ndarray[Any, Any]
     stops: np.ndarray[Any, Any]
@@ -299,8 +299,8 @@ _EMPTY_BOOL = np.zeros(0, bool)
 
 
 def _concat(packed: bytes, starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any]) -> bytes:
-    """The hashes of positions [starts[i], stops[i]) of a packed chain (disjoint ranges in
-    order), laid end to end."""
+    """The hashes of positions [starts[i], stops[i]) of a packed chain (disjoint ranges,
+    in the order given), laid end to end."""
     lens = stops - starts
     # Each range's positions, laid end to end: its start, plus the offset within it.
     at = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
@@ -571,7 +571,12 @@ class ClusterNode:
                 mine = [k for t, k in ids.items() if node in t]
                 idx = np.flatnonzero(np.isin(target_ids, mine))
                 if len(idx):
-                    asks[node] = idx
+                    # Its units in the order it is likeliest to hold them (see `_ask`):
+                    # those it owns first, then those it is only asked for as an extra or
+                    # previous owner (its rank among the unit's targets).
+                    rank = np.fromiter((distinct[target_ids[j]].index(node) for j in idx.tolist()), np.int64,
+                                       len(idx))
+                    asks[node] = idx[np.argsort(rank, kind="stable")]
         replica = np.fromiter((me not in o for o in owners[:cut]), bool, cut)
         names = sorted({n for o in owners[:cut] for n in o})
         where = {n: i for i, n in enumerate(names)}
@@ -598,7 +603,14 @@ class ClusterNode:
         asks: dict[str, np.ndarray[Any, Any]] = {}
         every = every[:, :cut]
         for k in np.flatnonzero(askable[:-1]).tolist():
-            idx = np.flatnonzero((every == k).any(axis=0))
+            owned = every[0] == k
+            idx = np.flatnonzero(owned)
+            if len(every) > 1:
+                # The units it owns first, then those it only owned under a previous
+                # member set (see `_ask`).
+                before = np.flatnonzero((every[1:] == k).any(axis=0) & ~owned)
+                if len(before):
+                    idx = np.concatenate([idx, before])
             if len(idx):
                 asks[names[k]] = idx
         mine = names.index(me) if me in names else -2
@@ -607,7 +619,13 @@ class ClusterNode:
 
     async def _ask(self, namespace_id: bytes, packed: bytes, rnd: _Round) -> dict[str, np.ndarray[Any, Any]]:
         """One parallel round of lookups, one per node, under the lookup deadline: what
-        each node holds of each unit asked of it (in `_Round` order; 0 where not asked)."""
+        each node holds of each unit asked of it (in `_Round` order; 0 where not asked).
+
+        A node is asked for its units laid end to end and answers the prefix of them it
+        holds, so the first unit it lacks hides those after it: its units go in the order
+        it is likeliest to hold them (`_Round.asks`), the units it owns before those it is
+        asked for as a previous owner in the grace of a change, which lacks every block
+        put since."""
         self.counters.remote_lookups += 1
         call = self._call(namespace_id)
         deadline_s = self.lookup_timeout_s

@@ -109,6 +109,27 @@ async def test_with_etcd_gone_the_pool_serves_on_its_last_view_and_says_so(tmp_p
         assert await cluster_health(a) == health_pb2.HealthCheckResponse.SERVING
 
 
+async def test_in_the_grace_of_a_change_a_chain_put_since_hits_in_full(tmp_path: Path, etcd: EtcdServer,
+                                                                      prefix: str) -> None:
+    """Blocks put after a membership change are on their current owners only: a previous
+    owner asked for a unit during the grace lacks it, and that must not cost the units it
+    owns now (its answer is a prefix of the units asked of it). The daemons start one
+    after another, so n0 and n1 are in the grace of the joins that followed theirs."""
+    async with pool(tmp_path, 3, etcd=etcd.endpoint, prefix=prefix) as nodes:
+        for d in nodes:
+            await wait_view(d, {"n0", "n1", "n2"})
+        chains = [chain(LAYOUT, 64, seed=400 + i) for i in range(4)]
+        async with AsyncClient(unix_target(nodes[2])) as kv:
+            for tok, blocks in chains:
+                await kv.put(LAYOUT, tok, blocks, wait_for_owners=True)
+        for x in nodes[:2]:
+            assert x.cluster is not None and x.cluster.status().in_grace
+            async with AsyncClient(unix_target(x)) as kv:
+                assert [(await kv.lookup(LAYOUT, tok)).num_blocks for tok, _ in chains] == [64] * len(chains)
+                for tok, blocks in chains:
+                    assert [bytes(g) for g in await kv.fetch(LAYOUT, tok)] == blocks
+
+
 async def test_a_fourth_node_moves_about_a_quarter_of_the_units_and_hits_carry_on(
         tmp_path: Path, etcd: EtcdServer, prefix: str) -> None:
     async with pool(tmp_path, 3, etcd=etcd.endpoint, prefix=prefix) as three:
