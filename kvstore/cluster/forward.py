@@ -2,9 +2,11 @@
 
 A put commits locally first (read-your-writes is a local matter), then its blocks that
 belong to units other nodes own are queued here, one job per owner and run of
-consecutive blocks. A few workers take jobs in order: each reads its blocks out of the
-local store (a verified fetch, framed by the transport into the messages it sends) and
-puts them on the owner. The queue is bounded in blocks: a job that does not fit is
+consecutive blocks, or one job per owner with several runs of the put's chain (`runs`),
+sent as one put to an owner whose transport takes them (`PeerTransport.takes_runs`: a
+data lane that says so) and as one put per run otherwise. A few workers take jobs in
+order: each reads its blocks out of the local store (a verified fetch, framed by the
+transport into the messages it sends) and puts them on the owner. The queue is bounded in blocks: a job that does not fit is
 dropped and counted, and so is one for a node that is suspect, since the pool is a cache
 and the engine must never wait for it. A job whose blocks were evicted meanwhile sends
 what is left of its prefix.
@@ -41,6 +43,9 @@ class ForwardJob:
     parent: bytes | None
     position: int
     done: asyncio.Future[int] | None = None
+    # The runs after the first, when `hashes` are several runs of one chain laid end to
+    # end: (where it starts in `hashes`, its parent's hash, its chain position).
+    runs: list[tuple[int, bytes | None, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -116,6 +121,22 @@ class Forwarder:
             _settle(job, committed)
 
     async def _send(self, job: ForwardJob) -> int:
+        if not job.runs or self.transport.takes_runs(job.node):
+            return await self._send_one(job)
+        # One put per run: the owner's transport cannot take several in one.
+        sent = 0
+        starts = [0] + [offset for offset, _, _ in job.runs] + [len(job.hashes)]
+        heads = [(job.parent, job.position)] + [(parent, position) for _, parent, position in job.runs]
+        for k, (parent, position) in enumerate(heads):
+            part = ForwardJob(job.node, job.namespace_id, job.call, job.hashes[starts[k] : starts[k + 1]], parent,
+                              position)
+            got = await self._send_one(part)
+            sent += got
+            if got < len(part.hashes):
+                break  # the rest of the job's prefix is not committed there
+        return sent
+
+    async def _send_one(self, job: ForwardJob) -> int:
         c = self.counters.node(job.node)
         if not self.breakers.allow(job.node):
             self.counters.dropped_blocks += len(job.hashes)
@@ -128,7 +149,7 @@ class Forwarder:
                 hashes = b"".join(job.hashes[:k])
                 stored, existing = await self.transport.put(
                     job.node, job.call, hashes, job.parent or b"", job.position, stream.frames(self.transport.framer),
-                    self.timeout_s)
+                    self.timeout_s, [run for run in job.runs if run[0] < k])
         except PeerError as exc:
             self.breakers.failure(job.node)
             c.failures += 1

@@ -306,6 +306,7 @@ class _PeerLane:
     users: int = 0  # calls using the lane now: it is closed once they are done
     retired: bool = False
     calls: PeerLane | None = None
+    put_runs: bool = False  # its LanePut takes several runs of a chain (DataLaneResponse.put_runs)
 
 
 class LanePeerTransport:
@@ -365,12 +366,18 @@ class LanePeerTransport:
             if state.retired and not state.users:
                 state.lane.close()
 
-    def _set(self, node: str, lane: DataLane | None, recheck_s: float, calls: PeerLane | None = None) -> None:
+    def _set(self, node: str, lane: DataLane | None, recheck_s: float, calls: PeerLane | None = None,
+             put_runs: bool = False) -> None:
         kept = self._peers.get(node)
         if calls is None and kept is not None and kept.calls is not None and not kept.calls.closed:
             calls, kept.calls = kept.calls, None  # the data lane failed, not the peer lane: keep it
         self._drop(node)
-        self._peers[node] = _PeerLane(self.grpc.target(node), lane, time.monotonic() + recheck_s, calls=calls)
+        self._peers[node] = _PeerLane(self.grpc.target(node), lane, time.monotonic() + recheck_s, calls=calls,
+                                      put_runs=put_runs and lane is not None)
+
+    def takes_runs(self, node: str) -> bool:
+        state = self._peers.get(node)
+        return state is not None and state.lane is not None and state.put_runs
 
     async def _lane(self, node: str, call: PeerCall, timeout_s: float) -> _PeerLane | None:
         """`node`'s lane, asked for when not known (None: use gRPC)."""
@@ -388,7 +395,8 @@ class LanePeerTransport:
         if state is not None and state.lane is not None:
             return state  # another call asked meanwhile
         lane = None if offer is None else self._lane_of(node, offer)
-        self._set(node, lane, NO_LANE_RECHECK_S, None if offer is None else self._peer_lane_of(node, offer))
+        self._set(node, lane, NO_LANE_RECHECK_S, None if offer is None else self._peer_lane_of(node, offer),
+                  offer is not None and offer.put_runs)
         return self._peers[node] if lane is not None else None
 
     def _peer_lane_of(self, node: str, offer: kvstore_pb2.DataLaneResponse) -> PeerLane | None:
@@ -549,23 +557,30 @@ class LanePeerTransport:
         return good
 
     async def put(self, node: str, call: PeerCall, hashes: bytes, parent: bytes, position: int,
-                  blocks: AsyncIterator[Framed], timeout_s: float) -> tuple[int, int]:
+                  blocks: AsyncIterator[Framed], timeout_s: float,
+                  runs: Sequence[tuple[int, bytes | None, int]] = ()) -> tuple[int, int]:
         deadline = time.monotonic() + timeout_s
         state = await self._lane(node, call, timeout_s)
+        if runs and (state is None or not state.put_runs):
+            raise PeerError(node, "put: several runs in one put, and the node's data lane does not take them")
         if state is None:
             self.counters.fallbacks += 1
             return await self.grpc.put(node, call, hashes, parent, position, self._chunked(blocks), _left(deadline))
         with self._using(state) as lane:
-            return await self._put(node, lane, call, hashes, parent, position, blocks, deadline)
+            return await self._put(node, lane, call, hashes, parent, position, blocks, deadline, runs)
 
     async def _put(self, node: str, lane: DataLane, call: PeerCall, hashes: bytes, parent: bytes, position: int,
-                   blocks: AsyncIterator[Framed], deadline: float) -> tuple[int, int]:
+                   blocks: AsyncIterator[Framed], deadline: float,
+                   runs: Sequence[tuple[int, bytes | None, int]] = ()) -> tuple[int, int]:
         sources = await _collect(blocks)
         n = len(sources)
         if not n:
             return 0, 0
+        runs = [run for run in runs if run[0] < n]
         conns = await self._checkout(node, lane, n, _left(deadline))
         if conns is None:
+            if runs:
+                raise PeerError(node, "put: the node's data lane cannot be reached for a put of several runs")
             self.counters.fallbacks += 1
             return await self.grpc.put(node, call, hashes[: n * HASH_BYTES], parent, position,
                                        self._chunked(_each(sources)), _left(deadline))
@@ -575,7 +590,9 @@ class LanePeerTransport:
                 header=kvstore_pb2.PutHeader(namespace=kvstore_pb2.Namespace(layout=call.layout),
                                              keys=kvstore_pb2.BlockKeys(packed_hashes=hashes[: n * HASH_BYTES]),
                                              num_blocks=n, parent_hash=parent, position=position),
-                connections=len(conns), timeout_ms=max(1, int(left * 1000))), left)
+                connections=len(conns), timeout_ms=max(1, int(left * 1000)),
+                runs=[kvstore_pb2.PutRun(offset=offset, parent_hash=run_parent or b"", position=run_position)
+                      for offset, run_parent, run_position in runs]), left)
         except BaseException:
             lane.checkin(conns)
             raise

@@ -92,6 +92,9 @@ PUSHED_KEPT = 65536
 POSITIONS_KEPT = 4096
 LAYOUTS_KEPT = 1024
 DRAIN_BATCH_UNITS = 64
+# Most blocks in one forward job (one put on the owner): a put's runs for one owner are
+# one job up to this, so a large put still fits the forward queue a part at a time.
+FORWARD_JOB_BLOCKS = 1024
 MAINTENANCE_S = 5.0
 _ABSENT = bytes([Store.ABSENT])
 
@@ -817,16 +820,22 @@ class ClusterNode:
                 if node == me:
                     continue
                 job = jobs.get(node)
-                if job is not None and job.position + len(job.hashes) == piece.position:
-                    offset = len(job.hashes)
-                    job.hashes += piece.hashes
-                else:
-                    if job is not None:
-                        self.forwarder.submit(job)
+                if job is not None and len(job.hashes) + len(piece.hashes) > FORWARD_JOB_BLOCKS:
+                    self.forwarder.submit(job)
+                    job = None
+                if job is None:
                     job = jobs[node] = ForwardJob(node, namespace_id, self._call(namespace_id), list(piece.hashes),
                                                   piece.parent, piece.position,
                                                   loop.create_future() if wait else None)
                     offset = 0
+                else:
+                    # One job per owner: a piece after a gap starts another run of it
+                    # (one put where the owner's transport takes runs, else one per run).
+                    offset = len(job.hashes)
+                    last = job.runs[-1] if job.runs else (0, job.parent, job.position)
+                    if last[2] + offset - last[0] != piece.position:
+                        job.runs.append((offset, piece.parent, piece.position))
+                    job.hashes += piece.hashes
                 if job.done is not None:
                     parts.append((job.done, offset, len(piece.hashes)))
             if len(owners) > (me in owners):

@@ -187,9 +187,16 @@ class PeerTransport(Protocol):
         arrived whole."""
 
     async def put(self, node: str, call: PeerCall, hashes: bytes, parent: bytes, position: int,
-                  blocks: AsyncIterator[Framed], timeout_s: float) -> tuple[int, int]:
+                  blocks: AsyncIterator[Framed], timeout_s: float,
+                  runs: Sequence[tuple[int, bytes | None, int]] = ()) -> tuple[int, int]:
         """Store `blocks` (framed by `framer`) on `node` as the chain `hashes` after
-        `parent` from `position`; (stored, existing)."""
+        `parent` from `position`; (stored, existing). `runs`: `hashes` are several runs
+        of one chain, these (offset, parent, position) starting the later ones; only
+        where `takes_runs(node)`."""
+
+    def takes_runs(self, node: str) -> bool:
+        """Whether one `put` to `node` may carry several runs of a chain (`runs`)."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -337,8 +344,14 @@ class GrpcPeerTransport:
             counters.grpc_blocks_in += blocks
         return blocks
 
+    def takes_runs(self, node: str) -> bool:
+        return False  # a Put carries one run
+
     async def put(self, node: str, call: PeerCall, hashes: bytes, parent: bytes, position: int,
-                  blocks: AsyncIterator[Framed], timeout_s: float) -> tuple[int, int]:
+                  blocks: AsyncIterator[Framed], timeout_s: float,
+                  runs: Sequence[tuple[int, bytes | None, int]] = ()) -> tuple[int, int]:
+        if runs:
+            raise ValueError("a gRPC Put carries one run of a chain (takes_runs is False)")
         _, _, put = self._stubs(node)
         header = kvstore_pb2.PutHeader(namespace=kvstore_pb2.Namespace(layout=call.layout),
                                        keys=kvstore_pb2.BlockKeys(packed_hashes=hashes),

@@ -43,6 +43,8 @@ class PutTransfer(Transfer):
         super().__init__(transfer_id, tenant, deadline, connections, loop)
         self.txn = txn
         self.header = header
+        # A pool's forward of several runs of one chain: the later runs (LanePutRequest.runs).
+        self.runs: list[kvstore_pb2.PutRun] = []
         self.host = host
         self.block_bytes = txn.block_bytes
         self.counters = counters

@@ -18,7 +18,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -26,9 +26,10 @@ import grpc
 from kvstore.core.fetch import FetchStream
 from kvstore.core.store import Store
 from kvstore.datalane import VERSION
-from kvstore.errors import FailedPrecondition, KVStoreError, ResourceExhausted, error_for_status
+from kvstore.hashing import HASH_BYTES
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, ResourceExhausted, error_for_status
 from kvstore.server.auth import current_identity
-from kvstore.server.cluster import forward_put
+from kvstore.server.cluster import forward_put, put_position
 from kvstore.server.fetch_transfer import FetchTransfer
 from kvstore.server.put_transfer import PutTransfer
 from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
@@ -83,7 +84,7 @@ class LaneTransfers:
         return kvstore_pb2.DataLaneResponse(
             endpoints=endpoints, max_connections=self.settings.max_connections_per_transfer if endpoints else 0,
             version=VERSION, max_block_bytes=self.settings.max_block_bytes,
-            peer_lane_endpoints=self.peer_lane_endpoints)
+            peer_lane_endpoints=self.peer_lane_endpoints, put_runs=bool(endpoints))
 
     def _deadline(self, timeout_ms: int) -> tuple[float, float]:
         """(monotonic deadline, loop deadline) of a transfer asking for `timeout_ms`."""
@@ -183,9 +184,11 @@ class LaneTransfers:
         if info.layout.groups:
             raise FailedPrecondition(GROUPED_NOT_ON_LANE)
         hashes, parent = resolver.put_keys(info, header)
+        runs = put_runs(request, len(hashes), put_position(header))
         resolver.put_session(header)  # checked now; applied at commit
         # Slots are reserved a window at a time as the blocks land, as for a Put stream.
-        txn = store.begin_put(info, hashes, parent, tier=HOST, window_bytes=settings.put_window_bytes)
+        txn = store.begin_put(info, hashes, parent, tier=HOST, window_bytes=settings.put_window_bytes,
+                              runs=[(r.offset, r.parent_hash or None) for r in runs])
         await txn.reserve()
         try:
             deadline, loop_deadline = self._deadline(request.timeout_ms)
@@ -199,6 +202,7 @@ class LaneTransfers:
             txn.abort()
             raise
         transfer.peer = current_identity().peer
+        transfer.runs = runs
         self._register(transfer, loop_deadline)
         transfer.on_failed = lambda: self._put_failed(transfer)
         self._arm_idle(transfer, settings.put_idle_timeout_s)
@@ -312,8 +316,14 @@ class LaneTransfers:
                                        **hash_fields(result.block_hashes, packed_reply(header.keys)))
         if self.cluster is not None:  # as for a gRPC Put: forwarded to its units' owners
             hashes, parent = self.resolver.put_keys(self.store.namespace(result.namespace_id), header)
-            await forward_put(self.cluster, result.namespace_id, hashes, parent, header, resp,
-                              current_identity().peer)
+            if transfer.runs:  # a peer's forward of several runs: the pool is told of each
+                for run_hashes, run_parent, position in split_runs(hashes, parent, put_position(header),
+                                                                   transfer.runs):
+                    self.cluster.after_put(result.namespace_id, run_hashes, run_parent, position,
+                                           from_peer=current_identity().peer)
+            else:
+                await forward_put(self.cluster, result.namespace_id, hashes, parent, header, resp,
+                                  current_identity().peer)
         return resp
 
     async def _roll_back(self, transfer: PutTransfer) -> None:
@@ -380,3 +390,34 @@ class LaneTransfers:
         self._open.clear()
 
 
+def put_runs(request: kvstore_pb2.LanePutRequest, blocks: int,
+             position: int | None) -> list[kvstore_pb2.PutRun]:
+    """A lane put's later runs (`LanePutRequest.runs`), checked: node-to-node only, in
+    order inside the put, each at a chain position past the run before it."""
+    runs = list(request.runs)
+    if not runs:
+        return runs
+    if not current_identity().peer:
+        raise InvalidArgument("LanePutRequest.runs is for the daemons of a pool; a client puts one run per call")
+    if request.header.keys.WhichOneof("keys") == "tokens" or position is None:
+        raise InvalidArgument("a put of several runs names its blocks by hashes and sets header.position")
+    last, at = 0, position
+    for r in runs:
+        if not last < r.offset < blocks:
+            raise InvalidArgument(f"a run of the put starts at block {r.offset}: after {last} and before {blocks} "
+                                  "expected")
+        if r.parent_hash and len(r.parent_hash) != HASH_BYTES:
+            raise InvalidArgument(f"a run's parent hash must be {HASH_BYTES} bytes, got {len(r.parent_hash)}")
+        if r.position < at + (r.offset - last):
+            raise InvalidArgument(f"a run at chain position {r.position} overlaps the run before it")
+        last, at = r.offset, r.position
+    return runs
+
+
+def split_runs(hashes: Sequence[bytes], parent: bytes | None, position: int | None,
+               runs: Sequence[kvstore_pb2.PutRun]) -> list[tuple[Sequence[bytes], bytes | None, int | None]]:
+    """A put of several runs as (hashes, parent, position) per run."""
+    starts = [0] + [r.offset for r in runs] + [len(hashes)]
+    parents = [parent] + [r.parent_hash or None for r in runs]
+    positions = [position] + [int(r.position) for r in runs]
+    return [(hashes[starts[k] : starts[k + 1]], parents[k], positions[k]) for k in range(len(parents))]
