@@ -556,6 +556,13 @@ def daemon_parts_text(extra: dict[str, Any]) -> str:
             f"  local p99 / single p99 {rl['local_vs_single_p99_ratio']:.2f}x; the two single nodes' p99 differ "
             f"{rl['single_nodes_p99_ratio']:.2f}x in the same run",
         ]
+        if "owner_put_p50_us" in rl:
+            lines += [
+                f"  put waiting for the owners (on B)  p50 {rl['owner_put_p50_us'] / 1e3:.1f} ms  "
+                f"p99 {rl['owner_put_p99_us'] / 1e3:.1f} ms",
+                f"  the same put, cluster off (on S)    p50 {rl['single_put_p50_us'] / 1e3:.1f} ms  "
+                f"p99 {rl['single_put_p99_us'] / 1e3:.1f} ms",
+            ]
     fo = extra.get("failover")
     if fo:
         lines += ["", f"failover: {fo['clients']} clients, kill -9 of one of 3 nodes at {fo['killed_at_s']:.1f} s: "

@@ -19,6 +19,8 @@ local control lane, the path a co-located engine takes):
   first (a fetch's slots are let go by the client's next call on that daemon, so each
   row's first lookup carries that), and the rows take turns at going first in each of
   the three rounds of timed lookups per chain;
+* `owner_put`: the chain's put on B with `wait_for_owners` (answered once A committed
+  the units it owns), next to `single_put`, the same put on S;
 * `round_trip`: a bare request of a peer lookup's size (8 KiB) to a process that answers
   with 16 bytes (`echo_floor`: an asyncio server, as the daemons are), on loopback TCP:
   what one process-to-process round trip costs on this host. A remote lookup takes two
@@ -331,6 +333,8 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0) -> dic
             single_us: list[float] = []
             single2_us: list[float] = []
             trip_us: list[float] = []
+            owner_put_us: list[float] = []
+            single_put_us: list[float] = []
             remote_share: list[float] = []
             complete = wrong = 0
             with Client(a.target) as ka, Client(b.target) as kb, Client(s.target) as ks, \
@@ -355,8 +359,12 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0) -> dic
                         tok = _tokens(i + 1, CHAIN_BLOCKS, layout.block_size_tokens)
                         hashes = block_hashes(namespace_id(layout), tok, layout.block_size_tokens)
                         blocks = _payloads(layout, CHAIN_BLOCKS, i + 1)
+                        t = time.perf_counter()
                         kb.put(layout, tok, blocks, wait_for_owners=True)
+                        owner_put_us.append((time.perf_counter() - t) * 1e6)
+                        t = time.perf_counter()
                         ks.put(layout, tok, blocks)
+                        single_put_us.append((time.perf_counter() - t) * 1e6)
                         ks2.put(layout, tok, blocks)
                         t = time.perf_counter()
                         hit = ka.lookup(layout, block_hashes=hashes)
@@ -413,6 +421,11 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0) -> dic
         "round_trip_request_bytes": ECHO_REQUEST_BYTES,
         "round_trip_p50_us": round(_pct(trip_us, 0.50), 1), "round_trip_p99_us": round(_pct(trip_us, 0.99), 1),
         "peer_rounds_on_a": int(asked.get("cluster_remote_lookups", "0")),
+        # The chain's put on B, answered once A committed its units (wait_for_owners),
+        # next to the same put on S (cluster off).
+        "owner_put_p50_us": round(_pct(owner_put_us, 0.50), 1), "owner_put_p99_us": round(_pct(owner_put_us, 0.99), 1),
+        "single_put_p50_us": round(_pct(single_put_us, 0.50), 1),
+        "single_put_p99_us": round(_pct(single_put_us, 0.99), 1),
     }
 
 
