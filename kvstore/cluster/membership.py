@@ -60,6 +60,7 @@ from typing import Any
 
 import grpc
 
+from kvstore.addresses import dial_problem
 from kvstore.cluster.node_id import validate_node_id
 from kvstore.errors import ConfigError
 
@@ -288,6 +289,11 @@ def parse_static_peers(entries: Iterable[str]) -> tuple[Member, ...]:
         if not sep or not addresses:
             raise ConfigError(f"static peer {entry!r} must read node_id=host:port (e.g. node-a=10.0.0.5:50052)")
         validate_node_id(node_id, f"static peer {entry!r}:")
+        for address in addresses:
+            problem = dial_problem(address)
+            if problem is not None:
+                raise ConfigError(f"static peer {entry!r}: address {address!r}: {problem} (e.g. "
+                                  "node-a=10.0.0.5:50052)")
         if node_id in out:
             raise ConfigError(f"static peer {node_id!r} is listed twice; give each node one entry")
         out[node_id] = Member(node_id=node_id, addresses=addresses)

@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvstore import __version__
+from kvstore.addresses import dial_problem
 from kvstore.errors import ConfigError
 from kvstore.hashing import token_bytes
 from kvstore.server.config import Config
@@ -64,6 +65,10 @@ def advertised(config: Config, bound: Sequence[str]) -> tuple[str, ...]:
     """Where peers reach this daemon: `cluster_advertise`, else its bound TCP addresses
     that are not wildcards."""
     if config.cluster_advertise:
+        for address in config.cluster_advertise:
+            problem = dial_problem(address)
+            if problem is not None:
+                raise ConfigError(f"cluster_advertise {address!r}: {problem}")
         return tuple(config.cluster_advertise)
     out = []
     for target in bound:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import make_config
 from kvstore.cluster.membership import (
     EtcdMembership,
     EtcdSettings,
@@ -30,6 +32,7 @@ from kvstore.cluster.membership import (
 )
 from kvstore.cluster.placement import Placement
 from kvstore.errors import ConfigError
+from kvstore.server.cluster import advertised
 from tests.cluster.cluster_fixtures import EtcdServer, etcd, free_port, member_args, member_process  # noqa: F401
 
 aetcd = pytest.importorskip("aetcd")
@@ -233,6 +236,25 @@ def test_static_membership_from_entries() -> None:
     for bad in (["a"], ["a="], ["a=x:1", "a=y:1"], ["bad id=x:1"]):
         with pytest.raises(ConfigError):
             parse_static_peers(bad)
+    # Addresses no peer could be dialed at are refused at start, with what is wrong.
+    for address, why in (("10.0.0.1", "not HOST:PORT"), ("h:port", "not HOST:PORT"), ("h:0", "not in"),
+                         ("h:99999", "not in"), ("0.0.0.0:50052", "wildcard"), ("[::]:50052", "wildcard"),
+                         ("fd00::3:50052", "brackets"), ("unix:", "socket path")):
+        with pytest.raises(ConfigError, match=why):
+            parse_static_peers([f"a={address}"])
+    assert parse_static_peers(["a=unix:/run/kv.sock,h.example:1"])[0].addresses == ("unix:/run/kv.sock",
+                                                                                    "h.example:1")
+
+
+def test_an_advertised_address_is_one_a_peer_can_dial(tmp_path: Path) -> None:
+    def advertise(*addresses: str) -> tuple[str, ...]:
+        config = make_config(tmp_path, listen=("127.0.0.1:50051",), cluster=True, cluster_advertise=addresses)
+        return advertised(config, ["127.0.0.1:50051"])
+
+    assert advertise("10.0.0.2:50052", "[fd00::2]:50052") == ("10.0.0.2:50052", "[fd00::2]:50052")
+    for address, why in (("10.0.0.2", "not HOST:PORT"), ("0.0.0.0:50052", "wildcard"), ("h:70000", "not in")):
+        with pytest.raises(ConfigError, match=f"cluster_advertise '{re.escape(address)}': .*{why}"):
+            advertise(address)
 
 
 def test_membership_construction_from_configuration() -> None:
