@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from kvstore.cli.common import EXIT_ERROR, EXIT_OK, add_client_options, emit, message_to_dict, open_admin, seconds
-from kvstore.cli.ops import hash_arg, namespace_arg, render_table
+from kvstore.cli.ops import hash_arg, namespace_arg, render_table, token_ids_arg
 
 
 def _members(args: argparse.Namespace) -> int:
@@ -50,8 +50,7 @@ def _where(args: argparse.Namespace) -> int:
         print("kvstore cluster where: name the chain with --tokens or --hashes", file=sys.stderr)
         return EXIT_ERROR
     if args.tokens is not None:
-        tokens = [int(t) for t in args.tokens.replace(",", " ").split() if t]
-        keys = kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(token_ids=tokens), packed_reply=True)
+        keys = kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(token_ids=args.tokens), packed_reply=True)
     else:
         keys = kvstore_pb2.BlockKeys(packed_hashes=b"".join(args.hashes))
     with open_admin(args) as admin:
@@ -63,6 +62,9 @@ def _where(args: argparse.Namespace) -> int:
              f"{u.held_here}/{u.stop - u.start}"] for u in resp.units]
     text = (f"as node {resp.node_id} sees it, namespace {resp.namespace_id.hex()}:\n"
             + render_table("", ["blocks", "unit key", "owners", "looked up on", "held here"], rows))
+    if not resp.units:
+        text += ("\nno placement unit: the chain is shorter than one block" if args.tokens is not None
+                 else "\nno placement unit")
     emit(args, data, text)
     return EXIT_OK
 
@@ -96,8 +98,8 @@ def register(sub: Any) -> None:
     where = action("where", "which daemons own each placement unit of a chain", _where)
     where.add_argument("namespace", type=namespace_arg, metavar="NAMESPACE_ID", help="namespace id in hex "
                        "(see `kvstore ls`)")
-    where.add_argument("--tokens", metavar="IDS", help="the chain's token ids from its start, comma- or "
-                       "space-separated")
+    where.add_argument("--tokens", type=token_ids_arg, metavar="IDS", help="the chain's token ids from its "
+                       "start, comma- or space-separated")
     where.add_argument("--hashes", type=hash_arg, nargs="+", metavar="BLOCK_HASH", help="the chain's block "
                        "hashes in hex, from its first block")
     drain = action("drain", "hand this daemon's units to their next owners and leave the pool", _drain)

@@ -87,6 +87,22 @@ def hash_arg(text: str) -> bytes:
     return _parse_hex(text, "block hash")
 
 
+def token_ids_arg(text: str) -> list[int]:
+    """Token ids, comma- or space-separated, each a u32 (what `TokenIds` carries)."""
+    out = []
+    for word in text.replace(",", " ").split():
+        try:
+            token = int(word)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"token id {word!r} is not a whole number") from None
+        if not 0 <= token < 1 << 32:
+            raise argparse.ArgumentTypeError(f"token id {token} is out of range [0, 2^32)")
+        out.append(token)
+    if not out:
+        raise argparse.ArgumentTypeError("no token ids given")
+    return out
+
+
 def size_arg(text: str) -> int:
     try:
         return parse_size(text)

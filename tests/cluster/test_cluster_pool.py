@@ -254,6 +254,13 @@ async def test_the_cli_shows_members_and_where_a_prefix_lives(tmp_path: Path) ->
         code, text, _ = await cli("cluster", "where", ns, "--tokens", ",".join(map(str, tokens)),
                                   "--target", unix_target(a))
         assert code == 0 and "owners" in text
+        # Careless token lists: a usage error that says what is wrong, never a traceback.
+        for bad, why in (("1,x,3", "'x' is not a whole number"), ("-1", "out of range"),
+                         (str(1 << 32), "out of range"), (" , ", "no token ids")):
+            code, _, err = await cli("cluster", "where", ns, "--tokens", bad, "--target", unix_target(a))
+            assert code == 2 and why in err and "Traceback" not in err, (bad, err)
+        code, text, _ = await cli("cluster", "where", ns, "--tokens", "1,2", "--target", unix_target(a))
+        assert code == 0 and "shorter than one block" in text
 
 
 async def test_info_and_metrics_report_the_pool(tmp_path: Path) -> None:
