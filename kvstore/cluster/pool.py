@@ -575,10 +575,9 @@ class ClusterNode:
                 idx = np.flatnonzero(np.isin(target_ids, mine))
                 if len(idx):
                     # Its units in the order it is likeliest to hold them (see `_ask`):
-                    # those it owns first, then those it is only asked for as an extra or
-                    # previous owner (its rank among the unit's targets).
-                    rank = np.fromiter((distinct[target_ids[j]].index(node) for j in idx.tolist()), np.int64,
-                                       len(idx))
+                    # by its rank among each unit's targets (owners, the extra owners of a
+                    # hot unit, then previous owners), this node and suspects counted.
+                    rank = np.fromiter((ranked[j].index(node) for j in idx.tolist()), np.int64, len(idx))
                     asks[node] = idx[np.argsort(rank, kind="stable")]
         replica = np.fromiter((me not in o for o in owners[:cut]), bool, cut)
         names = sorted({n for o in owners[:cut] for n in o})

@@ -22,6 +22,7 @@ from conftest import SMALL_LAYOUT, make_config
 from kvstore.client import AsyncClient, GroupKind, KVGroup, KVLayout
 from kvstore.client.admin import AdminClient
 from kvstore.errors import ConfigError
+from kvstore.hashing import block_hashes
 from kvstore.server.config import load_config
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import admin_pb2
@@ -338,3 +339,28 @@ def test_a_single_daemon_imports_no_cluster_code() -> None:
             "print(sorted(m for m in sys.modules if m.startswith(('kvstore.cluster', 'aetcd'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+async def test_a_node_is_asked_for_the_units_it_owns_before_the_others(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node answers the prefix of the units asked of it that it holds: the units it owns
+    go first, then those it is asked for as an extra or previous owner (which it may
+    lack). Here on the general plan (R = 2), with the units' targets set by hand."""
+    async with pool(tmp_path, 3, cluster_replicas=2) as (a, _, _):
+        tokens, blocks = chain(LAYOUT, 4, seed=21)
+        async with AsyncClient(unix_target(a)) as kv:
+            await kv.put(LAYOUT, tokens, blocks)  # the namespace is known on a
+        packed = b"".join(block_hashes(LAYOUT.namespace_id, chain(LAYOUT, 8, seed=22)[0], LAYOUT.block_size_tokens))
+        node = a.cluster
+        assert node is not None and node.placement.owner_indices(packed[:16], 16) is None  # R = 2: general plan
+        # 8 blocks, units of 2 after a one-block lead-in: 5 units, none held on a.
+        owners = [("n1", "n2"), ("n2", "n0"), ("n1", "n2"), ("n2", "n0"), ("n1", "n2")]
+        targets = [("n1", "n2"), ("n2", "n0", "n1"), ("n1", "n2"), ("n2", "n0", "n1"), ("n2", "n1")]
+        monkeypatch.setattr(node.placement, "route_many", lambda keys: (owners[: len(keys)], targets[: len(keys)]))
+        present = a.store.present(LAYOUT.namespace_id, packed)
+        rnd = node._plan(LAYOUT.namespace_id, packed, 0, present)
+        assert len(rnd.starts) == 5
+        # By rank among the targets as placed (n0, the asking node, counted): owner, second
+        # owner, previous owner.
+        assert rnd.asks["n1"].tolist() == [0, 2, 4, 1, 3]
+        assert rnd.asks["n2"].tolist() == [1, 3, 4, 0, 2]
