@@ -123,6 +123,10 @@ async def start_cluster(config: Config, store: Store, node_id: str, bound: Seque
     if config.cluster_peers:
         mine = [m for m in parse_static_peers(config.cluster_peers) if m.node_id == node_id]
         addresses = mine[0].addresses if mine else ()
+        if config.cluster_advertise and mine and tuple(config.cluster_advertise) != addresses:
+            logger.warning("cluster: cluster_advertise (%s) is not used with a static peer list: the other nodes "
+                           "reach this one at its entry in the list (%s)", ",".join(config.cluster_advertise),
+                           ",".join(addresses))
     else:
         addresses = advertised(config, bound)
     me = Member(node_id=node_id, addresses=addresses,

@@ -364,3 +364,12 @@ async def test_a_node_is_asked_for_the_units_it_owns_before_the_others(tmp_path:
         # owner, previous owner.
         assert rnd.asks["n1"].tolist() == [0, 2, 4, 1, 3]
         assert rnd.asks["n2"].tolist() == [1, 3, 4, 0, 2]
+
+
+async def test_cluster_advertise_beside_a_static_list_is_said_to_be_unused(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="kvstore.server.cluster"):
+        async with pool(tmp_path, 2, per_node=[{"cluster_advertise": ("10.0.0.1:50052",)}]) as (a, _):
+            assert a.cluster is not None
+    said = [r.getMessage() for r in caplog.records if "cluster_advertise" in r.getMessage()]
+    assert len(said) == 1 and "10.0.0.1:50052" in said[0] and "not used with a static peer list" in said[0]
