@@ -109,6 +109,21 @@ async def test_with_etcd_gone_the_pool_serves_on_its_last_view_and_says_so(tmp_p
         assert await cluster_health(a) == health_pb2.HealthCheckResponse.SERVING
 
 
+async def put_all(daemon: Daemon, chains: list[tuple[list[int], list[bytes]]]) -> None:
+    """Put each chain through `daemon`, waiting for its units' owners."""
+    async with AsyncClient(unix_target(daemon)) as kv:
+        for tok, blocks in chains:
+            await kv.put(LAYOUT, tok, blocks, wait_for_owners=True)
+
+
+async def assert_whole_hits(daemon: Daemon, chains: list[tuple[list[int], list[bytes]]]) -> None:
+    """Every chain is a hit in full through `daemon`, and fetches byte-exact."""
+    async with AsyncClient(unix_target(daemon)) as kv:
+        assert [(await kv.lookup(LAYOUT, tok)).num_blocks for tok, _ in chains] == [len(b) for _, b in chains]
+        for tok, blocks in chains:
+            assert [bytes(g) for g in await kv.fetch(LAYOUT, tok)] == blocks
+
+
 async def test_in_the_grace_of_a_change_a_chain_put_since_hits_in_full(tmp_path: Path, etcd: EtcdServer,
                                                                       prefix: str) -> None:
     """Blocks put after a membership change are on their current owners only: a previous
@@ -119,15 +134,10 @@ async def test_in_the_grace_of_a_change_a_chain_put_since_hits_in_full(tmp_path:
         for d in nodes:
             await wait_view(d, {"n0", "n1", "n2"})
         chains = [chain(LAYOUT, 64, seed=400 + i) for i in range(4)]
-        async with AsyncClient(unix_target(nodes[2])) as kv:
-            for tok, blocks in chains:
-                await kv.put(LAYOUT, tok, blocks, wait_for_owners=True)
+        await put_all(nodes[2], chains)
         for x in nodes[:2]:
             assert x.cluster is not None and x.cluster.status().in_grace
-            async with AsyncClient(unix_target(x)) as kv:
-                assert [(await kv.lookup(LAYOUT, tok)).num_blocks for tok, _ in chains] == [64] * len(chains)
-                for tok, blocks in chains:
-                    assert [bytes(g) for g in await kv.fetch(LAYOUT, tok)] == blocks
+            await assert_whole_hits(x, chains)
 
 
 async def test_a_fourth_node_moves_about_a_quarter_of_the_units_and_hits_carry_on(
@@ -136,9 +146,7 @@ async def test_a_fourth_node_moves_about_a_quarter_of_the_units_and_hits_carry_o
         for d in three:
             await wait_view(d, {"n0", "n1", "n2"})
         chains = [chain(LAYOUT, 24, seed=300 + i) for i in range(8)]
-        async with AsyncClient(unix_target(three[0])) as kv:
-            for tok, blocks in chains:
-                await kv.put(LAYOUT, tok, blocks, wait_for_owners=True)
+        await put_all(three[0], chains)
         async with pool(tmp_path, 1, etcd=etcd.endpoint, prefix=prefix, first=3) as (d,):
             for x in (*three, d):
                 await wait_view(x, {"n0", "n1", "n2", "n3"})
@@ -152,11 +160,7 @@ async def test_a_fourth_node_moves_about_a_quarter_of_the_units_and_hits_carry_o
             # Every chain still hits in full from the newcomer and from the old nodes: the
             # units n3 owns now are looked up on their previous owners during the grace.
             for x in (d, three[1]):
-                async with AsyncClient(unix_target(x)) as kv:
-                    hits = [(await kv.lookup(LAYOUT, tok)).num_blocks for tok, _ in chains]
-                    assert hits == [24] * len(chains)
-                    for tok, blocks in chains:
-                        assert [bytes(g) for g in await kv.fetch(LAYOUT, tok)] == blocks
+                await assert_whole_hits(x, chains)
             assert three[1].cluster is not None and three[1].cluster.status().in_grace
             # The traffic rebuilt the newcomer's units: each copy found on a previous owner
             # was also pushed to the unit's owner now, so n3 holds what it owns.
