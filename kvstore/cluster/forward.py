@@ -1,15 +1,15 @@
 """Forwards: blocks committed here sent on to the nodes that own their placement units.
 
 A put commits locally first (read-your-writes is a local matter), then its blocks that
-belong to units other nodes own are queued here, one job per owner and run of
-consecutive blocks, or one job per owner with several runs of the put's chain (`runs`),
-sent as one put to an owner whose transport takes them (`PeerTransport.takes_runs`: a
-data lane that says so) and as one put per run otherwise. A few workers take jobs in
-order: each reads its blocks out of the local store (a verified fetch, framed by the
-transport into the messages it sends) and puts them on the owner. The queue is bounded in blocks: a job that does not fit is
-dropped and counted, and so is one for a node that is suspect, since the pool is a cache
-and the engine must never wait for it. A job whose blocks were evicted meanwhile sends
-what is left of its prefix.
+belong to units other nodes own are queued here: one job per owner, of one or more runs
+of the put's chain (`runs`), sent as one put to an owner whose transport takes several
+(`PeerTransport.takes_runs`: a data lane that says so) and as one put per run otherwise.
+A few workers take jobs in order: each reads its blocks out of the local store (a
+verified fetch, framed by the transport into the messages it sends) and puts them on the
+owner. The queue is bounded in blocks: a job that does not fit is dropped and counted,
+and so is one for a node that is suspect, since the pool is a cache and the engine must
+never wait for it. A job whose blocks were evicted meanwhile sends what is left of its
+prefix.
 
 A put that asked to wait for its owners (`PutHeader.wait_for_owners`) holds a future per
 job, settled with the blocks the owner committed (0 when dropped or failed).

@@ -26,8 +26,8 @@ import grpc
 from kvstore.core.fetch import FetchStream
 from kvstore.core.store import Store
 from kvstore.datalane import VERSION
-from kvstore.hashing import HASH_BYTES
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, ResourceExhausted, error_for_status
+from kvstore.hashing import HASH_BYTES
 from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put, put_position
 from kvstore.server.fetch_transfer import FetchTransfer
