@@ -294,6 +294,12 @@ class DataLane:
         if not got:
             assert error is not None
             raise error
+        with self._lock:
+            closed = self.closed
+        if closed:  # closed while this thread connected: nobody would check these in
+            for conn in got:
+                conn.close()
+            raise Unavailable(f"the data lane at {self.endpoint.address} was closed")
         return got
 
     def checkin(self, conns: Sequence[LaneSocket]) -> None:

@@ -93,10 +93,30 @@ class LanePeer:
         return self._lane
 
     async def _run(self, lane: DataLane, conns: Any, fn: Any, *args: Any) -> Any:
+        """`fn(conns, *args)` on a thread. Cancelled, it shuts the transfer's connections
+        and returns only once the thread is done with the buffers it was given."""
+        task = asyncio.ensure_future(asyncio.to_thread(fn, conns, *args))
         try:
-            return await asyncio.to_thread(fn, conns, *args)
+            return await asyncio.shield(task)
         except asyncio.CancelledError:
             lane.abort(conns)
+            while not task.done():
+                try:
+                    await asyncio.wait({task})
+                except asyncio.CancelledError:
+                    continue
+            raise
+
+    @staticmethod
+    async def _checkout(lane: DataLane, blocks: int, timeout: float) -> Any:
+        """Connections for a transfer; cancelled, those its thread still makes go back to
+        the pool when it is done."""
+        task = asyncio.ensure_future(asyncio.to_thread(lane.checkout, lane.connections_for(blocks), timeout))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(
+                lambda t: lane.checkin(t.result()) if not t.cancelled() and t.exception() is None else None)
             raise
 
     async def fetch(self, namespace: kvstore_pb2.Namespace, hashes: Sequence[bytes], dests: Sequence[Any], *,
@@ -108,7 +128,7 @@ class LanePeer:
         if len(views) < len(hashes):
             raise InvalidArgument(f"{len(hashes)} blocks asked for but only {len(views)} destinations")
         lane = await self._data_lane(timeout)
-        conns = await asyncio.to_thread(lane.checkout, lane.connections_for(len(hashes)), timeout)
+        conns = await self._checkout(lane, len(hashes), timeout)
         try:
             grant = await self._call("LaneFetch", kvstore_pb2.LaneFetchRequest(
                 fetch=kvstore_pb2.FetchRequest(namespace=namespace, keys=_keys(hashes), lease_id=lease_id),
@@ -134,7 +154,7 @@ class LanePeer:
         if len(views) != len(hashes):
             raise InvalidArgument(f"{len(views)} blocks for {len(hashes)} hashes")
         lane = await self._data_lane(timeout)
-        conns = await asyncio.to_thread(lane.checkout, lane.connections_for(len(hashes)), timeout)
+        conns = await self._checkout(lane, len(hashes), timeout)
         try:
             grant = await self._call("LanePut", kvstore_pb2.LanePutRequest(
                 header=kvstore_pb2.PutHeader(namespace=namespace, keys=_keys(hashes), parent_hash=parent_hash),

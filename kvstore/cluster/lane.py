@@ -328,6 +328,8 @@ class LanePeerTransport:
         self._peers: dict[str, _PeerLane] = {}
         # Peers whose lanes are being asked for in the background (by a lookup).
         self._asking: dict[str, asyncio.Task[Any]] = {}
+        # Connection threads whose call was cancelled (`_checkout`).
+        self._orphans: set[asyncio.Future[list[LaneSocket]]] = set()
 
     @property
     def counters(self) -> TransportCounters:
@@ -487,7 +489,11 @@ class LanePeerTransport:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            task.add_done_callback(functools.partial(_give_back, lane))  # the thread goes on: its connections
+            # The thread goes on: its connections go back (or are closed, the lane being
+            # closed) when it is done, and `aclose` waits for that.
+            task.add_done_callback(functools.partial(_give_back, lane))
+            self._orphans.add(task)
+            task.add_done_callback(self._orphans.discard)
             raise
         except KVStoreError as exc:
             logger.info("cluster: the data lane of node %s is not available (%s); block bytes go through gRPC "
@@ -646,6 +652,10 @@ class LanePeerTransport:
         await asyncio.gather(*asking, return_exceptions=True)
         for node in list(self._peers):
             self._drop(node)
+        if self._orphans:
+            # Their lanes are closed now: each closes what it connected once it is done
+            # (within its connect timeout), and none outlives this transport.
+            await asyncio.wait(list(self._orphans), timeout=CONNECT_TIMEOUT_S)
         await self.grpc.aclose()
         # A failed transfer's exceptions may still hold, in cycles, views of tier memory
         # the lane's threads were given; the tiers unmap their segments next.

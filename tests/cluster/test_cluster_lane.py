@@ -9,6 +9,8 @@ lane's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -87,6 +89,64 @@ async def test_pulls_and_forwards_move_on_the_lane_byte_exact(tmp_path: Path) ->
         text = b.metrics.exposition().decode()
         assert f'kvstore_cluster_lane_bytes_total{{direction="in"}} {float(pulled * BPB)}' in text
         assert 'kvstore_cluster_grpc_bytes_total{direction="in"} 0.0' in text
+
+
+async def test_a_node_stops_with_no_lane_connection_left_open(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pull cancelled by the stop while its thread still connects: the stop waits for
+    the thread, and what it connected is closed (it would otherwise be left to the
+    collector, or to nobody once the event loop is gone)."""
+    made: list[Any] = []
+    connected, release = threading.Event(), threading.Event()
+    checkout = DataLane.checkout
+
+    def slow_checkout(self: DataLane, count: int, timeout_s: float) -> Any:
+        conns = checkout(self, count, timeout_s)
+        made.extend(conns)
+        connected.set()
+        release.wait(10)  # concurrency timing: the thread is still busy when the stop comes
+        return conns
+
+    async with pool(tmp_path, 2) as (a, b):
+        tokens, blocks = chain(LAYOUT, 40, seed=37)
+        async with AsyncClient(unix_target(a)) as kv:
+            await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
+        monkeypatch.setattr(DataLane, "checkout", slow_checkout)
+        async with AsyncClient(unix_target(b)) as kv:
+            looking = asyncio.ensure_future(kv.lookup(LAYOUT, tokens))  # pulls a's units from a
+            assert await asyncio.to_thread(connected.wait, 10)
+            timer = threading.Timer(0.3, release.set)
+            timer.start()
+            try:
+                await b.stop(grace_s=0)
+            finally:
+                timer.cancel()
+                release.set()
+            with contextlib.suppress(KVStoreError):
+                await looking
+        assert made and all(conn.sock.fileno() == -1 for conn in made)
+
+
+async def test_a_lane_closed_while_its_thread_connects_keeps_no_connection(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    async with pool(tmp_path, 1) as (a,):
+        assert a._transfers is not None
+        endpoint = choose_endpoint(a._transfers.offer(), a.bound[1])
+        assert endpoint is not None
+        lane = DataLane(endpoint, Security(""))
+        made: list[Any] = []
+        connect = DataLane._connect
+
+        def connect_then_close(self: DataLane, timeout_s: float) -> Any:
+            conn = connect(self, timeout_s)
+            made.append(conn)
+            self.close()  # concurrency timing: closed (the node stopping) while this thread connects
+            return conn
+
+        monkeypatch.setattr(DataLane, "_connect", connect_then_close)
+        with pytest.raises(KVStoreError, match="was closed"):
+            await asyncio.to_thread(lane.checkout, 2, 5.0)
+        assert len(made) == 2 and all(conn.sock.fileno() == -1 for conn in made)
 
 
 async def test_cluster_data_lane_off_moves_everything_through_grpc(tmp_path: Path) -> None:
