@@ -103,7 +103,10 @@ class Forwarder:
         return True
 
     async def _work(self) -> None:
-        while True:
+        # `_closed` as well as the cancellation ends a worker: a cancellation can be lost
+        # where a call completes in the same loop turn (asyncio.wait_for on Python 3.11,
+        # in a library below), and the worker must not then wait for its next job forever.
+        while not self._closed:
             if not self._queue:
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -167,13 +170,11 @@ class Forwarder:
 
     async def aclose(self) -> None:
         self._closed = True
+        self._wakeup.set()
         for task in self._workers:
             task.cancel()
-        for task in self._workers:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        # (gather: a cancellation of this call is this call's, never taken for a worker's)
+        await asyncio.gather(*self._workers, return_exceptions=True)
         self._workers.clear()
         while self._queue:
             _settle(self._queue.popleft(), 0)

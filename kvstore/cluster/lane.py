@@ -76,6 +76,7 @@ from kvstore.cluster.transport import (
     lookup_request_bytes,
 )
 from kvstore.datalane import LaneSocket
+from kvstore.deadlines import within
 from kvstore.errors import KVStoreError, Unavailable
 from kvstore.hashing import HASH_BYTES
 from kvstore.laneproto import HEADER, IDEMPOTENT, RESPONSE_TYPES, peer_envelope
@@ -196,13 +197,18 @@ class PeerLane(Lane[_PeerConn]):
     async def _connect(self, timeout: float) -> _PeerConn:
         ep = self.endpoint
         loop = asyncio.get_running_loop()
+        connecting = asyncio.ensure_future(loop.create_connection(
+            _PeerConn, ep.host, ep.port, ssl=self.tls, server_hostname=ep.host if self.tls else None))
         try:
-            _, conn = await asyncio.wait_for(loop.create_connection(
-                _PeerConn, ep.host, ep.port, ssl=self.tls, server_hostname=ep.host if self.tls else None), timeout)
+            _, conn = await within(connecting, timeout)
         except (OSError, TimeoutError, ssl.SSLError) as exc:
             raise LaneUnavailable(f"cannot connect to {self.path}: {getattr(exc, 'strerror', None) or exc}") from None
+        except BaseException:
+            if connecting.done() and not connecting.cancelled() and connecting.exception() is None:
+                connecting.result()[0].close()  # made as this was cancelled
+            raise
         try:
-            self._handshake(*await asyncio.wait_for(conn.request(self._hello), timeout))
+            self._handshake(*await within(conn.request(self._hello), timeout))
         except BaseException as exc:
             conn.close()
             raise self._refused(exc) from None
@@ -225,7 +231,7 @@ class PeerLane(Lane[_PeerConn]):
                     return None
             data = self._request(conn, name, payload)
             try:
-                code, answer = await asyncio.wait_for(conn.request(data), _left(deadline))
+                code, answer = await within(conn.request(data), _left(deadline))
             except LaneBroken as exc:
                 conn.close()
                 conn = None
@@ -256,7 +262,7 @@ class PeerLane(Lane[_PeerConn]):
         task = self._connecting()
         self._claimed.add(task)
         try:
-            return await asyncio.wait_for(asyncio.shield(task), timeout)
+            return await within(asyncio.shield(task), timeout)
         except BaseException:
             if task.done() and not task.cancelled() and task.exception() is None:
                 self._put_back(task.result())  # made just as this call gave up on it

@@ -31,6 +31,7 @@ from kvstore.core.placement import EVICT_BATCH, Placement
 from kvstore.core.results import MigrationConfig, MigrationStatus, StoreCounters, WritePolicy
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
+from kvstore.deadlines import within
 from kvstore.errors import ResourceExhausted
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class Migrator:
         if self._inclusive is None:
             return True
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            await within(self._idle.wait(), timeout_s)
         except TimeoutError:
             return False
         return True
@@ -174,7 +175,7 @@ class Migrator:
         """One bounded batch per over-watermark tier per tick."""
         while True:
             try:
-                await asyncio.wait_for(self._migrate_wakeup.wait(), self._config.tick_s)
+                await within(self._migrate_wakeup.wait(), self._config.tick_s)
             except TimeoutError:
                 pass
             self._migrate_wakeup.clear()

@@ -16,6 +16,7 @@ import grpc
 
 from kvstore.core.fetch import FetchStream
 from kvstore.datalane import LaneSocket, checksum_of
+from kvstore.deadlines import within
 from kvstore.errors import DeadlineExceeded, error_for_status
 from kvstore.server.transfer import LaneCounters, Transfer
 
@@ -98,7 +99,7 @@ class FetchTransfer(Transfer):
                 self.end = served
                 self.lock.notify_all()
             try:
-                await asyncio.wait_for(self.until(self._idle, lambda: self.failed is not None or
+                await within(self.until(self._idle, lambda: self.failed is not None or
                                                   (self.left >= self.connections and self.sending == 0)),
                                        LATE_JOIN_GRACE_S)
             except TimeoutError:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from kvstore.deadlines import within
+
 # Calls that complete work begun before shutdown.
 ALLOWED_WHILE_DRAINING = frozenset({"/kvstore.v1.KVStore/LocalCommit", "/kvstore.v1.KVStore/LaneCommit"})
 REFUSAL = "kvstore is shutting down; retry against another daemon or after it restarts"
@@ -44,7 +46,7 @@ class DrainGate:
             try:
                 # `also` may change without a call ending (a put rolled back by the sweep):
                 # look again at least every 50 ms.
-                await asyncio.wait_for(self._changed.wait(), min(left, 0.05))
+                await within(self._changed.wait(), min(left, 0.05))
             except TimeoutError:
                 pass
         return True

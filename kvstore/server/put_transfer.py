@@ -17,6 +17,7 @@ import grpc
 from kvstore.core.put import PutTxn
 from kvstore.core.tier import Tier
 from kvstore.datalane import LaneSocket, LaneTimeout
+from kvstore.deadlines import within
 from kvstore.errors import DeadlineExceeded, KVStoreError, error_for_status
 from kvstore.server.transfer import LaneCounters, Transfer
 from kvstore.v1 import kvstore_pb2
@@ -255,7 +256,7 @@ class PutTransfer(Transfer):
     async def wait_landed(self, timeout_s: float) -> None:
         """Until every needed block has landed verified; raises what failed the transfer."""
         try:
-            await asyncio.wait_for(self._landed.wait(), max(timeout_s, 0.0))
+            await within(self._landed.wait(), max(timeout_s, 0.0))
         except TimeoutError:
             raise DeadlineExceeded(
                 f"{self.missing} blocks of the put had not arrived on the data lane by its deadline; nothing was "
