@@ -34,6 +34,7 @@ from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 
 if TYPE_CHECKING:
     from kvstore.cluster.pool import ClusterNode
+    from kvstore.server.host_resources import GcPauses
 
 INFO_SECTIONS = (*SECTIONS, "events", "tenants", "cluster")
 
@@ -136,6 +137,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.cluster: ClusterNode | None = None
         self.node_id = ""
         self.resolver: RequestResolver | None = None
+        # Set by the daemon: the garbage collector's pauses, for INFO's server section.
+        self.gc_pauses: Callable[[], GcPauses] | None = None
 
     async def Stats(self, request: admin_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.StatsResponse:
         return stats_to_proto(self.store.stats(), time.monotonic() - self.started, self.absent_tiers)
@@ -152,8 +155,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             return admin_pb2.InfoResponse(text=info_section(self.cluster))
         # The config section shows the settings as they are now, after SetConfig or SIGHUP.
         text = render_info(
-            self.store, time.monotonic() - self.started, self.runtime.as_dict(), self.absent_tiers, section
-        )
+            self.store, time.monotonic() - self.started, self.runtime.as_dict(), self.absent_tiers, section,
+            self.gc_pauses() if self.gc_pauses is not None else None)
         if not section:
             text = (text.rstrip("\n") + "\n\n" + self._events_section() + "\n" + self._tenants_section() + "\n"
                     + info_section(self.cluster))

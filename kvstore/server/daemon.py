@@ -264,6 +264,7 @@ class Daemon:
         self._recovered_blocks = store.indexed_blocks
         self.gc_freezer.frozen_at(self._recovered_blocks)  # the rebuild froze what it indexed
         self.gc_freezer.watch()
+        self.metrics.count_gc(self.gc_freezer.pauses)
         stack.callback(self.gc_freezer.unwatch)
         store.observer = self.events
         if self.tokens is not None:
@@ -358,6 +359,7 @@ class Daemon:
                                    cfg.chunk_bytes, cfg.max_put_reserve_bytes, cfg.put_idle_timeout_s, transfers)
         add_kvstore_servicer(servicer, server)
         self._admin = AdminServicer(store, self.runtime, self.events, absent, lambda: self.auth.in_flight)
+        self._admin.gc_pauses = self.gc_freezer.pauses
         admin_pb2_grpc.add_AdminServicer_to_server(self._admin, server)
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

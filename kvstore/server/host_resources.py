@@ -3,7 +3,7 @@ built, the C allocator's thresholds, and the garbage collector kept off the inde
 
 Primitives: `available_memory_bytes()`, `resolve_host_capacity(value, shm_dir)`,
 `check_disk_capacity(path, capacity)` (each refuses, naming the setting, a capacity the
-machine cannot give), `tune_malloc()`, `GcFreezer`.
+machine cannot give), `tune_malloc()`, `GcFreezer` (and the `GcPauses` it measures).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import ctypes.util
 import gc
 import logging
 import os
+import time
+from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
 from kvstore.server.config import AUTO
@@ -113,6 +115,15 @@ def tune_malloc() -> bool:
         mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD))
 
 
+@dataclass(frozen=True, slots=True)
+class GcPauses:
+    collections: tuple[int, ...]
+    pause_s: tuple[float, ...]
+    longest_s: tuple[float, ...]
+    frozen_objects: int
+    freezes: int
+
+
 class GcFreezer:
     """Keeps the cyclic garbage collector's full collections short.
 
@@ -132,6 +143,9 @@ class GcFreezer:
     frozen with the survivors. A frozen object is still freed by reference counting when
     it is dropped; only cyclic garbage already in the oldest generation at that moment is
     kept.
+
+    While watching it also times every collection (`pauses`): each one stops the event
+    loop, so their count and length by generation are in INFO and the metrics.
     """
 
     def __init__(self, min_blocks: int = GC_FREEZE_MIN_BLOCKS, growth: float = GC_FREEZE_GROWTH) -> None:
@@ -141,6 +155,10 @@ class GcFreezer:
         self._stored_at_freeze = 0
         self._full_collections = 0  # seen by `watch` since the last freeze
         self._watching = False
+        self._began = 0.0
+        self._collections = [0, 0, 0]
+        self._pause_s = [0.0, 0.0, 0.0]
+        self._longest_s = [0.0, 0.0, 0.0]
 
     def watch(self) -> None:
         """Freeze after each full collection too (at the next `maybe_freeze`)."""
@@ -154,9 +172,27 @@ class GcFreezer:
             self._watching = False
 
     def _collected(self, phase: str, info: dict[str, int]) -> None:
-        # Runs inside the collector, in whatever thread triggered it: only a note here.
-        if phase == "stop" and info.get("generation") == 2:
+        # Runs inside the collector (one at a time), in whatever thread triggered it: only
+        # notes here.
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        if not self._began:
+            return  # watching began during this collection
+        took = time.perf_counter() - self._began
+        self._began = 0.0
+        generation = min(2, max(0, info.get("generation", 0)))
+        self._collections[generation] += 1
+        self._pause_s[generation] += took
+        if took > self._longest_s[generation]:
+            self._longest_s[generation] = took
+        if generation == 2:
             self._full_collections += 1
+
+    def pauses(self) -> GcPauses:
+        """The collections timed since `watch`, by generation (0, 1, 2)."""
+        return GcPauses(tuple(self._collections), tuple(self._pause_s), tuple(self._longest_s),
+                        gc.get_freeze_count(), self.freezes)
 
     def frozen_at(self, stored_total: int) -> None:
         """Count from here: everything up to `stored_total` blocks is frozen already."""

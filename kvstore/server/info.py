@@ -16,6 +16,7 @@ from kvstore.units import human_bytes
 
 if TYPE_CHECKING:
     from kvstore.core.store import Store
+    from kvstore.server.host_resources import GcPauses
 
 SECTIONS = ("server", "tiers", "stats", "namespaces", "config")
 
@@ -30,6 +31,7 @@ def render_info(
     config: dict[str, object],
     absent_tiers: Sequence[tuple[str, str]] = (),
     section: str = "",
+    gc: GcPauses | None = None,
 ) -> str:
     section = section.strip().lower()
     if section and section not in SECTIONS:
@@ -38,7 +40,14 @@ def render_info(
     out: list[str] = []
     if section in ("", "server"):
         out += ["# Server", f"kvstore_version:{__version__}", f"python_version:{platform.python_version()}",
-                f"process_id:{os.getpid()}", f"uptime_in_seconds:{int(uptime_s)}", ""]
+                f"process_id:{os.getpid()}", f"uptime_in_seconds:{int(uptime_s)}"]
+        if gc is not None:
+            # The collector's stops of the event loop, by generation (kvstore.server.host_resources).
+            for g, (n, took, longest) in enumerate(zip(gc.collections, gc.pause_s, gc.longest_s)):
+                out += [f"gc_gen{g}_collections:{n}", f"gc_gen{g}_pause_ms:{took * 1e3:.1f}",
+                        f"gc_gen{g}_longest_pause_ms:{longest * 1e3:.2f}"]
+            out += [f"gc_frozen_objects:{gc.frozen_objects}", f"gc_freezes:{gc.freezes}"]
+        out.append("")
     if section in ("", "tiers"):
         out.append("# Tiers")
         for t in status.tiers:

@@ -28,10 +28,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from kvstore import __version__
+from kvstore.deadlines import within
 
 if TYPE_CHECKING:
     from kvstore.core.store import Store
     from kvstore.server.events import EventBus
+    from kvstore.server.host_resources import GcPauses
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ class StoreCollector(Collector):
         # The data lane's byte counts by name (its puts commit with checksums, as the
         # shared-memory plane's do, so the store counts their bytes as local).
         self.lane: Callable[[str], int] | None = None
+        # The garbage collector's pauses (kvstore.server.host_resources.GcFreezer).
+        self.gc: Callable[[], GcPauses] | None = None
 
     def collect(self) -> Iterator[Any]:
         info = InfoMetricFamily("kvstore_build", "kvstore version")
@@ -68,6 +72,19 @@ class StoreCollector(Collector):
         yield info
         yield GaugeMetricFamily("kvstore_uptime_seconds", "seconds since the daemon started",
                                 value=time.monotonic() - self._started)
+        if self.gc is not None:
+            pauses = self.gc()
+            runs = CounterMetricFamily("kvstore_gc_collections", "garbage collections, by generation",
+                                       labels=["generation"])
+            took = CounterMetricFamily("kvstore_gc_pause_seconds", "time the garbage collector stopped the daemon, "
+                                       "by generation", labels=["generation"])
+            for g, (n, s) in enumerate(zip(pauses.collections, pauses.pause_s)):
+                runs.add_metric([str(g)], n)
+                took.add_metric([str(g)], s)
+            yield runs
+            yield took
+            yield GaugeMetricFamily("kvstore_gc_frozen_objects", "objects frozen out of the collector's reach",
+                                    value=pauses.frozen_objects)
         store = self._store()
         if store is None:
             return
@@ -198,6 +215,9 @@ class Metrics:
         names of `kvstore.server.transfer.LaneCounters`)."""
         self._store_collector.lane = counts
 
+    def count_gc(self, pauses: Callable[[], GcPauses]) -> None:
+        self._store_collector.gc = pauses
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -245,7 +265,7 @@ class MetricsServer:
         self._connections.add(task)
         try:
             try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+                head = await within(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
                 return
             if len(head) > MAX_REQUEST_BYTES:

@@ -212,6 +212,31 @@ def test_gc_freezer_freezes_what_a_full_collection_left_alive() -> None:
         gc.unfreeze()
 
 
+def test_gc_freezer_times_the_collections_it_watches() -> None:
+    import gc
+
+    from kvstore.server.host_resources import GcFreezer
+
+    freezer = GcFreezer(min_blocks=10**9)
+    try:
+        freezer.watch()
+        before = freezer.pauses()
+        held = [[[i]] for i in range(20_000)]  # something for a full collection to walk
+        gc.collect(0)
+        gc.collect()
+        gc.collect()
+        after = freezer.pauses()
+        ran = [a - b for a, b in zip(after.collections, before.collections)]
+        assert ran[0] >= 1 and ran[2] >= 2, ran
+        assert after.pause_s[2] > before.pause_s[2] and 0 < after.longest_s[2] <= after.pause_s[2]
+        freezer.unwatch()
+        gc.collect()
+        assert freezer.pauses().collections[2] == after.collections[2]  # not watching: not counted
+        del held
+    finally:
+        freezer.unwatch()
+
+
 def test_top_tiers_refuses_rows_outside_the_table() -> None:
     import numpy as np
 

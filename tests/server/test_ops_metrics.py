@@ -73,6 +73,23 @@ async def test_metrics_scrape(daemon, layout):
     assert m[("kvstore_rpc_duration_seconds_count", (("code", "INVALID_ARGUMENT"), ("method", "Lookup")))] == 1
 
 
+async def test_the_collectors_pauses_are_in_the_metrics_and_info(daemon):
+    import gc
+
+    gc.collect()  # the daemon runs in this process: a full collection it must have timed
+    m = await scrape(daemon.daemon.metrics_address)
+    full = m[("kvstore_gc_collections_total", (("generation", "2"),))]
+    assert full >= 1 and m[("kvstore_gc_pause_seconds_total", (("generation", "2"),))] > 0
+    assert ("kvstore_gc_collections_total", (("generation", "0"),)) in m
+    assert m[("kvstore_gc_frozen_objects", ())] == gc.get_freeze_count()
+    async with AsyncClient(daemon.unix_target) as kv:
+        text = await kv.info("server")
+    lines = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    assert int(lines["gc_gen2_collections"]) >= full and float(lines["gc_gen2_pause_ms"]) > 0
+    assert float(lines["gc_gen2_longest_pause_ms"]) <= float(lines["gc_gen2_pause_ms"])
+    assert {"gc_gen0_collections", "gc_gen1_collections", "gc_frozen_objects", "gc_freezes"} <= lines.keys()
+
+
 async def test_metrics_serves_nothing_else(daemon):
     address = daemon.daemon.metrics_address
     for path in ("/env", "/", "/metrics/../env"):
