@@ -563,6 +563,11 @@ def daemon_parts_text(extra: dict[str, Any]) -> str:
                 f"  the same put, cluster off (on S)    p50 {rl['single_put_p50_us'] / 1e3:.1f} ms  "
                 f"p99 {rl['single_put_p99_us'] / 1e3:.1f} ms",
             ]
+        gc_during = rl.get("gc_during")
+        if gc_during:
+            lines.append("  garbage collections while the chains ran (gen0/gen1/gen2, pause ms):  " + "; ".join(
+                f"{name} {g['gen0_collections']:.0f}/{g['gen1_collections']:.0f}/{g['gen2_collections']:.0f}, "
+                f"{g['pause_ms']:.1f} ms" for name, g in gc_during.items()))
     fo = extra.get("failover")
     if fo:
         lines += ["", f"failover: {fo['clients']} clients, kill -9 of one of 3 nodes at {fo['killed_at_s']:.1f} s: "

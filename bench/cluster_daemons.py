@@ -350,6 +350,7 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0) -> dic
                     ks2.lookup(warm, tok)
                     echo.round_trip_us()
                 rows = [_Row(ka, local_us), _Row(ks, single_us), _Row(ks2, single2_us)]
+                gc_before = {d.name: _gc_of(d) for d in (a, b, s, s2)}
                 # This process's own collector stays out of the timings: paused while they
                 # run, and run between chains, outside them (the same for all three rows).
                 with _collector_paused():
@@ -395,6 +396,7 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0) -> dic
                                                                  and again.remote_blocks == 0):
                                     row.times.append((time.perf_counter() - t) * 1e6)
                             trip_us.append(echo.round_trip_us())
+                gc_during = {d.name: _gc_delta(gc_before[d.name], _gc_of(d)) for d in (a, b, s, s2)}
                 with AdminClient(a.target) as admin:
                     text = admin.info("cluster")
             asked = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
@@ -426,7 +428,27 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0) -> dic
         "owner_put_p50_us": round(_pct(owner_put_us, 0.50), 1), "owner_put_p99_us": round(_pct(owner_put_us, 0.99), 1),
         "single_put_p50_us": round(_pct(single_put_us, 0.50), 1),
         "single_put_p99_us": round(_pct(single_put_us, 0.99), 1),
+        # Each daemon's garbage collections while the chains ran (INFO's server section):
+        # a, b the pool's two nodes; s, s2 the single daemons.
+        "gc_during": gc_during,
     }
+
+
+def _gc_of(d: DaemonProcess) -> dict[str, float]:
+    with AdminClient(d.target) as admin:
+        text = admin.info("server")
+    return {k: float(v) for k, v in (line.split(":", 1) for line in text.splitlines() if line.startswith("gc_gen"))
+            if not k.endswith("_longest_pause_ms")}
+
+
+def _gc_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Collections and pause time by generation between two readings, and their total."""
+    out: dict[str, float] = {}
+    for g in range(3):
+        out[f"gen{g}_collections"] = after.get(f"gc_gen{g}_collections", 0) - before.get(f"gc_gen{g}_collections", 0)
+        out[f"gen{g}_pause_ms"] = round(after.get(f"gc_gen{g}_pause_ms", 0) - before.get(f"gc_gen{g}_pause_ms", 0), 1)
+    out["pause_ms"] = round(sum(out[f"gen{g}_pause_ms"] for g in range(3)), 1)
+    return out
 
 
 @dataclass
