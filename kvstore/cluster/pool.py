@@ -379,6 +379,7 @@ class ClusterNode:
         self._unsubscribe: Callable[[], None] | None = None
         self._first_view = True
         self._maintenance: asyncio.Task[None] | None = None
+        self._closing = False
 
     @property
     def fetch_timeout_s(self) -> float:
@@ -409,19 +410,20 @@ class ClusterNode:
         await self.leave()
         if self._unsubscribe is not None:
             self._unsubscribe()
+        self._closing = True
         if self._maintenance is not None:
             self._maintenance.cancel()
-            try:
-                await self._maintenance
-            except asyncio.CancelledError:
-                pass
+            # (gather: a cancellation of this call stays this call's)
+            await asyncio.gather(self._maintenance, return_exceptions=True)
         await self.forwarder.aclose()
         await self.puller.aclose()
         await self.transport.aclose()
 
     async def _maintain(self) -> None:
         reap = getattr(self.transport, "reap", None)
-        while True:
+        # Ends on `_closing` too: a cancellation lost in a library's call below (a gRPC
+        # channel's close) must not keep the close waiting for this loop forever.
+        while not self._closing:
             await asyncio.sleep(MAINTENANCE_S)
             try:
                 if reap is not None:
