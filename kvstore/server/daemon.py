@@ -113,6 +113,23 @@ LOG_REPEAT_INTERVAL_S = 10.0
 UNIX_PATH_BYTES = 108
 
 
+_grpc_aio_held = False
+
+
+def hold_grpc_aio() -> None:
+    """Keep gRPC's asyncio runtime up for the rest of the process. gRPC shuts it down when
+    its last server or channel is freed, joining its poller thread, and that join can wait
+    forever (grpc/grpc#22365, #40989): a daemon's stop then never returns (seen with
+    daemons started and stopped in one process). One reference of our own means it is
+    never shut down before the process ends."""
+    global _grpc_aio_held
+    if not _grpc_aio_held:
+        from grpc.experimental.aio import init_grpc_aio
+
+        init_grpc_aio()
+        _grpc_aio_held = True
+
+
 async def _cancel(task: asyncio.Task[None]) -> None:
     task.cancel()
     try:
@@ -215,6 +232,7 @@ class Daemon:
 
     async def start(self) -> None:
         """Build and serve everything; on any failure, tear down what was built, in reverse."""
+        hold_grpc_aio()
         async with contextlib.AsyncExitStack() as stack:
             await self._start(stack)
             self._resources = stack.pop_all()
