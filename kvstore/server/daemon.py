@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import secrets
@@ -541,6 +542,10 @@ class Daemon:
         its snapshot for a fast next start)."""
         if self.store is not None:
             store, self.store = self.store, None
+            # Calls cancelled by the stop leave exceptions whose frames, in reference
+            # cycles, hold views of tier memory (a slot being filled, a block being sent):
+            # a segment with views left cannot be unmapped.
+            gc.collect()
             await store.aclose()
 
     def reload(self, load: Callable[[], Config]) -> None:
