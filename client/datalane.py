@@ -8,7 +8,8 @@ lane addresses to use), `client_tls(security)`, and `DataLane`: `checkout(n, tim
 -> connections, `checkin(conns)`, `fetch_into(conns, transfer_id, block_bytes, dests,
 timeout_s)` -> how many leading blocks landed verified, `put_from(conns, transfer_id,
 block_bytes, needed, sources, timeout_s)`, `stats()`. Every call is blocking and
-thread-safe; the SDK's asyncio client runs them in a worker thread.
+thread-safe; the SDK's asyncio client runs them in a worker thread, checkouts through
+`checkout_in_thread(lane, n, timeout_s)`.
 
 A transfer is opened by a control call first (`LaneFetch` / `LanePut` on the daemon's
 gRPC service), which answers the transfer id; this module only moves its bytes. It is
@@ -25,6 +26,7 @@ fetch's result ends before it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import queue
@@ -35,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -497,6 +500,24 @@ class DataLane:
                 raise ProtocolError(f"unexpected data lane frame kind {frame.kind} during a put")
 
 
+async def checkout_in_thread(lane: DataLane, count: int, timeout_s: float,
+                             orphans: set[asyncio.Future[Any]] | None = None) -> list[LaneSocket]:
+    """`lane.checkout(count, timeout_s)` on a worker thread, for asyncio code. Cancelled,
+    the thread goes on and the connections it makes go back to the pool once it is done
+    (closed, if the lane was closed meanwhile); `orphans`, when given, holds the thread's
+    future until then, for a close to wait on."""
+    task = asyncio.ensure_future(asyncio.to_thread(lane.checkout, count, timeout_s))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(lambda t: lane.checkin(t.result()) if not t.cancelled() and t.exception() is None
+                               else None)
+        if orphans is not None:
+            orphans.add(task)
+            task.add_done_callback(orphans.discard)
+        raise
+
+
 def _skip_stale(lane: LaneSocket, frame: Frame) -> None:
     """A frame about an earlier transfer on this connection (the daemon reports a failed
     put once, maybe after its sender finished): its error is what that put's LaneCommit
@@ -546,4 +567,5 @@ def _alive(lane: LaneSocket) -> bool:
     return True
 
 
-__all__ = ["DataLane", "LaneClosed", "LaneEndpoint", "LaneStats", "LaneTimeout", "choose_endpoint", "client_tls"]
+__all__ = ["DataLane", "LaneClosed", "LaneEndpoint", "LaneStats", "LaneTimeout", "checkout_in_thread",
+           "choose_endpoint", "client_tls"]

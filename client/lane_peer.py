@@ -30,7 +30,7 @@ import grpc
 from kvstore.client._auth import Security, aio_channel
 from kvstore.client._errors import translate
 from kvstore.client._options import CHANNEL_OPTIONS, DEFAULT_TIMEOUT_S
-from kvstore.client.datalane import DEFAULT_CONNECTIONS, DataLane, LaneStats, choose_endpoint
+from kvstore.client.datalane import DEFAULT_CONNECTIONS, DataLane, LaneStats, checkout_in_thread, choose_endpoint
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import HASH_BYTES
 from kvstore.laneproto import RESPONSE_TYPES, method_path
@@ -107,18 +107,6 @@ class LanePeer:
                     continue
             raise
 
-    @staticmethod
-    async def _checkout(lane: DataLane, blocks: int, timeout: float) -> Any:
-        """Connections for a transfer; cancelled, those its thread still makes go back to
-        the pool when it is done."""
-        task = asyncio.ensure_future(asyncio.to_thread(lane.checkout, lane.connections_for(blocks), timeout))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(
-                lambda t: lane.checkin(t.result()) if not t.cancelled() and t.exception() is None else None)
-            raise
-
     async def fetch(self, namespace: kvstore_pb2.Namespace, hashes: Sequence[bytes], dests: Sequence[Any], *,
                     lease_id: str = "", timeout_s: float | None = None) -> int:
         """Fetch the longest present prefix of `hashes` into `dests` (block i into
@@ -128,7 +116,7 @@ class LanePeer:
         if len(views) < len(hashes):
             raise InvalidArgument(f"{len(hashes)} blocks asked for but only {len(views)} destinations")
         lane = await self._data_lane(timeout)
-        conns = await self._checkout(lane, len(hashes), timeout)
+        conns = await checkout_in_thread(lane, lane.connections_for(len(hashes)), timeout)
         try:
             grant = await self._call("LaneFetch", kvstore_pb2.LaneFetchRequest(
                 fetch=kvstore_pb2.FetchRequest(namespace=namespace, keys=_keys(hashes), lease_id=lease_id),
@@ -154,7 +142,7 @@ class LanePeer:
         if len(views) != len(hashes):
             raise InvalidArgument(f"{len(views)} blocks for {len(hashes)} hashes")
         lane = await self._data_lane(timeout)
-        conns = await self._checkout(lane, len(hashes), timeout)
+        conns = await checkout_in_thread(lane, lane.connections_for(len(hashes)), timeout)
         try:
             grant = await self._call("LanePut", kvstore_pb2.LanePutRequest(
                 header=kvstore_pb2.PutHeader(namespace=namespace, keys=_keys(hashes), parent_hash=parent_hash),

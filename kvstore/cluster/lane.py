@@ -64,7 +64,14 @@ from google.protobuf.message import DecodeError
 from kvstore.checksum import checksum
 from kvstore.client._auth import Security
 from kvstore.client._lane import MAX_ANSWER_BYTES, Lane, LaneBroken, LaneUnavailable
-from kvstore.client.datalane import DEFAULT_CONNECTIONS, DataLane, LaneEndpoint, choose_endpoint, client_tls
+from kvstore.client.datalane import (
+    DEFAULT_CONNECTIONS,
+    DataLane,
+    LaneEndpoint,
+    checkout_in_thread,
+    choose_endpoint,
+    client_tls,
+)
 from kvstore.cluster.transport import (
     DEFAULT_CHUNK_BYTES,
     FetchSink,
@@ -335,7 +342,7 @@ class LanePeerTransport:
         # Peers whose lanes are being asked for in the background (by a lookup).
         self._asking: dict[str, asyncio.Task[Any]] = {}
         # Connection threads whose call was cancelled (`_checkout`).
-        self._orphans: set[asyncio.Future[list[LaneSocket]]] = set()
+        self._orphans: set[asyncio.Future[Any]] = set()
 
     @property
     def counters(self) -> TransportCounters:
@@ -491,16 +498,9 @@ class LanePeerTransport:
     async def _checkout(self, node: str, lane: DataLane, blocks: int, timeout_s: float) -> list[LaneSocket] | None:
         """Connections for a transfer of `blocks`; None (and gRPC for a while) when the
         lane cannot be reached or refuses this node's credential."""
-        task = asyncio.ensure_future(asyncio.to_thread(lane.checkout, lane.connections_for(blocks), timeout_s))
         try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            # The thread goes on: its connections go back (or are closed, the lane being
-            # closed) when it is done, and `aclose` waits for that.
-            task.add_done_callback(functools.partial(_give_back, lane))
-            self._orphans.add(task)
-            task.add_done_callback(self._orphans.discard)
-            raise
+            # Cancelled, the thread goes on; `aclose` waits for it (`_orphans`).
+            return await checkout_in_thread(lane, lane.connections_for(blocks), timeout_s, self._orphans)
         except KVStoreError as exc:
             logger.info("cluster: the data lane of node %s is not available (%s); block bytes go through gRPC "
                         "for %.0f s", node, exc, LANE_RETRY_S)
@@ -666,11 +666,6 @@ class LanePeerTransport:
         # A failed transfer's exceptions may still hold, in cycles, views of tier memory
         # the lane's threads were given; the tiers unmap their segments next.
         gc.collect()
-
-
-def _give_back(lane: DataLane, task: asyncio.Future[list[LaneSocket]]) -> None:
-    if not task.cancelled() and task.exception() is None:
-        lane.checkin(task.result())
 
 
 def _left(deadline: float) -> float:
