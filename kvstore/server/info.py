@@ -44,7 +44,7 @@ def render_info(
         if gc is not None:
             # The collector's stops of the event loop, by generation (kvstore.server.host_resources).
             for g, (n, took, longest) in enumerate(zip(gc.collections, gc.pause_s, gc.longest_s)):
-                out += [f"gc_gen{g}_collections:{n}", f"gc_gen{g}_pause_ms:{took * 1e3:.1f}",
+                out += [f"gc_gen{g}_collections:{n}", f"gc_gen{g}_pause_ms:{took * 1e3:.2f}",
                         f"gc_gen{g}_longest_pause_ms:{longest * 1e3:.2f}"]
             out += [f"gc_frozen_objects:{gc.frozen_objects}", f"gc_freezes:{gc.freezes}"]
         out.append("")
