@@ -206,16 +206,18 @@ class _Ranker:
 
 class Hotness(Protocol):
     """A signal of which units are hot: how many owners beyond R a unit should get, and
-    (cheaply) whether it tracks a unit at all: one it does not track gets none."""
+    (cheaply) which units may be hot at all: the others get none."""
 
     def extra_owners(self, unit_key: bytes) -> int: ...
 
-    def tracked(self, unit_keys: Sequence[bytes]) -> list[int]:
-        """The positions in `unit_keys` of the units it tracks (the others get no extra owner)."""
+    def candidates(self, unit_keys: Sequence[bytes]) -> list[int]:
+        """The positions in `unit_keys` of the units that may be hot now (the others get
+        no extra owner)."""
         ...
 
-    def tracking(self) -> bool:
-        """Whether it tracks any unit now (none tracked: no unit gets an extra owner)."""
+    def any_hot(self) -> bool:
+        """Whether any unit may be hot now (none: no unit gets an extra owner). Called on
+        every lookup that looks past its local prefix: it must be cheap."""
         ...
 
 
@@ -227,7 +229,14 @@ class HotUnits:
     `max_extra`. At most `max_units` units are tracked: past that, the colder half is
     forgotten in one pass (amortized O(log n) per record), so a scan of cold units cannot
     grow it, and a unit forgotten that way was far below any threshold that matters.
+
+    The units at or above the threshold when last recorded are kept apart (`_hot`): a
+    count only decays until the unit's next record, so no other unit can be hot, and a
+    lookup of hundreds of units asks "any of these hot?" of that set, most often empty,
+    rather than of every unit tracked.
     """
+
+    _COOL_EVERY_S = 1.0
 
     def __init__(
         self,
@@ -249,6 +258,10 @@ class HotUnits:
         self._clock = clock
         # unit key -> (count at `at`, at)
         self._counts: dict[bytes, tuple[float, float]] = {}
+        # Units at or above `threshold` at their last record (some may have cooled since:
+        # `_cool` drops those at most once per `_COOL_EVERY_S`).
+        self._hot: set[bytes] = set()
+        self._cooled_at = clock()
 
     def __len__(self) -> int:
         return len(self._counts)
@@ -256,12 +269,25 @@ class HotUnits:
     def __contains__(self, unit_key: object) -> bool:
         return unit_key in self._counts
 
-    def tracked(self, unit_keys: Sequence[bytes]) -> list[int]:
-        counts = self._counts
-        return [j for j, k in enumerate(unit_keys) if k in counts]
+    def candidates(self, unit_keys: Sequence[bytes]) -> list[int]:
+        if not self.any_hot():
+            return []
+        hot = self._hot
+        return [j for j, k in enumerate(unit_keys) if k in hot]
 
-    def tracking(self) -> bool:
-        return bool(self._counts)
+    def any_hot(self) -> bool:
+        if not self._hot:
+            return False
+        now = self._clock()
+        if now - self._cooled_at >= self._COOL_EVERY_S:
+            self._cool(now)
+        return bool(self._hot)
+
+    def _cool(self, now: float) -> None:
+        """Forget the hot units that fell below the threshold since their last record."""
+        self._cooled_at = now
+        counts = self._counts
+        self._hot = {k for k in self._hot if k in counts and self._decayed(counts[k], now) >= self.threshold}
 
     def _decayed(self, entry: tuple[float, float], now: float) -> float:
         count, at = entry
@@ -276,13 +302,19 @@ class HotUnits:
         now = self._clock()
         entry = self._counts.get(unit_key)
         base = 0.0 if entry is None else self._decayed(entry, now)
-        self._counts[unit_key] = (base + weight, now)
+        count = base + weight
+        self._counts[unit_key] = (count, now)
+        if count >= self.threshold:
+            self._hot.add(unit_key)
+        else:
+            self._hot.discard(unit_key)
         if len(self._counts) > self.max_units:
             self._prune(now)
 
     def _prune(self, now: float) -> None:
         ranked = sorted(self._counts.items(), key=lambda kv: self._decayed(kv[1], now), reverse=True)
         self._counts = dict(ranked[: self.max_units // 2])
+        self._hot &= self._counts.keys()
 
     def extra_owners(self, unit_key: bytes) -> int:
         c = self.count(unit_key)
@@ -402,7 +434,7 @@ class Placement:
         else:
             targets = owners
         if hot is not None and self.max_extra_owners:
-            for j in hot.tracked(unit_keys):
+            for j in hot.candidates(unit_keys):
                 if self._count(unit_keys[j]) > 1:  # a hot unit: its extra owners too
                     owners[j], targets[j] = self.route(unit_keys[j])
         return owners, targets
@@ -416,7 +448,7 @@ class Placement:
         if self.replicas != 1 or not self._current.members:
             return None
         hot = self._hotness
-        if hot is not None and self.max_extra_owners and hot.tracking() and hot.tracked(split_hashes(joined)):
+        if hot is not None and self.max_extra_owners and hot.any_hot() and hot.candidates(split_hashes(joined)):
             return None
         self._expire(self._clock())
         names = list(self._current.names)

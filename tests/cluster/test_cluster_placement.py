@@ -254,3 +254,36 @@ def test_routing_many_units_at_once_answers_as_one_at_a_time() -> None:
     # Keys of another length (none the read path makes) take the per-key path, same answers.
     odd = [k + b"x" for k in sample[:50]]
     assert p.route_many(odd)[0] == [p.owners(k) for k in odd]
+
+
+def test_only_units_at_the_threshold_are_hot_candidates_and_they_cool() -> None:
+    clock = ManualClock()
+    hot = HotUnits(threshold=4, half_life_s=1.0, clock=clock)
+    cold, warm = keys(2)
+    hot.record(cold, weight=3)
+    assert not hot.any_hot() and hot.candidates([cold, warm]) == []  # tracked, not hot
+    hot.record(warm, weight=4)
+    assert hot.any_hot() and hot.candidates([cold, warm, cold]) == [1]
+    clock.now += 1.5  # 4 / 2**1.5 < 4: cooled, and forgotten as a candidate
+    assert not hot.any_hot() and hot.candidates([warm]) == []
+    assert hot.count(warm) == pytest.approx(4 / 2**1.5)  # still counted
+    hot.record(warm, weight=3)  # 1.41 + 3 >= 4: hot again
+    assert hot.candidates([warm]) == [0] and hot.extra_owners(warm) == 1
+    hot.record(cold)  # 3 / 2**1.5 + 1 < 4
+    assert hot.candidates([cold, warm]) == [1]
+
+
+def test_a_hot_unit_among_many_takes_the_ranked_path_with_its_extra_owners() -> None:
+    clock = ManualClock()
+    hot = HotUnits(threshold=3, clock=clock)
+    members = [f"n{i}" for i in range(5)]
+    p = Placement(members, hotness=hot, max_extra_owners=2, clock=clock)
+    units = keys(40)
+    joined = b"".join(units)
+    assert p.owner_indices(joined, 16) is not None  # none hot: the array path
+    hot.record(units[7], weight=3)
+    assert p.owner_indices(joined, 16) is None  # one hot: the ranked path, which gives it two owners
+    owners, _ = p.route_many(units)
+    assert owners[7] == rank(members, units[7], 2)
+    assert all(len(o) == 1 for j, o in enumerate(owners) if j != 7)
+
