@@ -19,8 +19,8 @@ Two seams reach past the servicer, on purpose:
   own (`_Connection.dispatch`).
 - asyncio's task protocol: a call is started by hand (`coro.send`) in the callback that
   received its frame, so a call that never suspends costs no task and no loop turn; one
-  that suspends is handed to a task that finishes it (`_finish`), which must speak the
-  protocol a task's step speaks to the futures a coroutine yields.
+  that suspends is handed to a task that finishes it (`kvstore.eager.resume`), which
+  speaks the protocol a task's step speaks to the futures a coroutine yields.
 
 Who may connect: the socket is created 0600 before it listens (in the socket
 directory, which is 0700), and each connection's peer credentials (SO_PEERCRED) must
@@ -70,6 +70,7 @@ from google.protobuf.message import DecodeError
 
 # The core's after-reply policy calls (see the module docstring): the one import of it.
 from kvstore.core.store_tier import PolicyDeferral
+from kvstore.eager import resume
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, ResourceExhausted
 from kvstore.laneproto import (
     HEADER,
@@ -429,36 +430,6 @@ def _refuse_socket(sock: socket.socket, exc: KVStoreError) -> None:
     sock.close()
 
 
-async def _finish(coro: Any, yielded: Any) -> Any:
-    """Run on, as a task, a coroutine that `_Connection.dispatch` started by hand and that
-    suspended on `yielded` (a future, or None for a bare yield).
-
-    This is what `asyncio.Task.__step` does with what a coroutine yields, written out
-    because the first step ran outside any task: a yielded future has
-    `_asyncio_future_blocking` set (asyncio's own marker that a coroutine is waiting on
-    it), which a task clears before it waits. The alternative, a task per call, costs a
-    loop turn and a task object for every call, most of which (a Lookup) never suspend."""
-    while True:
-        thrown: BaseException | None = None
-        try:
-            if yielded is None:
-                await asyncio.sleep(0)
-            else:
-                # As a task's step does with a future its coroutine yields: mark it taken
-                # (else awaiting it again reads as a bare yield), then wait for it here.
-                yielded._asyncio_future_blocking = False
-                await yielded
-        except asyncio.CancelledError as exc:
-            if yielded is None or not yielded.done():
-                thrown = exc  # this task was cancelled: pass it in
-        except BaseException:  # the coroutine reads the future's error itself
-            pass
-        try:
-            yielded = coro.send(None) if thrown is None else coro.throw(thrown)
-        except StopIteration as stop:
-            return stop.value
-
-
 class _Connection(asyncio.BufferedProtocol):
     """One lane connection: frames are cut out of the received bytes as they arrive and
     each call is started at once, in the loop's callback for those bytes. A call that
@@ -606,7 +577,7 @@ class _Connection(asyncio.BufferedProtocol):
             return
         finally:
             deferral.release()
-        self.task = asyncio.get_running_loop().create_task(_finish(coro, yielded))
+        self.task = asyncio.get_running_loop().create_task(resume(coro, yielded))
         self.task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task[Any]) -> None:
