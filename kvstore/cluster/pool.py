@@ -45,13 +45,14 @@ Primitives: `ClusterSettings`, `placement_rule`, `PackedChain`, `Extension`,
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, overload
+from typing import Any, NamedTuple, TypeVar, overload
 
 import numpy as np
 
@@ -72,6 +73,7 @@ from kvstore.cluster.pull import Puller, PullRun, PullSpec
 from kvstore.cluster.transport import PeerCall, PeerError, PeerTransport
 from kvstore.convert import TIER_BY_NAME, layout_to_proto
 from kvstore.core.store import Store
+from kvstore.eager import start
 from kvstore.errors import FailedPrecondition, KVStoreError
 from kvstore.hashing import HASH_BYTES, split_hashes
 from kvstore.v1 import kvstore_pb2
@@ -300,6 +302,25 @@ _EMPTY = np.zeros(0, np.int64)
 _HASH_ITEM = np.dtype(f"V{HASH_BYTES}")  # one hash as one array item
 _EMPTY_BOOL = np.zeros(0, bool)
 
+# `ClusterNode._route_ahead`: nothing past the local prefix is to be found elsewhere.
+_ENDS_HERE = object()
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class _Ahead:
+    """A lookup round routed before this node read what it holds (`ClusterNode._route_ahead`):
+    every unit past the prefix, as `_Round` has them, without `locs`."""
+
+    starts: np.ndarray[Any, Any]
+    stops: np.ndarray[Any, Any]
+    key_pos: np.ndarray[Any, Any]
+    owner: np.ndarray[Any, Any]
+    names: list[str]
+    replica: np.ndarray[Any, Any]
+    asks: dict[str, np.ndarray[Any, Any]]
+
 
 def _concat(packed: bytes, starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any]) -> bytes:
     """The hashes of positions [starts[i], stops[i]) of a packed chain (disjoint ranges,
@@ -498,30 +519,101 @@ class ClusterNode:
         packed = chain if isinstance(chain, bytes) else b"".join(chain)
         if held * HASH_BYTES >= len(packed):
             return None
+        ahead = self._route_ahead(namespace_id, packed, held)
+        if ahead is _ENDS_HERE:
+            return None
+        if isinstance(ahead, _Ahead):
+            return await self._extend_ahead(namespace_id, packed, held, ahead)
         present = self.store.present(namespace_id, packed[held * HASH_BYTES :])
         rnd = self._plan(namespace_id, packed, held, present)
         got = None
+        past: list[bytes] = []
         if rnd.asks:
             if self.puller.has_room():
-                got = await self._ask(namespace_id, packed, rnd)
+                got, past, _ = await self._ask(namespace_id, packed, held, rnd)
             else:
                 self.counters.no_room_for_pulls += 1
-        return self._combine(namespace_id, packed, held, present, rnd, got)
+        return self._combine(namespace_id, packed, held, present, rnd, got, past)
+
+    def _route_ahead(self, namespace_id: bytes, packed: bytes, held: int) -> _Ahead | object | None:
+        """Whom to ask for the units past the prefix, before this node knows which of them
+        it holds: each other owner for the units it owns. `_ENDS_HERE` when the unit the
+        prefix stops in is this node's own (nobody else is asked for it: nothing past the
+        prefix is found); None where the round is planned from what is held here first
+        (`_plan`): in the grace of a member change (a previous owner, which may be this
+        node, holds what the new one lacks, and a node answers only a prefix of what it is
+        asked), with a hot unit or R > 1 among them, a block at the prefix pending a
+        pull, or no room for pulls."""
+        placement = self.placement
+        if placement.in_grace() or not self.puller.has_room():
+            return None
+        starts, stops, unit_starts = self._unit_cut(packed, held)
+        pending = self.puller.pending.get(namespace_id)
+        if pending and packed[held * HASH_BYTES : (held + 1) * HASH_BYTES] in pending:
+            return None
+        joined = np.frombuffer(packed, np.uint8).reshape(-1, HASH_BYTES)[unit_starts].tobytes()
+        routed = placement.owner_indices(joined, HASH_BYTES)
+        if routed is None:
+            return None
+        names, sets = routed
+        owner = sets[0]
+        me = names.index(self.node_id) if self.node_id in names else -2
+        if owner[0] == me or owner[0] < 0:
+            # Unless the block there is held after all (not READY yet: a put of it under
+            # way), which `_plan` counts as held.
+            here = self.store.present(namespace_id, packed[held * HASH_BYTES : (held + 1) * HASH_BYTES])
+            return _ENDS_HERE if here[0] == Store.ABSENT else None
+        allow = self.breakers.allow
+        asks: dict[str, np.ndarray[Any, Any]] = {}
+        for k, name in enumerate(names):
+            if k != me and allow(name):
+                idx = np.flatnonzero(owner == k)
+                if len(idx):
+                    asks[name] = idx
+        if names[owner[0]] not in asks:
+            return None  # its owner is suspect: `_plan` ends the chain where it must
+        return _Ahead(starts, stops, unit_starts, owner, names, owner != me, asks)
+
+    async def _extend_ahead(self, namespace_id: bytes, packed: bytes, held: int, ahead: _Ahead) -> Extension | None:
+        """`extend` with its round sent first (`_route_ahead`): what this node holds past
+        the prefix is read while the answers travel, and the round covers every unit past
+        the prefix (one held here whole is never short of blocks, whatever its owner says)."""
+        starts, stops = ahead.starts, ahead.stops
+
+        def held_here() -> tuple[bytes, np.ndarray[Any, Any]]:
+            present = self.store.present(namespace_id, packed[held * HASH_BYTES :])
+            return present, self._held_of(namespace_id, packed, held, present, starts, stops)
+
+        rnd = _Round(starts, stops, _EMPTY, ahead.key_pos, ahead.owner, ahead.names, ahead.replica, ahead.asks,
+                     len(packed) // HASH_BYTES)
+        got, past, local = await self._ask(namespace_id, packed, held, rnd, held_here)
+        assert local is not None
+        present, rnd.locs = local
+        return self._combine(namespace_id, packed, held, present, rnd, got, past)
+
+    def _unit_cut(self, packed: bytes, held: int) -> tuple[np.ndarray[Any, Any], ...]:
+        """The units from position `held` on (the first one from `held`, inside its unit),
+        as arrays: their first and past-last positions and the position of each unit's
+        first block (its key). Cut as `unit_spans` cuts them, in whole-array steps."""
+        n = len(packed) // HASH_BYTES
+        bounds = _unit_bounds(n, self.placement.unit_blocks, self.placement.lead_in)
+        first = int(np.searchsorted(bounds, held, side="right")) - 1
+        unit_starts = bounds[first:-1]
+        starts = unit_starts.copy()
+        starts[0] = held
+        return starts, bounds[first + 1 :], unit_starts
 
     def _units_past(self, namespace_id: bytes, packed: bytes, held: int,
                     present: bytes) -> tuple[np.ndarray[Any, Any], ...]:
-        """The units from position `held` on (the first one from `held`, inside its unit),
-        as arrays: their first and past-last positions, how many of their leading blocks
-        are held here or pending a pull, and the position of each unit's first block
-        (its key). Cut as `unit_spans` cuts them, in whole-array steps."""
-        n = len(packed) // HASH_BYTES
-        s_blocks, lead_in = self.placement.unit_blocks, self.placement.lead_in
-        bounds = _unit_bounds(n, s_blocks, lead_in)
-        first = int(np.searchsorted(bounds, held, side="right")) - 1
-        unit_starts = bounds[first:-1]
-        stops = bounds[first + 1 :]
-        starts = unit_starts.copy()
-        starts[0] = held
+        """`_unit_cut`'s units and, per unit, how many of its leading blocks are held
+        here or pending a pull (`_held_of`): starts, stops, those counts, key positions."""
+        starts, stops, unit_starts = self._unit_cut(packed, held)
+        return starts, stops, self._held_of(namespace_id, packed, held, present, starts, stops), unit_starts
+
+    def _held_of(self, namespace_id: bytes, packed: bytes, held: int, present: bytes, starts: np.ndarray[Any, Any],
+                 stops: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """How many leading blocks of each unit [starts, stops) past position `held` are
+        held here or pending a pull (`present`: `Store.present` of the chain from `held`)."""
         absent = np.frombuffer(present, np.uint8) == Store.ABSENT
         pending = self.puller.pending.get(namespace_id)
         if pending:
@@ -530,8 +622,7 @@ class ClusterNode:
             absent[gaps[np.array(copying, bool)]] = False
         m = len(absent)
         first_absent = np.minimum.reduceat(np.where(absent, np.arange(m), m), starts - held)
-        locs = np.minimum(first_absent - (starts - held), stops - starts)
-        return starts, stops, locs, unit_starts
+        return np.minimum(first_absent - (starts - held), stops - starts)  # type: ignore[no-any-return]
 
     def _plan(self, namespace_id: bytes, packed: bytes, held: int, present: bytes) -> _Round:
         """The units past the prefix this node lacks part of, and whom to ask for each."""
@@ -621,9 +712,13 @@ class ClusterNode:
         return _Round(starts[:cut], stops[:cut], locs[:cut], key_pos[:cut], owner[:cut], names, owner[:cut] != mine,
                       asks, end)
 
-    async def _ask(self, namespace_id: bytes, packed: bytes, rnd: _Round) -> dict[str, np.ndarray[Any, Any]]:
+    async def _ask(self, namespace_id: bytes, packed: bytes, held: int, rnd: _Round,
+                   meanwhile: Callable[[], T] | None = None) -> tuple[dict[str, np.ndarray[Any, Any]], list[bytes],
+                                                                       T | None]:
         """One parallel round of lookups, one per node, under the lookup deadline: what
-        each node holds of each unit asked of it (in `_Round` order; 0 where not asked).
+        each node holds of each unit asked of it (in `_Round` order; 0 where not asked),
+        the chain's hashes from position `held` on, and what `meanwhile` returns: both
+        made while the answers travel.
 
         A node is asked for its units laid end to end and answers the prefix of them it
         holds, so the first unit it lacks hides those after it: its units go in the order
@@ -635,19 +730,30 @@ class ClusterNode:
         deadline_s = self.lookup_timeout_s
         requests = {node: _concat(packed, rnd.starts[idx], rnd.stops[idx]) for node, idx in rnd.asks.items()}
         results: dict[str, int | BaseException] = {}
-        if len(requests) == 1:
-            ((node, hashes),) = requests.items()
+        # Each call is started here, by hand (`kvstore.eager`): its request leaves now, on
+        # a pooled connection, rather than in a task's first step a loop turn later. With
+        # one node to ask, the transport keeps the deadline; with several, the wait below.
+        one = len(requests) == 1
+        calls = {node: start(self.transport.lookup(node, call, hashes, deadline_s if one else 2 * deadline_s))
+                 for node, hashes in requests.items()}
+        try:
+            # The pulls that follow the answers name their blocks' hashes: cut while waiting.
+            past = split_hashes(packed[held * HASH_BYTES :])
+            local = meanwhile() if meanwhile is not None else None
+        except BaseException:
+            for started in calls.values():
+                started.close()
+            raise
+        if one:
+            ((node, started),) = calls.items()
             try:
-                # Awaited here, not in a task of its own (a loop turn less): the transport
-                # keeps the deadline. (Not asyncio.timeout: a call over the control lane
-                # runs outside a task.)
-                results[node] = await self.transport.lookup(node, call, hashes, deadline_s)
+                # Awaited here, not in a task of its own (a loop turn less). (Not
+                # asyncio.timeout: a call over the control lane runs outside a task.)
+                results[node] = await started
             except (TimeoutError, PeerError) as exc:
                 results[node] = exc
         else:
-            loop = asyncio.get_running_loop()
-            tasks = {node: loop.create_task(self.transport.lookup(node, call, hashes, 2 * deadline_s))
-                     for node, hashes in requests.items()}
+            tasks = {node: asyncio.ensure_future(started) for node, started in calls.items()}
             for task in tasks.values():
                 task.add_done_callback(_retrieve)
             _, late = await asyncio.wait(tasks.values(), timeout=deadline_s)
@@ -681,12 +787,13 @@ class ClusterNode:
             got = np.zeros(len(sizes), np.int64)
             got[idx] = np.clip(result - (np.cumsum(asked) - asked), 0, asked)
             out[node] = got
-        return out
+        return out, past, local
 
     def _combine(self, namespace_id: bytes, packed: bytes, held: int, present: bytes, rnd: _Round,
-                 got: dict[str, np.ndarray[Any, Any]] | None) -> Extension | None:
+                 got: dict[str, np.ndarray[Any, Any]] | None, past: list[bytes]) -> Extension | None:
         """The answer past the local prefix from the plan and the nodes' answers, and the
-        pulls that copy what it found elsewhere."""
+        pulls that copy what it found elsewhere (`past`: the chain's hashes from `held` on,
+        given with the answers)."""
         reach = rnd.end
         sizes = rnd.stops - rnd.starts
         holders: list[str] = []
@@ -721,7 +828,7 @@ class ClusterNode:
                 idx = copied[pick[copied] == k]
                 if len(idx):
                     self._peer(holder).hit_blocks += int((best - rnd.locs)[idx].sum())
-                    pulls.append(self._mark(holder, namespace_id, packed, (rnd.starts + rnd.locs)[idx],
+                    pulls.append(self._mark(holder, namespace_id, past, held, (rnd.starts + rnd.locs)[idx],
                                             (rnd.starts + best)[idx], rnd.replica[idx], rnd.key_pos[idx]))
             # The blocks are pending now (a fetch that follows this answer waits for them);
             # the rest of starting the pulls waits until the answer is on its way: it is
@@ -731,15 +838,17 @@ class ClusterNode:
             loop.call_soon(loop.call_soon, self._start_pulls, namespace_id, packed, pulls)
         return Extension(len(tiers), tiers, remote)
 
-    def _mark(self, holder: str, namespace_id: bytes, packed: bytes, starts: np.ndarray[Any, Any],
+    def _mark(self, holder: str, namespace_id: bytes, past: list[bytes], held: int, starts: np.ndarray[Any, Any],
               stops: np.ndarray[Any, Any], replica: np.ndarray[Any, Any], key_pos: np.ndarray[Any, Any]) -> _Ranges:
-        """One pull from `holder` of these ranges (one per unit), consecutive ones of the
-        same kind merged into one run each, its blocks marked pending."""
+        """One pull from `holder` of these ranges (one per unit; `past`: the chain's hashes
+        from position `held` on), consecutive ones of the same kind merged into one run
+        each, its blocks marked pending."""
         joins = (starts[1:] == stops[:-1]) & (replica[1:] == replica[:-1])
         firsts = np.concatenate([[0], np.flatnonzero(~joins) + 1]).astype(np.int64)
         lasts = np.concatenate([firsts[1:] - 1, [len(starts) - 1]]).astype(np.int64)
         run_starts, run_stops = starts[firsts], stops[lasts]
-        hashes = split_hashes(_concat(packed, run_starts, run_stops))
+        hashes = list(itertools.chain.from_iterable(past[a - held : b - held]
+                                                    for a, b in zip(run_starts.tolist(), run_stops.tolist())))
         return _Ranges(holder, self.puller.mark(namespace_id, hashes), run_starts, run_stops, replica[firsts], hashes,
                        key_pos, firsts, lasts)
 

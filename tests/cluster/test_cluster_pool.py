@@ -373,3 +373,33 @@ async def test_cluster_advertise_beside_a_static_list_is_said_to_be_unused(tmp_p
             assert a.cluster is not None
     said = [r.getMessage() for r in caplog.records if "cluster_advertise" in r.getMessage()]
     assert len(said) == 1 and "10.0.0.1:50052" in said[0] and "not used with a static peer list" in said[0]
+
+
+async def test_past_the_grace_a_round_is_sent_before_what_is_held_is_read(tmp_path: Path) -> None:
+    """Out of the grace after a change, a node sends its lookup round first and reads what
+    it holds while the answers travel (`ClusterNode._route_ahead`): hits stay whole and
+    byte-exact, and a chain whose first block past the local prefix is the node's own
+    unit asks nobody (its owner is the only node asked for it)."""
+    async with pool(tmp_path, 3, cluster_grace_s=0) as (a, b, c):
+        planned: list[int] = []
+        for d in (b, c):
+            assert d.cluster is not None and not d.cluster.placement.in_grace()
+            plan = d.cluster._plan
+            d.cluster._plan = lambda *args, _plan=plan: planned.append(1) or _plan(*args)  # type: ignore[method-assign]
+        tokens, blocks = chain(LAYOUT, 40, seed=21)
+        async with AsyncClient(unix_target(a)) as kv:
+            await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
+        for d in (b, c):
+            async with AsyncClient(unix_target(d)) as kv:
+                hit = await kv.lookup(LAYOUT, tokens)
+                assert hit.num_blocks == 40 and hit.remote_blocks > 0
+                assert [bytes(g) for g in await kv.fetch(LAYOUT, tokens)] == blocks
+        assert planned == []  # routed ahead, both times
+        assert b.cluster is not None
+        ns = a.store.namespaces()[0].namespace_id
+        own = next(t for t in (chain(LAYOUT, 8, seed=100 + i)[0] for i in range(64))
+                   if b.cluster.placement.owners(block_hashes(ns, t, LAYOUT.block_size_tokens)[0]) == ("n1",))
+        asked = info(b)["cluster_remote_lookups"]
+        async with AsyncClient(unix_target(b)) as kv:
+            miss = await kv.lookup(LAYOUT, own)
+        assert miss.num_blocks == 0 and info(b)["cluster_remote_lookups"] == asked
