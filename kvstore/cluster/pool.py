@@ -263,7 +263,8 @@ class ForwardTicket:
 
 @dataclass(slots=True)
 class _Round:
-    """A lookup's units past its local prefix that this node lacks part of, in chain order,
+    """A lookup's units past its local prefix that this node lacks part of (all of them,
+    in a round routed ahead: `ClusterNode._route_ahead`), in chain order,
     as arrays: positions [starts, stops), blocks held or pending here from the start
     (`locs`), the position of each one's key (its first block), its first current owner
     (an index into `names`, -1: none), whether a copy here is a replica; the units asked
@@ -308,18 +309,9 @@ _ENDS_HERE = object()
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
-class _Ahead:
-    """A lookup round routed before this node read what it holds (`ClusterNode._route_ahead`):
-    every unit past the prefix, as `_Round` has them, without `locs`."""
-
-    starts: np.ndarray[Any, Any]
-    stops: np.ndarray[Any, Any]
-    key_pos: np.ndarray[Any, Any]
-    owner: np.ndarray[Any, Any]
-    names: list[str]
-    replica: np.ndarray[Any, Any]
-    asks: dict[str, np.ndarray[Any, Any]]
+def _keys_at(packed: bytes, positions: np.ndarray[Any, Any]) -> bytes:
+    """The hashes at these positions of a packed chain, laid end to end."""
+    return np.frombuffer(packed, np.uint8).reshape(-1, HASH_BYTES)[positions].tobytes()  # type: ignore[no-any-return]
 
 
 def _concat(packed: bytes, starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any]) -> bytes:
@@ -522,7 +514,7 @@ class ClusterNode:
         ahead = self._route_ahead(namespace_id, packed, held)
         if ahead is _ENDS_HERE:
             return None
-        if isinstance(ahead, _Ahead):
+        if isinstance(ahead, _Round):
             return await self._extend_ahead(namespace_id, packed, held, ahead)
         present = self.store.present(namespace_id, packed[held * HASH_BYTES :])
         rnd = self._plan(namespace_id, packed, held, present)
@@ -535,9 +527,10 @@ class ClusterNode:
                 self.counters.no_room_for_pulls += 1
         return self._combine(namespace_id, packed, held, present, rnd, got, past)
 
-    def _route_ahead(self, namespace_id: bytes, packed: bytes, held: int) -> _Ahead | object | None:
+    def _route_ahead(self, namespace_id: bytes, packed: bytes, held: int) -> _Round | object | None:
         """Whom to ask for the units past the prefix, before this node knows which of them
-        it holds: each other owner for the units it owns. `_ENDS_HERE` when the unit the
+        it holds: each other owner for the units it owns, as a round of every unit past
+        the prefix whose `locs` are read later (`_extend_ahead`). `_ENDS_HERE` when the unit the
         prefix stops in is this node's own (nobody else is asked for it: nothing past the
         prefix is found); None where the round is planned from what is held here first
         (`_plan`): in the grace of a member change (a previous owner, which may be this
@@ -551,8 +544,7 @@ class ClusterNode:
         pending = self.puller.pending.get(namespace_id)
         if pending and packed[held * HASH_BYTES : (held + 1) * HASH_BYTES] in pending:
             return None
-        joined = np.frombuffer(packed, np.uint8).reshape(-1, HASH_BYTES)[unit_starts].tobytes()
-        routed = placement.owner_indices(joined, HASH_BYTES)
+        routed = placement.owner_indices(_keys_at(packed, unit_starts), HASH_BYTES)
         if routed is None:
             return None
         names, sets = routed
@@ -572,20 +564,17 @@ class ClusterNode:
                     asks[name] = idx
         if names[owner[0]] not in asks:
             return None  # its owner is suspect: `_plan` ends the chain where it must
-        return _Ahead(starts, stops, unit_starts, owner, names, owner != me, asks)
+        return _Round(starts, stops, _EMPTY, unit_starts, owner, names, owner != me, asks, len(packed) // HASH_BYTES)
 
-    async def _extend_ahead(self, namespace_id: bytes, packed: bytes, held: int, ahead: _Ahead) -> Extension | None:
+    async def _extend_ahead(self, namespace_id: bytes, packed: bytes, held: int, rnd: _Round) -> Extension | None:
         """`extend` with its round sent first (`_route_ahead`): what this node holds past
         the prefix is read while the answers travel, and the round covers every unit past
         the prefix (one held here whole is never short of blocks, whatever its owner says)."""
-        starts, stops = ahead.starts, ahead.stops
 
         def held_here() -> tuple[bytes, np.ndarray[Any, Any]]:
             present = self.store.present(namespace_id, packed[held * HASH_BYTES :])
-            return present, self._held_of(namespace_id, packed, held, present, starts, stops)
+            return present, self._held_of(namespace_id, packed, held, present, rnd.starts, rnd.stops)
 
-        rnd = _Round(starts, stops, _EMPTY, ahead.key_pos, ahead.owner, ahead.names, ahead.replica, ahead.asks,
-                     len(packed) // HASH_BYTES)
         got, past, local = await self._ask(namespace_id, packed, held, rnd, held_here)
         assert local is not None
         present, rnd.locs = local
@@ -632,7 +621,7 @@ class ClusterNode:
         if not len(lacking):
             return _Round(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, [], _EMPTY_BOOL, {}, end)
         key_pos = unit_starts[lacking]
-        joined = np.frombuffer(packed, np.uint8).reshape(-1, HASH_BYTES)[key_pos].tobytes()
+        joined = _keys_at(packed, key_pos)
         routed = self.placement.owner_indices(joined, HASH_BYTES)
         if routed is not None:
             return self._plan_indexed(starts[lacking], stops[lacking], locs[lacking], key_pos, end, *routed)
@@ -856,7 +845,7 @@ class ClusterNode:
         """Start a lookup's pulls (`_mark`ed already)."""
         call = self._call(namespace_id)
         for r in pulls:
-            keys = split_hashes(np.frombuffer(packed, np.uint8).reshape(-1, HASH_BYTES)[r.key_pos].tobytes())
+            keys = split_hashes(_keys_at(packed, r.key_pos))
             unit_keys = [keys[f : l + 1] for f, l in zip(r.firsts.tolist(), r.lasts.tolist())]
             self.puller.launch(r.holder, call, r.pull, PullSpec(namespace_id, packed, r.starts.tolist(),
                                                                 r.stops.tolist(), r.replica.tolist(), unit_keys,

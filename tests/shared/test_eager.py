@@ -10,6 +10,14 @@ from kvstore.deadlines import within
 from kvstore.eager import start
 
 
+async def _waiting(answer: asyncio.Future[None], ended: list[str]) -> None:
+    """A call waiting for its answer that says when its cleanup ran."""
+    try:
+        await answer
+    finally:
+        ended.append("cleaned up")
+
+
 async def test_a_call_that_never_suspends_is_done_at_once() -> None:
     async def answer() -> int:
         return 7
@@ -69,18 +77,11 @@ async def test_a_deadline_in_the_started_call_still_expires() -> None:
 
 
 async def test_cancelling_the_awaiting_task_cancels_the_started_call() -> None:
-    loop = asyncio.get_running_loop()
-    answer = loop.create_future()
+    answer = asyncio.get_running_loop().create_future()
     ended: list[str] = []
 
-    async def call() -> None:
-        try:
-            await answer
-        finally:
-            ended.append("cleaned up")
-
     async def waiter() -> None:
-        await start(call())
+        await start(_waiting(answer, ended))
 
     task = asyncio.ensure_future(waiter())
     await asyncio.sleep(0)
@@ -93,14 +94,7 @@ async def test_cancelling_the_awaiting_task_cancels_the_started_call() -> None:
 async def test_a_started_call_never_awaited_is_closed() -> None:
     answer = asyncio.get_running_loop().create_future()
     ended: list[str] = []
-
-    async def call() -> None:
-        try:
-            await answer
-        finally:
-            ended.append("cleaned up")
-
-    started = start(call())
+    started = start(_waiting(answer, ended))
     started.close()
     assert ended == ["cleaned up"]
     started.close()  # again: nothing left to close
