@@ -812,19 +812,11 @@ class ClusterNode:
         self.counters.remote_hit_blocks += remote
         copied = np.flatnonzero(best_found[:cut] > rnd.locs[:cut])
         if len(copied) and holders:
-            pulls: list[_Ranges] = []
-            for k, holder in enumerate(holders):
-                idx = copied[pick[copied] == k]
-                if len(idx):
-                    self._peer(holder).hit_blocks += int((best - rnd.locs)[idx].sum())
-                    pulls.append(self._mark(holder, namespace_id, past, held, (rnd.starts + rnd.locs)[idx],
-                                            (rnd.starts + best)[idx], rnd.replica[idx], rnd.key_pos[idx]))
-            # The blocks are pending now (a fetch that follows this answer waits for them);
-            # the rest of starting the pulls waits until the answer is on its way: it is
-            # written by a callback the end of this call schedules, and what one scheduled
-            # now schedules runs after that.
-            loop = asyncio.get_running_loop()
-            loop.call_soon(loop.call_soon, self._start_pulls, namespace_id, packed, pulls)
+            # The pulls are marked (their blocks pending: a fetch that follows this answer
+            # waits for them) and started once the answer is written: by a callback
+            # scheduled now, which runs before the event loop reads the next request.
+            asyncio.get_running_loop().call_soon(self._start_pulls, namespace_id, packed, held, rnd, holders, pick,
+                                                 best, copied, past)
         return Extension(len(tiers), tiers, remote)
 
     def _mark(self, holder: str, namespace_id: bytes, past: list[bytes], held: int, starts: np.ndarray[Any, Any],
@@ -841,10 +833,19 @@ class ClusterNode:
         return _Ranges(holder, self.puller.mark(namespace_id, hashes), run_starts, run_stops, replica[firsts], hashes,
                        key_pos, firsts, lasts)
 
-    def _start_pulls(self, namespace_id: bytes, packed: bytes, pulls: list[_Ranges]) -> None:
-        """Start a lookup's pulls (`_mark`ed already)."""
+    def _start_pulls(self, namespace_id: bytes, packed: bytes, held: int, rnd: _Round, holders: list[str],
+                     pick: np.ndarray[Any, Any], best: np.ndarray[Any, Any], copied: np.ndarray[Any, Any],
+                     past: list[bytes]) -> None:
+        """Mark and start a lookup's pulls (`_combine`): from each holder picked, the units
+        of `copied` it holds more of than this node."""
         call = self._call(namespace_id)
-        for r in pulls:
+        for k, holder in enumerate(holders):
+            idx = copied[pick[copied] == k]
+            if not len(idx):
+                continue
+            self._peer(holder).hit_blocks += int((best - rnd.locs)[idx].sum())
+            r = self._mark(holder, namespace_id, past, held, (rnd.starts + rnd.locs)[idx], (rnd.starts + best)[idx],
+                           rnd.replica[idx], rnd.key_pos[idx])
             keys = split_hashes(_keys_at(packed, r.key_pos))
             unit_keys = [keys[f : l + 1] for f, l in zip(r.firsts.tolist(), r.lasts.tolist())]
             self.puller.launch(r.holder, call, r.pull, PullSpec(namespace_id, packed, r.starts.tolist(),

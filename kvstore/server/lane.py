@@ -61,7 +61,7 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from contextvars import ContextVar
 from typing import Any
 
@@ -577,20 +577,28 @@ class _Connection(asyncio.BufferedProtocol):
             return
         finally:
             deferral.release()
-        self.task = asyncio.get_running_loop().create_task(resume(coro, yielded))
-        self.task.add_done_callback(self._finished)
+        self.task = asyncio.get_running_loop().create_task(self._finish(coro, yielded))
+        self.task.add_done_callback(self._failed)
 
-    def _finished(self, task: asyncio.Task[Any]) -> None:
+    async def _finish(self, coro: Coroutine[Any, Any, Answer], yielded: Any) -> None:
+        """Run a call that suspended on to its answer, and write it in the same step (not
+        in a done callback, a loop turn later: what the call scheduled to follow its
+        answer, such as a lookup's pulls, runs after the answer is on its way); then the
+        frames that waited for it."""
+        answer = await resume(coro, yielded)
         self.task = None
+        self.write(*answer)
+        self.take_frames()
+
+    def _failed(self, task: asyncio.Task[Any]) -> None:
+        if self.task is task:
+            self.task = None
         if task.cancelled():
             return
         exc = task.exception()
         if exc is not None:  # `_call` answers every error itself: this is a bug
             logger.error("lane call failed", exc_info=exc)
             self.abort()
-            return
-        self.write(*task.result())
-        self.take_frames()
 
     def write(self, code: int, out: bytes, fds: list[int] | None = None) -> None:
         if self.transport is not None and not self.closing:

@@ -540,3 +540,48 @@ async def test_drain_refuses_new_lane_calls_but_lets_a_local_put_commit(daemon, 
         await stop
     assert rpc_count(daemon, "Lookup", "UNAVAILABLE") == 1
     assert not os.path.exists(lane_of(daemon))
+
+
+async def test_a_call_that_suspends_is_answered_before_what_it_scheduled_runs(daemon, layout):
+    """A call that suspends is finished by a task, which writes its answer in the step the
+    call returns in: a callback the call scheduled on its way out (a pool's lookup starts
+    its pulls that way) finds the answer already on the socket. Written from a done
+    callback instead, the answer would follow that callback by a loop turn."""
+    (lane,) = [s for s in daemon.daemon.lanes if not s.tcp]
+    method = lane._methods[METHOD_IDS["Lookup"]]
+    real = method.handler
+    seen: list[bytes] = []
+    sock = await asyncio.to_thread(raw_conn, lane_of(daemon))
+    sock.setblocking(False)  # `look` must not wait for the answer (it would wait on the loop)
+
+    async def suspending(request, context):
+        await asyncio.sleep(0)  # suspends: the lane hands the call to a task
+        answer = await real(request, context)
+
+        def look() -> None:  # what is on the client's socket, without taking it
+            try:
+                seen.append(sock.recv(HEADER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+            except BlockingIOError:
+                seen.append(b"")
+
+        asyncio.get_running_loop().call_soon(look)
+        return answer
+
+    method.handler = suspending
+    try:
+        with contextlib.closing(sock):
+            tokens = list(range(layout.block_size_tokens * 2))
+            ns = kvstore_pb2.Namespace(layout=layout_to_proto(layout))
+            request = kvstore_pb2.LookupRequest(namespace=ns, keys=kvstore_pb2.BlockKeys(
+                tokens=kvstore_pb2.TokenIds(token_ids=tokens)))
+            await asyncio.get_running_loop().sock_sendall(sock, frame(METHOD_IDS["Lookup"], request.SerializeToString()))
+            for _ in range(200):
+                if seen:
+                    break
+                await asyncio.sleep(0.005)
+            assert len(seen) == 1 and len(seen[0]) == HEADER.size, "the answer was not on the socket yet"
+            sock.settimeout(10)
+            code, payload = await asyncio.to_thread(read_frame, sock)
+            assert code == 0 and kvstore_pb2.LookupResponse.FromString(payload).num_blocks == 0
+    finally:
+        method.handler = real
