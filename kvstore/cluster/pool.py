@@ -181,6 +181,9 @@ class ClusterCounters:
     replica_blocks: int = 0  # blocks marked replicas (put here or pulled, of units owned elsewhere)
     hot_pushes: int = 0  # copies of hot units pushed to their extra owners
     handoff_pushes: int = 0  # copies found on a previous owner pushed to the current one
+    peer_lookups: int = 0  # other nodes' lookups answered here (not counted as this node's lookups)
+    peer_lookup_blocks: int = 0  # blocks they asked for
+    peer_hit_blocks: int = 0  # of them, held here
 
 
 @dataclass(frozen=True, slots=True)
@@ -484,6 +487,13 @@ class ClusterNode:
         self._present = set(view.members)
 
     # ------------------------------------------------------------------ reads
+
+    def peer_looked_up(self, asked: int, held: int) -> None:
+        """Count another node's lookup answered here: `held` of its `asked` blocks."""
+        c = self.counters
+        c.peer_lookups += 1
+        c.peer_lookup_blocks += asked
+        c.peer_hit_blocks += held
 
     def _call(self, namespace_id: bytes) -> PeerCall:
         call = self._calls.get(namespace_id)

@@ -134,7 +134,7 @@ class GroupBook:
             out.append(rows[need.start : need.stop])
         return m, out
 
-    def lookup(self, info: NamespaceInfo, packed: bytes, lease_ms: int) -> PrefixLookup:
+    def lookup(self, info: NamespaceInfo, packed: bytes, lease_ms: int, count: bool = True) -> PrefixLookup:
         """`Store.lookup` of a grouped namespace: blocks of the longest prefix every group
         serves, each reported in the lowest tier any of its needed parts is in."""
         n_asked = len(packed) // HASH_BYTES
@@ -146,13 +146,14 @@ class GroupBook:
             if len(group_rows):
                 np.maximum(tops[need.start : need.stop], self._index.top_ids(group_rows),
                            out=tops[need.start : need.stop])
-        c = self._counters
-        c.lookups += 1
-        info.lookup_blocks += n_asked
-        info.hit_blocks += m
-        c.lookup_blocks += n_asked
-        c.hit_blocks += m
-        c.miss_blocks += n_asked - m
+        if count:
+            c = self._counters
+            c.lookups += 1
+            info.lookup_blocks += n_asked
+            info.hit_blocks += m
+            c.lookup_blocks += n_asked
+            c.hit_blocks += m
+            c.miss_blocks += n_asked - m
         tier_ids = tops.tobytes()
         for tid, st in enumerate(self._tiers, start=1):
             held = tier_ids.count(tid)

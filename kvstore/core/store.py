@@ -327,13 +327,17 @@ class Store:
 
     # ----------------------------------------------------------------- lookup
 
-    def lookup(self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, lease_ms: int = 0) -> PrefixLookup:
+    def lookup(self, namespace_id: bytes, hashes: Sequence[bytes] | bytes, lease_ms: int = 0,
+               count: bool = True) -> PrefixLookup:
         """The longest READY prefix of a chain, given as hashes or packed (N x 16 bytes:
-        what the wire carries, probed without cutting it into N objects)."""
+        what the wire carries, probed without cutting it into N objects). `count=False`:
+        the lookup's blocks are counted by the caller (`count_lookup`), once it knows what
+        it answered (a pool's node adds what other nodes hold); the tiers' counts are the
+        store's own either way."""
         info = self._enter(namespace_id)
         packed = self._packed_chain(hashes)
         if info.groups:
-            return self.groups.lookup(info, packed, lease_ms)
+            return self.groups.lookup(info, packed, lease_ms, count)
         n_asked = len(packed) // HASH_BYTES
         # One vectorized probe of the block table, no Python step (nor object) per block.
         rows = self._prefix_rows(namespace_id, packed)
@@ -341,13 +345,8 @@ class Store:
         lease_id = ""
         if n_hit and lease_ms > 0:
             lease_id = self._acquire_lease(rows, lease_ms, tenant=info.tenant).lease_id
-        c = self.counters
-        c.lookups += 1
-        info.lookup_blocks += n_asked
-        info.hit_blocks += n_hit
-        c.lookup_blocks += n_asked
-        c.hit_blocks += n_hit
-        c.miss_blocks += n_asked - n_hit
+        if count:
+            self._count_lookup(info, n_asked, n_hit)
         # Where each block is served from: its top copy (tier ids follow the tier order).
         tops = self._top_ids(rows)
         tier_ids = tops.tobytes()
@@ -441,6 +440,21 @@ class Store:
                 entry.ssd_queued = False
                 marked += 1
         return marked
+
+    def count_lookup(self, namespace_id: bytes, n_asked: int, n_answered: int) -> None:
+        """Count a lookup made with `count=False`: `n_answered` of its `n_asked` blocks hit
+        (nothing if its namespace has been forgotten since)."""
+        if self.has_namespace(namespace_id):
+            self._count_lookup(self._namespace(namespace_id), n_asked, n_answered)
+
+    def _count_lookup(self, info: NamespaceInfo, n_asked: int, n_hit: int) -> None:
+        c = self.counters
+        c.lookups += 1
+        info.lookup_blocks += n_asked
+        info.hit_blocks += n_hit
+        c.lookup_blocks += n_asked
+        c.hit_blocks += n_hit
+        c.miss_blocks += n_asked - n_hit
 
     def count_unknown_lookup(self, n_asked: int) -> None:
         """A lookup of a layout the store holds nothing of (the server answers it without

@@ -259,6 +259,11 @@ class ClusterCollector(Collector):
         yield from (suspects, lookups, errors, hits, forwarded)
         c, pc, fc = node.counters, node.puller.counters, node.forwarder.counters
         yield counter("kvstore_cluster_lookup_rounds", "lookups that asked other nodes", c.remote_lookups)
+        yield counter("kvstore_cluster_peer_lookups", "other nodes' lookups answered here (not in kvstore_lookups)",
+                      c.peer_lookups)
+        yield counter("kvstore_cluster_peer_lookup_blocks", "blocks other nodes' lookups asked for here",
+                      c.peer_lookup_blocks)
+        yield counter("kvstore_cluster_peer_hit_blocks", "blocks other nodes' lookups found here", c.peer_hit_blocks)
         yield counter("kvstore_cluster_pulls", "copies of remote blocks into this node started", pc.pulls)
         yield counter("kvstore_cluster_pulled_blocks", "remote blocks copied here and verified", pc.pulled_blocks)
         yield counter("kvstore_cluster_pull_failures", "pulls that failed (their blocks are misses)", pc.failures)
@@ -332,6 +337,8 @@ def info_section(node: ClusterNode | None) -> str:
         f"cluster_lookup_timeout_ms:{node.lookup_timeout_s * 1000:g}",
         f"cluster_remote_lookups:{c.remote_lookups}", f"cluster_remote_hit_blocks:{c.remote_hit_blocks}",
         f"cluster_local_past_prefix_blocks:{c.local_past_prefix_blocks}",
+        f"cluster_peer_lookups:{c.peer_lookups}", f"cluster_peer_lookup_blocks:{c.peer_lookup_blocks}",
+        f"cluster_peer_hit_blocks:{c.peer_hit_blocks}",
         f"cluster_pulls:{pc.pulls}", f"cluster_pulled_blocks:{pc.pulled_blocks}", f"cluster_pull_failures:{pc.failures}",
         f"cluster_pull_checksum_failures:{pc.checksum_failures}", f"cluster_pending_pull_blocks:{node.puller.pending_blocks}",
         f"cluster_forward_queue_blocks:{node.forwarder.queued_blocks}",

@@ -152,7 +152,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 # (forgotten after namespace_grace_s if nothing lands in it) and asked for.
                 ns_id = self.resolver.namespace(request.namespace, register=True)
                 return await self._lookup(request, ns_id)
-            self.store.count_unknown_lookup(self._miss(request.keys, unknown))
+            if self.cluster is not None:  # another node's lookup: the pool's counters
+                self.cluster.peer_looked_up(self._miss(request.keys, unknown), 0)
+            else:
+                self.store.count_unknown_lookup(self._miss(request.keys, unknown))
             if request.HasField("hint"):
                 self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
             return kvstore_pb2.LookupResponse(namespace_id=unknown.namespace_id,
@@ -164,17 +167,27 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         chain = self._chain(ns_id, keys)
         session = self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s) \
             if request.HasField("hint") else ""
-        r = self.store.lookup(ns_id, chain, request.lease_ms)
+        cluster = self.cluster
+        # A node of the pool counts its engines' lookups with what the pool answered
+        # (below), and another node's lookup in the pool's counters, not as one of its own.
+        r = self.store.lookup(ns_id, chain, request.lease_ms, count=cluster is None)
         if session and r.num_blocks:
             self.store.hint(ns_id, r.block_hashes, session, request.hint.expect_reuse_within_s)
-        cluster = self.cluster
-        if cluster is not None and r.num_blocks < (len(chain) // HASH_BYTES if isinstance(chain, bytes) else len(chain)) \
-                and not current_identity().peer:
-            # The rest of the chain may be on other nodes of the pool (a chain held here
-            # is answered without asking them).
-            ext = await cluster.extend(ns_id, chain, r.num_blocks)
-            if ext is not None:
-                return self._extended(request, keys, r, ext, chain)
+        if cluster is not None:
+            n_asked = len(chain) // HASH_BYTES if isinstance(chain, bytes) else len(chain)
+            if current_identity().peer:
+                cluster.peer_looked_up(n_asked, r.num_blocks)
+            else:
+                ext = None
+                try:
+                    if r.num_blocks < n_asked:
+                        # The rest of the chain may be on other nodes of the pool (a chain
+                        # held here is answered without asking them).
+                        ext = await cluster.extend(ns_id, chain, r.num_blocks)
+                finally:
+                    self.store.count_lookup(ns_id, n_asked, r.num_blocks + (ext.blocks if ext is not None else 0))
+                if ext is not None:
+                    return self._extended(request, keys, r, ext, chain)
         resp = kvstore_pb2.LookupResponse(
             num_blocks=r.num_blocks,
             num_tokens=r.num_tokens,

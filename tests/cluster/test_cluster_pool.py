@@ -22,7 +22,7 @@ from conftest import SMALL_LAYOUT, make_config
 from kvstore.client import AsyncClient, GroupKind, KVGroup, KVLayout
 from kvstore.client.admin import AdminClient
 from kvstore.errors import ConfigError
-from kvstore.hashing import block_hashes
+from kvstore.hashing import block_hashes, namespace_id
 from kvstore.server.config import load_config
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import admin_pb2
@@ -403,3 +403,31 @@ async def test_past_the_grace_a_round_is_sent_before_what_is_held_is_read(tmp_pa
         async with AsyncClient(unix_target(b)) as kv:
             miss = await kv.lookup(LAYOUT, own)
         assert miss.num_blocks == 0 and info(b)["cluster_remote_lookups"] == asked
+
+
+async def test_a_nodes_hit_ratio_counts_what_the_pool_answered_and_not_the_peers_lookups(tmp_path: Path) -> None:
+    """A lookup on a node of the pool counts, in the node's stats, INFO and its namespace,
+    the blocks its answer had, those other nodes held included; another node's lookup
+    is counted in the pool's counters of the node it asked, not as that node's own."""
+    async with pool(tmp_path, 2) as (a, b):
+        tokens, blocks = chain(LAYOUT, 40, seed=12)
+        async with AsyncClient(unix_target(a)) as kv:
+            await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
+        a_before = a.store.counters.lookups
+        async with AsyncClient(unix_target(b)) as kv:
+            hit = await kv.lookup(LAYOUT, tokens)
+            assert hit.num_blocks == 40 and 0 < hit.remote_blocks < 40
+            c = (await kv.stats()).counters
+        assert (c.lookups, c.lookup_blocks, c.hit_blocks, c.miss_blocks) == (1, 40, 40, 0)
+        ns = b.store.namespace(namespace_id(LAYOUT))
+        assert (ns.lookup_blocks, ns.hit_blocks) == (40, 40)
+        assert a.store.counters.lookups == a_before  # b's round asked a: not one of a's lookups
+        st = info(a)
+        assert st["cluster_peer_lookups"] == "1"
+        assert 0 < int(st["cluster_peer_hit_blocks"]) <= int(st["cluster_peer_lookup_blocks"])
+        async with AsyncClient(unix_target(b)) as kv:  # a miss past what the pool holds is a miss
+            longer, _ = chain(LAYOUT, 44, seed=12)
+            hit = await kv.lookup(LAYOUT, longer)
+            c = (await kv.stats()).counters
+        assert hit.num_blocks == 40
+        assert (c.lookups, c.lookup_blocks, c.hit_blocks, c.miss_blocks) == (2, 84, 80, 4)
