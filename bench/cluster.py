@@ -543,6 +543,8 @@ def daemon_parts_text(extra: dict[str, Any]) -> str:
             f"remote lookup: {rl['chains']} chains of {rl['chain_blocks']} blocks in {rl['namespaces']} namespaces, "
             f"{rl['remote_share_mean']:.0%} of each on the other node, deadline {rl['lookup_deadline_ms']:g} ms "
             f"({rl['complete_answers']} complete answers, {rl['wrong_blocks']} wrong blocks)",
+            "  A and B in two network namespaces joined by a veth pair" if rl.get("link") == "veth" else
+            f"  A and B on loopback ({rl.get('link_note') or 'one network namespace'})",
             f"  remote (cluster on, half elsewhere) p50 {rl['remote_lookup_p50_us']:.0f} us  "
             f"p99 {rl['remote_lookup_p99_us']:.0f} us",
             f"  local  (cluster on, chain here)     p50 {rl['local_lookup_p50_us']:.0f} us  "
@@ -551,7 +553,7 @@ def daemon_parts_text(extra: dict[str, Any]) -> str:
             f"p99 {rl['single_node_lookup_p99_us']:.0f} us",
             f"  single, a second one (cluster off)  p50 {rl['single_node_2_lookup_p50_us']:.0f} us  "
             f"p99 {rl['single_node_2_lookup_p99_us']:.0f} us",
-            f"  bare round trip, two processes      p50 {rl['round_trip_p50_us']:.0f} us  "
+            f"  bare round trip, A's link to B      p50 {rl['round_trip_p50_us']:.0f} us  "
             f"p99 {rl['round_trip_p99_us']:.0f} us  ({rl['round_trip_request_bytes'] >> 10} KiB asked, 16 B answered)",
             f"  local p99 / single p99 {rl['local_vs_single_p99_ratio']:.2f}x; the two single nodes' p99 differ "
             f"{rl['single_nodes_p99_ratio']:.2f}x in the same run",

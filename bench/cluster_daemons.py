@@ -1,7 +1,9 @@
 """Cluster benchmark, parts 2 and 3: real daemons (processes of their own) on this host.
 
-Part 2, remote lookup latency (`remote_lookup`): two daemons A and B in a static pool on
-loopback TCP, and two more, S and S2, alone (cluster off), all with the default settings (the
+Part 2, remote lookup latency (`remote_lookup`): two daemons A and B in a static pool, each
+in a network namespace of its own joined to the other's by a veth pair (as two machines
+would be; on loopback TCP where namespaces cannot be made, and the result says so), and
+two more, S and S2, alone (cluster off), all with the default settings (the
 lookup deadline is 5 ms) but one: the pool is timed in its steady state, so A and B get a
 grace of `STEADY_GRACE_S` after they join, waited out before the timed part (in the grace
 after a member change a node also asks each unit's previous owners, and plans its round
@@ -25,8 +27,9 @@ local control lane, the path a co-located engine takes):
 * `owner_put`: the chain's put on B with `wait_for_owners` (answered once A committed
   the units it owns), next to `single_put`, the same put on S;
 * `round_trip`: a bare request of a peer lookup's size (8 KiB) to a process that answers
-  with 16 bytes (`echo_floor`: an asyncio server, as the daemons are), on loopback TCP:
-  what one process-to-process round trip costs on this host. A remote lookup takes two
+  with 16 bytes (`EchoFloor`: an asyncio server, as the daemons are), from A's namespace
+  to B's over the same veth pair (or on loopback): what one process-to-process round
+  trip costs on A's link to B. A remote lookup takes two
   of them where a local one takes one.
 
 Part 3, failover (`failover`): three daemons on a real etcd (lease TTL 2 s), eight client
@@ -36,7 +39,7 @@ missed, as an engine would. B is killed with SIGKILL part-way; the run reports t
 ratio, lookups and client errors per second, wrong bytes, and how long until B had left
 A's and C's views.
 
-Primitives: `DaemonProcess`, `EtcdProcess`, `remote_lookup`, `failover`.
+Primitives: `DaemonProcess`, `LinkedHosts`, `EtcdProcess`, `remote_lookup`, `failover`.
 """
 
 from __future__ import annotations
@@ -109,13 +112,17 @@ def _env() -> dict[str, str]:
 class DaemonProcess:
     """`kvstore serve` in a process of its own, on a Unix socket and a loopback port."""
 
-    def __init__(self, workdir: Path, name: str, *flags: str) -> None:
+    def __init__(self, workdir: Path, name: str, *flags: str, host: tuple[LinkedHosts, int] | None = None) -> None:
         self.dir = workdir / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.port = free_port()
         self.sock = self.dir / "kv.sock"
         self.flags = flags
+        # In a network namespace of its own (`LinkedHosts`), on its address there; else on
+        # loopback. The bench reaches it on its Unix socket either way.
+        self.host = host
+        self.address = host[0].addresses[host[1]] if host is not None else "127.0.0.1"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -124,7 +131,7 @@ class DaemonProcess:
 
     @property
     def tcp(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.address}:{self.port}"
 
     def wait_out_grace(self, timeout_s: float = 30.0) -> None:
         """Until its pool's grace after a member change (its own join) is over."""
@@ -138,6 +145,12 @@ class DaemonProcess:
     def start(self, *more: str) -> DaemonProcess:
         args = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"unix:{self.sock},{self.tcp}",
                 "--metrics-listen", "off", "--log-level", "warning", "--grace-s", "1", *self.flags, *more]
+        if self.host is not None:
+            hosts, i = self.host
+            # Off loopback a daemon needs a token file: the bench is the Unix socket's admin
+            # tenant, the pool's daemons present the peer credential to each other.
+            args = hosts.command(i, [*args, "--auth-token-file", str(hosts.tokens), "--unix-socket-tenant", "bench",
+                                     "--insecure-remote", "--cluster-token-file", str(hosts.peer_token)])
         with open(self.dir / "daemon.log", "ab") as log:
             self.proc = subprocess.Popen(_dying_with_parent(args), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          env=_env())
@@ -177,6 +190,97 @@ class DaemonProcess:
             for seg in Path("/dev/shm").glob(f"kvstore-{self.proc.pid}-*"):
                 with contextlib.suppress(OSError):
                     seg.unlink()
+
+
+LINK_SUBNET = "10.231.7"  # part 2's two hosts (private, inside namespaces this bench makes)
+CLONE_NEWNET = 0x40000000
+
+
+class LinkedHosts:
+    """Two network namespaces joined by a veth pair, standing in for two machines (part 2's
+    A and B), with a token file for daemons listening there. Needs root and `ip`
+    (`unavailable` says why not); `close` removes everything made, on failure too."""
+
+    def __init__(self, workdir: Path) -> None:
+        from kvstore.server.auth import entry_text, new_token
+
+        tag = f"kvb{os.getpid()}"
+        self.names = [f"{tag}a", f"{tag}b"]
+        self.addresses = [f"{LINK_SUBNET}.1", f"{LINK_SUBNET}.2"]
+        self._made: list[str] = []
+        self._ip = shutil.which("ip") or "ip"
+        try:
+            for ns in self.names:
+                self._run("netns", "add", ns)
+                self._made.append(ns)
+                self._run("-n", ns, "link", "set", "lo", "up")
+            self._run("-n", self.names[0], "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns",
+                      self.names[1])
+            for ns, address in zip(self.names, self.addresses):
+                self._run("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+                self._run("-n", ns, "link", "set", "eth0", "up")
+        except BaseException:
+            self.close()
+            raise
+        peer, peer_hash = new_token()
+        _, bench_hash = new_token()
+        self.tokens = workdir / "tokens.toml"
+        self.tokens.write_text(entry_text("bench", "admin", bench_hash) + "local_plane = true\n\n"
+                               + entry_text("pool", "peer", peer_hash))
+        self.peer_token = workdir / "peer.token"
+        self.peer_token.write_text(peer + "\n")
+        for path in (self.tokens, self.peer_token):
+            os.chmod(path, 0o600)
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why two namespaces cannot be made here (None: they can)."""
+        if not sys.platform.startswith("linux"):
+            return "network namespaces are Linux's"
+        if os.geteuid() != 0:
+            return "network namespaces need root"
+        if shutil.which("ip") is None:
+            return "no `ip` command (iproute2)"
+        return None
+
+    def _run(self, *args: str) -> None:
+        done = subprocess.run([self._ip, *args], capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+    def command(self, i: int, args: Sequence[str]) -> list[str]:
+        return [self._ip, "netns", "exec", self.names[i], *args]
+
+    @contextlib.contextmanager
+    def entered(self, i: int) -> Iterator[None]:
+        """This thread in host `i`'s network namespace (a socket made here stays in it)."""
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            target = os.open(f"/run/netns/{self.names[i]}", os.O_RDONLY)
+            try:
+                if libc.setns(target, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns into {self.names[i]}")
+            finally:
+                os.close(target)
+            try:
+                yield
+            finally:
+                if libc.setns(own, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), "setns back")
+        finally:
+            os.close(own)
+
+    def close(self) -> None:
+        for ns in reversed(self._made):
+            pids = subprocess.run([self._ip, "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(OSError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            subprocess.run([self._ip, "netns", "del", ns], capture_output=True)
+        self._made.clear()
 
 
 class EtcdProcess:
@@ -280,7 +384,7 @@ class P(asyncio.Protocol):
             del self.buf[: 4 + n]
             self.t.write(struct.pack("<I", 16) + bytes(16))
 async def main():
-    server = await asyncio.get_running_loop().create_server(P, "127.0.0.1", 0)
+    server = await asyncio.get_running_loop().create_server(P, sys.argv[1], 0)
     print(server.sockets[0].getsockname()[1], flush=True)
     await server.serve_forever()
 asyncio.run(main())
@@ -288,15 +392,22 @@ asyncio.run(main())
 
 
 class EchoFloor:
-    """A bare asyncio process answering each framed request with 16 bytes, on loopback
-    TCP (TCP_NODELAY): the round-trip floor of two processes on this host."""
+    """A bare asyncio process answering each framed request with 16 bytes over TCP
+    (TCP_NODELAY): the round-trip floor of two processes, on the path A and B use (on
+    loopback, or from A's namespace to an echo process in B's)."""
 
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(_dying_with_parent([sys.executable, "-c", _ECHO_SERVER]), stdout=subprocess.PIPE,
-                                     stdin=subprocess.DEVNULL)
+    def __init__(self, hosts: LinkedHosts | None = None) -> None:
+        command = [sys.executable, "-c", _ECHO_SERVER, hosts.addresses[1] if hosts is not None else "127.0.0.1"]
+        if hosts is not None:
+            command = hosts.command(1, command)
+        self.proc = subprocess.Popen(_dying_with_parent(command), stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
         assert self.proc.stdout is not None
         port = int(self.proc.stdout.readline())
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        if hosts is not None:
+            with hosts.entered(0):
+                self.sock = socket.create_connection((hosts.addresses[1], port), timeout=5)
+        else:
+            self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.request = ECHO_REQUEST_BYTES.to_bytes(4, "little") + bytes(ECHO_REQUEST_BYTES)
 
@@ -324,12 +435,18 @@ class _Row:
     times: list[float]
 
 
-def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0) -> dict[str, Any]:
-    """Part 2 (see the module docstring). `unit_blocks`: the pool's placement unit (0: the default)."""
+def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0, link: str = "auto") -> dict[str, Any]:
+    """Part 2 (see the module docstring). `unit_blocks`: the pool's placement unit (0: the
+    default). `link`: "veth" (A and B in two network namespaces), "loopback", or "auto"
+    (veth where namespaces can be made, else loopback, and the result says why)."""
     units = ("--cluster-unit-blocks", str(unit_blocks)) if unit_blocks else ()
+    why_not = LinkedHosts.unavailable() if link != "loopback" else "asked for loopback"
+    if link == "veth" and why_not:
+        raise RuntimeError(f"part 2 across namespaces: {why_not}")
     with _workdir() as work:
-        a = DaemonProcess(work, "a", "--host-capacity", "1GiB", *units)
-        b = DaemonProcess(work, "b", "--host-capacity", "1GiB", *units)
+        hosts = LinkedHosts(work) if why_not is None else None
+        a = DaemonProcess(work, "a", "--host-capacity", "1GiB", *units, host=(hosts, 0) if hosts else None)
+        b = DaemonProcess(work, "b", "--host-capacity", "1GiB", *units, host=(hosts, 1) if hosts else None)
         s = DaemonProcess(work, "s", "--host-capacity", "1GiB")
         s2 = DaemonProcess(work, "s2", "--host-capacity", "1GiB")
         peers = f"a={a.tcp},b={b.tcp}"
@@ -340,7 +457,7 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0) -> dic
             b.start("--cluster", "--cluster-peers", peers, "--node-id", "b", *grace)
             s.start()
             s2.start()
-            echo = EchoFloor()
+            echo = EchoFloor(hosts)
             layouts = _layouts(namespaces)
             remote_us: list[float] = []
             local_us: list[float] = []
@@ -421,8 +538,13 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0) -> dic
                 echo.stop()
             for d in (a, b, s, s2):
                 d.stop()
+            if hosts is not None:
+                hosts.close()
     single_p99, single2_p99 = _pct(single_us, 0.99), _pct(single2_us, 0.99)
     return {
+        # What joins A and B (and the round trip's two ends): a veth pair between two
+        # network namespaces, or loopback (`link_note`: why).
+        "link": "veth" if why_not is None else "loopback", "link_note": why_not or "",
         "chains": chains, "chain_blocks": CHAIN_BLOCKS, "namespaces": namespaces, "unit_blocks": unit_blocks or None,
         "lookup_deadline_ms": 5.0, "block_bytes": layouts[0].bytes_per_block,
         "complete_answers": complete, "wrong_blocks": wrong,
