@@ -147,13 +147,7 @@ class GroupBook:
                 np.maximum(tops[need.start : need.stop], self._index.top_ids(group_rows),
                            out=tops[need.start : need.stop])
         if count:
-            c = self._counters
-            c.lookups += 1
-            info.lookup_blocks += n_asked
-            info.hit_blocks += m
-            c.lookup_blocks += n_asked
-            c.hit_blocks += m
-            c.miss_blocks += n_asked - m
+            self._counters.count_lookup(info, n_asked, m)
         tier_ids = tops.tobytes()
         for tid, st in enumerate(self._tiers, start=1):
             held = tier_ids.count(tid)

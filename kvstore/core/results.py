@@ -96,6 +96,15 @@ class StoreCounters:
     group_bytes_skipped: int = 0
     group_parts_dropped: int = 0
 
+    def count_lookup(self, info: NamespaceInfo, asked: int, hit: int) -> None:
+        """A lookup in `info`'s namespace: `hit` of its `asked` blocks found."""
+        self.lookups += 1
+        info.lookup_blocks += asked
+        info.hit_blocks += hit
+        self.lookup_blocks += asked
+        self.hit_blocks += hit
+        self.miss_blocks += asked - hit
+
 
 @dataclass(slots=True, eq=False)
 class NamespaceInfo:

@@ -346,7 +346,7 @@ class Store:
         if n_hit and lease_ms > 0:
             lease_id = self._acquire_lease(rows, lease_ms, tenant=info.tenant).lease_id
         if count:
-            self._count_lookup(info, n_asked, n_hit)
+            self.counters.count_lookup(info, n_asked, n_hit)
         # Where each block is served from: its top copy (tier ids follow the tier order).
         tops = self._top_ids(rows)
         tier_ids = tops.tobytes()
@@ -445,16 +445,7 @@ class Store:
         """Count a lookup made with `count=False`: `n_answered` of its `n_asked` blocks hit
         (nothing if its namespace has been forgotten since)."""
         if self.has_namespace(namespace_id):
-            self._count_lookup(self._namespace(namespace_id), n_asked, n_answered)
-
-    def _count_lookup(self, info: NamespaceInfo, n_asked: int, n_hit: int) -> None:
-        c = self.counters
-        c.lookups += 1
-        info.lookup_blocks += n_asked
-        info.hit_blocks += n_hit
-        c.lookup_blocks += n_asked
-        c.hit_blocks += n_hit
-        c.miss_blocks += n_asked - n_hit
+            self.counters.count_lookup(self._namespace(namespace_id), n_asked, n_answered)
 
     def count_unknown_lookup(self, n_asked: int) -> None:
         """A lookup of a layout the store holds nothing of (the server answers it without
