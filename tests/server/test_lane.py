@@ -575,10 +575,11 @@ async def test_a_call_that_suspends_is_answered_before_what_it_scheduled_runs(da
             request = kvstore_pb2.LookupRequest(namespace=ns, keys=kvstore_pb2.BlockKeys(
                 tokens=kvstore_pb2.TokenIds(token_ids=tokens)))
             await asyncio.get_running_loop().sock_sendall(sock, frame(METHOD_IDS["Lookup"], request.SerializeToString()))
-            for _ in range(200):
+            for _ in range(2000):  # bounded: 10 s
                 if seen:
                     break
                 await asyncio.sleep(0.005)
+            assert seen, "the call's callback never ran"
             assert len(seen) == 1 and len(seen[0]) == HEADER.size, "the answer was not on the socket yet"
             sock.settimeout(10)
             code, payload = await asyncio.to_thread(read_frame, sock)
