@@ -45,7 +45,6 @@ Primitives: `ClusterSettings`, `placement_rule`, `PackedChain`, `Extension`,
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -529,13 +528,12 @@ class ClusterNode:
         present = self.store.present(namespace_id, packed[held * HASH_BYTES :])
         rnd = self._plan(namespace_id, packed, held, present)
         got = None
-        past: list[bytes] = []
         if rnd.asks:
             if self.puller.has_room():
-                got, past, _ = await self._ask(namespace_id, packed, held, rnd)
+                got, _ = await self._ask(namespace_id, packed, rnd)
             else:
                 self.counters.no_room_for_pulls += 1
-        return self._combine(namespace_id, packed, held, present, rnd, got, past)
+        return self._combine(namespace_id, packed, held, present, rnd, got)
 
     def _route_ahead(self, namespace_id: bytes, packed: bytes, held: int) -> _Round | object | None:
         """Whom to ask for the units past the prefix, before this node knows which of them
@@ -585,10 +583,10 @@ class ClusterNode:
             present = self.store.present(namespace_id, packed[held * HASH_BYTES :])
             return present, self._held_of(namespace_id, packed, held, present, rnd.starts, rnd.stops)
 
-        got, past, local = await self._ask(namespace_id, packed, held, rnd, held_here)
+        got, local = await self._ask(namespace_id, packed, rnd, held_here)
         assert local is not None
         present, rnd.locs = local
-        return self._combine(namespace_id, packed, held, present, rnd, got, past)
+        return self._combine(namespace_id, packed, held, present, rnd, got)
 
     def _unit_cut(self, packed: bytes, held: int) -> tuple[np.ndarray[Any, Any], ...]:
         """The units from position `held` on (the first one from `held`, inside its unit),
@@ -711,13 +709,11 @@ class ClusterNode:
         return _Round(starts[:cut], stops[:cut], locs[:cut], key_pos[:cut], owner[:cut], names, owner[:cut] != mine,
                       asks, end)
 
-    async def _ask(self, namespace_id: bytes, packed: bytes, held: int, rnd: _Round,
-                   meanwhile: Callable[[], T] | None = None) -> tuple[dict[str, np.ndarray[Any, Any]], list[bytes],
-                                                                       T | None]:
+    async def _ask(self, namespace_id: bytes, packed: bytes, rnd: _Round,
+                   meanwhile: Callable[[], T] | None = None) -> tuple[dict[str, np.ndarray[Any, Any]], T | None]:
         """One parallel round of lookups, one per node, under the lookup deadline: what
         each node holds of each unit asked of it (in `_Round` order; 0 where not asked),
-        the chain's hashes from position `held` on, and what `meanwhile` returns: both
-        made while the answers travel.
+        and what `meanwhile` returns, made while the answers travel.
 
         A node is asked for its units laid end to end and answers the prefix of them it
         holds, so the first unit it lacks hides those after it: its units go in the order
@@ -736,8 +732,6 @@ class ClusterNode:
         calls = {node: start(self.transport.lookup(node, call, hashes, deadline_s if one else 2 * deadline_s))
                  for node, hashes in requests.items()}
         try:
-            # The pulls that follow the answers name their blocks' hashes: cut while waiting.
-            past = split_hashes(packed[held * HASH_BYTES :])
             local = meanwhile() if meanwhile is not None else None
         except BaseException:
             for started in calls.values():
@@ -786,13 +780,12 @@ class ClusterNode:
             got = np.zeros(len(sizes), np.int64)
             got[idx] = np.clip(result - (np.cumsum(asked) - asked), 0, asked)
             out[node] = got
-        return out, past, local
+        return out, local
 
     def _combine(self, namespace_id: bytes, packed: bytes, held: int, present: bytes, rnd: _Round,
-                 got: dict[str, np.ndarray[Any, Any]] | None, past: list[bytes]) -> Extension | None:
+                 got: dict[str, np.ndarray[Any, Any]] | None) -> Extension | None:
         """The answer past the local prefix from the plan and the nodes' answers, and the
-        pulls that copy what it found elsewhere (`past`: the chain's hashes from `held` on,
-        given with the answers)."""
+        pulls that copy what it found elsewhere."""
         reach = rnd.end
         sizes = rnd.stops - rnd.starts
         holders: list[str] = []
@@ -825,27 +818,24 @@ class ClusterNode:
             # The pulls are marked (their blocks pending: a fetch that follows this answer
             # waits for them) and started once the answer is written: by a callback
             # scheduled now, which runs before the event loop reads the next request.
-            asyncio.get_running_loop().call_soon(self._start_pulls, namespace_id, packed, held, rnd, holders, pick,
-                                                 best, copied, past)
+            asyncio.get_running_loop().call_soon(self._start_pulls, namespace_id, packed, rnd, holders, pick, best,
+                                                 copied)
         return Extension(len(tiers), tiers, remote)
 
-    def _mark(self, holder: str, namespace_id: bytes, past: list[bytes], held: int, starts: np.ndarray[Any, Any],
+    def _mark(self, holder: str, namespace_id: bytes, packed: bytes, starts: np.ndarray[Any, Any],
               stops: np.ndarray[Any, Any], replica: np.ndarray[Any, Any], key_pos: np.ndarray[Any, Any]) -> _Ranges:
-        """One pull from `holder` of these ranges (one per unit; `past`: the chain's hashes
-        from position `held` on), consecutive ones of the same kind merged into one run
-        each, its blocks marked pending."""
+        """One pull from `holder` of these ranges (one per unit), consecutive ones of the
+        same kind merged into one run each, its blocks marked pending."""
         joins = (starts[1:] == stops[:-1]) & (replica[1:] == replica[:-1])
         firsts = np.concatenate([[0], np.flatnonzero(~joins) + 1]).astype(np.int64)
         lasts = np.concatenate([firsts[1:] - 1, [len(starts) - 1]]).astype(np.int64)
         run_starts, run_stops = starts[firsts], stops[lasts]
-        hashes = list(itertools.chain.from_iterable(past[a - held : b - held]
-                                                    for a, b in zip(run_starts.tolist(), run_stops.tolist())))
+        hashes = split_hashes(_concat(packed, run_starts, run_stops))
         return _Ranges(holder, self.puller.mark(namespace_id, hashes), run_starts, run_stops, replica[firsts], hashes,
                        key_pos, firsts, lasts)
 
-    def _start_pulls(self, namespace_id: bytes, packed: bytes, held: int, rnd: _Round, holders: list[str],
-                     pick: np.ndarray[Any, Any], best: np.ndarray[Any, Any], copied: np.ndarray[Any, Any],
-                     past: list[bytes]) -> None:
+    def _start_pulls(self, namespace_id: bytes, packed: bytes, rnd: _Round, holders: list[str],
+                     pick: np.ndarray[Any, Any], best: np.ndarray[Any, Any], copied: np.ndarray[Any, Any]) -> None:
         """Mark and start a lookup's pulls (`_combine`): from each holder picked, the units
         of `copied` it holds more of than this node."""
         call = self._call(namespace_id)
@@ -854,7 +844,7 @@ class ClusterNode:
             if not len(idx):
                 continue
             self._peer(holder).hit_blocks += int((best - rnd.locs)[idx].sum())
-            r = self._mark(holder, namespace_id, past, held, (rnd.starts + rnd.locs)[idx], (rnd.starts + best)[idx],
+            r = self._mark(holder, namespace_id, packed, (rnd.starts + rnd.locs)[idx], (rnd.starts + best)[idx],
                            rnd.replica[idx], rnd.key_pos[idx])
             keys = split_hashes(_keys_at(packed, r.key_pos))
             unit_keys = [keys[f : l + 1] for f, l in zip(r.firsts.tolist(), r.lasts.tolist())]
