@@ -192,36 +192,29 @@ class DaemonProcess:
                     seg.unlink()
 
 
-LINK_SUBNET = "10.231.7"  # part 2's two hosts (private, inside namespaces this bench makes)
 CLONE_NEWNET = 0x40000000
 
 
 class LinkedHosts:
     """Two network namespaces joined by a veth pair, standing in for two machines (part 2's
-    A and B), with a token file for daemons listening there. Needs root and `ip`
-    (`unavailable` says why not); `close` removes everything made, on failure too."""
+    A and B: the pair bench/net.py makes), with a token file for daemons listening there.
+    Needs root and `ip` (`unavailable` says why not); `close` removes everything made, on
+    failure too."""
 
     def __init__(self, workdir: Path) -> None:
+        from net import CLIENT_ADDR, SERVER_ADDR, Hosts
+
         from kvstore.server.auth import entry_text, new_token
 
-        tag = f"kvb{os.getpid()}"
-        self.names = [f"{tag}a", f"{tag}b"]
-        self.addresses = [f"{LINK_SUBNET}.1", f"{LINK_SUBNET}.2"]
-        self._made: list[str] = []
-        self._ip = shutil.which("ip") or "ip"
+        self._pair = Hosts()
         try:
-            for ns in self.names:
-                self._run("netns", "add", ns)
-                self._made.append(ns)
-                self._run("-n", ns, "link", "set", "lo", "up")
-            self._run("-n", self.names[0], "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns",
-                      self.names[1])
-            for ns, address in zip(self.names, self.addresses):
-                self._run("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-                self._run("-n", ns, "link", "set", "eth0", "up")
+            self._pair.open()
         except BaseException:
-            self.close()
+            self._pair.close()
             raise
+        self.names = [self._pair.client_ns, self._pair.server_ns]
+        self.addresses = [CLIENT_ADDR, SERVER_ADDR]
+        self._ip = shutil.which("ip") or "ip"  # a path: `_dying_with_parent` execs it
         peer, peer_hash = new_token()
         _, bench_hash = new_token()
         self.tokens = workdir / "tokens.toml"
@@ -242,11 +235,6 @@ class LinkedHosts:
         if shutil.which("ip") is None:
             return "no `ip` command (iproute2)"
         return None
-
-    def _run(self, *args: str) -> None:
-        done = subprocess.run([self._ip, *args], capture_output=True, text=True, timeout=30)
-        if done.returncode != 0:
-            raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
     def command(self, i: int, args: Sequence[str]) -> list[str]:
         return [self._ip, "netns", "exec", self.names[i], *args]
@@ -274,13 +262,7 @@ class LinkedHosts:
             os.close(own)
 
     def close(self) -> None:
-        for ns in reversed(self._made):
-            pids = subprocess.run([self._ip, "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(OSError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
-            subprocess.run([self._ip, "netns", "del", ns], capture_output=True)
-        self._made.clear()
+        self._pair.close()
 
 
 class EtcdProcess:
