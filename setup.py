@@ -7,5 +7,5 @@ from setuptools import Extension, setup
 NATIVE = "kvstore/_native/"
 
 setup(ext_modules=[Extension("kvstore._native",
-                             [NATIVE + f for f in ("module.c", "table.c", "rows.c", "pack.c", "xxh.c")],
+                             [NATIVE + f for f in ("module.c", "table.c", "rows.c", "pack.c", "xxh.c", "units.c")],
                              depends=[NATIVE + "native.h"], optional=True, extra_compile_args=["-O2"])])

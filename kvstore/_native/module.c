@@ -6,7 +6,9 @@
    - rows.c: a policy's row-list appends and compaction steps (kvstore.core.policies.rows);
    - pack.c: token ids and block hashes packed into bytes (kvstore.hashing, the SDK);
    - xxh.c: XXH3, bound from the xxhash package, and the loops that call it: chain
-     hashes (kvstore.hashing), copy-and-hash (the SDK's shared-memory plane, the servicer).
+     hashes (kvstore.hashing), copy-and-hash (the SDK's shared-memory plane, the servicer),
+     rendezvous scores and owners (kvstore.cluster.placement);
+   - units.c: a lookup round's steps over a chain's placement units (kvstore.cluster.pool).
 
    Each has a Python twin that stays as the reference and as the fallback where this
    module was not built (kvstore.native says which). Arrays come in through the buffer
@@ -58,6 +60,19 @@ static PyMethodDef methods[] = {
     {"rendezvous_scores", rendezvous_scores, METH_VARARGS,
      "rendezvous_scores(prefix, keys, key_bytes, out) -> int\n\n"
      "XXH3-64 of prefix || key for each key_bytes-byte key of keys, into out (one uint64 each)."},
+    {"rendezvous_best", rendezvous_best, METH_VARARGS,
+     "rendezvous_best(prefixes, keys, key_bytes, positions, out) -> int\n\n"
+     "Each unit's owner: the index of the prefix with the highest XXH3-64 of prefix || key (the earlier\n"
+     "on a tie), the keys at `positions` (int64; None: every key), into out (one int64 each)."},
+    {"gather_ranges", gather_ranges, METH_VARARGS,
+     "gather_ranges(packed, item_bytes, starts, stops, idx) -> bytes\n\n"
+     "The items [starts[j], stops[j]) of packed for each j of idx (None: every j), laid end to end."},
+    {"spread_prefix", spread_prefix, METH_VARARGS,
+     "spread_prefix(count, sizes, idx, out) -> int\n\n"
+     "The first `count` blocks of units idx laid end to end, per unit, into out (0 elsewhere)."},
+    {"units_reach", units_reach, METH_VARARGS,
+     "units_reach(locs, found, sizes, best) -> (short, copied)\n\n"
+     "best = max(locs, found); the first unit short of its size; whether one up to it was found elsewhere."},
     {NULL, NULL, 0, NULL},
 };
 

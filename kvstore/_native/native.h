@@ -37,6 +37,27 @@ get(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int writable, const cha
     return 0;
 }
 
+/* The buffer of `obj` (writable if asked) as C-contiguous int64 items: a numpy int64
+   array (or any buffer that says its items are signed 64-bit integers); -1 with an
+   exception, nothing held, if not. */
+static inline int
+get_i64(PyObject *obj, Py_buffer *view, int writable, const char *what)
+{
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0)
+        return -1;
+    const char *f = view->format != NULL ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    if (view->itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s: int64 items expected, not format '%s' of %zd bytes", what,
+                     view->format != NULL ? view->format : "B", view->itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
 /* table.c: the block table's key table and location columns (kvstore.core.table). */
 KV_INTERNAL PyObject *prefix_rows(PyObject *self, PyObject *args);
 KV_INTERNAL PyObject *place_rows(PyObject *self, PyObject *args);
@@ -57,5 +78,11 @@ KV_INTERNAL PyObject *chain_hashes(PyObject *self, PyObject *args);
 KV_INTERNAL PyObject *copy_hash(PyObject *self, PyObject *args);
 KV_INTERNAL PyObject *frame_copy(PyObject *self, PyObject *args);
 KV_INTERNAL PyObject *rendezvous_scores(PyObject *self, PyObject *args);
+KV_INTERNAL PyObject *rendezvous_best(PyObject *self, PyObject *args);
+
+/* units.c: a lookup round's steps over a chain's placement units (kvstore.cluster.pool). */
+KV_INTERNAL PyObject *gather_ranges(PyObject *self, PyObject *args);
+KV_INTERNAL PyObject *spread_prefix(PyObject *self, PyObject *args);
+KV_INTERNAL PyObject *units_reach(PyObject *self, PyObject *args);
 
 #endif

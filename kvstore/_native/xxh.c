@@ -233,6 +233,100 @@ done:
     return result;
 }
 
+/* rendezvous_best(prefixes, keys, key_bytes, positions, out)
+
+   For each placement unit, the index into `prefixes` (one per member, in the members'
+   order) of its rendezvous owner: the highest XXH3-64 of `prefix || key`, the earlier
+   member on a tie (as numpy's argmax of `rendezvous_scores`' rows picks). The units'
+   keys are the `key_bytes`-byte keys of `keys` at `positions` (int64, in units of keys),
+   or every key of `keys` where `positions` is None; `out`: one int64 per unit. */
+KV_INTERNAL PyObject *
+rendezvous_best(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *prefixes, *positions_obj, *out_obj;
+    Py_buffer keys, out, positions = {0};
+    Py_ssize_t key_bytes;
+    if (!need_xxhash())
+        return NULL;
+    if (!PyArg_ParseTuple(args, "Oy*nOO", &prefixes, &keys, &key_bytes, &positions_obj, &out_obj))
+        return NULL;
+    if (get_i64(out_obj, &out, 1, "out") < 0) {
+        PyBuffer_Release(&keys);
+        return NULL;
+    }
+    PyObject *result = NULL, *seq = NULL;
+    unsigned char *buf = NULL;
+    int have_positions = positions_obj != Py_None;
+    if (have_positions && get_i64(positions_obj, &positions, 0, "positions") < 0) {
+        have_positions = 0;
+        goto done;
+    }
+    if (key_bytes <= 0 || keys.len % key_bytes != 0) {
+        PyErr_Format(PyExc_ValueError, "keys: %zd bytes is not a whole number of %zd-byte keys", keys.len, key_bytes);
+        goto done;
+    }
+    Py_ssize_t nkeys = keys.len / key_bytes;
+    Py_ssize_t n = have_positions ? positions.len / 8 : nkeys;
+    if (out.len != n * 8) {
+        PyErr_Format(PyExc_ValueError, "out: %zd bytes for %zd owners of 8 bytes", out.len, n);
+        goto done;
+    }
+    seq = PySequence_Fast(prefixes, "prefixes must be a sequence of bytes");
+    if (seq == NULL)
+        goto done;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t longest = 0;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        if (!PyBytes_Check(items[j])) {
+            PyErr_SetString(PyExc_TypeError, "prefixes must be bytes");
+            goto done;
+        }
+        if (PyBytes_GET_SIZE(items[j]) > longest)
+            longest = PyBytes_GET_SIZE(items[j]);
+    }
+    const int64_t *pos = have_positions ? positions.buf : NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (pos != NULL && (pos[i] < 0 || pos[i] >= nkeys)) {
+            PyErr_Format(PyExc_IndexError, "positions[%zd] = %lld is outside the %zd keys", i, (long long)pos[i], nkeys);
+            goto done;
+        }
+    }
+    buf = PyMem_RawMalloc((size_t)(longest + key_bytes));
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const unsigned char *k = keys.buf;
+    int64_t *o = out.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const unsigned char *key = k + (pos != NULL ? pos[i] : i) * key_bytes;
+        int64_t best = m > 0 ? 0 : -1;
+        uint64_t best_score = 0;
+        for (Py_ssize_t j = 0; j < m; j++) {
+            Py_ssize_t plen = PyBytes_GET_SIZE(items[j]);
+            memcpy(buf, PyBytes_AS_STRING(items[j]), (size_t)plen);
+            memcpy(buf + plen, key, (size_t)key_bytes);
+            uint64_t score = X.h64(buf, (size_t)(plen + key_bytes));
+            if (j == 0 || score > best_score) {
+                best_score = score;
+                best = j;
+            }
+        }
+        o[i] = best;
+    }
+    result = PyLong_FromSsize_t(n);
+done:
+    PyMem_RawFree(buf);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&out);
+    if (have_positions)
+        PyBuffer_Release(&positions);
+    return result;
+}
+
 /* Bytes copied and then hashed at a time: small enough that the copy is still in the
    first-level cache when it is hashed. */
 #ifndef COPY_PIECE

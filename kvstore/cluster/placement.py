@@ -59,6 +59,7 @@ MAX_PREVIOUS_SETS = 4
 
 _SEPARATOR = b"\x00"
 _score64 = xxhash.xxh3_64_intdigest
+_RENDEZVOUS_BEST = getattr(native, "rendezvous_best", None) if XXH3 else None
 
 
 # -- units ---------------------------------------------------------------------------
@@ -162,21 +163,29 @@ class _Ranker:
         scores = np.array([[_score64(pre + k) for k in unit_keys] for pre in self._prefixes], dtype=np.uint64)
         return [names[i] for i in scores.argmax(axis=0).tolist()]
 
-    def best_index_many(self, joined: bytes, size: int) -> np.ndarray[Any, Any] | None:
-        """`best_many` of the `size`-byte keys laid end to end in `joined`, as indices into
-        `names` (-1 without members); None where the native hash is not built."""
+    def best_index_many(self, joined: bytes, size: int,
+                        positions: np.ndarray[Any, Any] | None = None) -> np.ndarray[Any, Any] | None:
+        """`best_many` of the `size`-byte keys laid end to end in `joined` (those at
+        `positions`, int64, where given), as indices into `names` (-1 without members);
+        None where the native hash is not built."""
         names = self._names
-        n = len(joined) // size if size else 0
+        n = len(positions) if positions is not None else len(joined) // size if size else 0
         if len(names) <= 1:
             return np.full(n, 0 if names else -1, np.int64)
         if not XXH3:
             return None
-        # Each member's scores for every key in one native pass (a chain has hundreds of
-        # units; a Python hash call per member and unit cost milliseconds).
+        best = np.empty(n, np.int64)
+        if _RENDEZVOUS_BEST is not None:
+            # Every member's score of every key and the best of them in one native pass
+            # (a chain has hundreds of units; each whole-array step costs microseconds).
+            _RENDEZVOUS_BEST(self._prefixes, joined, size, positions, best)
+            return best
+        if positions is not None:  # pragma: no cover - a module built before rendezvous_best
+            joined = np.frombuffer(joined, np.uint8).reshape(-1, size)[positions].tobytes()
         scores = np.empty((len(names), n), np.uint64)
         for row, pre in zip(scores, self._prefixes):
             native.rendezvous_scores(pre, joined, size, row)
-        return scores.argmax(axis=0)
+        return scores.argmax(axis=0)  # type: ignore[no-any-return]
 
     @property
     def names(self) -> list[str]:
@@ -439,23 +448,28 @@ class Placement:
                     owners[j], targets[j] = self.route(unit_keys[j])
         return owners, targets
 
-    def owner_indices(self, joined: bytes, size: int) -> tuple[list[str], list[np.ndarray[Any, Any]]] | None:
+    def owner_indices(self, joined: bytes, size: int, positions: np.ndarray[Any, Any] | None = None
+                      ) -> tuple[list[str], list[np.ndarray[Any, Any]]] | None:
         """`route_many` in arrays, for the common case of one owner per unit (R = 1, no hot
         unit among these): the names of the members of every set still counted (the
         current one first), and per set, current then previous ones in order, the index
         into those names of each unit's owner (-1: none). `joined`: the keys laid end to
-        end, `size` bytes each. None otherwise (use `route_many`)."""
+        end, `size` bytes each, or a packed chain whose keys are those at `positions`
+        (int64). None otherwise (use `route_many`)."""
         if self.replicas != 1 or not self._current.members:
             return None
         hot = self._hotness
-        if hot is not None and self.max_extra_owners and hot.any_hot() and hot.candidates(split_hashes(joined)):
-            return None
+        if hot is not None and self.max_extra_owners and hot.any_hot():
+            keys = joined if positions is None else \
+                np.frombuffer(joined, np.uint8).reshape(-1, size)[positions].tobytes()
+            if hot.candidates(split_hashes(keys)):
+                return None
         self._expire(self._clock())
         names = list(self._current.names)
         where = {n: i for i, n in enumerate(names)}
         out: list[np.ndarray[Any, Any]] = []
         for ranker in [self._current] + [p.ranker for p in self._previous]:
-            best = ranker.best_index_many(joined, size)
+            best = ranker.best_index_many(joined, size, positions)
             if best is None:
                 return None
             if ranker is not self._current:

@@ -75,6 +75,7 @@ from kvstore.core.store import Store
 from kvstore.eager import start
 from kvstore.errors import FailedPrecondition, KVStoreError
 from kvstore.hashing import HASH_BYTES, split_hashes
+from kvstore.native import native
 from kvstore.v1 import kvstore_pb2
 
 logger = logging.getLogger(__name__)
@@ -316,6 +317,49 @@ def _keys_at(packed: bytes, positions: np.ndarray[Any, Any]) -> bytes:
     return np.frombuffer(packed, np.uint8).reshape(-1, HASH_BYTES)[positions].tobytes()  # type: ignore[no-any-return]
 
 
+# The round's steps in one native pass each where the module is built (kvstore/_native/
+# units.c); the numpy steps below are their reference and fallback.
+_UNITS = native if native is not None and hasattr(native, "units_reach") else None
+
+
+def _ranges(packed: bytes, starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any],
+            idx: np.ndarray[Any, Any] | None = None) -> bytes:
+    """The hashes of positions [starts[j], stops[j]) of a packed chain for each j of
+    `idx` in its order (every j where None), laid end to end (int64 arrays)."""
+    if _UNITS is not None:
+        return _UNITS.gather_ranges(packed, HASH_BYTES, starts, stops, idx)
+    if idx is not None:
+        starts, stops = starts[idx], stops[idx]
+    return _concat(packed, starts, stops)
+
+
+def _spread(count: int, sizes: np.ndarray[Any, Any], idx: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """A node's answer, that it holds the first `count` blocks of units `idx` laid end
+    to end in that order, as blocks per unit (0 for units not asked of it)."""
+    got = np.zeros(len(sizes), np.int64)
+    if _UNITS is not None:
+        _UNITS.spread_prefix(count, sizes, idx, got)
+        return got
+    asked = sizes[idx]
+    got[idx] = np.clip(count - (np.cumsum(asked) - asked), 0, asked)
+    return got
+
+
+def _reach(locs: np.ndarray[Any, Any], found: np.ndarray[Any, Any],
+           sizes: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], int, bool]:
+    """Per unit, the more of its leading blocks held here (`locs`) or found elsewhere
+    (`found`); the first unit short of its size (`len(sizes)` if none), where the chain
+    ends; whether a unit up to it was found beyond what is held here."""
+    if _UNITS is not None:
+        best = np.empty(len(sizes), np.int64)
+        short, copied = _UNITS.units_reach(locs, found, sizes, best)
+        return best, short, copied
+    best = np.maximum(locs, found)
+    shorts = np.flatnonzero(best < sizes)
+    short = int(shorts[0]) if len(shorts) else len(sizes)
+    return best, short, bool((found[: short + 1] > locs[: short + 1]).any())
+
+
 def _concat(packed: bytes, starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any]) -> bytes:
     """The hashes of positions [starts[i], stops[i]) of a packed chain (disjoint ranges,
     in the order given), laid end to end."""
@@ -552,7 +596,7 @@ class ClusterNode:
         pending = self.puller.pending.get(namespace_id)
         if pending and packed[held * HASH_BYTES : (held + 1) * HASH_BYTES] in pending:
             return None
-        routed = placement.owner_indices(_keys_at(packed, unit_starts), HASH_BYTES)
+        routed = placement.owner_indices(packed, HASH_BYTES, unit_starts)
         if routed is None:
             return None
         names, sets = routed
@@ -723,7 +767,7 @@ class ClusterNode:
         self.counters.remote_lookups += 1
         call = self._call(namespace_id)
         deadline_s = self.lookup_timeout_s
-        requests = {node: _concat(packed, rnd.starts[idx], rnd.stops[idx]) for node, idx in rnd.asks.items()}
+        requests = {node: _ranges(packed, rnd.starts, rnd.stops, idx) for node, idx in rnd.asks.items()}
         results: dict[str, int | BaseException] = {}
         # Each call is started here, by hand (`kvstore.eager`): its request leaves now, on
         # a pooled connection, rather than in a task's first step a loop turn later. With
@@ -774,12 +818,8 @@ class ClusterNode:
                 self.breakers.failure(node)
                 continue
             self.breakers.success(node)
-            idx = rnd.asks[node]
-            asked = sizes[idx]
             # The node answered a prefix of the units' blocks laid end to end: per unit.
-            got = np.zeros(len(sizes), np.int64)
-            got[idx] = np.clip(result - (np.cumsum(asked) - asked), 0, asked)
-            out[node] = got
+            out[node] = _spread(result, sizes, rnd.asks[node])
         return out, local
 
     def _combine(self, namespace_id: bytes, packed: bytes, held: int, present: bytes, rnd: _Round,
@@ -788,24 +828,24 @@ class ClusterNode:
         pulls that copy what it found elsewhere."""
         reach = rnd.end
         sizes = rnd.stops - rnd.starts
-        holders: list[str] = []
-        if got and len(sizes):
-            holders = list(got)
-            found = np.stack([got[h] for h in holders])
+        holders: list[str] = list(got) if got and len(sizes) else []
+        pick: np.ndarray[Any, Any] | None = None  # which holder's answer each unit takes (None: the one)
+        if len(holders) == 1:
+            best_found = got[holders[0]]  # type: ignore[index]
+        elif holders:
+            found = np.stack([got[h] for h in holders])  # type: ignore[index]
             # Ties go to the unit's current owner.
             where = {n: i for i, n in enumerate(rnd.names)}
             owner_of = rnd.first_owner[None, :] == np.array([where.get(h, -2) for h in holders], np.int64)[:, None]
             pick = (found * 2 + owner_of).argmax(axis=0)
             best_found = found[pick, np.arange(len(sizes))]
         else:
-            pick = np.zeros(len(sizes), np.int64)
             best_found = np.zeros(len(sizes), np.int64)
-        best = np.maximum(rnd.locs, best_found)
-        short = np.flatnonzero(best < sizes)
+        best, short, copied = _reach(rnd.locs, best_found, sizes)
         cut = len(sizes)
-        if len(short):
-            cut = int(short[0]) + 1
-            reach = int(rnd.starts[short[0]] + best[short[0]])
+        if short < len(sizes):
+            cut = short + 1
+            reach = int(rnd.starts[short] + best[short])
         if reach <= held:
             return None
         # Blocks absent here within the reach are found elsewhere or pending: TIER_REMOTE.
@@ -813,13 +853,12 @@ class ClusterNode:
         remote = tiers.count(kvstore_pb2.TIER_REMOTE)
         self.counters.local_past_prefix_blocks += len(tiers) - remote
         self.counters.remote_hit_blocks += remote
-        copied = np.flatnonzero(best_found[:cut] > rnd.locs[:cut])
-        if len(copied) and holders:
+        if copied and holders:
             # The pulls are marked (their blocks pending: a fetch that follows this answer
             # waits for them) and started once the answer is written: by a callback
             # scheduled now, which runs before the event loop reads the next request.
             asyncio.get_running_loop().call_soon(self._start_pulls, namespace_id, packed, rnd, holders, pick, best,
-                                                 copied)
+                                                 best_found, cut)
         return Extension(len(tiers), tiers, remote)
 
     def _mark(self, holder: str, namespace_id: bytes, packed: bytes, starts: np.ndarray[Any, Any],
@@ -830,17 +869,19 @@ class ClusterNode:
         firsts = np.concatenate([[0], np.flatnonzero(~joins) + 1]).astype(np.int64)
         lasts = np.concatenate([firsts[1:] - 1, [len(starts) - 1]]).astype(np.int64)
         run_starts, run_stops = starts[firsts], stops[lasts]
-        hashes = split_hashes(_concat(packed, run_starts, run_stops))
+        hashes = split_hashes(_ranges(packed, run_starts, run_stops))
         return _Ranges(holder, self.puller.mark(namespace_id, hashes), run_starts, run_stops, replica[firsts], hashes,
                        key_pos, firsts, lasts)
 
     def _start_pulls(self, namespace_id: bytes, packed: bytes, rnd: _Round, holders: list[str],
-                     pick: np.ndarray[Any, Any], best: np.ndarray[Any, Any], copied: np.ndarray[Any, Any]) -> None:
-        """Mark and start a lookup's pulls (`_combine`): from each holder picked, the units
-        of `copied` it holds more of than this node."""
+                     pick: np.ndarray[Any, Any] | None, best: np.ndarray[Any, Any], best_found: np.ndarray[Any, Any],
+                     cut: int) -> None:
+        """Mark and start a lookup's pulls (`_combine`): from each holder picked (`pick`,
+        None with one), the units of the first `cut` it holds more of than this node."""
+        copied = np.flatnonzero(best_found[:cut] > rnd.locs[:cut])
         call = self._call(namespace_id)
         for k, holder in enumerate(holders):
-            idx = copied[pick[copied] == k]
+            idx = copied if pick is None else copied[pick[copied] == k]
             if not len(idx):
                 continue
             self._peer(holder).hit_blocks += int((best - rnd.locs)[idx].sum())

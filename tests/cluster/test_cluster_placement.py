@@ -287,3 +287,53 @@ def test_a_hot_unit_among_many_takes_the_ranked_path_with_its_extra_owners() -> 
     assert owners[7] == rank(members, units[7], 2)
     assert all(len(o) == 1 for j, o in enumerate(owners) if j != 7)
 
+
+
+def test_owners_of_units_at_positions_of_a_chain_are_those_of_the_units_alone() -> None:
+    """`owner_indices` given a packed chain and its units' key positions (the lookup
+    round's routing, one native pass) names the owners it names for the keys gathered,
+    and those `rank` names; with a previous member set as well."""
+    import numpy as np
+
+    clock = ManualClock(100.0)
+    members = ["n0", "n1", "n2", "n10"]
+    p = Placement(members, grace_s=30.0, clock=clock)
+    chain = keys(900, seed=5)
+    packed = b"".join(chain)
+    positions = np.array(sorted(random.Random(3).sample(range(900), 300)), np.int64)
+    gathered = b"".join(chain[i] for i in positions.tolist())
+    for _ in range(2):
+        at = p.owner_indices(packed, 16, positions)
+        alone = p.owner_indices(gathered, 16)
+        assert at is not None and alone is not None
+        assert at[0] == alone[0] and all((a == b).all() for a, b in zip(at[1], alone[1]))
+        assert [at[0][i] for i in at[1][0].tolist()] == [rank(p.members, chain[i], 1)[0] for i in positions.tolist()]
+        p.update([*members, "n3"])  # the second pass: in the grace of a change, two sets
+    assert len(p.owner_indices(packed, 16, positions)[1]) == 2  # type: ignore[index]
+
+
+def test_the_native_rendezvous_owner_is_the_first_best_score_and_refuses_bad_arrays() -> None:
+    import numpy as np
+
+    from kvstore.native import XXH3, native
+
+    if native is None or not XXH3:
+        pytest.skip("the native module is not built here")
+    prefixes = [n.encode() + b"\x00" for n in ("a", "b", "c")]
+    sample = b"".join(keys(64, seed=9))
+    out = np.empty(64, np.int64)
+    assert native.rendezvous_best(prefixes, sample, 16, None, out) == 64
+    scores = np.empty((3, 64), np.uint64)
+    for row, pre in zip(scores, prefixes):
+        native.rendezvous_scores(pre, sample, 16, row)
+    assert (out == scores.argmax(axis=0)).all()
+    # The same prefix twice: equal scores, the earlier wins.
+    native.rendezvous_best([prefixes[0], prefixes[0]], sample, 16, None, out)
+    assert (out == 0).all()
+    one = np.empty(1, np.int64)
+    with pytest.raises(IndexError):
+        native.rendezvous_best(prefixes, sample, 16, np.array([64], np.int64), one)
+    with pytest.raises(TypeError):
+        native.rendezvous_best(prefixes, sample, 16, np.array([1, 2], np.int32), one)
+    with pytest.raises(ValueError):
+        native.rendezvous_best(prefixes, sample, 16, np.array([1, 2], np.int64), one)
