@@ -70,6 +70,8 @@ QUOTA_TIERS = TIER_KINDS
 DEFAULT_TENANT = "default"
 HASH_SCHEME = "sha256"
 TOKEN_PREFIX = "kvs_"
+# Identities of node-to-node calls kept made (`Authenticator._acting_for`): tenants x nodes.
+MAX_ACTING_KEPT = 4096
 ADMIN_SERVICE = "/kvstore.v1.Admin/"
 # The shared-memory plane, and the device (CUDA IPC) plane: both hand a client memory
 # that holds every tenant's blocks.
@@ -343,6 +345,10 @@ class Authenticator:
         self.max_calls_per_tenant = max_calls_per_tenant
         self.unix_socket_tenant = unix_socket_tenant
         self.in_flight: dict[str, int] = {}
+        # The identities node-to-node calls act as, by (tenant, node), for the table
+        # they were made from (`_acting_for`); a pool has few of each.
+        self._acting: dict[tuple[str, str], Identity] = {}
+        self._acting_table: TokenTable | None = None
 
     def _authenticate(self, table: TokenTable, token: str | None, on_unix_socket: bool) -> Identity:
         if token is None:
@@ -407,16 +413,24 @@ class Authenticator:
         if method not in PEER_METHODS:
             raise PermissionDenied(f"{method} is not a node-to-node call; a pool's daemons call only "
                                    "Lookup, Fetch, Put and the data lane's calls on each other")
-        if self.table is None:
+        table = self.table
+        if table is None:
             acting = DEFAULT_IDENTITY if tenant in ("", DEFAULT_TENANT) else None
         else:
-            acting = self.table.identities.get(tenant)
+            acting = table.identities.get(tenant)
         if acting is None:
             raise PermissionDenied(
                 f"node {node!r} called for tenant {tenant!r}, which this daemon's token file does not name; "
                 "every daemon of a pool needs the same tenants with the same salts"
             )
-        return replace(acting, peer=node)
+        if table is not self._acting_table:  # reloaded: made again from the new one
+            self._acting, self._acting_table = {}, table
+        found = self._acting.get((tenant, node))
+        if found is None:
+            if len(self._acting) >= MAX_ACTING_KEPT:
+                self._acting.clear()
+            found = self._acting[(tenant, node)] = replace(acting, peer=node)
+        return found
 
     def admit(self, method: str, token: str | None, on_unix_socket: bool,
               peer: tuple[str, str] | None = None) -> Identity:

@@ -63,7 +63,7 @@ import struct
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -114,6 +114,19 @@ _NO_ENVELOPE = "a peer lane request must start with the node and tenant it is ma
 Handler = Callable[[Any, Any], Awaitable[Any]]
 # A call's answer: status, payload, and for a call that passes them, the descriptors.
 Answer = tuple[int, bytes] | tuple[int, bytes, list[int]]
+
+
+class _Ending(NamedTuple):
+    """A call's metrics, recorded once its answer is written (`CallSteps.record`): its
+    steps and status, when it started and when its answer was made."""
+
+    steps: CallSteps
+    code: grpc.StatusCode
+    start: float
+    end: float
+
+    def record(self) -> None:
+        self.steps.record(self.code, self.start, self.end)
 
 
 class _Method:
@@ -357,11 +370,15 @@ class LaneServer:
             return exc, None
         return None, token
 
-    async def _call(self, mid: int, payload: bytes, token: str | None) -> Answer:
-        """One call, through the per-call pipeline (see the module docstring)."""
+    async def _call(self, mid: int, payload: bytes, token: str | None) -> tuple[Answer, _Ending | None]:
+        """One call, through the per-call pipeline (see the module docstring): its answer,
+        and its metrics, which the connection records once the answer is written (the
+        call has left its tenant's in-flight count by then; its duration is measured up
+        to its answer either way)."""
         method = self._methods.get(mid)
         if method is None:
-            return grpc.StatusCode.UNIMPLEMENTED.value[0], f"method id {mid} is not served on the control lane".encode()
+            return (grpc.StatusCode.UNIMPLEMENTED.value[0],
+                    f"method id {mid} is not served on the control lane".encode()), None
         self.calls += 1
         steps = method.steps
         start = time.perf_counter()
@@ -390,19 +407,21 @@ class LaneServer:
                 raise ResourceExhausted(
                     f"the {method.name} answer is {len(out)} bytes, more than max_message_bytes "
                     f"({self.max_frame_bytes}); ask for fewer blocks per call")
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED  # the daemon is stopping
-            raise
         except Exception as exc:  # task boundary: map, log, answer
             code, message = steps.failed(exc)
             out = message.encode()
+        except BaseException:  # cancelled (the daemon is stopping), or closed unanswered
+            code = grpc.StatusCode.CANCELLED
+            steps.record(code, start, time.perf_counter())
+            raise
         finally:
-            steps.leave(identity, code, start)
+            steps.release(identity)
             if fds is not None:
                 PASSED_FDS.set(None)
+        ending = _Ending(steps, code, start, time.perf_counter())
         if fds and code is grpc.StatusCode.OK:
-            return code.value[0], out, fds
-        return code.value[0], out
+            return (code.value[0], out, fds), ending
+        return (code.value[0], out), ending
 
 
     def _enter_peer(self, method: _Method, envelope: tuple[str, str, bytes] | None, token: str | None) -> Any:
@@ -573,21 +592,26 @@ class _Connection(asyncio.BufferedProtocol):
         try:
             yielded = coro.send(None)
         except StopIteration as stop:
-            self.write(*stop.value)
+            answer, ending = stop.value
+            self.write(*answer)
+            if ending is not None:
+                ending.record()
             return
         finally:
             deferral.release()
         self.task = asyncio.get_running_loop().create_task(self._finish(coro, yielded))
         self.task.add_done_callback(self._failed)
 
-    async def _finish(self, coro: Coroutine[Any, Any, Answer], yielded: Any) -> None:
+    async def _finish(self, coro: Coroutine[Any, Any, tuple[Answer, _Ending | None]], yielded: Any) -> None:
         """Run a call that suspended on to its answer, and write it in the same step (not
         in a done callback, a loop turn later: what the call scheduled to follow its
         answer, such as a lookup's pulls, runs after the answer is on its way); then the
         frames that waited for it."""
-        answer = await resume(coro, yielded)
+        answer, ending = await resume(coro, yielded)
         self.task = None
         self.write(*answer)
+        if ending is not None:
+            ending.record()
         self.take_frames()
 
     def _failed(self, task: asyncio.Task[Any]) -> None:

@@ -96,14 +96,24 @@ class CallSteps:
     def leave(self, identity: Identity | None, code: grpc.StatusCode, start: float) -> None:
         """The call ended with `code`; `identity` is what `enter` returned (None if it
         raised); `start` the `time.perf_counter()` taken before `enter`."""
+        self.release(identity)
+        self.record(code, start, time.perf_counter())
+
+    def release(self, identity: Identity | None) -> None:
+        """`leave`'s first half: the call no longer counts against its tenant's cap nor
+        holds off a drain."""
         if identity is not None:
             self._auth.leave(identity)
             self._gate.leave()
+
+    def record(self, code: grpc.StatusCode, start: float, end: float) -> None:
+        """`leave`'s second half, which may follow the answer out: the call leaves the
+        in-flight gauge, and its duration from `start` to `end` is observed."""
         self.in_flight.n -= 1
         child = self._observed.get(code)
         if child is None:
             child = self._observed[code] = self._histogram.labels(self.name, code.name)
-        child.observe(time.perf_counter() - start)
+        child.observe(end - start)
 
 
 class Pipeline:

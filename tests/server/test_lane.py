@@ -586,3 +586,68 @@ async def test_a_call_that_suspends_is_answered_before_what_it_scheduled_runs(da
             assert code == 0 and kvstore_pb2.LookupResponse.FromString(payload).num_blocks == 0
     finally:
         method.handler = real
+
+
+async def test_a_lane_calls_pipeline_ends_once_after_its_answer(daemon, layout):
+    """A call leaves its tenant's in-flight count before its answer is written, and its
+    metrics (the in-flight gauge, the duration) are recorded once it is: exactly once per
+    call, whether it answered at once, suspended, failed, or was given up when its client
+    went away while it waited."""
+    d = daemon.daemon
+    (lane,) = [s for s in d.lanes if not s.tcp]
+    method = lane._methods[METHOD_IDS["Lookup"]]
+    real = method.handler
+    steps = method.steps
+    during: list[int] = []
+    never = asyncio.Event()
+
+    async def counting(request, context):
+        during.append(steps.in_flight.n)
+        if request.lease_ms == 7:
+            await asyncio.sleep(0)  # suspends: answered by a task
+        if request.lease_ms == 9:
+            await never.wait()  # its client goes away first
+        return await real(request, context)
+
+    ns = kvstore_pb2.Namespace(layout=layout_to_proto(layout))
+    tokens = list(range(layout.block_size_tokens * 2))
+
+    def lookup(lease_ms: int = 0, bad: bool = False) -> bytes:
+        keys = kvstore_pb2.BlockKeys(packed_hashes=b"x" * 5) if bad else \
+            kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(token_ids=tokens))
+        return frame(METHOD_IDS["Lookup"], kvstore_pb2.LookupRequest(namespace=ns, keys=keys,
+                                                                     lease_ms=lease_ms).SerializeToString())
+
+    async def settled() -> None:
+        for _ in range(2000):  # bounded: 10 s
+            if steps.in_flight.n == 0 and not d.auth.in_flight:
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"calls still in flight: {steps.in_flight.n}, {d.auth.in_flight}")
+
+    method.handler = counting
+    try:
+        ok, bad = rpc_count(daemon, "Lookup"), rpc_count(daemon, "Lookup", "INVALID_ARGUMENT")
+        cancelled = rpc_count(daemon, "Lookup", "CANCELLED")
+        sock = await asyncio.to_thread(raw_conn, lane_of(daemon))
+        with contextlib.closing(sock):
+            for request in (lookup(), lookup(7), lookup(bad=True)):
+                await asyncio.to_thread(sock.sendall, request)
+                code, _ = await asyncio.to_thread(read_frame, sock)
+                assert code == (3 if request == lookup(bad=True) else 0)
+                await settled()
+        assert rpc_count(daemon, "Lookup") == ok + 2
+        assert rpc_count(daemon, "Lookup", "INVALID_ARGUMENT") == bad + 1
+        sock = await asyncio.to_thread(raw_conn, lane_of(daemon))
+        await asyncio.to_thread(sock.sendall, lookup(9))
+        for _ in range(2000):  # bounded: 10 s, until the call waits in the handler
+            if len(during) == 4:
+                break
+            await asyncio.sleep(0.005)
+        assert steps.in_flight.n == 1
+        sock.close()
+        await settled()
+        assert rpc_count(daemon, "Lookup", "CANCELLED") == cancelled + 1
+        assert during == [1, 1, 1, 1]  # each call found only itself in flight: the ones before had ended
+    finally:
+        method.handler = real
