@@ -46,7 +46,7 @@ def render_info(
             for g, (n, took, longest) in enumerate(zip(gc.collections, gc.pause_s, gc.longest_s)):
                 out += [f"gc_gen{g}_collections:{n}", f"gc_gen{g}_pause_ms:{took * 1e3:.2f}",
                         f"gc_gen{g}_longest_pause_ms:{longest * 1e3:.2f}"]
-            out += [f"gc_frozen_objects:{gc.frozen_objects}", f"gc_freezes:{gc.freezes}"]
+            out += [f"gc_frozen_at_blocks:{gc.frozen_at_blocks}", f"gc_freezes:{gc.freezes}"]
         out.append("")
     if section in ("", "tiers"):
         out.append("# Tiers")

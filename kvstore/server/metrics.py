@@ -83,8 +83,8 @@ class StoreCollector(Collector):
                 took.add_metric([str(g)], s)
             yield runs
             yield took
-            yield GaugeMetricFamily("kvstore_gc_frozen_objects", "objects frozen out of the collector's reach",
-                                    value=pauses.frozen_objects)
+            yield GaugeMetricFamily("kvstore_gc_frozen_at_blocks", "blocks stored or recovered when what "
+                                    "survived was last frozen out of the collector's reach", value=pauses.frozen_at_blocks)
         store = self._store()
         if store is None:
             return

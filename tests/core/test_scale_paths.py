@@ -310,3 +310,29 @@ def test_scale_bench_runs_end_to_end(tmp_path: Path) -> None:
                  "rebuild_s_snapshot", "store_lookup_p50_us", "store_lookup_scattered_p50_us"):
         assert isinstance(row[name], float) and row[name] > 0, name
     assert row["lookup_p50_us"] <= row["lookup_p99_us"] and 0 <= row["lookup_steal_pct"] <= 100
+
+
+def test_gc_freezer_never_counts_the_frozen_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counting frozen objects walks every one of them with the interpreter held (a stall
+    of the event loop that grows with the index): neither a freeze nor the figures INFO
+    and the metrics read do it."""
+    import gc
+
+    from kvstore.server.host_resources import GcFreezer
+
+    def walks() -> int:
+        raise AssertionError("gc.get_freeze_count() walks every frozen object")
+
+    gc.unfreeze()
+    freezer = GcFreezer(min_blocks=100, growth=0.25)
+    monkeypatch.setattr(gc, "get_freeze_count", walks)
+    try:
+        freezer.watch()
+        assert freezer.maybe_freeze(1000, 1000)
+        gc.collect()  # a full collection: frozen after, at the next sweep
+        assert freezer.maybe_freeze(1000, 1000)
+        pauses = freezer.pauses()
+        assert pauses.frozen_at_blocks == 1000 and pauses.freezes == 2 and pauses.collections[2] >= 1
+    finally:
+        freezer.unwatch()
+        gc.unfreeze()

@@ -81,13 +81,13 @@ async def test_the_collectors_pauses_are_in_the_metrics_and_info(daemon):
     full = m[("kvstore_gc_collections_total", (("generation", "2"),))]
     assert full >= 1 and m[("kvstore_gc_pause_seconds_total", (("generation", "2"),))] > 0
     assert ("kvstore_gc_collections_total", (("generation", "0"),)) in m
-    assert m[("kvstore_gc_frozen_objects", ())] == gc.get_freeze_count()
+    assert m[("kvstore_gc_frozen_at_blocks", ())] == daemon.daemon.gc_freezer.pauses().frozen_at_blocks
     async with AsyncClient(daemon.unix_target) as kv:
         text = await kv.info("server")
     lines = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
     assert int(lines["gc_gen2_collections"]) >= full and float(lines["gc_gen2_pause_ms"]) > 0
     assert float(lines["gc_gen2_longest_pause_ms"]) <= float(lines["gc_gen2_pause_ms"])
-    assert {"gc_gen0_collections", "gc_gen1_collections", "gc_frozen_objects", "gc_freezes"} <= lines.keys()
+    assert {"gc_gen0_collections", "gc_gen1_collections", "gc_frozen_at_blocks", "gc_freezes"} <= lines.keys()
 
 
 async def test_metrics_serves_nothing_else(daemon):
