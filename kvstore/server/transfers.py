@@ -112,9 +112,15 @@ class LaneTransfers:
         timer = self._timers.pop(transfer.id, None)
         if timer is not None:
             timer.cancel()
-        if isinstance(transfer, PutTransfer) and transfer.idle_timer is not None:
-            transfer.idle_timer.cancel()
-            transfer.idle_timer = None
+        if isinstance(transfer, PutTransfer):
+            if transfer.idle_timer is not None:
+                transfer.idle_timer.cancel()
+                transfer.idle_timer = None
+            # Its failure callback refers to it (a cycle that only the garbage collector's
+            # full collections break, with the put's slots and runs inside): a forgotten
+            # put is past failing. The connections' credits keep it a while; once they
+            # let go, it is freed at once.
+            transfer.on_failed = None
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)

@@ -882,3 +882,33 @@ async def test_a_peer_without_a_lane_says_so(tmp_path):
                 await peer.fetch(ns(), [os.urandom(16)], [bytearray(BB)])
     finally:
         await daemon.stop(grace_s=0)
+
+
+def test_a_lane_put_is_freed_once_done_without_the_garbage_collector(daemon_thread, monkeypatch):
+    """A finished lane put (its slots, runs, events) is freed by reference counting once
+    the connections that joined it let go: no reference cycle leaves it for the
+    collector's full collections, which walk everything left over (a pool's forwards are
+    such puts, hundreds of slots each). The collector is off meanwhile, the daemon's own
+    collections too (its lease sweep's freeze)."""
+    import gc
+
+    from kvstore.server.put_transfer import PutTransfer
+
+    def alive() -> list[PutTransfer]:
+        return [o for o in gc.get_objects() if isinstance(o, PutTransfer)]
+
+    monkeypatch.setattr(daemon_thread.daemon.gc_freezer, "maybe_freeze", lambda *args: False)
+    gc.collect()
+    gc.disable()
+    try:
+        assert alive() == []
+        with Client(daemon_thread.tcp_target, data_plane="lane") as kv:
+            for seed in range(3):
+                assert kv.put(LAYOUT, tokens(12, 1000 * seed), blocks_for(12, seed=seed)).stored == 12
+        for _ in range(300):  # bounded: 3 s, until the daemon saw the connections close
+            if not alive():
+                break
+            time.sleep(0.01)
+        assert alive() == [], "a finished lane put is left for the garbage collector"
+    finally:
+        gc.enable()
