@@ -235,13 +235,12 @@ class _Piece:
     parent: bytes | None
 
 
-@dataclass(slots=True)
-class _OwnedUnit:
-    namespace_id: bytes
-    key: bytes
-    position: int
-    hashes: list[bytes]
-    parent: bytes | None
+# A unit this node owns, as far as it holds it from its first block on: (namespace id,
+# unit key, position of its first block, its blocks' hashes laid end to end, parent).
+# A plain tuple of bytes and ints, which the garbage collector stops tracking: a node
+# keeps tens of thousands of them, which a full collection would otherwise walk (an
+# object and a list each).
+_OwnedUnit = tuple[bytes, bytes, int, bytes, "bytes | None"]
 
 
 @dataclass(slots=True)
@@ -1060,11 +1059,11 @@ class ClusterNode:
         key = namespace_id + piece.key
         owned = self._owned
         unit = owned.get(key)
-        if unit is not None and unit.position + len(unit.hashes) == piece.position:
-            unit.hashes += piece.hashes
+        if unit is not None and unit[2] + len(unit[3]) // HASH_BYTES == piece.position:
+            owned[key] = (*unit[:3], unit[3] + b"".join(piece.hashes), unit[4])
             owned.move_to_end(key)
-        elif unit is None or piece.position <= unit.position:
-            owned[key] = _OwnedUnit(namespace_id, piece.key, piece.position, list(piece.hashes), piece.parent)
+        elif unit is None or piece.position <= unit[2]:
+            owned[key] = (namespace_id, piece.key, piece.position, b"".join(piece.hashes), piece.parent)
             owned.move_to_end(key)
         if len(owned) > OWNED_UNITS_KEPT:
             owned.popitem(last=False)
@@ -1142,17 +1141,18 @@ class ClusterNode:
         self.draining = True
         await self.membership.update_me(replace(self.membership.me, draining=True))
         self._on_view(self.membership.view)
-        units = sorted(self._owned.values(), key=lambda u: -self.hot.count(u.key))
+        units = sorted(self._owned.values(), key=lambda u: -self.hot.count(u[1]))
         pushed = failed = blocks = 0
         me = self.node_id
         for first in range(0, len(units), DRAIN_BATCH_UNITS):
             batch: list[tuple[_OwnedUnit, list[asyncio.Future[int]]]] = []
             for unit in units[first : first + DRAIN_BATCH_UNITS]:
-                owners = [n for n in self.placement.owners(unit.key) if n != me]
+                ns, key, position, packed, parent = unit
+                owners = [n for n in self.placement.owners(key) if n != me]
                 futures: list[asyncio.Future[int]] = []
                 for node in owners:
-                    job = ForwardJob(node, unit.namespace_id, self._call(unit.namespace_id), list(unit.hashes),
-                                     unit.parent, unit.position, loop.create_future())
+                    job = ForwardJob(node, ns, self._call(ns), split_hashes(packed), parent, position,
+                                     loop.create_future())
                     self.forwarder.submit(job)
                     assert job.done is not None
                     futures.append(job.done)

@@ -431,3 +431,25 @@ async def test_a_nodes_hit_ratio_counts_what_the_pool_answered_and_not_the_peers
             c = (await kv.stats()).counters
         assert hit.num_blocks == 40
         assert (c.lookups, c.lookup_blocks, c.hit_blocks, c.miss_blocks) == (2, 84, 80, 4)
+
+
+async def test_the_units_a_node_owns_are_kept_out_of_the_collectors_walks(tmp_path: Path) -> None:
+    """Each node remembers the units it owns (for a drain's hand-off): tens of thousands
+    on a busy node, kept as tuples of bytes that the garbage collector stops tracking,
+    each with its blocks' hashes from the unit's first block on."""
+    import gc
+
+    async with pool(tmp_path, 3) as nodes:
+        tokens, blocks = chain(LAYOUT, 40, seed=5)
+        async with AsyncClient(unix_target(nodes[0])) as kv:
+            put = await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
+        hashes = b"".join(put.block_hashes)
+        gc.unfreeze()  # what the daemons' sweeps froze is out of a collection's reach
+        gc.collect()
+        owned = [u for d in nodes for u in d.cluster._owned.values()]
+        assert owned and not any(gc.is_tracked(u) for u in owned)
+        for _, key, position, packed, _ in owned:
+            start = position * 16
+            assert packed == hashes[start : start + len(packed)] and key == hashes[start : start + 16]
+        # Every unit of the chain is remembered by its owner, from its first block to its last.
+        assert sum(len(u[3]) for u in owned) == len(hashes)
