@@ -547,6 +547,12 @@ def _alive(lane: LaneSocket) -> bool:
     finished sending (the daemon topped its credit up as the last blocks landed) are
     read and dropped; anything else waiting (the daemon closed it, or reported an error)
     means it is not."""
+    if lane.buffered():  # received ahead with the transfer's last frames
+        rest = lane.take_buffered()
+        for at in range(0, len(rest), HEADER_BYTES):
+            head = rest[at : at + HEADER_BYTES]
+            if len(head) < HEADER_BYTES or unpack(head).kind != CREDIT or unpack(head).length:
+                return False
     poller = select.poll()
     try:
         poller.register(lane.sock, select.POLLIN)

@@ -54,6 +54,7 @@ import socket
 import ssl
 import struct
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import grpc
@@ -79,6 +80,11 @@ MAX_ERROR_BYTES = 4096
 RECV_PIECE_BYTES = 256 << 10
 # TLS records carry at most 16 KiB; sends are cut in pieces of this size.
 TLS_SEND_PIECE_BYTES = 256 << 10
+# Reads shorter than this (a frame's header and trailer, a small block) are served from
+# a receive buffer, which one system call fills with whatever has arrived, up to
+# RECV_BUFFER_BYTES: small blocks come in many to a call instead of three calls each.
+SMALL_READ_BYTES = 16 << 10
+RECV_BUFFER_BYTES = 64 << 10
 
 _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -195,6 +201,10 @@ class LaneSocket:
         self._header_view = memoryview(self._header)
         self._trailer = bytearray(TRAILER.size)
         self._scratch: bytearray | None = None
+        # Bytes received ahead of what was asked for: _rbuf[_rstart:_rend].
+        self._rbuf = bytearray(RECV_BUFFER_BYTES)
+        self._rview = memoryview(self._rbuf)
+        self._rstart = self._rend = 0
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.set_timeout(timeout_s)
@@ -214,17 +224,38 @@ class LaneSocket:
 
     # -------------------------------------------------------------- receiving
 
+    def buffered(self) -> int:
+        """Bytes received and not read yet (a poll of the socket does not see them)."""
+        return self._rend - self._rstart
+
+    def take_buffered(self) -> bytes:
+        """The bytes received and not read yet, which are then gone."""
+        out = bytes(self._rview[self._rstart : self._rend])
+        self._rstart = self._rend = 0
+        return out
+
     def _recv_into(self, view: memoryview, deadline: float | None) -> int:
-        """Fill `view` (all of it); its length."""
+        """Fill `view` (all of it); its length. Bytes received ahead come first; a short
+        read is served from the receive buffer, a long one lands in `view` directly."""
         n = len(view)
         got = 0
+        start, end = self._rstart, self._rend
+        if end > start:
+            got = min(end - start, n)
+            view[:got] = self._rview[start : start + got]
+            start += got
+            self._rstart, self._rend = (start, end) if start < end else (0, 0)
         sock = self.sock
         waitall = 0 if self.tls else socket.MSG_WAITALL
         while got < n:
             if deadline is not None and time.monotonic() > deadline:
                 raise LaneTimeout("the data lane transfer passed its deadline")
+            small = n - got < SMALL_READ_BYTES
             try:
-                k = sock.recv_into(view[got:], n - got, waitall)
+                if small:  # whatever has arrived, at least one byte, into the buffer
+                    k = sock.recv_into(self._rview, RECV_BUFFER_BYTES)
+                else:
+                    k = sock.recv_into(view[got:], n - got, waitall)
             except (TimeoutError, BlockingIOError):
                 raise LaneTimeout(f"the data lane peer sent nothing for {self.timeout_s:g} s") from None
             except ssl.SSLError as exc:
@@ -235,6 +266,12 @@ class LaneSocket:
                 raise LaneClosed(f"the data lane connection broke: {exc.strerror or exc}") from None
             if k == 0:
                 raise LaneClosed("the data lane peer closed the connection")
+            if small:
+                take = min(k, n - got)
+                view[got : got + take] = self._rview[:take]
+                if take < k:
+                    self._rstart, self._rend = take, k
+                k = take
             got += k
         return n
 
@@ -311,6 +348,17 @@ class LaneSocket:
     def send_data(self, transfer: bytes, block: int, data: memoryview, checksum: int) -> None:
         """A DATA frame: the header, `data` itself (never copied here) and the trailer."""
         self._send([memoryview(pack(DATA, transfer, block, len(data))), data, memoryview(TRAILER.pack(checksum))])
+
+    def send_blocks(self, transfer: bytes, blocks: Sequence[tuple[int, memoryview, int]]) -> None:
+        """DATA frames of (block, data, checksum) each, in one `sendmsg` where the socket
+        takes them (`send_data`'s frames laid end to end)."""
+        if len(blocks) == 1:
+            self.send_data(transfer, *blocks[0])
+            return
+        buffers: list[memoryview] = []
+        for block, data, checksum in blocks:
+            buffers += (memoryview(pack(DATA, transfer, block, len(data))), data, memoryview(TRAILER.pack(checksum)))
+        self._send(buffers)
 
     def send_error(self, transfer: bytes, code: grpc.StatusCode, message: str) -> None:
         self.send_frame(ERROR, transfer, code.value[0], payload=message.encode("utf-8")[:MAX_ERROR_BYTES])

@@ -140,16 +140,18 @@ class FetchTransfer(Transfer):
             self.sockets.add(sock)
             return True
 
-    def take(self, deadline: float) -> ReadyBlock | int:
-        """The next verified block, or the END count; raises `KVStoreError` if the
-        transfer failed or its deadline passed. The caller must call `sent` after a block."""
+    def take(self, deadline: float, most: int = 1) -> list[ReadyBlock] | int:
+        """The next verified blocks (at least one, up to `most` of those ready), or the END
+        count; raises `KVStoreError` if the transfer failed or its deadline passed. The
+        caller must call `sent` once they went (`abandon` if they could not)."""
         with self.lock:
             while True:
                 if self.failed is not None:
                     raise error_for_status(self.failed.code, self.failed.message)
                 if self.ready:
-                    block = self.ready.popleft()
-                    self.sending += 1
+                    ready = self.ready
+                    block = [ready.popleft() for _ in range(min(most, len(ready)))]
+                    self.sending += len(block)
                     wake = self._producer_waits and len(self.ready) <= self.max_ready // 2
                     if wake:
                         self._producer_waits = False
@@ -169,19 +171,19 @@ class FetchTransfer(Transfer):
         with self.lock:
             return self.end if self.end is not None and not self.ready else None
 
-    def sent(self) -> None:
+    def sent(self, blocks: int = 1) -> None:
         with self.lock:
-            self.sending -= 1
+            self.sending -= blocks
             idle = self.sending == 0 and (self.closed or self.failed is not None)
-        self.counters.add("blocks_out")
-        self.counters.add("bytes_out", self.block_bytes)
+        self.counters.add("blocks_out", blocks)
+        self.counters.add("bytes_out", blocks * self.block_bytes)
         if idle:
             self.wake(self._idle)
 
-    def abandon(self, reason: str) -> None:
-        """A taken block was not sent (the connection broke): the fetch cannot complete."""
+    def abandon(self, reason: str, blocks: int = 1) -> None:
+        """Taken blocks were not sent (the connection broke): the fetch cannot complete."""
         with self.lock:
-            self.sending -= 1
+            self.sending -= blocks
         self.fail(grpc.StatusCode.UNAVAILABLE, f"a data lane connection broke mid-fetch: {reason}")
         self.wake(self._idle)
 

@@ -895,7 +895,7 @@ def test_a_lane_put_is_freed_once_done_without_the_garbage_collector(daemon_thre
     from kvstore.server.put_transfer import PutTransfer
 
     def alive() -> list[PutTransfer]:
-        return [o for o in gc.get_objects() if isinstance(o, PutTransfer)]
+        return [o for o in gc.get_objects() if type(o) is PutTransfer]  # (isinstance would ask proxies)
 
     monkeypatch.setattr(daemon_thread.daemon.gc_freezer, "maybe_freeze", lambda *args: False)
     gc.collect()
@@ -912,3 +912,77 @@ def test_a_lane_put_is_freed_once_done_without_the_garbage_collector(daemon_thre
         assert alive() == [], "a finished lane put is left for the garbage collector"
     finally:
         gc.enable()
+
+
+def test_small_frames_are_read_many_to_a_receive_and_long_ones_straight_in():
+    """A lane connection reads short frames (headers, trailers, small blocks) through a
+    receive buffer one system call fills with whatever arrived, and a long block straight
+    into its destination: frames of any sizes, sent back to back, come out whole, each
+    block with the checksum it was sent with."""
+    a, b = socket.socketpair()
+    with contextlib.closing(a), contextlib.closing(b):
+        sender, receiver = LaneSocket(a, 5.0), LaneSocket(b, 5.0)
+        blocks = [bytes([i]) * n for i, n in enumerate([256, 1, 4096, 300_000, 17, 256, 70_000])]
+        transfer = b"t" * 16
+
+        def send() -> None:
+            sender.send_blocks(transfer, [(i, memoryview(x), checksum_of(x)) for i, x in enumerate(blocks[:3])])
+            sender.send_blocks(transfer, [(3, memoryview(blocks[3]), checksum_of(blocks[3]))])
+            sender.send_blocks(transfer, [(i + 4, memoryview(x), checksum_of(x)) for i, x in enumerate(blocks[4:])])
+            sender.send_frame(END, transfer, block=len(blocks))
+
+        t = threading.Thread(target=send)
+        t.start()
+        try:
+            for i, want in enumerate(blocks):
+                frame = receiver.read_frame(time.monotonic() + 5)
+                assert (frame.kind, frame.block, frame.length) == (DATA, i, len(want))
+                dest = bytearray(frame.length)
+                got, sent = receiver.recv_block(memoryview(dest), time.monotonic() + 5)
+                assert got == sent == checksum_of(want) and bytes(dest) == want
+            assert receiver.read_frame(time.monotonic() + 5).kind == END
+            assert receiver.buffered() == 0
+        finally:
+            t.join(10)
+
+
+def test_an_idle_connection_drops_credit_read_ahead_and_nothing_else():
+    """Frames received ahead with a transfer's last ones stay in the connection's
+    buffer, out of a poll's sight: a pooled connection is still good with CREDIT frames
+    there (dropped), and not with anything else."""
+    from client.datalane import _alive
+
+    for extra, alive in ((pack(CREDIT, b"t" * 16, 0, 0, 4096) * 2, True),
+                         (pack(ERROR, b"t" * 16, 13, 0), False)):
+        a, b = socket.socketpair()
+        with contextlib.closing(a), contextlib.closing(b):
+            sender, receiver = LaneSocket(a, 5.0), LaneSocket(b, 5.0)
+            sender.send_frame(END, b"t" * 16, block=1)
+            a.sendall(extra)
+            time.sleep(0.05)
+            assert receiver.read_frame(time.monotonic() + 5).kind == END
+            assert receiver.buffered() == len(extra)
+            assert _alive(receiver) is alive
+            assert receiver.buffered() == 0
+
+
+def test_a_fetch_of_small_blocks_sends_many_to_a_call(daemon_thread, monkeypatch):
+    """Small blocks of a fetch go out as many DATA frames per system call as the credit
+    and the batch allow, byte-exact."""
+    layout = KVLayout(model="test/lane-small", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=64,
+                      block_size_tokens=4)
+    calls: list[int] = []
+    real = LaneSocket.send_blocks
+
+    def counting(self, transfer, blocks):  # type: ignore[no-untyped-def]
+        calls.append(len(blocks))
+        return real(self, transfer, blocks)
+
+    monkeypatch.setattr(LaneSocket, "send_blocks", counting)
+    want = [bytes([i % 251]) * layout.bytes_per_block for i in range(300)]
+    toks = list(range(4 * 300))
+    with Client(daemon_thread.tcp_target, data_plane="lane") as kv:
+        kv.put(layout, toks, want)
+        calls.clear()
+        assert [bytes(g) for g in kv.fetch(layout, toks)] == want
+    assert sum(calls) == 300 and max(calls) > 1 and len(calls) < 300 // 4
