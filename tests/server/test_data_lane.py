@@ -986,3 +986,44 @@ def test_a_fetch_of_small_blocks_sends_many_to_a_call(daemon_thread, monkeypatch
         calls.clear()
         assert [bytes(g) for g in kv.fetch(layout, toks)] == want
     assert sum(calls) == 300 and max(calls) > 1 and len(calls) < 300 // 4
+
+
+async def test_a_fetch_of_many_blocks_in_memory_lets_the_loop_serve_other_calls():
+    """Blocks in host memory never make a fetch's pump wait, so it lets the event loop
+    run between batches of them: other calls (an engine's lookups on the node that serves
+    a pull) are not held up by all of a large fetch's blocks at once."""
+    import grpc as grpc_mod
+
+    from kvstore.server.fetch_transfer import PUMP_BATCH_BLOCKS, FetchTransfer, _lane_frame
+    from kvstore.server.transfer import LaneCounters
+
+    blocks = 5 * PUMP_BATCH_BLOCKS
+
+    class InMemory:  # a fetch's stream whose blocks are all in host memory
+        block_bytes = 16
+
+        def frames(self, frame):  # type: ignore[no-untyped-def]
+            async def each():  # type: ignore[no-untyped-def]
+                for i in range(blocks):
+                    yield frame(i, memoryview(bytes([i % 251]) * 16))
+            return each()
+
+        def close(self) -> None:
+            pass
+
+    loop = asyncio.get_running_loop()
+    transfer = FetchTransfer(b"f" * 16, "default", time.monotonic() + 30, 1, loop, InMemory(), LaneCounters())
+    seen: list[int] = []  # how many blocks were queued each time another task ran meanwhile
+
+    async def other_calls() -> None:
+        while len(transfer.ready) < blocks:
+            seen.append(len(transfer.ready))
+            await asyncio.sleep(0)
+
+    others = asyncio.ensure_future(other_calls())
+    pump = asyncio.ensure_future(transfer.pump())
+    await asyncio.wait_for(others, 10)
+    transfer.fail(grpc_mod.StatusCode.CANCELLED, "the test is done")  # no connection joins: end it
+    await asyncio.wait_for(pump, 10)
+    assert [n for n in seen if 0 < n < blocks] == [PUMP_BATCH_BLOCKS * k for k in range(1, 5)]
+    assert transfer.counters.get("served_bytes_out") == blocks * 16
