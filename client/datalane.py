@@ -62,6 +62,7 @@ from kvstore.datalane import (
     ProtocolError,
     checksum_of,
     hello_payload,
+    send_batch,
     status_of,
     unpack,
 )
@@ -465,14 +466,20 @@ class DataLane:
                         return  # LaneCommit waits for what is still on the way
                     more = self._credit(lane, transfer_id, deadline, push)
                     credit += more
-                i = push.next()
-                if i is None:
+                # As many of the next blocks as the credit covers, up to a batch: small
+                # blocks go many to one system call.
+                batch: list[int] = []
+                for _ in range(send_batch(credit, block_bytes)):
+                    i = push.next()
+                    if i is None:
+                        break
+                    batch.append(i)
+                if not batch:
                     return
-                data = sources[i]
-                lane.send_data(transfer_id, i, data, checksum_of(data))
-                credit -= block_bytes
+                lane.send_blocks(transfer_id, [(i, sources[i], checksum_of(sources[i])) for i in batch])
+                credit -= block_bytes * len(batch)
                 with counters.lock:
-                    counters.bytes_sent += block_bytes
+                    counters.bytes_sent += block_bytes * len(batch)
         except BaseException:
             push.failed = True
             raise

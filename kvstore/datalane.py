@@ -85,6 +85,17 @@ TLS_SEND_PIECE_BYTES = 256 << 10
 # RECV_BUFFER_BYTES: small blocks come in many to a call instead of three calls each.
 SMALL_READ_BYTES = 16 << 10
 RECV_BUFFER_BYTES = 64 << 10
+# Blocks a sender puts in one system call, at most (those it holds credit for, of a
+# fetch's ready ones or a put's next ones): so many and so many bytes. A sendmsg takes
+# at most 1,024 buffers, three per block.
+SEND_BATCH_BLOCKS = 64
+SEND_BATCH_BYTES = 1 << 20
+
+
+def send_batch(credit: int, block_bytes: int) -> int:
+    """How many blocks of `block_bytes` to send in one call with `credit` bytes of credit
+    (at least one)."""
+    return max(1, min(credit // block_bytes, SEND_BATCH_BYTES // block_bytes, SEND_BATCH_BLOCKS))
 
 _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 

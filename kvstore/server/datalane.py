@@ -69,6 +69,7 @@ from kvstore.datalane import (
     LaneTimeout,
     ProtocolError,
     parse_hello,
+    send_batch,
 )
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.laneproto import method_path
@@ -93,10 +94,6 @@ ACCEPTS_PER_WAKEUP = 32
 ACCEPT_PAUSE_S = 0.1
 # Put transfers one connection remembers credit for (a client runs one at a time).
 MAX_PUTS_PER_CONNECTION = 16
-# A fetch's blocks sent in one system call, at most (ready, with credit for them): so
-# many and so many bytes. A sendmsg takes at most 1,024 buffers, three per block.
-SEND_BATCH_BLOCKS = 64
-SEND_BATCH_BYTES = 1 << 20
 AUTH_PATH = method_path("DataLane")
 OFF, AUTO = "off", "auto"
 UNIX_SUFFIX = ".data"
@@ -483,8 +480,7 @@ class _Connection:
             try:
                 # As many ready blocks as the credit covers, up to a batch: small blocks
                 # go many to one system call.
-                item = transfer.take(transfer.deadline, max(1, min(credit // need, SEND_BATCH_BYTES // need,
-                                                                   SEND_BATCH_BLOCKS)))
+                item = transfer.take(transfer.deadline, send_batch(credit, need))
             except KVStoreError as exc:
                 lane.send_error(transfer.id, exc.code, str(exc))
                 return

@@ -1027,3 +1027,25 @@ async def test_a_fetch_of_many_blocks_in_memory_lets_the_loop_serve_other_calls(
     await asyncio.wait_for(pump, 10)
     assert [n for n in seen if 0 < n < blocks] == [PUMP_BATCH_BLOCKS * k for k in range(1, 5)]
     assert transfer.counters.get("served_bytes_out") == blocks * 16
+
+
+def test_a_put_of_small_blocks_sends_many_to_a_call(daemon_thread, monkeypatch):
+    """A lane put's small blocks go out as many DATA frames per system call as its
+    credit and the batch allow, and land byte-exact."""
+    layout = KVLayout(model="test/lane-small-put", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=64,
+                      block_size_tokens=4)
+    calls: list[int] = []
+    real = LaneSocket.send_blocks
+
+    def counting(self, transfer, blocks):  # type: ignore[no-untyped-def]
+        calls.append(len(blocks))
+        return real(self, transfer, blocks)
+
+    monkeypatch.setattr(LaneSocket, "send_blocks", counting)
+    want = [bytes([i % 251]) * layout.bytes_per_block for i in range(300)]
+    toks = list(range(4 * 300))
+    with Client(daemon_thread.tcp_target, data_plane="lane") as kv:
+        assert kv.put(layout, toks, want).stored == 300
+        assert sum(calls) == 300 and max(calls) > 1 and len(calls) < 300 // 4
+        calls.clear()
+        assert [bytes(g) for g in kv.fetch(layout, toks)] == want
