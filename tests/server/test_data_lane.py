@@ -966,11 +966,14 @@ def test_an_idle_connection_drops_credit_read_ahead_and_nothing_else():
             assert receiver.buffered() == 0
 
 
-def test_a_fetch_of_small_blocks_sends_many_to_a_call(daemon_thread, monkeypatch):
-    """Small blocks of a fetch go out as many DATA frames per system call as the credit
-    and the batch allow, byte-exact."""
-    layout = KVLayout(model="test/lane-small", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=64,
-                      block_size_tokens=4)
+# Blocks of 256 B: small enough for many to go in one system call.
+SMALL = KVLayout(model="test/lane-small", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=64,
+                 block_size_tokens=4)
+
+
+def _sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of blocks of each `LaneSocket.send_blocks` from now on (both ends: the
+    daemon runs in this process)."""
     calls: list[int] = []
     real = LaneSocket.send_blocks
 
@@ -979,12 +982,19 @@ def test_a_fetch_of_small_blocks_sends_many_to_a_call(daemon_thread, monkeypatch
         return real(self, transfer, blocks)
 
     monkeypatch.setattr(LaneSocket, "send_blocks", counting)
-    want = [bytes([i % 251]) * layout.bytes_per_block for i in range(300)]
+    return calls
+
+
+def test_a_fetch_of_small_blocks_sends_many_to_a_call(daemon_thread, monkeypatch):
+    """Small blocks of a fetch go out as many DATA frames per system call as the credit
+    and the batch allow, byte-exact."""
+    calls = _sends(monkeypatch)
+    want = [bytes([i % 251]) * SMALL.bytes_per_block for i in range(300)]
     toks = list(range(4 * 300))
     with Client(daemon_thread.tcp_target, data_plane="lane") as kv:
-        kv.put(layout, toks, want)
+        kv.put(SMALL, toks, want)
         calls.clear()
-        assert [bytes(g) for g in kv.fetch(layout, toks)] == want
+        assert [bytes(g) for g in kv.fetch(SMALL, toks)] == want
     assert sum(calls) == 300 and max(calls) > 1 and len(calls) < 300 // 4
 
 
@@ -1032,20 +1042,10 @@ async def test_a_fetch_of_many_blocks_in_memory_lets_the_loop_serve_other_calls(
 def test_a_put_of_small_blocks_sends_many_to_a_call(daemon_thread, monkeypatch):
     """A lane put's small blocks go out as many DATA frames per system call as its
     credit and the batch allow, and land byte-exact."""
-    layout = KVLayout(model="test/lane-small-put", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=64,
-                      block_size_tokens=4)
-    calls: list[int] = []
-    real = LaneSocket.send_blocks
-
-    def counting(self, transfer, blocks):  # type: ignore[no-untyped-def]
-        calls.append(len(blocks))
-        return real(self, transfer, blocks)
-
-    monkeypatch.setattr(LaneSocket, "send_blocks", counting)
-    want = [bytes([i % 251]) * layout.bytes_per_block for i in range(300)]
-    toks = list(range(4 * 300))
+    calls = _sends(monkeypatch)
+    want = [bytes([(i + 7) % 251]) * SMALL.bytes_per_block for i in range(300)]
+    toks = list(range(10_000, 10_000 + 4 * 300))
     with Client(daemon_thread.tcp_target, data_plane="lane") as kv:
-        assert kv.put(layout, toks, want).stored == 300
+        assert kv.put(SMALL, toks, want).stored == 300
         assert sum(calls) == 300 and max(calls) > 1 and len(calls) < 300 // 4
-        calls.clear()
-        assert [bytes(g) for g in kv.fetch(layout, toks)] == want
+        assert [bytes(g) for g in kv.fetch(SMALL, toks)] == want
