@@ -558,7 +558,10 @@ def _alive(lane: LaneSocket) -> bool:
         rest = lane.take_buffered()
         for at in range(0, len(rest), HEADER_BYTES):
             head = rest[at : at + HEADER_BYTES]
-            if len(head) < HEADER_BYTES or unpack(head).kind != CREDIT or unpack(head).length:
+            if len(head) < HEADER_BYTES:
+                return False
+            frame = unpack(head)
+            if frame.kind != CREDIT or frame.length:
                 return False
     poller = select.poll()
     try:

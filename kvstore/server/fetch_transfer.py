@@ -84,26 +84,27 @@ class FetchTransfer(Transfer):
         frames = cast(AsyncGenerator[_LaneFramed, None], self.stream.frames(_lane_frame))  # an async generator
         try:
             served = counted = 0
-            async for framed in frames:
-                assert framed.checksum is not None
-                with self.lock:
-                    if self.failed is not None:
+            try:
+                async for framed in frames:
+                    assert framed.checksum is not None
+                    with self.lock:
+                        if self.failed is not None:
+                            return
+                        ready = self.ready
+                        ready.append(ReadyBlock(served, framed.payload[0], framed.checksum))
+                        self.lock.notify()
+                        self._producer_waits = len(ready) >= self.max_ready
+                    del framed
+                    served += 1
+                    if self._producer_waits:
+                        await self.until(self._space, lambda: self.failed is not None or
+                                         len(self.ready) <= self.max_ready // 2)
+                    if served % PUMP_BATCH_BLOCKS == 0:
                         self.counters.add("served_bytes_out", (served - counted) * self.block_bytes)
-                        return
-                    ready = self.ready
-                    ready.append(ReadyBlock(served, framed.payload[0], framed.checksum))
-                    self.lock.notify()
-                    self._producer_waits = len(ready) >= self.max_ready
-                del framed
-                served += 1
-                if self._producer_waits:
-                    await self.until(self._space, lambda: self.failed is not None or
-                                     len(self.ready) <= self.max_ready // 2)
-                if served % PUMP_BATCH_BLOCKS == 0:
-                    self.counters.add("served_bytes_out", (served - counted) * self.block_bytes)
-                    counted = served
-                    await asyncio.sleep(0)  # the loop's other calls, between batches
-            self.counters.add("served_bytes_out", (served - counted) * self.block_bytes)
+                        counted = served
+                        await asyncio.sleep(0)  # the loop's other calls, between batches
+            finally:  # every block queued is counted, however the loop ends
+                self.counters.add("served_bytes_out", (served - counted) * self.block_bytes)
             with self.lock:
                 self.end = served
                 self.lock.notify_all()

@@ -592,10 +592,7 @@ class _Connection(asyncio.BufferedProtocol):
         try:
             yielded = coro.send(None)
         except StopIteration as stop:
-            answer, ending = stop.value
-            self.write(*answer)
-            if ending is not None:
-                ending.record()
+            self._answer(*stop.value)
             return
         finally:
             deferral.release()
@@ -609,10 +606,14 @@ class _Connection(asyncio.BufferedProtocol):
         frames that waited for it."""
         answer, ending = await resume(coro, yielded)
         self.task = None
+        self._answer(answer, ending)
+        self.take_frames()
+
+    def _answer(self, answer: Answer, ending: _Ending | None) -> None:
+        """Write a call's answer, then record its metrics."""
         self.write(*answer)
         if ending is not None:
             ending.record()
-        self.take_frames()
 
     def _failed(self, task: asyncio.Task[Any]) -> None:
         if self.task is task:
