@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from kvstore.cluster.breaker import Breakers
 from kvstore.cluster.transport import PeerCall, PeerError, PeerTransport
+from kvstore.core.fetch import FetchStream
 from kvstore.core.store import Store
 from kvstore.errors import KVStoreError
 
@@ -150,8 +151,9 @@ class Forwarder:
                 if k == 0:
                     return 0
                 hashes = b"".join(job.hashes[:k])
+                assert isinstance(stream, FetchStream)  # grouped layouts are not forwarded (`ClusterNode.after_put`)
                 stored, existing = await self.transport.put(
-                    job.node, job.call, hashes, job.parent or b"", job.position, stream.frames(self.transport.framer),
+                    job.node, job.call, hashes, job.parent or b"", job.position, self.transport.outgoing(stream),
                     self.timeout_s, [run for run in job.runs if run[0] < k])
         except PeerError as exc:
             self.breakers.failure(job.node)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -54,6 +54,9 @@ from kvstore.wire import (
     varint,
 )
 from kvstore.v1 import kvstore_pb2
+
+if TYPE_CHECKING:
+    from kvstore.core.fetch import FetchStream
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +179,11 @@ class PeerTransport(Protocol):
     # frames with it, so a block is copied out of its tier once).
     framer: Callable[[int, memoryview], Framed]
 
+    def outgoing(self, stream: FetchStream) -> AsyncIterator[Framed]:
+        """A local fetch's blocks as `put` takes them (framed by `framer`, or views where
+        `put` sends blocks from where they are)."""
+        ...
+
     def update(self, addresses: Mapping[str, Sequence[str]]) -> None:
         """The current members' addresses (node id -> host:port, best first)."""
 
@@ -238,6 +246,10 @@ class GrpcPeerTransport:
         self._channels: dict[str, tuple[str, grpc.aio.Channel, Any, Any, Any]] = {}
         self._controls: dict[tuple[grpc.aio.Channel, str], Any] = {}
         self._closing: list[grpc.aio.Channel] = []
+
+
+    def outgoing(self, stream: FetchStream) -> AsyncIterator[Framed]:
+        return stream.frames(self.framer)
 
     def update(self, addresses: Mapping[str, Sequence[str]]) -> None:
         # Channels of departed peers stay until their address changes: a peer that left is

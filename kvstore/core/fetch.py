@@ -22,19 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_futures
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
-from kvstore.checksum import checksum_pieced
+from kvstore.checksum import checksum, checksum_pieced
 from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex, make_key
 from kvstore.core.placement import Placement
 from kvstore.core.results import MigrationConfig, NamespaceInfo, StoreCounters
 from kvstore.core.store_tier import StoreTier
+from kvstore.core.table import I64
+from kvstore.core.tier import Slot
 from kvstore.errors import DataLoss
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,38 @@ class _OneCopy(NamedTuple):
     checksum: int | None
 
 
+class ViewedBlock(NamedTuple):
+    """A block where it is (a view of its tier's memory, or the bytes read) and the
+    checksum of those bytes, which matched the stored one: what `view_batches` yields."""
+
+    data: memoryview
+    checksum: int
+
+
+class _Viewed(NamedTuple):
+    """`frames`' form of a `ViewedBlock` (no message, no copy)."""
+
+    messages: list[bytes]
+    payload: list[memoryview]
+    checksum: int
+
+
+def _viewed(index: int, data: memoryview) -> _Viewed:
+    return _Viewed([], [data], checksum(data))
+
+
+class _HostPlan(NamedTuple):
+    """A stream whose blocks' top copies are all in one tier with host views: its rows
+    (and their generations), offsets in that tier, stored checksums and sizes."""
+
+    st: StoreTier
+    rows: I64
+    gens: I64
+    offsets: list[int]
+    checksums: list[int]
+    nbytes: list[int]
+
+
 def _one_copy(index: int, data: memoryview) -> _OneCopy:
     copy = bytes(data)
     return _OneCopy([copy], [memoryview(copy)], None)
@@ -84,7 +118,7 @@ class FetchPath:
     def __init__(self, index: BlockIndex, copies: CopyBook, placement: Placement, counters: StoreCounters,
                  tiers: Sequence[StoreTier], config: MigrationConfig, executor: Executor | None,
                  unpin: Callable[[str], object]) -> None:
-        self._index = index
+        self.index = index
         self.copies = copies
         self.placement = placement
         self.counters = counters
@@ -99,7 +133,7 @@ class FetchPath:
         per-call limits already); use as `async with`. `lease_id`, if given, is released
         when the stream closes: the lease's job (bridging lookup and fetch) is done."""
         ns = info.namespace_id
-        entries = self._index.longest_ready_prefix([make_key(ns, h) for h in hashes])
+        entries = self.index.longest_ready_prefix([make_key(ns, h) for h in hashes])
         self.counters.fetches += 1
         return FetchStream(self, entries, info.layout.bytes_per_block, lease_id)
 
@@ -138,6 +172,8 @@ class FetchStream:
         # `close` waits for them before letting go of the blocks).
         self._reads: dict[int, asyncio.Task[tuple[StoreTier, bytes | None]]] = {}
         self._jobs: set[Future[Any]] = set()
+        # Rows `view_batches` served in array steps, for the policies (`touch_rows`).
+        self._touched: list[tuple[StoreTier, I64, I64]] = []
         for entry in entries:
             path.copies.hold(entry)
 
@@ -165,6 +201,9 @@ class FetchStream:
             # the copies not started, wait for the running one (one block).
             wait_futures([job for job in self._jobs if not job.cancel()])
             self._jobs.clear()
+        touched, self._touched = self._touched, []
+        if touched:
+            touch_rows(self._path.index, touched)
         for entry in self._entries:
             self._path.copies.release(entry)
         if self._lease_id:
@@ -225,7 +264,8 @@ class FetchStream:
         async for framed in self.frames(_one_copy):
             yield framed.messages[0]
 
-    async def frames(self, frame: Callable[[int, memoryview], F]) -> AsyncIterator[F]:
+    async def frames(self, frame: Callable[[int, memoryview], F], start: int = 0,
+                     stop: int | None = None) -> AsyncGenerator[F, None]:
         """Each block as the messages `frame` makes of it (e.g. wire messages), verified.
 
         `frame` copies the block's bytes into its messages; the checksum is then taken over
@@ -234,6 +274,8 @@ class FetchStream:
         hashed on the loop, right before it is yielded (a thread hand-off per block costs
         more than it saves: the copy holds the GIL); a larger one on a hashing thread, so
         the loop stays responsive (`frame` must then be safe to call off the loop).
+        `start`, `stop`: the planned blocks from `start` up to `stop` only (`view_batches`
+        hands single blocks to this path).
         """
         path = self._path
         entries = self._entries
@@ -242,13 +284,15 @@ class FetchStream:
         # Blocks without views are read ahead, concurrently: reads have been started for
         # the blocks before `ahead_end`, which hold `ahead_bytes` from the current one on.
         read_ahead = any(not st.tier.has_host_view for st in path.tiers)
-        ahead_end = ahead_bytes = 0
+        end = len(entries) if stop is None else min(stop, len(entries))
+        ahead_end, ahead_bytes = start, 0
         served: list[tuple[StoreTier, BlockEntry]] = []  # for the policies, touched once at the end
         try:
-            for i, entry in enumerate(entries):
+            for i in range(start, end):
+                entry = entries[i]
                 if self._closed:
                     return
-                while read_ahead and ahead_end < len(entries) and (ahead_end <= i or ahead_bytes < FETCH_AHEAD_BYTES):
+                while read_ahead and ahead_end < end and (ahead_end <= i or ahead_bytes < FETCH_AHEAD_BYTES):
                     self._start_read(ahead_end)
                     ahead_bytes += entries[ahead_end].nbytes
                     ahead_end += 1
@@ -297,6 +341,94 @@ class FetchStream:
             self._reads.clear()
             touch_served(served)
 
+    async def view_batches(self, most: int) -> AsyncGenerator[list[ViewedBlock], None]:
+        """The planned blocks as `frames` gives them to a framer that sends a block from
+        where it is (no copy, as the data lane does), up to `most` to a batch: each block's
+        bytes and their checksum, equal to the one taken at put time.
+
+        When every block's top copy is in one tier with host views and is small enough to
+        hash on the loop (the common case: a pull of a chain from another node's host
+        memory), a batch is found, viewed and checked with array steps over the blocks'
+        rows, not the layers of Python steps `frames` takes per block (a pull of hundreds
+        of small blocks spent milliseconds there). A block that fails its checksum or was
+        removed meanwhile is handed to `frames` alone, which drops the bad copy and tries
+        the next one down, or ends the stream. Otherwise the whole stream goes through
+        `frames`, one block to a batch."""
+        plan = self._host_plan()
+        n = self.num_blocks
+        if plan is None:
+            each = self.frames(_viewed)
+            try:
+                async for framed in each:
+                    yield [ViewedBlock(framed.payload[0], framed.checksum)]
+            finally:
+                await each.aclose()
+            return
+        i = 0
+        while i < n and not self._closed:
+            batch = self._viewed_run(plan, i, min(n, i + max(1, most)))
+            if not batch:
+                one = self.frames(_viewed, i, i + 1)
+                try:
+                    batch = [ViewedBlock(framed.payload[0], framed.checksum) async for framed in one]
+                finally:
+                    await one.aclose()
+                if not batch:
+                    return  # ended early (`ended_early` says why), or closed
+            i += len(batch)
+            yield batch
+
+    def _host_plan(self) -> _HostPlan | None:
+        """What `view_batches` needs to take blocks in array steps, or None where some
+        block's top copy is not in the one tier with host views the others are in."""
+        entries = self._entries
+        if not entries or self.block_bytes > FETCH_INLINE_BYTES:
+            return None
+        index = self._path.index
+        rows, gens = index.rows_of(entries)
+        tops = index.top_ids(rows)
+        tid = int(tops[0])
+        if tid == 0 or (len(tops) > 1 and tops.min() != tops.max()):
+            return None
+        name = index.table.tier_names[tid]
+        st = next((t for t in self._path.tiers if t.name == name), None)
+        if st is None or not st.tier.has_host_view or int(index.nbytes_of(rows).max()) > FETCH_INLINE_BYTES:
+            return None
+        return _HostPlan(st, rows, gens, index.offsets_in(rows, tid), index.checksums_of(rows),
+                         index.nbytes_of(rows).tolist())
+
+    def _viewed_run(self, plan: _HostPlan, start: int, stop: int) -> list[ViewedBlock]:
+        """The blocks from `start` (before `stop`) that are still held and whose view
+        hashes to their checksum, up to the first that is not: counted as sent, and their
+        rows kept for the policies' touch when the stream closes."""
+        index = self._path.index
+        rows, gens = plan.rows[start:stop], plan.gens[start:stop]
+        held = index.held(rows, gens)
+        k = len(held) if held.all() else int(np.argmin(held))
+        st, tier, name = plan.st, plan.st.tier, plan.st.name
+        offsets, sums, sizes = plan.offsets, plan.checksums, plan.nbytes
+        out: list[ViewedBlock] = []
+        for j in range(start, start + k):
+            view = tier.view(Slot(name, offsets[j], sizes[j]), sizes[j])
+            if view is None:
+                break
+            got = checksum(view)
+            if got != sums[j]:
+                break  # `frames` drops this copy and tries the next
+            out.append(ViewedBlock(view, got))
+        if out:
+            # Removed while hashed: no longer sent (as `frames` checks after its copy).
+            after = index.held(rows[: len(out)], gens[: len(out)])
+            if not after.all():
+                del out[int(np.argmin(after)):]
+        if out:
+            self.sent += len(out)
+            counters = self._path.counters
+            counters.blocks_fetched += len(out)
+            counters.bytes_out += sum(sizes[start : start + len(out)])
+            self._touched.append((st, rows[: len(out)], gens[: len(out)]))
+        return out
+
     def _end_early(self, position: int, failed: bool) -> None:
         self.verification_failed = failed
         if failed:
@@ -317,6 +449,16 @@ def touch_served(served: list[tuple[StoreTier, BlockEntry]]) -> None:
             by_tier.setdefault(st.name, (st, []))[1].append(entry.row)
     for st, rows in by_tier.values():
         st.policy.touch_rows(np.asarray(rows, dtype=np.int64))
+
+
+def touch_rows(index: BlockIndex, served: list[tuple[StoreTier, I64, I64]]) -> None:
+    """`touch_served` of the rows `FetchStream.view_batches` served (tier, rows and the
+    generations they were read at), one call per tier, leaving out those removed since."""
+    by_tier: dict[str, tuple[StoreTier, list[I64]]] = {}
+    for st, rows, gens in served:
+        by_tier.setdefault(st.name, (st, []))[1].append(rows[index.held(rows, gens)])
+    for st, parts in by_tier.values():
+        st.policy.touch_rows(np.concatenate(parts))
 
 
 def frame_and_checksum(frame: Callable[[int, memoryview], F], position: int, data: memoryview) -> tuple[F, int]:

@@ -717,6 +717,20 @@ class BlockIndex:
     def nbytes_of(self, rows: I64) -> I64:
         return self.table.nbytes[rows].astype(np.int64)
 
+    @staticmethod
+    def rows_of(entries: Sequence[BlockEntry]) -> tuple[I64, I64]:
+        """The rows of `entries` and the generation each was read at, as arrays (for
+        `held`, which tells the ones still there in one step)."""
+        n = len(entries)
+        return (np.fromiter((e._row for e in entries), np.int64, n),
+                np.fromiter((e._gen for e in entries), np.int64, n))
+
+    def held(self, rows: I64, gens: I64) -> npt.NDArray[np.bool_]:
+        """Which of these entries (`rows_of`) are still the blocks they were and not
+        removed: `BlockEntry.removed` negated, for many at once."""
+        t = self.table
+        return (t.gen[rows] == gens) & ((t.flags[rows] & REMOVED) == 0)  # type: ignore[no-any-return]
+
     def checksums_of(self, rows: I64) -> list[int]:
         return self.table.csum[rows].tolist()  # type: ignore[no-any-return]
 

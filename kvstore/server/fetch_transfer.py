@@ -14,8 +14,8 @@ from typing import ClassVar, NamedTuple, cast
 
 import grpc
 
-from kvstore.core.fetch import FetchStream
-from kvstore.datalane import LaneSocket, checksum_of
+from kvstore.core.fetch import FetchStream, ViewedBlock
+from kvstore.datalane import LaneSocket
 from kvstore.deadlines import within
 from kvstore.errors import DeadlineExceeded, error_for_status
 from kvstore.server.transfer import LaneCounters, Transfer
@@ -32,24 +32,13 @@ READY_BYTES_PER_CONNECTION = 16 << 20
 # blocks in host memory never make it wait, and a pull of hundreds of small ones would
 # otherwise hold the loop for milliseconds (the daemon's own lookups waiting behind it).
 PUMP_BATCH_BLOCKS = 64
+# And bytes it hashes in one step (larger blocks come fewer to a step).
+PUMP_BATCH_BYTES = 4 << 20
 
 class ReadyBlock(NamedTuple):
     position: int
     data: memoryview
     checksum: int
-
-
-class _LaneFramed(NamedTuple):
-    """A block as the lane sends it: its bytes where they are (no message, no copy); the
-    checksum is taken over them, so what is verified is what is sent."""
-
-    messages: list[bytes]
-    payload: list[memoryview]
-    checksum: int | None
-
-
-def _lane_frame(index: int, data: memoryview) -> _LaneFramed:
-    return _LaneFramed([], [data], checksum_of(data))
 
 
 class FetchTransfer(Transfer):
@@ -81,25 +70,25 @@ class FetchTransfer(Transfer):
         left (or the transfer failed); the stream is closed once no thread sends from it."""
         # Closed explicitly: a generator left to the collector would keep views of tier
         # memory (which must be gone before the tier's segment is unmapped).
-        frames = cast(AsyncGenerator[_LaneFramed, None], self.stream.frames(_lane_frame))  # an async generator
+        batches = cast(AsyncGenerator[list[ViewedBlock], None],
+                       self.stream.view_batches(self._batch_blocks()))  # an async generator
         try:
             served = counted = 0
             try:
-                async for framed in frames:
-                    assert framed.checksum is not None
+                async for batch in batches:
                     with self.lock:
                         if self.failed is not None:
                             return
                         ready = self.ready
-                        ready.append(ReadyBlock(served, framed.payload[0], framed.checksum))
-                        self.lock.notify()
+                        ready.extend(ReadyBlock(served + k, b.data, b.checksum) for k, b in enumerate(batch))
+                        self.lock.notify(len(batch))
                         self._producer_waits = len(ready) >= self.max_ready
-                    del framed
-                    served += 1
+                    served += len(batch)
+                    del batch
                     if self._producer_waits:
                         await self.until(self._space, lambda: self.failed is not None or
                                          len(self.ready) <= self.max_ready // 2)
-                    if served % PUMP_BATCH_BLOCKS == 0:
+                    if served - counted >= PUMP_BATCH_BLOCKS:
                         self.counters.add("served_bytes_out", (served - counted) * self.block_bytes)
                         counted = served
                         await asyncio.sleep(0)  # the loop's other calls, between batches
@@ -118,8 +107,13 @@ class FetchTransfer(Transfer):
                 await self.until(self._idle, lambda: self.failed is not None or (
                     not self.ready and self.joined > 0 and self.left >= self.joined and self.sending == 0))
         finally:
-            await frames.aclose()
+            await batches.aclose()
             await self._release()
+
+    def _batch_blocks(self) -> int:
+        """Blocks the pump takes in one step: PUMP_BATCH_BLOCKS, fewer where they would
+        be more than PUMP_BATCH_BYTES to hash, and never more than the queue holds."""
+        return max(1, min(PUMP_BATCH_BLOCKS, PUMP_BATCH_BYTES // max(1, self.block_bytes), self.max_ready))
 
     async def _release(self) -> None:
         """Close the stream once no thread sends from its blocks: threads still sending

@@ -217,3 +217,87 @@ async def test_served_blocks_count_as_hits_for_the_tier_policy() -> None:
     async with store.open_fetch(LAYOUT.namespace_id, hs) as stream:
         assert len([b async for b in stream]) == 2  # 0 and 1 again; 2 fails and is dropped
     assert policy.order() == [key[3], key[0], key[1]]
+
+
+async def batches_of(stream: fetch_mod.FetchStream, most: int) -> list[list[bytes]]:
+    out: list[list[bytes]] = []
+    async for batch in stream.view_batches(most):
+        for b in batch:
+            assert fetch_mod.checksum(b.data) == b.checksum
+        out.append([bytes(b.data) for b in batch])
+    return out
+
+
+async def test_blocks_in_host_memory_come_in_batches_exact_and_touched_in_order() -> None:
+    """A stream whose blocks all sit in host memory is taken in batches of views, each
+    checked against its stored checksum, counted, and touched for the policy as `frames`
+    touches what it serves."""
+    store = make_store(16)
+    hs = hashes(10)
+    blocks = await put(store, hs)
+    policy = store.tiers[0].policy
+    assert isinstance(policy, LRUPolicy)
+    key = [make_key(LAYOUT.namespace_id, h) for h in hs]
+    async with store.open_fetch(LAYOUT.namespace_id, hs[5:] + hs[:5]) as stream:
+        got = await batches_of(stream, 4)
+        assert readers(store, hs) == [1] * 10  # held until the stream closes
+    assert [len(b) for b in got] == [4, 4, 2]
+    assert sum(got, []) == blocks[5:] + blocks[:5]
+    assert stream.sent == 10 and not stream.ended_early
+    assert store.counters.blocks_fetched == 10
+    assert policy.order() == key[5:] + key[:5]
+    assert readers(store, hs) == [0] * 10
+
+
+async def test_a_corrupt_block_in_a_batch_ends_the_stream_there_and_its_copy_is_dropped() -> None:
+    store = make_store(16)
+    hs = hashes(10)
+    blocks = await put(store, hs)
+    corrupt(store, hs[6])
+    async with store.open_fetch(LAYOUT.namespace_id, hs) as stream:
+        got = await batches_of(stream, 4)
+    assert got == [blocks[:4], blocks[4:6]]  # the batch stops before it; `frames` then fails it
+    assert stream.sent == 6 and stream.verification_failed and "block 6" in stream.ended_early
+    assert store.counters.checksum_failures == 1 and store.counters.blocks_fetched == 6
+    assert store.block(LAYOUT.namespace_id, hs[6]) is None
+    assert readers(store, hs[:6] + hs[7:]) == [0] * 9
+
+
+async def test_a_block_deleted_while_the_stream_runs_ends_it_there() -> None:
+    store = make_store(16)
+    hs = hashes(8)
+    blocks = await put(store, hs)
+    async with store.open_fetch(LAYOUT.namespace_id, hs) as stream:
+        store.delete(LAYOUT.namespace_id, [hs[3]])
+        got = await batches_of(stream, 8)
+    assert got == [blocks[:3]]
+    assert stream.sent == 3 and not stream.verification_failed and "deleted" in stream.ended_early
+    assert readers(store, hs[:3] + hs[4:]) == [0] * 7
+
+
+async def test_blocks_not_all_in_host_memory_come_one_to_a_batch(tmp_path: Path) -> None:
+    """Where some block's top copy has no host view (SSD), the stream goes the way
+    `frames` takes it, one block per batch, and comes back exact."""
+    layout = KVLayout(model="fetch-stream-mixed", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=64,
+                      block_size_tokens=4)
+    ssd = SsdTier(str(tmp_path / "ssd"), 1 << 20, region_size=64 << 10, io_threads=2)
+    store = Store([StoreTier(MemoryTier(4 * BLOCK, name="host"), make_policy("lru"), 0.9, 0.5),
+                   StoreTier(ssd, make_policy("lru"))],
+                  migration=MigrationConfig(promote_on_hit=False, tick_s=3600))
+    await store.start()
+    try:
+        hs = hashes(8)
+        ns = store.register(layout)
+        blocks = [os.urandom(BLOCK) for _ in hs]
+        for i in range(0, 8, 2):
+            async with store.begin_put(ns, hs[i : i + 2]) as txn:
+                for j in range(2):
+                    await txn.write(j, blocks[i + j])
+                await txn.commit()
+            assert await store.flush(10)
+        assert "ssd" in store.lookup(ns, hs).tiers
+        async with store.open_fetch(ns, hs) as stream:
+            got = await batches_of(stream, 4)
+        assert [len(b) for b in got] == [1] * 8 and sum(got, []) == blocks
+    finally:
+        await store.aclose()

@@ -1004,7 +1004,8 @@ async def test_a_fetch_of_many_blocks_in_memory_lets_the_loop_serve_other_calls(
     a pull) are not held up by all of a large fetch's blocks at once."""
     import grpc as grpc_mod
 
-    from kvstore.server.fetch_transfer import PUMP_BATCH_BLOCKS, FetchTransfer, _lane_frame
+    from kvstore.core.fetch import ViewedBlock
+    from kvstore.server.fetch_transfer import PUMP_BATCH_BLOCKS, FetchTransfer
     from kvstore.server.transfer import LaneCounters
 
     blocks = 5 * PUMP_BATCH_BLOCKS
@@ -1012,10 +1013,10 @@ async def test_a_fetch_of_many_blocks_in_memory_lets_the_loop_serve_other_calls(
     class InMemory:  # a fetch's stream whose blocks are all in host memory
         block_bytes = 16
 
-        def frames(self, frame):  # type: ignore[no-untyped-def]
+        def view_batches(self, most):  # type: ignore[no-untyped-def]
             async def each():  # type: ignore[no-untyped-def]
-                for i in range(blocks):
-                    yield frame(i, memoryview(bytes([i % 251]) * 16))
+                for start in range(0, blocks, most):
+                    yield [ViewedBlock(memoryview(bytes([i % 251]) * 16), 0) for i in range(start, min(blocks, start + most))]
             return each()
 
         def close(self) -> None:
@@ -1049,3 +1050,4 @@ def test_a_put_of_small_blocks_sends_many_to_a_call(daemon_thread, monkeypatch):
         assert kv.put(SMALL, toks, want).stored == 300
         assert sum(calls) == 300 and max(calls) > 1 and len(calls) < 300 // 4
         assert [bytes(g) for g in kv.fetch(SMALL, toks)] == want
+
