@@ -311,6 +311,34 @@ class LaneSocket:
         self._recv_into(memoryview(self._trailer), deadline)
         return h.intdigest(), TRAILER.unpack(self._trailer)[0]
 
+    def buffered_blocks(self, transfer: bytes, block_bytes: int, blocks: int,
+                        most: int) -> list[tuple[int, memoryview, int]]:
+        """The DATA frames of `transfer` already received whole (header, `block_bytes`
+        of payload, trailer), up to `most`: (block, its payload in the receive buffer, the
+        sender's checksum) each, in order, with no system call (a receive of small blocks
+        brings hundreds at once). They stay unread until `consume` says how many were
+        taken; it stops at the first frame that is not such a one, or names a block past
+        `blocks`, which is then read the usual way (`read_frame`)."""
+        out: list[tuple[int, memoryview, int]] = []
+        buf = self._rview
+        start, end = self._rstart, self._rend
+        frame_bytes = HEADER_BYTES + block_bytes + TRAILER.size
+        unpack_from, trailer = HEADER.unpack_from, TRAILER.unpack_from
+        while end - start >= frame_bytes and len(out) < most:
+            kind, _flags, _reserved, block, tid, length, _value = unpack_from(buf, start)
+            if kind != DATA or tid != transfer or length != block_bytes or not 0 <= block < blocks:
+                break
+            p = start + HEADER_BYTES
+            out.append((block, buf[p : p + block_bytes], trailer(buf, p + block_bytes)[0]))
+            start += frame_bytes
+        return out
+
+    def consume(self, frames: int, block_bytes: int) -> None:
+        """Drop the first `frames` frames `buffered_blocks` returned (their views go stale)."""
+        start = self._rstart + frames * (HEADER_BYTES + block_bytes + TRAILER.size)
+        assert start <= self._rend
+        self._rstart, self._rend = (start, self._rend) if start < self._rend else (0, 0)
+
     def discard(self, nbytes: int, deadline: float | None) -> None:
         """Read and drop `nbytes` (a DATA frame nobody wants, with its trailer)."""
         if self._scratch is None:

@@ -28,8 +28,10 @@ from kvstore.datalane import (
     HEADER_BYTES,
     HELLO,
     PUSH,
+    TRAILER,
     VERSION,
     WELCOME,
+    LaneClosed,
     LaneSocket,
     LaneTimeout,
     checksum_of,
@@ -1051,3 +1053,63 @@ def test_a_put_of_small_blocks_sends_many_to_a_call(daemon_thread, monkeypatch):
         assert sum(calls) == 300 and max(calls) > 1 and len(calls) < 300 // 4
         assert [bytes(g) for g in kv.fetch(SMALL, toks)] == want
 
+
+def test_small_blocks_received_whole_land_in_one_pass_and_a_bad_one_is_not_returned():
+    """A fetch's small blocks that arrived together are taken from the receive buffer in
+    one pass (`LaneSocket.buffered_blocks`): each lands byte-exact in its destination
+    and is checked there against the checksum it came with; one whose bytes do not match
+    ends the result before it and is counted, and a block sent twice is refused."""
+    from client._auth import Security
+    from client.datalane import DataLane, LaneEndpoint
+
+    transfer = b"t" * 16
+    blocks = [bytes([i]) * 256 for i in range(40)]
+
+    def fetch(frames: bytes) -> tuple[int, list[bytes], DataLane]:
+        a, b = socket.socketpair()
+        with contextlib.closing(a), contextlib.closing(b):
+            daemon, client = LaneSocket(a, 5.0), LaneSocket(b, 5.0)
+
+            def serve() -> None:
+                assert daemon.read_frame(time.monotonic() + 5).kind == FETCH
+                a.sendall(frames)
+
+            lane = DataLane(LaneEndpoint("unix", path="/nowhere"), Security())
+            dests = [bytearray(256) for _ in blocks]
+            t = threading.Thread(target=serve)
+            t.start()
+            try:
+                got = lane.fetch_into([client], transfer, 256, [memoryview(d) for d in dests], 5.0)
+            finally:
+                t.join(10)
+            return got, [bytes(d) for d in dests], lane
+
+    def data(i: int, payload: bytes, sent_sum: int | None = None) -> bytes:
+        s = checksum_of(payload) if sent_sum is None else sent_sum
+        return pack(DATA, transfer, i, len(payload)) + payload + TRAILER.pack(s)
+
+    calls: list[int] = []
+    real = LaneSocket.buffered_blocks
+
+    def counting(self, *args):  # type: ignore[no-untyped-def]
+        out = real(self, *args)
+        calls.append(len(out))
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LaneSocket, "buffered_blocks", counting)
+        whole = b"".join(data(i, x) for i, x in enumerate(blocks)) + pack(END, transfer, len(blocks))
+        got, landed, lane = fetch(whole)
+        assert got == 40 and landed == blocks
+        assert max(calls) > 1 and sum(calls) <= 40  # many to a pass (the first frame is read the usual way)
+        assert lane.stats().blocks_rejected == 0
+
+        calls.clear()
+        bad = b"".join(data(i, x, 12345 if i == 9 else None) for i, x in enumerate(blocks))
+        got, landed, lane = fetch(bad + pack(END, transfer, len(blocks)))
+        assert got == 9 and landed[:9] == blocks[:9] and max(calls) > 1
+        assert lane.stats().blocks_rejected == 1
+
+        twice = data(0, blocks[0]) + data(1, blocks[1]) + data(0, blocks[0]) + pack(END, transfer, 2)
+        with pytest.raises(LaneClosed, match="sent block 0 twice"):
+            fetch(twice)
