@@ -61,6 +61,8 @@ SLACK_FRACTION = 1 / 8
 SLACK_HOLD_S = 10.0
 # Free extents looked at for one block before the tier answers that it has no room.
 SEARCH_EXTENTS = 64
+# Extents marked together below this many are marked one by one (`_mark_many`).
+MARK_MANY_MIN = 8
 
 
 def _pages(offset: int, size: int) -> slice:
@@ -197,8 +199,7 @@ class SpacedHostTier(MappedSlabTier):
         if not offsets:
             return []
         if size & (PAGE_BYTES - 1) or any(o & (PAGE_BYTES - 1) for o in offsets):
-            for o in offsets:
-                self._mark(o, size, 1)
+            self._mark_many(offsets, size, 1)
         size = self._sizes.setdefault(size, size)
         self._account_many(size, len(offsets))
         tag, name = space << SPACE_SHIFT, self.name
@@ -229,6 +230,32 @@ class SpacedHostTier(MappedSlabTier):
         if end & (PAGE_BYTES - 1) and (last != first or not offset & (PAGE_BYTES - 1)):
             edges.append((last, end - max(offset, last << PAGE_SHIFT)))
         for page, n in edges:
+            live = partial.get(page, 0) + sign * n
+            if live:
+                partial[page] = live
+            else:
+                del partial[page]
+
+    def _mark_many(self, offsets: list[int], size: int, sign: int) -> None:
+        """`_mark` of many extents of one size. Extents under a page (small blocks, many
+        to a page) are summed per page in array steps first: one count per page changes,
+        not one per extent."""
+        if size >= PAGE_BYTES or len(offsets) < MARK_MANY_MIN:
+            for o in offsets:
+                self._mark(o, size, sign)
+            return
+        # An extent under a page covers each of its one or two pages in part.
+        start = np.asarray(offsets, np.int64)
+        end = start + size
+        first, last = start >> PAGE_SHIFT, (end - 1) >> PAGE_SHIFT
+        two = last != first
+        pages = np.concatenate([first, last[two]])
+        amounts = np.concatenate([np.minimum(end, (first + 1) << PAGE_SHIFT) - start, end[two] - (last[two] << PAGE_SHIFT)])
+        touched, at = np.unique(pages, return_inverse=True)
+        sums = np.zeros(len(touched), np.int64)
+        np.add.at(sums, at, amounts)
+        partial = self._partial
+        for page, n in zip(touched.tolist(), sums.tolist()):
             live = partial.get(page, 0) + sign * n
             if live:
                 partial[page] = live

@@ -182,3 +182,30 @@ async def test_free_pages_of_a_space_are_kept_for_it_until_nothing_else_is_left(
         assert tier.allocate(PAGE_BYTES, 2) is not None
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_extents_marked_together_count_each_page_as_one_by_one(seed, clock):
+    """`_mark_many` (a put's small blocks, summed per page) leaves the partial-page counts
+    exactly as marking each extent alone does, on and off page boundaries, for extents
+    under a page and over one, marked and unmarked."""
+    rng = random.Random(seed)
+    together, alone = tier_of(1 << 20, clock), tier_of(1 << 20, clock)
+    try:
+        for size in (256, 768, 1000, PAGE_BYTES - 256, PAGE_BYTES + 512):
+            start = rng.randrange(0, 64) * 256
+            offsets = [start + k * size for k in range(rng.randrange(8, 40))]
+            for tier in (together, alone):
+                tier._partial.clear()
+            together._mark_many(offsets, size, 1)
+            for o in offsets:
+                alone._mark(o, size, 1)
+            assert together._partial == alone._partial and together._partial
+            half = offsets[::2]
+            together._mark_many(half, size, -1)
+            for o in half:
+                alone._mark(o, size, -1)
+            assert together._partial == alone._partial
+    finally:
+        together.close()
+        alone.close()
