@@ -392,10 +392,10 @@ class FetchStream:
             return None
         name = index.table.tier_names[tid]
         st = next((t for t in self._path.tiers if t.name == name), None)
-        if st is None or not st.tier.has_host_view or int(index.nbytes_of(rows).max()) > FETCH_INLINE_BYTES:
+        nbytes = index.nbytes_of(rows)
+        if st is None or not st.tier.has_host_view or int(nbytes.max()) > FETCH_INLINE_BYTES:
             return None
-        return _HostPlan(st, rows, gens, index.offsets_in(rows, tid), index.checksums_of(rows),
-                         index.nbytes_of(rows).tolist())
+        return _HostPlan(st, rows, gens, index.offsets_in(rows, tid), index.checksums_of(rows), nbytes.tolist())
 
     def _viewed_run(self, plan: _HostPlan, start: int, stop: int) -> list[ViewedBlock]:
         """The blocks from `start` (before `stop`) that are still held and whose view
