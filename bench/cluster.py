@@ -558,6 +558,13 @@ def daemon_parts_text(extra: dict[str, Any]) -> str:
             f"  local p99 / single p99 {rl['local_vs_single_p99_ratio']:.2f}x; the two single nodes' p99 differ "
             f"{rl['single_nodes_p99_ratio']:.2f}x in the same run",
         ]
+        if "remote_fetch_p50_us" in rl:
+            lines += [
+                f"  fetch after the remote lookup (A)  p50 {rl['remote_fetch_p50_us'] / 1e3:.1f} ms  "
+                f"p99 {rl['remote_fetch_p99_us'] / 1e3:.1f} ms  (waits for the copy of B's half)",
+                f"  the same fetch, cluster off (S)     p50 {rl['single_fetch_p50_us'] / 1e3:.1f} ms  "
+                f"p99 {rl['single_fetch_p99_us'] / 1e3:.1f} ms",
+            ]
         if "owner_put_p50_us" in rl:
             lines += [
                 f"  put waiting for the owners (on B)  p50 {rl['owner_put_p50_us'] / 1e3:.1f} ms  "

@@ -449,6 +449,8 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0, link: 
             owner_put_us: list[float] = []
             single_put_us: list[float] = []
             remote_share: list[float] = []
+            remote_fetch_us: list[float] = []  # A's fetch right after the remote lookup (it joins the pull)
+            single_fetch_us: list[float] = []  # S's fetch of the same chain, all of it there
             complete = wrong = 0
             with Client(a.target) as ka, Client(b.target) as kb, Client(s.target) as ks, \
                     Client(s2.target) as ks2:
@@ -487,7 +489,9 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0, link: 
                         remote_us.append((time.perf_counter() - t) * 1e6)
                         complete += hit.num_blocks == CHAIN_BLOCKS
                         remote_share.append(hit.remote_blocks / CHAIN_BLOCKS)
+                        t = time.perf_counter()
                         got = ka.fetch(layout, block_hashes=hashes)  # joins the copy of B's part
+                        remote_fetch_us.append((time.perf_counter() - t) * 1e6)
                         wrong += sum(bytes(g) != blocks[k] for k, g in enumerate(got))
                         for _ in range(20):  # a lookup that missed its deadline copied less: again
                             if len(got) == CHAIN_BLOCKS:
@@ -498,7 +502,9 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0, link: 
                         # S and S2 serve the calls A served: a fetch of the chain (whose
                         # slots' lease the client's next call on each daemon ends), so the
                         # three local rows time the same work.
+                        t = time.perf_counter()
                         ks.fetch(layout, block_hashes=hashes)
+                        single_fetch_us.append((time.perf_counter() - t) * 1e6)
                         ks2.fetch(layout, block_hashes=hashes)
                         for r in range(3):
                             # The rows take turns at going first (the one that follows the
@@ -545,6 +551,12 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0, link: 
         "peer_rounds_on_a": int(asked.get("cluster_remote_lookups", "0")),
         # The chain's put on B, answered once A committed its units (wait_for_owners),
         # next to the same put on S (cluster off).
+        # The fetch that follows the remote lookup (it waits for the copy of B's half),
+        # next to the same fetch on S (cluster off, the whole chain there).
+        "remote_fetch_p50_us": round(_pct(remote_fetch_us, 0.50), 1),
+        "remote_fetch_p99_us": round(_pct(remote_fetch_us, 0.99), 1),
+        "single_fetch_p50_us": round(_pct(single_fetch_us, 0.50), 1),
+        "single_fetch_p99_us": round(_pct(single_fetch_us, 0.99), 1),
         "owner_put_p50_us": round(_pct(owner_put_us, 0.50), 1), "owner_put_p99_us": round(_pct(owner_put_us, 0.99), 1),
         "single_put_p50_us": round(_pct(single_put_us, 0.50), 1),
         "single_put_p99_us": round(_pct(single_put_us, 0.99), 1),
