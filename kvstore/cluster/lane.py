@@ -84,6 +84,7 @@ from kvstore.cluster.transport import (
 )
 from kvstore.datalane import LaneSocket
 from kvstore.deadlines import within
+from kvstore.eager import Started, start
 from kvstore.errors import KVStoreError, Unavailable
 from kvstore.hashing import HASH_BYTES
 from kvstore.laneproto import HEADER, IDEMPOTENT, RESPONSE_TYPES, peer_envelope
@@ -550,43 +551,79 @@ class LanePeerTransport:
         if conns is None:
             self.counters.fallbacks += 1
             return await self.grpc.fetch(node, call, hashes, sink, _left(deadline))
+        asked = len(hashes) // HASH_BYTES
         try:
-            dests = await sink.destinations()
-            grant = None
-            if dests:
-                block_bytes = len(dests[0])
-                left = _left(deadline)
-                grant = await self._control(node, call, "LaneFetch", kvstore_pb2.LaneFetchRequest(
-                    fetch=kvstore_pb2.FetchRequest(namespace=kvstore_pb2.Namespace(layout=call.layout),
-                                                   keys=kvstore_pb2.BlockKeys(
-                                                       packed_hashes=hashes[: len(dests) * HASH_BYTES])),
-                    connections=len(conns), timeout_ms=max(1, int(left * 1000))), left)
-                if grant.num_blocks > len(dests):
-                    raise PeerError(node, f"fetch: {grant.num_blocks} blocks answered for {len(dests)} asked")
-                if grant.num_blocks and grant.block_bytes != block_bytes:
-                    # (the transfer ends on the holder at its deadline)
-                    raise PeerError(node, f"fetch: {grant.block_bytes}-byte blocks where this namespace's are "
-                                          f"{block_bytes}")
+            left = _left(deadline)
+            # Asked first, and the local put reserved while the holder opens its fetch
+            # (each takes a millisecond or two for hundreds of blocks).
+            opening = start(self._control(node, call, "LaneFetch", kvstore_pb2.LaneFetchRequest(
+                fetch=kvstore_pb2.FetchRequest(namespace=kvstore_pb2.Namespace(layout=call.layout),
+                                               keys=kvstore_pb2.BlockKeys(packed_hashes=hashes)),
+                connections=len(conns), timeout_ms=max(1, int(left * 1000))), left))
+            try:
+                dests = await sink.destinations()
+            except BaseException as exc:
+                if isinstance(exc, Exception):
+                    await self._drain(lane, conns, opening, deadline)
+                else:
+                    opening.close()
+                raise
+            grant = await opening
+            n = int(grant.num_blocks)
+            if n > asked:
+                raise PeerError(node, f"fetch: {n} blocks answered for {asked} asked")
+            if n and dests and grant.block_bytes != len(dests[0]):
+                # (the transfer ends on the holder at its deadline)
+                raise PeerError(node, f"fetch: {grant.block_bytes}-byte blocks where this namespace's are "
+                                      f"{len(dests[0])}")
         except BaseException:
             lane.checkin(conns)
             raise
-        if grant is None or not grant.num_blocks:
-            lane.checkin(conns)
+        if not n or not dests:
+            if n:  # no room here for any of it: the holder's blocks are let go of at once
+                await self._drain(lane, conns, None, deadline, grant)
+            else:
+                lane.checkin(conns)
             await sink.landed(0, (), False)
             return 0
-        n = int(grant.num_blocks)
+        room = min(n, len(dests))
+        # Blocks past the room reserved here land in scratch memory, dropped.
+        targets = dests[:room] + [memoryview(bytearray(grant.block_bytes))] * (n - room)
         sums = [NOT_LANDED] * n
         try:
             good = int(await _in_threads(lane, conns, lane.fetch_into, grant.transfer_id, grant.block_bytes,
-                                         dests[:n], _left(deadline), sums))
+                                         targets, _left(deadline), sums))
         except KVStoreError as exc:
             raise PeerError(node, f"fetch over the data lane: {exc}") from None
+        good = min(good, room)
         counters = self.counters
         counters.lane_blocks_in += good
         counters.lane_bytes_in += good * grant.block_bytes
-        del dests
-        await sink.landed(good, sums[:good], good < n and sums[good] != NOT_LANDED)
+        del dests, targets
+        await sink.landed(good, sums[:good], good < room and sums[good] != NOT_LANDED)
         return good
+
+    async def _drain(self, lane: DataLane, conns: list[LaneSocket], opening: Started[Any] | None,
+                     deadline: float, grant: Any = None) -> None:
+        """Take a fetch this node asked for and cannot keep into scratch memory, so the
+        holder lets go of its blocks now rather than at the fetch's deadline (`grant`:
+        its answer, else awaited from `opening`); `conns` are checked in (or closed)
+        either way, and a failure here is the holder's to time out."""
+        try:
+            if grant is None:
+                assert opening is not None
+                grant = await opening
+        except (KVStoreError, PeerError, TimeoutError):
+            grant = None
+        if grant is None or not grant.num_blocks:
+            lane.checkin(conns)
+            return
+        scratch = [memoryview(bytearray(grant.block_bytes))] * int(grant.num_blocks)
+        try:  # (`fetch_into` checks the connections in, or closes them)
+            await _in_threads(lane, conns, lane.fetch_into, grant.transfer_id, grant.block_bytes, scratch,
+                              _left(deadline))
+        except KVStoreError:
+            pass
 
     async def put(self, node: str, call: PeerCall, hashes: bytes, parent: bytes, position: int,
                   blocks: AsyncIterator[Framed], timeout_s: float,

@@ -331,3 +331,42 @@ async def test_the_pools_tls_settings_are_the_lanes(tmp_path: Path) -> None:
             assert [bytes(g) for g in await kv.fetch(LAYOUT, tokens)] == blocks
         assert counters(a)["lane_blocks_out"] == put.forwarded_blocks and counters(a)["grpc_blocks_out"] == 0
         assert counters(b)["lane_blocks_in"] > 0 and counters(b)["grpc_blocks_in"] == 0
+
+
+@pytest.mark.parametrize("room_runs", [1, 0], ids=["room-for-one-run", "no-room"])
+async def test_a_pull_without_room_for_all_of_it_keeps_what_fits_and_lets_the_holder_go_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, room_runs: int) -> None:
+    """The puller asks the holder before its put has room (it reserves while the holder
+    opens its fetch): where room is found for fewer runs than it asked for, or none, the
+    runs that fit land byte-exact, the rest is a miss, never an error, and the holder's
+    fetch is taken whole (the part without room into scratch memory) so it lets go of its
+    blocks at once, not at the fetch's deadline."""
+    import kvstore.cluster.pull as pull_mod
+    from kvstore.errors import ResourceExhausted
+
+    real_begin = pull_mod._PullSink._begin
+
+    def begin(self, runs):  # type: ignore[no-untyped-def]
+        txn = real_begin(self, runs)
+        if len(runs) > room_runs:
+            async def no_room(*args: Any, **kwargs: Any) -> None:
+                raise ResourceExhausted("no room for the pull (test)")
+            txn.reserve = no_room
+        return txn
+
+    monkeypatch.setattr(pull_mod._PullSink, "_begin", begin)
+    async with pool(tmp_path, 2, cluster_fetch_timeout_s=60.0) as (a, b):
+        tokens, blocks = chain(LAYOUT, 40, seed=31)
+        async with AsyncClient(unix_target(a)) as kv:
+            await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
+        assert a.data_lane is not None
+        async with AsyncClient(unix_target(b)) as kv:
+            hit = await kv.lookup(LAYOUT, tokens)
+            assert hit.num_blocks == 40 and hit.remote_blocks > 0
+            got = await kv.fetch(LAYOUT, tokens)
+        assert [bytes(g) for g in got] == blocks[: len(got)] and len(got) < 40
+        deadline = time.monotonic() + 10.0
+        while len(a.data_lane.transfers) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert len(a.data_lane.transfers) == 0  # well before the fetch's 60 s deadline
+        assert (int(info(b)["cluster_pulled_blocks"]) > 0) == bool(room_runs)
