@@ -552,22 +552,27 @@ class LanePeerTransport:
             self.counters.fallbacks += 1
             return await self.grpc.fetch(node, call, hashes, sink, _left(deadline))
         asked = len(hashes) // HASH_BYTES
+        left = _left(deadline)
         try:
-            left = _left(deadline)
             # Asked first, and the local put reserved while the holder opens its fetch
             # (each takes a millisecond or two for hundreds of blocks).
             opening = start(self._control(node, call, "LaneFetch", kvstore_pb2.LaneFetchRequest(
                 fetch=kvstore_pb2.FetchRequest(namespace=kvstore_pb2.Namespace(layout=call.layout),
                                                keys=kvstore_pb2.BlockKeys(packed_hashes=hashes)),
                 connections=len(conns), timeout_ms=max(1, int(left * 1000))), left))
-            try:
-                dests = await sink.destinations()
-            except BaseException as exc:
-                if isinstance(exc, Exception):
-                    await self._drain(lane, conns, opening, deadline)
-                else:
-                    opening.close()
-                raise
+        except BaseException:
+            lane.checkin(conns)
+            raise
+        try:
+            dests = await sink.destinations()
+        except Exception:
+            await self._drain(lane, conns, opening, deadline)  # which takes `conns`
+            raise
+        except BaseException:
+            opening.close()
+            lane.checkin(conns)
+            raise
+        try:
             grant = await opening
             n = int(grant.num_blocks)
             if n > asked:
@@ -609,12 +614,15 @@ class LanePeerTransport:
         holder lets go of its blocks now rather than at the fetch's deadline (`grant`:
         its answer, else awaited from `opening`); `conns` are checked in (or closed)
         either way, and a failure here is the holder's to time out."""
-        try:
-            if grant is None:
-                assert opening is not None
+        if grant is None:
+            assert opening is not None
+            try:
                 grant = await opening
-        except (KVStoreError, PeerError, TimeoutError):
-            grant = None
+            except (KVStoreError, PeerError, TimeoutError):
+                grant = None
+            except BaseException:
+                lane.checkin(conns)
+                raise
         if grant is None or not grant.num_blocks:
             lane.checkin(conns)
             return

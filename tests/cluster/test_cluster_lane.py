@@ -365,6 +365,11 @@ async def test_a_pull_without_room_for_all_of_it_keeps_what_fits_and_lets_the_ho
             assert hit.num_blocks == 40 and hit.remote_blocks > 0
             got = await kv.fetch(LAYOUT, tokens)
         assert [bytes(g) for g in got] == blocks[: len(got)] and len(got) < 40
+        # Its connections went back to the pool once each, open.
+        assert b.cluster is not None
+        peer = b.cluster.transport._peers["n0"]  # type: ignore[attr-defined]
+        idle = peer.lane._idle
+        assert len({id(c) for c in idle}) == len(idle) and all(c.sock.fileno() >= 0 for c in idle)
         deadline = time.monotonic() + 10.0
         while len(a.data_lane.transfers) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
