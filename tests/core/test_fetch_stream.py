@@ -159,24 +159,35 @@ async def test_closing_mid_copy_waits_for_the_copy_before_letting_go_of_the_bloc
     assert store.counters.blocks_fetched == 0
 
 
-async def test_blocks_on_ssd_are_read_ahead_concurrently_and_come_back_exact(tmp_path: Path) -> None:
-    layout = KVLayout(model="fetch-stream-ssd", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=64,
-                      block_size_tokens=4)
+async def ssd_backed(tmp_path: Path, model: str, n: int) -> tuple[Store, SsdTier, bytes, list[bytes], list[bytes]]:
+    """A started store of 4 memory slots over an SSD tier, holding `n` blocks put two at
+    a time and written through, so most end on SSD only: (store, its SSD tier, namespace
+    id, hashes, blocks). The caller closes it (`aclose`)."""
+    layout = KVLayout(model=model, dtype="float16", num_layers=1, num_kv_heads=1, head_dim=64, block_size_tokens=4)
     ssd = SsdTier(str(tmp_path / "ssd"), 1 << 20, region_size=64 << 10, io_threads=2)
     store = Store([StoreTier(MemoryTier(4 * BLOCK, name="host"), make_policy("lru"), 0.9, 0.5),
                    StoreTier(ssd, make_policy("lru"))],
                   migration=MigrationConfig(promote_on_hit=False, tick_s=3600))
     await store.start()
     try:
-        hs = hashes(12)
+        hs = hashes(n)
         ns = store.register(layout)
         blocks = [os.urandom(BLOCK) for _ in hs]
-        for i in range(0, 12, 2):  # 12 blocks through 4 memory slots: most end on SSD only
+        for i in range(0, n, 2):
             async with store.begin_put(ns, hs[i : i + 2]) as txn:
                 for j in range(2):
                     await txn.write(j, blocks[i + j])
                 await txn.commit()
             assert await store.flush(10)  # written through to SSD: the memory copies may go
+    except BaseException:
+        await store.aclose()
+        raise
+    return store, ssd, ns, hs, blocks
+
+
+async def test_blocks_on_ssd_are_read_ahead_concurrently_and_come_back_exact(tmp_path: Path) -> None:
+    store, ssd, ns, hs, blocks = await ssd_backed(tmp_path, "fetch-stream-ssd", 12)
+    try:
         on_ssd = store.lookup(ns, hs).tiers.count("ssd")
         assert on_ssd >= 8
         in_flight = peak = 0
@@ -278,23 +289,8 @@ async def test_a_block_deleted_while_the_stream_runs_ends_it_there() -> None:
 async def test_blocks_not_all_in_host_memory_come_one_to_a_batch(tmp_path: Path) -> None:
     """Where some block's top copy has no host view (SSD), the stream goes the way
     `frames` takes it, one block per batch, and comes back exact."""
-    layout = KVLayout(model="fetch-stream-mixed", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=64,
-                      block_size_tokens=4)
-    ssd = SsdTier(str(tmp_path / "ssd"), 1 << 20, region_size=64 << 10, io_threads=2)
-    store = Store([StoreTier(MemoryTier(4 * BLOCK, name="host"), make_policy("lru"), 0.9, 0.5),
-                   StoreTier(ssd, make_policy("lru"))],
-                  migration=MigrationConfig(promote_on_hit=False, tick_s=3600))
-    await store.start()
+    store, _, ns, hs, blocks = await ssd_backed(tmp_path, "fetch-stream-mixed", 8)
     try:
-        hs = hashes(8)
-        ns = store.register(layout)
-        blocks = [os.urandom(BLOCK) for _ in hs]
-        for i in range(0, 8, 2):
-            async with store.begin_put(ns, hs[i : i + 2]) as txn:
-                for j in range(2):
-                    await txn.write(j, blocks[i + j])
-                await txn.commit()
-            assert await store.flush(10)
         assert "ssd" in store.lookup(ns, hs).tiers
         async with store.open_fetch(ns, hs) as stream:
             got = await batches_of(stream, 4)
