@@ -36,7 +36,7 @@ import ssl
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -179,9 +179,30 @@ class _FetchState:
 
     def __init__(self, n: int, checksums: list[int] | None = None) -> None:
         self.lock = threading.Lock()
-        self.status = bytearray(n)  # 0 waiting, 1 landed verified, 2 rejected
+        self.status = bytearray(n)  # 0 waiting, 1 landed verified, 2 rejected, 3 arriving
         self.end: int | None = None
         self.checksums = checksums  # each block's sender checksum, once it landed
+
+    def claim(self, blocks: Iterable[int]) -> None:
+        """Mark blocks as arriving, before any byte of them is written; a block sent
+        twice (on any connection) is refused."""
+        with self.lock:
+            for i in blocks:
+                if self.status[i]:
+                    raise ProtocolError(f"the data lane sent block {i} twice")
+                self.status[i] = 3
+
+    def landed(self, blocks: Iterable[tuple[int, bool, int]]) -> int:
+        """Mark claimed blocks (block, whether its bytes matched, the sender's checksum)
+        as landed or rejected; how many were rejected."""
+        bad = 0
+        with self.lock:
+            for i, ok, want in blocks:
+                self.status[i] = 1 if ok else 2
+                if self.checksums is not None:
+                    self.checksums[i] = want
+                bad += not ok
+        return bad
 
 
 class _Push:
@@ -420,20 +441,10 @@ class DataLane:
                 if not 0 <= i < n or frame.length != block_bytes:
                     raise ProtocolError(f"the data lane sent block {i} of {frame.length} bytes; the fetch has {n} "
                                         f"blocks of {block_bytes}")
-                with state.lock:
-                    if state.status[i]:
-                        raise ProtocolError(f"the data lane sent block {i} twice")
-                    state.status[i] = 3  # arriving
+                state.claim((i,))
                 got, want = lane.recv_block(dests[i], deadline)
                 ok = got == want
-                with state.lock:
-                    state.status[i] = 1 if ok else 2
-                    if state.checksums is not None:
-                        state.checksums[i] = want
-                with counters.lock:
-                    counters.bytes_received += block_bytes
-                    if not ok:
-                        counters.blocks_rejected += 1
+                self._count_landed(1, state.landed(((i, ok, want),)), block_bytes)
                 if not ok:
                     logger.warning("fetched block %d failed its checksum on arrival over the data lane; not returned",
                                    i)
@@ -454,11 +465,7 @@ class DataLane:
         """`_fetch_on` for DATA frames already received whole: each block claimed (a
         block sent twice is refused before any byte of it is copied), copied into its
         dest, hashed there, marked; the credit to grant after them."""
-        with state.lock:
-            for i, _, _ in batch:
-                if state.status[i]:
-                    raise ProtocolError(f"the data lane sent block {i} twice")
-                state.status[i] = 3  # arriving
+        state.claim(i for i, _, _ in batch)
         landed: list[tuple[int, bool, int]] = []
         digest = xxhash.xxh3_64_intdigest
         for i, payload, want in batch:
@@ -466,20 +473,17 @@ class DataLane:
             dest[:] = payload
             landed.append((i, digest(dest) == want, want))
         lane.consume(len(batch), block_bytes)
-        bad = 0
-        with state.lock:
-            for i, ok, want in landed:
-                state.status[i] = 1 if ok else 2
-                if state.checksums is not None:
-                    state.checksums[i] = want
-                bad += not ok
-        counters = self._counters
-        with counters.lock:
-            counters.bytes_received += len(batch) * block_bytes
-            counters.blocks_rejected += bad
+        bad = state.landed(landed)
+        self._count_landed(len(batch), bad, block_bytes)
         if bad:
             logger.warning("%d fetched blocks failed their checksum on arrival over the data lane; not returned", bad)
         return grant.landed(len(batch) * block_bytes)
+
+    def _count_landed(self, blocks: int, rejected: int, block_bytes: int) -> None:
+        counters = self._counters
+        with counters.lock:
+            counters.bytes_received += blocks * block_bytes
+            counters.blocks_rejected += rejected
 
     def put_from(self, conns: Sequence[LaneSocket], transfer_id: bytes, block_bytes: int, needed: bytes,
                  sources: Sequence[memoryview], timeout_s: float) -> None:

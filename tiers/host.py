@@ -37,7 +37,7 @@ from __future__ import annotations
 import mmap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -221,7 +221,6 @@ class SpacedHostTier(MappedSlabTier):
     def _mark(self, offset: int, size: int, sign: int) -> None:
         """Count (`sign` 1) or stop counting (-1) the bytes of `[offset, offset + size)`
         on the pages it covers in part."""
-        partial = self._partial
         end = offset + size
         first, last = offset >> PAGE_SHIFT, (end - 1) >> PAGE_SHIFT
         edges = []
@@ -229,7 +228,12 @@ class SpacedHostTier(MappedSlabTier):
             edges.append((first, min(end, (first + 1) << PAGE_SHIFT) - offset))
         if end & (PAGE_BYTES - 1) and (last != first or not offset & (PAGE_BYTES - 1)):
             edges.append((last, end - max(offset, last << PAGE_SHIFT)))
-        for page, n in edges:
+        self._count_partial(edges, sign)
+
+    def _count_partial(self, pages: Iterable[tuple[int, int]], sign: int) -> None:
+        """Add (`sign` 1) or take away (-1) bytes on pages covered in part: (page, bytes)."""
+        partial = self._partial
+        for page, n in pages:
             live = partial.get(page, 0) + sign * n
             if live:
                 partial[page] = live
@@ -254,13 +258,7 @@ class SpacedHostTier(MappedSlabTier):
         touched, at = np.unique(pages, return_inverse=True)
         sums = np.zeros(len(touched), np.int64)
         np.add.at(sums, at, amounts)
-        partial = self._partial
-        for page, n in zip(touched.tolist(), sums.tolist()):
-            live = partial.get(page, 0) + sign * n
-            if live:
-                partial[page] = live
-            else:
-                del partial[page]
+        self._count_partial(zip(touched.tolist(), sums.tolist()), sign)
 
     def _take_freed(self, size: int, count: int, space: int) -> list[int]:
         """Up to `count` extents of `size` that `space` freed, still free and on pages it

@@ -247,7 +247,6 @@ class GrpcPeerTransport:
         self._controls: dict[tuple[grpc.aio.Channel, str], Any] = {}
         self._closing: list[grpc.aio.Channel] = []
 
-
     def outgoing(self, stream: FetchStream) -> AsyncIterator[Framed]:
         return stream.frames(self.framer)
 
