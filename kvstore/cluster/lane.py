@@ -207,7 +207,8 @@ class PeerLane(Lane[_PeerConn]):
     A connection is made under `CONNECT_TIMEOUT_S`, not under the deadline of the call
     that needed it (a lookup's few milliseconds): a call whose deadline passes first is a
     miss, and the connection, once made, serves the next ones. One is made ahead as soon
-    as the lane is known (`warm`)."""
+    as the lane is known, and again when a call gave up on its connection at its
+    deadline (`warm`)."""
 
     def __init__(self, node: str, endpoint: LaneEndpoint, token: str, tls: ssl.SSLContext | None) -> None:
         super().__init__(f"{endpoint.host}:{endpoint.port}", token, required=False)
@@ -216,6 +217,7 @@ class PeerLane(Lane[_PeerConn]):
         self.tls = tls
         self.closed = False
         self._claimed: set[asyncio.Task[_PeerConn]] = set()  # connections a call waits for
+        self._warming: asyncio.Task[_PeerConn] | None = None  # the one `warm` makes
 
     async def _connect(self, timeout: float) -> _PeerConn:
         ep = self.endpoint
@@ -262,6 +264,13 @@ class PeerLane(Lane[_PeerConn]):
                     raise Unavailable(f"peer lane of node {self.node}: {exc} during {name}; it may or may not have "
                                       "taken effect") from None
                 continue
+            except TimeoutError:
+                # Its answer may still come on this connection, where the next call would
+                # read it: closed, and a replacement made now, in the background, so
+                # that the next call does not wait for a connect and a hello of its own.
+                conn.close()
+                self.warm()
+                raise
             except BaseException:
                 conn.close()
                 raise
@@ -269,9 +278,11 @@ class PeerLane(Lane[_PeerConn]):
         raise AssertionError("unreachable: the second failure raises")
 
     def warm(self) -> None:
-        """Make a connection in the background, pooled once made."""
-        if not self.closed and not self._idle:
-            self._connecting()
+        """Make a connection in the background, pooled once made: none while one is
+        pooled or `warm` is still making one (a peer that answers no connection leaves one
+        attempt under way, not one per timed-out call)."""
+        if not self.closed and not self._idle and (self._warming is None or self._warming.done()):
+            self._warming = self._connecting()
 
     def _connecting(self) -> asyncio.Task[_PeerConn]:
         task = asyncio.get_running_loop().create_task(self._connect(CONNECT_TIMEOUT_S),
@@ -321,6 +332,8 @@ class PeerLane(Lane[_PeerConn]):
 
     def close(self) -> None:
         self.closed = True
+        if self._warming is not None:
+            self._warming.cancel()
         super().close()
 
 

@@ -10,14 +10,20 @@ pool's.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from conftest import SMALL_LAYOUT
 from kvstore.client import AsyncClient
+from kvstore.client.datalane import LaneEndpoint
+import kvstore.cluster.lane as peer_lane_module
+from kvstore.cluster.lane import PeerLane
 from kvstore.convert import layout_to_proto
 from kvstore.laneproto import HEADER, HELLO, MAGIC, METHOD_IDS, frame, peer_envelope
+from kvstore.server.auth import DEFAULT_TENANT
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tests.cluster.pki import make_pki
@@ -232,3 +238,37 @@ async def test_the_pools_tls_settings_are_the_peer_lanes(tmp_path: Path) -> None
         got = await asyncio.wait_for(reader.read(64), 10)
         writer.close()
         assert not got.startswith(HEADER.pack(8, OK))
+
+
+async def test_a_call_given_up_at_its_deadline_leaves_a_fresh_connection_for_the_next(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A call that times out closes its connection (a late answer must not be read by the
+    # next call); a replacement is made in the background at once, so the next call
+    # finds one pooled rather than waiting for a connect and a hello of its own.
+    # The daemons run on this loop: a deadline below the lane's 1 ms floor (lifted here)
+    # is due in the loop turn that has the peer answer, before the answer is read.
+    monkeypatch.setattr(peer_lane_module, "_left", lambda deadline: max(0.0, deadline - time.monotonic()))
+    async with pool(tmp_path, 2) as (a, b):
+        host, port = peer_lane_address(b)
+        lane = PeerLane("b", LaneEndpoint("tcp", host, port), "", None)
+        payload = peer_envelope("a", DEFAULT_TENANT) + lookup_request(chain(LAYOUT, 4, seed=63)[0])
+        try:
+            assert kvstore_pb2.LookupResponse.FromString(await lane.call("Lookup", payload, 5.0)).num_blocks == 0
+            (first,) = lane._idle
+            with pytest.raises(TimeoutError):
+                await lane.call("Lookup", payload, 1e-6)  # due before the answer can be read
+            assert first.closed and first not in lane._idle
+            warming = lane._warming
+            assert warming is not None
+            lane.warm()  # one attempt at a time
+            assert lane._warming is warming
+            for _ in range(500):
+                if lane._idle:
+                    break
+                await asyncio.sleep(0.01)
+            (fresh,) = lane._idle
+            assert fresh is not first and not fresh.closed
+            assert kvstore_pb2.LookupResponse.FromString(await lane.call("Lookup", payload, 5.0)).num_blocks == 0
+            assert lane._idle == [fresh]  # the call went on it
+        finally:
+            lane.close()
