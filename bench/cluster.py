@@ -558,6 +558,8 @@ def daemon_parts_text(extra: dict[str, Any]) -> str:
             f"  local p99 / single p99 {rl['local_vs_single_p99_ratio']:.2f}x; the two single nodes' p99 differ "
             f"{rl['single_nodes_p99_ratio']:.2f}x in the same run",
         ]
+        if "steal_pct" in rl:
+            lines.append(f"  CPU time the hypervisor took meanwhile (steal): {rl['steal_pct']:.1f}%")
         if "remote_fetch_p50_us" in rl:
             lines += [
                 f"  fetch after the remote lookup (A)  p50 {rl['remote_fetch_p50_us'] / 1e3:.1f} ms  "

@@ -30,7 +30,10 @@ local control lane, the path a co-located engine takes):
   with 16 bytes (`EchoFloor`: an asyncio server, as the daemons are), from A's namespace
   to B's over the same veth pair (or on loopback): what one process-to-process round
   trip costs on A's link to B. A remote lookup takes two
-  of them where a local one takes one.
+  of them where a local one takes one;
+* `steal_pct`: the share of this machine's CPU time the hypervisor took while the
+  chains ran (/proc/stat "steal"; 0 on bare metal): a virtual CPU taken away for a
+  while stops whichever daemon it ran, so the p99s are only as steady as this.
 
 Part 3, failover (`failover`): three daemons on a real etcd (lease TTL 2 s), eight client
 threads on A and C putting, looking up and fetching chains (each fetched block compared
@@ -425,6 +428,8 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0, link: 
     why_not = LinkedHosts.unavailable() if link != "loopback" else "asked for loopback"
     if link == "veth" and why_not:
         raise RuntimeError(f"part 2 across namespaces: {why_not}")
+    from scale import cpu_ticks, steal_pct  # (bench/scale.py: the same reading of /proc/stat)
+
     with _workdir() as work:
         hosts = LinkedHosts(work) if why_not is None else None
         a = DaemonProcess(work, "a", "--host-capacity", "1GiB", *units, host=(hosts, 0) if hosts else None)
@@ -468,6 +473,7 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0, link: 
                     d.wait_out_grace()
                 rows = [_Row(ka, local_us), _Row(ks, single_us), _Row(ks2, single2_us)]
                 gc_before = {d.name: _gc_of(d) for d in (a, b, s, s2)}
+                ticks = cpu_ticks()
                 # This process's own collector stays out of the timings: paused while they
                 # run, and run between chains, outside them (the same for all three rows).
                 with _collector_paused():
@@ -517,6 +523,7 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0, link: 
                                                                  and again.remote_blocks == 0):
                                     row.times.append((time.perf_counter() - t) * 1e6)
                             trip_us.append(echo.round_trip_us())
+                steal = steal_pct(ticks, cpu_ticks())
                 gc_during = {d.name: _gc_delta(gc_before[d.name], _gc_of(d)) for d in (a, b, s, s2)}
                 with AdminClient(a.target) as admin:
                     text = admin.info("cluster")
@@ -548,6 +555,7 @@ def remote_lookup(chains: int, namespaces: int = 4, unit_blocks: int = 0, link: 
         "local_vs_single_p99_ratio": round(_pct(local_us, 0.99) / max(1e-9, single_p99), 2),
         "round_trip_request_bytes": ECHO_REQUEST_BYTES,
         "round_trip_p50_us": round(_pct(trip_us, 0.50), 1), "round_trip_p99_us": round(_pct(trip_us, 0.99), 1),
+        "steal_pct": round(steal, 1),
         "peer_rounds_on_a": int(asked.get("cluster_remote_lookups", "0")),
         # The chain's put on B, answered once A committed its units (wait_for_owners),
         # next to the same put on S (cluster off).
