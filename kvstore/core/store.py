@@ -399,21 +399,19 @@ class Store:
         """Hold the named blocks as replicas: copies of blocks another daemon of a pool
         owns. Each becomes one of the first victims of the memory tier it is in
         (`StoreTier.replicas`), is dropped rather than demoted, and is not written through
-        to SSD. Returns how many were present."""
-        self._enter(namespace_id, hashes)
-        marked = 0
-        for h in hashes:
-            entry = self.index.get(make_key(namespace_id, h))
-            if entry is None:
-                continue
-            top = self.copies.top_tier(entry)
-            if top is not None and top.tier.addressable:
-                top.replicas.add(entry)
-                entry.ssd_queued = False  # the write-through writer skips it
-                marked += 1
-        return marked
+        to SSD. Returns how many were present (in a memory tier).
 
-    def mark_replica_rows(self, rows: Sequence[int]) -> int:
+        One vectorized probe of the block table, then `mark_replica_rows`: a put on a
+        node of a pool marks the blocks of every unit it forwards (hundreds), before the
+        engine's commit is answered."""
+        self._enter(namespace_id, hashes)
+        if not hashes:
+            return 0
+        q = np.frombuffer(b"".join(hashes), "<u8")
+        rows = self.index.find_chain(namespace_id, q[0::2], q[1::2])
+        return self.mark_replica_rows(rows[rows >= 0])
+
+    def mark_replica_rows(self, rows: Sequence[int] | np.ndarray[Any, Any]) -> int:
         """`mark_replicas` of blocks a put just published (`PutTxn.stored_rows`), by their
         rows: a block with one copy (a put's) is marked in the tier of that copy without
         a lookup per block. Returns how many were marked."""

@@ -286,3 +286,25 @@ async def test_the_migrator_expires_leases_before_it_demotes() -> None:
         assert store.stats().leases_active == 0
     finally:
         await store.aclose()
+
+
+async def test_replicas_marked_by_hash_in_the_memory_tier_of_their_top_copy(store: Store) -> None:
+    """`mark_replicas` (one vectorized probe): a block with a memory copy and an SSD copy
+    (written through) is marked in that memory tier; one on SSD alone, or not held, is
+    not; its count says how many were marked."""
+    hs = hashes(16)
+    blocks = [os.urandom(BLOCK) for _ in hs]
+    for i in range(0, 16, 4):
+        await put(store, hs[i : i + 4], blocks[i : i + 4])
+    await store.flush(10)
+    tops = where(store, hs)
+    in_memory = [h for h, t in zip(hs, tops) if t in ("hbm", "host")]
+    on_ssd = [h for h, t in zip(hs, tops) if t == "ssd"]
+    assert in_memory and on_ssd
+    ns = store.register(LAYOUT)
+    named = on_ssd[:1] + hashes(2, salt=7)[:1] + in_memory
+    assert store.mark_replicas(ns, named) == len(in_memory)
+    by_tier = {st.name: len(st.replicas) for st in store.tiers}
+    assert by_tier["hbm"] == tops.count("hbm") and by_tier["host"] == tops.count("host")
+    assert by_tier["ssd"] == 0
+    assert store.mark_replicas(ns, []) == 0
