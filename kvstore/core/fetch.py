@@ -31,7 +31,7 @@ import numpy as np
 
 from kvstore.checksum import checksum, checksum_pieced
 from kvstore.core.copies import CopyBook
-from kvstore.core.index import BlockEntry, BlockIndex, make_key
+from kvstore.core.index import BlockEntry, BlockIndex, hold_readers, make_key, release_readers
 from kvstore.core.placement import Placement
 from kvstore.core.results import MigrationConfig, NamespaceInfo, StoreCounters
 from kvstore.core.store_tier import StoreTier
@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 # Blocks without a view (SSD) are read up to FETCH_AHEAD_BYTES ahead, concurrently.
 FETCH_INLINE_BYTES = 4 * 1024 * 1024
 FETCH_AHEAD_BYTES = 8 * 1024 * 1024
+# Up to this many blocks, a fetch holds and lets go of each on its own (numpy's per-call
+# cost is more than a few scalar steps).
+HOLD_ONE_BY_ONE = 8
 
 
 class FramedBlock(Protocol):
@@ -133,9 +136,9 @@ class FetchPath:
         per-call limits already); use as `async with`. `lease_id`, if given, is released
         when the stream closes: the lease's job (bridging lookup and fetch) is done."""
         ns = info.namespace_id
-        entries = self.index.longest_ready_prefix([make_key(ns, h) for h in hashes])
+        entries, rows = self.index.ready_prefix([make_key(ns, h) for h in hashes])
         self.counters.fetches += 1
-        return FetchStream(self, entries, info.layout.bytes_per_block, lease_id)
+        return FetchStream(self, entries, info.layout.bytes_per_block, lease_id, rows)
 
 
 class FetchStream:
@@ -156,7 +159,8 @@ class FetchStream:
     SSD may be promoted into the top memory tier on the way out.
     """
 
-    def __init__(self, path: FetchPath, entries: list[BlockEntry], block_bytes: int, lease_id: str) -> None:
+    def __init__(self, path: FetchPath, entries: list[BlockEntry], block_bytes: int, lease_id: str,
+                 rows: I64 | None = None) -> None:
         self._path = path
         self._entries = entries
         self._lease_id = lease_id
@@ -174,8 +178,14 @@ class FetchStream:
         self._jobs: set[Future[Any]] = set()
         # Rows `view_batches` served in array steps, for the policies (`touch_rows`).
         self._touched: list[tuple[StoreTier, I64, I64]] = []
-        for entry in entries:
-            path.copies.hold(entry)
+        # Each block is held (a reader) until `close`: in one array step where the index
+        # found the entries in one (`rows`, theirs in its table), else one by one.
+        self._held_rows = rows if rows is not None and len(rows) > HOLD_ONE_BY_ONE else None
+        if self._held_rows is not None:
+            hold_readers(path.index.table, self._held_rows)
+        else:
+            for entry in entries:
+                path.copies.hold(entry)
 
     @property
     def checksums(self) -> list[int]:
@@ -204,8 +214,12 @@ class FetchStream:
         touched, self._touched = self._touched, []
         if touched:
             touch_rows(self._path.index, touched)
-        for entry in self._entries:
-            self._path.copies.release(entry)
+        held, self._held_rows = self._held_rows, None
+        if held is not None:
+            release_readers(self._path.index.table, held, self._path.copies.readers_gone)
+        else:
+            for entry in self._entries:
+                self._path.copies.release(entry)
         if self._lease_id:
             self._path.unpin(self._lease_id)
 

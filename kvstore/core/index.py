@@ -415,6 +415,28 @@ def make_key(namespace_id: bytes, block_hash: bytes) -> bytes:
     return namespace_id + block_hash
 
 
+def hold_readers(table: BlockTable, rows: I64) -> None:
+    """One more reader of each of `rows` (current rows of `table`; a row named twice
+    counts twice), in one array step: `CopyBook.hold` of each."""
+    np.add.at(table.readers, rows, 1)
+
+
+def release_readers(table: BlockTable, rows: I64, readers_gone: Callable[[BlockEntry], None]) -> None:
+    """One reader fewer of each of `rows` (held by `hold_readers` or a lease), in one
+    array step; `readers_gone` of each whose last reader that was and that has a slot to
+    free (deleted, or with a retired copy): `CopyBook.release` of each."""
+    if not len(rows):
+        return
+    assert int(table.readers[rows].min()) > 0, "readers below zero"
+    np.subtract.at(table.readers, rows, 1)
+    idle = np.unique(rows[table.readers[rows] == 0])
+    gone = idle[(table.flags[idle] & REMOVED) != 0].tolist()
+    if table.retired:
+        gone += [r for r in idle.tolist() if r in table.retired and r not in gone]
+    for row in gone:
+        readers_gone(BlockEntry.of(table, row))
+
+
 @dataclass(frozen=True, slots=True)
 class NamespaceUsage:
     """What one namespace's indexed blocks hold: how many, their payload bytes, and the
@@ -531,20 +553,25 @@ class BlockIndex:
 
     def longest_ready_prefix(self, keys: Sequence[bytes]) -> list[BlockEntry]:
         """Entries of the longest prefix of `keys` that is READY, in order."""
+        return self.ready_prefix(keys)[0]
+
+    def ready_prefix(self, keys: Sequence[bytes]) -> tuple[list[BlockEntry], I64 | None]:
+        """`longest_ready_prefix`, and the entries' rows (of `table`) where they were
+        found in one array step (keys of one namespace), else None."""
         t = self.table
         out: list[BlockEntry] = []
         if not keys:
-            return out
+            return out, None
         ns_id = keys[0][:HASH_BYTES]
         if all(len(k) == KEY_BYTES for k in keys) and all(k[:HASH_BYTES] == ns_id for k in keys):
             rows = self.prefix_rows(ns_id, b"".join([k[HASH_BYTES:] for k in keys]))
-            return [BlockEntry.of(t, r) for r in rows.tolist()]
+            return [BlockEntry.of(t, r) for r in rows.tolist()], rows
         for key in keys:
             row = t.find_key(key)
             if row < 0:
                 break
             out.append(BlockEntry.of(t, row))
-        return out
+        return out, None
 
     # -- row-level steps: the bulk paths' only writes to the table
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from kvstore.core.index import BlockEntry
+from kvstore.core.index import BlockEntry, hold_readers, release_readers
 from kvstore.core.results import StoreLimits
-from kvstore.core.table import REMOVED, BlockTable
+from kvstore.core.table import BlockTable
 from kvstore.errors import InvalidArgument, ResourceExhausted
 
 
@@ -73,7 +73,7 @@ class LeaseTable:
         self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
         np.add.at(table.pins, rows, 1)
         if holds_bytes:
-            np.add.at(table.readers, rows, 1)
+            hold_readers(table, rows)
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._deadlines, (expires_at, lease.lease_id))
         return lease
@@ -116,15 +116,7 @@ class LeaseTable:
         assert int(t.pins[rows].min()) > 0, "pins below zero"
         np.subtract.at(t.pins, rows, 1)
         if lease.holds_bytes:
-            assert int(t.readers[rows].min()) > 0, "readers below zero"
-            np.subtract.at(t.readers, rows, 1)
-            idle = np.unique(rows[t.readers[rows] == 0])
-            # Of those, the ones with a slot to free: deleted, or with a retired copy.
-            gone = idle[(t.flags[idle] & REMOVED) != 0].tolist()
-            if t.retired:
-                gone += [r for r in idle.tolist() if r in t.retired and r not in gone]
-            for row in gone:
-                self._readers_gone(BlockEntry.of(t, row))
+            release_readers(t, rows, self._readers_gone)
         return lease
 
     def expire(self, now: float) -> int:

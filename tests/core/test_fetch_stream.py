@@ -297,3 +297,25 @@ async def test_blocks_not_all_in_host_memory_come_one_to_a_batch(tmp_path: Path)
         assert [len(b) for b in got] == [1] * 8 and sum(got, []) == blocks
     finally:
         await store.aclose()
+
+
+async def test_a_stream_holds_its_blocks_until_it_closes_and_frees_a_deleted_ones_slot_then() -> None:
+    """A fetch of many blocks holds them in one array step (HOLD_ONE_BY_ONE): each is
+    read once more per time the fetch names it, a block deleted meanwhile keeps its slot
+    until the close, and the close lets go of every hold."""
+    store = make_store(32)
+    hs = hashes(16)
+    await put(store, hs)
+    tier = store.tiers[0].tier
+    named = hs + hs[:4]
+    assert len(named) > fetch_mod.HOLD_ONE_BY_ONE
+    stream = store.open_fetch(LAYOUT.namespace_id, named)
+    assert stream.num_blocks == len(named)
+    assert readers(store, hs) == [2] * 4 + [1] * 12
+    store.delete(LAYOUT.namespace_id, [hs[5]])
+    assert tier.blocks == 16  # a reader holds it: its slot stays
+    stream.close()
+    assert tier.blocks == 15
+    assert readers(store, hs[:5] + hs[6:]) == [0] * 15
+    stream.close()  # once only
+    assert readers(store, hs[:5] + hs[6:]) == [0] * 15
