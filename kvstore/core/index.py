@@ -23,7 +23,8 @@ bulk paths (a lookup's prefix probe, a put's publish, a restart) work on arrays 
 through the row-level steps of `BlockIndex` (`add_pending`, `publish`, `top_ids`,
 `remove_sole_copies`...): the store's modules write the table only through this index.
 
-Primitives: `get`, `add`, `remove`, `prefix_rows`, `longest_ready_prefix` (`ready_prefix`: with the rows), `hold_readers`/`release_readers`.
+Primitives: `get`, `add`, `remove`, `prefix_rows`, `longest_ready_prefix` (`ready_prefix`:
+with the rows), `hold_readers`/`release_readers`.
 """
 
 from __future__ import annotations
