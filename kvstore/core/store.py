@@ -387,8 +387,7 @@ class Store:
         self._enter(namespace_id)
         if len(packed) % HASH_BYTES:
             raise InvalidArgument(f"a packed chain is a multiple of {HASH_BYTES} bytes, got {len(packed)}")
-        q = np.frombuffer(packed, "<u8")
-        rows = self.index.find_chain(namespace_id, q[0::2], q[1::2])
+        rows = self._rows_of(namespace_id, packed)
         out = np.full(len(rows), self.ABSENT, np.uint8)
         found = rows >= 0
         if found.any():
@@ -407,9 +406,14 @@ class Store:
         self._enter(namespace_id, hashes)
         if not hashes:
             return 0
-        q = np.frombuffer(b"".join(hashes), "<u8")
-        rows = self.index.find_chain(namespace_id, q[0::2], q[1::2])
+        rows = self._rows_of(namespace_id, b"".join(hashes))
         return self.mark_replica_rows(rows[rows >= 0])
+
+    def _rows_of(self, namespace_id: bytes, packed: bytes) -> np.ndarray[Any, Any]:
+        """The indexed row of each of the packed 16-byte hashes (-1 where not held), in one
+        vectorized probe of the block table."""
+        q = np.frombuffer(packed, "<u8")
+        return self.index.find_chain(namespace_id, q[0::2], q[1::2])
 
     def mark_replica_rows(self, rows: Sequence[int] | np.ndarray[Any, Any]) -> int:
         """`mark_replicas` of blocks a put just published (`PutTxn.stored_rows`), by their
