@@ -97,6 +97,8 @@ DRAIN_BATCH_UNITS = 64
 # Most blocks in one forward job (one put on the owner): a put's runs for one owner are
 # one job up to this, so a large put still fits the forward queue a part at a time.
 FORWARD_JOB_BLOCKS = 1024
+# From how many blocks a put is placed in whole-array steps (`ClusterNode.after_put`).
+PLAN_ARRAYS_FROM_BLOCKS = 16
 MAINTENANCE_S = 5.0
 _ABSENT = bytes([Store.ABSENT])
 
@@ -235,6 +237,40 @@ class _Piece:
     parent: bytes | None
 
 
+@dataclass(slots=True)
+class PutPlan:
+    """Where a put's blocks go (`ClusterNode.after_put`), as offsets [start, stop) into
+    its hashes: the pieces of units this node owns (with each one's unit key), the runs
+    it holds as replicas, per owner elsewhere its forward jobs (each a list of runs of
+    consecutive blocks, at most FORWARD_JOB_BLOCKS blocks but for a longer single piece),
+    how many blocks went elsewhere, and for `ForwardTicket` per forwarded part the
+    (owner, job, offset in the job, blocks) of each of its owners."""
+
+    owned: list[tuple[bytes, int, int]]
+    replicas: list[tuple[int, int]]
+    jobs: dict[str, list[list[tuple[int, int]]]]
+    forwarded: int
+    parts: list[tuple[tuple[str, int, int, int], ...]]
+
+
+def _add_range(runs: list[tuple[int, int]], a: int, b: int) -> None:
+    """Append [a, b) to runs of offsets, joined to the last one where it follows it."""
+    if runs and runs[-1][1] == a:
+        runs[-1] = (runs[-1][0], b)
+    else:
+        runs.append((a, b))
+
+
+def _runs(starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any]) -> list[tuple[int, int]]:
+    """Ranges [starts[i], stops[i]) (in order, disjoint) with consecutive ones joined."""
+    if not len(starts):
+        return []
+    cut = np.flatnonzero(starts[1:] != stops[:-1]) + 1
+    firsts = np.concatenate([_ZERO, cut])
+    lasts = np.concatenate([cut, np.array([len(starts)], np.int64)]) - 1
+    return list(zip(starts[firsts].tolist(), stops[lasts].tolist()))
+
+
 # A unit this node owns, as far as it holds it from its first block on: (namespace id,
 # unit key, position of its first block, its blocks' hashes laid end to end, parent).
 # A plain tuple of bytes and ints, which the garbage collector stops tracking: a node
@@ -302,6 +338,7 @@ class _Ranges(NamedTuple):
 
 
 _EMPTY = np.zeros(0, np.int64)
+_ZERO = np.zeros(1, np.int64)
 _HASH_ITEM = np.dtype(f"V{HASH_BYTES}")  # one hash as one array item
 _EMPTY_BOOL = np.zeros(0, bool)
 
@@ -385,6 +422,117 @@ def _unit_bounds(n: int, unit_blocks: int, lead_in: bool) -> np.ndarray[Any, Any
         if len(_BOUNDS) > 64:
             _BOUNDS.popitem(last=False)
     return bounds
+
+
+def put_pieces(placement: Placement, hashes: list[bytes], parent: bytes | None, pos: int, key0: bytes) -> list[_Piece]:
+    """A put's blocks cut into the units they are in (`key0`: the first one's key)."""
+    s, lead_in = placement.unit_blocks, placement.lead_in
+    out: list[_Piece] = []
+    end = pos + len(hashes)
+    p = pos
+    while p < end:
+        start = unit_start(p, s, lead_in)
+        stop = min(unit_stop(start, s, lead_in), end)
+        key = hashes[start - pos] if start >= pos else key0
+        out.append(_Piece(key, p, hashes[p - pos : stop - pos], hashes[p - pos - 1] if p > pos else parent))
+        p = stop
+    return out
+
+
+def plan_put_by_piece(placement: Placement, me: str, pieces: list[_Piece], pos: int, from_peer: bool) -> PutPlan:
+    """`ClusterNode.after_put`'s plan for node `me`, one unit (piece) at a time: any
+    replication factor, hot units."""
+    plan = PutPlan([], [], {}, 0, [])
+    filled: dict[str, int] = {}  # blocks in each owner's last job
+    singles: dict[tuple[str, int], list[int]] = {}  # a one-owner piece's part, merged per job
+    for piece in pieces:
+        if piece.key == b"":
+            continue  # its unit's first block is unknown here: kept as if owned
+        a = piece.position - pos
+        b = a + len(piece.hashes)
+        owners = placement.owners(piece.key)
+        if me in owners:
+            plan.owned.append((piece.key, a, b))
+        else:
+            _add_range(plan.replicas, a, b)
+        if from_peer:
+            continue
+        part = []
+        for node in owners:
+            if node == me:
+                continue
+            jobs = plan.jobs.setdefault(node, [])
+            if not jobs or filled[node] + (b - a) > FORWARD_JOB_BLOCKS:
+                jobs.append([])
+                filled[node] = 0
+            part.append((node, len(jobs) - 1, filled[node], b - a))
+            _add_range(jobs[-1], a, b)
+            filled[node] += b - a
+        if part:
+            plan.forwarded += b - a
+            if len(part) == 1:
+                # One owner: its consecutive pieces in one job are one part (what it
+                # committed of them is one count: `ForwardTicket.committed`).
+                node, j, off, n = part[0]
+                merged = singles.get((node, j))
+                if merged is not None and merged[0] + merged[1] == off:
+                    merged[1] += n
+                else:
+                    if merged is not None:
+                        plan.parts.append(((node, j, merged[0], merged[1]),))
+                    singles[(node, j)] = [off, n]
+            else:
+                plan.parts.append(tuple(part))
+    plan.parts += [((node, j, off, n),) for (node, j), (off, n) in singles.items()]
+    return plan
+
+
+def plan_put_arrays(placement: Placement, me: str, hashes: list[bytes], pos: int, key0: bytes,
+                    from_peer: bool) -> PutPlan | None:
+    """`plan_put_by_piece`'s plan in whole-array steps over the put's units: one
+    ranking of every unit's key (`Placement.owner_indices`), then runs of units per
+    owner. None where the placement needs the unit-by-unit plan (R > 1, a hot unit)."""
+    n = len(hashes)
+    end = pos + n
+    bounds = _unit_bounds(end, placement.unit_blocks, placement.lead_in)
+    inner = bounds[np.searchsorted(bounds, pos, side="right") : -1] - pos  # offsets of units starting inside
+    starts = np.concatenate([_ZERO, inner])
+    stops = np.concatenate([inner, np.array([n], np.int64)])
+    packed = b"".join(hashes)
+    keys = key0 + _keys_at(packed, inner)
+    if not key0:  # the first unit's key is unknown: kept as if owned (see `plan_put_by_piece`)
+        starts, stops = starts[1:], stops[1:]
+    if not len(starts):
+        return PutPlan([], [], {}, 0, [])
+    routed = placement.owner_indices(keys, HASH_BYTES)
+    if routed is None:
+        return None
+    names, sets = routed
+    owner = sets[0]
+    mine = owner == (names.index(me) if me in names else -2)
+    plan = PutPlan([], _runs(starts[~mine], stops[~mine]), {}, 0, [])
+    for i, a, b in zip(np.flatnonzero(mine).tolist(), starts[mine].tolist(), stops[mine].tolist()):
+        plan.owned.append((keys[i * HASH_BYTES : (i + 1) * HASH_BYTES], a, b))
+    if from_peer:
+        return plan
+    elsewhere = ~mine & (owner >= 0)
+    plan.forwarded = int((stops - starts)[elsewhere].sum())
+    for k in np.unique(owner[elsewhere]).tolist():
+        node = names[k]
+        jobs: list[list[tuple[int, int]]] = [[]]
+        blocks = 0
+        ours = owner == k
+        # Cut into jobs as `plan_put_by_piece` cuts them (a unit never splits).
+        for a, b in zip(starts[ours].tolist(), stops[ours].tolist()):
+            if blocks and blocks + (b - a) > FORWARD_JOB_BLOCKS:
+                plan.parts.append(((node, len(jobs) - 1, 0, blocks),))
+                jobs.append([])
+                blocks = 0
+            _add_range(jobs[-1], a, b)
+            blocks += b - a
+        plan.parts.append(((node, len(jobs) - 1, 0, blocks),))
+        plan.jobs[node] = jobs
+    return plan
 
 
 def _retrieve(task: asyncio.Task[int]) -> None:
@@ -931,7 +1079,13 @@ class ClusterNode:
         """A put committed here: queue its blocks for the owners of their units, hold the
         blocks of units owned elsewhere as replicas, remember the units owned here. A put
         from another node (`from_peer`) is not forwarded again. `tokens`: the put's packed
-        token ids from the chain's start, when it named its blocks by tokens."""
+        token ids from the chain's start, when it named its blocks by tokens.
+
+        It runs before the engine's commit is answered, on the event loop: a put of a
+        long chain is placed in whole-array steps over its units (`plan_put_arrays`),
+        one ranking pass for all of them, where the placement allows (one owner per unit,
+        no hot unit among them); else unit by unit (`plan_put_by_piece`). Both give the
+        same plan (tests/cluster/test_put_plan.py)."""
         if self.left or not hashes or self.store.namespace(namespace_id).groups:
             return None
         pos = position if position is not None else self._position_of(namespace_id, parent)
@@ -939,71 +1093,58 @@ class ClusterNode:
             self.counters.unplaced_blocks += len(hashes)
             return None
         self._remember_position(namespace_id, hashes[-1], pos + len(hashes) - 1)
-        pieces = self._pieces(namespace_id, list(hashes), parent, pos, tokens)
-        me = self.node_id
-        replicas: list[bytes] = []
-        jobs: dict[str, ForwardJob] = {}
-        ticket = ForwardTicket(0)
+        hashes = list(hashes)
+        key0 = self._first_key(namespace_id, hashes, parent, pos, tokens)
+        plan = None
+        if len(hashes) >= PLAN_ARRAYS_FROM_BLOCKS:
+            plan = plan_put_arrays(self.placement, self.node_id, hashes, pos, key0, bool(from_peer))
+        if plan is None:
+            plan = plan_put_by_piece(self.placement, self.node_id, put_pieces(self.placement, hashes, parent, pos, key0),
+                                     pos, bool(from_peer))
+        return self._apply_put(namespace_id, hashes, parent, pos, plan, wait)
+
+    def _first_key(self, namespace_id: bytes, hashes: list[bytes], parent: bytes | None, pos: int,
+                   tokens: bytes) -> bytes:
+        """The key of the unit a put's first block is in: that block's hash where the unit
+        starts there, else the hash of the unit's first block, held here or from the
+        put's token ids (b"" where neither is known: the piece is kept as if owned)."""
+        start = unit_start(pos, self.placement.unit_blocks, self.placement.lead_in)
+        if start == pos:
+            return hashes[0]
+        return self._ancestor(namespace_id, parent, pos - start, tokens, start) or b""
+
+    def _apply_put(self, namespace_id: bytes, hashes: list[bytes], parent: bytes | None, pos: int, plan: PutPlan,
+                   wait: bool) -> ForwardTicket:
+        """Carry out `after_put`'s plan: remember the owned units, submit the jobs, mark
+        the replicas."""
+        for key, a, b in plan.owned:
+            self._remember_owned(namespace_id, _Piece(key, pos + a, hashes[a:b], hashes[a - 1] if a else parent))
+        ticket = ForwardTicket(plan.forwarded)
         loop = asyncio.get_running_loop()
-        for piece in pieces:
-            if piece.key == b"":
-                continue  # its unit's first block is unknown here: kept as if owned
-            owners = self.placement.owners(piece.key)
-            if me in owners:
-                self._remember_owned(namespace_id, piece)
-            else:
-                replicas += piece.hashes
-            if from_peer:
-                continue
-            parts = []
-            for node in owners:
-                if node == me:
-                    continue
-                job = jobs.get(node)
-                if job is not None and len(job.hashes) + len(piece.hashes) > FORWARD_JOB_BLOCKS:
-                    self.forwarder.submit(job)
-                    job = None
-                if job is None:
-                    job = jobs[node] = ForwardJob(node, namespace_id, self._call(namespace_id), list(piece.hashes),
-                                                  piece.parent, piece.position,
-                                                  loop.create_future() if wait else None)
-                    offset = 0
-                else:
-                    # One job per owner: a piece after a gap starts another run of it
-                    # (one put where the owner's transport takes runs, else one per run).
-                    offset = len(job.hashes)
-                    last = job.runs[-1] if job.runs else (0, job.parent, job.position)
-                    if last[2] + offset - last[0] != piece.position:
-                        job.runs.append((offset, piece.parent, piece.position))
-                    job.hashes += piece.hashes
+        submitted: list[ForwardJob] = []
+        done: dict[tuple[str, int], asyncio.Future[int]] = {}
+        call = self._call(namespace_id) if plan.jobs else None
+        for node, jobs in plan.jobs.items():
+            for j, runs in enumerate(jobs):
+                a, b = runs[0]
+                job = ForwardJob(node, namespace_id, call, hashes[a:b],  # type: ignore[arg-type]
+                                 hashes[a - 1] if a else parent, pos + a, loop.create_future() if wait else None)
+                for a, b in runs[1:]:
+                    # A run after a gap: a run of the job (one put where the owner's
+                    # transport takes runs, else one put per run).
+                    job.runs.append((len(job.hashes), hashes[a - 1] if a else parent, pos + a))
+                    job.hashes += hashes[a:b]
                 if job.done is not None:
-                    parts.append((job.done, offset, len(piece.hashes)))
-            if len(owners) > (me in owners):
-                ticket.blocks += len(piece.hashes)
-                if parts:
-                    ticket._parts.append(parts)
-        for job in jobs.values():
+                    done[(node, j)] = job.done
+                submitted.append(job)
+        if wait:
+            ticket._parts = [[(done[(node, j)], off, n) for node, j, off, n in part] for part in plan.parts]
+        for job in submitted:
             self.forwarder.submit(job)
-        if replicas:
+        if plan.replicas:
+            replicas = [h for a, b in plan.replicas for h in hashes[a:b]]
             self.counters.replica_blocks += self.store.mark_replicas(namespace_id, replicas)
         return ticket
-
-    def _pieces(self, namespace_id: bytes, hashes: list[bytes], parent: bytes | None, pos: int,
-                tokens: bytes) -> list[_Piece]:
-        s, lead_in = self.placement.unit_blocks, self.placement.lead_in
-        out: list[_Piece] = []
-        end = pos + len(hashes)
-        p = pos
-        while p < end:
-            start = unit_start(p, s, lead_in)
-            stop = min(unit_stop(start, s, lead_in), end)
-            if start >= pos:
-                key = hashes[start - pos]
-            else:
-                key = self._ancestor(namespace_id, parent, pos - start, tokens, start) or b""
-            out.append(_Piece(key, p, hashes[p - pos : stop - pos], hashes[p - pos - 1] if p > pos else parent))
-            p = stop
-        return out
 
     def _ancestor(self, namespace_id: bytes, parent: bytes | None, distance: int, tokens: bytes,
                   position: int) -> bytes | None:
