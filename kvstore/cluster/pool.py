@@ -45,6 +45,7 @@ Primitives: `ClusterSettings`, `placement_rule`, `PackedChain`, `Extension`,
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import time
 from collections import OrderedDict
@@ -493,17 +494,50 @@ def plan_put_arrays(placement: Placement, me: str, hashes: list[bytes], pos: int
     ranking of every unit's key (`Placement.owner_indices`), then runs of units per
     owner. None where the placement needs the unit-by-unit plan (R > 1, a hot unit)."""
     n = len(hashes)
-    end = pos + n
-    bounds = _unit_bounds(end, placement.unit_blocks, placement.lead_in)
-    inner = bounds[np.searchsorted(bounds, pos, side="right") : -1] - pos  # offsets of units starting inside
-    starts = np.concatenate([_ZERO, inner])
-    stops = np.concatenate([inner, np.array([n], np.int64)])
-    packed = b"".join(hashes)
-    keys = key0 + _keys_at(packed, inner)
-    if not key0:  # the first unit's key is unknown: kept as if owned (see `plan_put_by_piece`)
-        starts, stops = starts[1:], stops[1:]
+    return _plan_arrays(placement, me, b"".join(hashes), np.array([0, n], np.int64), np.array([pos], np.int64),
+                        [key0], from_peer)
+
+
+def plan_runs_arrays(placement: Placement, me: str, hashes: list[bytes], runs: Sequence[tuple[int, int, bytes]]
+                     ) -> PutPlan | None:
+    """The plan of a forward from another node that holds several runs of one chain laid
+    end to end in `hashes`, each (offset in hashes, chain position, its first unit's key),
+    in one ranking for all of them: as `plan_put_arrays` per run with from_peer set
+    (nothing is forwarded again), its offsets into the whole of `hashes`."""
+    offsets = np.array([r[0] for r in runs] + [len(hashes)], np.int64)
+    positions = np.array([r[1] for r in runs], np.int64)
+    return _plan_arrays(placement, me, b"".join(hashes), offsets, positions, [r[2] for r in runs], True)
+
+
+def _plan_arrays(placement: Placement, me: str, packed: bytes, offsets: np.ndarray[Any, Any],
+                 positions: np.ndarray[Any, Any], key0s: list[bytes], from_peer: bool) -> PutPlan | None:
+    """The array plan of runs laid end to end in `packed` (run i: offsets [offsets[i],
+    offsets[i + 1]), chain positions from positions[i], its first unit's key key0s[i],
+    b"" where unknown)."""
+    lens = np.diff(offsets)
+    ends = positions + lens
+    bounds = _unit_bounds(int(ends.max()), placement.unit_blocks, placement.lead_in)
+    # The units that start inside each run, as offsets into packed.
+    lo = np.searchsorted(bounds, positions, side="right")
+    counts = np.searchsorted(bounds, ends, side="left") - lo
+    run_of = np.repeat(np.arange(len(lens)), counts)
+    at = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts) + lo[run_of]
+    inner = bounds[at] - positions[run_of] + offsets[run_of]
+    known = np.array([bool(k) for k in key0s])
+    starts = np.concatenate([offsets[:-1], inner])
+    order = np.argsort(starts, kind="stable")
+    starts = starts[order]
+    stops = np.concatenate([starts[1:], offsets[-1:]])
+    items = np.frombuffer(packed, _HASH_ITEM)[starts]
+    firsts = np.flatnonzero(order < len(lens))  # the pieces a run starts with
+    keep = np.ones(len(starts), bool)
+    keep[firsts[~known]] = False  # the first unit's key is unknown: kept as if owned (see `plan_put_by_piece`)
+    if known.any():
+        items[firsts[known]] = np.frombuffer(b"".join(key0s), _HASH_ITEM)
+    starts, stops = starts[keep], stops[keep]
     if not len(starts):
         return PutPlan([], [], {}, 0, [])
+    keys = items[keep].tobytes()
     routed = placement.owner_indices(keys, HASH_BYTES)
     if routed is None:
         return None
@@ -1102,6 +1136,47 @@ class ClusterNode:
             plan = plan_put_by_piece(self.placement, self.node_id, put_pieces(self.placement, hashes, parent, pos, key0),
                                      pos, bool(from_peer))
         return self._apply_put(namespace_id, hashes, parent, pos, plan, wait)
+
+    def after_peer_put(self, namespace_id: bytes, runs: Sequence[tuple[Sequence[bytes], bytes | None, int | None]],
+                       from_peer: str) -> None:
+        """A forward from another node of several runs of one chain, each (hashes,
+        parent, position), committed here: `after_put` for each run (with `from_peer`),
+        in one plan and one ranking for all of them where the placement allows."""
+        if self.left or not runs or self.store.namespace(namespace_id).groups:
+            return
+        hashes: list[bytes] = []
+        placed: list[tuple[int, int, bytes, bytes | None]] = []  # (offset in hashes, position, key0, parent)
+        for run_hashes, parent, position in runs:
+            if not run_hashes:
+                continue
+            pos = position if position is not None else self._position_of(namespace_id, parent)
+            if pos is None:
+                self.counters.unplaced_blocks += len(run_hashes)
+                continue
+            self._remember_position(namespace_id, run_hashes[-1], pos + len(run_hashes) - 1)
+            run_list = list(run_hashes)
+            placed.append((len(hashes), pos, self._first_key(namespace_id, run_list, parent, pos, b""), parent))
+            hashes += run_list
+        if not placed:
+            return
+        plan = None
+        if len(hashes) >= PLAN_ARRAYS_FROM_BLOCKS:
+            plan = plan_runs_arrays(self.placement, self.node_id, hashes, [(o, p, k) for o, p, k, _ in placed])
+        if plan is None:  # unit by unit, run by run
+            for i, (o, pos, key0, parent) in enumerate(placed):
+                run = hashes[o : placed[i + 1][0] if i + 1 < len(placed) else len(hashes)]
+                piece_plan = plan_put_by_piece(self.placement, self.node_id,
+                                               put_pieces(self.placement, run, parent, pos, key0), pos, True)
+                self._apply_put(namespace_id, run, parent, pos, piece_plan, False)
+            return
+        offsets = [o for o, _, _, _ in placed]
+        for key, a, b in plan.owned:
+            r = bisect.bisect_right(offsets, a) - 1
+            o, pos, _, parent = placed[r]
+            self._remember_owned(namespace_id, _Piece(key, pos + a - o, hashes[a:b], hashes[a - 1] if a > o else parent))
+        if plan.replicas:
+            replicas = [h for a, b in plan.replicas for h in hashes[a:b]]
+            self.counters.replica_blocks += self.store.mark_replicas(namespace_id, replicas)
 
     def _first_key(self, namespace_id: bytes, hashes: list[bytes], parent: bytes | None, pos: int,
                    tokens: bytes) -> bytes:

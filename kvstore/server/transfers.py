@@ -322,11 +322,10 @@ class LaneTransfers:
                                        **hash_fields(result.block_hashes, packed_reply(header.keys)))
         if self.cluster is not None:  # as for a gRPC Put: forwarded to its units' owners
             hashes, parent = self.resolver.put_keys(self.store.namespace(result.namespace_id), header)
-            if transfer.runs:  # a peer's forward of several runs: the pool is told of each
-                for run_hashes, run_parent, position in split_runs(hashes, parent, put_position(header),
-                                                                   transfer.runs):
-                    self.cluster.after_put(result.namespace_id, run_hashes, run_parent, position,
-                                           from_peer=current_identity().peer)
+            if transfer.runs:  # a peer's forward of several runs: the pool is told of all at once
+                self.cluster.after_peer_put(result.namespace_id,
+                                            split_runs(hashes, parent, put_position(header), transfer.runs),
+                                            current_identity().peer)
             else:
                 await forward_put(self.cluster, result.namespace_id, hashes, parent, header, resp,
                                   current_identity().peer)

@@ -1,7 +1,8 @@
 """Where a put's blocks go (kvstore.cluster.pool's `plan_put_arrays`, the whole-array
 plan a long put takes): the same plan as `plan_put_by_piece`, the unit-by-unit one, on
 random chains, positions, unit rules and member sets; and left to it where the
-placement needs it (R > 1, a hot unit)."""
+placement needs it (R > 1, a hot unit). A forward of several runs from another node
+(`plan_runs_arrays`) is planned as its runs one by one."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from kvstore.cluster import pool
 from kvstore.cluster.placement import HotUnits, Placement, unit_start
-from kvstore.cluster.pool import PutPlan, plan_put_arrays, plan_put_by_piece, put_pieces
+from kvstore.cluster.pool import PutPlan, plan_put_arrays, plan_put_by_piece, plan_runs_arrays, put_pieces
 
 
 def _hashes(rng: random.Random, n: int) -> list[bytes]:
@@ -116,3 +117,34 @@ def test_a_placement_with_more_owners_or_a_hot_unit_takes_the_unit_by_unit_plan(
     for _ in range(4):
         hot.record(hashes[10])  # the unit at 10 is hot
     assert plan_put_arrays(placement, "a", hashes, 0, hashes[0], False) is None
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_the_plan_of_a_forward_of_several_runs_is_that_of_its_runs_one_by_one(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    members = [f"n{i}" for i in rng.sample(range(8), rng.randint(1, 5))]
+    me = rng.choice(members)
+    placement = Placement(members, unit_blocks=rng.choice([1, 2, 3, 4, 16]), lead_in=rng.random() < 0.7)
+    hashes: list[bytes] = []
+    runs: list[tuple[int, int, bytes]] = []
+    expected = PutPlan([], [], {}, 0, [])
+    pos = rng.choice([0, 1, 5])
+    for _ in range(rng.randint(1, 40)):
+        pos += rng.randint(0, 9)  # a gap before the run (0: none)
+        n = rng.randint(1, 12)
+        run = _hashes(rng, n)
+        starts_inside = unit_start(pos, placement.unit_blocks, placement.lead_in) < pos
+        key0 = run[0] if not starts_inside else rng.choice([rng.randbytes(16), b""])
+        one = plan_put_by_piece(placement, me, put_pieces(placement, run, b"p" * 16, pos, key0), pos, True)
+        o = len(hashes)
+        expected.owned += [(key, a + o, b + o) for key, a, b in one.owned]
+        for a, b in one.replicas:
+            pool._add_range(expected.replicas, a + o, b + o)
+        runs.append((o, pos, key0))
+        hashes += run
+        pos += n
+    plan = plan_runs_arrays(placement, me, hashes, runs)
+    assert plan is not None
+    assert plan.owned == expected.owned
+    assert plan.replicas == expected.replicas
+    assert not plan.jobs and plan.forwarded == 0
