@@ -1030,8 +1030,10 @@ class ClusterNode:
         if reach <= held:
             return None
         # Blocks absent here within the reach are found elsewhere or pending: TIER_REMOTE.
-        tiers = present[: reach - held].translate(self._tier_values)
+        past = present[: reach - held]
+        tiers = past.translate(self._tier_values)
         remote = tiers.count(kvstore_pb2.TIER_REMOTE)
+        self.store.count_past_prefix(past)
         self.counters.local_past_prefix_blocks += len(tiers) - remote
         self.counters.remote_hit_blocks += remote
         if copied and holders:

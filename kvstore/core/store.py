@@ -333,7 +333,8 @@ class Store:
         what the wire carries, probed without cutting it into N objects). `count=False`:
         the lookup's blocks are counted by the caller (`count_lookup`), once it knows what
         it answered (a pool's node adds what other nodes hold); the tiers' counts are the
-        store's own either way."""
+        store's own either way (a pool's node moves the blocks it holds past the prefix
+        from misses to hits: `count_past_prefix`)."""
         info = self._enter(namespace_id)
         packed = self._packed_chain(hashes)
         if info.groups:
@@ -448,6 +449,17 @@ class Store:
         (nothing if its namespace has been forgotten since)."""
         if self.has_namespace(namespace_id):
             self.counters.count_lookup(self._namespace(namespace_id), n_asked, n_answered)
+
+    def count_past_prefix(self, tier_ids: bytes) -> None:
+        """Blocks a pool's node answered past its local prefix (one byte per block: a top
+        tier id as `present` gives it, `ABSENT` for a block found elsewhere): each one held
+        here moves from its tier's misses, where `lookup` counted it once the prefix ended,
+        to that tier's hits, as a block of the prefix would be counted."""
+        for tid, st in enumerate(self.tiers, start=1):
+            held = tier_ids.count(tid)
+            if held:
+                st.counters.hits += held
+                st.counters.misses -= held
 
     def count_unknown_lookup(self, n_asked: int) -> None:
         """A lookup of a layout the store holds nothing of (the server answers it without

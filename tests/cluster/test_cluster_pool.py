@@ -433,6 +433,28 @@ async def test_a_nodes_hit_ratio_counts_what_the_pool_answered_and_not_the_peers
         assert (c.lookups, c.lookup_blocks, c.hit_blocks, c.miss_blocks) == (2, 84, 80, 4)
 
 
+async def test_a_tiers_hits_count_the_blocks_a_node_holds_past_its_local_prefix(tmp_path: Path) -> None:
+    """The blocks of a node's answer it holds itself past where its local prefix ended
+    (units it owns after one another node owns) are hits of the tier they are in, as the
+    prefix's blocks are; the blocks other nodes hold are no tier's hits."""
+    async with pool(tmp_path, 2) as (a, b):
+        tokens, blocks = chain(LAYOUT, 40, seed=13)
+        async with AsyncClient(unix_target(a)) as kv:
+            await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
+        past_before = int(info(b)["cluster_local_past_prefix_blocks"])
+        async with AsyncClient(unix_target(b)) as kv:
+            before = {t.name: (t.hits, t.misses) for t in (await kv.stats()).tiers if t.present}
+            hit = await kv.lookup(LAYOUT, tokens)
+            after = {t.name: (t.hits, t.misses) for t in (await kv.stats()).tiers if t.present}
+        assert hit.num_blocks == 40 and 0 < hit.remote_blocks < 40
+        # The case this is about: b holds blocks past its local prefix.
+        assert int(info(b)["cluster_local_past_prefix_blocks"]) > past_before
+        assert set(hit.tiers) == {"remote", "host"}
+        for name, (hits, misses) in after.items():
+            held = hit.tiers.count(name)
+            assert (hits - before[name][0], misses - before[name][1]) == (held, 40 - held), name
+
+
 async def test_the_units_a_node_owns_are_kept_out_of_the_collectors_walks(tmp_path: Path) -> None:
     """Each node remembers the units it owns (for a drain's hand-off): tens of thousands
     on a busy node, kept as tuples of bytes that the garbage collector stops tracking,
