@@ -79,6 +79,7 @@ from kvstore.cluster.placement import DEFAULT_UNIT_BLOCKS, Placement  # noqa: E4
 from kvstore.core.policies import make_policy  # noqa: E402
 from kvstore.core.replay import ReplayTier, Trace, capacity_from_fraction, load_trace  # noqa: E402
 from kvstore.core.store import Store, StoreTier  # noqa: E402
+from kvstore.errors import InvalidArgument  # noqa: E402
 from kvstore.hashing import HASH_BYTES  # noqa: E402
 from kvstore.layout import KVLayout  # noqa: E402
 
@@ -464,8 +465,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.chains = min(args.chains, 40)
         args.failover_s = min(args.failover_s, 9.0)
     if not Path(args.trace).exists():
-        print(f"bench/cluster.py: no trace at {args.trace}; pass the path of a Mooncake JSONL trace", file=sys.stderr)
+        print(f"bench/cluster.py: no trace at {args.trace}; pass the path of a Mooncake JSONL trace "
+              "(make bench-cluster CLUSTER_TRACE=PATH)", file=sys.stderr)
         return 2
+    trace = None
+    if "1" in parts:
+        # Read (and checked) before the daemons' parts, which take minutes.
+        try:
+            trace = load_trace(args.trace, args.limit)
+        except InvalidArgument as exc:
+            print(f"bench/cluster.py: {exc}", file=sys.stderr)
+            return 2
     extra: dict[str, Any] = {}
     if "2" in parts:
         from cluster_daemons import remote_lookup
@@ -482,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra["failover"] = failover(args.failover_s, args.failover_s / 3, unit_blocks=args.unit_blocks)
     if "1" not in parts:
         return _write_daemon_parts(Path(args.out), extra)
-    trace = load_trace(args.trace, args.limit)
+    assert trace is not None
     capacity = capacity_from_fraction(trace, args.capacity_fraction)
     nodes = [int(x) for x in args.nodes.split(",") if x]
     cells = cells_for(nodes, [r for r in args.routing.split(",") if r], [q for q in args.policies.split(",") if q],
