@@ -1176,8 +1176,12 @@ class ClusterNode:
             r = bisect.bisect_right(offsets, a) - 1
             o, pos, _, parent = placed[r]
             self._remember_owned(namespace_id, _Piece(key, pos + a - o, hashes[a:b], hashes[a - 1] if a > o else parent))
-        if plan.replicas:
-            replicas = [h for a, b in plan.replicas for h in hashes[a:b]]
+        self._hold_replicas(namespace_id, hashes, plan.replicas)
+
+    def _hold_replicas(self, namespace_id: bytes, hashes: list[bytes], runs: list[tuple[int, int]]) -> None:
+        """Mark a plan's replica runs (offsets [a, b) into `hashes`) as replicas here."""
+        if runs:
+            replicas = [h for a, b in runs for h in hashes[a:b]]
             self.counters.replica_blocks += self.store.mark_replicas(namespace_id, replicas)
 
     def _first_key(self, namespace_id: bytes, hashes: list[bytes], parent: bytes | None, pos: int,
@@ -1218,9 +1222,7 @@ class ClusterNode:
             ticket._parts = [[(done[(node, j)], off, n) for node, j, off, n in part] for part in plan.parts]
         for job in submitted:
             self.forwarder.submit(job)
-        if plan.replicas:
-            replicas = [h for a, b in plan.replicas for h in hashes[a:b]]
-            self.counters.replica_blocks += self.store.mark_replicas(namespace_id, replicas)
+        self._hold_replicas(namespace_id, hashes, plan.replicas)
         return ticket
 
     def _ancestor(self, namespace_id: bytes, parent: bytes | None, distance: int, tokens: bytes,
