@@ -1139,11 +1139,12 @@ class ClusterNode:
                                      pos, bool(from_peer))
         return self._apply_put(namespace_id, hashes, parent, pos, plan, wait)
 
-    def after_peer_put(self, namespace_id: bytes, runs: Sequence[tuple[Sequence[bytes], bytes | None, int | None]],
-                       from_peer: str) -> None:
+    def after_peer_put(self, namespace_id: bytes,
+                       runs: Sequence[tuple[Sequence[bytes], bytes | None, int | None]]) -> None:
         """A forward from another node of several runs of one chain, each (hashes,
-        parent, position), committed here: `after_put` for each run (with `from_peer`),
-        in one plan and one ranking for all of them where the placement allows."""
+        parent, position), committed here: `after_put` of each run as a peer's (nothing
+        is forwarded again), in one plan and one ranking for all of them where the
+        placement allows. (Only peers put several runs in one call: `put_runs`.)"""
         if self.left or not runs or self.store.namespace(namespace_id).groups:
             return
         hashes: list[bytes] = []

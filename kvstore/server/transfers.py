@@ -324,8 +324,7 @@ class LaneTransfers:
             hashes, parent = self.resolver.put_keys(self.store.namespace(result.namespace_id), header)
             if transfer.runs:  # a peer's forward of several runs: the pool is told of all at once
                 self.cluster.after_peer_put(result.namespace_id,
-                                            split_runs(hashes, parent, put_position(header), transfer.runs),
-                                            current_identity().peer)
+                                            split_runs(hashes, parent, put_position(header), transfer.runs))
             else:
                 await forward_put(self.cluster, result.namespace_id, hashes, parent, header, resp,
                                   current_identity().peer)
