@@ -221,7 +221,7 @@ ECHO_SERVER = """
 import asyncio, struct, sys
 HEAD = struct.Struct("<I")
 class Echo(asyncio.BufferedProtocol):
-    # Read into a buffer of its own, as the daemon's control lane does (kvstore.server.lane).
+    # Read into a buffer of its own, as the daemon's control lane does (kvstore.server.control_lane).
     def connection_made(self, transport):
         self.transport, self.buf, self.end = transport, bytearray(1 << 16), 0
     def get_buffer(self, sizehint):

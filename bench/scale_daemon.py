@@ -245,7 +245,7 @@ async def main() -> None:
     # unchanged: a batch of victims where it can, else one `evict_one` step), counting the
     # evictions.
     timer = {"n": 0.0, "s": 0.0, "cpu": 0.0}
-    evict_some = store.placement.evict_some
+    evict_some = store.moves.evict_some
     meta_tier = next(st for st in store.tiers if st.name == TIER_NAME)
 
     async def timed_evict_some(st: Any, nbytes: int, count: int) -> None:
@@ -256,7 +256,7 @@ async def main() -> None:
         timer["cpu"] += time.process_time() - c
         timer["n"] += meta_tier.counters.evictions - before
 
-    store.placement.evict_some = timed_evict_some  # type: ignore[method-assign]
+    store.moves.evict_some = timed_evict_some  # type: ignore[method-assign]
     emit({"ready": True, "pid": os.getpid(), "socket": args.socket})
     loop = asyncio.get_running_loop()
     while True:

@@ -33,13 +33,13 @@ from collections.abc import Callable, Generator, Sequence
 from typing import Any, Generic, TypeVar, Union
 
 from kvstore.client._assembler import FetchAssembler
-from kvstore.client._auth import Security
+from kvstore.client.security import Security
 from kvstore.client._buffers import all_cuda, any_cuda, host_blocks, out_buffers, upload_blocks, writable_view
 from kvstore.client._groups import GroupedFetchAssembler, grouped_fetch_request, prepare_grouped_put
 from kvstore.client._held import HeldSlots, check_reserve_ahead, keep_held, take_held
-from kvstore.client._lane import lane_socket, segment_over_lane
+from kvstore.client.control_lane import lane_socket, segment_over_lane
 from kvstore.client._local import LocalPlane
-from kvstore.client.datalane import DEFAULT_CONNECTIONS, DataLane, LaneStats, choose_endpoint
+from kvstore.client.data_lane import DEFAULT_CONNECTIONS, DataLane, DataLaneStats, choose_endpoint
 from kvstore.client._options import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -230,7 +230,7 @@ class ClientState:
         return taken
 
     @property
-    def data_lane_stats(self) -> LaneStats | None:
+    def data_lane_stats(self) -> DataLaneStats | None:
         """What the data lane moved for this client (None until it is in use): bytes each
         way, and blocks that failed their checksum on arrival (dropped, never returned)."""
         return self._datalane.stats() if self._datalane is not None else None

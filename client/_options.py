@@ -14,14 +14,14 @@ import os
 
 from kvstore.addresses import DEFAULT_TCP_LISTEN, default_unix_socket
 from kvstore.errors import InvalidArgument
-from kvstore.laneproto import IDEMPOTENT
+from kvstore.control_lane_wire import IDEMPOTENT
 from kvstore.v1 import kvstore_pb2
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 64 << 20
 
-# Idempotent calls (laneproto.IDEMPOTENT, the one list) are retried by the channel on
+# Idempotent calls (control_lane_wire.IDEMPOTENT, the one list) are retried by the channel on
 # UNAVAILABLE.
 _KVSTORE_METHODS = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].methods_by_name
 _RETRY_METHODS = sorted(m for m in IDEMPOTENT if m in _KVSTORE_METHODS)

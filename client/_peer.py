@@ -6,7 +6,7 @@ answering with blocks of its own. So the socket and every directory above it (as
 written and as resolved) must belong to this process's uid or root, the uids a daemon
 this process may trust runs as. The check runs where a channel is made; a socket that
 does not exist yet is checked only as far as its path exists. The control lane also
-reads the daemon's peer credentials on each connection (`kvstore.client._lane`).
+reads the daemon's peer credentials on each connection (`kvstore.client.control_lane`).
 
 Primitive: `check_unix_target(target)`.
 """

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from kvstore.client._auth import Security, sync_channel
+from kvstore.client.security import Security, sync_channel
 from kvstore.client._assembler import FetchAssembler
 from kvstore.client._errors import fetch_cut_short, translate
 from kvstore.client._options import CHANNEL_OPTIONS, DEFAULT_CHUNK_BYTES, resolve_target

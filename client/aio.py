@@ -1,7 +1,7 @@
 """`AsyncClient`: the asyncio SDK. Same methods as `Client`, awaited.
 
 Each verb is a plan from `kvstore.client._ops`; this module holds what an asyncio
-client adds to `ClientState`: its grpc.aio channel and stubs, its lane (`AioLane`), and
+client adds to `ClientState`: its grpc.aio channel and stubs, its lane (`AioControlLane`), and
 the driver that awaits each step. `Blocking` steps (shared-memory and device copies)
 run in a worker thread, so they never stall the event loop; a caller cancelled during
 one gets its `CancelledError` only once the thread has returned (`_in_thread`)."""
@@ -17,15 +17,15 @@ from typing import Any, TypeVar, cast
 import grpc
 
 from kvstore.client import _ops as ops
-from kvstore.client._auth import aio_channel
+from kvstore.client.security import aio_channel
 from kvstore.client._errors import fetch_cut_short, translate
-from kvstore.client._lane import AioLane
+from kvstore.client.control_lane import AioControlLane
 from kvstore.client._local import LocalPlane
 from kvstore.client._ops import Blocking, ClientState, Plan, Step, StreamFetch, StreamPut, Unary
 from kvstore.client._options import CHANNEL_OPTIONS
 from kvstore.client._requests import put_requests
 from kvstore.client.results import LookupResult, PinResult, PrefetchResult, PutResult
-from kvstore.laneproto import RESPONSE_TYPES, method_path
+from kvstore.control_lane_wire import RESPONSE_TYPES, method_path
 from kvstore.layout import KVLayout
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 from kvstore.wire import FETCH_METHOD, PUT_METHOD, fetch_response_deserializer, put_request_serializer
@@ -75,7 +75,7 @@ class AsyncClient(ClientState):
                                                  response_deserializer=fetch_response_deserializer)
         self._admin = admin_pb2_grpc.AdminStub(self._channel)
         self._raw: dict[str, Any] = {}  # the unary methods' stubs, made on first use
-        self._lane = AioLane(lane_path, self.security.token, self.control_plane == "lane") if lane_path else None
+        self._lane = AioControlLane(lane_path, self.security.token, self.control_plane == "lane") if lane_path else None
 
     async def __aenter__(self) -> AsyncClient:
         return self

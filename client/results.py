@@ -18,7 +18,7 @@ from kvstore.convert import TIER_NAMES
 from kvstore.errors import Internal
 from kvstore.hashing import split_hashes
 from kvstore.native import native as _native
-from kvstore.results import PinResult, PrefetchResult
+from kvstore.answers import PinResult, PrefetchResult
 from kvstore.v1 import kvstore_pb2
 
 __all__ = ["LookupResult", "PinResult", "PrefetchResult", "PutResult"]

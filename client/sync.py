@@ -1,7 +1,7 @@
 """`Client`: the blocking SDK. Same methods as `AsyncClient`, without awaits.
 
 Each verb is a plan from `kvstore.client._ops`; this module holds what a blocking
-client adds to `ClientState`: its gRPC channel and stubs, its lane (`SyncLane`), and the
+client adds to `ClientState`: its gRPC channel and stubs, its lane (`SyncControlLane`), and the
 driver that runs each step on the calling thread, copies included."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from typing import Any, TypeVar, cast
 import grpc
 
 from kvstore.client import _ops as ops
-from kvstore.client._auth import sync_channel
+from kvstore.client.security import sync_channel
 from kvstore.client._errors import fetch_cut_short, translate
-from kvstore.client._lane import SyncLane
+from kvstore.client.control_lane import SyncControlLane
 from kvstore.client._local import LocalPlane
 from kvstore.client._ops import Blocking, ClientState, Plan, Step, StreamFetch, StreamPut, Unary
 from kvstore.client._options import CHANNEL_OPTIONS
 from kvstore.client._requests import put_requests
 from kvstore.client.results import LookupResult, PinResult, PrefetchResult, PutResult
-from kvstore.laneproto import RESPONSE_TYPES, method_path
+from kvstore.control_lane_wire import RESPONSE_TYPES, method_path
 from kvstore.layout import KVLayout
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 from kvstore.wire import FETCH_METHOD, PUT_METHOD, fetch_response_deserializer, put_request_serializer
@@ -43,7 +43,7 @@ class Client(ClientState):
                                                  response_deserializer=fetch_response_deserializer)
         self._admin = admin_pb2_grpc.AdminStub(self._channel)
         self._raw: dict[str, Any] = {}  # the unary methods' stubs, made on first use
-        self._lane = SyncLane(lane_path, self.security.token, self.control_plane == "lane") if lane_path else None
+        self._lane = SyncControlLane(lane_path, self.security.token, self.control_plane == "lane") if lane_path else None
 
     def __enter__(self) -> Client:
         return self

@@ -4,7 +4,7 @@ On 3.11, `asyncio.wait_for` returns the awaitable's result when the task awaitin
 cancelled in the same loop turn as the awaitable completes: the cancellation is gone,
 and a worker told to stop (a forwarder's, at a daemon's shutdown) goes on to wait for
 its next job forever. `asyncio.timeout` keeps the cancellation but needs a task, and a
-call the control lane starts by hand (`kvstore.server.lane`) runs its first step
+call the control lane starts by hand (`kvstore.server.control_lane`) runs its first step
 outside one. `within` needs no task, and a cancellation of the task that awaits it
 always comes out as `CancelledError`.
 """

@@ -1,10 +1,10 @@
 """Coroutines run up to their first suspension at once, outside a task: `start`, `resume`.
 
 A task's first step runs on a later turn of the event loop. A call whose request is
-written in its first step (a peer lane call on a pooled connection: kvstore.cluster.lane)
+written in its first step (a peer lane call on a pooled connection: kvstore.cluster.peer_lane)
 can be started by hand instead: its request leaves now, and the caller does its own work
 while the answer travels, then awaits the rest (kvstore.cluster.pool, the lookup round).
-The control lane starts every call this way (kvstore.server.lane), and answers a call
+The control lane starts every call this way (kvstore.server.control_lane), and answers a call
 that never suspends with no task at all.
 
 A coroutine started by hand speaks to the event loop as a task's step would: what it

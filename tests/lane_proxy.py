@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from kvstore.datalane import DATA, HEADER_BYTES, TRAILER, unpack
+from kvstore.data_lane import DATA, HEADER_BYTES, TRAILER, unpack
 
 
 class LaneProxy:

@@ -117,7 +117,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kvstore.client._auth import Security, sync_channel
+    from kvstore.client.security import Security, sync_channel
     from kvstore.client._options import resolve_target
 
     target = resolve_target(args.target)
@@ -423,7 +423,7 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     try:
         set_keys = set(read_toml(args.file))
         cfg = load_config({"config": args.file}, env={})
-        from kvstore.server.datalane import check_lane_exposure, lane_addresses
+        from kvstore.server.data_lane.server import check_lane_exposure, lane_addresses
         from kvstore.server.listen import check_exposure
 
         # Addresses are checked the way the daemon checks them (loopback unless auth is set up),
@@ -511,7 +511,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     import os
     import tempfile
 
-    from kvstore.client.transfer import export_namespace
+    from kvstore.client.export import export_namespace
 
     dest = args.file
     if os.path.isdir(dest):
@@ -548,7 +548,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from kvstore.client.transfer import estimate_blocks, import_namespace, read_header
+    from kvstore.client.export import estimate_blocks, import_namespace, read_header
 
     try:
         src = open(args.file, "rb")

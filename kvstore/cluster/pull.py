@@ -10,7 +10,7 @@ put of its own, hashed here, off the event loop, once it arrived; over the data 
 put for all the pull's runs is reserved first (`Store.begin_put` with `runs`), every
 block lands in its slot directly and is hashed as it lands, against the checksum the
 holder sends with it (the one it stored, which the holder's bytes matched before they
-left: `kvstore.cluster.lane`), and the runs that landed whole are published together. A
+left: `kvstore.cluster.data_lane_transport`), and the runs that landed whole are published together. A
 run cut short (the holder evicted a block meanwhile, a check failed, the lane broke) is
 rolled back, with the runs after it.
 

@@ -1,7 +1,7 @@
 """How bytes and questions travel between the daemons of a pool: the `PeerTransport` seam
 and its implementation on the daemons' own gRPC API (`GrpcPeerTransport`); the one a
 daemon uses, which moves block bytes on the peers' data lanes, is
-`kvstore.cluster.lane.LanePeerTransport`.
+`kvstore.cluster.data_lane_transport.DataLaneTransport`.
 
 A node asks three things of another (and nothing else: the other side refuses the rest):
 
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
-from kvstore.laneproto import RESPONSE_TYPES, method_path
+from kvstore.control_lane_wire import RESPONSE_TYPES, method_path
 from kvstore.wire import (
     FETCH_METHOD,
     PUT_METHOD,

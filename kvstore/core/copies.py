@@ -31,7 +31,7 @@ import numpy as np
 
 from kvstore.core.index import BlockEntry, BlockIndex, BlockState
 from kvstore.core.namespaces import NamespaceRegistry
-from kvstore.core.results import BlockInfo, NamespaceInfo, StoreCounters, StoreObserver
+from kvstore.core.types import BlockInfo, NamespaceInfo, StoreCounters, StoreObserver
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
 from kvstore.core.tenancy import TenantLedger

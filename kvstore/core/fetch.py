@@ -32,8 +32,8 @@ import numpy as np
 from kvstore.checksum import checksum, checksum_pieced
 from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex, hold_readers, make_key, release_readers
-from kvstore.core.placement import Placement
-from kvstore.core.results import MigrationConfig, NamespaceInfo, StoreCounters
+from kvstore.core.moves import TierMoves
+from kvstore.core.types import MigrationConfig, NamespaceInfo, StoreCounters
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
 from kvstore.core.tier import Slot
@@ -118,18 +118,18 @@ def _one_copy(index: int, data: memoryview) -> _OneCopy:
 class FetchPath:
     """Where fetches leave a store: what a `FetchStream` works with, by name."""
 
-    def __init__(self, index: BlockIndex, copies: CopyBook, placement: Placement, counters: StoreCounters,
+    def __init__(self, index: BlockIndex, copies: CopyBook, moves: TierMoves, counters: StoreCounters,
                  tiers: Sequence[StoreTier], config: MigrationConfig, executor: Executor | None,
                  unpin: Callable[[str], object]) -> None:
         self.index = index
         self.copies = copies
-        self.placement = placement
+        self.moves = moves
         self.counters = counters
         self.tiers = list(tiers)  # top first
         self.executor = executor
         self.unpin = unpin
         # A block served from the inclusive tier (SSD) may leave a copy in the top memory tier.
-        self.promote_on_hit = config.promote_on_hit and placement.inclusive is not None
+        self.promote_on_hit = config.promote_on_hit and moves.inclusive is not None
 
     def open(self, info: NamespaceInfo, hashes: Sequence[bytes], lease_id: str = "") -> FetchStream:
         """Plan a fetch of the longest present prefix of `hashes` (checked against the
@@ -346,7 +346,7 @@ class FetchStream:
                 path.counters.blocks_fetched += 1
                 path.counters.bytes_out += len(view)
                 if promote and st.tier.inclusive:
-                    await path.placement.promote_on_hit(entry, bytes(data))  # SSD reads are bytes already: no copy
+                    await path.moves.promote_on_hit(entry, bytes(data))  # SSD reads are bytes already: no copy
                 self.sent += 1
                 yield framed
         finally:

@@ -46,7 +46,7 @@ import numpy as np
 from kvstore.core.fetch import FetchPath, FetchStream, FramedBlock
 from kvstore.core.index import BlockIndex, make_key
 from kvstore.core.put import PutPath, PutTxn
-from kvstore.core.results import NamespaceInfo, PrefixLookup, PutOutcome, StoreCounters, StoreObserver
+from kvstore.core.types import NamespaceInfo, PrefixLookup, PutOutcome, StoreCounters, StoreObserver
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
 from kvstore.errors import FailedPrecondition, InvalidArgument

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstore.core.index import BlockEntry, hold_readers, release_readers
-from kvstore.core.results import StoreLimits
+from kvstore.core.types import StoreLimits
 from kvstore.core.table import BlockTable
 from kvstore.errors import InvalidArgument, ResourceExhausted
 

@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 
 from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex
-from kvstore.core.placement import EVICT_BATCH, Placement
-from kvstore.core.results import MigrationConfig, MigrationStatus, StoreCounters, WritePolicy
+from kvstore.core.moves import EVICT_BATCH, TierMoves
+from kvstore.core.types import MigrationConfig, MigrationStatus, StoreCounters, WritePolicy
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
 from kvstore.deadlines import within
@@ -43,17 +43,17 @@ SSD_WRITE_CONCURRENCY = 8
 class Migrator:
     """Background movement for a store's tiers (top first)."""
 
-    def __init__(self, index: BlockIndex, copies: CopyBook, placement: Placement, counters: StoreCounters,
+    def __init__(self, index: BlockIndex, copies: CopyBook, moves: TierMoves, counters: StoreCounters,
                  tiers: Sequence[StoreTier], config: MigrationConfig, expire_leases: Callable[[], object]) -> None:
         self._index = index
         self._copies = copies
-        self._placement = placement
+        self._moves = moves
         self._counters = counters
         self._tiers = list(tiers)
         self._by_name = {t.name: t for t in self._tiers}
         self._config = config
         self._expire_leases = expire_leases
-        self._inclusive = placement.inclusive
+        self._inclusive = moves.inclusive
         self._through = self._inclusive is not None and config.write_policy is WritePolicy.THROUGH
         self._queue: deque[BlockEntry] = deque()
         self._inflight = 0
@@ -153,10 +153,10 @@ class Migrator:
             return
         self._copies.hold(entry)
         try:
-            data = await self._placement.read_verified(entry, src)
+            data = await self._moves.read_verified(entry, src)
             if data is None:
                 return
-            await self._placement.ensure_inclusive_copy(entry, data)
+            await self._moves.ensure_inclusive_copy(entry, data)
         except asyncio.CancelledError:
             raise
         except OSError as exc:  # disk full or failing: expected, and one line per block is enough
@@ -183,8 +183,8 @@ class Migrator:
                 # Pins decide what is evictable: leases past their deadline end first.
                 self._expire_leases()
                 # The last tier only evicts on demand (see the module docstring).
-                for st in self._placement.memory_tiers:
-                    if self._placement.below(st) is not None and await self.migrate_once(st) is MigrationStatus.RUNNING:
+                for st in self._moves.memory_tiers:
+                    if self._moves.below(st) is not None and await self.migrate_once(st) is MigrationStatus.RUNNING:
                         self._migrate_wakeup.set()  # more to do: no need to wait a tick
             except asyncio.CancelledError:
                 raise
@@ -201,10 +201,10 @@ class Migrator:
         target = st.low_watermark * cap
         moved = 0
         while st.tier.used_bytes > target and moved < self._config.batch_blocks:
-            row, replica = self._placement.victim_row(st)
+            row, replica = self._moves.victim_row(st)
             if row is None:
                 return MigrationStatus.FAIL
-            await self._placement.evict_victim(st, row, replica)
+            await self._moves.evict_victim(st, row, replica)
             moved += 1
         if st.tier.used_bytes > target:
             return MigrationStatus.RUNNING
@@ -233,7 +233,7 @@ class Migrator:
         try:
             while (short := nbytes - (st.tier.capacity_bytes - st.tier.used_bytes)) > 0:
                 # A few blocks at a time: calls in between go first.
-                await self._placement.evict_some(st, block_bytes, min(EVICT_BATCH, -(-short // block_bytes)))
+                await self._moves.evict_some(st, block_bytes, min(EVICT_BATCH, -(-short // block_bytes)))
                 await asyncio.sleep(0)
         except ResourceExhausted:
             pass  # nothing evictable now: the next put makes its own room, or says why not

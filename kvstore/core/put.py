@@ -21,7 +21,7 @@ Ordering decisions that matter:
 - A block already READY when the put began is held (so making room for the new blocks
   cannot evict it) and reported as existing, not stored again; one published by a
   concurrent put meanwhile is found by one probe at commit and given up.
-- A put that finds no room demotes in line (`Placement.allocate_put`); one over its
+- A put that finds no room demotes in line (`TierMoves.allocate_put`); one over its
   tenant's quota first demotes that tenant's own victims, and holds its bytes against
   the quota from then until it commits or aborts.
 - Room for bytes that have arrived, not for promises. A streamed put (begun with a
@@ -53,8 +53,8 @@ from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex, RunParents
 from kvstore.core.migration import Migrator
 from kvstore.core.namespaces import NamespaceRegistry
-from kvstore.core.placement import Placement
-from kvstore.core.results import NamespaceInfo, PutOutcome, StoreCounters
+from kvstore.core.moves import TierMoves
+from kvstore.core.types import NamespaceInfo, PutOutcome, StoreCounters
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
 from kvstore.core.tenancy import TenantLedger
@@ -69,13 +69,13 @@ class PutPath:
     """Where puts enter a store: what a `PutTxn` works with, by name (the attributes are
     the transaction's collaborators, read-only for it)."""
 
-    def __init__(self, index: BlockIndex, registry: NamespaceRegistry, copies: CopyBook, placement: Placement,
+    def __init__(self, index: BlockIndex, registry: NamespaceRegistry, copies: CopyBook, moves: TierMoves,
                  migrator: Migrator, tenancy: TenantLedger, counters: StoreCounters, tiers: Sequence[StoreTier],
                  executor: Executor | None) -> None:
         self.index = index
         self.registry = registry
         self.copies = copies
-        self.placement = placement
+        self.moves = moves
         self.tenancy = tenancy
         self.counters = counters
         self.tiers = {t.name: t for t in tiers}
@@ -131,7 +131,7 @@ class PutPath:
         slots = st.tier.allocate_many(nbytes, count, space)  # what fits now, in one step
         try:
             while len(slots) < count:
-                slots.append(await self.placement.allocate_put(nbytes, [st], count - len(slots), space))
+                slots.append(await self.moves.allocate_put(nbytes, [st], count - len(slots), space))
                 slots += st.tier.allocate_many(nbytes, count - len(slots), space)  # the rest of the room made
         except BaseException:
             self.free_slots(slots)
@@ -218,7 +218,7 @@ class PutTxn:
         with a window (`window_bytes`), as their chunks arrive (`write`)."""
         puts = self._puts
         new = self._hold_present()
-        landing = [self._tier] if self._tier is not None else puts.placement.landing_tiers()
+        landing = [self._tier] if self._tier is not None else puts.moves.landing_tiers()
         room = sum(st.tier.capacity_bytes for st in landing)
         need = len(new) * landing[0].tier.accounted_size(self.block_bytes)
         if need > room:
@@ -303,7 +303,7 @@ class PutTxn:
             limited = [st.name for st in landing if st.name in quotas]
             for st in landing:
                 if st.name in quotas:
-                    await puts.placement.quota_room(self._info, st, more)
+                    await puts.moves.quota_room(self._info, st, more)
             if self._done:  # aborted while making room
                 raise FailedPrecondition("this put was aborted")
             for name in limited:
@@ -311,13 +311,13 @@ class PutTxn:
                 self._quota_held[name] = self._quota_held.get(name, 0) + more
         # What fits in the first landing tier now, in one step; then, per block, the
         # next tier with room, or room made (no await and no coroutine where a tier has room).
-        space = puts.placement.space_of_tenant(self._tenant)
+        space = puts.moves.space_of_tenant(self._tenant)
         slots: list[Slot] = landing[0].tier.allocate_many(nbytes, len(positions), space)
         try:
             for k in range(len(slots), len(positions)):
                 slot = next((s for st in landing if (s := st.tier.allocate(nbytes, space)) is not None), None)
                 if slot is None:
-                    slot = await puts.placement.allocate_put(nbytes, landing, len(positions) - k, space)
+                    slot = await puts.moves.allocate_put(nbytes, landing, len(positions) - k, space)
                     if self._done:  # aborted while making room
                         puts.tiers[slot.tier].tier.free(slot)
                         raise FailedPrecondition("this put was aborted")
@@ -363,11 +363,11 @@ class PutTxn:
         new = self._hold_present()
         quotas = puts.tenancy.quotas.get(self._tenant)
         if quotas and new:
-            landing = [self._tier] if self._tier is not None else puts.placement.landing_tiers()
+            landing = [self._tier] if self._tier is not None else puts.moves.landing_tiers()
             nbytes = len(new) * self.block_bytes
             for st in landing:
                 if st.name in quotas:
-                    await puts.placement.quota_room(self._info, st, nbytes)
+                    await puts.moves.quota_room(self._info, st, nbytes)
                     puts.tenancy.hold(self._tenant, st.name, nbytes)
                     self._quota_held[st.name] = nbytes
         self._make_entries(new, [filled[i] for i in new])

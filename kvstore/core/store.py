@@ -5,7 +5,7 @@ them. Each module states the ordering decisions it keeps:
 
 - kvstore.core.namespaces: `NamespaceRegistry`, layouts by id, the per-call limits;
 - kvstore.core.copies: `CopyBook`, where each block's copies are, readers, accounting, events;
-- kvstore.core.placement: `Placement`, verified moves, making room, demotion, promotion;
+- kvstore.core.moves: `TierMoves`, verified moves, making room, demotion, promotion;
 - kvstore.core.migration: `Migrator`, the periodic driver and the write-through writer;
 - kvstore.core.put: `PutPath`, two-phase puts (publish after the data lands);
 - kvstore.core.fetch: `FetchPath`, verified fetch streams (what is verified is what is sent);
@@ -57,9 +57,9 @@ from kvstore.core.table import SSD_QUEUED
 from kvstore.core.leases import Lease, LeaseTable
 from kvstore.core.migration import Migrator
 from kvstore.core.namespaces import NamespaceRegistry, check_hint
-from kvstore.core.placement import Placement
+from kvstore.core.moves import TierMoves
 from kvstore.core.put import PutPath, PutTxn
-from kvstore.core.results import (
+from kvstore.core.types import (
     BlockGroup,
     BlockInfo,
     BlockRef,
@@ -83,7 +83,7 @@ from kvstore.core.tier import BounceCopier, Copier, Slot, Tier
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
-from kvstore.results import PinResult, PrefetchResult
+from kvstore.answers import PinResult, PrefetchResult
 
 # The facade and the values its verbs take and return.
 __all__ = [
@@ -102,7 +102,7 @@ def _bounce(src: Tier, dst: Tier) -> Copier:
 
 class Store:
     """The verbs, over collaborators built here and exposed as attributes for inspection
-    and as seams (`index`, `registry`, `copies`, `placement`, `migrator`, `puts`,
+    and as seams (`index`, `registry`, `copies`, `moves`, `migrator`, `puts`,
     `fetches`): servers call the verbs."""
 
     def __init__(
@@ -168,13 +168,13 @@ class Store:
             for b in self.memory_tiers
             if a is not b
         }
-        self.placement = Placement(self.index, self.copies, self.registry, self.tenancy, self.counters, self.tiers,
+        self.moves = TierMoves(self.index, self.copies, self.registry, self.tenancy, self.counters, self.tiers,
                                    self.migration, copiers, executor)
-        self.migrator = Migrator(self.index, self.copies, self.placement, self.counters, self.tiers, self.migration,
+        self.migrator = Migrator(self.index, self.copies, self.moves, self.counters, self.tiers, self.migration,
                                  self.expire_leases)
-        self.puts = PutPath(self.index, self.registry, self.copies, self.placement, self.migrator, self.tenancy,
+        self.puts = PutPath(self.index, self.registry, self.copies, self.moves, self.migrator, self.tenancy,
                             self.counters, self.tiers, executor)
-        self.fetches = FetchPath(self.index, self.copies, self.placement, self.counters, self.tiers, self.migration,
+        self.fetches = FetchPath(self.index, self.copies, self.moves, self.counters, self.tiers, self.migration,
                                  executor, self.unpin)
         self.groups = GroupBook(self.index, self.puts, self.fetches, self.counters, self.tiers,
                                 self._lease_for, self.unpin, self._listen)
@@ -561,8 +561,8 @@ class Store:
         target = self._by_name[self.prefetch_target(tier)]
         self.counters.prefetches += 1
         if not info.groups:
-            return await self.placement.prefetch(namespace_id, hashes, target)
-        results = [await self.placement.prefetch(part_id, hashes, target) for part_id in self.groups.part_ids(info)]
+            return await self.moves.prefetch(namespace_id, hashes, target)
+        results = [await self.moves.prefetch(part_id, hashes, target) for part_id in self.groups.part_ids(info)]
         return PrefetchResult(target.name, *(sum(getattr(r, k) for r in results)
                                              for k in ("requested", "raised", "already", "missing", "skipped")))
 
@@ -675,7 +675,7 @@ class Store:
                 for st in [t for t in self.tiers if t.name in entry.locations]:
                     if entry.removed:
                         break
-                    if await self.placement.read_verified(entry, st) is None:
+                    if await self.moves.read_verified(entry, st) is None:
                         bad = True
                 if bad:
                     dropped += 1
@@ -770,7 +770,7 @@ class Store:
         if nbytes < 0:
             raise InvalidArgument(f"bytes to evict must be >= 0, got {nbytes}")
         self.expire_leases()
-        result = await self.placement.evict_bytes(st, nbytes)
+        result = await self.moves.evict_bytes(st, nbytes)
         logger.info("operator eviction from %s: %d blocks, %d bytes", tier, result.blocks, result.removed_bytes)
         return result
 
@@ -821,7 +821,7 @@ class Store:
                     policy=st.policy.name,
                     counters=TierCounters(**{k: getattr(st.counters, k) for k in TierCounters.__slots__}),
                     facts=st.tier.describe(),
-                    pending_writes=self.pending_ssd_writes if st is self.placement.inclusive else 0,
+                    pending_writes=self.pending_ssd_writes if st is self.moves.inclusive else 0,
                 )
                 for st in self.tiers
             ],

@@ -18,7 +18,7 @@ import numpy as np
 
 from kvstore.core.index import BlockEntry
 from kvstore.core.policies import EvictionPolicy
-from kvstore.core.results import TierCounters
+from kvstore.core.types import TierCounters
 from kvstore.core.table import BlockTable
 from kvstore.core.tier import Tier
 

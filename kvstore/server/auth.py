@@ -389,7 +389,7 @@ class Authenticator:
         `identify` would say for a call of `method`, except that a cluster credential
         (role peer) is accepted as itself. Such a connection carries the bytes of
         transfers that node-to-node calls opened, and only those
-        (`kvstore.server.transfers`): the call that opened one was authorized for its
+        (`kvstore.server.data_lane.transfers`): the call that opened one was authorized for its
         tenant, and its id is the connection's claim to it."""
         if self.table is not None:
             identity = self._authenticate(self.table, token, on_unix_socket)

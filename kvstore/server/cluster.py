@@ -96,7 +96,7 @@ async def start_cluster(config: Config, store: Store, node_id: str, bound: Seque
     """Build this daemon's `ClusterNode` and join the pool."""
     from kvstore.cluster.membership import EtcdSettings, Member, make_membership, parse_static_peers
     from kvstore.cluster.pool import ClusterNode, ClusterSettings
-    from kvstore.cluster.lane import LanePeerTransport
+    from kvstore.cluster.data_lane_transport import DataLaneTransport
     from kvstore.cluster.transport import GrpcPeerTransport, PeerTransport
 
     token = ""
@@ -140,7 +140,7 @@ async def start_cluster(config: Config, store: Store, node_id: str, bound: Seque
     assert membership is not None
     transport: PeerTransport
     if config.cluster_data_lane:
-        transport = LanePeerTransport(node_id, token=token, tls_ca=tls_ca, tls_cert=cert, tls_key=key,
+        transport = DataLaneTransport(node_id, token=token, tls_ca=tls_ca, tls_cert=cert, tls_key=key,
                                       chunk_bytes=config.chunk_bytes, connections=config.data_lane_connections,
                                       io_timeout_s=config.data_lane_io_timeout_s)
     else:
@@ -312,7 +312,7 @@ class ClusterCollector(Collector):
 def info_section(node: ClusterNode | None) -> str:
     if node is None:
         return "# Cluster\ncluster_enabled:0\n"
-    from kvstore.cluster.lane import LanePeerTransport
+    from kvstore.cluster.data_lane_transport import DataLaneTransport
 
     st = node.status()
     ms = st.membership
@@ -349,7 +349,7 @@ def info_section(node: ClusterNode | None) -> str:
         f"cluster_unplaced_blocks:{c.unplaced_blocks}", f"cluster_hot_pushes:{c.hot_pushes}",
         f"cluster_handoff_pushes:{c.handoff_pushes}",
         f"cluster_suspect_peers:{sum(m.suspect for m in st.members)}",
-        f"cluster_data_lane:{int(isinstance(node.transport, LanePeerTransport))}",
+        f"cluster_data_lane:{int(isinstance(node.transport, DataLaneTransport))}",
     ]
     tc = node.transport.counters
     lines += [

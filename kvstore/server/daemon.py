@@ -4,7 +4,7 @@ serves them over gRPC and the control lane, and shuts down cleanly.
 Start-up is one `contextlib.AsyncExitStack`: the checksum executor, the tiers and the
 store (which owns the tiers once built), the open local puts, the metrics endpoint, the
 gRPC server (KVStore, Admin, grpc.health.v1.Health, reflection) and its listeners, the
-data lane's listeners (`kvstore.server.datalane`), the control lanes, the cluster node
+data lane's listeners (`kvstore.server.data_lane.server`), the control lanes, the cluster node
 when the daemon is one of a pool (`cluster = true`: kvstore.server.cluster; it joins once
 the listeners are bound, and leaves first on SIGTERM), and the background tasks.
 Whatever fails, what was built is torn down in
@@ -48,7 +48,7 @@ from grpc_health.v1._async import HealthServicer
 from kvstore.core.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, parse_tier_policies
 from kvstore.core.store import MigrationConfig, Store, StoreLimits, StoreTier, WritePolicy
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.laneproto import lane_path
+from kvstore.control_lane_wire import lane_path
 from kvstore.logs import rate_limited
 from kvstore.server.admin import AdminServicer
 from kvstore.server.auth import Authenticator, TokenTable, check_unix_tenant, parse_token_file
@@ -60,16 +60,16 @@ from kvstore.server.connections import (
     grpc_server_options,
     raise_open_file_limit,
 )
-from kvstore.server.datalane import DataLaneServer, LaneCollector, check_lane_exposure, lane_addresses, server_tls
+from kvstore.server.data_lane.server import DataLaneServer, DataLaneCollector, check_lane_exposure, lane_addresses, server_tls
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.events import EventBus
 from kvstore.server.host_resources import GcFreezer, check_disk_capacity, resolve_host_capacity
 from kvstore.server.interceptors import PipelineInterceptor
-from kvstore.server.lane import LaneServer
+from kvstore.server.control_lane import ControlLaneServer
 from kvstore.server.lease_tags import LeaseTags
 from kvstore.server.lifecycle import DrainGate
 from kvstore.server.listen import bind, check_exposure, prepare_unix_path, tls_credentials
-from kvstore.server.local_plane import LocalPlane
+from kvstore.server.local_plane import LocalPlaneService
 from kvstore.server.local_puts import LocalPuts
 from kvstore.server.metrics import Metrics, MetricsServer
 from kvstore.server.pipeline import Pipeline
@@ -77,8 +77,8 @@ from kvstore.server.reflection import enable_reflection
 from kvstore.server.requests import RequestResolver
 from kvstore.server.runtime import RuntimeConfig
 from kvstore.server.servicer import KVStoreServicer
-from kvstore.server.transfer import LaneSettings
-from kvstore.server.transfers import LaneTransfers
+from kvstore.server.data_lane.transfer import DataLaneSettings
+from kvstore.server.data_lane.transfers import DataLaneTransfers
 from kvstore.tiers import (
     HBM,
     HOST,
@@ -108,7 +108,7 @@ PR_SET_DUMPABLE = 4
 # Loggers whose records a flood of connections repeats (a refused peer, an accept out of
 # descriptors, a peer lane that cannot be reached every few seconds): one line per interval,
 # with a count of the rest.
-REPEATING_LOGGERS = ("asyncio", "grpc._cython.cygrpc", "kvstore.server.lane", "kvstore.cluster.lane")
+REPEATING_LOGGERS = ("asyncio", "grpc._cython.cygrpc", "kvstore.server.control_lane", "kvstore.cluster.peer_lane", "kvstore.cluster.data_lane_transport")
 LOG_REPEAT_INTERVAL_S = 10.0
 # sockaddr_un.sun_path: the longest Unix socket path, with its terminating NUL.
 UNIX_PATH_BYTES = 108
@@ -165,8 +165,8 @@ class Daemon:
         self.runtime: RuntimeConfig | None = None
         self.bound: list[str] = []
         self.bound_lanes: list[str] = []  # socket paths of the local control lanes
-        self.lanes: list[LaneServer] = []
-        self.peer_lanes: list[LaneServer] = []  # the pool's node-to-node calls (docs/cluster.md)
+        self.lanes: list[ControlLaneServer] = []
+        self.peer_lanes: list[ControlLaneServer] = []  # the pool's node-to-node calls (docs/cluster.md)
         self.data_lane: DataLaneServer | None = None  # block bytes for remote clients (docs/net.md)
         self.metrics_address = ""  # HOST:PORT once the endpoint is up; empty when off
         self.connection_limits: ConnectionLimits | None = None  # fitted to the open-file limit at start
@@ -181,7 +181,7 @@ class Daemon:
         self._executor: ThreadPoolExecutor | None = None
         self._health: HealthServicer | None = None
         self._local_puts: LocalPuts | None = None
-        self._transfers: LaneTransfers | None = None
+        self._transfers: DataLaneTransfers | None = None
         self._unix_paths: list[str] = []
         self._sweeper: asyncio.Task[None] | None = None
         self._prefault: asyncio.Task[bool] | None = None
@@ -367,8 +367,8 @@ class Daemon:
             max_namespaces_per_tenant=cfg.max_namespaces_per_tenant if auth_on else None)
         self.runtime.register("max_tokens_per_call", lambda value: setattr(resolver, "max_tokens_per_call", value))
         self._resolver = resolver
-        local = LocalPlane(store, resolver, host_tier, self._local_puts)
-        transfers = LaneTransfers(store, resolver, LaneSettings(
+        local = LocalPlaneService(store, resolver, host_tier, self._local_puts)
+        transfers = DataLaneTransfers(store, resolver, DataLaneSettings(
             window_bytes=cfg.data_lane_window, max_connections_per_transfer=cfg.data_lane_connections,
             io_timeout_s=cfg.data_lane_io_timeout_s, max_block_bytes=cfg.max_block_bytes,
             put_window_bytes=cfg.max_put_reserve_bytes, put_idle_timeout_s=cfg.put_idle_timeout_s,
@@ -417,7 +417,7 @@ class Daemon:
         stack.push_async_callback(lane.close)
         self.data_lane = lane
         await lane.start(self.lane_addresses)
-        self.metrics.registry.register(LaneCollector(lane.counters))
+        self.metrics.registry.register(DataLaneCollector(lane.counters))
         self.metrics.count_lane(lane.counters.get)
 
     async def _start_metrics(self, stack: contextlib.AsyncExitStack) -> None:
@@ -473,16 +473,16 @@ class Daemon:
             self.lanes.append(lane)
             self.bound_lanes.append(path)
 
-    def _lane_server(self, servicer: KVStoreServicer) -> LaneServer:
+    def _lane_server(self, servicer: KVStoreServicer) -> ControlLaneServer:
         """A control lane server for the servicer, within the daemon's connection limits."""
         limits = self.connection_limits
         assert limits is not None
-        return LaneServer(servicer, self.pipeline, self.config.max_message_bytes, limits.max_connections,
+        return ControlLaneServer(servicer, self.pipeline, self.config.max_message_bytes, limits.max_connections,
                           deferral=servicer.store.deferral, hello_timeout_s=limits.handshake_timeout_s,
                           idle_s=limits.idle_s)
 
     async def _start_peer_lanes(self, servicer: KVStoreServicer) -> None:
-        """The peer lane (kvstore.server.lane, docs/cluster.md) on each of its addresses,
+        """The peer lane (kvstore.server.control_lane, docs/cluster.md) on each of its addresses,
         offered to the pool's other daemons by the DataLane call. It only saves time: one
         that cannot be bound is logged and skipped (the peers then use gRPC)."""
         tls = server_tls(self.config) if self.peer_lane_addresses else None

@@ -6,7 +6,7 @@ An engine on the same GPU node imports the HBM tier's slab once (`DeviceSegment`
 IPC handles of its storage, its ref counter and its event) and then moves blocks with
 device-to-device copies; fetches and puts carry offsets into that slab, exactly as the
 shared-memory plane's do into the host segment, so both planes share the lease and put
-logic of `LocalPlane`. The answer carries the host segment's token (the caller's
+logic of `LocalPlaneService`. The answer carries the host segment's token (the caller's
 tenant's segment, with auth on), so a client checks that the slab and the segment it
 already mapped belong to the same daemon.
 
@@ -24,7 +24,7 @@ from typing import Any
 
 from kvstore.core.store import Store
 from kvstore.errors import FailedPrecondition
-from kvstore.server.local_plane import LocalPlane
+from kvstore.server.local_plane import LocalPlaneService
 from kvstore.tiers import HBM
 from kvstore.v1 import kvstore_pb2
 
@@ -38,7 +38,7 @@ SHARED_SLAB = ("the device plane opens the whole HBM slab, which holds every ten
 
 
 class DevicePlane:
-    def __init__(self, store: Store, local: LocalPlane, local_plane_tenants: Callable[[], int] = lambda: 1) -> None:
+    def __init__(self, store: Store, local: LocalPlaneService, local_plane_tenants: Callable[[], int] = lambda: 1) -> None:
         self.store = store
         self.local = local
         # How many tenants may use the local planes now (the token file can be reloaded).

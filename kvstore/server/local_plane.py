@@ -1,6 +1,6 @@
 """The shared-memory data plane's calls: LocalSegment, LocalPut, LocalCommit, LocalFetch.
 
-Primitives: `LocalPlane` (`segment()`, `put(request)`, `commit(request)`, `fetch(request)`,
+Primitives: `LocalPlaneService` (`segment()`, `put(request)`, `commit(request)`, `fetch(request)`,
 and `begin_put` / `lease_blocks` for a given tier, which the device plane shares).
 The open puts and reservations themselves are kept in `kvstore.server.local_puts`.
 
@@ -25,7 +25,7 @@ exactly once, whatever fails:
 Whose memory a client maps. With auth off there is one tenant: every client maps the
 host tier's one segment, by path. With auth on the host tier keeps one segment per
 tenant (`SpacedHostTier`): `LocalSegment` hands the caller its own tenant's segment, as
-a file descriptor over the control lane (`kvstore.server.lane.PASSED_FDS`; over gRPC it
+a file descriptor over the control lane (`kvstore.server.control_lane.PASSED_FDS`; over gRPC it
 is refused, FAILED_PRECONDITION, and the SDK moves bytes through Put and Fetch), and
 every offset a client is given is one of its tenant's slots, in that segment: a put's
 slots and a reservation's come from the caller's space, a put into a namespace of
@@ -39,13 +39,13 @@ import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvstore.core.results import NamespaceInfo
+from kvstore.core.types import NamespaceInfo
 from kvstore.core.store import PutOutcome, Store
 from kvstore.core.tier import Slot
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put
-from kvstore.server.lane import PASSED_FDS
+from kvstore.server.control_lane import PASSED_FDS
 from kvstore.server.local_puts import LocalPuts
 from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
 from kvstore.shm import HEADER_BYTES
@@ -73,7 +73,7 @@ ANOTHER_SPACE = ("this namespace's blocks live in another tenant's shared-memory
                  "put them with Put, or from a client of that tenant")
 
 
-class LocalPlane:
+class LocalPlaneService:
     def __init__(self, store: Store, resolver: RequestResolver, host: HostTier | SpacedHostTier | None,
                  puts: LocalPuts) -> None:
         self.store = store

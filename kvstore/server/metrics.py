@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Data plane labels: block bytes in gRPC messages, copied through the shared segment, or
-# on the data lane (kvstore.server.datalane).
+# on the data lane (kvstore.server.data_lane.server).
 GRPC_PLANE, SHM_PLANE, LANE_PLANE = "grpc", "shm", "lane"
 
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -212,7 +212,7 @@ class Metrics:
 
     def count_lane(self, counts: Callable[[str], int]) -> None:
         """Split the data lane's bytes out of the plane labels (`counts(name)`, by the
-        names of `kvstore.server.transfer.LaneCounters`)."""
+        names of `kvstore.server.data_lane.transfer.DataLaneCounters`)."""
         self._store_collector.lane = counts
 
     def count_gc(self, pauses: Callable[[], GcPauses]) -> None:

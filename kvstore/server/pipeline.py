@@ -3,7 +3,7 @@
 Primitives: `Pipeline(gate, auth, metrics)`, `Pipeline.bind(path) -> CallSteps`, and on
 `CallSteps`: `enter(token, on_unix_socket, rid) -> Identity | None`, `failed(exc) ->
 (code, message)`, `leave(identity, code, start)`. The transports are
-`kvstore.server.interceptors` (gRPC: one server interceptor) and `kvstore.server.lane`
+`kvstore.server.interceptors` (gRPC: one server interceptor) and `kvstore.server.control_lane`
 (the control lane); both run these steps, in this order:
 
 1. metrics: the call counts in `kvstore_rpcs_in_flight` and is timed, from before the

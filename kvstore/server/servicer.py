@@ -7,7 +7,7 @@ one validation boundary: namespaces, keys, sessions, the caller's lease ids), ca
 store verb, and builds the answer. A read of a layout the daemon holds nothing of
 (`UnregisteredLayout`) is answered as a miss without registering it; only a Put that
 publishes registers a namespace. The shared-memory and device planes are delegated to
-`LocalPlane` and `DevicePlane`, the data lane's transfers to `LaneTransfers`. The one piece of work beyond translation is the Fetch
+`LocalPlaneService` and `DevicePlane`, the data lane's transfers to `DataLaneTransfers`. The one piece of work beyond translation is the Fetch
 framer (`_frame`), which the store's fetch calls to cut a block into wire messages, so
 that the checksum it verifies is taken over the bytes that are sent.
 
@@ -40,7 +40,7 @@ units' owners (`forward_put`), and a fetch (Fetch, or LaneFetch) first waits for
 lookup is copying here; calls that
 other nodes make (`Identity.peer`) are answered from this node alone.
 
-`context` may be None. The control lane (`kvstore.server.lane`) calls the unary methods
+`context` may be None. The control lane (`kvstore.server.control_lane`) calls the unary methods
 itself, with the parsed request and no gRPC context, so no unary method reads or uses its
 `context`: what a method needs from the call (the caller's identity, the request id) is
 in contextvars the pipeline sets. Only the streaming methods (Put, Fetch), which the lane
@@ -64,9 +64,9 @@ from kvstore.native import XXH3, native
 from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put
 from kvstore.server.device_plane import DevicePlane
-from kvstore.server.local_plane import LocalPlane
+from kvstore.server.local_plane import LocalPlaneService
 from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
-from kvstore.server.transfers import LaneTransfers
+from kvstore.server.data_lane.transfers import DataLaneTransfers
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvstore.wire import Framed, RawChunk, chunk_prefix, encode_chunk
 
@@ -119,10 +119,10 @@ def _still_alive(context: grpc.aio.ServicerContext) -> None:
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
-    def __init__(self, store: Store, resolver: RequestResolver, local: LocalPlane, device: DevicePlane,
+    def __init__(self, store: Store, resolver: RequestResolver, local: LocalPlaneService, device: DevicePlane,
                  chunk_bytes: int, put_window_bytes: int = DEFAULT_PUT_WINDOW_BYTES,
                  put_idle_timeout_s: float = DEFAULT_PUT_IDLE_TIMEOUT_S,
-                 lane: LaneTransfers | None = None) -> None:
+                 lane: DataLaneTransfers | None = None) -> None:
         self.store = store
         self.resolver = resolver
         self.local = local
@@ -454,10 +454,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def LaneCommit(self, request: kvstore_pb2.LaneCommitRequest, context: Context) -> kvstore_pb2.PutResponse:
         # In a pool, the transfers forward a committed lane put and make a lane fetch wait
-        # for pulls, as Put and Fetch do (kvstore.server.transfers).
+        # for pulls, as Put and Fetch do (kvstore.server.data_lane.transfers).
         return await self._lane().commit(request)
 
-    def _lane(self) -> LaneTransfers:
+    def _lane(self) -> DataLaneTransfers:
         if self.lane is None or not self.lane.offer().endpoints:
             raise FailedPrecondition("this daemon serves no data lane (data_lane_listen is off); use Put and Fetch")
         return self.lane

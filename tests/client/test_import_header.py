@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.cli.main import main
 from kvstore.client import Client
-from kvstore.client.transfer import MAGIC
+from kvstore.client.export import MAGIC
 
 LAYOUT = {"model": "m", "dtype": "float16", "num_layers": 1, "num_kv_heads": 1, "head_dim": 1,
           "block_size_tokens": 1}

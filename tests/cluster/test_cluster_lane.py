@@ -21,8 +21,8 @@ import pytest
 
 from conftest import SMALL_LAYOUT
 from kvstore.client import AsyncClient
-from kvstore.client._auth import Security
-from kvstore.client.datalane import DataLane, choose_endpoint
+from kvstore.client.security import Security
+from kvstore.client.data_lane import DataLane, choose_endpoint
 from kvstore.convert import layout_to_proto
 from kvstore.errors import KVStoreError
 from kvstore.server.daemon import Daemon

@@ -18,7 +18,7 @@ from kvstore.convert import layout_to_proto
 from kvstore.core.index import make_key
 from kvstore.core.store import Store
 from kvstore.hashing import block_hashes
-from kvstore.laneproto import peer_envelope
+from kvstore.control_lane_wire import peer_envelope
 from kvstore.layout import KVLayout
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc

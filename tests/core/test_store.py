@@ -409,7 +409,7 @@ async def test_a_batch_eviction_drops_what_single_evictions_would(policy):
     slots = await batch.reserve_slots("host", BLOCK, 5)
     assert len(slots) == 5 and st_b.counters.evictions == 5
     for _ in range(5):
-        await single.placement.evict_one(st_s, BLOCK)
+        await single.moves.evict_one(st_s, BLOCK)
     assert events[0].removed == events[1].removed and len(events[0].removed) == 5
     assert (st_b.counters.evictions, st_b.counters.drops) == (st_s.counters.evictions, st_s.counters.drops) == (5, 5)
     assert batch.counters.evictions == single.counters.evictions == 5

@@ -466,7 +466,7 @@ def test_no_pickle_or_eval_in_the_package():
 def test_export_by_an_admin_imports_under_the_importing_tenant(auth_daemon, layout, tenants, tmp_path):
     import io
 
-    from kvstore.client.transfer import export_namespace, import_namespace
+    from kvstore.client.export import export_namespace, import_namespace
 
     target = auth_daemon.unix_target
     tokens = list(range(12))
@@ -640,7 +640,7 @@ async def test_async_client_sends_its_token(tmp_path, layout, tenants):
 def test_a_token_over_plain_tcp_to_another_host_is_warned_about(caplog):
     import logging
 
-    with caplog.at_level(logging.WARNING, logger="kvstore.client._auth"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.client.security"):
         Client("192.0.2.1:50051", token="kvs_example").close()  # TEST-NET-1: nothing is contacted
         assert "without TLS" in caplog.text
         caplog.clear()

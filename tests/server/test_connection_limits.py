@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.client import AsyncClient, Client
-from kvstore.laneproto import HELLO, MAGIC, frame, lane_path
+from kvstore.control_lane_wire import HELLO, MAGIC, frame, lane_path
 from kvstore.server.daemon import Daemon
 from tests import procs
 from conftest import daemon_in_thread, make_config

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import AsyncClient, Client
-from kvstore.datalane import (
+from kvstore.data_lane import (
     CREDIT,
     DATA,
     END,
@@ -61,7 +61,7 @@ from tests.lane_proxy import LaneProxy
 LAYOUT = KVLayout(model="test/lane", dtype="float16", num_layers=4, num_kv_heads=4, head_dim=64,
                   block_size_tokens=8)
 BB = LAYOUT.bytes_per_block
-# A block larger than one receive piece (kvstore.datalane.RECV_PIECE_BYTES): hashed in pieces.
+# A block larger than one receive piece (kvstore.data_lane.RECV_PIECE_BYTES): hashed in pieces.
 BIG = KVLayout(model="test/lane-big", dtype="float16", num_layers=5, num_kv_heads=4, head_dim=64,
                block_size_tokens=64)
 
@@ -850,14 +850,14 @@ def test_the_lane_speaks_tls_when_the_daemon_does(tmp_path, pki):
 
 
 async def test_a_peer_fetches_into_and_puts_from_slot_memory_by_namespace_and_hashes(daemon):
-    from kvstore.client.lane_peer import LanePeer
+    from kvstore.client.data_lane_peer import DataLanePeer
     from kvstore.hashing import block_hashes
 
     data = blocks_for(6, seed=19)
     hashes = block_hashes(LAYOUT.namespace_id, tokens(6), LAYOUT.block_size_tokens)
     region = bytearray(8 * BB)  # stands in for a host tier's segment
     slots = [memoryview(region)[i * BB : (i + 1) * BB] for i in range(8)]
-    async with LanePeer(daemon.tcp_target) as peer:
+    async with DataLanePeer(daemon.tcp_target) as peer:
         put = await peer.put(ns(), hashes[:4], [memoryview(d) for d in data[:4]])
         assert (put.stored, put.existing) == (4, 0)
         # The rest of the chain, after its parent, by the namespace's id this time.
@@ -874,12 +874,12 @@ async def test_a_peer_fetches_into_and_puts_from_slot_memory_by_namespace_and_ha
 
 
 async def test_a_peer_without_a_lane_says_so(tmp_path):
-    from kvstore.client.lane_peer import LanePeer
+    from kvstore.client.data_lane_peer import DataLanePeer
 
     daemon = Daemon(make_config(tmp_path, data_lane_listen=("off",)))
     await daemon.start()
     try:
-        async with LanePeer(daemon.bound[1]) as peer:
+        async with DataLanePeer(daemon.bound[1]) as peer:
             with pytest.raises(FailedPrecondition, match="no data lane"):
                 await peer.fetch(ns(), [os.urandom(16)], [bytearray(BB)])
     finally:
@@ -894,7 +894,7 @@ def test_a_lane_put_is_freed_once_done_without_the_garbage_collector(daemon_thre
     collections too (its lease sweep's freeze)."""
     import gc
 
-    from kvstore.server.put_transfer import PutTransfer
+    from kvstore.server.data_lane.put import PutTransfer
 
     def alive() -> list[PutTransfer]:
         return [o for o in gc.get_objects() if type(o) is PutTransfer]  # (isinstance would ask proxies)
@@ -952,7 +952,7 @@ def test_an_idle_connection_drops_credit_read_ahead_and_nothing_else():
     """Frames received ahead with a transfer's last ones stay in the connection's
     buffer, out of a poll's sight: a pooled connection is still good with CREDIT frames
     there (dropped), and not with anything else."""
-    from client.datalane import _alive
+    from kvstore.client.data_lane import _alive
 
     for extra, alive in ((pack(CREDIT, b"t" * 16, 0, 0, 4096) * 2, True),
                          (pack(ERROR, b"t" * 16, 13, 0), False)):
@@ -1007,8 +1007,8 @@ async def test_a_fetch_of_many_blocks_in_memory_lets_the_loop_serve_other_calls(
     import grpc as grpc_mod
 
     from kvstore.core.fetch import ViewedBlock
-    from kvstore.server.fetch_transfer import PUMP_BATCH_BLOCKS, FetchTransfer
-    from kvstore.server.transfer import LaneCounters
+    from kvstore.server.data_lane.fetch import PUMP_BATCH_BLOCKS, FetchTransfer
+    from kvstore.server.data_lane.transfer import DataLaneCounters
 
     blocks = 5 * PUMP_BATCH_BLOCKS
 
@@ -1025,7 +1025,7 @@ async def test_a_fetch_of_many_blocks_in_memory_lets_the_loop_serve_other_calls(
             pass
 
     loop = asyncio.get_running_loop()
-    transfer = FetchTransfer(b"f" * 16, "default", time.monotonic() + 30, 1, loop, InMemory(), LaneCounters())
+    transfer = FetchTransfer(b"f" * 16, "default", time.monotonic() + 30, 1, loop, InMemory(), DataLaneCounters())
     seen: list[int] = []  # how many blocks were queued each time another task ran meanwhile
 
     async def other_calls() -> None:
@@ -1059,8 +1059,8 @@ def test_small_blocks_received_whole_land_in_one_pass_and_a_bad_one_is_not_retur
     one pass (`LaneSocket.buffered_blocks`): each lands byte-exact in its destination
     and is checked there against the checksum it came with; one whose bytes do not match
     ends the result before it and is counted, and a block sent twice is refused."""
-    from client._auth import Security
-    from client.datalane import DataLane, LaneEndpoint
+    from kvstore.client.security import Security
+    from kvstore.client.data_lane import DataLane, LaneEndpoint
 
     transfer = b"t" * 16
     blocks = [bytes([i]) * 256 for i in range(40)]

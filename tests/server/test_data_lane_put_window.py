@@ -24,7 +24,7 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.convert import layout_to_proto
-from kvstore.datalane import (
+from kvstore.data_lane import (
     CREDIT,
     DATA,
     ERROR,

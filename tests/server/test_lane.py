@@ -29,7 +29,7 @@ from kvstore.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kvstore.laneproto import HEADER, HELLO_ANSWER, MAGIC, METHOD_IDS, frame, lane_path
+from kvstore.control_lane_wire import HEADER, HELLO_ANSWER, MAGIC, METHOD_IDS, frame, lane_path
 from kvstore.server.auth import new_token
 from kvstore.v1 import kvstore_pb2
 from conftest import daemon_in_thread, make_config
@@ -439,7 +439,7 @@ def test_frames_of_any_size_arriving_in_any_pieces_are_read_whole(tmp_path, layo
     anywhere (down to single bytes), and many frames in one read all come out whole; the
     connection keeps serving small frames after a large one (its buffer, grown past
     RECEIVE_KEEP for it, is then dropped)."""
-    from kvstore.server.lane import RECEIVE_KEEP
+    from kvstore.server.control_lane import RECEIVE_KEEP
 
     hashes = [os.urandom(16) for _ in range(3)]
     with daemon_in_thread(make_config(tmp_path, max_blocks_per_call=100_000)) as running:

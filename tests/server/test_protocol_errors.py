@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from kvstore.client import AsyncClient
 from kvstore.convert import layout_to_proto
-from kvstore.laneproto import HEADER, HELLO_ANSWER, MAGIC, METHOD_IDS, frame, lane_path
+from kvstore.control_lane_wire import HEADER, HELLO_ANSWER, MAGIC, METHOD_IDS, frame, lane_path
 from kvstore.server.auth import new_token
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import admin_pb2, kvstore_pb2

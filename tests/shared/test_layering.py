@@ -27,7 +27,7 @@ SOURCES = {"kvstore": "kvstore", "tiers": "kvstore.tiers", "client": "kvstore.cl
 # The shared root is every module directly in kvstore/, the stubs and the compiled helpers.
 SHARED = tuple(sorted(f"kvstore.{p.stem}" for p in (ROOT / "kvstore").glob("*.py") if p.stem != "__init__")) + (
     "kvstore.v1", "kvstore._native", "kvstore")
-CORE_MAY = tuple(m for m in SHARED if m not in ("kvstore.wire", "kvstore.laneproto", "kvstore.datalane", "kvstore.v1"))
+CORE_MAY = tuple(m for m in SHARED if m not in ("kvstore.wire", "kvstore.control_lane_wire", "kvstore.data_lane", "kvstore.v1"))
 ALLOWED: dict[str, tuple[str, ...]] = {
     "shared": SHARED,
     "core": CORE_MAY + ("kvstore.core",),

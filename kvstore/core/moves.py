@@ -1,4 +1,4 @@
-"""Placement: which tier a block's bytes go to, and how room is made for them.
+"""Tier moves: which tier a block's bytes go to, and how room is made for them.
 
 Everything here that moves bytes holds the block it moves (a reader, `CopyBook.hold`)
 across its awaits, so eviction, migration and deletion cannot free them mid-move.
@@ -45,21 +45,21 @@ from kvstore.checksum import checksum_batch
 from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex, make_key
 from kvstore.core.namespaces import NamespaceRegistry
-from kvstore.core.results import MigrationConfig, NamespaceInfo, RemovalResult, StoreCounters
+from kvstore.core.types import MigrationConfig, NamespaceInfo, RemovalResult, StoreCounters
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.tenancy import TenantLedger
 from kvstore.core.tier import BlockMeta, Copier, Slot
 from kvstore.errors import DataLoss, FailedPrecondition, ResourceExhausted
 from kvstore.hashing import HASH_BYTES
-from kvstore.results import PrefetchResult
+from kvstore.answers import PrefetchResult
 
 logger = logging.getLogger(__name__)
 
-# Victims evicted together when room is made for several blocks (`Placement.evict_some`).
+# Victims evicted together when room is made for several blocks (`TierMoves.evict_some`).
 EVICT_BATCH = 32
 
 
-class Placement:
+class TierMoves:
     """Room and movement for a store's tiers (top first; `memory_tiers` are the
     addressable ones, `inclusive` the SSD tier if any)."""
 

@@ -1,4 +1,4 @@
-"""The daemon's side of the local control lane (framing in `kvstore.laneproto`).
+"""The daemon's side of the local control lane (framing in `kvstore.control_lane_wire`).
 
 A Unix stream socket next to each gRPC Unix socket, served on the daemon's event loop by
 a protocol that runs each call as soon as its frame is whole (see `_Connection`). It
@@ -41,11 +41,11 @@ here runs with `PASSED_FDS` set to a list; the handler may put descriptors in it
 (a tenant's own shared-memory segment, with auth on), and they go to the client with
 the answer's first byte (SCM_RIGHTS). Over gRPC the list is None.
 
-The peer lane (`LaneServer.start_tcp`): the same server on a TCP socket, TLS when the
+The peer lane (`ControlLaneServer.start_tcp`): the same server on a TCP socket, TLS when the
 daemon has a certificate, for the calls the daemons of a pool make on each other. Its
 connections skip the uid check (the network has none): the hello's token is what admits
 them, accepted as a cluster credential (`Authenticator.identify_lane`), and every call
-names the node and tenant it is made for (`kvstore.laneproto.split_envelope`), checked
+names the node and tenant it is made for (`kvstore.control_lane_wire.split_envelope`), checked
 as gRPC checks those metadata entries (so only a pool's calls are admitted).
 """
 
@@ -72,7 +72,7 @@ from google.protobuf.message import DecodeError
 from kvstore.core.store_tier import PolicyDeferral
 from kvstore.eager import resume
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, ResourceExhausted
-from kvstore.laneproto import (
+from kvstore.control_lane_wire import (
     HEADER,
     HELLO,
     HELLO_ANSWER,
@@ -145,7 +145,7 @@ def peer_uid(sock: socket.socket) -> int:
     return uid
 
 
-class LaneServer:
+class ControlLaneServer:
     """Serves the KVStore servicer's unary methods on one Unix socket (`start`), or the
     pool's node-to-node calls on one TCP socket (`start_tcp`)."""
 
@@ -461,7 +461,7 @@ class _Connection(asyncio.BufferedProtocol):
     from a fresh allocation of the transport's largest read size, which costs a small
     call more than everything else it does on the way in."""
 
-    def __init__(self, server: LaneServer) -> None:
+    def __init__(self, server: ControlLaneServer) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray(RECEIVE_CHUNK)
@@ -549,7 +549,7 @@ class _Connection(asyncio.BufferedProtocol):
             if not self.admitted:
                 if kind != HELLO or not len(MAGIC) <= length <= MAX_HELLO_BYTES:
                     self.refuse(InvalidArgument(
-                        "a control lane connection must start with a hello frame (kvstore.laneproto)"))
+                        "a control lane connection must start with a hello frame (kvstore.control_lane_wire)"))
                     return
             elif length > server.max_frame_bytes:
                 # Never read (or keep) what the peer says it will send past the limit.

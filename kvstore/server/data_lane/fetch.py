@@ -1,6 +1,6 @@
 """A fetch on the data lane (`FetchTransfer`): the loop verifies blocks into a bounded
 hand-off queue, each joined connection's thread takes them as its credit allows and
-sends them from where they are (`ReadyBlock`). See `kvstore.server.transfer` for how the
+sends them from where they are (`ReadyBlock`). See `kvstore.server.data_lane.transfer` for how the
 loop and the threads meet.
 """
 
@@ -15,10 +15,10 @@ from typing import ClassVar, NamedTuple, cast
 import grpc
 
 from kvstore.core.fetch import FetchStream, ViewedBlock
-from kvstore.datalane import LaneSocket
+from kvstore.data_lane import LaneSocket
 from kvstore.deadlines import within
 from kvstore.errors import DeadlineExceeded, error_for_status
-from kvstore.server.transfer import LaneCounters, Transfer
+from kvstore.server.data_lane.transfer import DataLaneCounters, Transfer
 
 # After a fetch's last block is taken, how long it waits for connections the client said
 # would join and have not (one that failed on the client's side never will).
@@ -49,7 +49,7 @@ class FetchTransfer(Transfer):
     kind: ClassVar[str] = "fetch"
 
     def __init__(self, transfer_id: bytes, tenant: str, deadline: float, connections: int,
-                 loop: asyncio.AbstractEventLoop, stream: FetchStream, counters: LaneCounters) -> None:
+                 loop: asyncio.AbstractEventLoop, stream: FetchStream, counters: DataLaneCounters) -> None:
         super().__init__(transfer_id, tenant, deadline, connections, loop)
         self.stream = stream
         self.block_bytes = stream.block_bytes

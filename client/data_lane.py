@@ -1,4 +1,4 @@
-"""The client side of the data lane (framing in `kvstore.datalane`; see docs/net.md): a
+"""The client side of the data lane (framing in `kvstore.data_lane`; see docs/net.md): a
 pool of connections to one daemon's lane that moves a transfer's blocks with one
 `sendmsg` from the caller's buffer per block and `recv_into` straight into the caller's
 destination, verifying each block as it lands.
@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvstore.client._auth import Security
-from kvstore.datalane import (
+from kvstore.client.security import Security
+from kvstore.data_lane import (
     CREDIT,
     DATA,
     END,
@@ -158,7 +158,7 @@ def client_tls(security: Security) -> ssl.SSLContext | None:
 
 
 @dataclass(frozen=True, slots=True)
-class LaneStats:
+class DataLaneStats:
     """What a client's data lane moved (this process, this client)."""
 
     bytes_sent: int
@@ -360,10 +360,10 @@ class DataLane:
             c.close()
         self._pool.shutdown(wait=False)
 
-    def stats(self) -> LaneStats:
+    def stats(self) -> DataLaneStats:
         c = self._counters
         with c.lock:
-            return LaneStats(c.bytes_sent, c.bytes_received, c.blocks_rejected, c.transfers, c.connections)
+            return DataLaneStats(c.bytes_sent, c.bytes_received, c.blocks_rejected, c.transfers, c.connections)
 
     # -------------------------------------------------------------- transfers
 
@@ -635,5 +635,5 @@ def _alive(lane: LaneSocket) -> bool:
     return True
 
 
-__all__ = ["DataLane", "LaneClosed", "LaneEndpoint", "LaneStats", "LaneTimeout", "checkout_in_thread",
+__all__ = ["DataLane", "LaneClosed", "LaneEndpoint", "DataLaneStats", "LaneTimeout", "checkout_in_thread",
            "choose_endpoint", "client_tls"]

@@ -1,6 +1,6 @@
 """A data lane transfer, of either kind: what fetches and puts on the lane share
 (`Transfer`: an id, an owner, a deadline, a lock, the loop; `TransferFailed`), the lane's
-settings and counters (`LaneSettings`, `LaneCounters`).
+settings and counters (`DataLaneSettings`, `DataLaneCounters`).
 
 Two kinds of threads meet here. The event loop owns the store: it opens a transfer,
 runs a fetch's `FetchStream` (each block copied out of nothing: the store verifies the
@@ -44,10 +44,10 @@ from typing import ClassVar, NamedTuple
 
 import grpc
 
-from kvstore.datalane import LaneSocket
+from kvstore.data_lane import LaneSocket
 
 @dataclass(frozen=True, slots=True)
-class LaneSettings:
+class DataLaneSettings:
     """What the lane promises and enforces (config keys `data_lane_*`)."""
 
     window_bytes: int = 32 << 20
@@ -61,7 +61,7 @@ class LaneSettings:
     put_idle_timeout_s: float = 30.0
 
 
-class LaneCounters:
+class DataLaneCounters:
     """The lane's counters (scraped as `kvstore_datalane_*`). Threads add to them; a lock
     keeps the sums exact (a `+=` is not atomic across threads)."""
 

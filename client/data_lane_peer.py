@@ -2,7 +2,7 @@
 remote fetches and forwards use (and any program that holds namespace ids and block
 hashes rather than layouts and tokens).
 
-Primitives: `LanePeer(target, ...)`: `fetch(namespace, hashes, dests)` -> how many leading
+Primitives: `DataLanePeer(target, ...)`: `fetch(namespace, hashes, dests)` -> how many leading
 blocks landed verified in `dests`; `put(namespace, hashes, sources, parent_hash=)` ->
 the PutResponse; `available()`; `stats()`; `close()`.
 
@@ -11,7 +11,7 @@ are 16-byte block hashes in chain order; `dests` and `sources` are writable / re
 buffers of one block each: memoryviews of host-tier slots, say, so a remote hit lands
 in the slot it is served from with no copy in Python. Each call opens a transfer on the
 peer's gRPC service (`LanePut` / `LaneFetch`), moves the bytes on its lane
-(`kvstore.client.datalane.DataLane`: one sendmsg per block out of `sources`, recv_into
+(`kvstore.client.data_lane.DataLane`: one sendmsg per block out of `sources`, recv_into
 `dests`, each block verified as it lands) and, for a put, publishes with `LaneCommit`,
 all or nothing. A peer that offers no lane raises `FailedPrecondition` (use its Put and
 Fetch instead); one that cannot be reached raises `Unavailable` and is left alone for
@@ -27,17 +27,17 @@ from typing import Any
 
 import grpc
 
-from kvstore.client._auth import Security, aio_channel
+from kvstore.client.security import Security, aio_channel
 from kvstore.client._errors import translate
 from kvstore.client._options import CHANNEL_OPTIONS, DEFAULT_TIMEOUT_S
-from kvstore.client.datalane import DEFAULT_CONNECTIONS, DataLane, LaneStats, checkout_in_thread, choose_endpoint
+from kvstore.client.data_lane import DEFAULT_CONNECTIONS, DataLane, DataLaneStats, checkout_in_thread, choose_endpoint
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import HASH_BYTES
-from kvstore.laneproto import RESPONSE_TYPES, method_path
+from kvstore.control_lane_wire import RESPONSE_TYPES, method_path
 from kvstore.v1 import kvstore_pb2
 
 
-class LanePeer:
+class DataLanePeer:
     """A handle on one peer daemon's data lane (and the control calls that drive it)."""
 
     def __init__(self, target: str, *, token: str | None = None, tls_ca: str | None = None,
@@ -55,7 +55,7 @@ class LanePeer:
         self._lane: DataLane | None = None
         self._offered = False
 
-    async def __aenter__(self) -> LanePeer:
+    async def __aenter__(self) -> DataLanePeer:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -71,7 +71,7 @@ class LanePeer:
         """False for a while after the peer's lane could not be reached."""
         return self._lane is None or self._lane.usable()
 
-    def stats(self) -> LaneStats | None:
+    def stats(self) -> DataLaneStats | None:
         return self._lane.stats() if self._lane is not None else None
 
     async def _call(self, name: str, request: Any, timeout_s: float) -> Any:

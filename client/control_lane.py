@@ -1,10 +1,10 @@
-"""The client side of the local control lane (framing in `kvstore.laneproto`).
+"""The client side of the local control lane (framing in `kvstore.control_lane_wire`).
 
-One lane client, `Lane`, holds the policy: a pool of idle connections, when to use the
+One lane client, `ControlLane`, holds the policy: a pool of idle connections, when to use the
 lane at all, what may be sent again, and how an answer or a refusal becomes an
-exception. Its two flavours only move bytes: `SyncLane` over blocking sockets (the
+exception. Its two flavours only move bytes: `SyncControlLane` over blocking sockets (the
 `Client`, which may be used from several threads: the pool is a list whose pop and
-append are atomic, so it needs no lock), `AioLane` over asyncio streams on the caller's
+append are atomic, so it needs no lock), `AioControlLane` over asyncio streams on the caller's
 loop. `call` sends one unary call's serialized request and returns the serialized answer,
 raises the `kvstore.errors` exception the same status raises over gRPC, or returns None
 when the lane cannot be used now and the caller should use gRPC instead.
@@ -17,7 +17,7 @@ the lane (`control_plane="lane"`). A token the daemon refuses at the handshake r
 
 Sending again: a pooled connection that turns out broken is replaced once; a call that
 cannot have reached the daemon (nothing was sent), or that is safe to repeat
-(`laneproto.IDEMPOTENT`), is then sent again on a new connection. A call that broke
+(`control_lane_wire.IDEMPOTENT`), is then sent again on a new connection. A call that broke
 after it was sent and is not safe to repeat raises `Unavailable`: it may or may not
 have run.
 
@@ -49,7 +49,7 @@ from kvstore.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kvstore.laneproto import HEADER, HELLO, HELLO_ANSWER, IDEMPOTENT, MAGIC, METHOD_IDS, frame, lane_path
+from kvstore.control_lane_wire import HEADER, HELLO, HELLO_ANSWER, IDEMPOTENT, MAGIC, METHOD_IDS, frame, lane_path
 from kvstore.v1 import kvstore_pb2
 
 # The largest answer the SDK reads (as its gRPC channels cap messages).
@@ -117,8 +117,8 @@ class _Conn(Protocol):
 C = TypeVar("C", bound=_Conn)
 
 
-class Lane(Generic[C]):
-    """The lane client's pool and policy; `SyncLane` and `AioLane` add the I/O."""
+class ControlLane(Generic[C]):
+    """The lane client's pool and policy; `SyncControlLane` and `AioControlLane` add the I/O."""
 
     def __init__(self, path: str, token: str, required: bool) -> None:
         self.path = path
@@ -307,7 +307,7 @@ def segment_over_lane(path: str, token: str,
     """The daemon's `LocalSegment` answer over the lane at `path`, with the descriptor it
     passed (None: the answer names a path instead). None when no lane connection can be
     made (ask over gRPC instead); the daemon's refusal raises its `KVStoreError`."""
-    lane = SyncLane(path, token, False)
+    lane = SyncControlLane(path, token, False)
     try:
         conn = lane._connect(timeout)
     except LaneUnavailable as exc:
@@ -335,7 +335,7 @@ def segment_over_lane(path: str, token: str,
         raise ValueError("the daemon's LocalSegment answer does not parse") from None
 
 
-class SyncLane(Lane[_SyncConn]):
+class SyncControlLane(ControlLane[_SyncConn]):
     """Lane calls from blocking code."""
 
     def _connect(self, timeout: float) -> _SyncConn:
@@ -416,7 +416,7 @@ class _AioConn:
             raise LaneBroken(f"the lane connection broke ({exc.strerror})", True) from None
 
 
-class AioLane(Lane[_AioConn]):
+class AioControlLane(ControlLane[_AioConn]):
     """Lane calls from asyncio code."""
 
     async def _connect(self, timeout: float) -> _AioConn:
@@ -448,7 +448,7 @@ class AioLane(Lane[_AioConn]):
         return self.up
 
     async def call(self, name: str, payload: bytes, timeout: float) -> bytes | None:
-        """As `SyncLane.call`, awaited."""
+        """As `SyncControlLane.call`, awaited."""
         if not self.up and time.monotonic() < self.retry_at:
             return None
         conn = self._take()

@@ -1,13 +1,13 @@
 """Data lane transfers: the puts and fetches whose bytes move on the lane
-(`kvstore.server.datalane`), opened by control calls (`DataLane`, `LaneFetch`,
+(`kvstore.server.data_lane.server`), opened by control calls (`DataLane`, `LaneFetch`,
 `LanePut`, `LaneCommit`) that the servicer delegates here.
 
-Primitives: `LaneTransfers` (`offer`, `open_fetch`, `open_put`, `commit`, and for the
+Primitives: `DataLaneTransfers` (`offer`, `open_fetch`, `open_put`, `commit`, and for the
 lane's connection threads `fetch_transfer` / `put_transfer`).
 
-The transfers themselves are `kvstore.server.transfer` (what both kinds share, and how
-the loop and the connection threads meet), `kvstore.server.fetch_transfer` and
-`kvstore.server.put_transfer`.
+The transfers themselves are `kvstore.server.data_lane.transfer` (what both kinds share, and how
+the loop and the connection threads meet), `kvstore.server.data_lane.fetch` and
+`kvstore.server.data_lane.put`.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ import grpc
 
 from kvstore.core.fetch import FetchStream
 from kvstore.core.store import Store
-from kvstore.datalane import VERSION
+from kvstore.data_lane import VERSION
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, ResourceExhausted, error_for_status
 from kvstore.hashing import HASH_BYTES
 from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put, put_position
-from kvstore.server.fetch_transfer import FetchTransfer
-from kvstore.server.put_transfer import PutTransfer
+from kvstore.server.data_lane.fetch import FetchTransfer
+from kvstore.server.data_lane.put import PutTransfer
 from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
-from kvstore.server.transfer import LaneCounters, LaneSettings, Transfer, TransferFailed
+from kvstore.server.data_lane.transfer import DataLaneCounters, DataLaneSettings, Transfer, TransferFailed
 from kvstore.tiers import HOST
 from kvstore.v1 import kvstore_pb2
 
@@ -49,15 +49,15 @@ MAX_TRANSFER_S = 600.0
 GROUPED_NOT_ON_LANE = "a layout with KV groups moves as gRPC bytes (Put and Fetch), not on the data lane"
 
 
-class LaneTransfers:
+class DataLaneTransfers:
     """The open transfers of one daemon, and the control calls that open and end them."""
 
-    def __init__(self, store: Store, resolver: RequestResolver, settings: LaneSettings,
+    def __init__(self, store: Store, resolver: RequestResolver, settings: DataLaneSettings,
                  endpoints: Callable[[], list[kvstore_pb2.DataLaneEndpoint]]) -> None:
         self.store = store
         self.resolver = resolver
         self.settings = settings
-        self.counters = LaneCounters()
+        self.counters = DataLaneCounters()
         self._endpoints = endpoints
         # The peer lane's addresses (set by the daemon of a pool), offered with the lane's.
         self.peer_lane_endpoints: list[kvstore_pb2.DataLaneEndpoint] = []

@@ -2,7 +2,7 @@
 cluster: block bytes between machines on a TCP (or Unix) stream socket of their own,
 one large frame per block, instead of in gRPC messages.
 
-Why not in `kvstore.laneproto`: the control lane carries protobuf messages of unary calls
+Why not in `kvstore.control_lane_wire`: the control lane carries protobuf messages of unary calls
 on a local socket, one call at a time; this lane carries only raw block bytes, on many
 connections, under credit-based flow control, and never a protobuf message. Control stays
 on the RPCs (`DataLane` offers the lane, `LaneFetch`/`LanePut` open a transfer and

@@ -1,14 +1,11 @@
-"""Block bytes between the daemons of a pool on their data lanes: `LanePeerTransport`, the
+"""Block bytes between the daemons of a pool on their data lanes: `DataLaneTransport`, the
 `PeerTransport` a daemon uses unless `cluster_data_lane` is off.
 
 Lookups and the lane's control calls (`LaneFetch`, `LanePut`, `LaneCommit`) go on the
-peer's peer lane (`PeerLane`: the control lane's framing over TCP, one call per
-connection at a time, a few connections kept open), where the peer offers one; else they
-are the small unary gRPC calls of `GrpcPeerTransport` (one channel per peer, the pool's
-credential, the tenant's metadata). A grpc-python unary call costs a millisecond or more
-of per-call machinery on the two sides together, which was most of a remote lookup; on
-the peer lane it costs a write and a read each way. Block bytes move on the peer's data
-lane (`kvstore.client.datalane.DataLane`):
+peer's peer lane (`kvstore.cluster.peer_lane.PeerLane`), where the peer offers one; else
+they are the small unary gRPC calls of `GrpcPeerTransport` (one channel per peer, the
+pool's credential, the tenant's metadata). Block bytes move on the peer's data
+lane (`kvstore.client.data_lane.DataLane`):
 
 * a fetch (a pull) reserves the local puts of its runs first (`FetchSink.destinations`),
   opens the transfer on the holder (`LaneFetch`), and receives each block straight into
@@ -39,7 +36,7 @@ and the lane's own pool for a transfer's further connections). A cancelled call 
 connections and waits for those threads to finish before it returns, so the slots and
 views it handed them are never given back while a thread may still use them.
 
-Primitives: `LanePeerTransport`, `PeerLane`, `lane_framer`, `NO_LANE_RECHECK_S`, `LANE_RETRY_S`.
+Primitives: `DataLaneTransport`, `lane_framer`, `NO_LANE_RECHECK_S`.
 """
 
 from __future__ import annotations
@@ -50,7 +47,6 @@ import contextlib
 import functools
 import gc
 import logging
-import socket
 import ssl
 import time
 import traceback
@@ -62,9 +58,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvstore.checksum import checksum
-from kvstore.client._auth import Security
-from kvstore.client._lane import MAX_ANSWER_BYTES, Lane, LaneBroken, LaneUnavailable
-from kvstore.client.datalane import (
+from kvstore.client.security import Security
+from kvstore.client.data_lane import (
     DEFAULT_CONNECTIONS,
     DataLane,
     LaneEndpoint,
@@ -72,6 +67,7 @@ from kvstore.client.datalane import (
     choose_endpoint,
     client_tls,
 )
+from kvstore.cluster.peer_lane import CONNECT_TIMEOUT_S, LANE_RETRY_S, PeerLane
 from kvstore.cluster.transport import (
     DEFAULT_CHUNK_BYTES,
     FetchSink,
@@ -82,12 +78,11 @@ from kvstore.cluster.transport import (
     lookup_count,
     lookup_request_bytes,
 )
-from kvstore.datalane import LaneSocket
-from kvstore.deadlines import within
+from kvstore.data_lane import LaneSocket
 from kvstore.eager import Started, start
-from kvstore.errors import KVStoreError, Unavailable
+from kvstore.errors import KVStoreError
 from kvstore.hashing import HASH_BYTES
-from kvstore.laneproto import HEADER, IDEMPOTENT, RESPONSE_TYPES, peer_envelope
+from kvstore.control_lane_wire import RESPONSE_TYPES, peer_envelope
 from kvstore.v1 import kvstore_pb2
 from kvstore.wire import Framed
 
@@ -99,10 +94,6 @@ logger = logging.getLogger(__name__)
 # A peer that offers no lane is asked again after this long (it may have been restarted
 # with one).
 NO_LANE_RECHECK_S = 60.0
-# A peer whose lane could not be connected to: gRPC for this long, then the lane is asked for anew.
-LANE_RETRY_S = 10.0
-# How long making a peer lane connection may take.
-CONNECT_TIMEOUT_S = 5.0
 # A DataLane answer that says "not here": a daemon that predates the lane does not know the
 # call; one that predates its node-to-node use refuses it to a peer credential.
 NO_LANE_CODES = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED)
@@ -127,218 +118,8 @@ def lane_framer(index: int, data: memoryview) -> Framed:
     return Framed([], [data], checksum(data))
 
 
-class _PeerConn(asyncio.Protocol):
-    """One peer lane connection: one call at a time, its answer a future that the bytes
-    as they arrive settle (no reader task, no stream). A call given up on (its deadline,
-    a cancellation) closes the connection, which is then out of step."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
-        self.waiting: asyncio.Future[tuple[int, bytes]] | None = None
-        self.closed = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def data_received(self, data: bytes) -> None:
-        buf = self.buf
-        buf += data
-        while len(buf) >= HEADER.size:
-            length, code = HEADER.unpack_from(buf)
-            if length > MAX_ANSWER_BYTES:
-                self._fail(LaneBroken(f"an answer of {length} bytes, more than {MAX_ANSWER_BYTES}", True))
-                return
-            if len(buf) < HEADER.size + length:
-                return
-            payload = bytes(buf[HEADER.size : HEADER.size + length])
-            del buf[: HEADER.size + length]
-            fut, self.waiting = self.waiting, None
-            if fut is None:
-                self._fail(LaneBroken("an answer to no call", True))  # out of step: never read on
-                return
-            if not fut.done():
-                fut.set_result((code, payload))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(LaneBroken(f"the peer lane connection broke ({exc})" if exc else "the peer closed the peer lane "
-                           "connection", True))
-
-    def _fail(self, exc: BaseException) -> None:
-        self.close()
-        fut, self.waiting = self.waiting, None
-        if fut is not None and not fut.done():
-            fut.set_exception(exc)
-
-    def request(self, data: bytes) -> asyncio.Future[tuple[int, bytes]]:
-        """Send one call's frame; the future of its (status, payload)."""
-        if self.closed or self.transport is None or self.transport.is_closing():
-            raise LaneBroken("the peer lane connection is closed", False)
-        fut = asyncio.get_running_loop().create_future()
-        self.waiting = fut
-        self.transport.write(data)
-        fut.add_done_callback(self._settled)
-        return fut
-
-    def _settled(self, fut: asyncio.Future[tuple[int, bytes]]) -> None:
-        if fut.cancelled():
-            self.close()
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            if self.transport is not None:
-                self.transport.abort()
-
-
-class PeerLane(Lane[_PeerConn]):
-    """Unary calls to one peer on its peer lane (`kvstore.laneproto`): the lane client's
-    pool and policy (`kvstore.client._lane.Lane`) over TCP, TLS with the pool's roots
-    when the peer's lane uses it. `call` answers None while the lane cannot be connected
-    to (use gRPC), for `LANE_RETRY_S`; it raises `TimeoutError` at its deadline. It may
-    run outside a task (a call the control lane started by hand): it awaits only
-    futures, and tasks for connecting.
-
-    A connection is made under `CONNECT_TIMEOUT_S`, not under the deadline of the call
-    that needed it (a lookup's few milliseconds): a call whose deadline passes first is a
-    miss, and the connection, once made, serves the next ones. One is made ahead as soon
-    as the lane is known, and again when a call gave up on its connection at its
-    deadline (`warm`)."""
-
-    def __init__(self, node: str, endpoint: LaneEndpoint, token: str, tls: ssl.SSLContext | None) -> None:
-        super().__init__(f"{endpoint.host}:{endpoint.port}", token, required=False)
-        self.node = node
-        self.endpoint = endpoint
-        self.tls = tls
-        self.closed = False
-        self._claimed: set[asyncio.Task[_PeerConn]] = set()  # connections a call waits for
-        self._warming: asyncio.Task[_PeerConn] | None = None  # the one `warm` makes
-
-    async def _connect(self, timeout: float) -> _PeerConn:
-        ep = self.endpoint
-        loop = asyncio.get_running_loop()
-        connecting = asyncio.ensure_future(loop.create_connection(
-            _PeerConn, ep.host, ep.port, ssl=self.tls, server_hostname=ep.host if self.tls else None))
-        try:
-            _, conn = await within(connecting, timeout)
-        except (OSError, TimeoutError, ssl.SSLError) as exc:
-            raise LaneUnavailable(f"cannot connect to {self.path}: {getattr(exc, 'strerror', None) or exc}") from None
-        except BaseException:
-            if connecting.done() and not connecting.cancelled() and connecting.exception() is None:
-                connecting.result()[0].close()  # made as this was cancelled
-            raise
-        try:
-            self._handshake(*await within(conn.request(self._hello), timeout))
-        except BaseException as exc:
-            conn.close()
-            raise self._refused(exc) from None
-        return conn
-
-    async def call(self, name: str, payload: bytes, timeout: float) -> bytes | None:
-        """`name`'s answer bytes; None: no lane to use now. Raises the status the peer
-        answered (as `kvstore.errors`), `Unavailable` when the connection broke after the
-        call was sent (and it is not safe to send again), `TimeoutError` at `timeout`."""
-        if self.closed or (not self.up and time.monotonic() < self.retry_at):
-            return None
-        conn = self._take()
-        deadline = time.monotonic() + timeout
-        for attempt in (0, 1):
-            if conn is None:
-                try:
-                    conn = await self._connection(_left(deadline))
-                except LaneUnavailable as exc:
-                    self._unusable(exc)
-                    return None
-            data = self._request(conn, name, payload)
-            try:
-                code, answer = await within(conn.request(data), _left(deadline))
-            except LaneBroken as exc:
-                conn.close()
-                conn = None
-                if attempt or (exc.sent and name not in IDEMPOTENT):
-                    raise Unavailable(f"peer lane of node {self.node}: {exc} during {name}; it may or may not have "
-                                      "taken effect") from None
-                continue
-            except TimeoutError:
-                # Its answer may still come on this connection, where the next call would
-                # read it: closed, and a replacement made now, in the background, so
-                # that the next call does not wait for a connect and a hello of its own.
-                conn.close()
-                self.warm()
-                raise
-            except BaseException:
-                conn.close()
-                raise
-            return self._answer(conn, code, answer)
-        raise AssertionError("unreachable: the second failure raises")
-
-    def warm(self) -> None:
-        """Make a connection in the background, pooled once made: none while one is
-        pooled or `warm` is still making one (a peer that answers no connection leaves one
-        attempt under way, not one per timed-out call)."""
-        if not self.closed and not self._idle and (self._warming is None or self._warming.done()):
-            self._warming = self._connecting()
-
-    def _connecting(self) -> asyncio.Task[_PeerConn]:
-        task = asyncio.get_running_loop().create_task(self._connect(CONNECT_TIMEOUT_S),
-                                                      name=f"kvstore-peer-lane-{self.node}")
-        task.add_done_callback(self._made)
-        return task
-
-    async def _connection(self, timeout: float) -> _PeerConn:
-        """A new connection within `timeout`; past it `TimeoutError`, and the connection
-        still made goes to the pool."""
-        task = self._connecting()
-        self._claimed.add(task)
-        try:
-            return await within(asyncio.shield(task), timeout)
-        except BaseException:
-            if task.done() and not task.cancelled() and task.exception() is None:
-                self._put_back(task.result())  # made just as this call gave up on it
-            raise
-        finally:
-            self._claimed.discard(task)
-
-    def _made(self, task: asyncio.Task[_PeerConn]) -> None:
-        """A connection attempt ended: pooled (or its failure noted) unless a call that
-        still waits for it takes it (`_connection`)."""
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if task in self._claimed:
-            return
-        if isinstance(exc, LaneUnavailable):
-            self._unusable(exc)
-        elif exc is None:
-            self.up = True
-            self._put_back(task.result())
-
-    def _unusable(self, exc: LaneUnavailable) -> None:
-        logger.info("cluster: the peer lane of node %s is not available (%s); its calls go through gRPC for %.0f s",
-                    self.node, exc, LANE_RETRY_S)
-        self.up = False
-        self.retry_at = time.monotonic() + LANE_RETRY_S
-
-    def _put_back(self, conn: _PeerConn) -> None:
-        if self.closed or conn.closed:
-            conn.close()
-        else:
-            super()._put_back(conn)
-
-    def close(self) -> None:
-        self.closed = True
-        if self._warming is not None:
-            self._warming.cancel()
-        super().close()
-
-
 @dataclass(slots=True)
-class _PeerLane:
+class _PeerLanes:
     """What this node knows of one peer's lanes: the data lane, or none until `recheck_at`,
     and its peer lane (None: it offers none)."""
 
@@ -351,7 +132,7 @@ class _PeerLane:
     put_runs: bool = False  # its LanePut takes several runs of a chain (DataLaneResponse.put_runs)
 
 
-class LanePeerTransport:
+class DataLaneTransport:
     """`PeerTransport` with block bytes on the peers' data lanes (module docstring), gRPC
     for lookups, control calls and peers without a lane."""
 
@@ -367,7 +148,7 @@ class LanePeerTransport:
         self._tls: ssl.SSLContext | None = None  # made once a peer's lane uses TLS
         self._connections = connections
         self._io_timeout_s = io_timeout_s
-        self._peers: dict[str, _PeerLane] = {}
+        self._peers: dict[str, _PeerLanes] = {}
         # Peers whose lanes are being asked for in the background (by a lookup).
         self._asking: dict[str, asyncio.Task[Any]] = {}
         # Connection threads whose call was cancelled (`_checkout`).
@@ -404,7 +185,7 @@ class LanePeerTransport:
                 state.lane.close()
 
     @contextlib.contextmanager
-    def _using(self, state: _PeerLane) -> Iterator[DataLane]:
+    def _using(self, state: _PeerLanes) -> Iterator[DataLane]:
         """`state`'s lane for one call; closed after it if it was dropped meanwhile."""
         assert state.lane is not None
         state.users += 1
@@ -421,14 +202,14 @@ class LanePeerTransport:
         if calls is None and kept is not None and kept.calls is not None and not kept.calls.closed:
             calls, kept.calls = kept.calls, None  # the data lane failed, not the peer lane: keep it
         self._drop(node)
-        self._peers[node] = _PeerLane(self.grpc.target(node), lane, time.monotonic() + recheck_s, calls=calls,
+        self._peers[node] = _PeerLanes(self.grpc.target(node), lane, time.monotonic() + recheck_s, calls=calls,
                                       put_runs=put_runs and lane is not None)
 
     def takes_runs(self, node: str) -> bool:
         state = self._peers.get(node)
         return state is not None and state.lane is not None and state.put_runs
 
-    async def _lane(self, node: str, call: PeerCall, timeout_s: float) -> _PeerLane | None:
+    async def _lane(self, node: str, call: PeerCall, timeout_s: float) -> _PeerLanes | None:
         """`node`'s lane, asked for when not known (None: use gRPC)."""
         state = self._peers.get(node)
         if state is not None and (state.lane is not None or time.monotonic() < state.recheck_at):

@@ -1,7 +1,7 @@
 """A put on the data lane (`PutTransfer`): PENDING slots reserved in a window ahead of
 the blocks that landed, credit for reserved slots only, connection threads receiving
-each block into its slot. See `kvstore.server.transfer` for how the loop and the
-threads meet, and `LaneTransfers.commit` for the publish.
+each block into its slot. See `kvstore.server.data_lane.transfer` for how the loop and the
+threads meet, and `DataLaneTransfers.commit` for the publish.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import grpc
 
 from kvstore.core.put import PutTxn
 from kvstore.core.tier import Tier
-from kvstore.datalane import LaneSocket, LaneTimeout
+from kvstore.data_lane import LaneSocket, LaneTimeout
 from kvstore.deadlines import within
 from kvstore.errors import DeadlineExceeded, KVStoreError, error_for_status
-from kvstore.server.transfer import LaneCounters, Transfer
+from kvstore.server.data_lane.transfer import DataLaneCounters, Transfer
 from kvstore.v1 import kvstore_pb2
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class PutTransfer(Transfer):
 
     def __init__(self, transfer_id: bytes, tenant: str, deadline: float, connections: int,
                  loop: asyncio.AbstractEventLoop, txn: PutTxn, header: kvstore_pb2.PutHeader, blocks: int,
-                 host: Tier, counters: LaneCounters, idle_s: float, recv_timeout_s: float) -> None:
+                 host: Tier, counters: DataLaneCounters, idle_s: float, recv_timeout_s: float) -> None:
         super().__init__(transfer_id, tenant, deadline, connections, loop)
         self.txn = txn
         self.header = header
@@ -70,7 +70,7 @@ class PutTransfer(Transfer):
         self.recv_timeout_s = recv_timeout_s  # what a connection of this put waits for bytes
         self.active_at = time.monotonic()  # last sign of life from the client (or work of the daemon's)
         self.idle_timer: asyncio.TimerHandle | None = None
-        # Called on the loop when the transfer fails (set by `LaneTransfers`).
+        # Called on the loop when the transfer fails (set by `DataLaneTransfers`).
         self.on_failed: Callable[[], None] | None = None
         self._released = False
         self._landed = asyncio.Event()  # all needed blocks landed, or the transfer failed

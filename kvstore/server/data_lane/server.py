@@ -1,16 +1,16 @@
-"""The daemon's side of the data lane (framing in `kvstore.datalane`): listeners of its
+"""The daemon's side of the data lane (framing in `kvstore.data_lane`): listeners of its
 own, one thread per connection, moving the bytes of the transfers that
-`kvstore.server.transfers` opened on control calls.
+`kvstore.server.data_lane.transfers` opened on control calls.
 
 Primitives: `DataLaneServer` (`start(addresses)`, `endpoints()`, `close()`),
 `lane_addresses(config, grpc_addresses)`, `check_lane_exposure(...)`, `server_tls(config)`,
-`LaneCollector` (the `kvstore_datalane_*` metrics).
+`DataLaneCollector` (the `kvstore_datalane_*` metrics).
 
 Why threads and not the event loop: a block is one `sendmsg` from the host segment's
 memory, or a few `recv_into` straight into a PENDING slot, each holding no GIL while the
 kernel copies; one thread per connection lets several connections copy at once while
 the loop keeps serving calls. The loop keeps everything the store owns (see
-`kvstore.server.transfers`); a connection thread touches only its socket and the shared
+`kvstore.server.data_lane.transfers`); a connection thread touches only its socket and the shared
 state of the transfer it works on.
 
 Who may connect: the same rules as gRPC. The listeners are refused at start-up when they
@@ -50,7 +50,7 @@ import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstore.datalane import (
+from kvstore.data_lane import (
     CREDIT,
     DATA,
     END,
@@ -72,14 +72,14 @@ from kvstore.datalane import (
     send_batch,
 )
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.laneproto import method_path
+from kvstore.control_lane_wire import method_path
 from kvstore.server.auth import ACTS_FOR_TENANTS, Authenticator, Identity
 from kvstore.server.config import Config
 from kvstore.server.listen import ListenAddress, is_loopback, parse_listen, prepare_unix_path
-from kvstore.server.fetch_transfer import FetchTransfer
-from kvstore.server.put_transfer import PutTransfer
-from kvstore.server.transfer import LaneCounters
-from kvstore.server.transfers import LaneTransfers
+from kvstore.server.data_lane.fetch import FetchTransfer
+from kvstore.server.data_lane.put import PutTransfer
+from kvstore.server.data_lane.transfer import DataLaneCounters
+from kvstore.server.data_lane.transfers import DataLaneTransfers
 from kvstore.v1 import kvstore_pb2
 
 logger = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ def server_tls(config: Config) -> ssl.SSLContext | None:
 class DataLaneServer:
     """The lane's listeners and connection threads for one daemon."""
 
-    def __init__(self, transfers: LaneTransfers, auth: Authenticator, tls: ssl.SSLContext | None,
+    def __init__(self, transfers: DataLaneTransfers, auth: Authenticator, tls: ssl.SSLContext | None,
                  max_connections: int, advertise: Sequence[str] = ()) -> None:
         self.transfers = transfers
         self.settings = transfers.settings
@@ -400,7 +400,7 @@ class _Connection:
         self.lane = lane
         self.tenant = identity.tenant
         # A cluster credential's connection also carries transfers that node-to-node calls
-        # opened, for whichever tenant they act for (`LaneTransfers.fetch_transfer`).
+        # opened, for whichever tenant they act for (`DataLaneTransfers.fetch_transfer`).
         self.peer = identity.role in ACTS_FOR_TENANTS
         self.transfers = server.transfers
         self.settings = server.settings
@@ -597,7 +597,7 @@ def _readable(lane: LaneSocket, timeout_s: float) -> bool:
     return bool(poller.poll(timeout_s * 1000.0))
 
 
-class LaneCollector(Collector):
+class DataLaneCollector(Collector):
     """`kvstore_datalane_*`: the lane's counters, read at scrape time."""
 
     DOCS = {
@@ -614,7 +614,7 @@ class LaneCollector(Collector):
                                 "data lane connections refused (the connection limit)"),
     }
 
-    def __init__(self, counters: LaneCounters) -> None:
+    def __init__(self, counters: DataLaneCounters) -> None:
         self._counters = counters
 
     def collect(self) -> Iterator[Any]:
