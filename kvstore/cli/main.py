@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("--json", action="store_true", help="machine-readable output")
     new.set_defaults(func=cmd_token_new)
 
-    from kvstore.core import replay
+    from kvstore.cli import replay
 
     replay_cmd = sub.add_parser("replay", help="replay a Mooncake-format trace through the eviction policies")
     replay.add_arguments(replay_cmd)

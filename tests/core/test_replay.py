@@ -1,4 +1,4 @@
-"""Trace replay through the store: hand-worked traces, OPT, hints, CLI output, real trace."""
+"""Trace replay through the store: hand-worked traces, OPT, hints, real trace (the CLI: tests/cli/test_replay_cli.py)."""
 
 from __future__ import annotations
 
@@ -13,22 +13,13 @@ from kvstore.core.replay import (
     capacity_from_fraction,
     derive_hints,
     load_trace,
-    main,
     replay,
     replay_opt,
 )
 from kvstore.errors import ConfigError, InvalidArgument
+from tests.traces import write_trace
 
 REAL_TRACE = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "conversation_trace.jsonl"
-
-
-def write_trace(path: Path, requests: list[tuple[int, list[int]]], input_length: int | None = None) -> Path:
-    """Requests as (timestamp ms, hash ids); input length = 512 tokens a block unless given."""
-    with path.open("w") as f:
-        for ts, ids in requests:
-            length = input_length if input_length is not None else 512 * len(ids)
-            f.write(json.dumps({"timestamp": ts, "input_length": length, "output_length": 10, "hash_ids": ids}) + "\n")
-    return path
 
 
 @pytest.fixture
@@ -153,39 +144,6 @@ def test_capacity_from_fraction(single_blocks: Path) -> None:
     assert capacity_from_fraction(trace, 0.01) == 1
     with pytest.raises(ConfigError):
         capacity_from_fraction(trace, 0.0)
-
-
-def test_cli_json_has_the_documented_keys(single_blocks: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([str(single_blocks), "--policy", "lru", "--capacity-blocks", "2", "--opt", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    for key in ("hit_ratio", "token_hit_ratio", "opt_hit_ratio", "requests", "lookups", "capacity_blocks"):
-        assert key in out
-    assert (out["requests"], out["lookups"], out["capacity_blocks"]) == (6, 6, 2)
-    assert out["hit_ratio"] == pytest.approx(1 / 6) and out["opt_hit_ratio"] == pytest.approx(2 / 6)
-
-
-def test_cli_table_lists_every_policy(single_blocks: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = [str(single_blocks), "--policy", "lru,arc@none,hint-arc@noisy:0.3", "--capacity-fraction", "0.5,1"]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "hit ratio" in out and "noisy:0.3" in out
-    assert sum(line.startswith(("lru ", "arc ", "hint-arc ")) for line in out.splitlines()) == 6
-
-
-def test_cli_rejects_bad_input(tmp_path: Path, single_blocks: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([str(tmp_path / "missing.jsonl")]) == 2
-    assert main([str(single_blocks), "--policy", "nope"]) == 2
-    assert main([str(single_blocks), "--hints", "sometimes"]) == 2
-    assert "kvstore replay:" in capsys.readouterr().err
-
-
-def test_cli_plot_writes_a_png(single_blocks: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("matplotlib")
-    png = tmp_path / "hit.png"
-    assert main([str(single_blocks), "--plot", str(png), "--policy", "lru,arc", "--capacity-fraction", "0.34,0.67"]) == 0
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    captured = capsys.readouterr()
-    assert "100.0%" in captured.err  # the progress bar reached the end
 
 
 @pytest.mark.skipif(not REAL_TRACE.exists(), reason="the shared conversation trace is not present")
