@@ -3,6 +3,9 @@
 Thin wrappers over `kvstore.v1.Admin` (plus `Pin`/`Unpin` by namespace id and block
 hashes, which operators use without knowing a layout). Returns protobuf messages; every
 failure raises the `kvstore.errors` exception for its status.
+
+Primitives: `AdminClient`, and `resolve_target` (what a person typed, or KVSTORE_TARGET, as
+a gRPC target; the CLI's commands that make their own channel use it too).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from kvstore.client._options import CHANNEL_OPTIONS, DEFAULT_CHUNK_BYTES, resolv
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 DEFAULT_ADMIN_TIMEOUT_S = 5.0
+
+__all__ = ["DEFAULT_ADMIN_TIMEOUT_S", "AdminClient", "resolve_target"]
 
 
 class AdminClient:

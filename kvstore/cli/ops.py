@@ -117,8 +117,8 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from kvstore.client.admin import resolve_target
     from kvstore.client.security import Security, sync_channel
-    from kvstore.client._options import resolve_target
 
     target = resolve_target(args.target)
     # Health needs no token, but a TLS listener still needs the roots.

@@ -14,19 +14,13 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
+from typing import TYPE_CHECKING
 
-from kvstore.core.policies import DEFAULT_HINT_BUDGET_FRACTION, DEFAULT_POLICY, POLICIES
-from kvstore.core.replay import (
-    DEFAULT_SEED,
-    HintSpec,
-    ReplayResult,
-    capacity_from_fraction,
-    load_trace,
-    replay,
-    replay_opt,
-)
 from kvstore.errors import ConfigError, InvalidArgument
+
+if TYPE_CHECKING:
+    from kvstore.core.replay import HintSpec, ReplayResult
 
 logger = logging.getLogger(__name__)
 
@@ -34,17 +28,11 @@ logger = logging.getLogger(__name__)
 # -- output --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class RunSpec:
-    """One line of a replay table: a policy, under some hints, at one capacity."""
-
-    policy: str
-    hints: HintSpec
-    capacity_blocks: int
-
-
 def parse_policies(text: str, default_hints: HintSpec) -> list[tuple[str, HintSpec]]:
     """``"lru,hint-arc@trace"`` -> policies with their hint mode (``@HINTS`` overrides)."""
+    from kvstore.core.policies import POLICIES
+    from kvstore.core.replay import HintSpec
+
     out: list[tuple[str, HintSpec]] = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
@@ -148,6 +136,9 @@ def _plot(results: Sequence[ReplayResult], opt: dict[int, ReplayResult], distinc
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `kvstore replay`; shared by the CLI and `python -m kvstore.cli.replay`."""
+    from kvstore.core.policies import DEFAULT_HINT_BUDGET_FRACTION, DEFAULT_POLICY
+    from kvstore.core.replay import DEFAULT_SEED
+
     parser.add_argument("trace", help="Mooncake-format JSONL trace")
     cap = parser.add_mutually_exclusive_group()
     cap.add_argument(
@@ -182,6 +173,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the replays `args` ask for and print their results; the exit status."""
+    from kvstore.core.policies import DEFAULT_POLICY
+    from kvstore.core.replay import HintSpec, capacity_from_fraction, load_trace, replay, replay_opt
+
     trace = load_trace(args.trace, args.limit)
     hint_spec = HintSpec.parse(args.hints, args.seed)
     plot = args.plot is not None

@@ -9,6 +9,12 @@ SDK the shared root and the stubs. Nothing imports `kvstore.cli`. Imports inside
 functions count too: a lazy import is still an edge. torch and cupy are imported at
 module level only by `tiers/` and the SDK's tensor glue, which the rest of the SDK loads
 lazily: importing `kvstore` or `kvstore.client` never loads them.
+
+Also (docs/architecture.md, "Layout"): the SDK's private modules (`kvstore.client._*`)
+are the SDK's own, imported from nowhere else; each package imports only the third-party
+packages on its list (`THIRD_PARTY`), so that, say, a plotting library cannot creep into
+the control plane; and the CLI imports at module level only the standard library, the
+shared root and itself, everything else inside the command that needs it.
 """
 
 from __future__ import annotations
@@ -40,6 +46,19 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 
 # The SDK modules that are the tensor glue (loaded lazily by the rest of the SDK).
 TORCH_MODULES = {"kvstore.client.tensors", "kvstore.client._device", "kvstore.client.hf", "kvstore.client.vllm"}
+
+# package -> the third-party top-level packages it may import (anywhere in its modules).
+BASE = ("grpc", "google", "numpy", "xxhash")
+THIRD_PARTY: dict[str, tuple[str, ...]] = {
+    "shared": BASE,
+    "core": ("numpy", "xxhash"),
+    "tiers": ("numpy", "xxhash", "lz4", "torch", "cupy"),
+    "cluster": BASE + ("aetcd",),
+    "server": BASE + ("grpc_health", "grpc_reflection", "prometheus_client"),
+    "client": BASE + ("torch", "cupy", "transformers", "vllm"),
+    "cli": BASE + ("grpc_health", "rich", "matplotlib"),
+}
+
 
 def package_of(module: str) -> str:
     for pkg in ("core", "server", "cluster", "cli", "tiers", "client"):
@@ -123,6 +142,38 @@ def violations() -> set[tuple[str, str]]:
 def test_imports_follow_the_layering() -> None:
     found = sorted(violations())
     assert not found, "imports that break ARCHITECTURE.md section 2:\n" + "\n".join(f"  {a} -> {b}" for a, b in found)
+
+
+def test_private_sdk_modules_are_the_sdks_own() -> None:
+    found = sorted((name, target) for name, path in modules().items() if package_of(name) != "client"
+                   for target, _, _ in imports(name, path) if target.startswith("kvstore.client._"))
+    assert not found, "private SDK modules imported from outside the SDK:\n" + "\n".join(
+        f"  {a} -> {b}" for a, b in found)
+
+
+def test_third_party_imports_are_on_each_packages_list() -> None:
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    found = sorted({(name, target.split(".")[0]) for name, path in modules().items()
+                    for target, _, _ in imports(name, path)
+                    if target and target.split(".")[0] not in stdlib | {"kvstore"}
+                    and target.split(".")[0] not in THIRD_PARTY[package_of(name)]})
+    assert not found, "third-party imports not on their package's list (THIRD_PARTY):\n" + "\n".join(
+        f"  {a} -> {b}" for a, b in found)
+
+
+def test_the_cli_imports_lazily() -> None:
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    found = []
+    for name, path in modules().items():
+        if package_of(name) != "cli":
+            continue
+        for target, line, at_top in imports(name, path):
+            root = target.split(".")[0]
+            if not at_top or root in stdlib or package_of(target) in ("shared", "cli") and root == "kvstore":
+                continue
+            found.append(f"  {name}:{line} -> {target}")
+    assert not found, "the CLI imports these at module level (import them in the command that needs them):\n" + \
+        "\n".join(found)
 
 
 def test_the_sdk_imports_without_torch_or_the_daemon() -> None:
