@@ -53,7 +53,6 @@ from kvstore.core.copies import CopyBook
 from kvstore.core.fetch import FetchPath, FetchStream
 from kvstore.core.groups import GroupBook, GroupedFetchStream, GroupedPutTxn
 from kvstore.core.index import BlockEntry, BlockIndex, make_key
-from kvstore.core.table import SSD_QUEUED
 from kvstore.core.leases import Lease, LeaseTable
 from kvstore.core.migration import Migrator
 from kvstore.core.namespaces import NamespaceRegistry, check_hint
@@ -236,16 +235,8 @@ class Store:
         try:
             for st in self.tiers:
                 report = await st.tier.recover()
-                if report is None:
-                    continue
-                table = self.index.table
-                rows = table.add_recovered(st.name, report.records)
-                st.policy.insert_rows(rows)
-                recovered += len(rows)
-                if len(rows):
-                    self.registry.recovered(table.ns_bytes[i] for i in np.unique(table.ns[rows]).tolist())
-                st.counters.checksum_failures += report.checksum_failures
-                self.counters.checksum_failures += report.checksum_failures
+                if report is not None:
+                    recovered += self.copies.recovered(st, report)
         finally:
             if collecting:
                 gc.enable()
@@ -388,7 +379,7 @@ class Store:
         self._enter(namespace_id)
         if len(packed) % HASH_BYTES:
             raise InvalidArgument(f"a packed chain is a multiple of {HASH_BYTES} bytes, got {len(packed)}")
-        rows = self._rows_of(namespace_id, packed)
+        rows = self.index.find_packed(namespace_id, packed)
         out = np.full(len(rows), self.ABSENT, np.uint8)
         found = rows >= 0
         if found.any():
@@ -407,42 +398,14 @@ class Store:
         self._enter(namespace_id, hashes)
         if not hashes:
             return 0
-        rows = self._rows_of(namespace_id, b"".join(hashes))
+        rows = self.index.find_packed(namespace_id, b"".join(hashes))
         return self.mark_replica_rows(rows[rows >= 0])
-
-    def _rows_of(self, namespace_id: bytes, packed: bytes) -> np.ndarray[Any, Any]:
-        """The indexed row of each of the packed 16-byte hashes (-1 where not held), in one
-        vectorized probe of the block table."""
-        q = np.frombuffer(packed, "<u8")
-        return self.index.find_chain(namespace_id, q[0::2], q[1::2])
 
     def mark_replica_rows(self, rows: Sequence[int] | np.ndarray[Any, Any]) -> int:
         """`mark_replicas` of blocks a put just published (`PutTxn.stored_rows`), by their
         rows: a block with one copy (a put's) is marked in the tier of that copy without
-        a lookup per block. Returns how many were marked."""
-        t = self.index.table
-        at = np.asarray(rows, np.int64)
-        if not len(at):
-            return 0
-        single = (t.lt[at, 1] == 0) & (t.lt[at, 0] != 0)
-        marked = 0
-        by_name = {st.name: st for st in self.tiers}
-        for tid in np.unique(t.lt[at[single], 0]).tolist():
-            st = by_name.get(t.tier_names[tid])
-            if st is None or not st.tier.addressable:
-                continue
-            mine = at[single & (t.lt[at, 0] == tid)]  # (a third copy comes only after a second)
-            t.flags[mine] &= np.uint8(~SSD_QUEUED & 0xFF)  # the write-through writer skips them
-            st.replicas.add_rows(mine.tolist(), t.gen[mine].tolist())
-            marked += len(mine)
-        for row in at[~single].tolist():
-            entry = BlockEntry.of(t, row)
-            top = self.copies.top_tier(entry)
-            if top is not None and top.tier.addressable:
-                top.replicas.add(entry)
-                entry.ssd_queued = False
-                marked += 1
-        return marked
+        a lookup per block (`CopyBook.mark_replicas`). Returns how many were marked."""
+        return self.copies.mark_replicas(rows)
 
     def count_lookup(self, namespace_id: bytes, n_asked: int, n_answered: int) -> None:
         """Count a lookup made with `count=False`: `n_answered` of its `n_asked` blocks hit
