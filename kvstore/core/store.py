@@ -145,7 +145,7 @@ class Store:
             t.deferral = self.deferral
         self._limits = limits or StoreLimits()
         self._clock = clock
-        self.counters = StoreCounters()
+        self.counters = StoreCounters(tiers=tuple(st.counters for st in self.tiers))
         self.index = BlockIndex()
         table = self.index.table
         # Tier ids in the table follow the tier order, so the top copy is the lowest id.
@@ -322,10 +322,10 @@ class Store:
                count: bool = True) -> PrefixLookup:
         """The longest READY prefix of a chain, given as hashes or packed (N x 16 bytes:
         what the wire carries, probed without cutting it into N objects). `count=False`:
-        the lookup's blocks are counted by the caller (`count_lookup`), once it knows what
-        it answered (a pool's node adds what other nodes hold); the tiers' counts are the
-        store's own either way (a pool's node moves the blocks it holds past the prefix
-        from misses to hits: `count_past_prefix`)."""
+        the lookup's blocks are counted by the caller (`counters.count_lookup`), once it
+        knows what it answered (a pool's node adds what other nodes hold); the tiers'
+        counts are the store's own either way (a pool's node moves the blocks it holds past
+        the prefix from misses to hits: `counters.count_past_prefix`)."""
         info = self._enter(namespace_id)
         packed = self._packed_chain(hashes)
         if info.groups:
@@ -406,33 +406,6 @@ class Store:
         rows: a block with one copy (a put's) is marked in the tier of that copy without
         a lookup per block (`CopyBook.mark_replicas`). Returns how many were marked."""
         return self.copies.mark_replicas(rows)
-
-    def count_lookup(self, namespace_id: bytes, n_asked: int, n_answered: int) -> None:
-        """Count a lookup made with `count=False`: `n_answered` of its `n_asked` blocks hit
-        (nothing if its namespace has been forgotten since)."""
-        if self.has_namespace(namespace_id):
-            self.counters.count_lookup(self._namespace(namespace_id), n_asked, n_answered)
-
-    def count_past_prefix(self, tier_ids: bytes) -> None:
-        """Blocks a pool's node answered past its local prefix (one byte per block: a top
-        tier id as `present` gives it, `ABSENT` for a block found elsewhere): each one held
-        here moves from its tier's misses, where `lookup` counted it once the prefix ended,
-        to that tier's hits, as a block of the prefix would be counted."""
-        for tid, st in enumerate(self.tiers, start=1):
-            held = tier_ids.count(tid)
-            if held:
-                st.counters.hits += held
-                st.counters.misses -= held
-
-    def count_unknown_lookup(self, n_asked: int) -> None:
-        """A lookup of a layout the store holds nothing of (the server answers it without
-        registering one): counted as a lookup whose every block missed, in every tier."""
-        c = self.counters
-        c.lookups += 1
-        c.lookup_blocks += n_asked
-        c.miss_blocks += n_asked
-        for st in self.tiers:
-            st.counters.misses += n_asked
 
     def block(self, namespace_id: bytes, block_hash: bytes) -> BlockInfo | None:
         """A snapshot of one READY block's metadata; None if it is not in the store."""
@@ -788,7 +761,7 @@ class Store:
                 )
                 for st in self.tiers
             ],
-            counters=StoreCounters(**{k: getattr(self.counters, k) for k in StoreCounters.__slots__}),
+            counters=self.counters.snapshot(),
             namespaces=len(self.registry),
             leases_active=len(self._leases),
         )
