@@ -598,29 +598,8 @@ class Store:
         namespace's blocks count per part.
         """
         info = self._enter(namespace_id, hashes)
-        entries = [e for i in self.groups.part_ids(info) for h in hashes
-                   if (e := self.index.get(make_key(i, h))) is not None]
-        verified = dropped = 0
-        for entry in entries:
-            self.copies.hold(entry)
-        try:
-            # Every copy, not only the one served first: a bad SSD copy would be served
-            # once the memory copy is gone.
-            for entry in entries:
-                bad = False
-                for st in [t for t in self.tiers if t.name in entry.locations]:
-                    if entry.removed:
-                        break
-                    if await self.moves.read_verified(entry, st) is None:
-                        bad = True
-                if bad:
-                    dropped += 1
-                elif not entry.removed:
-                    verified += 1
-        finally:
-            for entry in entries:
-                self.copies.release(entry)
-        return verified, dropped
+        return await self.moves.verify([e for i in self.groups.part_ids(info) for h in hashes
+                                        if (e := self.index.get(make_key(i, h))) is not None])
 
     def hint(self, namespace_id: bytes, hashes: Sequence[bytes], session_id: str, expect_reuse_within_s: float) -> int:
         """Tell each tier's policy that `session_id` will reuse the named blocks soon.
