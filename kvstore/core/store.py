@@ -153,9 +153,7 @@ class Store:
             table.tier_id(st.name)
             st.policy.bind(table)
         self._tier_id_names = tuple(table.tier_names)
-        self._tier_ids = {st.name: table.tier_id(st.name) for st in self.tiers}
         self._by_name = {t.name: t for t in self.tiers}
-        self._rank = {t.name: i for i, t in enumerate(self.tiers)}
         # Payload bytes per tenant and tier, and quotas (set by the daemon from its token file).
         self.tenancy = TenantLedger()
         self.registry = NamespaceRegistry(self.index, self.tenancy, self._limits)
@@ -168,13 +166,13 @@ class Store:
             if a is not b
         }
         self.moves = TierMoves(self.index, self.copies, self.registry, self.tenancy, self.counters, self.tiers,
-                                   self.migration, copiers, executor)
+                               self.migration, copiers, executor)
         self.migrator = Migrator(self.index, self.copies, self.moves, self.counters, self.tiers, self.migration,
                                  self.expire_leases)
         self.puts = PutPath(self.index, self.registry, self.copies, self.moves, self.migrator, self.tenancy,
                             self.counters, self.tiers, executor)
         self.fetches = FetchPath(self.index, self.copies, self.moves, self.counters, self.tiers, self.migration,
-                                 executor, self.unpin)
+                                 executor, self.unpin, self._acquire_lease)
         self.groups = GroupBook(self.index, self.puts, self.fetches, self.counters, self.tiers,
                                 self._lease_for, self.unpin, self._listen)
         self.registry.on_adopted = self.groups.adopted
@@ -559,36 +557,7 @@ class Store:
         if info.groups:
             raise FailedPrecondition("a layout with KV groups is fetched as gRPC bytes (Fetch), not through "
                                      "shared memory")
-        packed = self._packed_chain(hashes)
-        rows = self._prefix_rows(namespace_id, packed)
-        tops = self._top_ids(rows)
-        st = self._by_name[tier]
-        tid = self._tier_ids[tier]
-        elsewhere = np.flatnonzero(tops != tid)
-        run = rows[: int(elsewhere[0])] if len(elsewhere) else rows
-        lease_id = ""
-        offsets: list[int] = []
-        checksums: list[int] = []
-        if len(run):
-            lease_id = self._acquire_lease(run, ttl_ms, holds_bytes=True, tenant=info.tenant).lease_id
-            offsets = self.index.offsets_in(run, tid)
-            checksums = self.index.checksums_of(run)
-            nbytes = int(self.index.nbytes_of(run).sum())
-            self.counters.bytes_out += nbytes
-            self.counters.local_bytes_out += nbytes
-            st.defer_touch(run[::-1])
-        self.counters.fetches += 1
-        self.counters.blocks_fetched += len(run)
-        result = PrefixLookup(
-            namespace_id=namespace_id,
-            num_blocks=len(rows),
-            block_size_tokens=info.layout.block_size_tokens,
-            tier_ids=tops.tobytes(),
-            tier_names=self._tier_id_names,
-            hashes_packed=packed[: len(rows) * HASH_BYTES],
-            lease_id=lease_id,
-        )
-        return result, offsets, checksums
+        return self.fetches.lease_prefix(info, self._packed_chain(hashes), ttl_ms, tier)
 
     async def verify(self, namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[int, int]:
         """Re-check the named blocks against their checksums; drop and count the bad ones.
