@@ -21,9 +21,9 @@ Ordering decisions that matter:
   tier of their top copy, and their queued SSD write cleared: they are that tier's first
   victims, and are never written through (`mark_replicas`).
 
-Primitives: `top_tier`/`top_name`, `hold`/`release`, `add_location`/`remove_location`,
-`recovered`, `drop`, `drop_last_copies`, `drop_bad_copy`, `published`, `mark_replicas`,
-`quota_exceeded`/`quota_incoming`.
+Primitives: `top_tier`/`top_name`, `block_info`/`block_groups`, `hold`/`release`,
+`add_location`/`remove_location`, `recovered`, `drop`, `drop_last_copies`,
+`drop_bad_copy`, `published`, `mark_replicas`, `quota_exceeded`/`quota_incoming`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 
 from kvstore.core.index import BlockEntry, BlockIndex, BlockState
 from kvstore.core.namespaces import NamespaceRegistry
-from kvstore.core.types import BlockInfo, NamespaceInfo, StoreCounters, StoreObserver
+from kvstore.core.types import BlockGroup, BlockInfo, NamespaceInfo, StoreCounters, StoreObserver
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
 from kvstore.core.tenancy import TenantLedger
@@ -83,6 +83,14 @@ class CopyBook:
         top = self.top_name(entry)
         return BlockInfo(top, entry.locations[top], entry.nbytes, entry.checksum, entry.pins,
                          sorted(entry.locations, key=self._rank.__getitem__))
+
+    def block_groups(self) -> list[BlockGroup]:
+        """Every READY block, grouped by namespace and the tier it is served from (a
+        point-in-time snapshot)."""
+        groups: dict[tuple[bytes, str], list[bytes]] = {}
+        for entry in self._index:
+            groups.setdefault((entry.key[:HASH_BYTES], self.top_name(entry)), []).append(entry.key[HASH_BYTES:])
+        return [BlockGroup(ns, tier, tuple(hashes)) for (ns, tier), hashes in groups.items()]
 
     # -- readers
 

@@ -52,6 +52,7 @@ from kvstore.core.table import (
     BlockTable,
 )
 from kvstore.core.tier import Slot
+from kvstore.core.types import BlockRef
 from kvstore.native import native as _native  # the compiled top-tier pass; numpy serves without it
 
 _new_entry = object.__new__
@@ -684,6 +685,30 @@ class BlockIndex:
             for slot in t.extra_locs[row]:
                 by_tier[slot.tier] = by_tier.get(slot.tier, 0) + t.vnbytes[row]
         return NamespaceUsage(len(rows), int(nbytes.sum()), by_tier)
+
+    def chains(self, namespace_ids: set[bytes]) -> list[BlockRef]:
+        """Every READY block of these namespaces (a block hash once, whichever of them
+        holds it first), parents before children, chains consecutive (depth-first from
+        each root), so the list replays as chained puts."""
+        # Block hash -> parent hash (b"" at a chain's start), first part seen of each block.
+        blocks: dict[bytes, bytes] = {}
+        for e in self:
+            if e.key[:HASH_BYTES] in namespace_ids:
+                blocks.setdefault(e.key[HASH_BYTES:], e.parent[HASH_BYTES:] if e.parent is not None else b"")
+        children: dict[bytes, list[bytes]] = {}
+        roots = []
+        for h, parent in blocks.items():
+            if parent and parent in blocks:
+                children.setdefault(parent, []).append(h)
+            else:
+                roots.append(h)
+        out: list[BlockRef] = []
+        stack = list(reversed(roots))
+        while stack:
+            h = stack.pop()
+            out.append(BlockRef(h, blocks[h]))
+            stack.extend(reversed(children.get(h, ())))
+        return out
 
     def find_chain(self, namespace_id: bytes, q0: U64, q1: U64) -> I64:
         """The indexed row of each block (hash halves q0[i], q1[i]) of a namespace, or -1."""

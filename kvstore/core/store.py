@@ -662,53 +662,20 @@ class Store:
         """Every READY block of a namespace, parents before children, chains consecutive
         (depth-first from each root), so the list replays as chained puts. A grouped
         namespace lists each block once, whichever of its parts it holds."""
-        ids = set(self.groups.part_ids(self._enter(namespace_id)))
-        # Block hash -> parent hash (b"" at a chain's start), first part seen of each block.
-        blocks: dict[bytes, bytes] = {}
-        for e in self.index:
-            if e.key[:HASH_BYTES] in ids:
-                blocks.setdefault(e.key[HASH_BYTES:], e.parent[HASH_BYTES:] if e.parent is not None else b"")
-        children: dict[bytes, list[bytes]] = {}
-        roots = []
-        for h, parent in blocks.items():
-            if parent and parent in blocks:
-                children.setdefault(parent, []).append(h)
-            else:
-                roots.append(h)
-        out: list[BlockRef] = []
-        stack = list(reversed(roots))
-        while stack:
-            h = stack.pop()
-            out.append(BlockRef(h, blocks[h]))
-            stack.extend(reversed(children.get(h, ())))
-        return out
+        return self.index.chains(set(self.groups.part_ids(self._enter(namespace_id))))
 
     def block_groups(self) -> list[BlockGroup]:
         """Every READY block, grouped by namespace and the tier it is served from (a
         point-in-time snapshot)."""
-        groups: dict[tuple[bytes, str], list[bytes]] = {}
-        for entry in self.index:
-            groups.setdefault((entry.key[:HASH_BYTES], self.copies.top_name(entry)), []).append(entry.key[HASH_BYTES:])
-        return [BlockGroup(ns, tier, tuple(hashes)) for (ns, tier), hashes in groups.items()]
+        return self.copies.block_groups()
 
     # ----------------------------------------------------------------- stats
 
     def stats(self) -> StoreStatus:
         self.expire_leases()
+        inclusive = self.moves.inclusive
         return StoreStatus(
-            tiers=[
-                TierStatus(
-                    name=st.name,
-                    capacity_bytes=st.tier.capacity_bytes,
-                    used_bytes=st.tier.used_bytes,
-                    blocks=st.tier.blocks,
-                    policy=st.policy.name,
-                    counters=TierCounters(**{k: getattr(st.counters, k) for k in TierCounters.__slots__}),
-                    facts=st.tier.describe(),
-                    pending_writes=self.pending_ssd_writes if st is self.moves.inclusive else 0,
-                )
-                for st in self.tiers
-            ],
+            tiers=[st.status(self.pending_ssd_writes if st is inclusive else 0) for st in self.tiers],
             counters=self.counters.snapshot(),
             namespaces=len(self.registry),
             leases_active=len(self._leases),

@@ -18,7 +18,7 @@ import numpy as np
 
 from kvstore.core.index import BlockEntry
 from kvstore.core.policies import EvictionPolicy
-from kvstore.core.types import TierCounters
+from kvstore.core.types import TierCounters, TierStatus
 from kvstore.core.table import BlockTable
 from kvstore.core.tier import Tier
 
@@ -155,6 +155,14 @@ class StoreTier:
         if self._deferred:
             self.apply_deferred()
         return self._policy
+
+    def status(self, pending_writes: int = 0) -> TierStatus:
+        """A snapshot of the tier: its bytes, blocks, policy, counters and facts, and the
+        writes queued for it (`pending_writes`, the store's SSD writes for its SSD tier)."""
+        tier = self.tier
+        return TierStatus(name=self.name, capacity_bytes=tier.capacity_bytes, used_bytes=tier.used_bytes,
+                          blocks=tier.blocks, policy=self.policy.name, counters=self.counters.snapshot(),
+                          facts=tier.describe(), pending_writes=pending_writes)
 
     def defer_touch(self, rows: np.ndarray[Any, Any]) -> None:
         """`policy.touch_rows(rows)`, applied soon after the running callback (at once

@@ -67,6 +67,9 @@ class TierCounters:
     demotions: int = 0  # blocks moved from this tier to a lower one
     drops: int = 0  # blocks that left the store from this tier (their last copy)
 
+    def snapshot(self) -> TierCounters:
+        return replace(self)
+
 
 @dataclass(slots=True)
 class StoreCounters:
