@@ -149,10 +149,7 @@ class GroupBook:
         if count:
             self._counters.count_lookup(info, n_asked, m)
         tier_ids = tops.tobytes()
-        for tid, st in enumerate(self._tiers, start=1):
-            held = tier_ids.count(tid)
-            st.counters.hits += held
-            st.counters.misses += n_asked - held
+        self._counters.count_tiers(tier_ids, n_asked)
         if len(all_rows):
             part_tops = self._index.top_ids(all_rows)
             for tid, st in enumerate(self._tiers, start=1):

@@ -342,11 +342,9 @@ class Store:
         tier_ids = tops.tobytes()
         tail_first = rows[::-1]
         tops_tail_first = tops[::-1]
+        served = self.counters.count_tiers(tier_ids, n_asked)
         for tid, st in enumerate(self.tiers, start=1):
-            # A tier's hits are looked-up blocks served from it; its misses, the others.
-            held = tier_ids.count(tid)
-            st.counters.hits += held
-            st.counters.misses += n_asked - held
+            held = served[tid - 1]
             if held:
                 # Tail first, so the head of a chain is the most recently used: a recency
                 # policy then evicts chain tails before the heads later blocks depend on.

@@ -2,10 +2,10 @@
 results of its verbs, and the observer it tells of block events.
 
 Plain data, no behaviour beyond derived properties and the counters' own bookkeeping
-(`StoreCounters.count_lookup` and its kin, which the servers and a pool's node call on
-`Store.counters`): every collaborator of the store (kvstore.core.store and the modules
-it is built from) and the server that renders these values import them from here,
-without importing the store.
+(`StoreCounters.count_lookup` and its kin: the store's lookups call them, and so do the
+servers and a pool's node, on `Store.counters`): every collaborator of the store
+(kvstore.core.store and the modules it is built from) and the server that renders these
+values import them from here, without importing the store.
 """
 
 from __future__ import annotations
@@ -116,6 +116,18 @@ class StoreCounters:
         self.lookup_blocks += asked
         self.hit_blocks += hit
         self.miss_blocks += asked - hit
+
+    def count_tiers(self, tier_ids: bytes, asked: int) -> list[int]:
+        """A lookup's blocks in each tier (`tier_ids`: the top tier id of each block it
+        answered, one byte each): a tier's hits are the blocks served from it, its misses
+        the rest of the `asked`. How many each tier served, top first."""
+        served = []
+        for tid, tc in enumerate(self.tiers, start=1):
+            held = tier_ids.count(tid)
+            tc.hits += held
+            tc.misses += asked - held
+            served.append(held)
+        return served
 
     def count_past_prefix(self, tier_ids: bytes) -> None:
         """Blocks a pool's node answered past its local prefix (one byte per block: a top
