@@ -76,7 +76,7 @@ from kvstore.core.types import (
     TierStatus,
     WritePolicy,
 )
-from kvstore.core.store_tier import PolicyDeferral, StoreTier
+from kvstore.core.store_tier import PolicyDeferral, StoreTier, check_tiers
 from kvstore.core.tenancy import TenantLedger
 from kvstore.core.tier import BounceCopier, Copier, Slot, Tier
 from kvstore.errors import FailedPrecondition, InvalidArgument
@@ -117,25 +117,9 @@ class Store:
         """`make_copier` picks the copier for each pair of memory tiers (the data plane's
         choice, e.g. `kvstore.tiers.make_copier`); by default every pair bounces bytes
         through `read` and `write` (`BounceCopier`)."""
-        if not tiers:
-            raise ValueError("a store needs at least one tier")
+        check_tiers(tiers)
         self.tiers = list(tiers)
-        names = [t.name for t in self.tiers]
-        if len(set(names)) != len(names):
-            raise ValueError(f"tier names must be distinct, got {names}")
-        for t in self.tiers:
-            if t.tier.addressable == t.tier.inclusive:
-                raise ValueError(
-                    f"tier {t.name} is {'both' if t.tier.addressable else 'neither'} addressable "
-                    f"{'and' if t.tier.addressable else 'nor'} inclusive; a store takes addressable tiers "
-                    "that hold blocks exclusively (memory) and at most one inclusive tier that is not (SSD)"
-                )
-        inclusive = [t for t in self.tiers if t.tier.inclusive]
-        if len(inclusive) > 1 or (inclusive and inclusive[0] is not self.tiers[-1]):
-            raise ValueError("at most one inclusive (SSD) tier, and it must be the last")
         self.memory_tiers = [t for t in self.tiers if t.tier.addressable]
-        if not self.memory_tiers:
-            raise ValueError("a store needs at least one addressable tier for puts to land in")
         self.migration = migration or MigrationConfig()
         if self.migration.put_tier != "auto" and self.migration.put_tier not in {t.name for t in self.memory_tiers}:
             raise ValueError(f"put tier {self.migration.put_tier!r} is not one of this store's memory tiers")
