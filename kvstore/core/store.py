@@ -496,17 +496,14 @@ class Store:
         """Remove the named blocks, leased or not (an explicit delete wins over a lease)."""
         info = self._enter(namespace_id, hashes)
         if info.groups:
-            present = sum(1 for h in hashes
-                          if any(make_key(i, h) in self.index for i in self.groups.part_ids(info)))
-            self.groups.drop_blocks(info, hashes)
-            self.counters.deletes += present
-            return present
-        deleted = 0
-        for h in hashes:
-            entry = self.index.get(make_key(namespace_id, h))
-            if entry is not None:
-                self.copies.drop(entry)
-                deleted += 1
+            deleted = self.groups.delete(info, hashes)
+        else:
+            deleted = 0
+            for h in hashes:
+                entry = self.index.get(make_key(namespace_id, h))
+                if entry is not None:
+                    self.copies.drop(entry)
+                    deleted += 1
         self.counters.deletes += deleted
         return deleted
 
