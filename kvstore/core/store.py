@@ -4,14 +4,19 @@ A facade: `Store` builds its collaborators, one noun each, and answers the verbs
 them. Each module states the ordering decisions it keeps:
 
 - kvstore.core.namespaces: `NamespaceRegistry`, layouts by id, the per-call limits;
-- kvstore.core.copies: `CopyBook`, where each block's copies are, readers, accounting, events;
-- kvstore.core.moves: `TierMoves`, verified moves, making room, demotion, promotion;
+- kvstore.core.copies: `CopyBook`, where each block's copies are, readers, accounting,
+  events, replicas;
+- kvstore.core.moves: `TierMoves`, verified moves, making room, demotion, promotion, and
+  the operator's loops over them (prefetch, eviction, verification);
 - kvstore.core.migration: `Migrator`, the periodic driver and the write-through writer;
 - kvstore.core.put: `PutPath`, two-phase puts (publish after the data lands);
-- kvstore.core.fetch: `FetchPath`, verified fetch streams (what is verified is what is sent);
+- kvstore.core.fetch: `FetchPath`, verified fetch streams (what is verified is what is
+  sent), and the leased prefix a co-located reader reads itself;
 - kvstore.core.groups: `GroupBook`, layouts with several KV groups, whose parts are
   stored, hit, published and dropped as one block;
-- kvstore.core.index / table / leases / tenancy: the block table and what hangs off it.
+- kvstore.core.index / table / leases / tenancy: the block table and what hangs off it;
+- kvstore.core.types: the values, and `StoreCounters` (`counters`), whose lookup
+  bookkeeping the servers and a pool's node call too.
 
 Control plane on one event loop, no locks: every method either runs to completion
 without awaiting (metadata) or holds the blocks it touches (pins for leases, `readers`
@@ -19,7 +24,8 @@ for reads and copies in flight) across its awaits, so eviction, migration and de
 cannot pull bytes out from under it.
 
 Tiers are ordered top (fastest) to bottom. The addressable tiers (HBM, host, memory)
-hold a block exclusively among themselves; an inclusive tier (SSD), if any, is last.
+hold a block exclusively among themselves; an inclusive tier (SSD), if any, is last
+(kvstore.core.store_tier.check_tiers).
 
 Every verb on named blocks starts with one prelude (`_enter`): the namespace must be
 known (and its id well formed), the hashes within the per-call limit and 16 bytes each,
@@ -102,7 +108,7 @@ def _bounce(src: Tier, dst: Tier) -> Copier:
 class Store:
     """The verbs, over collaborators built here and exposed as attributes for inspection
     and as seams (`index`, `registry`, `copies`, `moves`, `migrator`, `puts`,
-    `fetches`): servers call the verbs."""
+    `fetches`, `groups`, `counters`): servers call the verbs."""
 
     def __init__(
         self,
