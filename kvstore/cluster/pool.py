@@ -1033,7 +1033,7 @@ class ClusterNode:
         past = present[: reach - held]
         tiers = past.translate(self._tier_values)
         remote = tiers.count(kvstore_pb2.TIER_REMOTE)
-        self.store.count_past_prefix(past)
+        self.store.counters.count_past_prefix(past)
         self.counters.local_past_prefix_blocks += len(tiers) - remote
         self.counters.remote_hit_blocks += remote
         if copied and holders:

@@ -17,9 +17,13 @@ Ordering decisions that matter:
 - Events: only READY blocks are reported (what a router may have heard of): stored when
   published, moved when the tier a block is served from changes, removed with the last
   copy.
+- Replicas (copies of blocks another daemon of a pool owns) are marked in the memory
+  tier of their top copy, and their queued SSD write cleared: they are that tier's first
+  victims, and are never written through (`mark_replicas`).
 
-Primitives: `top_tier`/`top_name`, `hold`/`release`, `add_location`/`remove_location`,
-`drop`, `drop_last_copies`, `drop_bad_copy`, `published`, `quota_exceeded`/`quota_incoming`.
+Primitives: `top_tier`/`top_name`, `block_info`/`block_groups`, `hold`/`release`,
+`add_location`/`remove_location`, `recovered`, `drop`, `drop_last_copies`,
+`drop_bad_copy`, `published`, `mark_replicas`, `quota_exceeded`/`quota_incoming`.
 """
 
 from __future__ import annotations
@@ -31,11 +35,11 @@ import numpy as np
 
 from kvstore.core.index import BlockEntry, BlockIndex, BlockState
 from kvstore.core.namespaces import NamespaceRegistry
-from kvstore.core.types import BlockInfo, NamespaceInfo, StoreCounters, StoreObserver
+from kvstore.core.types import BlockGroup, BlockInfo, NamespaceInfo, StoreCounters, StoreObserver
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
 from kvstore.core.tenancy import TenantLedger
-from kvstore.core.tier import Slot
+from kvstore.core.tier import RecoveredBlocks, Slot
 from kvstore.hashing import HASH_BYTES
 
 logger = logging.getLogger(__name__)
@@ -51,6 +55,7 @@ class CopyBook:
         self._by_name = {t.name: t for t in self._tiers}
         self._rank = {t.name: i for i, t in enumerate(self._tiers)}
         self._tier_ids = {t.name: index.table.tier_id(t.name) for t in self._tiers}
+        self._by_id = {self._tier_ids[t.name]: t for t in self._tiers}
         self._registry = registry
         self._tenancy = tenancy
         self._counters = counters
@@ -78,6 +83,14 @@ class CopyBook:
         top = self.top_name(entry)
         return BlockInfo(top, entry.locations[top], entry.nbytes, entry.checksum, entry.pins,
                          sorted(entry.locations, key=self._rank.__getitem__))
+
+    def block_groups(self) -> list[BlockGroup]:
+        """Every READY block, grouped by namespace and the tier it is served from (a
+        point-in-time snapshot)."""
+        groups: dict[tuple[bytes, str], list[bytes]] = {}
+        for entry in self._index:
+            groups.setdefault((entry.key[:HASH_BYTES], self.top_name(entry)), []).append(entry.key[HASH_BYTES:])
+        return [BlockGroup(ns, tier, tuple(hashes)) for (ns, tier), hashes in groups.items()]
 
     # -- readers
 
@@ -162,6 +175,18 @@ class CopyBook:
                 observer.blocks_removed(gone.namespace_id, gone.hashes, st.name)
         st.counters.drops += len(rows)
 
+    def recovered(self, st: StoreTier, report: RecoveredBlocks) -> int:
+        """Index the copies `st` recovered at start (READY blocks, one copy each), queue
+        them for its policy and count its checksum failures; their namespaces await a
+        request that sends their layout (`NamespaceRegistry.recovered`). How many."""
+        rows = self._index.add_recovered(st.name, report.records)
+        st.policy.insert_rows(rows)
+        if len(rows):
+            self._registry.recovered(self._index.namespaces_of(rows))
+        st.counters.checksum_failures += report.checksum_failures
+        self._counters.checksum_failures += report.checksum_failures
+        return len(rows)
+
     def drop(self, entry: BlockEntry) -> None:
         """Remove a block from the index and every tier; bytes go when no reader holds them."""
         if entry.locations:
@@ -211,6 +236,32 @@ class CopyBook:
                 # One tier (the common case): every hash, without a pass to pick them.
                 chosen = hashes if len(tids) == 1 else [hashes[i] for i in np.flatnonzero(tops == tid).tolist()]
                 self.observer.blocks_stored(info.namespace_id, chosen, self._index.table.tier_names[tid])
+
+    def mark_replicas(self, rows: Sequence[int] | I64) -> int:
+        """Mark indexed rows as replicas in the memory tier of their top copy (see the
+        module docstring); a block with one copy (a put's) is marked with the others of
+        its tier in one step, without a handle per block. How many were marked."""
+        at = np.asarray(rows, np.int64)
+        if not len(at):
+            return 0
+        sole = self._index.sole_tier_ids(at)
+        marked = 0
+        for tid in np.unique(sole[sole != 0]).tolist():
+            st = self._by_id.get(tid)
+            if st is None or not st.tier.addressable:
+                continue
+            mine = at[sole == tid]
+            self._index.unqueue_ssd_writes(mine)  # the write-through writer skips them
+            st.replicas.add_rows(mine.tolist(), self._index.generations(mine))
+            marked += len(mine)
+        for row in at[sole == 0].tolist():
+            entry = self._index.entry(row)
+            top = self.top_tier(entry)
+            if top is not None and top.tier.addressable:
+                top.replicas.add(entry)
+                entry.ssd_queued = False
+                marked += 1
+        return marked
 
     def _forget(self, entry: BlockEntry) -> None:
         info = self._registry.get(entry.key[:HASH_BYTES])

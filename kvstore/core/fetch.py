@@ -15,7 +15,13 @@ early only when no copy of a block verifies, or the block was deleted meanwhile,
 then says so (`FetchStream.sent`, `ended_early`, `verification_failed`), so the server
 can tell the client how many blocks it got and why.
 
-Primitives: `FetchPath.open`, `FetchStream.frames`, `touch_served`, `frame_and_checksum`.
+A co-located reader fetches through shared memory instead (`FetchPath.lease_prefix`):
+it gets a lease that holds the bytes of the prefix's leading run in one tier (their
+slots are not freed or reused until the lease ends), their offsets and their checksums,
+and verifies what it reads itself.
+
+Primitives: `FetchPath.open`, `FetchPath.lease_prefix`, `FetchStream.frames`,
+`touch_served`, `frame_and_checksum`.
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ import numpy as np
 from kvstore.checksum import checksum, checksum_pieced
 from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex, hold_readers, make_key, release_readers
+from kvstore.core.leases import Lease
 from kvstore.core.moves import TierMoves
-from kvstore.core.types import MigrationConfig, NamespaceInfo, StoreCounters
+from kvstore.core.types import MigrationConfig, NamespaceInfo, PrefixLookup, StoreCounters
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
 from kvstore.core.tier import Slot
 from kvstore.errors import DataLoss
+from kvstore.hashing import HASH_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -120,14 +128,20 @@ class FetchPath:
 
     def __init__(self, index: BlockIndex, copies: CopyBook, moves: TierMoves, counters: StoreCounters,
                  tiers: Sequence[StoreTier], config: MigrationConfig, executor: Executor | None,
-                 unpin: Callable[[str], object]) -> None:
+                 unpin: Callable[[str], object], lease: Callable[[I64, int, bool, str], Lease]) -> None:
+        """`lease(rows, ttl_ms, holds_bytes, tenant)` grants a lease under the store's
+        limits, `unpin` ends one."""
         self.index = index
         self.copies = copies
         self.moves = moves
         self.counters = counters
         self.tiers = list(tiers)  # top first
+        self._by_name = {t.name: t for t in self.tiers}
+        self._tier_ids = {t.name: index.table.tier_id(t.name) for t in self.tiers}
+        self._tier_names = tuple(index.table.tier_names)
         self.executor = executor
         self.unpin = unpin
+        self.lease = lease
         # A block served from the inclusive tier (SSD) may leave a copy in the top memory tier.
         self.promote_on_hit = config.promote_on_hit and moves.inclusive is not None
 
@@ -139,6 +153,43 @@ class FetchPath:
         entries, rows = self.index.ready_prefix([make_key(ns, h) for h in hashes])
         self.counters.fetches += 1
         return FetchStream(self, entries, info.layout.bytes_per_block, lease_id, rows)
+
+    def lease_prefix(self, info: NamespaceInfo, packed: bytes, ttl_ms: int,
+                     tier: str) -> tuple[PrefixLookup, list[int], list[int]]:
+        """The READY prefix of a packed chain in `info`'s namespace, and a bytes-holding
+        lease on its leading run of blocks in `tier`, with their offsets in that tier and
+        their checksums (`Store.lease_prefix`). One probe of the chain and array steps
+        over its rows; counted as a fetch of the leased blocks."""
+        index, c = self.index, self.counters
+        rows = index.prefix_rows(info.namespace_id, packed)
+        tops = index.top_ids(rows)
+        st = self._by_name[tier]
+        tid = self._tier_ids[tier]
+        elsewhere = np.flatnonzero(tops != tid)
+        run = rows[: int(elsewhere[0])] if len(elsewhere) else rows
+        lease_id = ""
+        offsets: list[int] = []
+        checksums: list[int] = []
+        if len(run):
+            lease_id = self.lease(run, ttl_ms, True, info.tenant).lease_id
+            offsets = index.offsets_in(run, tid)
+            checksums = index.checksums_of(run)
+            nbytes = int(index.nbytes_of(run).sum())
+            c.bytes_out += nbytes
+            c.local_bytes_out += nbytes
+            st.defer_touch(run[::-1])
+        c.fetches += 1
+        c.blocks_fetched += len(run)
+        result = PrefixLookup(
+            namespace_id=info.namespace_id,
+            num_blocks=len(rows),
+            block_size_tokens=info.layout.block_size_tokens,
+            tier_ids=tops.tobytes(),
+            tier_names=self._tier_names,
+            hashes_packed=packed[: len(rows) * HASH_BYTES],
+            lease_id=lease_id,
+        )
+        return result, offsets, checksums
 
 
 class FetchStream:

@@ -30,8 +30,8 @@ siblings with it: the block is a miss from then on, never a partial hit. A fetch
 ends early (a part that failed verification or was deleted meanwhile) is a miss of the
 whole fetch for the client: the parts it got belong to a prefix end it did not reach.
 
-Primitives: `GroupBook` (`probe`, `lookup`, `begin_put`, `open_fetch`, `part_ids`,
-`adopted`, `blocks_removed`), `GroupedPutTxn`, `GroupedFetchStream`.
+Primitives: `GroupBook` (`probe`, `lookup`, `begin_put`, `open_fetch`, `delete`,
+`part_ids`, `adopted`, `blocks_removed`), `GroupedPutTxn`, `GroupedFetchStream`.
 """
 
 from __future__ import annotations
@@ -149,10 +149,7 @@ class GroupBook:
         if count:
             self._counters.count_lookup(info, n_asked, m)
         tier_ids = tops.tobytes()
-        for tid, st in enumerate(self._tiers, start=1):
-            held = tier_ids.count(tid)
-            st.counters.hits += held
-            st.counters.misses += n_asked - held
+        self._counters.count_tiers(tier_ids, n_asked)
         if len(all_rows):
             part_tops = self._index.top_ids(all_rows)
             for tid, st in enumerate(self._tiers, start=1):
@@ -200,6 +197,14 @@ class GroupBook:
         if rec is None or rec.group_of is None:
             return
         self.drop_blocks(rec.group_of, block_hashes)
+
+    def delete(self, info: NamespaceInfo, block_hashes: Sequence[bytes]) -> int:
+        """`Store.delete` of blocks of grouped namespace `info`: every part dropped; how
+        many of the blocks were present (any part of them)."""
+        part_ids = self.part_ids(info)
+        present = sum(1 for h in block_hashes if any(make_key(i, h) in self._index for i in part_ids))
+        self.drop_blocks(info, block_hashes)
+        return present
 
     def drop_blocks(self, info: NamespaceInfo, block_hashes: Sequence[bytes]) -> int:
         """Drop every part of the named blocks of grouped namespace `info`; how many parts."""

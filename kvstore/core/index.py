@@ -24,7 +24,7 @@ through the row-level steps of `BlockIndex` (`add_pending`, `publish`, `top_ids`
 `remove_sole_copies`...): the store's modules write the table only through this index.
 
 Primitives: `get`, `add`, `remove`, `prefix_rows`, `longest_ready_prefix` (`ready_prefix`:
-with the rows), `hold_readers`/`release_readers`.
+with the rows), `hold_pins`/`release_pins` (leases), `hold_readers`/`release_readers`.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from kvstore.core.table import (
     BlockTable,
 )
 from kvstore.core.tier import Slot
+from kvstore.core.types import BlockRef
 from kvstore.native import native as _native  # the compiled top-tier pass; numpy serves without it
 
 _new_entry = object.__new__
@@ -416,6 +417,18 @@ def make_key(namespace_id: bytes, block_hash: bytes) -> bytes:
     return namespace_id + block_hash
 
 
+def hold_pins(table: BlockTable, rows: I64) -> None:
+    """One more pin of each of `rows` (current, indexed rows of `table`; a row named twice
+    counts twice), in one array step: a lease taken (`kvstore.core.leases`)."""
+    np.add.at(table.pins, rows, 1)
+
+
+def release_pins(table: BlockTable, rows: I64) -> None:
+    """One pin fewer of each of `rows` (pinned by `hold_pins`), in one array step."""
+    assert int(table.pins[rows].min()) > 0, "pins below zero"
+    np.subtract.at(table.pins, rows, 1)
+
+
 def hold_readers(table: BlockTable, rows: I64) -> None:
     """One more reader of each of `rows` (current rows of `table`; a row named twice
     counts twice), in one array step: `CopyBook.hold` of each."""
@@ -520,6 +533,16 @@ class BlockIndex:
             sel = ns == n
             assert not np.any(t.find_rows(n, h0[sel], h1[sel]) >= 0), "a key is published at most once"
         t.index_rows(rows)
+
+    def add_recovered(self, tier: str, records: npt.NDArray[np.void]) -> I64:
+        """Index blocks a tier recovered at start as READY rows, one copy each, in `tier`
+        (`BlockTable.add_recovered`); their rows, in record order."""
+        return self.table.add_recovered(tier, records)
+
+    def namespaces_of(self, rows: I64) -> list[bytes]:
+        """The namespace ids of `rows`' blocks, each once."""
+        t = self.table
+        return [t.ns_bytes[i] for i in np.unique(t.ns[rows]).tolist()]
 
     def remove(self, key: bytes) -> BlockEntry | None:
         row = self.table.find_key(key)
@@ -663,10 +686,40 @@ class BlockIndex:
                 by_tier[slot.tier] = by_tier.get(slot.tier, 0) + t.vnbytes[row]
         return NamespaceUsage(len(rows), int(nbytes.sum()), by_tier)
 
+    def chains(self, namespace_ids: set[bytes]) -> list[BlockRef]:
+        """Every READY block of these namespaces (a block hash once, whichever of them
+        holds it first), parents before children, chains consecutive (depth-first from
+        each root), so the list replays as chained puts."""
+        # Block hash -> parent hash (b"" at a chain's start), first part seen of each block.
+        blocks: dict[bytes, bytes] = {}
+        for e in self:
+            if e.key[:HASH_BYTES] in namespace_ids:
+                blocks.setdefault(e.key[HASH_BYTES:], e.parent[HASH_BYTES:] if e.parent is not None else b"")
+        children: dict[bytes, list[bytes]] = {}
+        roots = []
+        for h, parent in blocks.items():
+            if parent and parent in blocks:
+                children.setdefault(parent, []).append(h)
+            else:
+                roots.append(h)
+        out: list[BlockRef] = []
+        stack = list(reversed(roots))
+        while stack:
+            h = stack.pop()
+            out.append(BlockRef(h, blocks[h]))
+            stack.extend(reversed(children.get(h, ())))
+        return out
+
     def find_chain(self, namespace_id: bytes, q0: U64, q1: U64) -> I64:
         """The indexed row of each block (hash halves q0[i], q1[i]) of a namespace, or -1."""
         t = self.table
         return t.find_rows(t.ns_id(namespace_id), q0, q1)
+
+    def find_packed(self, namespace_id: bytes, packed: bytes) -> I64:
+        """`find_chain` of packed 16-byte hashes (N x 16 bytes, not necessarily a chain's
+        prefix), in one vectorized probe."""
+        q = np.frombuffer(packed, "<u8")
+        return self.find_chain(namespace_id, q[0::2], q[1::2])
 
     def add_pending(self, namespace_id: bytes, q0: U64, q1: U64, at: I64, parent_hash: bytes | None,
                     nbytes: int, itemsize: int, slots: Sequence[Slot], runs: RunParents | None = None) -> I64:
@@ -741,6 +794,21 @@ class BlockIndex:
         t = self.table
         t.flags[rows] |= SSD_QUEUED
         return [BlockEntry.of(t, row) for row in rows.tolist()]
+
+    def unqueue_ssd_writes(self, rows: I64) -> None:
+        """Clear rows' queued SSD write (`queue_ssd_writes`): the write-through writer
+        skips them (replicas, `CopyBook.mark_replicas`)."""
+        self.table.flags[rows] &= np.uint8(~SSD_QUEUED & 0xFF)
+
+    def sole_tier_ids(self, rows: I64) -> npt.NDArray[np.uint8]:
+        """The tier id of each row's only copy; 0 for a row with more than one copy (a
+        third one comes only after a second) or none."""
+        lt = self.table.lt
+        return np.where(lt[rows, 1] == 0, lt[rows, 0], 0).astype(np.uint8)
+
+    def generations(self, rows: I64) -> list[int]:
+        """Each row's generation (what a handle of it carries; see `held`)."""
+        return self.table.gen[rows].tolist()  # type: ignore[no-any-return]
 
     def nbytes_of(self, rows: I64) -> I64:
         return self.table.nbytes[rows].astype(np.int64)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from kvstore.core.index import BlockEntry, hold_readers, release_readers
+from kvstore.core.index import BlockEntry, hold_pins, hold_readers, release_pins, release_readers
 from kvstore.core.types import StoreLimits
 from kvstore.core.table import BlockTable
 from kvstore.errors import InvalidArgument, ResourceExhausted
@@ -71,7 +71,7 @@ class LeaseTable:
         rows = np.array(rows, np.int64)  # the lease's own copy
         lease = Lease(secrets.token_hex(12), table, rows, expires_at, holds_bytes, tenant)
         self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
-        np.add.at(table.pins, rows, 1)
+        hold_pins(table, rows)
         if holds_bytes:
             hold_readers(table, rows)
         self._leases[lease.lease_id] = lease
@@ -113,8 +113,7 @@ class LeaseTable:
         t, rows = lease.table, lease.rows
         if not len(rows):
             return lease
-        assert int(t.pins[rows].min()) > 0, "pins below zero"
-        np.subtract.at(t.pins, rows, 1)
+        release_pins(t, rows)
         if lease.holds_bytes:
             release_readers(t, rows, self._readers_gone)
         return lease

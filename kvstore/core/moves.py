@@ -30,8 +30,8 @@ daemon of a pool owns, `StoreTier.replicas`) go first, and are dropped, not demo
 
 Primitives: `read_verified`, `allocate`/`allocate_put`, `evict_some`/`evict_one`,
 `demote`, `ensure_inclusive_copy`, `copy_into`, `raise_into`, `promote_on_hit`,
-`quota_room`, `landing_tiers`, `space_of`/`space_of_tenant`; and the two operator-facing loops over them,
-`prefetch` and `evict_bytes`.
+`quota_room`, `landing_tiers`, `space_of`/`space_of_tenant`; and the operator-facing loops over them,
+`prefetch`, `evict_bytes` and `verify`.
 """
 
 from __future__ import annotations
@@ -488,3 +488,29 @@ class TierMoves:
                 break  # no progress (the victim was busy): stop rather than spin
         blocks = c.evictions + c.demotions - moved_before
         return RemovalResult(blocks, freed)
+
+    async def verify(self, entries: Sequence[BlockEntry]) -> tuple[int, int]:
+        """Read every copy of each of `entries` and check it (`read_verified`: a bad copy
+        is dropped and counted); the entries are held meanwhile. Returns (verified,
+        dropped): blocks whose every copy checked out, blocks with a bad one."""
+        verified = dropped = 0
+        for entry in entries:
+            self._copies.hold(entry)
+        try:
+            # Every copy, not only the one served first: a bad SSD copy would be served
+            # once the memory copy is gone.
+            for entry in entries:
+                bad = False
+                for st in [t for t in self._tiers if t.name in entry.locations]:
+                    if entry.removed:
+                        break
+                    if await self.read_verified(entry, st) is None:
+                        bad = True
+                if bad:
+                    dropped += 1
+                elif not entry.removed:
+                    verified += 1
+        finally:
+            for entry in entries:
+                self._copies.release(entry)
+        return verified, dropped

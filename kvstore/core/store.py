@@ -4,14 +4,19 @@ A facade: `Store` builds its collaborators, one noun each, and answers the verbs
 them. Each module states the ordering decisions it keeps:
 
 - kvstore.core.namespaces: `NamespaceRegistry`, layouts by id, the per-call limits;
-- kvstore.core.copies: `CopyBook`, where each block's copies are, readers, accounting, events;
-- kvstore.core.moves: `TierMoves`, verified moves, making room, demotion, promotion;
+- kvstore.core.copies: `CopyBook`, where each block's copies are, readers, accounting,
+  events, replicas;
+- kvstore.core.moves: `TierMoves`, verified moves, making room, demotion, promotion, and
+  the operator's loops over them (prefetch, eviction, verification);
 - kvstore.core.migration: `Migrator`, the periodic driver and the write-through writer;
 - kvstore.core.put: `PutPath`, two-phase puts (publish after the data lands);
-- kvstore.core.fetch: `FetchPath`, verified fetch streams (what is verified is what is sent);
+- kvstore.core.fetch: `FetchPath`, verified fetch streams (what is verified is what is
+  sent), and the leased prefix a co-located reader reads itself;
 - kvstore.core.groups: `GroupBook`, layouts with several KV groups, whose parts are
   stored, hit, published and dropped as one block;
-- kvstore.core.index / table / leases / tenancy: the block table and what hangs off it.
+- kvstore.core.index / table / leases / tenancy: the block table and what hangs off it;
+- kvstore.core.types: the values, and `StoreCounters` (`counters`), whose lookup
+  bookkeeping the servers and a pool's node call too.
 
 Control plane on one event loop, no locks: every method either runs to completion
 without awaiting (metadata) or holds the blocks it touches (pins for leases, `readers`
@@ -19,7 +24,8 @@ for reads and copies in flight) across its awaits, so eviction, migration and de
 cannot pull bytes out from under it.
 
 Tiers are ordered top (fastest) to bottom. The addressable tiers (HBM, host, memory)
-hold a block exclusively among themselves; an inclusive tier (SSD), if any, is last.
+hold a block exclusively among themselves; an inclusive tier (SSD), if any, is last
+(kvstore.core.store_tier.check_tiers).
 
 Every verb on named blocks starts with one prelude (`_enter`): the namespace must be
 known (and its id well formed), the hashes within the per-call limit and 16 bytes each,
@@ -53,7 +59,6 @@ from kvstore.core.copies import CopyBook
 from kvstore.core.fetch import FetchPath, FetchStream
 from kvstore.core.groups import GroupBook, GroupedFetchStream, GroupedPutTxn
 from kvstore.core.index import BlockEntry, BlockIndex, make_key
-from kvstore.core.table import SSD_QUEUED
 from kvstore.core.leases import Lease, LeaseTable
 from kvstore.core.migration import Migrator
 from kvstore.core.namespaces import NamespaceRegistry, check_hint
@@ -77,7 +82,7 @@ from kvstore.core.types import (
     TierStatus,
     WritePolicy,
 )
-from kvstore.core.store_tier import PolicyDeferral, StoreTier
+from kvstore.core.store_tier import PolicyDeferral, StoreTier, check_tiers
 from kvstore.core.tenancy import TenantLedger
 from kvstore.core.tier import BounceCopier, Copier, Slot, Tier
 from kvstore.errors import FailedPrecondition, InvalidArgument
@@ -103,7 +108,7 @@ def _bounce(src: Tier, dst: Tier) -> Copier:
 class Store:
     """The verbs, over collaborators built here and exposed as attributes for inspection
     and as seams (`index`, `registry`, `copies`, `moves`, `migrator`, `puts`,
-    `fetches`): servers call the verbs."""
+    `fetches`, `groups`, `counters`): servers call the verbs."""
 
     def __init__(
         self,
@@ -118,25 +123,9 @@ class Store:
         """`make_copier` picks the copier for each pair of memory tiers (the data plane's
         choice, e.g. `kvstore.tiers.make_copier`); by default every pair bounces bytes
         through `read` and `write` (`BounceCopier`)."""
-        if not tiers:
-            raise ValueError("a store needs at least one tier")
+        check_tiers(tiers)
         self.tiers = list(tiers)
-        names = [t.name for t in self.tiers]
-        if len(set(names)) != len(names):
-            raise ValueError(f"tier names must be distinct, got {names}")
-        for t in self.tiers:
-            if t.tier.addressable == t.tier.inclusive:
-                raise ValueError(
-                    f"tier {t.name} is {'both' if t.tier.addressable else 'neither'} addressable "
-                    f"{'and' if t.tier.addressable else 'nor'} inclusive; a store takes addressable tiers "
-                    "that hold blocks exclusively (memory) and at most one inclusive tier that is not (SSD)"
-                )
-        inclusive = [t for t in self.tiers if t.tier.inclusive]
-        if len(inclusive) > 1 or (inclusive and inclusive[0] is not self.tiers[-1]):
-            raise ValueError("at most one inclusive (SSD) tier, and it must be the last")
         self.memory_tiers = [t for t in self.tiers if t.tier.addressable]
-        if not self.memory_tiers:
-            raise ValueError("a store needs at least one addressable tier for puts to land in")
         self.migration = migration or MigrationConfig()
         if self.migration.put_tier != "auto" and self.migration.put_tier not in {t.name for t in self.memory_tiers}:
             raise ValueError(f"put tier {self.migration.put_tier!r} is not one of this store's memory tiers")
@@ -146,7 +135,7 @@ class Store:
             t.deferral = self.deferral
         self._limits = limits or StoreLimits()
         self._clock = clock
-        self.counters = StoreCounters()
+        self.counters = StoreCounters(tiers=tuple(st.counters for st in self.tiers))
         self.index = BlockIndex()
         table = self.index.table
         # Tier ids in the table follow the tier order, so the top copy is the lowest id.
@@ -154,9 +143,7 @@ class Store:
             table.tier_id(st.name)
             st.policy.bind(table)
         self._tier_id_names = tuple(table.tier_names)
-        self._tier_ids = {st.name: table.tier_id(st.name) for st in self.tiers}
         self._by_name = {t.name: t for t in self.tiers}
-        self._rank = {t.name: i for i, t in enumerate(self.tiers)}
         # Payload bytes per tenant and tier, and quotas (set by the daemon from its token file).
         self.tenancy = TenantLedger()
         self.registry = NamespaceRegistry(self.index, self.tenancy, self._limits)
@@ -169,13 +156,13 @@ class Store:
             if a is not b
         }
         self.moves = TierMoves(self.index, self.copies, self.registry, self.tenancy, self.counters, self.tiers,
-                                   self.migration, copiers, executor)
+                               self.migration, copiers, executor)
         self.migrator = Migrator(self.index, self.copies, self.moves, self.counters, self.tiers, self.migration,
                                  self.expire_leases)
         self.puts = PutPath(self.index, self.registry, self.copies, self.moves, self.migrator, self.tenancy,
                             self.counters, self.tiers, executor)
         self.fetches = FetchPath(self.index, self.copies, self.moves, self.counters, self.tiers, self.migration,
-                                 executor, self.unpin)
+                                 executor, self.unpin, self._acquire_lease)
         self.groups = GroupBook(self.index, self.puts, self.fetches, self.counters, self.tiers,
                                 self._lease_for, self.unpin, self._listen)
         self.registry.on_adopted = self.groups.adopted
@@ -236,16 +223,8 @@ class Store:
         try:
             for st in self.tiers:
                 report = await st.tier.recover()
-                if report is None:
-                    continue
-                table = self.index.table
-                rows = table.add_recovered(st.name, report.records)
-                st.policy.insert_rows(rows)
-                recovered += len(rows)
-                if len(rows):
-                    self.registry.recovered(table.ns_bytes[i] for i in np.unique(table.ns[rows]).tolist())
-                st.counters.checksum_failures += report.checksum_failures
-                self.counters.checksum_failures += report.checksum_failures
+                if report is not None:
+                    recovered += self.copies.recovered(st, report)
         finally:
             if collecting:
                 gc.enable()
@@ -331,10 +310,10 @@ class Store:
                count: bool = True) -> PrefixLookup:
         """The longest READY prefix of a chain, given as hashes or packed (N x 16 bytes:
         what the wire carries, probed without cutting it into N objects). `count=False`:
-        the lookup's blocks are counted by the caller (`count_lookup`), once it knows what
-        it answered (a pool's node adds what other nodes hold); the tiers' counts are the
-        store's own either way (a pool's node moves the blocks it holds past the prefix
-        from misses to hits: `count_past_prefix`)."""
+        the lookup's blocks are counted by the caller (`counters.count_lookup`), once it
+        knows what it answered (a pool's node adds what other nodes hold); the tiers'
+        counts are the store's own either way (a pool's node moves the blocks it holds past
+        the prefix from misses to hits: `counters.count_past_prefix`)."""
         info = self._enter(namespace_id)
         packed = self._packed_chain(hashes)
         if info.groups:
@@ -353,11 +332,9 @@ class Store:
         tier_ids = tops.tobytes()
         tail_first = rows[::-1]
         tops_tail_first = tops[::-1]
+        served = self.counters.count_tiers(tier_ids, n_asked)
         for tid, st in enumerate(self.tiers, start=1):
-            # A tier's hits are looked-up blocks served from it; its misses, the others.
-            held = tier_ids.count(tid)
-            st.counters.hits += held
-            st.counters.misses += n_asked - held
+            held = served[tid - 1]
             if held:
                 # Tail first, so the head of a chain is the most recently used: a recency
                 # policy then evicts chain tails before the heads later blocks depend on.
@@ -388,7 +365,7 @@ class Store:
         self._enter(namespace_id)
         if len(packed) % HASH_BYTES:
             raise InvalidArgument(f"a packed chain is a multiple of {HASH_BYTES} bytes, got {len(packed)}")
-        rows = self._rows_of(namespace_id, packed)
+        rows = self.index.find_packed(namespace_id, packed)
         out = np.full(len(rows), self.ABSENT, np.uint8)
         found = rows >= 0
         if found.any():
@@ -407,69 +384,14 @@ class Store:
         self._enter(namespace_id, hashes)
         if not hashes:
             return 0
-        rows = self._rows_of(namespace_id, b"".join(hashes))
+        rows = self.index.find_packed(namespace_id, b"".join(hashes))
         return self.mark_replica_rows(rows[rows >= 0])
-
-    def _rows_of(self, namespace_id: bytes, packed: bytes) -> np.ndarray[Any, Any]:
-        """The indexed row of each of the packed 16-byte hashes (-1 where not held), in one
-        vectorized probe of the block table."""
-        q = np.frombuffer(packed, "<u8")
-        return self.index.find_chain(namespace_id, q[0::2], q[1::2])
 
     def mark_replica_rows(self, rows: Sequence[int] | np.ndarray[Any, Any]) -> int:
         """`mark_replicas` of blocks a put just published (`PutTxn.stored_rows`), by their
         rows: a block with one copy (a put's) is marked in the tier of that copy without
-        a lookup per block. Returns how many were marked."""
-        t = self.index.table
-        at = np.asarray(rows, np.int64)
-        if not len(at):
-            return 0
-        single = (t.lt[at, 1] == 0) & (t.lt[at, 0] != 0)
-        marked = 0
-        by_name = {st.name: st for st in self.tiers}
-        for tid in np.unique(t.lt[at[single], 0]).tolist():
-            st = by_name.get(t.tier_names[tid])
-            if st is None or not st.tier.addressable:
-                continue
-            mine = at[single & (t.lt[at, 0] == tid)]  # (a third copy comes only after a second)
-            t.flags[mine] &= np.uint8(~SSD_QUEUED & 0xFF)  # the write-through writer skips them
-            st.replicas.add_rows(mine.tolist(), t.gen[mine].tolist())
-            marked += len(mine)
-        for row in at[~single].tolist():
-            entry = BlockEntry.of(t, row)
-            top = self.copies.top_tier(entry)
-            if top is not None and top.tier.addressable:
-                top.replicas.add(entry)
-                entry.ssd_queued = False
-                marked += 1
-        return marked
-
-    def count_lookup(self, namespace_id: bytes, n_asked: int, n_answered: int) -> None:
-        """Count a lookup made with `count=False`: `n_answered` of its `n_asked` blocks hit
-        (nothing if its namespace has been forgotten since)."""
-        if self.has_namespace(namespace_id):
-            self.counters.count_lookup(self._namespace(namespace_id), n_asked, n_answered)
-
-    def count_past_prefix(self, tier_ids: bytes) -> None:
-        """Blocks a pool's node answered past its local prefix (one byte per block: a top
-        tier id as `present` gives it, `ABSENT` for a block found elsewhere): each one held
-        here moves from its tier's misses, where `lookup` counted it once the prefix ended,
-        to that tier's hits, as a block of the prefix would be counted."""
-        for tid, st in enumerate(self.tiers, start=1):
-            held = tier_ids.count(tid)
-            if held:
-                st.counters.hits += held
-                st.counters.misses -= held
-
-    def count_unknown_lookup(self, n_asked: int) -> None:
-        """A lookup of a layout the store holds nothing of (the server answers it without
-        registering one): counted as a lookup whose every block missed, in every tier."""
-        c = self.counters
-        c.lookups += 1
-        c.lookup_blocks += n_asked
-        c.miss_blocks += n_asked
-        for st in self.tiers:
-            st.counters.misses += n_asked
+        a lookup per block (`CopyBook.mark_replicas`). Returns how many were marked."""
+        return self.copies.mark_replicas(rows)
 
     def block(self, namespace_id: bytes, block_hash: bytes) -> BlockInfo | None:
         """A snapshot of one READY block's metadata; None if it is not in the store."""
@@ -580,17 +502,14 @@ class Store:
         """Remove the named blocks, leased or not (an explicit delete wins over a lease)."""
         info = self._enter(namespace_id, hashes)
         if info.groups:
-            present = sum(1 for h in hashes
-                          if any(make_key(i, h) in self.index for i in self.groups.part_ids(info)))
-            self.groups.drop_blocks(info, hashes)
-            self.counters.deletes += present
-            return present
-        deleted = 0
-        for h in hashes:
-            entry = self.index.get(make_key(namespace_id, h))
-            if entry is not None:
-                self.copies.drop(entry)
-                deleted += 1
+            deleted = self.groups.delete(info, hashes)
+        else:
+            deleted = 0
+            for h in hashes:
+                entry = self.index.get(make_key(namespace_id, h))
+                if entry is not None:
+                    self.copies.drop(entry)
+                    deleted += 1
         self.counters.deletes += deleted
         return deleted
 
@@ -623,36 +542,7 @@ class Store:
         if info.groups:
             raise FailedPrecondition("a layout with KV groups is fetched as gRPC bytes (Fetch), not through "
                                      "shared memory")
-        packed = self._packed_chain(hashes)
-        rows = self._prefix_rows(namespace_id, packed)
-        tops = self._top_ids(rows)
-        st = self._by_name[tier]
-        tid = self._tier_ids[tier]
-        elsewhere = np.flatnonzero(tops != tid)
-        run = rows[: int(elsewhere[0])] if len(elsewhere) else rows
-        lease_id = ""
-        offsets: list[int] = []
-        checksums: list[int] = []
-        if len(run):
-            lease_id = self._acquire_lease(run, ttl_ms, holds_bytes=True, tenant=info.tenant).lease_id
-            offsets = self.index.offsets_in(run, tid)
-            checksums = self.index.checksums_of(run)
-            nbytes = int(self.index.nbytes_of(run).sum())
-            self.counters.bytes_out += nbytes
-            self.counters.local_bytes_out += nbytes
-            st.defer_touch(run[::-1])
-        self.counters.fetches += 1
-        self.counters.blocks_fetched += len(run)
-        result = PrefixLookup(
-            namespace_id=namespace_id,
-            num_blocks=len(rows),
-            block_size_tokens=info.layout.block_size_tokens,
-            tier_ids=tops.tobytes(),
-            tier_names=self._tier_id_names,
-            hashes_packed=packed[: len(rows) * HASH_BYTES],
-            lease_id=lease_id,
-        )
-        return result, offsets, checksums
+        return self.fetches.lease_prefix(info, self._packed_chain(hashes), ttl_ms, tier)
 
     async def verify(self, namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[int, int]:
         """Re-check the named blocks against their checksums; drop and count the bad ones.
@@ -662,29 +552,8 @@ class Store:
         namespace's blocks count per part.
         """
         info = self._enter(namespace_id, hashes)
-        entries = [e for i in self.groups.part_ids(info) for h in hashes
-                   if (e := self.index.get(make_key(i, h))) is not None]
-        verified = dropped = 0
-        for entry in entries:
-            self.copies.hold(entry)
-        try:
-            # Every copy, not only the one served first: a bad SSD copy would be served
-            # once the memory copy is gone.
-            for entry in entries:
-                bad = False
-                for st in [t for t in self.tiers if t.name in entry.locations]:
-                    if entry.removed:
-                        break
-                    if await self.moves.read_verified(entry, st) is None:
-                        bad = True
-                if bad:
-                    dropped += 1
-                elif not entry.removed:
-                    verified += 1
-        finally:
-            for entry in entries:
-                self.copies.release(entry)
-        return verified, dropped
+        return await self.moves.verify([e for i in self.groups.part_ids(info) for h in hashes
+                                        if (e := self.index.get(make_key(i, h))) is not None])
 
     def hint(self, namespace_id: bytes, hashes: Sequence[bytes], session_id: str, expect_reuse_within_s: float) -> int:
         """Tell each tier's policy that `session_id` will reuse the named blocks soon.
@@ -778,54 +647,21 @@ class Store:
         """Every READY block of a namespace, parents before children, chains consecutive
         (depth-first from each root), so the list replays as chained puts. A grouped
         namespace lists each block once, whichever of its parts it holds."""
-        ids = set(self.groups.part_ids(self._enter(namespace_id)))
-        # Block hash -> parent hash (b"" at a chain's start), first part seen of each block.
-        blocks: dict[bytes, bytes] = {}
-        for e in self.index:
-            if e.key[:HASH_BYTES] in ids:
-                blocks.setdefault(e.key[HASH_BYTES:], e.parent[HASH_BYTES:] if e.parent is not None else b"")
-        children: dict[bytes, list[bytes]] = {}
-        roots = []
-        for h, parent in blocks.items():
-            if parent and parent in blocks:
-                children.setdefault(parent, []).append(h)
-            else:
-                roots.append(h)
-        out: list[BlockRef] = []
-        stack = list(reversed(roots))
-        while stack:
-            h = stack.pop()
-            out.append(BlockRef(h, blocks[h]))
-            stack.extend(reversed(children.get(h, ())))
-        return out
+        return self.index.chains(set(self.groups.part_ids(self._enter(namespace_id))))
 
     def block_groups(self) -> list[BlockGroup]:
         """Every READY block, grouped by namespace and the tier it is served from (a
         point-in-time snapshot)."""
-        groups: dict[tuple[bytes, str], list[bytes]] = {}
-        for entry in self.index:
-            groups.setdefault((entry.key[:HASH_BYTES], self.copies.top_name(entry)), []).append(entry.key[HASH_BYTES:])
-        return [BlockGroup(ns, tier, tuple(hashes)) for (ns, tier), hashes in groups.items()]
+        return self.copies.block_groups()
 
     # ----------------------------------------------------------------- stats
 
     def stats(self) -> StoreStatus:
         self.expire_leases()
+        inclusive = self.moves.inclusive
         return StoreStatus(
-            tiers=[
-                TierStatus(
-                    name=st.name,
-                    capacity_bytes=st.tier.capacity_bytes,
-                    used_bytes=st.tier.used_bytes,
-                    blocks=st.tier.blocks,
-                    policy=st.policy.name,
-                    counters=TierCounters(**{k: getattr(st.counters, k) for k in TierCounters.__slots__}),
-                    facts=st.tier.describe(),
-                    pending_writes=self.pending_ssd_writes if st is self.moves.inclusive else 0,
-                )
-                for st in self.tiers
-            ],
-            counters=StoreCounters(**{k: getattr(self.counters, k) for k in StoreCounters.__slots__}),
+            tiers=[st.status(self.pending_ssd_writes if st is inclusive else 0) for st in self.tiers],
+            counters=self.counters.snapshot(),
             namespaces=len(self.registry),
             leases_active=len(self._leases),
         )

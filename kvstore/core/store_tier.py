@@ -1,6 +1,7 @@
-"""A tier as the control plane sees it (`StoreTier`: bytes, order, watermarks, counters),
-who applies the policy calls a verb leaves for after its answer (`PolicyDeferral`), and
-the blocks the tier holds as replicas of another daemon's (`ReplicaSet`).
+"""A tier as the control plane sees it (`StoreTier`: bytes, order, watermarks, counters,
+status), which tiers make one store (`check_tiers`), who applies the policy calls a verb
+leaves for after its answer (`PolicyDeferral`), and the blocks the tier holds as
+replicas of another daemon's (`ReplicaSet`).
 
 A lookup's hits and a put's new blocks reach a tier's policy after the reply has gone
 out: that is the one reverse edge between a server and the store, and it is named here
@@ -18,12 +19,36 @@ import numpy as np
 
 from kvstore.core.index import BlockEntry
 from kvstore.core.policies import EvictionPolicy
-from kvstore.core.types import TierCounters
+from kvstore.core.types import TierCounters, TierStatus
 from kvstore.core.table import BlockTable
 from kvstore.core.tier import Tier
 
 # Policy calls that may wait for the loop (see `StoreTier.defer_touch`).
 DEFERRED_MAX = 64
+
+
+def check_tiers(tiers: Sequence[StoreTier]) -> None:
+    """Refuse tiers that cannot make one store (ValueError). A store takes them top first,
+    with distinct names, each either addressable (memory: a block's copy there is its only
+    one among them) or inclusive (SSD: a copy kept next to a memory one); at most one
+    inclusive tier, and that one last; and at least one addressable tier for puts to land in."""
+    if not tiers:
+        raise ValueError("a store needs at least one tier")
+    names = [t.name for t in tiers]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tier names must be distinct, got {names}")
+    for t in tiers:
+        if t.tier.addressable == t.tier.inclusive:
+            raise ValueError(
+                f"tier {t.name} is {'both' if t.tier.addressable else 'neither'} addressable "
+                f"{'and' if t.tier.addressable else 'nor'} inclusive; a store takes addressable tiers "
+                "that hold blocks exclusively (memory) and at most one inclusive tier that is not (SSD)"
+            )
+    inclusive = [t for t in tiers if t.tier.inclusive]
+    if len(inclusive) > 1 or (inclusive and inclusive[0] is not tiers[-1]):
+        raise ValueError("at most one inclusive (SSD) tier, and it must be the last")
+    if not any(t.tier.addressable for t in tiers):
+        raise ValueError("a store needs at least one addressable tier for puts to land in")
 
 
 class PolicyDeferral:
@@ -155,6 +180,14 @@ class StoreTier:
         if self._deferred:
             self.apply_deferred()
         return self._policy
+
+    def status(self, pending_writes: int = 0) -> TierStatus:
+        """A snapshot of the tier: its bytes, blocks, policy, counters and facts, and the
+        writes queued for it (`pending_writes`, the store's SSD writes for its SSD tier)."""
+        tier = self.tier
+        return TierStatus(name=self.name, capacity_bytes=tier.capacity_bytes, used_bytes=tier.used_bytes,
+                          blocks=tier.blocks, policy=self.policy.name, counters=self.counters.snapshot(),
+                          facts=tier.describe(), pending_writes=pending_writes)
 
     def defer_touch(self, rows: np.ndarray[Any, Any]) -> None:
         """`policy.touch_rows(rows)`, applied soon after the running callback (at once

@@ -1,7 +1,9 @@
 """The store's values: limits and configuration, counters, namespace records, the
 results of its verbs, and the observer it tells of block events.
 
-Plain data only, no behaviour beyond derived properties: every collaborator of the store
+Plain data, no behaviour beyond derived properties and the counters' own bookkeeping
+(`StoreCounters.count_lookup` and its kin: the store's lookups call them, and so do the
+servers and a pool's node, on `Store.counters`): every collaborator of the store
 (kvstore.core.store and the modules it is built from) and the server that renders these
 values import them from here, without importing the store.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvstore.core.tier import Slot
@@ -65,6 +67,9 @@ class TierCounters:
     demotions: int = 0  # blocks moved from this tier to a lower one
     drops: int = 0  # blocks that left the store from this tier (their last copy)
 
+    def snapshot(self) -> TierCounters:
+        return replace(self)
+
 
 @dataclass(slots=True)
 class StoreCounters:
@@ -95,15 +100,59 @@ class StoreCounters:
     group_parts_stored: int = 0
     group_bytes_skipped: int = 0
     group_parts_dropped: int = 0
+    # The store's tiers' counters, top first (tier id i + 1 is tiers[i]): where a lookup's
+    # hits and misses per tier go. Not part of a snapshot.
+    tiers: tuple[TierCounters, ...] = field(default=(), repr=False, compare=False)
 
-    def count_lookup(self, info: NamespaceInfo, asked: int, hit: int) -> None:
-        """A lookup in `info`'s namespace: `hit` of its `asked` blocks found."""
+    def count_lookup(self, info: NamespaceInfo | None, asked: int, hit: int) -> None:
+        """A lookup in `info`'s namespace: `hit` of its `asked` blocks found. Nothing for
+        None: a lookup counted by its caller once it knew what it answered (a pool's
+        node, `Store.lookup(count=False)`), whose namespace has been forgotten since."""
+        if info is None:
+            return
         self.lookups += 1
         info.lookup_blocks += asked
         info.hit_blocks += hit
         self.lookup_blocks += asked
         self.hit_blocks += hit
         self.miss_blocks += asked - hit
+
+    def count_tiers(self, tier_ids: bytes, asked: int) -> list[int]:
+        """A lookup's blocks in each tier (`tier_ids`: the top tier id of each block it
+        answered, one byte each): a tier's hits are the blocks served from it, its misses
+        the rest of the `asked`. How many each tier served, top first."""
+        served = []
+        for tid, tc in enumerate(self.tiers, start=1):
+            held = tier_ids.count(tid)
+            tc.hits += held
+            tc.misses += asked - held
+            served.append(held)
+        return served
+
+    def count_past_prefix(self, tier_ids: bytes) -> None:
+        """Blocks a pool's node answered past its local prefix (one byte per block: a top
+        tier id as `Store.present` gives it, `Store.ABSENT` for a block found elsewhere):
+        each one held here moves from its tier's misses, where `Store.lookup` counted it
+        once the prefix ended, to that tier's hits, as a block of the prefix would be
+        counted."""
+        for tid, tc in enumerate(self.tiers, start=1):
+            held = tier_ids.count(tid)
+            if held:
+                tc.hits += held
+                tc.misses -= held
+
+    def count_unknown_lookup(self, asked: int) -> None:
+        """A lookup of a layout the store holds nothing of (the server answers it without
+        registering one): counted as a lookup whose every block missed, in every tier."""
+        self.lookups += 1
+        self.lookup_blocks += asked
+        self.miss_blocks += asked
+        for tc in self.tiers:
+            tc.misses += asked
+
+    def snapshot(self) -> StoreCounters:
+        """The counts now, without the tiers' counters (what `StoreStatus` carries)."""
+        return replace(self, tiers=())
 
 
 @dataclass(slots=True, eq=False)

@@ -155,7 +155,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             if self.cluster is not None:  # another node's lookup: the pool's counters
                 self.cluster.peer_looked_up(self._miss(request.keys, unknown), 0)
             else:
-                self.store.count_unknown_lookup(self._miss(request.keys, unknown))
+                self.store.counters.count_unknown_lookup(self._miss(request.keys, unknown))
             if request.HasField("hint"):
                 self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
             return kvstore_pb2.LookupResponse(namespace_id=unknown.namespace_id,
@@ -185,7 +185,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                         # held here is answered without asking them).
                         ext = await cluster.extend(ns_id, chain, r.num_blocks)
                 finally:
-                    self.store.count_lookup(ns_id, n_asked, r.num_blocks + (ext.blocks if ext is not None else 0))
+                    self.store.counters.count_lookup(self.store.registry.get(ns_id), n_asked,
+                                                     r.num_blocks + (ext.blocks if ext is not None else 0))
                 if ext is not None:
                     return self._extended(request, keys, r, ext, chain)
         resp = kvstore_pb2.LookupResponse(
