@@ -28,6 +28,7 @@ planes, held slots, leases to end) and what plans read and update; `Client` and
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Generic, TypeVar, Union
@@ -39,7 +40,17 @@ from kvstore.client._groups import GroupedFetchAssembler, grouped_fetch_request,
 from kvstore.client._held import HeldSlots, check_reserve_ahead, keep_held, take_held
 from kvstore.client.control_lane import lane_socket, segment_over_lane
 from kvstore.client._local import LocalPlane
-from kvstore.client.data_lane import DEFAULT_CONNECTIONS, DataLane, DataLaneStats, choose_endpoint
+from kvstore.client.data_lane import (
+    DEFAULT_CONNECTIONS,
+    DataLane,
+    DataLaneStats,
+    LaneCall,
+    LaneMove,
+    TransferPlan,
+    choose_endpoint,
+    fetch_transfer,
+    put_transfer,
+)
 from kvstore.client._options import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -501,40 +512,27 @@ def fetch_stream(layout: KVLayout, keys: kvstore_pb2.BlockKeys, out: Sequence[An
 
 def fetch_lane(c: ClientState, lane: DataLane, layout: KVLayout, keys: kvstore_pb2.BlockKeys,
                out: Sequence[Any] | None, lease_id: str, timeout_s: float) -> Plan[list[Any]]:
-    """A fetch on the data lane: connections first (a lane that cannot be reached is
-    found before the daemon holds anything), then LaneFetch opens the transfer, then the
-    blocks land straight in their buffers, verified. In `auto`, a lane that fails is set
-    aside for a while and the fetch goes through gRPC."""
+    """A fetch on the data lane (`kvstore.client.data_lane.fetch_transfer`): connections
+    first (a lane that cannot be reached is found before the daemon holds anything), then
+    LaneFetch opens the transfer, then the blocks land straight in their buffers,
+    verified. In `auto`, a lane that fails is set aside for a while and the fetch goes
+    through gRPC."""
     request = kvstore_pb2.FetchRequest(namespace=namespace_ref(layout), keys=keys, lease_id=lease_id)
     try:
         conns = yield Blocking(lane.checkout, lane.connections_for(_blocks_named(keys, layout)), timeout_s)
     except Unavailable as exc:
-        if c.data_plane == "lane":
+        if not _set_aside(c, lane, exc):
             raise
-        lane.mark_down(exc)
         return (yield from fetch_stream(layout, keys, out, lease_id, timeout_s))
-    try:
-        grant = yield Unary("LaneFetch", kvstore_pb2.LaneFetchRequest(
-            fetch=request, connections=len(conns), timeout_ms=int(timeout_s * 1000)), timeout_s)
-    except BaseException:
-        lane.checkin(conns)
-        raise
-    if not grant.num_blocks:
-        lane.checkin(conns)
-        return []
-    dsts = out_buffers(out, grant.num_blocks, grant.block_bytes)
-    try:
-        views = [writable_view(d, i, grant.block_bytes) for i, d in enumerate(dsts)]
-    except BaseException:
-        lane.checkin(conns)  # the transfer expires on the daemon by itself
-        raise
-    try:
-        got = yield Blocking(lane.fetch_into, conns, grant.transfer_id, grant.block_bytes, views, timeout_s,
-                             cancel=lambda: lane.abort(conns))
-    except Unavailable as exc:
-        if c.data_plane == "lane":
-            raise
-        lane.mark_down(exc)
+    dsts: list[Any] = []
+
+    def views(grant: kvstore_pb2.LaneFetchResponse) -> list[memoryview]:
+        dsts.extend(out_buffers(out, grant.num_blocks, grant.block_bytes))
+        return [writable_view(d, i, grant.block_bytes) for i, d in enumerate(dsts)]
+
+    got = yield from _on_lane(fetch_transfer(lane, conns, request, views, lambda: timeout_s,
+                                             fall_back=functools.partial(_set_aside, c, lane)))
+    if got is None:
         return (yield from fetch_stream(layout, keys, out, "", timeout_s))
     return dsts[:got]
 
@@ -630,44 +628,59 @@ def put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, block
 
 
 def put_lane(c: ClientState, lane: DataLane, prepared: PreparedPut, timeout_s: float) -> Plan[PutResult]:
-    """A put on the data lane: connections first, then LanePut opens it (its slots are
-    reserved a window at a time) and says which blocks the daemon needs, those go on the
-    lane as its credit allows (each verified as it lands), and LaneCommit publishes, all
-    or nothing. A failure aborts the transfer; in `auto`, a lane that broke is set aside
-    for a while and the put goes through gRPC instead."""
+    """A put on the data lane (`kvstore.client.data_lane.put_transfer`): connections
+    first, then LanePut opens it (its slots are reserved a window at a time) and says
+    which blocks the daemon needs, those go on the lane as its credit allows (each
+    verified as it lands), and LaneCommit publishes, all or nothing. A failure aborts the
+    transfer; in `auto`, a lane that broke is set aside for a while and the put goes
+    through gRPC instead."""
     try:
         conns = yield Blocking(lane.checkout, lane.connections_for(len(prepared.views)), timeout_s)
     except Unavailable as exc:
-        if c.data_plane == "lane":
+        if not _set_aside(c, lane, exc):
             raise
-        lane.mark_down(exc)
         return put_result((yield StreamPut(prepared, timeout_s)))
-    try:
-        grant = yield Unary("LanePut", kvstore_pb2.LanePutRequest(
-            header=prepared.header, connections=len(conns), timeout_ms=int(timeout_s * 1000)), timeout_s)
-    except BaseException:
-        lane.checkin(conns)
-        raise
-    if not any(grant.needed):
-        lane.checkin(conns)
-    else:
+    done = yield from _on_lane(put_transfer(lane, conns, prepared.header, prepared.views, lambda: timeout_s,
+                                            fall_back=functools.partial(_set_aside, c, lane)))
+    if done is None:
+        return put_result((yield StreamPut(prepared, timeout_s)))
+    return put_result(done[1])
+
+
+def _set_aside(c: ClientState, lane: DataLane, error: Exception) -> bool:
+    """Whether the call goes through gRPC after the lane failed it with `error`: in
+    `auto`, a lane that cannot be reached or broke is set aside for a while."""
+    if not isinstance(error, Unavailable) or c.data_plane == "lane":
+        return False
+    lane.mark_down(error)
+    return True
+
+
+def _on_lane(transfer: TransferPlan[T]) -> Plan[T]:
+    """A data-lane transfer's plan run as steps of this one: its control calls as `Unary`
+    steps, its move as a `Blocking` one (which the asyncio client cancels by shutting
+    the transfer's connections). A failed step is thrown into the transfer, so it aborts."""
+    send: Callable[[Any], LaneCall | LaneMove] = transfer.send
+    value: Any = None
+    while True:
         try:
-            yield Blocking(lane.put_from, conns, grant.transfer_id, grant.block_bytes, grant.needed,
-                           prepared.views, timeout_s, cancel=lambda: lane.abort(conns))
+            step = send(value)
+        except StopIteration as stop:
+            return stop.value
+        except BaseException:
+            del value  # maybe the very error on its way out: no cycle through this frame
+            raise
+        try:
+            if type(step) is LaneMove:
+                value = yield Blocking(step.run, cancel=step.cancel)
+            else:
+                value = yield Unary(step.name, step.request, step.timeout_s)
+            send = transfer.send
         except GeneratorExit:
+            transfer.close()
             raise
         except BaseException as exc:
-            try:
-                yield Unary("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id, abort=True),
-                            min(1.0, timeout_s))
-            except KVStoreError:
-                pass  # it rolls back by itself at its deadline
-            if isinstance(exc, Unavailable) and c.data_plane != "lane":
-                lane.mark_down(exc)
-                return put_result((yield StreamPut(prepared, timeout_s)))
-            raise
-    return (yield Unary("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id), timeout_s,
-                        put_result))
+            value, send = exc, transfer.throw
 
 
 def _copy_in(copy: Blocking, abort: kvstore_pb2.LocalCommitRequest, timeout_s: float) -> Plan[list[int]]:

@@ -1,27 +1,33 @@
 """The client side of the data lane (framing in `kvstore.data_lane`; see docs/net.md): a
-pool of connections to one daemon's lane that moves a transfer's blocks with one
-`sendmsg` from the caller's buffer per block and `recv_into` straight into the caller's
-destination, verifying each block as it lands.
+pool of connections to one daemon's lane, and the protocol of one transfer on it, written
+once for the SDK and the cluster.
+
+Glossary of planes and lanes: docs/local-data-plane.md
 
 Primitives: `LaneEndpoint` and `choose_endpoint(offer, target)` (which of the daemon's
-lane addresses to use), `client_tls(security)`, and `DataLane`: `checkout(n, timeout_s)`
--> connections, `checkin(conns)`, `fetch_into(conns, transfer_id, block_bytes, dests,
-timeout_s)` -> how many leading blocks landed verified, `put_from(conns, transfer_id,
-block_bytes, needed, sources, timeout_s)`, `stats()`. Every call is blocking and
-thread-safe; the SDK's asyncio client runs them in a worker thread, checkouts through
-`checkout_in_thread(lane, n, timeout_s)`.
+lane addresses to use), `client_tls(security)`; `DataLane`: `checkout(n, timeout_s)`,
+`checkin(conns)`, `fetch_into(conns, transfer_id, block_bytes, dests, timeout_s)` -> how
+many leading blocks landed verified, `put_from(conns, transfer_id, block_bytes, needed,
+sources, timeout_s)`, `stats()`, all blocking and thread-safe; `checkout_in_thread` for
+asyncio code; one transfer: `fetch_transfer`, `put_transfer`, their steps `LaneCall` and
+`LaneMove`, `run_transfer`, `move_in_threads`.
 
-A transfer is opened by a control call first (`LaneFetch` / `LanePut` on the daemon's
-gRPC service), which answers the transfer id; this module only moves its bytes. It is
-the API the cluster uses for remote fetches and forwards as well: open the transfer on
-the peer, then `fetch_into` host-tier slots (memoryviews) or `put_from` them.
+Bytes: one `sendmsg` per block from the caller's buffer, `recv_into` straight into the
+caller's destination, each block verified as it lands. Each connection of a transfer
+runs in its own thread; one that broke or timed out is closed, the others go back to the
+pool. A block whose bytes do not match their checksum is dropped and counted
+(`stats().blocks_rejected`), never returned: the fetch's result ends before it.
 
-Connections are checked out before the control call, so a lane that cannot be reached
-is found before a transfer holds anything on the daemon. Each connection of a transfer
-runs in its own thread (the caller's thread runs the first); a connection that broke or
-timed out is closed, the others go back to the pool. A block whose bytes do not match
-their checksum is dropped and counted (`stats().blocks_rejected`), never returned: the
-fetch's result ends before it.
+A transfer: connections are checked out first, so a lane that cannot be reached is found
+before the daemon holds anything; `LaneFetch` / `LanePut` on the daemon's KVStore service
+opens it; its bytes move; a put that failed is aborted, one whose bytes moved is
+published by `LaneCommit`, all or nothing. Written as a plan without I/O, like the SDK's
+verbs (`kvstore.client._ops`), which run its steps as their own; `run_transfer` runs it
+for asyncio code that makes the control calls itself (`DataLanePeer`, the cluster's
+`DataLaneTransport`). A cancelled move shuts its connections and returns once its
+threads are done with the caller's buffers (slots of a tier's shared memory, say); a
+failed one clears the frames that hold them, so no reference cycle keeps a segment from
+being unmapped.
 """
 
 from __future__ import annotations
@@ -36,10 +42,11 @@ import ssl
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+import traceback
+from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar, Union
 
 import xxhash
 
@@ -73,6 +80,7 @@ from kvstore.errors import DataLoss, KVStoreError, Unavailable, error_for_status
 from kvstore.v1 import kvstore_pb2
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_CONNECTIONS = 4
 # Credit this client grants a daemon per fetch connection: the most block bytes in
@@ -371,7 +379,7 @@ class DataLane:
                  *args: object) -> list[BaseException | None]:
         """`work(conn, *args)` on every connection at once (the first on this thread).
         Each connection goes back to the pool if its part ended cleanly, else closed."""
-        futures: list[Future[None]] = [self._pool.submit(_part, work, c, *args) for c in conns[1:]]
+        futures: list[Future[None]] = [self._pool.submit(_HandedOver(_part, work, c, *args)) for c in conns[1:]]
         errors: list[BaseException | None] = []
         try:
             _part(work, conns[0], *args)
@@ -577,6 +585,233 @@ async def checkout_in_thread(lane: DataLane, count: int, timeout_s: float,
         raise
 
 
+# -------------------------------------------------------------- one transfer
+
+# A failed put's abort waits this long at most: the daemon rolls the put back at its
+# deadline by itself anyway.
+ABORT_TIMEOUT_S = 1.0
+
+
+class LaneCall:
+    """A transfer's step: control call `name` (`LaneFetch`, `LanePut`, `LaneCommit`) on
+    the daemon's KVStore service; the plan receives its response. `cleanup`: a failed
+    put's abort, whose own failure the plan ignores; `run_transfer` shields it, so a
+    second cancellation does not cut it off."""
+
+    __slots__ = ("name", "request", "timeout_s", "cleanup")
+
+    def __init__(self, name: str, request: Any, timeout_s: float, cleanup: bool = False) -> None:
+        self.name = name
+        self.request = request
+        self.timeout_s = timeout_s
+        self.cleanup = cleanup
+
+
+class LaneMove:
+    """A transfer's step: its bytes moved on `conns` by `fn(conns, *args)`
+    (`DataLane.fetch_into` or `put_from`). `run()` does that once, blocking, on whichever
+    thread calls it (`_HandedOver`); the plan receives what `fn` returns. `cancel()` ends
+    it at once, from any thread."""
+
+    __slots__ = ("lane", "conns", "run")
+
+    def __init__(self, lane: DataLane, conns: Sequence[LaneSocket], fn: Callable[..., Any], *args: Any) -> None:
+        self.lane = lane
+        self.conns = conns
+        self.run = _HandedOver(fn, conns, *args)
+
+    def cancel(self) -> None:
+        self.lane.abort(self.conns)
+
+
+TransferPlan = Generator[Union[LaneCall, LaneMove], Any, T]
+
+
+def lane_fetch_request(fetch: kvstore_pb2.FetchRequest, connections: int,
+                       timeout_s: float) -> kvstore_pb2.LaneFetchRequest:
+    """The LaneFetch that opens `fetch` for `connections` connections, given up on the
+    daemon after `timeout_s`."""
+    return kvstore_pb2.LaneFetchRequest(fetch=fetch, connections=connections, timeout_ms=_ms(timeout_s))
+
+
+def fetch_transfer(lane: DataLane, conns: list[LaneSocket], fetch: kvstore_pb2.FetchRequest,
+                   dests: Callable[[kvstore_pb2.LaneFetchResponse], Sequence[memoryview]],
+                   left: Callable[[], float], *,
+                   fall_back: Callable[[Exception], bool] | None = None) -> TransferPlan[int | None]:
+    """Fetch `fetch`'s blocks on `conns`, which this plan takes over (checked in or closed
+    on every path): LaneFetch opens the transfer, `dests(its answer)` says where the
+    blocks land (block i in the i-th view, each `block_bytes`), and they land there,
+    verified; how many leading blocks did (0 on a miss). `left()` is each step's timeout.
+    A move that fails with an error `fall_back` accepts ends the plan with None (the
+    caller fetches another way)."""
+    try:
+        timeout_s = left()
+        grant = yield LaneCall("LaneFetch", lane_fetch_request(fetch, len(conns), timeout_s), timeout_s)
+        if not grant.num_blocks:
+            lane.checkin(conns)
+            return 0
+        views = dests(grant)
+    except BaseException:
+        lane.checkin(conns)  # (an open transfer nobody joins expires on the daemon by itself)
+        raise
+    try:
+        return int((yield LaneMove(lane, conns, lane.fetch_into, grant.transfer_id, grant.block_bytes, views,
+                                   left())))
+    except Exception as exc:
+        if fall_back is not None and fall_back(exc):
+            return None
+        raise
+
+
+def put_transfer(lane: DataLane, conns: list[LaneSocket], header: kvstore_pb2.PutHeader,
+                 sources: Sequence[memoryview], left: Callable[[], float], *,
+                 runs: Sequence[kvstore_pb2.PutRun] = (),
+                 check: Callable[[kvstore_pb2.LanePutResponse], None] | None = None,
+                 fall_back: Callable[[Exception], bool] | None = None,
+                 ) -> TransferPlan[tuple[kvstore_pb2.LanePutResponse, kvstore_pb2.PutResponse] | None]:
+    """Store `sources` (block i under the header's i-th key; `runs`: where later runs of
+    the chain start) on `conns`, which this plan takes over, all or nothing: LanePut
+    opens the put and answers which blocks the daemon needs, `check(that answer)` may
+    refuse it by raising, those blocks go on the lane as its credit allows (each verified
+    as it lands), and LaneCommit publishes them: (LanePut's answer, LaneCommit's).
+    `left()` is each step's timeout. A failure after LanePut aborts the put; a move that
+    fails with an error `fall_back` accepts then ends the plan with None (the caller puts
+    another way)."""
+    try:
+        timeout_s = left()
+        grant = yield LaneCall("LanePut", kvstore_pb2.LanePutRequest(
+            header=header, connections=len(conns), timeout_ms=_ms(timeout_s), runs=runs), timeout_s)
+    except BaseException:
+        lane.checkin(conns)
+        raise
+    if not any(grant.needed):
+        lane.checkin(conns)
+    else:
+        try:
+            if check is not None:
+                try:
+                    check(grant)
+                except BaseException:
+                    lane.checkin(conns)
+                    raise
+            yield LaneMove(lane, conns, lane.put_from, grant.transfer_id, grant.block_bytes, grant.needed, sources,
+                           left())
+        except GeneratorExit:
+            raise  # closed where it stood: nothing more may be yielded (the daemon rolls it back)
+        except BaseException as exc:
+            try:
+                yield LaneCall("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id, abort=True),
+                               min(ABORT_TIMEOUT_S, left()), cleanup=True)
+            except Exception:  # noqa: BLE001 - it rolls back by itself at its deadline
+                pass
+            if fall_back is not None and isinstance(exc, Exception) and fall_back(exc):
+                return None
+            raise
+    timeout_s = left()
+    committed = yield LaneCall("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id), timeout_s)
+    return grant, committed
+
+
+async def run_transfer(plan: TransferPlan[T], call: Callable[[str, Any, float], Awaitable[Any]]) -> T:
+    """Run a transfer's plan from asyncio code: its control calls through `call(name,
+    request, timeout_s)`, its moves through `move_in_threads`. A failed step is thrown
+    into the plan where it was yielded, so the plan's own handlers see it."""
+    send: Callable[[Any], LaneCall | LaneMove] = plan.send
+    value: Any = None
+    while True:
+        try:
+            step = send(value)
+        except StopIteration as stop:
+            return stop.value
+        except BaseException:
+            del value  # maybe the very error on its way out: no cycle through this frame
+            raise
+        try:
+            if type(step) is LaneMove:
+                value = await move_in_threads(step)
+            elif step.cleanup:
+                value = await asyncio.shield(call(step.name, step.request, step.timeout_s))
+            else:
+                value = await call(step.name, step.request, step.timeout_s)
+            send = plan.send
+        except BaseException as exc:  # cancellation too: a put aborts
+            value, send = exc, plan.throw
+
+
+async def move_in_threads(move: LaneMove) -> Any:
+    """`move.run()` on a worker thread, for asyncio code. Cancelled, it shuts the
+    transfer's connections and waits for its threads to let go of the buffers they were
+    given, then raises. A failure is raised as the threads raised it, with the frames it
+    passed on its way here cleared as well."""
+    task = asyncio.ensure_future(asyncio.to_thread(move.run))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        move.cancel()
+        while not task.done():
+            try:
+                await asyncio.wait({task})
+            except asyncio.CancelledError:
+                continue
+        if not task.cancelled() and task.exception() is not None:
+            _clear_frames(task.exception())  # (retrieved: the cancellation is what the caller gets)
+        raise
+    except BaseException:
+        _clear_frames(task.exception())
+        del task  # the error's traceback holds this frame: nothing in it may lead back to the error
+        raise
+
+
+class _HandedOver:
+    """`fn(*args)` for an executor's thread, called once. It takes its arguments out as it
+    starts, and clears the frames of a failure (`_clear_frames`) before raising it: an
+    executor keeps a task, and the error it set, until its thread moves on to the next
+    one, which may be after the caller saw the outcome and let go of the buffers it had
+    passed (a host tier unmapping their segment)."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._call: tuple[Callable[..., Any], tuple[Any, ...]] | None = (fn, args)
+
+    def __call__(self) -> Any:
+        assert self._call is not None, "called twice"
+        fn, args = self._call
+        self._call = None
+        try:
+            return fn(*args)
+        except BaseException as exc:
+            del fn, args
+            _clear_frames(exc)
+            raise
+
+
+def _clear_frames(error: BaseException | None) -> None:
+    """Clear the frames of `error`'s traceback and of the errors it chains to. A thread
+    that moved bytes keeps the other connections' failures in lists its frames hold, next
+    to the buffers it was given: cycles only the collector would break. Once those
+    frames are cleared, reference counting frees it all. Tracebacks keep their lines;
+    a frame still running is left as it is.
+
+    No frame's `f_locals` is read: on Python 3.11 that caches a copy of the locals on
+    the frame, which `frame.clear()` leaves in place (buffers and all)."""
+    todo = [error]
+    seen: set[int] = set()
+    while todo:
+        error = todo.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        todo += (error.__context__, error.__cause__)
+
+
+def _ms(timeout_s: float) -> int:
+    """A transfer's timeout on the daemon, in whole milliseconds: at least 1 (0 would mean
+    the daemon's own limit)."""
+    return max(1, int(timeout_s * 1000))
+
+
 def _skip_stale(lane: LaneSocket, frame: Frame) -> None:
     """A frame about an earlier transfer on this connection (the daemon reports a failed
     put once, maybe after its sender finished): its error is what that put's LaneCommit
@@ -635,5 +870,6 @@ def _alive(lane: LaneSocket) -> bool:
     return True
 
 
-__all__ = ["DataLane", "LaneClosed", "LaneEndpoint", "DataLaneStats", "LaneTimeout", "checkout_in_thread",
-           "choose_endpoint", "client_tls"]
+__all__ = ["ABORT_TIMEOUT_S", "DataLane", "DataLaneStats", "LaneCall", "LaneClosed", "LaneEndpoint", "LaneMove",
+           "LaneTimeout", "TransferPlan", "checkout_in_thread", "choose_endpoint", "client_tls", "fetch_transfer",
+           "lane_fetch_request", "move_in_threads", "put_transfer", "run_transfer"]

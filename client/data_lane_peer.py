@@ -1,6 +1,9 @@
-"""Another daemon's blocks over its data lane, from asyncio code: the API the cluster's
-remote fetches and forwards use (and any program that holds namespace ids and block
-hashes rather than layouts and tokens).
+"""Another daemon's blocks over its data lane, from asyncio code, for a program that
+holds namespace ids and block hashes rather than layouts and tokens. (The pool's own
+node-to-node transport is `kvstore.cluster.data_lane_transport.DataLaneTransport`; both
+run the transfers of `kvstore.client.data_lane`.)
+
+Glossary of planes and lanes: docs/local-data-plane.md
 
 Primitives: `DataLanePeer(target, ...)`: `fetch(namespace, hashes, dests)` -> how many leading
 blocks landed verified in `dests`; `put(namespace, hashes, sources, parent_hash=)` ->
@@ -16,12 +19,12 @@ peer's gRPC service (`LanePut` / `LaneFetch`), moves the bytes on its lane
 all or nothing. A peer that offers no lane raises `FailedPrecondition` (use its Put and
 Fetch instead); one that cannot be reached raises `Unavailable` and is left alone for
 a while (`available()` is False meanwhile). A cancelled call ends its lane connections
-at once; the peer releases what the transfer held by itself.
+at once and returns once nothing holds the buffers it was given; the peer releases what
+the transfer held by itself.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +33,16 @@ import grpc
 from kvstore.client.security import Security, aio_channel
 from kvstore.client._errors import translate
 from kvstore.client._options import CHANNEL_OPTIONS, DEFAULT_TIMEOUT_S
-from kvstore.client.data_lane import DEFAULT_CONNECTIONS, DataLane, DataLaneStats, checkout_in_thread, choose_endpoint
+from kvstore.client.data_lane import (
+    DEFAULT_CONNECTIONS,
+    DataLane,
+    DataLaneStats,
+    checkout_in_thread,
+    choose_endpoint,
+    fetch_transfer,
+    put_transfer,
+    run_transfer,
+)
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import HASH_BYTES
 from kvstore.control_lane_wire import RESPONSE_TYPES, method_path
@@ -92,21 +104,6 @@ class DataLanePeer:
             raise FailedPrecondition(f"{self.target} offers no data lane; use its Put and Fetch")
         return self._lane
 
-    async def _run(self, lane: DataLane, conns: Any, fn: Any, *args: Any) -> Any:
-        """`fn(conns, *args)` on a thread. Cancelled, it shuts the transfer's connections
-        and returns only once the thread is done with the buffers it was given."""
-        task = asyncio.ensure_future(asyncio.to_thread(fn, conns, *args))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            lane.abort(conns)
-            while not task.done():
-                try:
-                    await asyncio.wait({task})
-                except asyncio.CancelledError:
-                    continue
-            raise
-
     async def fetch(self, namespace: kvstore_pb2.Namespace, hashes: Sequence[bytes], dests: Sequence[Any], *,
                     lease_id: str = "", timeout_s: float | None = None) -> int:
         """Fetch the longest present prefix of `hashes` into `dests` (block i into
@@ -116,22 +113,18 @@ class DataLanePeer:
         if len(views) < len(hashes):
             raise InvalidArgument(f"{len(hashes)} blocks asked for but only {len(views)} destinations")
         lane = await self._data_lane(timeout)
+        request = kvstore_pb2.FetchRequest(namespace=namespace, keys=_keys(hashes), lease_id=lease_id)
         conns = await checkout_in_thread(lane, lane.connections_for(len(hashes)), timeout)
-        try:
-            grant = await self._call("LaneFetch", kvstore_pb2.LaneFetchRequest(
-                fetch=kvstore_pb2.FetchRequest(namespace=namespace, keys=_keys(hashes), lease_id=lease_id),
-                connections=len(conns), timeout_ms=int(timeout * 1000)), timeout)
-            if not grant.num_blocks:
-                lane.checkin(conns)
-                return 0
-            if any(len(v) != grant.block_bytes for v in views[: grant.num_blocks]):
-                # (the transfer expires on the peer by itself)
+
+        def fitting(grant: kvstore_pb2.LaneFetchResponse) -> list[memoryview]:
+            fit = views[: grant.num_blocks]
+            if any(len(v) != grant.block_bytes for v in fit):
                 raise InvalidArgument(f"a destination is not {grant.block_bytes} bytes, this namespace's block size")
-        except BaseException:
-            lane.checkin(conns)
-            raise
-        return int(await self._run(lane, conns, lane.fetch_into, grant.transfer_id, grant.block_bytes,
-                                   views[: grant.num_blocks], timeout))
+            return fit
+
+        got = await run_transfer(fetch_transfer(lane, conns, request, fitting, lambda: timeout), self._call)
+        assert got is not None  # (no fall_back: a failed move raises)
+        return got
 
     async def put(self, namespace: kvstore_pb2.Namespace, hashes: Sequence[bytes], sources: Sequence[Any], *,
                   parent_hash: bytes = b"", timeout_s: float | None = None) -> kvstore_pb2.PutResponse:
@@ -142,28 +135,11 @@ class DataLanePeer:
         if len(views) != len(hashes):
             raise InvalidArgument(f"{len(views)} blocks for {len(hashes)} hashes")
         lane = await self._data_lane(timeout)
+        header = kvstore_pb2.PutHeader(namespace=namespace, keys=_keys(hashes), parent_hash=parent_hash)
         conns = await checkout_in_thread(lane, lane.connections_for(len(hashes)), timeout)
-        try:
-            grant = await self._call("LanePut", kvstore_pb2.LanePutRequest(
-                header=kvstore_pb2.PutHeader(namespace=namespace, keys=_keys(hashes), parent_hash=parent_hash),
-                connections=len(conns), timeout_ms=int(timeout * 1000)), timeout)
-        except BaseException:
-            lane.checkin(conns)
-            raise
-        if not any(grant.needed):
-            lane.checkin(conns)
-        else:
-            try:
-                await self._run(lane, conns, lane.put_from, grant.transfer_id, grant.block_bytes, grant.needed,
-                                views, timeout)
-            except BaseException:
-                try:
-                    await self._call("LaneCommit", kvstore_pb2.LaneCommitRequest(
-                        transfer_id=grant.transfer_id, abort=True), min(1.0, timeout))
-                except Exception:  # noqa: BLE001 - it rolls back by itself at its deadline
-                    pass
-                raise
-        return await self._call("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id), timeout)
+        done = await run_transfer(put_transfer(lane, conns, header, views, lambda: timeout), self._call)
+        assert done is not None  # (no fall_back: a failed move raises)
+        return done[1]
 
 
 def _keys(hashes: Sequence[bytes]) -> kvstore_pb2.BlockKeys:

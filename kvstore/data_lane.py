@@ -8,6 +8,8 @@ connections, under credit-based flow control, and never a protobuf message. Cont
 on the RPCs (`DataLane` offers the lane, `LaneFetch`/`LanePut` open a transfer and
 answer its id, `LaneCommit` publishes a put); a transfer's bytes then move here.
 
+Glossary of planes and lanes: docs/local-data-plane.md
+
 Frames, both ways: a 40-byte header
 
     u8 kind | u8 flags (0) | u16 reserved (0) | u32 block | 16s transfer | u64 length | u64 value
@@ -187,6 +189,33 @@ class ProtocolError(InvalidArgument):
     """The peer sent something the lane's protocol does not allow."""
 
 
+class _mapped_io_errors:
+    """A socket's failures as the lane's errors (a context manager, like
+    `contextlib.suppress`), for receives and sends alike: no progress within the
+    connection's timeout is `LaneTimeout` ("the data lane peer `stalled` for `timeout_s`
+    s"), any other failure (a reset, a failed TLS session) `LaneClosed`. A slotted class
+    rather than a generator: it wraps every receive."""
+
+    __slots__ = ("stalled", "timeout_s")
+
+    def __init__(self, stalled: str, timeout_s: float) -> None:
+        self.stalled = stalled
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, (TimeoutError, BlockingIOError)):
+            raise LaneTimeout(f"the data lane peer {self.stalled} for {self.timeout_s:g} s") from None
+        if isinstance(exc, ssl.SSLError):
+            raise LaneClosed(f"the data lane's TLS session failed: {exc}") from None
+        if isinstance(exc, OSError):
+            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise LaneTimeout(f"the data lane peer {self.stalled} for {self.timeout_s:g} s") from None
+            raise LaneClosed(f"the data lane connection broke: {exc.strerror or exc}") from None
+
+
 def _kernel_timeout(seconds: float) -> bytes:
     seconds = max(seconds, 0.001)
     whole = int(seconds)
@@ -262,19 +291,11 @@ class LaneSocket:
             if deadline is not None and time.monotonic() > deadline:
                 raise LaneTimeout("the data lane transfer passed its deadline")
             small = n - got < SMALL_READ_BYTES
-            try:
+            with _mapped_io_errors("sent nothing", self.timeout_s):
                 if small:  # whatever has arrived, at least one byte, into the buffer
                     k = sock.recv_into(self._rview, RECV_BUFFER_BYTES)
                 else:
                     k = sock.recv_into(view[got:], n - got, waitall)
-            except (TimeoutError, BlockingIOError):
-                raise LaneTimeout(f"the data lane peer sent nothing for {self.timeout_s:g} s") from None
-            except ssl.SSLError as exc:
-                raise LaneClosed(f"the data lane's TLS session failed: {exc}") from None
-            except OSError as exc:
-                if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
-                    raise LaneTimeout(f"the data lane peer sent nothing for {self.timeout_s:g} s") from None
-                raise LaneClosed(f"the data lane connection broke: {exc.strerror or exc}") from None
             if k == 0:
                 raise LaneClosed("the data lane peer closed the connection")
             if small:
@@ -353,7 +374,7 @@ class LaneSocket:
 
     def _send(self, buffers: list[memoryview]) -> None:
         sock = self.sock
-        try:
+        with _mapped_io_errors("took nothing", self.timeout_s):
             if self.tls:
                 for buf in buffers:
                     for start in range(0, len(buf), TLS_SEND_PIECE_BYTES):
@@ -371,14 +392,6 @@ class LaneSocket:
                         sent = 0
                 while buffers and not len(buffers[0]):
                     buffers.pop(0)
-        except (TimeoutError, BlockingIOError):
-            raise LaneTimeout(f"the data lane peer took nothing for {self.timeout_s:g} s") from None
-        except ssl.SSLError as exc:
-            raise LaneClosed(f"the data lane's TLS session failed: {exc}") from None
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
-                raise LaneTimeout(f"the data lane peer took nothing for {self.timeout_s:g} s") from None
-            raise LaneClosed(f"the data lane connection broke: {exc.strerror or exc}") from None
 
     def send_frame(self, kind: int, transfer: bytes = NO_TRANSFER, block: int = 0, value: int = 0,
                    payload: bytes = b"") -> None:

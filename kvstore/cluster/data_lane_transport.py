@@ -1,6 +1,8 @@
 """Block bytes between the daemons of a pool on their data lanes: `DataLaneTransport`, the
 `PeerTransport` a daemon uses unless `cluster_data_lane` is off.
 
+Glossary of planes and lanes: docs/local-data-plane.md
+
 Lookups and the lane's control calls (`LaneFetch`, `LanePut`, `LaneCommit`) go on the
 peer's peer lane (`kvstore.cluster.peer_lane.PeerLane`), where the peer offers one; else
 they are the small unary gRPC calls of `GrpcPeerTransport` (one channel per peer, the
@@ -31,10 +33,12 @@ transfer is under way a failure is a `PeerError` for that call: a miss for the p
 (its runs roll back), a failed forward; never a hang, since every transfer has the
 call's deadline on both sides.
 
-Threads: the lane's socket I/O is blocking and runs on worker threads (`asyncio.to_thread`
-and the lane's own pool for a transfer's further connections). A cancelled call shuts its
-connections and waits for those threads to finish before it returns, so the slots and
-views it handed them are never given back while a thread may still use them.
+The transfers are the SDK's (`kvstore.client.data_lane`): a forward is its `put_transfer`,
+and a pull opens its fetch with the same request and moves it the same way, but
+overlaps the opening with reserving room here and drains what it cannot keep. Their
+socket I/O is blocking and runs on worker threads (`move_in_threads`). A cancelled call
+shuts its connections and waits for those threads to finish before it returns, so the
+slots and views it handed them are never given back while a thread may still use them.
 
 Primitives: `DataLaneTransport`, `lane_framer`, `NO_LANE_RECHECK_S`.
 """
@@ -42,14 +46,12 @@ Primitives: `DataLaneTransport`, `lane_framer`, `NO_LANE_RECHECK_S`.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import gc
 import logging
 import ssl
 import time
-import traceback
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -63,9 +65,14 @@ from kvstore.client.data_lane import (
     DEFAULT_CONNECTIONS,
     DataLane,
     LaneEndpoint,
+    LaneMove,
     checkout_in_thread,
     choose_endpoint,
     client_tls,
+    lane_fetch_request,
+    move_in_threads,
+    put_transfer,
+    run_transfer,
 )
 from kvstore.cluster.peer_lane import CONNECT_TIMEOUT_S, LANE_RETRY_S, PeerLane
 from kvstore.cluster.transport import (
@@ -350,10 +357,10 @@ class DataLaneTransport:
         try:
             # Asked first, and the local put reserved while the holder opens its fetch
             # (each takes a millisecond or two for hundreds of blocks).
-            opening = start(self._control(node, call, "LaneFetch", kvstore_pb2.LaneFetchRequest(
-                fetch=kvstore_pb2.FetchRequest(namespace=kvstore_pb2.Namespace(layout=call.layout),
-                                               keys=kvstore_pb2.BlockKeys(packed_hashes=hashes)),
-                connections=len(conns), timeout_ms=max(1, int(left * 1000))), left))
+            opening = start(self._control(node, call, "LaneFetch", lane_fetch_request(
+                kvstore_pb2.FetchRequest(namespace=kvstore_pb2.Namespace(layout=call.layout),
+                                         keys=kvstore_pb2.BlockKeys(packed_hashes=hashes)),
+                len(conns), left), left))
         except BaseException:
             lane.checkin(conns)
             raise
@@ -390,10 +397,10 @@ class DataLaneTransport:
         targets = dests[:room] + [memoryview(bytearray(grant.block_bytes))] * (n - room)
         sums = [NOT_LANDED] * n
         try:
-            good = int(await _in_threads(lane, conns, lane.fetch_into, grant.transfer_id, grant.block_bytes,
-                                         targets, _left(deadline), sums))
-        except KVStoreError as exc:
-            raise PeerError(node, f"fetch over the data lane: {exc}") from None
+            good = int(await move_in_threads(LaneMove(lane, conns, lane.fetch_into, grant.transfer_id,
+                                                      grant.block_bytes, targets, _left(deadline), sums)))
+        except Exception as exc:
+            raise PeerError(node, f"fetch over the data lane: {_said(exc)}") from None
         good = min(good, room)
         counters = self.counters
         counters.lane_blocks_in += good
@@ -422,9 +429,9 @@ class DataLaneTransport:
             return
         scratch = [memoryview(bytearray(grant.block_bytes))] * int(grant.num_blocks)
         try:  # (`fetch_into` checks the connections in, or closes them)
-            await _in_threads(lane, conns, lane.fetch_into, grant.transfer_id, grant.block_bytes, scratch,
-                              _left(deadline))
-        except KVStoreError:
+            await move_in_threads(LaneMove(lane, conns, lane.fetch_into, grant.transfer_id, grant.block_bytes, scratch,
+                                           _left(deadline)))
+        except Exception:  # noqa: BLE001 - the holder's to time out
             pass
 
     async def put(self, node: str, call: PeerCall, hashes: bytes, parent: bytes, position: int,
@@ -455,49 +462,30 @@ class DataLaneTransport:
             self.counters.fallbacks += 1
             return await self.grpc.put(node, call, hashes[: n * HASH_BYTES], parent, position,
                                        self._chunked(_each(sources)), _left(deadline))
+        header = kvstore_pb2.PutHeader(namespace=kvstore_pb2.Namespace(layout=call.layout),
+                                       keys=kvstore_pb2.BlockKeys(packed_hashes=hashes[: n * HASH_BYTES]),
+                                       num_blocks=n, parent_hash=parent, position=position)
+
+        def fits(grant: kvstore_pb2.LanePutResponse) -> None:
+            if len(grant.needed) != n or grant.block_bytes != len(sources[0]):
+                raise PeerError(node, f"put: the owner wants {len(grant.needed)} blocks of {grant.block_bytes} "
+                                      f"bytes for {n} of {len(sources[0])}")
+
         try:
-            left = _left(deadline)
-            grant = await self._control(node, call, "LanePut", kvstore_pb2.LanePutRequest(
-                header=kvstore_pb2.PutHeader(namespace=kvstore_pb2.Namespace(layout=call.layout),
-                                             keys=kvstore_pb2.BlockKeys(packed_hashes=hashes[: n * HASH_BYTES]),
-                                             num_blocks=n, parent_hash=parent, position=position),
-                connections=len(conns), timeout_ms=max(1, int(left * 1000)),
+            grant, resp = await run_transfer(put_transfer(
+                lane, conns, header, sources, functools.partial(_left, deadline), check=fits,
                 runs=[kvstore_pb2.PutRun(offset=offset, parent_hash=run_parent or b"", position=run_position)
-                      for offset, run_parent, run_position in runs]), left)
-        except BaseException:
-            lane.checkin(conns)
+                      for offset, run_parent, run_position in runs]),
+                functools.partial(self._control, node, call))
+        except PeerError:
             raise
-        needed = grant.needed
-        if not any(needed):
-            lane.checkin(conns)
-        else:
-            try:
-                if len(needed) != n or grant.block_bytes != len(sources[0]):
-                    lane.checkin(conns)
-                    raise PeerError(node, f"put: the owner wants {len(needed)} blocks of {grant.block_bytes} bytes "
-                                          f"for {n} of {len(sources[0])}")
-                await _in_threads(lane, conns, lane.put_from, grant.transfer_id, grant.block_bytes, needed, sources,
-                                  _left(deadline))
-            except BaseException as exc:
-                await self._abort_put(node, call, grant.transfer_id)
-                if isinstance(exc, KVStoreError):
-                    raise PeerError(node, f"put over the data lane: {exc}") from None
-                raise
-        sent = needed.count(1)
-        resp = await self._control(node, call, "LaneCommit",
-                                       kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id), _left(deadline))
+        except Exception as exc:  # the move's (the control calls fail as PeerError)
+            raise PeerError(node, f"put over the data lane: {_said(exc)}") from None
+        sent = grant.needed.count(1)
         counters = self.counters
         counters.lane_blocks_out += sent
         counters.lane_bytes_out += sent * grant.block_bytes
         return int(resp.stored), int(resp.existing)
-
-    async def _abort_put(self, node: str, call: PeerCall, transfer_id: bytes) -> None:
-        """Best effort: the owner rolls the put back at its deadline by itself anyway."""
-        try:
-            await asyncio.shield(self._control(node, call, "LaneCommit", kvstore_pb2.LaneCommitRequest(
-                transfer_id=transfer_id, abort=True), 1.0))
-        except PeerError:
-            pass
 
     async def _chunked(self, blocks: AsyncIterator[Framed]) -> AsyncIterator[Framed]:
         """Lane-framed blocks made into Put chunk messages, for a peer without a lane."""
@@ -550,65 +538,6 @@ async def _each(sources: Sequence[memoryview]) -> AsyncIterator[Framed]:
         yield Framed([], [data])
 
 
-class _LaneFailed(KVStoreError):
-    """A transfer's threads failed: what they said, and nothing of theirs."""
-
-
-async def _in_threads(lane: DataLane, conns: Sequence[LaneSocket], fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(conns, *args)` on a worker thread. Cancelled, it shuts the transfer's sockets
-    and waits for the threads to let go of the memory they were given, then raises.
-
-    A failure is raised as `_LaneFailed`, a message alone: the threads' exceptions hold
-    their frames, which hold views of tier memory (the slots and blocks they were given),
-    in reference cycles only the collector would break; a segment with views left cannot
-    be unmapped. Those frames are cleared here and the exceptions dropped."""
-    task = asyncio.ensure_future(asyncio.to_thread(fn, conns, *args))
-    del args
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        lane.abort(conns)
-        while not task.done():
-            try:
-                await asyncio.wait({task})
-            except asyncio.CancelledError:
-                continue
-        _forget(task)
-        raise
-    except Exception:  # noqa: BLE001 - taken from the task below
-        pass
-    error = task.exception()
-    if error is None:
-        return task.result()
-    message = str(error) if isinstance(error, KVStoreError) else f"{type(error).__name__}: {error}"
-    _forget(task)
-    del task, error
-    raise _LaneFailed(message)
-
-
-def _forget(task: asyncio.Future[Any]) -> None:
-    """Clear the frames of a finished thread task's exception, and of every exception
-    those frames held (the other connections' failures, in lists and futures): see
-    `_in_threads`. Their tracebacks keep their lines, not their locals."""
-    if task.cancelled() or task.exception() is None:
-        return
-    todo: list[BaseException] = [task.exception()]  # type: ignore[list-item]
-    seen: set[int] = set()
-    while todo:
-        error = todo.pop()
-        if id(error) in seen:
-            continue
-        seen.add(id(error))
-        tb = error.__traceback__
-        while tb is not None:
-            for value in tb.tb_frame.f_locals.values():
-                for item in value if isinstance(value, (list, tuple)) else (value,):
-                    if isinstance(item, BaseException):
-                        todo.append(item)
-                    elif isinstance(item, concurrent.futures.Future) and item.done() and not item.cancelled():
-                        held = item.exception(timeout=0)
-                        if held is not None:
-                            todo.append(held)
-            tb = tb.tb_next
-        traceback.clear_frames(error.__traceback__)
-        todo += [e for e in (error.__context__, error.__cause__) if e is not None]
+def _said(error: Exception) -> str:
+    """What a failed move said, for its `PeerError`."""
+    return str(error) if isinstance(error, KVStoreError) else f"{type(error).__name__}: {error}"

@@ -886,6 +886,46 @@ async def test_a_peer_without_a_lane_says_so(tmp_path):
         await daemon.stop(grace_s=0)
 
 
+async def test_a_cancelled_peer_fetch_leaves_no_view_of_the_buffers_it_was_given(tmp_path, monkeypatch):
+    """A peer's fetch cancelled while its lane waits: once the call is over, nothing
+    holds the buffers it was given, not even a reference cycle through the exceptions of
+    its threads (their frames hold the buffers), so a host tier can unmap the segment its
+    slots are in. The collector is off meanwhile: only reference counting frees them."""
+    import gc
+    import mmap
+
+    from kvstore.client.data_lane_peer import DataLanePeer
+    from kvstore.hashing import block_hashes
+
+    silent = SilentLane()
+    daemon = Daemon(make_config(tmp_path, data_lane_advertise=(silent.address,)))
+    await daemon.start()
+    monkeypatch.setattr(daemon.gc_freezer, "maybe_freeze", lambda *args: False)
+    segment = mmap.mmap(-1, 2 * BB)  # stands in for a host tier's segment
+    try:
+        async with AsyncClient(daemon.bound[1], data_plane="grpc") as kv:
+            await kv.put(LAYOUT, tokens(2), blocks_for(2))
+        hashes = block_hashes(LAYOUT.namespace_id, tokens(2), LAYOUT.block_size_tokens)
+        gc.collect()
+        gc.disable()
+        try:
+            async with DataLanePeer(daemon.bound[1], timeout_s=60) as peer:
+                slots = [memoryview(segment)[i * BB : (i + 1) * BB] for i in range(2)]
+                task = asyncio.create_task(peer.fetch(ns(), hashes, slots))
+                del slots
+                assert await asyncio.to_thread(silent.joined.wait, 10)  # the fetch waits on the lane now
+                task.cancel()
+                await asyncio.wait({task})
+                assert task.cancelled()
+                del task  # and with it the CancelledError, whose traceback holds the fetch's frames
+            segment.close()  # a view of it left anywhere: BufferError
+        finally:
+            gc.enable()
+    finally:
+        await daemon.stop(grace_s=0)
+        silent.close()
+
+
 def test_a_lane_put_is_freed_once_done_without_the_garbage_collector(daemon_thread, monkeypatch):
     """A finished lane put (its slots, runs, events) is freed by reference counting once
     the connections that joined it let go: no reference cycle leaves it for the
