@@ -1230,14 +1230,7 @@ class ClusterNode:
                   position: int) -> bytes | None:
         """The hash `distance` blocks before a put's first block (1: its parent): through
         the parents held here, else from the put's token ids."""
-        h = parent
-        index = self.store.index
-        for _ in range(distance - 1):
-            if h is None:
-                break
-            entry = index.get(namespace_id + h)
-            up = entry.parent if entry is not None else None
-            h = up[HASH_BYTES:] if up is not None else None
+        h = self.store.ancestor(namespace_id, parent, distance - 1) if parent is not None else None
         if h is not None:
             return h
         if tokens:
@@ -1258,17 +1251,8 @@ class ClusterNode:
         known = self._positions.get(namespace_id + parent)
         if known is not None:
             return known + 1
-        index = self.store.index
-        h: bytes | None = parent
-        depth = 0
-        while h is not None and depth <= MAX_PARENT_WALK:
-            entry = index.get(namespace_id + h)
-            if entry is None:
-                return None
-            up = entry.parent
-            h = up[HASH_BYTES:] if up is not None else None
-            depth += 1
-        return depth if h is None else None
+        held = self.store.chain_position(namespace_id, parent, MAX_PARENT_WALK)
+        return held + 1 if held is not None else None
 
     def _remember_position(self, namespace_id: bytes, last_hash: bytes, position: int) -> None:
         positions = self._positions
