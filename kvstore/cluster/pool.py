@@ -49,7 +49,7 @@ import bisect
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, TypeVar, overload
@@ -286,15 +286,16 @@ class ForwardTicket:
     for them) how many every owner committed."""
 
     blocks: int
-    # (future of the owner's job, offset of the piece in the job, blocks of the piece), per piece
-    _parts: list[list[tuple[asyncio.Future[int], int, int]]] = field(default_factory=list)
+    # (future of the owner's job, offset of the piece in the job, blocks of the piece), per
+    # piece; none where the put does not wait for its owners
+    parts: list[list[tuple[asyncio.Future[int], int, int]]] = field(default_factory=list)
 
     async def committed(self, timeout_s: float) -> int:
-        futures = {f for part in self._parts for f, _, _ in part}
+        futures = {f for part in self.parts for f, _, _ in part}
         if futures:
             await asyncio.wait(futures, timeout=timeout_s)
         total = 0
-        for part in self._parts:
+        for part in self.parts:
             got = min((max(0, min(n, (f.result() if f.done() else 0) - off)) for f, off, n in part), default=0)
             total += got
         return total
@@ -1201,7 +1202,6 @@ class ClusterNode:
         the replicas."""
         for key, a, b in plan.owned:
             self._remember_owned(namespace_id, _Piece(key, pos + a, hashes[a:b], hashes[a - 1] if a else parent))
-        ticket = ForwardTicket(plan.forwarded)
         loop = asyncio.get_running_loop()
         submitted: list[ForwardJob] = []
         done: dict[tuple[str, int], asyncio.Future[int]] = {}
@@ -1219,12 +1219,11 @@ class ClusterNode:
                 if job.done is not None:
                     done[(node, j)] = job.done
                 submitted.append(job)
-        if wait:
-            ticket._parts = [[(done[(node, j)], off, n) for node, j, off, n in part] for part in plan.parts]
+        parts = [[(done[(node, j)], off, n) for node, j, off, n in part] for part in plan.parts] if wait else []
         for job in submitted:
             self.forwarder.submit(job)
         self._hold_replicas(namespace_id, hashes, plan.replicas)
-        return ticket
+        return ForwardTicket(plan.forwarded, parts)
 
     def _ancestor(self, namespace_id: bytes, parent: bytes | None, distance: int, tokens: bytes,
                   position: int) -> bytes | None:
@@ -1380,10 +1379,3 @@ class ClusterNode:
         logger.info("cluster: drained %d units (%d blocks) to their next owners, %d not; left the pool",
                     pushed, blocks, failed)
         return DrainResult(pushed, blocks, failed, True)
-
-
-def forward_committed(ticket: ForwardTicket | None, timeout_s: float) -> Awaitable[int] | None:
-    """What a put that waits for its owners awaits (None when nothing was forwarded)."""
-    if ticket is None or not ticket._parts:
-        return None
-    return ticket.committed(timeout_s)
