@@ -661,14 +661,12 @@ class ClusterNode:
         await self.transport.aclose()
 
     async def _maintain(self) -> None:
-        reap = getattr(self.transport, "reap", None)
         # Ends on `_closing` too: a cancellation lost in a library's call below (a gRPC
         # channel's close) must not keep the close waiting for this loop forever.
         while not self._closing:
             await asyncio.sleep(MAINTENANCE_S)
             try:
-                if reap is not None:
-                    await reap()
+                await self.transport.reap()
                 self.placement.in_grace()  # expires past member sets
             except Exception:  # task boundary: try again next round
                 logger.exception("cluster maintenance failed")
@@ -699,14 +697,13 @@ class ClusterNode:
         elif self.placement.update(placed):
             logger.info("cluster: %d members place units (%s)", len(placed), ", ".join(sorted(placed)))
         self.transport.update({n: m.addresses for n, m in view.members.items() if n != self.node_id})
-        forget = getattr(self.transport, "forget", None)
         for node, member in view.members.items():
             seen = self._started.get(node)
             if node not in self._present or (seen is not None and seen != member.started_at):
                 # It restarted, or came back after it was gone (a partition healed): a new
                 # channel, and no suspicion carried over.
-                if forget is not None and node != self.node_id:
-                    forget(node)
+                if node != self.node_id:
+                    self.transport.forget(node)
                 self.breakers.forget(node)
             self._started[node] = member.started_at
         self._present = set(view.members)
