@@ -358,7 +358,7 @@ async def test_a_node_is_asked_for_the_units_it_owns_before_the_others(tmp_path:
         targets = [("n1", "n2"), ("n2", "n0", "n1"), ("n1", "n2"), ("n2", "n0", "n1"), ("n2", "n1")]
         monkeypatch.setattr(node.placement, "route_many", lambda keys: (owners[: len(keys)], targets[: len(keys)]))
         present = a.store.present(LAYOUT.namespace_id, packed)
-        rnd = node._plan(LAYOUT.namespace_id, packed, 0, present)
+        rnd = node.remote_lookup._round_from_held(LAYOUT.namespace_id, packed, 0, present)
         assert len(rnd.starts) == 5
         # By rank among the targets as placed (n0, the asking node, counted): owner, second
         # owner, previous owner.
@@ -377,15 +377,17 @@ async def test_cluster_advertise_beside_a_static_list_is_said_to_be_unused(tmp_p
 
 async def test_past_the_grace_a_round_is_sent_before_what_is_held_is_read(tmp_path: Path) -> None:
     """Out of the grace after a change, a node sends its lookup round first and reads what
-    it holds while the answers travel (`ClusterNode._route_ahead`): hits stay whole and
+    it holds while the answers travel (`RemoteLookup._round_ahead`): hits stay whole and
     byte-exact, and a chain whose first block past the local prefix is the node's own
     unit asks nobody (its owner is the only node asked for it)."""
     async with pool(tmp_path, 3, cluster_grace_s=0) as (a, b, c):
         planned: list[int] = []
         for d in (b, c):
             assert d.cluster is not None and not d.cluster.placement.in_grace()
-            plan = d.cluster._plan
-            d.cluster._plan = lambda *args, _plan=plan: planned.append(1) or _plan(*args)  # type: ignore[method-assign]
+            lookup = d.cluster.remote_lookup
+            plan = lookup._round_from_held
+            lookup._round_from_held = (  # type: ignore[method-assign]
+                lambda *args, _plan=plan: planned.append(1) or _plan(*args))
         tokens, blocks = chain(LAYOUT, 40, seed=21)
         async with AsyncClient(unix_target(a)) as kv:
             await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
