@@ -21,6 +21,7 @@ import pytest
 from conftest import SMALL_LAYOUT, make_config
 from kvstore.client import AsyncClient, GroupKind, KVGroup, KVLayout
 from kvstore.client.admin import AdminClient
+from kvstore.core.store import Store
 from kvstore.errors import ConfigError
 from kvstore.hashing import block_hashes, namespace_id
 from kvstore.server.config import load_config
@@ -113,11 +114,19 @@ async def test_forwards_reach_their_owners_in_the_background(tmp_path: Path) -> 
 
 
 async def test_a_fetch_without_a_lookup_first_serves_what_is_here(tmp_path: Path) -> None:
+    """A fetch no lookup preceded asks nobody: it serves the prefix this node holds (here
+    the units it owns, forwarded by the writer), byte-exact; a lookup then finds the rest."""
     async with pool(tmp_path, 2) as (a, b):
-        tokens, blocks = chain(LAYOUT, 12, seed=2)
+        tokens, blocks = chain(LAYOUT, 12, seed=8)  # b owns the first two units, not the third
         async with AsyncClient(unix_target(a)) as kv:
-            await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
+            put = await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
+        here = b.store.present(namespace_id(LAYOUT), b"".join(put.block_hashes)).find(bytes([Store.ABSENT]))
+        assert 0 < here < 12
         async with AsyncClient(unix_target(b)) as kv:
+            got = await kv.fetch(LAYOUT, tokens)
+            assert [bytes(g) for g in got] == blocks[:here]
+            st = info(b)
+            assert (st["cluster_remote_lookups"], st["cluster_pulled_blocks"]) == ("0", "0")
             held = (await kv.lookup(LAYOUT, tokens)).num_blocks  # copies what is elsewhere
             got = await kv.fetch(LAYOUT, tokens)
             assert held == 12 and [bytes(g) for g in got] == blocks
