@@ -2,7 +2,8 @@
 loopback: a drained node hands its units off and leaves every view at once; with etcd
 stopped the daemons keep serving on their last view and say so (health, INFO, metrics),
 then rejoin when it is back; a fourth node moves about a quarter of the units and the
-pool keeps answering through the change (previous owners are asked during the grace).
+pool keeps answering through the change (previous owners are asked during the grace); a
+member that places by another rule is never an owner.
 """
 
 from __future__ import annotations
@@ -173,6 +174,35 @@ async def test_a_fourth_node_moves_about_a_quarter_of_the_units_and_hits_carry_o
                     break
                 await asyncio.sleep(0.1)
             assert owned and all(u.held_here == u.stop - u.start for u in owned)
+
+
+async def test_nodes_with_another_placement_rule_are_never_owners(tmp_path: Path, etcd: EtcdServer, prefix: str,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """One pool whose third member places by another rule (another unit size): every node
+    sees all three, but a node never makes a member with another rule an owner, and says
+    so once in its log; the units of a chain put on n0 go to n0 and n1 only."""
+    with caplog.at_level("ERROR", logger="kvstore.cluster.pool"):
+        async with pool(tmp_path, 3, etcd=etcd.endpoint, prefix=prefix,
+                        per_node=[{}, {}, {"cluster_unit_blocks": 8}]) as (a, b, c):
+            for d in (a, b, c):
+                await wait_view(d, {"n0", "n1", "n2"})
+            placed = {d.node_id: [m.member.node_id for m in d.cluster.status().members if m.placed]
+                      for d in (a, b, c) if d.cluster is not None}
+            assert placed == {"n0": ["n0", "n1"], "n1": ["n0", "n1"], "n2": ["n2"]}
+            tokens, blocks = chain(LAYOUT, 8, seed=6)
+            async with AsyncClient(unix_target(a)) as kv:
+                put = await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
+            assert put.owner_committed_blocks == put.forwarded_blocks
+            assert a.cluster is not None
+            units = a.cluster.where(a.store.namespaces()[0].namespace_id, list(put.block_hashes))
+            assert units and all(set(u.owners) <= {"n0", "n1"} for u in units)
+            async with AsyncClient(unix_target(b)) as kv:
+                assert (await kv.lookup(LAYOUT, tokens)).num_blocks == 8
+    said = [r.getMessage() for r in caplog.records if "places by" in r.getMessage()]
+    # n0 and n1 about n2, n2 about each of them: once per node and member, whatever the views since.
+    assert sorted(m.split()[2] for m in said) == ["n0", "n1", "n2", "n2"]
+    assert all("it is not used as an owner" in m for m in said)
+    assert all("places by 'units=8," in m for m in said if m.split()[2] == "n2")
 
 
 def _hashes(daemon: Daemon, ns: bytes, tokens: list[int]) -> list[bytes]:

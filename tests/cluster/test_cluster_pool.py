@@ -188,18 +188,6 @@ async def test_a_node_with_another_layout_never_serves(tmp_path: Path) -> None:
             assert (await kv.lookup(LAYOUT, tokens)).num_blocks == 16
 
 
-async def test_nodes_with_another_placement_rule_are_never_owners(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    async with pool(tmp_path, 2) as (a, b):
-        async with pool(tmp_path, 1, first=2, cluster_unit_blocks=8) as (c,):
-            st = c.cluster.status() if c.cluster else None
-            assert st is not None and [m.member.node_id for m in st.members if m.placed] == ["n2"]
-        tokens, blocks = chain(LAYOUT, 8, seed=6)
-        async with AsyncClient(unix_target(a)) as kv:
-            await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
-        async with AsyncClient(unix_target(b)) as kv:
-            assert (await kv.lookup(LAYOUT, tokens)).num_blocks == 8
-
-
 async def test_a_dead_node_is_a_miss_within_the_deadline_and_becomes_suspect(tmp_path: Path) -> None:
     async with pool(tmp_path, 3, cluster_lookup_timeout_ms=200.0, cluster_suspect_s=30.0) as (a, b, c):
         tokens, blocks = chain(LAYOUT, 40, seed=7)
