@@ -367,7 +367,7 @@ class RemoteLookup:
                 mine = [k for t, k in ids.items() if node in t]
                 idx = np.flatnonzero(np.isin(target_ids, mine))
                 if len(idx):
-                    # Its units in the order it is likeliest to hold them (see `_ask`):
+                    # Its units in the order it is likeliest to hold them (module docstring):
                     # by its rank among each unit's targets (owners, the extra owners of a
                     # hot unit, then previous owners), this node and suspects counted.
                     rank = np.fromiter((ranked[j].index(node) for j in idx.tolist()), np.int64, len(idx))
@@ -401,7 +401,7 @@ class RemoteLookup:
             idx = np.flatnonzero(owned)
             if len(every) > 1:
                 # The units it owns first, then those it only owned under a previous
-                # member set (see `_ask`).
+                # member set (module docstring).
                 before = np.flatnonzero((every[1:] == k).any(axis=0) & ~owned)
                 if len(before):
                     idx = np.concatenate([idx, before])
