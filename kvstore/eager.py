@@ -3,7 +3,7 @@
 A task's first step runs on a later turn of the event loop. A call whose request is
 written in its first step (a peer lane call on a pooled connection: kvstore.cluster.peer_lane)
 can be started by hand instead: its request leaves now, and the caller does its own work
-while the answer travels, then awaits the rest (kvstore.cluster.pool, the lookup round).
+while the answer travels, then awaits the rest (kvstore.cluster.remote_lookup, the lookup round).
 The control lane starts every call this way (kvstore.server.control_lane), and answers a call
 that never suspends with no task at all.
 

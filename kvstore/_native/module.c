@@ -8,7 +8,7 @@
    - xxh.c: XXH3, bound from the xxhash package, and the loops that call it: chain
      hashes (kvstore.hashing), copy-and-hash (the SDK's shared-memory plane, the servicer),
      rendezvous scores and owners (kvstore.cluster.placement);
-   - units.c: a lookup round's steps over a chain's placement units (kvstore.cluster.pool).
+   - units.c: a lookup round's steps over a chain's placement units (kvstore.cluster.remote_lookup).
 
    Each has a Python twin that stays as the reference and as the fallback where this
    module was not built (kvstore.native says which). Arrays come in through the buffer

@@ -80,7 +80,7 @@ KV_INTERNAL PyObject *frame_copy(PyObject *self, PyObject *args);
 KV_INTERNAL PyObject *rendezvous_scores(PyObject *self, PyObject *args);
 KV_INTERNAL PyObject *rendezvous_best(PyObject *self, PyObject *args);
 
-/* units.c: a lookup round's steps over a chain's placement units (kvstore.cluster.pool). */
+/* units.c: a lookup round's steps over a chain's placement units (kvstore.cluster.remote_lookup). */
 KV_INTERNAL PyObject *gather_ranges(PyObject *self, PyObject *args);
 KV_INTERNAL PyObject *spread_prefix(PyObject *self, PyObject *args);
 KV_INTERNAL PyObject *units_reach(PyObject *self, PyObject *args);

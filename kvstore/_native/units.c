@@ -1,5 +1,5 @@
-/* A lookup round's steps over a chain's placement units (kvstore.cluster.pool), each in
-   one pass where numpy takes several whole-array steps: the hashes of some units' ranges
+/* A lookup round's steps over a chain's placement units (kvstore.cluster.remote_lookup), each
+   in one pass where numpy takes several whole-array steps: the hashes of some units' ranges
    laid end to end (a request to one node, a pull's hashes), a node's answer spread over
    the units it was asked for, and how far the units reach with what was found. A
    1,000-block chain has hundreds of units, and each numpy step costs microseconds of

@@ -3,43 +3,30 @@
 Engines talk only to their local daemon; the daemons of a pool find each other's blocks
 (ARCHITECTURE.md section 8, docs/cluster.md). A `ClusterNode` holds the membership, the
 placement over its live members, the transport to them, a circuit breaker per peer, and
-the two background movers: pulls (copies of remote blocks into this node) and forwards
-(blocks committed here sent to their owners).
+its parts: the remote lookup round (kvstore.cluster.remote_lookup), pulls (copies of
+remote blocks into this node, kvstore.cluster.pull) and forwards (blocks committed here
+sent to their owners, kvstore.cluster.forward).
 
-Reads (`extend`). A lookup answers its local prefix from the local store as a single
-node does; only when the chain goes on past it does the node look further, and a chain
-held locally is answered without contacting anyone. Past the prefix the chain is cut
-into placement units; units this node holds (it owns them, or holds a replica) count as
-they are, and blocks a pull is already copying count as remote. For the others, one
-parallel round of lookups goes to their units' lookup targets (owners, then previous
-owners within the grace period), one call per node naming all the units asked of it,
-under `lookup_timeout_s`. A node that does not answer in time, fails or is suspect is a
-miss, never an error or a wait past the deadline. The answer extends the local prefix
-unit by unit while some node holds the rest of each unit; the blocks found elsewhere are
-TIER_REMOTE in it, and one pull per holder starts copying them at once. The lookup does
-not wait for the bytes (docs/cluster.md has the measurement behind that): a fetch that
-follows joins the pull (`settle_fetch`, bounded by `fetch_timeout_s`) and serves what
-landed and verified, so it may return a shorter prefix than the lookup promised, never
-wrong bytes.
+Reads: `extend` answers past a lookup's local prefix through `RemoteLookup`; a fetch
+that follows joins the pulls that lookup started (`settle_fetch`, bounded by
+`fetch_timeout_s`).
 
-Writes (`after_put`). A put commits locally first; then its blocks are placed by chain
-position (a unit's key is the hash of its first block): units this node does not own are
-queued for their owners (`Forwarder`, bounded, drops counted) and held here as replicas
-(the first victims when room is needed, so copies never crowd out owned units), units it
-owns are remembered for a drain. A put may wait for its owners' commits (`ForwardTicket`).
-
-Hot units (`HotUnits`, from the units this node had to look for elsewhere) get extra
-owners, capped: a pull of a hot unit also pushes it to the extra owners that do not hold
-it yet, and a node that is one of them keeps its copy as its own. A pull from a previous
-owner (after a membership change) pushes the copy to the unit's current owner too, so
-the traffic rebuilds what moved.
+Writes (`after_put`): a put commits locally first, then its blocks are placed by chain
+position (kvstore.cluster.put_plan): units owned elsewhere are queued for their owners
+(bounded, drops counted) and held here as replicas, the first victims when room is
+needed; units owned here are remembered for a drain. A put may wait for its owners'
+commits (`ForwardTicket`). Hot units (`HotUnits`, from the units this node had to look
+for elsewhere) get extra owners, capped: a pull of one also pushes it to the extra
+owners that lack it, and a node that is one of them keeps its copy as its own. A pull
+from a previous owner (after a membership change) pushes the copy to the unit's current
+owner too, so the traffic rebuilds what moved.
 
 Membership changes (`_on_view`) feed the placement (members with another placement rule,
 or draining, are never owners), the transport (addresses) and the breakers (a member that
 rejoined is tried at once). `drain` hands off before a planned removal, `leave` leaves.
 
-Primitives: `ClusterSettings`, `placement_rule`, `PackedChain`, `Extension`,
-`ForwardTicket`, `UnitPlace`, `MemberState`, `ClusterStatus`, `DrainResult`, `ClusterNode`.
+Primitives: `ClusterSettings`, `placement_rule`, `PackedChain`, `ForwardTicket`,
+`UnitPlace`, `MemberState`, `ClusterStatus`, `DrainResult`, `ClusterNode`.
 """
 
 from __future__ import annotations
@@ -49,12 +36,10 @@ import bisect
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, TypeVar, overload
-
-import numpy as np
+from typing import overload
 
 from kvstore.cluster.breaker import Breakers
 from kvstore.cluster.forward import Forwarder, ForwardJob
@@ -67,17 +52,23 @@ from kvstore.cluster.placement import (
     HotUnits,
     Placement,
     unit_start,
-    unit_stop,
 )
-from kvstore.cluster.pull import Puller, PullRun, PullSpec
-from kvstore.cluster.transport import PeerCall, PeerError, PeerTransport
-from kvstore.convert import TIER_BY_NAME, layout_to_proto
+from kvstore.cluster.pull import Puller, PullRun
+from kvstore.cluster.put_plan import (
+    PLAN_ARRAYS_FROM_BLOCKS,
+    Piece,
+    PutPlan,
+    plan_put_arrays,
+    plan_put_by_piece,
+    plan_runs_arrays,
+    put_pieces,
+)
+from kvstore.cluster.remote_lookup import Extension, PeerStats, RemoteLookup
+from kvstore.cluster.transport import PeerCall, PeerTransport
+from kvstore.convert import layout_to_proto
 from kvstore.core.store import Store
-from kvstore.eager import start
 from kvstore.errors import FailedPrecondition, KVStoreError
 from kvstore.hashing import HASH_BYTES, split_hashes
-from kvstore.native import native
-from kvstore.v1 import kvstore_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +86,6 @@ PUSHED_KEPT = 65536
 POSITIONS_KEPT = 4096
 LAYOUTS_KEPT = 1024
 DRAIN_BATCH_UNITS = 64
-# Most blocks in one forward job (one put on the owner): a put's runs for one owner are
-# one job up to this, so a large put still fits the forward queue a part at a time.
-FORWARD_JOB_BLOCKS = 1024
-# From how many blocks a put is placed in whole-array steps (`ClusterNode.after_put`).
-PLAN_ARRAYS_FROM_BLOCKS = 16
 MAINTENANCE_S = 5.0
 _ABSENT = bytes([Store.ABSENT])
 
@@ -157,23 +143,6 @@ class PackedChain(Sequence[bytes]):
         return self.packed[i * HASH_BYTES : (i + 1) * HASH_BYTES]
 
 
-@dataclass(frozen=True, slots=True)
-class Extension:
-    """What a lookup's answer gains past its local prefix."""
-
-    blocks: int
-    tiers: bytes  # one Tier value per added block (TIER_REMOTE for those elsewhere)
-    remote: int  # of them, held by other nodes (being copied here)
-
-
-@dataclass(slots=True)
-class PeerStats:
-    lookups: int = 0
-    lookup_errors: int = 0
-    lookup_timeouts: int = 0
-    hit_blocks: int = 0  # blocks it held that lookups here counted
-
-
 @dataclass(slots=True)
 class ClusterCounters:
     remote_lookups: int = 0  # lookups that asked other nodes
@@ -228,50 +197,6 @@ class DrainResult:
     left: bool
 
 
-@dataclass(slots=True)
-class _Piece:
-    """Blocks of one placement unit within a put."""
-
-    key: bytes
-    position: int
-    hashes: list[bytes]
-    parent: bytes | None
-
-
-@dataclass(slots=True)
-class PutPlan:
-    """Where a put's blocks go (`ClusterNode.after_put`), as offsets [start, stop) into
-    its hashes: the pieces of units this node owns (with each one's unit key), the runs
-    it holds as replicas, per owner elsewhere its forward jobs (each a list of runs of
-    consecutive blocks, at most FORWARD_JOB_BLOCKS blocks but for a longer single piece),
-    how many blocks went elsewhere, and for `ForwardTicket` per forwarded part the
-    (owner, job, offset in the job, blocks) of each of its owners."""
-
-    owned: list[tuple[bytes, int, int]]
-    replicas: list[tuple[int, int]]
-    jobs: dict[str, list[list[tuple[int, int]]]]
-    forwarded: int
-    parts: list[tuple[tuple[str, int, int, int], ...]]
-
-
-def _add_range(runs: list[tuple[int, int]], a: int, b: int) -> None:
-    """Append [a, b) to runs of offsets, joined to the last one where it follows it."""
-    if runs and runs[-1][1] == a:
-        runs[-1] = (runs[-1][0], b)
-    else:
-        runs.append((a, b))
-
-
-def _runs(starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any]) -> list[tuple[int, int]]:
-    """Ranges [starts[i], stops[i]) (in order, disjoint) with consecutive ones joined."""
-    if not len(starts):
-        return []
-    cut = np.flatnonzero(starts[1:] != stops[:-1]) + 1
-    firsts = np.concatenate([_ZERO, cut])
-    lasts = np.concatenate([cut, np.array([len(starts)], np.int64)]) - 1
-    return list(zip(starts[firsts].tolist(), stops[lasts].tolist()))
-
-
 # A unit this node owns, as far as it holds it from its first block on: (namespace id,
 # unit key, position of its first block, its blocks' hashes laid end to end, parent).
 # A plain tuple of bytes and ints, which the garbage collector stops tracking: a node
@@ -286,292 +211,19 @@ class ForwardTicket:
     for them) how many every owner committed."""
 
     blocks: int
-    # (future of the owner's job, offset of the piece in the job, blocks of the piece), per piece
-    _parts: list[list[tuple[asyncio.Future[int], int, int]]] = field(default_factory=list)
+    # (future of the owner's job, offset of the piece in the job, blocks of the piece), per
+    # piece; none where the put does not wait for its owners
+    parts: list[list[tuple[asyncio.Future[int], int, int]]] = field(default_factory=list)
 
     async def committed(self, timeout_s: float) -> int:
-        futures = {f for part in self._parts for f, _, _ in part}
+        futures = {f for part in self.parts for f, _, _ in part}
         if futures:
             await asyncio.wait(futures, timeout=timeout_s)
         total = 0
-        for part in self._parts:
+        for part in self.parts:
             got = min((max(0, min(n, (f.result() if f.done() else 0) - off)) for f, off, n in part), default=0)
             total += got
         return total
-
-
-@dataclass(slots=True)
-class _Round:
-    """A lookup's units past its local prefix that this node lacks part of (all of them,
-    in a round routed ahead: `ClusterNode._route_ahead`), in chain order,
-    as arrays: positions [starts, stops), blocks held or pending here from the start
-    (`locs`), the position of each one's key (its first block), its first current owner
-    (an index into `names`, -1: none), whether a copy here is a replica; the units asked
-    of each node (indices, in the order they are asked of it: see `ClusterNode._ask`),
-    and where the chain ends for sure."""
-
-    starts: np.ndarray[Any, Any]
-    stops: np.ndarray[Any, Any]
-    locs: np.ndarray[Any, Any]
-    key_pos: np.ndarray[Any, Any]
-    first_owner: np.ndarray[Any, Any]
-    names: list[str]
-    replica: np.ndarray[Any, Any]
-    asks: dict[str, np.ndarray[Any, Any]]
-    end: int
-
-
-class _Ranges(NamedTuple):
-    """What one pull of a lookup copies from `holder`, its blocks already pending: its
-    runs of consecutive positions [starts, stops) of one kind (replica or owned) and
-    their blocks' hashes, and per unit in them (`firsts`/`lasts`: each run's first and
-    last), the position of its key."""
-
-    holder: str
-    pull: Any  # kvstore.cluster.pull's handle of the pull, made by `Puller.mark`
-    starts: np.ndarray[Any, Any]
-    stops: np.ndarray[Any, Any]
-    replica: np.ndarray[Any, Any]
-    hashes: list[bytes]
-    key_pos: np.ndarray[Any, Any]
-    firsts: np.ndarray[Any, Any]
-    lasts: np.ndarray[Any, Any]
-
-
-_EMPTY = np.zeros(0, np.int64)
-_ZERO = np.zeros(1, np.int64)
-_HASH_ITEM = np.dtype(f"V{HASH_BYTES}")  # one hash as one array item
-_EMPTY_BOOL = np.zeros(0, bool)
-
-# `ClusterNode._route_ahead`: nothing past the local prefix is to be found elsewhere.
-_ENDS_HERE = object()
-
-T = TypeVar("T")
-
-
-def _keys_at(packed: bytes, positions: np.ndarray[Any, Any]) -> bytes:
-    """The hashes at these positions of a packed chain, laid end to end."""
-    return np.frombuffer(packed, np.uint8).reshape(-1, HASH_BYTES)[positions].tobytes()  # type: ignore[no-any-return]
-
-
-# The round's steps in one native pass each where the module is built (kvstore/_native/
-# units.c); the numpy steps below are their reference and fallback.
-_UNITS = native if native is not None and hasattr(native, "units_reach") else None
-
-
-def _ranges(packed: bytes, starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any],
-            idx: np.ndarray[Any, Any] | None = None) -> bytes:
-    """The hashes of positions [starts[j], stops[j]) of a packed chain for each j of
-    `idx` in its order (every j where None), laid end to end (int64 arrays)."""
-    if _UNITS is not None:
-        return _UNITS.gather_ranges(packed, HASH_BYTES, starts, stops, idx)
-    if idx is not None:
-        starts, stops = starts[idx], stops[idx]
-    return _concat(packed, starts, stops)
-
-
-def _spread(count: int, sizes: np.ndarray[Any, Any], idx: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """A node's answer, that it holds the first `count` blocks of units `idx` laid end
-    to end in that order, as blocks per unit (0 for units not asked of it)."""
-    got = np.zeros(len(sizes), np.int64)
-    if _UNITS is not None:
-        _UNITS.spread_prefix(count, sizes, idx, got)
-        return got
-    asked = sizes[idx]
-    got[idx] = np.clip(count - (np.cumsum(asked) - asked), 0, asked)
-    return got
-
-
-def _reach(locs: np.ndarray[Any, Any], found: np.ndarray[Any, Any],
-           sizes: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], int, bool]:
-    """Per unit, the more of its leading blocks held here (`locs`) or found elsewhere
-    (`found`); the first unit short of its size (`len(sizes)` if none), where the chain
-    ends; whether a unit up to it was found beyond what is held here."""
-    if _UNITS is not None:
-        best = np.empty(len(sizes), np.int64)
-        short, copied = _UNITS.units_reach(locs, found, sizes, best)
-        return best, short, copied
-    best = np.maximum(locs, found)
-    shorts = np.flatnonzero(best < sizes)
-    short = int(shorts[0]) if len(shorts) else len(sizes)
-    return best, short, bool((found[: short + 1] > locs[: short + 1]).any())
-
-
-def _concat(packed: bytes, starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any]) -> bytes:
-    """The hashes of positions [starts[i], stops[i]) of a packed chain (disjoint ranges,
-    in the order given), laid end to end."""
-    lens = stops - starts
-    # Each range's positions, laid end to end: its start, plus the offset within it.
-    at = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
-    return np.frombuffer(packed, _HASH_ITEM)[at].tobytes()
-
-
-_BOUNDS: OrderedDict[tuple[int, int, bool], np.ndarray[Any, Any]] = OrderedDict()
-
-
-def _unit_bounds(n: int, unit_blocks: int, lead_in: bool) -> np.ndarray[Any, Any]:
-    """The unit boundaries of an n-block chain, 0 and n included (kept for recent n)."""
-    key = (n, unit_blocks, lead_in)
-    bounds = _BOUNDS.get(key)
-    if bounds is None:
-        head = [0] + [p for p in (1 << k for k in range(unit_blocks.bit_length())) if p < unit_blocks] \
-            if lead_in else [0]
-        rest = np.arange(unit_blocks if lead_in else unit_blocks, n, unit_blocks, dtype=np.int64)
-        bounds = np.unique(np.concatenate([np.array(head, np.int64), rest, np.array([n], np.int64)]))
-        bounds = bounds[bounds <= n]
-        _BOUNDS[key] = bounds
-        if len(_BOUNDS) > 64:
-            _BOUNDS.popitem(last=False)
-    return bounds
-
-
-def put_pieces(placement: Placement, hashes: list[bytes], parent: bytes | None, pos: int, key0: bytes) -> list[_Piece]:
-    """A put's blocks cut into the units they are in (`key0`: the first one's key)."""
-    s, lead_in = placement.unit_blocks, placement.lead_in
-    out: list[_Piece] = []
-    end = pos + len(hashes)
-    p = pos
-    while p < end:
-        start = unit_start(p, s, lead_in)
-        stop = min(unit_stop(start, s, lead_in), end)
-        key = hashes[start - pos] if start >= pos else key0
-        out.append(_Piece(key, p, hashes[p - pos : stop - pos], hashes[p - pos - 1] if p > pos else parent))
-        p = stop
-    return out
-
-
-def plan_put_by_piece(placement: Placement, me: str, pieces: list[_Piece], pos: int, from_peer: bool) -> PutPlan:
-    """`ClusterNode.after_put`'s plan for node `me`, one unit (piece) at a time: any
-    replication factor, hot units."""
-    plan = PutPlan([], [], {}, 0, [])
-    filled: dict[str, int] = {}  # blocks in each owner's last job
-    singles: dict[tuple[str, int], list[int]] = {}  # a one-owner piece's part, merged per job
-    for piece in pieces:
-        if piece.key == b"":
-            continue  # its unit's first block is unknown here: kept as if owned
-        a = piece.position - pos
-        b = a + len(piece.hashes)
-        owners = placement.owners(piece.key)
-        if me in owners:
-            plan.owned.append((piece.key, a, b))
-        else:
-            _add_range(plan.replicas, a, b)
-        if from_peer:
-            continue
-        part = []
-        for node in owners:
-            if node == me:
-                continue
-            jobs = plan.jobs.setdefault(node, [])
-            if not jobs or filled[node] + (b - a) > FORWARD_JOB_BLOCKS:
-                jobs.append([])
-                filled[node] = 0
-            part.append((node, len(jobs) - 1, filled[node], b - a))
-            _add_range(jobs[-1], a, b)
-            filled[node] += b - a
-        if part:
-            plan.forwarded += b - a
-            if len(part) == 1:
-                # One owner: its consecutive pieces in one job are one part (what it
-                # committed of them is one count: `ForwardTicket.committed`).
-                node, j, off, n = part[0]
-                merged = singles.get((node, j))
-                if merged is not None and merged[0] + merged[1] == off:
-                    merged[1] += n
-                else:
-                    if merged is not None:
-                        plan.parts.append(((node, j, merged[0], merged[1]),))
-                    singles[(node, j)] = [off, n]
-            else:
-                plan.parts.append(tuple(part))
-    plan.parts += [((node, j, off, n),) for (node, j), (off, n) in singles.items()]
-    return plan
-
-
-def plan_put_arrays(placement: Placement, me: str, hashes: list[bytes], pos: int, key0: bytes,
-                    from_peer: bool) -> PutPlan | None:
-    """`plan_put_by_piece`'s plan in whole-array steps over the put's units: one
-    ranking of every unit's key (`Placement.owner_indices`), then runs of units per
-    owner. None where the placement needs the unit-by-unit plan (R > 1, a hot unit)."""
-    n = len(hashes)
-    return _plan_arrays(placement, me, b"".join(hashes), np.array([0, n], np.int64), np.array([pos], np.int64),
-                        [key0], from_peer)
-
-
-def plan_runs_arrays(placement: Placement, me: str, hashes: list[bytes], runs: Sequence[tuple[int, int, bytes]]
-                     ) -> PutPlan | None:
-    """The plan of a forward from another node that holds several runs of one chain laid
-    end to end in `hashes`, each (offset in hashes, chain position, its first unit's key),
-    in one ranking for all of them: as `plan_put_arrays` per run with from_peer set
-    (nothing is forwarded again), its offsets into the whole of `hashes`."""
-    offsets = np.array([r[0] for r in runs] + [len(hashes)], np.int64)
-    positions = np.array([r[1] for r in runs], np.int64)
-    return _plan_arrays(placement, me, b"".join(hashes), offsets, positions, [r[2] for r in runs], True)
-
-
-def _plan_arrays(placement: Placement, me: str, packed: bytes, offsets: np.ndarray[Any, Any],
-                 positions: np.ndarray[Any, Any], key0s: list[bytes], from_peer: bool) -> PutPlan | None:
-    """The array plan of runs laid end to end in `packed` (run i: offsets [offsets[i],
-    offsets[i + 1]), chain positions from positions[i], its first unit's key key0s[i],
-    b"" where unknown)."""
-    lens = np.diff(offsets)
-    ends = positions + lens
-    bounds = _unit_bounds(int(ends.max()), placement.unit_blocks, placement.lead_in)
-    # The units that start inside each run, as offsets into packed.
-    lo = np.searchsorted(bounds, positions, side="right")
-    counts = np.searchsorted(bounds, ends, side="left") - lo
-    run_of = np.repeat(np.arange(len(lens)), counts)
-    at = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts) + lo[run_of]
-    inner = bounds[at] - positions[run_of] + offsets[run_of]
-    known = np.array([bool(k) for k in key0s])
-    starts = np.concatenate([offsets[:-1], inner])
-    order = np.argsort(starts, kind="stable")
-    starts = starts[order]
-    stops = np.concatenate([starts[1:], offsets[-1:]])
-    items = np.frombuffer(packed, _HASH_ITEM)[starts]
-    firsts = np.flatnonzero(order < len(lens))  # the pieces a run starts with
-    keep = np.ones(len(starts), bool)
-    keep[firsts[~known]] = False  # the first unit's key is unknown: kept as if owned (see `plan_put_by_piece`)
-    if known.any():
-        items[firsts[known]] = np.frombuffer(b"".join(key0s), _HASH_ITEM)
-    starts, stops = starts[keep], stops[keep]
-    if not len(starts):
-        return PutPlan([], [], {}, 0, [])
-    keys = items[keep].tobytes()
-    routed = placement.owner_indices(keys, HASH_BYTES)
-    if routed is None:
-        return None
-    names, sets = routed
-    owner = sets[0]
-    mine = owner == (names.index(me) if me in names else -2)
-    plan = PutPlan([], _runs(starts[~mine], stops[~mine]), {}, 0, [])
-    for i, a, b in zip(np.flatnonzero(mine).tolist(), starts[mine].tolist(), stops[mine].tolist()):
-        plan.owned.append((keys[i * HASH_BYTES : (i + 1) * HASH_BYTES], a, b))
-    if from_peer:
-        return plan
-    elsewhere = ~mine & (owner >= 0)
-    plan.forwarded = int((stops - starts)[elsewhere].sum())
-    for k in np.unique(owner[elsewhere]).tolist():
-        node = names[k]
-        jobs: list[list[tuple[int, int]]] = [[]]
-        blocks = 0
-        ours = owner == k
-        # Cut into jobs as `plan_put_by_piece` cuts them (a unit never splits).
-        for a, b in zip(starts[ours].tolist(), stops[ours].tolist()):
-            if blocks and blocks + (b - a) > FORWARD_JOB_BLOCKS:
-                plan.parts.append(((node, len(jobs) - 1, 0, blocks),))
-                jobs.append([])
-                blocks = 0
-            _add_range(jobs[-1], a, b)
-            blocks += b - a
-        plan.parts.append(((node, len(jobs) - 1, 0, blocks),))
-        plan.jobs[node] = jobs
-    return plan
-
-
-def _retrieve(task: asyncio.Task[int]) -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 class ClusterNode:
@@ -597,18 +249,11 @@ class ClusterNode:
         self.puller = Puller(store, transport, self.breakers, executor=executor, max_running=settings.pulls,
                              timeout_s=settings.fetch_timeout_s)
         self.puller.pulled = self._pulled
-        # May change while the daemon runs (SetConfig, SIGHUP).
-        self.lookup_timeout_s = settings.lookup_timeout_s
         self.counters = ClusterCounters()
-        self.peers: dict[str, PeerStats] = {}
+        self.remote_lookup = RemoteLookup(store, self.node_id, self.placement, self.breakers, self.puller, transport,
+                                          self.counters, self._call, timeout_s=settings.lookup_timeout_s)
         self.draining = False
         self.left = False
-        # Store tier id -> Tier value; a block not held here (pending a pull) -> TIER_REMOTE.
-        table = bytearray(256)
-        for tid, name in enumerate(store.tier_id_names):
-            table[tid] = TIER_BY_NAME.get(name, kvstore_pb2.TIER_UNSPECIFIED)
-        table[Store.ABSENT] = kvstore_pb2.TIER_REMOTE
-        self._tier_values = bytes(table)
         self._calls: dict[bytes, PeerCall] = {}
         self._owned: OrderedDict[bytes, _OwnedUnit] = OrderedDict()
         self._pushed: OrderedDict[tuple[bytes, str], None] = OrderedDict()
@@ -628,6 +273,20 @@ class ClusterNode:
     @fetch_timeout_s.setter
     def fetch_timeout_s(self, value: float) -> None:
         self.puller.timeout_s = value
+
+    @property
+    def lookup_timeout_s(self) -> float:
+        """The lookup round's deadline; may change while the daemon runs (SetConfig, SIGHUP)."""
+        return self.remote_lookup.timeout_s
+
+    @lookup_timeout_s.setter
+    def lookup_timeout_s(self, value: float) -> None:
+        self.remote_lookup.timeout_s = value
+
+    @property
+    def peers(self) -> dict[str, PeerStats]:
+        """What this node's lookup rounds got from each other node."""
+        return self.remote_lookup.peers
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -660,14 +319,12 @@ class ClusterNode:
         await self.transport.aclose()
 
     async def _maintain(self) -> None:
-        reap = getattr(self.transport, "reap", None)
         # Ends on `_closing` too: a cancellation lost in a library's call below (a gRPC
         # channel's close) must not keep the close waiting for this loop forever.
         while not self._closing:
             await asyncio.sleep(MAINTENANCE_S)
             try:
-                if reap is not None:
-                    await reap()
+                await self.transport.reap()
                 self.placement.in_grace()  # expires past member sets
             except Exception:  # task boundary: try again next round
                 logger.exception("cluster maintenance failed")
@@ -695,17 +352,17 @@ class ClusterNode:
                                        max_extra_owners=p.max_extra_owners, grace_s=p.grace_s, hotness=self.hot,
                                        clock=self._clock)
             self.placement.update(placed)
+            self.remote_lookup.placement = self.placement  # one placement for reads and writes
         elif self.placement.update(placed):
             logger.info("cluster: %d members place units (%s)", len(placed), ", ".join(sorted(placed)))
         self.transport.update({n: m.addresses for n, m in view.members.items() if n != self.node_id})
-        forget = getattr(self.transport, "forget", None)
         for node, member in view.members.items():
             seen = self._started.get(node)
             if node not in self._present or (seen is not None and seen != member.started_at):
                 # It restarted, or came back after it was gone (a partition healed): a new
                 # channel, and no suspicion carried over.
-                if forget is not None and node != self.node_id:
-                    forget(node)
+                if node != self.node_id:
+                    self.transport.forget(node)
                 self.breakers.forget(node)
             self._started[node] = member.started_at
         self._present = set(view.members)
@@ -719,6 +376,13 @@ class ClusterNode:
         c.peer_lookup_blocks += asked
         c.peer_hit_blocks += held
 
+    async def extend(self, namespace_id: bytes, chain: bytes | Sequence[bytes], held: int) -> Extension | None:
+        """The rest of a lookup's answer past its local prefix of `held` blocks, from the
+        other nodes (`RemoteLookup.extend`); None when nothing past it is found."""
+        if self.left or self.store.namespace(namespace_id).groups:
+            return None  # a grouped layout's parts stay on the node that computed them
+        return await self.remote_lookup.extend(namespace_id, chain, held)
+
     def _call(self, namespace_id: bytes) -> PeerCall:
         call = self._calls.get(namespace_id)
         if call is None:
@@ -727,354 +391,6 @@ class ClusterNode:
                 self._calls.clear()
             call = self._calls[namespace_id] = PeerCall.of(info.tenant, layout_to_proto(info.layout))
         return call
-
-    def _peer(self, node: str) -> PeerStats:
-        st = self.peers.get(node)
-        if st is None:
-            st = self.peers[node] = PeerStats()
-        return st
-
-    async def extend(self, namespace_id: bytes, chain: bytes | Sequence[bytes], held: int) -> Extension | None:
-        """The rest of a lookup's answer past its local prefix of `held` blocks (see the
-        module docstring); None when nothing past it is found.
-
-        Its work is in whole-array steps over the chain's units, not a Python step per
-        unit where it can be helped: a 1,000-block chain has hundreds of units."""
-        if self.left or self.store.namespace(namespace_id).groups:
-            return None  # a grouped layout's parts stay on the node that computed them
-        packed = chain if isinstance(chain, bytes) else b"".join(chain)
-        if held * HASH_BYTES >= len(packed):
-            return None
-        ahead = self._route_ahead(namespace_id, packed, held)
-        if ahead is _ENDS_HERE:
-            return None
-        if isinstance(ahead, _Round):
-            return await self._extend_ahead(namespace_id, packed, held, ahead)
-        present = self.store.present(namespace_id, packed[held * HASH_BYTES :])
-        rnd = self._plan(namespace_id, packed, held, present)
-        got = None
-        if rnd.asks:
-            if self.puller.has_room():
-                got, _ = await self._ask(namespace_id, packed, rnd)
-            else:
-                self.counters.no_room_for_pulls += 1
-        return self._combine(namespace_id, packed, held, present, rnd, got)
-
-    def _route_ahead(self, namespace_id: bytes, packed: bytes, held: int) -> _Round | object | None:
-        """Whom to ask for the units past the prefix, before this node knows which of them
-        it holds: each other owner for the units it owns, as a round of every unit past
-        the prefix whose `locs` are read later (`_extend_ahead`). `_ENDS_HERE` when the unit the
-        prefix stops in is this node's own (nobody else is asked for it: nothing past the
-        prefix is found); None where the round is planned from what is held here first
-        (`_plan`): in the grace of a member change (a previous owner, which may be this
-        node, holds what the new one lacks, and a node answers only a prefix of what it is
-        asked), with a hot unit or R > 1 among them, a block at the prefix pending a
-        pull, or no room for pulls."""
-        placement = self.placement
-        if placement.in_grace() or not self.puller.has_room():
-            return None
-        starts, stops, unit_starts = self._unit_cut(packed, held)
-        pending = self.puller.pending.get(namespace_id)
-        if pending and packed[held * HASH_BYTES : (held + 1) * HASH_BYTES] in pending:
-            return None
-        routed = placement.owner_indices(packed, HASH_BYTES, unit_starts)
-        if routed is None:
-            return None
-        names, sets = routed
-        owner = sets[0]
-        me = names.index(self.node_id) if self.node_id in names else -2
-        if owner[0] == me or owner[0] < 0:
-            # Unless the block there is held after all (not READY yet: a put of it under
-            # way), which `_plan` counts as held.
-            here = self.store.present(namespace_id, packed[held * HASH_BYTES : (held + 1) * HASH_BYTES])
-            return _ENDS_HERE if here[0] == Store.ABSENT else None
-        allow = self.breakers.allow
-        asks: dict[str, np.ndarray[Any, Any]] = {}
-        for k, name in enumerate(names):
-            if k != me and allow(name):
-                idx = np.flatnonzero(owner == k)
-                if len(idx):
-                    asks[name] = idx
-        if names[owner[0]] not in asks:
-            return None  # its owner is suspect: `_plan` ends the chain where it must
-        return _Round(starts, stops, _EMPTY, unit_starts, owner, names, owner != me, asks, len(packed) // HASH_BYTES)
-
-    async def _extend_ahead(self, namespace_id: bytes, packed: bytes, held: int, rnd: _Round) -> Extension | None:
-        """`extend` with its round sent first (`_route_ahead`): what this node holds past
-        the prefix is read while the answers travel, and the round covers every unit past
-        the prefix (one held here whole is never short of blocks, whatever its owner says)."""
-
-        def held_here() -> tuple[bytes, np.ndarray[Any, Any]]:
-            present = self.store.present(namespace_id, packed[held * HASH_BYTES :])
-            return present, self._held_of(namespace_id, packed, held, present, rnd.starts, rnd.stops)
-
-        got, local = await self._ask(namespace_id, packed, rnd, held_here)
-        assert local is not None
-        present, rnd.locs = local
-        return self._combine(namespace_id, packed, held, present, rnd, got)
-
-    def _unit_cut(self, packed: bytes, held: int) -> tuple[np.ndarray[Any, Any], ...]:
-        """The units from position `held` on (the first one from `held`, inside its unit),
-        as arrays: their first and past-last positions and the position of each unit's
-        first block (its key). Cut as `unit_spans` cuts them, in whole-array steps."""
-        n = len(packed) // HASH_BYTES
-        bounds = _unit_bounds(n, self.placement.unit_blocks, self.placement.lead_in)
-        first = int(np.searchsorted(bounds, held, side="right")) - 1
-        unit_starts = bounds[first:-1]
-        starts = unit_starts.copy()
-        starts[0] = held
-        return starts, bounds[first + 1 :], unit_starts
-
-    def _units_past(self, namespace_id: bytes, packed: bytes, held: int,
-                    present: bytes) -> tuple[np.ndarray[Any, Any], ...]:
-        """`_unit_cut`'s units and, per unit, how many of its leading blocks are held
-        here or pending a pull (`_held_of`): starts, stops, those counts, key positions."""
-        starts, stops, unit_starts = self._unit_cut(packed, held)
-        return starts, stops, self._held_of(namespace_id, packed, held, present, starts, stops), unit_starts
-
-    def _held_of(self, namespace_id: bytes, packed: bytes, held: int, present: bytes, starts: np.ndarray[Any, Any],
-                 stops: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        """How many leading blocks of each unit [starts, stops) past position `held` are
-        held here or pending a pull (`present`: `Store.present` of the chain from `held`)."""
-        absent = np.frombuffer(present, np.uint8) == Store.ABSENT
-        pending = self.puller.pending.get(namespace_id)
-        if pending:
-            gaps = np.flatnonzero(absent)
-            copying = [packed[(held + g) * HASH_BYTES : (held + g + 1) * HASH_BYTES] in pending for g in gaps.tolist()]
-            absent[gaps[np.array(copying, bool)]] = False
-        m = len(absent)
-        first_absent = np.minimum.reduceat(np.where(absent, np.arange(m), m), starts - held)
-        return np.minimum(first_absent - (starts - held), stops - starts)  # type: ignore[no-any-return]
-
-    def _plan(self, namespace_id: bytes, packed: bytes, held: int, present: bytes) -> _Round:
-        """The units past the prefix this node lacks part of, and whom to ask for each."""
-        starts, stops, locs, unit_starts = self._units_past(namespace_id, packed, held, present)
-        lacking = np.flatnonzero(locs < stops - starts)
-        end = len(packed) // HASH_BYTES
-        if not len(lacking):
-            return _Round(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, [], _EMPTY_BOOL, {}, end)
-        key_pos = unit_starts[lacking]
-        joined = _keys_at(packed, key_pos)
-        routed = self.placement.owner_indices(joined, HASH_BYTES)
-        if routed is not None:
-            return self._plan_indexed(starts[lacking], stops[lacking], locs[lacking], key_pos, end, *routed)
-        owners, ranked = self.placement.route_many(split_hashes(joined))
-        me = self.node_id
-        allow = self.breakers.allow
-        askable: dict[str, bool] = {}
-        # Few distinct target lists occur (one per owner, and per previous owner): each is
-        # filtered (this node, suspect peers) once.
-        filtered: dict[tuple[str, ...], tuple[str, ...]] = {}
-        targets: list[tuple[str, ...]] = []
-        for t in ranked:
-            f = filtered.get(t)
-            if f is None:
-                for node in t:
-                    if node != me and node not in askable:
-                        askable[node] = allow(node)
-                f = filtered[t] = tuple(node for node in t if node != me and askable[node])
-            targets.append(f)
-        cut = len(targets)
-        if () in filtered.values():
-            cut = next(j for j, t in enumerate(targets) if not t)  # nobody to ask: the chain ends there
-            end = int(starts[lacking[cut]] + locs[lacking[cut]])
-        lacking = lacking[:cut]
-        targets = targets[:cut]
-        distinct = list(dict.fromkeys(targets))
-        ids = {t: k for k, t in enumerate(distinct)}
-        target_ids = np.fromiter((ids[t] for t in targets), np.int64, len(targets))
-        asks: dict[str, np.ndarray[Any, Any]] = {}
-        for node, ok in askable.items():
-            if ok:
-                mine = [k for t, k in ids.items() if node in t]
-                idx = np.flatnonzero(np.isin(target_ids, mine))
-                if len(idx):
-                    # Its units in the order it is likeliest to hold them (see `_ask`):
-                    # by its rank among each unit's targets (owners, the extra owners of a
-                    # hot unit, then previous owners), this node and suspects counted.
-                    rank = np.fromiter((ranked[j].index(node) for j in idx.tolist()), np.int64, len(idx))
-                    asks[node] = idx[np.argsort(rank, kind="stable")]
-        replica = np.fromiter((me not in o for o in owners[:cut]), bool, cut)
-        names = sorted({n for o in owners[:cut] for n in o})
-        where = {n: i for i, n in enumerate(names)}
-        first_owner = np.fromiter((where[o[0]] if o else -1 for o in owners[:cut]), np.int64, cut)
-        return _Round(starts[lacking], stops[lacking], locs[lacking], key_pos[:cut], first_owner, names, replica, asks,
-                      end)
-
-    def _plan_indexed(self, starts: np.ndarray[Any, Any], stops: np.ndarray[Any, Any], locs: np.ndarray[Any, Any],
-                      key_pos: np.ndarray[Any, Any], end: int, names: list[str],
-                      sets: list[np.ndarray[Any, Any]]) -> _Round:
-        """`_plan`'s round from each unit's owner under each member set still counted
-        (`Placement.owner_indices`), in whole-array steps: a unit is asked of its owners
-        that are not this node and not suspect; the chain ends at the first unit with none."""
-        me = self.node_id
-        allow = self.breakers.allow
-        askable = np.array([n != me and allow(n) for n in names] + [False], bool)  # [-1]: no owner
-        owner = sets[0]
-        every = sets[0][None, :] if len(sets) == 1 else np.stack(sets)
-        some = askable[every].any(axis=0)
-        cut = len(owner)
-        if not some.all():
-            cut = int(np.argmin(some))  # nobody to ask: the chain ends there
-            end = int(starts[cut] + locs[cut])
-        asks: dict[str, np.ndarray[Any, Any]] = {}
-        every = every[:, :cut]
-        for k in np.flatnonzero(askable[:-1]).tolist():
-            owned = every[0] == k
-            idx = np.flatnonzero(owned)
-            if len(every) > 1:
-                # The units it owns first, then those it only owned under a previous
-                # member set (see `_ask`).
-                before = np.flatnonzero((every[1:] == k).any(axis=0) & ~owned)
-                if len(before):
-                    idx = np.concatenate([idx, before])
-            if len(idx):
-                asks[names[k]] = idx
-        mine = names.index(me) if me in names else -2
-        return _Round(starts[:cut], stops[:cut], locs[:cut], key_pos[:cut], owner[:cut], names, owner[:cut] != mine,
-                      asks, end)
-
-    async def _ask(self, namespace_id: bytes, packed: bytes, rnd: _Round,
-                   meanwhile: Callable[[], T] | None = None) -> tuple[dict[str, np.ndarray[Any, Any]], T | None]:
-        """One parallel round of lookups, one per node, under the lookup deadline: what
-        each node holds of each unit asked of it (in `_Round` order; 0 where not asked),
-        and what `meanwhile` returns, made while the answers travel.
-
-        A node is asked for its units laid end to end and answers the prefix of them it
-        holds, so the first unit it lacks hides those after it: its units go in the order
-        it is likeliest to hold them (`_Round.asks`), the units it owns before those it is
-        asked for as a previous owner in the grace of a change, which lacks every block
-        put since."""
-        self.counters.remote_lookups += 1
-        call = self._call(namespace_id)
-        deadline_s = self.lookup_timeout_s
-        requests = {node: _ranges(packed, rnd.starts, rnd.stops, idx) for node, idx in rnd.asks.items()}
-        results: dict[str, int | BaseException] = {}
-        # Each call is started here, by hand (`kvstore.eager`): its request leaves now, on
-        # a pooled connection, rather than in a task's first step a loop turn later. With
-        # one node to ask, the transport keeps the deadline; with several, the wait below.
-        one = len(requests) == 1
-        calls = {node: start(self.transport.lookup(node, call, hashes, deadline_s if one else 2 * deadline_s))
-                 for node, hashes in requests.items()}
-        try:
-            local = meanwhile() if meanwhile is not None else None
-        except BaseException:
-            for started in calls.values():
-                started.close()
-            raise
-        if one:
-            ((node, started),) = calls.items()
-            try:
-                # Awaited here, not in a task of its own (a loop turn less). (Not
-                # asyncio.timeout: a call over the control lane runs outside a task.)
-                results[node] = await started
-            except (TimeoutError, PeerError) as exc:
-                results[node] = exc
-        else:
-            tasks = {node: asyncio.ensure_future(started) for node, started in calls.items()}
-            for task in tasks.values():
-                task.add_done_callback(_retrieve)
-            _, late = await asyncio.wait(tasks.values(), timeout=deadline_s)
-            for task in late:
-                task.cancel()
-            for node, task in tasks.items():
-                if task in late:
-                    results[node] = TimeoutError()
-                elif task.cancelled():
-                    results[node] = asyncio.CancelledError()
-                else:
-                    failure = task.exception()
-                    results[node] = failure if failure is not None else task.result()
-        out: dict[str, np.ndarray[Any, Any]] = {}
-        sizes = rnd.stops - rnd.starts
-        for node, result in results.items():
-            st = self._peer(node)
-            st.lookups += 1
-            if isinstance(result, BaseException):
-                if isinstance(result, TimeoutError) or (isinstance(result, PeerError) and result.timed_out):
-                    st.lookup_timeouts += 1
-                else:
-                    st.lookup_errors += 1
-                    logger.debug("cluster lookup on %s failed: %r", node, result)
-                self.breakers.failure(node)
-                continue
-            self.breakers.success(node)
-            # The node answered a prefix of the units' blocks laid end to end: per unit.
-            out[node] = _spread(result, sizes, rnd.asks[node])
-        return out, local
-
-    def _combine(self, namespace_id: bytes, packed: bytes, held: int, present: bytes, rnd: _Round,
-                 got: dict[str, np.ndarray[Any, Any]] | None) -> Extension | None:
-        """The answer past the local prefix from the plan and the nodes' answers, and the
-        pulls that copy what it found elsewhere."""
-        reach = rnd.end
-        sizes = rnd.stops - rnd.starts
-        holders: list[str] = list(got) if got and len(sizes) else []
-        pick: np.ndarray[Any, Any] | None = None  # which holder's answer each unit takes (None: the one)
-        if len(holders) == 1:
-            best_found = got[holders[0]]  # type: ignore[index]
-        elif holders:
-            found = np.stack([got[h] for h in holders])  # type: ignore[index]
-            # Ties go to the unit's current owner.
-            where = {n: i for i, n in enumerate(rnd.names)}
-            owner_of = rnd.first_owner[None, :] == np.array([where.get(h, -2) for h in holders], np.int64)[:, None]
-            pick = (found * 2 + owner_of).argmax(axis=0)
-            best_found = found[pick, np.arange(len(sizes))]
-        else:
-            best_found = np.zeros(len(sizes), np.int64)
-        best, short, copied = _reach(rnd.locs, best_found, sizes)
-        cut = len(sizes)
-        if short < len(sizes):
-            cut = short + 1
-            reach = int(rnd.starts[short] + best[short])
-        if reach <= held:
-            return None
-        # Blocks absent here within the reach are found elsewhere or pending: TIER_REMOTE.
-        past = present[: reach - held]
-        tiers = past.translate(self._tier_values)
-        remote = tiers.count(kvstore_pb2.TIER_REMOTE)
-        self.store.counters.count_past_prefix(past)
-        self.counters.local_past_prefix_blocks += len(tiers) - remote
-        self.counters.remote_hit_blocks += remote
-        if copied and holders:
-            # The pulls are marked (their blocks pending: a fetch that follows this answer
-            # waits for them) and started once the answer is written: by a callback
-            # scheduled now, which runs before the event loop reads the next request.
-            asyncio.get_running_loop().call_soon(self._start_pulls, namespace_id, packed, rnd, holders, pick, best,
-                                                 best_found, cut)
-        return Extension(len(tiers), tiers, remote)
-
-    def _mark(self, holder: str, namespace_id: bytes, packed: bytes, starts: np.ndarray[Any, Any],
-              stops: np.ndarray[Any, Any], replica: np.ndarray[Any, Any], key_pos: np.ndarray[Any, Any]) -> _Ranges:
-        """One pull from `holder` of these ranges (one per unit), consecutive ones of the
-        same kind merged into one run each, its blocks marked pending."""
-        joins = (starts[1:] == stops[:-1]) & (replica[1:] == replica[:-1])
-        firsts = np.concatenate([[0], np.flatnonzero(~joins) + 1]).astype(np.int64)
-        lasts = np.concatenate([firsts[1:] - 1, [len(starts) - 1]]).astype(np.int64)
-        run_starts, run_stops = starts[firsts], stops[lasts]
-        hashes = split_hashes(_ranges(packed, run_starts, run_stops))
-        return _Ranges(holder, self.puller.mark(namespace_id, hashes), run_starts, run_stops, replica[firsts], hashes,
-                       key_pos, firsts, lasts)
-
-    def _start_pulls(self, namespace_id: bytes, packed: bytes, rnd: _Round, holders: list[str],
-                     pick: np.ndarray[Any, Any] | None, best: np.ndarray[Any, Any], best_found: np.ndarray[Any, Any],
-                     cut: int) -> None:
-        """Mark and start a lookup's pulls (`_combine`): from each holder picked (`pick`,
-        None with one), the units of the first `cut` it holds more of than this node."""
-        copied = np.flatnonzero(best_found[:cut] > rnd.locs[:cut])
-        call = self._call(namespace_id)
-        for k, holder in enumerate(holders):
-            idx = copied if pick is None else copied[pick[copied] == k]
-            if not len(idx):
-                continue
-            self._peer(holder).hit_blocks += int((best - rnd.locs)[idx].sum())
-            r = self._mark(holder, namespace_id, packed, (rnd.starts + rnd.locs)[idx], (rnd.starts + best)[idx],
-                           rnd.replica[idx], rnd.key_pos[idx])
-            keys = split_hashes(_keys_at(packed, r.key_pos))
-            unit_keys = [keys[f : l + 1] for f, l in zip(r.firsts.tolist(), r.lasts.tolist())]
-            self.puller.launch(r.holder, call, r.pull, PullSpec(namespace_id, packed, r.starts.tolist(),
-                                                                r.stops.tolist(), r.replica.tolist(), unit_keys,
-                                                                r.hashes))
 
     @property
     def pulling(self) -> bool:
@@ -1176,7 +492,7 @@ class ClusterNode:
         for key, a, b in plan.owned:
             r = bisect.bisect_right(offsets, a) - 1
             o, pos, _, parent = placed[r]
-            self._remember_owned(namespace_id, _Piece(key, pos + a - o, hashes[a:b], hashes[a - 1] if a > o else parent))
+            self._remember_owned(namespace_id, Piece(key, pos + a - o, hashes[a:b], hashes[a - 1] if a > o else parent))
         self._hold_replicas(namespace_id, hashes, plan.replicas)
 
     def _hold_replicas(self, namespace_id: bytes, hashes: list[bytes], runs: list[tuple[int, int]]) -> None:
@@ -1200,8 +516,7 @@ class ClusterNode:
         """Carry out `after_put`'s plan: remember the owned units, submit the jobs, mark
         the replicas."""
         for key, a, b in plan.owned:
-            self._remember_owned(namespace_id, _Piece(key, pos + a, hashes[a:b], hashes[a - 1] if a else parent))
-        ticket = ForwardTicket(plan.forwarded)
+            self._remember_owned(namespace_id, Piece(key, pos + a, hashes[a:b], hashes[a - 1] if a else parent))
         loop = asyncio.get_running_loop()
         submitted: list[ForwardJob] = []
         done: dict[tuple[str, int], asyncio.Future[int]] = {}
@@ -1219,25 +534,17 @@ class ClusterNode:
                 if job.done is not None:
                     done[(node, j)] = job.done
                 submitted.append(job)
-        if wait:
-            ticket._parts = [[(done[(node, j)], off, n) for node, j, off, n in part] for part in plan.parts]
+        parts = [[(done[(node, j)], off, n) for node, j, off, n in part] for part in plan.parts] if wait else []
         for job in submitted:
             self.forwarder.submit(job)
         self._hold_replicas(namespace_id, hashes, plan.replicas)
-        return ticket
+        return ForwardTicket(plan.forwarded, parts)
 
     def _ancestor(self, namespace_id: bytes, parent: bytes | None, distance: int, tokens: bytes,
                   position: int) -> bytes | None:
         """The hash `distance` blocks before a put's first block (1: its parent): through
         the parents held here, else from the put's token ids."""
-        h = parent
-        index = self.store.index
-        for _ in range(distance - 1):
-            if h is None:
-                break
-            entry = index.get(namespace_id + h)
-            up = entry.parent if entry is not None else None
-            h = up[HASH_BYTES:] if up is not None else None
+        h = self.store.ancestor(namespace_id, parent, distance - 1) if parent is not None else None
         if h is not None:
             return h
         if tokens:
@@ -1258,17 +565,8 @@ class ClusterNode:
         known = self._positions.get(namespace_id + parent)
         if known is not None:
             return known + 1
-        index = self.store.index
-        h: bytes | None = parent
-        depth = 0
-        while h is not None and depth <= MAX_PARENT_WALK:
-            entry = index.get(namespace_id + h)
-            if entry is None:
-                return None
-            up = entry.parent
-            h = up[HASH_BYTES:] if up is not None else None
-            depth += 1
-        return depth if h is None else None
+        held = self.store.chain_position(namespace_id, parent, MAX_PARENT_WALK)
+        return held + 1 if held is not None else None
 
     def _remember_position(self, namespace_id: bytes, last_hash: bytes, position: int) -> None:
         positions = self._positions
@@ -1276,7 +574,7 @@ class ClusterNode:
         if len(positions) > POSITIONS_KEPT:
             positions.popitem(last=False)
 
-    def _remember_owned(self, namespace_id: bytes, piece: _Piece) -> None:
+    def _remember_owned(self, namespace_id: bytes, piece: Piece) -> None:
         key = namespace_id + piece.key
         owned = self._owned
         unit = owned.get(key)
@@ -1307,7 +605,7 @@ class ClusterNode:
         if not run.replica:
             for key in run.unit_keys:
                 if me in owners_of[key]:
-                    self._remember_owned(run.namespace_id, _Piece(key, run.position, run.hashes[:blocks], run.parent))
+                    self._remember_owned(run.namespace_id, Piece(key, run.position, run.hashes[:blocks], run.parent))
                     break
         for key in run.unit_keys:
             owners = owners_of[key]
@@ -1396,10 +694,3 @@ class ClusterNode:
         logger.info("cluster: drained %d units (%d blocks) to their next owners, %d not; left the pool",
                     pushed, blocks, failed)
         return DrainResult(pushed, blocks, failed, True)
-
-
-def forward_committed(ticket: ForwardTicket | None, timeout_s: float) -> Awaitable[int] | None:
-    """What a put that waits for its owners awaits (None when nothing was forwarded)."""
-    if ticket is None or not ticket._parts:
-        return None
-    return ticket.committed(timeout_s)

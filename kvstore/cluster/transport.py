@@ -187,6 +187,12 @@ class PeerTransport(Protocol):
     def update(self, addresses: Mapping[str, Sequence[str]]) -> None:
         """The current members' addresses (node id -> host:port, best first)."""
 
+    def forget(self, node: str) -> None:
+        """`node` restarted or came back: what is open to it is closed, made anew on the next call."""
+
+    async def reap(self) -> None:
+        """Close what was replaced since the last call (its calls have had time to end)."""
+
     async def lookup(self, node: str, call: PeerCall, hashes: bytes, timeout_s: float) -> int:
         """How many of `hashes` (packed, in order) `node` holds, from the first."""
 

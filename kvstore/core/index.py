@@ -500,6 +500,33 @@ class BlockIndex:
         row = self.table.find_key(key)
         return None if row < 0 else BlockEntry.of(self.table, row)
 
+    def ancestor(self, namespace_id: bytes, block_hash: bytes, steps: int) -> bytes | None:
+        """The hash `steps` parents above `block_hash` (0: itself), through the parents of
+        the blocks held; None where the walk meets a block not held or a chain's start."""
+        h: bytes | None = block_hash
+        for _ in range(steps):
+            if h is None:
+                break
+            entry = self.get(namespace_id + h)
+            up = entry.parent if entry is not None else None
+            h = up[HASH_BYTES:] if up is not None else None
+        return h
+
+    def chain_position(self, namespace_id: bytes, block_hash: bytes, max_position: int) -> int | None:
+        """The position of `block_hash` in its chain (0: the first block), by walking the
+        parents held; None where one of them is not held or the chain goes on past
+        `max_position` blocks before it."""
+        h: bytes | None = block_hash
+        depth = 0
+        while h is not None and depth <= max_position:
+            entry = self.get(namespace_id + h)
+            if entry is None:
+                return None
+            up = entry.parent
+            h = up[HASH_BYTES:] if up is not None else None
+            depth += 1
+        return depth - 1 if h is None else None
+
     def _adopt(self, entry: BlockEntry) -> None:
         if entry._t is not self.table:
             entry._move_to(self.table)

@@ -665,3 +665,15 @@ class Store:
             namespaces=len(self.registry),
             leases_active=len(self._leases),
         )
+
+    # ----------------------------------------------------------------- chains (for a cluster)
+
+    def ancestor(self, namespace_id: bytes, block_hash: bytes, steps: int) -> bytes | None:
+        """The hash `steps` parents above a block (0: itself) through the blocks held here,
+        None past them: a probe without side effects, as `present` (`BlockIndex.ancestor`)."""
+        return self.index.ancestor(namespace_id, block_hash, steps)
+
+    def chain_position(self, namespace_id: bytes, block_hash: bytes, max_position: int) -> int | None:
+        """A block's position in its chain (0: the first) from the parents held here, None
+        where one is missing or past `max_position` (`BlockIndex.chain_position`)."""
+        return self.index.chain_position(namespace_id, block_hash, max_position)

@@ -2,7 +2,8 @@
 loopback: a drained node hands its units off and leaves every view at once; with etcd
 stopped the daemons keep serving on their last view and say so (health, INFO, metrics),
 then rejoin when it is back; a fourth node moves about a quarter of the units and the
-pool keeps answering through the change (previous owners are asked during the grace).
+pool keeps answering through the change (previous owners are asked during the grace); a
+member that places by another rule is never an owner.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import SMALL_LAYOUT
 from kvstore.client import AsyncClient
-from kvstore.cluster.placement import Placement
 from kvstore.server.daemon import Daemon
 from tests.cluster.cluster_fixtures import EtcdServer, etcd  # noqa: F401
 from tests.cluster.pool_fixtures import chain, info, pool, unix_target
@@ -142,21 +142,27 @@ async def test_in_the_grace_of_a_change_a_chain_put_since_hits_in_full(tmp_path:
 
 async def test_a_fourth_node_moves_about_a_quarter_of_the_units_and_hits_carry_on(
         tmp_path: Path, etcd: EtcdServer, prefix: str) -> None:
+    rng = random.Random(300)
+    keys = [rng.randbytes(16) for _ in range(4000)]
     async with pool(tmp_path, 3, etcd=etcd.endpoint, prefix=prefix) as three:
         for d in three:
             await wait_view(d, {"n0", "n1", "n2"})
+        assert three[0].cluster is not None
+        before = {k: three[0].cluster.placement.owners(k) for k in keys}  # on n0's view of three
         chains = [chain(LAYOUT, 24, seed=300 + i) for i in range(8)]
         await put_all(three[0], chains)
         async with pool(tmp_path, 1, etcd=etcd.endpoint, prefix=prefix, first=3) as (d,):
             for x in (*three, d):
                 await wait_view(x, {"n0", "n1", "n2", "n3"})
-            # Units that changed owner: those the newcomer wins, about 1/4 of them.
-            before = Placement(["n0", "n1", "n2"])
-            after = Placement(["n0", "n1", "n2", "n3"])
-            keys = [random.randbytes(16) for _ in range(4000)]
-            moved = sum(before.owners(k) != after.owners(k) for k in keys) / len(keys)
-            assert 0.20 < moved < 0.30
-            assert all(after.owners(k) == ("n3",) for k in keys if before.owners(k) != after.owners(k))
+            # Over the live views: the units that changed owner are those the newcomer wins,
+            # 25% +- 3% of them (docs/cluster.md), and every node computes the same owners.
+            after = {k: three[0].cluster.placement.owners(k) for k in keys}
+            moved = [k for k in keys if before[k] != after[k]]
+            assert abs(len(moved) / len(keys) - 0.25) < 0.03
+            assert all(after[k] == ("n3",) for k in moved)
+            for x in (*three[1:], d):
+                assert x.cluster is not None
+                assert all(x.cluster.placement.owners(k) == after[k] for k in keys)
             # Every chain still hits in full from the newcomer and from the old nodes: the
             # units n3 owns now are looked up on their previous owners during the grace.
             for x in (d, three[1]):
@@ -173,6 +179,35 @@ async def test_a_fourth_node_moves_about_a_quarter_of_the_units_and_hits_carry_o
                     break
                 await asyncio.sleep(0.1)
             assert owned and all(u.held_here == u.stop - u.start for u in owned)
+
+
+async def test_nodes_with_another_placement_rule_are_never_owners(tmp_path: Path, etcd: EtcdServer, prefix: str,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """One pool whose third member places by another rule (another unit size): every node
+    sees all three, but a node never makes a member with another rule an owner, and says
+    so once in its log; the units of a chain put on n0 go to n0 and n1 only."""
+    with caplog.at_level("ERROR", logger="kvstore.cluster.pool"):
+        async with pool(tmp_path, 3, etcd=etcd.endpoint, prefix=prefix,
+                        per_node=[{}, {}, {"cluster_unit_blocks": 8}]) as (a, b, c):
+            for d in (a, b, c):
+                await wait_view(d, {"n0", "n1", "n2"})
+            placed = {d.node_id: [m.member.node_id for m in d.cluster.status().members if m.placed]
+                      for d in (a, b, c) if d.cluster is not None}
+            assert placed == {"n0": ["n0", "n1"], "n1": ["n0", "n1"], "n2": ["n2"]}
+            tokens, blocks = chain(LAYOUT, 8, seed=6)
+            async with AsyncClient(unix_target(a)) as kv:
+                put = await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
+            assert put.owner_committed_blocks == put.forwarded_blocks
+            assert a.cluster is not None
+            units = a.cluster.where(a.store.namespaces()[0].namespace_id, list(put.block_hashes))
+            assert units and all(set(u.owners) <= {"n0", "n1"} for u in units)
+            async with AsyncClient(unix_target(b)) as kv:
+                assert (await kv.lookup(LAYOUT, tokens)).num_blocks == 8
+    said = [r.getMessage() for r in caplog.records if "places by" in r.getMessage()]
+    # n0 and n1 about n2, n2 about each of them: once per node and member, whatever the views since.
+    assert sorted(m.split()[2] for m in said) == ["n0", "n1", "n2", "n2"]
+    assert all("it is not used as an owner" in m for m in said)
+    assert all("places by 'units=8," in m for m in said if m.split()[2] == "n2")
 
 
 def _hashes(daemon: Daemon, ns: bytes, tokens: list[int]) -> list[bytes]:

@@ -21,6 +21,7 @@ import pytest
 from conftest import SMALL_LAYOUT, make_config
 from kvstore.client import AsyncClient, GroupKind, KVGroup, KVLayout
 from kvstore.client.admin import AdminClient
+from kvstore.core.store import Store
 from kvstore.errors import ConfigError
 from kvstore.hashing import block_hashes, namespace_id
 from kvstore.server.config import load_config
@@ -113,11 +114,19 @@ async def test_forwards_reach_their_owners_in_the_background(tmp_path: Path) -> 
 
 
 async def test_a_fetch_without_a_lookup_first_serves_what_is_here(tmp_path: Path) -> None:
+    """A fetch no lookup preceded asks nobody: it serves the prefix this node holds (here
+    the units it owns, forwarded by the writer), byte-exact; a lookup then finds the rest."""
     async with pool(tmp_path, 2) as (a, b):
-        tokens, blocks = chain(LAYOUT, 12, seed=2)
+        tokens, blocks = chain(LAYOUT, 12, seed=8)  # b owns the first two units, not the third
         async with AsyncClient(unix_target(a)) as kv:
-            await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
+            put = await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
+        here = b.store.present(namespace_id(LAYOUT), b"".join(put.block_hashes)).find(bytes([Store.ABSENT]))
+        assert 0 < here < 12
         async with AsyncClient(unix_target(b)) as kv:
+            got = await kv.fetch(LAYOUT, tokens)
+            assert [bytes(g) for g in got] == blocks[:here]
+            st = info(b)
+            assert (st["cluster_remote_lookups"], st["cluster_pulled_blocks"]) == ("0", "0")
             held = (await kv.lookup(LAYOUT, tokens)).num_blocks  # copies what is elsewhere
             got = await kv.fetch(LAYOUT, tokens)
             assert held == 12 and [bytes(g) for g in got] == blocks
@@ -177,18 +186,6 @@ async def test_a_node_with_another_layout_never_serves(tmp_path: Path) -> None:
             assert (miss.num_blocks, miss.remote_blocks) == (0, 0)
             assert await kv.fetch(other, tokens) == []
             assert (await kv.lookup(LAYOUT, tokens)).num_blocks == 16
-
-
-async def test_nodes_with_another_placement_rule_are_never_owners(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    async with pool(tmp_path, 2) as (a, b):
-        async with pool(tmp_path, 1, first=2, cluster_unit_blocks=8) as (c,):
-            st = c.cluster.status() if c.cluster else None
-            assert st is not None and [m.member.node_id for m in st.members if m.placed] == ["n2"]
-        tokens, blocks = chain(LAYOUT, 8, seed=6)
-        async with AsyncClient(unix_target(a)) as kv:
-            await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)
-        async with AsyncClient(unix_target(b)) as kv:
-            assert (await kv.lookup(LAYOUT, tokens)).num_blocks == 8
 
 
 async def test_a_dead_node_is_a_miss_within_the_deadline_and_becomes_suspect(tmp_path: Path) -> None:
@@ -358,7 +355,7 @@ async def test_a_node_is_asked_for_the_units_it_owns_before_the_others(tmp_path:
         targets = [("n1", "n2"), ("n2", "n0", "n1"), ("n1", "n2"), ("n2", "n0", "n1"), ("n2", "n1")]
         monkeypatch.setattr(node.placement, "route_many", lambda keys: (owners[: len(keys)], targets[: len(keys)]))
         present = a.store.present(LAYOUT.namespace_id, packed)
-        rnd = node._plan(LAYOUT.namespace_id, packed, 0, present)
+        rnd = node.remote_lookup._round_from_held(LAYOUT.namespace_id, packed, 0, present)
         assert len(rnd.starts) == 5
         # By rank among the targets as placed (n0, the asking node, counted): owner, second
         # owner, previous owner.
@@ -377,15 +374,17 @@ async def test_cluster_advertise_beside_a_static_list_is_said_to_be_unused(tmp_p
 
 async def test_past_the_grace_a_round_is_sent_before_what_is_held_is_read(tmp_path: Path) -> None:
     """Out of the grace after a change, a node sends its lookup round first and reads what
-    it holds while the answers travel (`ClusterNode._route_ahead`): hits stay whole and
+    it holds while the answers travel (`RemoteLookup._round_ahead`): hits stay whole and
     byte-exact, and a chain whose first block past the local prefix is the node's own
     unit asks nobody (its owner is the only node asked for it)."""
     async with pool(tmp_path, 3, cluster_grace_s=0) as (a, b, c):
         planned: list[int] = []
         for d in (b, c):
             assert d.cluster is not None and not d.cluster.placement.in_grace()
-            plan = d.cluster._plan
-            d.cluster._plan = lambda *args, _plan=plan: planned.append(1) or _plan(*args)  # type: ignore[method-assign]
+            lookup = d.cluster.remote_lookup
+            plan = lookup._round_from_held
+            lookup._round_from_held = (  # type: ignore[method-assign]
+                lambda *args, _plan=plan: planned.append(1) or _plan(*args))
         tokens, blocks = chain(LAYOUT, 40, seed=21)
         async with AsyncClient(unix_target(a)) as kv:
             await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True)

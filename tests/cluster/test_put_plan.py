@@ -1,4 +1,4 @@
-"""Where a put's blocks go (kvstore.cluster.pool's `plan_put_arrays`, the whole-array
+"""Where a put's blocks go (kvstore.cluster.put_plan's `plan_put_arrays`, the whole-array
 plan a long put takes): the same plan as `plan_put_by_piece`, the unit-by-unit one, on
 random chains, positions, unit rules and member sets; and left to it where the
 placement needs it (R > 1, a hot unit). A forward of several runs from another node
@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from kvstore.cluster import pool
+from kvstore.cluster import put_plan
 from kvstore.cluster.placement import HotUnits, Placement, unit_start
-from kvstore.cluster.pool import PutPlan, plan_put_arrays, plan_put_by_piece, plan_runs_arrays, put_pieces
+from kvstore.cluster.put_plan import PutPlan, plan_put_arrays, plan_put_by_piece, plan_runs_arrays, put_pieces
 
 
 def _hashes(rng: random.Random, n: int) -> list[bytes]:
@@ -55,25 +55,25 @@ def test_the_array_plan_of_a_put_is_the_unit_by_unit_plan(seed: int) -> None:
 def test_a_put_longer_than_a_job_is_cut_into_full_jobs() -> None:
     rng = random.Random(2)
     placement = Placement(["a", "b"], unit_blocks=1)
-    hashes = _hashes(rng, 3 * pool.FORWARD_JOB_BLOCKS)
+    hashes = _hashes(rng, 3 * put_plan.FORWARD_JOB_BLOCKS)
     arrays, by_piece = _plans(placement, "a", hashes, 0, hashes[0], from_peer=False)
     _same(arrays, by_piece)
     assert arrays is not None
     sizes = [sum(b - a for a, b in runs) for runs in arrays.jobs["b"]]
-    assert sizes[0] == pool.FORWARD_JOB_BLOCKS and sum(sizes) == arrays.forwarded
+    assert sizes[0] == put_plan.FORWARD_JOB_BLOCKS and sum(sizes) == arrays.forwarded
 
 
 def test_a_put_longer_than_a_job_is_cut_into_jobs_at_unit_boundaries() -> None:
     rng = random.Random(7)
     placement = Placement(["a", "b"], unit_blocks=3)
-    hashes = _hashes(rng, 3 * pool.FORWARD_JOB_BLOCKS + 5)
+    hashes = _hashes(rng, 3 * put_plan.FORWARD_JOB_BLOCKS + 5)
     arrays, by_piece = _plans(placement, "a", hashes, 0, hashes[0], from_peer=False)
     _same(arrays, by_piece)
     assert arrays is not None
     jobs = arrays.jobs["b"]
     assert len(jobs) > 1
     for runs in jobs:
-        assert sum(b - a for a, b in runs) <= pool.FORWARD_JOB_BLOCKS
+        assert sum(b - a for a, b in runs) <= put_plan.FORWARD_JOB_BLOCKS
         # Every run starts and ends on a unit boundary (or the put's end).
         assert all(a == 0 or a % 3 == 0 for a, _ in runs)
         assert all(b == len(hashes) or b % 3 == 0 for _, b in runs)
@@ -139,7 +139,7 @@ def test_the_plan_of_a_forward_of_several_runs_is_that_of_its_runs_one_by_one(se
         o = len(hashes)
         expected.owned += [(key, a + o, b + o) for key, a, b in one.owned]
         for a, b in one.replicas:
-            pool._add_range(expected.replicas, a + o, b + o)
+            put_plan.add_range(expected.replicas, a + o, b + o)
         runs.append((o, pos, key0))
         hashes += run
         pos += n

@@ -1,6 +1,6 @@
-"""The lookup round's steps over a chain's units (kvstore.cluster.pool's `_ranges`,
-`_spread`, `_reach`): the native passes (kvstore/_native/units.c) answer as their numpy
-references do, on random units, and refuse arrays they cannot read."""
+"""The lookup round's steps over a chain's units (kvstore.cluster.remote_lookup's
+`gather_ranges`, `spread_prefix`, `units_reach`): the native passes (kvstore/_native/units.c)
+answer as their numpy references do, on random units, and refuse arrays they cannot read."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvstore.cluster import pool
+from kvstore.cluster import remote_lookup
 from kvstore.native import native
 
-needs_native = pytest.mark.skipif(pool._UNITS is None, reason="the native module is not built here")
+needs_native = pytest.mark.skipif(remote_lookup.NATIVE_UNITS is None, reason="the native module is not built here")
 
 
 @pytest.fixture
 def numpy_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(pool, "_UNITS", None)
+    monkeypatch.setattr(remote_lookup, "NATIVE_UNITS", None)
     yield
 
 
@@ -42,21 +42,21 @@ def _cases(count: int) -> Iterator[tuple[random.Random, bytes, np.ndarray, np.nd
 def _both(fn, *args):  # type: ignore[no-untyped-def]
     """`fn(*args)` with the native pass and with numpy's."""
     native_answer = fn(*args)
-    saved, pool._UNITS = pool._UNITS, None
+    saved, remote_lookup.NATIVE_UNITS = remote_lookup.NATIVE_UNITS, None
     try:
         return native_answer, fn(*args)
     finally:
-        pool._UNITS = saved
+        remote_lookup.NATIVE_UNITS = saved
 
 
 @needs_native
 def test_gathered_ranges_are_the_hashes_of_the_units_asked_in_order() -> None:
     for rng, packed, starts, stops in _cases(40):
         idx = np.array(rng.sample(range(len(starts)), rng.randrange(len(starts) + 1)), np.int64)
-        got, want = _both(pool._ranges, packed, starts, stops, idx)
+        got, want = _both(remote_lookup.gather_ranges, packed, starts, stops, idx)
         assert got == want
         assert got == b"".join(packed[16 * int(starts[j]) : 16 * int(stops[j])] for j in idx.tolist())
-        every, every_numpy = _both(pool._ranges, packed, starts, stops)
+        every, every_numpy = _both(remote_lookup.gather_ranges, packed, starts, stops)
         assert every == every_numpy == packed[16 * int(starts[0]) :]
 
 
@@ -67,7 +67,7 @@ def test_an_answer_is_spread_over_the_units_asked_in_their_order() -> None:
         idx = np.array(rng.sample(range(len(sizes)), rng.randrange(1, len(sizes) + 1)), np.int64)
         total = int(sizes[idx].sum())
         for count in (0, -3, rng.randrange(total + 1), total, total + 5):
-            got, want = _both(pool._spread, count, sizes, idx)
+            got, want = _both(remote_lookup.spread_prefix, count, sizes, idx)
             assert (got == want).all() and got.dtype == np.int64
             assert int(got.sum()) == min(max(count, 0), total)
             assert (got[np.setdiff1d(np.arange(len(sizes)), idx)] == 0).all()
@@ -79,7 +79,7 @@ def test_the_reach_is_where_the_first_unit_falls_short() -> None:
         sizes = stops - starts
         locs = np.array([rng.choice([0, int(s), rng.randrange(int(s) + 1)]) for s in sizes], np.int64)
         found = np.array([rng.choice([0, int(s), rng.randrange(int(s) + 1)]) for s in sizes], np.int64)
-        (best, short, copied), (best_np, short_np, copied_np) = _both(pool._reach, locs, found, sizes)
+        (best, short, copied), (best_np, short_np, copied_np) = _both(remote_lookup.units_reach, locs, found, sizes)
         assert (best == best_np).all() and (short, copied) == (short_np, copied_np)
         assert short == next((j for j in range(len(sizes)) if best[j] < sizes[j]), len(sizes))
         assert copied == any(found[j] > locs[j] for j in range(min(short + 1, len(sizes))))
@@ -114,7 +114,8 @@ def test_the_numpy_steps_answer_on_their_own(numpy_only: None) -> None:
     """Where the module is not built, the same answers come from numpy alone."""
     packed = bytes(range(16)) * 6
     starts, stops = np.array([1, 3], np.int64), np.array([3, 6], np.int64)
-    assert pool._ranges(packed, starts, stops, np.array([1], np.int64)) == packed[48:96]
-    assert pool._spread(4, stops - starts, np.array([1, 0], np.int64)).tolist() == [1, 3]
-    best, short, copied = pool._reach(np.array([2, 0], np.int64), np.array([0, 2], np.int64), stops - starts)
+    assert remote_lookup.gather_ranges(packed, starts, stops, np.array([1], np.int64)) == packed[48:96]
+    assert remote_lookup.spread_prefix(4, stops - starts, np.array([1, 0], np.int64)).tolist() == [1, 3]
+    locs, found = np.array([2, 0], np.int64), np.array([0, 2], np.int64)
+    best, short, copied = remote_lookup.units_reach(locs, found, stops - starts)
     assert best.tolist() == [2, 2] and short == 1 and copied
