@@ -142,8 +142,9 @@ async def test_slots_are_reserved_as_the_bytes_arrive_within_the_window(stubs: S
         async def slotted() -> bool:
             return (await host(stubs)).used_bytes >= 2 * BLOCK
 
-        # The slots of the blocks that arrived are the daemon's sign that it has their
-        # chunks; a daemon that reserved the whole header at once shows them too.
+        # The slots the chunks took are the daemon's sign that it has them (the first one
+        # reserves the window's worth). A daemon that had reserved the whole header at
+        # once shows them too, and fails the bound below.
         await eventually(slotted, "the blocks that arrived got slots")
         used = (await host(stubs)).used_bytes
         # Two blocks arrived; at most the window (256 KiB) is held ahead of them.
