@@ -26,6 +26,10 @@ Results: bench/results/net.json (rows `system`, `op`, `block_bytes`, `connection
 Needs root (namespaces, veth, tc); everything made is removed at the end, on failure
 too. Mooncake needs the peers' venv (--peer-python, `bench/install-peers.sh`); without
 it its rows are left out and the report says so.
+
+`--role small-fetch` runs none of that (no root, no namespaces): it prints, as JSON, the
+median time of a lane fetch of 500 blocks of 256 bytes with the client and a daemon in
+one process, the lane's work per block where the bytes cost nothing.
 """
 
 from __future__ import annotations
@@ -303,6 +307,59 @@ CLIENTS: dict[str, Callable[[argparse.Namespace], list[dict[str, Any]]]] = {
     "socket-limit": client_socket_limit, "kvstore-lane": client_kvstore, "kvstore-lane-tls": client_kvstore,
     "kvstore-grpc": client_kvstore, "grpc-echo": client_echo,
 }
+
+
+# ---------------------------------------------------------------------- the lane's cost per block
+
+SMALL_FETCH_BLOCKS = 500
+SMALL_FETCH_BYTES = 256
+
+
+def small_fetch(rounds: int) -> dict[str, Any]:
+    """`--role small-fetch`: a lane fetch of 500 blocks of 256 bytes, the SDK's client and a
+    daemon in this one process, over loopback TCP. The bytes cost nothing here, so the time
+    is the lane's per-block work on both ends (the daemon's checks and sends, the client's
+    landing of each block): the figure docs/net.md and docs/cluster.md quote. The median of
+    `rounds` fetches after one that opens the connections."""
+    import asyncio
+
+    from kvstore.client import Client
+    from kvstore.layout import KVLayout
+    from kvstore.server.config import load_config
+    from kvstore.server.daemon import Daemon
+
+    layout = KVLayout(model="bench/net-small", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=16,
+                      block_size_tokens=4)
+    assert layout.bytes_per_block == SMALL_FETCH_BYTES, layout.bytes_per_block
+    tokens = list(range(SMALL_FETCH_BLOCKS * layout.block_size_tokens))
+    blocks = [os.urandom(SMALL_FETCH_BYTES) for _ in range(SMALL_FETCH_BLOCKS)]
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="daemon", daemon=True)
+    thread.start()
+    with tempfile.TemporaryDirectory() as tmp:
+        config = load_config({"listen": f"unix:{tmp}/kv.sock,127.0.0.1:0", "host_capacity": "64MiB",
+                              "metrics_listen": "off", "grace_s": "1"}, env={})
+        daemon = Daemon(config)
+        asyncio.run_coroutine_threadsafe(daemon.start(), loop).result(60)
+        try:
+            with Client(daemon.bound[1], data_plane="lane") as kv:
+                assert kv.put(layout, tokens, blocks).stored == SMALL_FETCH_BLOCKS
+                times_ms = []
+                for _ in range(rounds + 1):
+                    began = time.perf_counter()
+                    got = kv.fetch(layout, tokens)
+                    times_ms.append((time.perf_counter() - began) * 1e3)
+                    assert [bytes(b) for b in got] == blocks
+                assert kv.data_plane_in_use == "lane"
+        finally:
+            asyncio.run_coroutine_threadsafe(daemon.stop(), loop).result(60)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            loop.close()
+    timed_ms = sorted(times_ms[1:])
+    return {"measure": "lane fetch, client and daemon in one process", "blocks": SMALL_FETCH_BLOCKS,
+            "block_bytes": SMALL_FETCH_BYTES, "rounds": rounds, "median_ms": round(float(np.median(timed_ms)), 2),
+            "min_ms": round(timed_ms[0], 2), "max_ms": round(timed_ms[-1], 2), "cpus": os.cpu_count()}
 
 
 # ---------------------------------------------------------------------- the two hosts
@@ -649,7 +706,9 @@ def _has_mooncake(python: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--role", choices=("run", "client", "sockets-server"), default="run")
+    parser.add_argument("--role", choices=("run", "client", "sockets-server", "small-fetch"), default="run",
+                        help="small-fetch: only the lane fetch of 500 blocks of 256 B in one process, as JSON")
+    parser.add_argument("--rounds", type=int, default=30, help="small-fetch: fetches timed (default 30)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 MiB blocks, 0.3 s per cell")
     parser.add_argument("--seconds", type=float, default=1.0, help="time per cell")
     parser.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="block sizes in bytes")
@@ -673,6 +732,9 @@ def main(argv: list[str] | None = None) -> int:
     args.systems = [s for s in str(args.systems).split(",") if s]
     if args.quick:
         args.sizes, args.seconds = [MIB], min(args.seconds, 0.3)
+    if args.role == "small-fetch":
+        print(json.dumps(small_fetch(args.rounds)))
+        return 0
     if args.role == "sockets-server":
         return sockets_server(SOCKETS_PORT)
     if args.role == "client":

@@ -2,7 +2,8 @@
 
 The benchmark replays through real stores and the real placement code; here it runs on a
 trace small enough to reason about, and on the first requests of the shared conversation
-trace (skipped when the trace is absent), checking the results' shape and bounds.
+trace (skipped when the trace is absent), checking the results' shape and that the pool
+comes near the shared cache where islands fall well short of it.
 """
 
 from __future__ import annotations
@@ -62,15 +63,33 @@ def test_one_chain_asked_again_and_again_hits_everywhere_in_the_pool(tmp_path: P
 
 @pytest.mark.skipif(not REAL_TRACE.exists(), reason="the shared conversation trace is not present")
 def test_real_trace_slice(tmp_path: Path) -> None:
-    result = run_bench(tmp_path, REAL_TRACE, "--limit", "600", "--nodes", "3", "--policies", "lru", "--no-variants")
+    # The first 600 requests reuse little of what they look up (16,495 block lookups,
+    # 13,712 distinct blocks): at the benchmark's 5% capacity every set-up hits block 0
+    # and nothing else, and a pool that never found a block on another node would read
+    # as well as the shared cache. At half the slice's distinct blocks the reuse fits, and
+    # random routing splits it: the shared cache hits 0.132, islands 0.076, the pool 0.131.
+    result = run_bench(tmp_path, REAL_TRACE, "--limit", "600", "--nodes", "3", "--policies", "lru", "--no-variants",
+                       "--capacity-fraction", "0.5")
     rows = rows_by(result)
     assert result["requests"] == 600
+    shared = rows[(1, "-", "shared")]["hit_ratio"]
     for routing in ("random", "sticky"):
         for setup in ("islands", "cluster"):
             r = rows[(3, routing, setup)]
             assert 0.0 <= r["hit_ratio"] <= 1.0 and r["trace"] == "conversation_trace"
         assert rows[(3, routing, "islands")]["remote_hits"] == 0
+        # The pool finds on the other nodes what the node asked lacks, and comes within
+        # 10% of the shared cache (it reads 0.997x that on either routing).
+        cluster = rows[(3, routing, "cluster")]
+        assert cluster["remote_hits"] > 0
+        assert cluster["hit_ratio"] >= 0.9 * shared, (routing, cluster["hit_ratio"], shared)
     assert rows[(3, "random", "islands")]["hit_ratio"] <= rows[(1, "-", "shared")]["hit_ratio"]
+    # Islands under random routing lose much of the reuse (0.58x the shared cache), so
+    # the bound above is one a pool acting as islands does not meet; and they are never
+    # above the pool there.
+    islands = rows[(3, "random", "islands")]["hit_ratio"]
+    assert islands <= 0.75 * shared
+    assert islands <= rows[(3, "random", "cluster")]["hit_ratio"]
 
 
 @pytest.mark.parametrize("content, message", [

@@ -6,7 +6,6 @@ limits")."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import resource
@@ -24,6 +23,7 @@ from kvstore.client import AsyncClient, Client
 from kvstore.control_lane_wire import HELLO, MAGIC, frame, lane_path
 from kvstore.server.daemon import Daemon
 from tests import procs
+from tests.polling import eventually, wait_until
 from conftest import daemon_in_thread, make_config
 
 FD_LIMIT = 128
@@ -34,6 +34,8 @@ IDLE_S = 2
 SERVE_DEADLINE_S = 20.0
 CLOSE_DEADLINE_S = 30.0
 MAX_LOG_LINES = 60
+# /proc/net/unix's state of a connected socket (a listening one is 01).
+SS_CONNECTED = "03"
 # The client's HTTP/2 connection preface and an empty SETTINGS frame: what a gRPC client
 # sends first, after which the connection is past its handshake.
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
@@ -76,6 +78,17 @@ def _closed_by_peer(sock: socket.socket) -> bool:
         return False
     except OSError:
         return True
+
+
+def _lane_connections(path: str) -> int:
+    """Connections the daemon holds open on the control lane at `path`. The kernel lists
+    each Unix socket with the path it is bound to, and the daemon's end of an accepted
+    connection carries its listener's path (a client's end carries none), so these are the
+    connected sockets under `path`; one the daemon has closed is gone from the list."""
+    with open("/proc/net/unix") as table:
+        next(table)  # Num RefCount Protocol Flags Type St Inode Path
+        rows = [line.split(None, 7) for line in table]
+    return sum(1 for row in rows if len(row) == 8 and row[7].rstrip("\n") == path and row[5] == SS_CONNECTED)
 
 
 def _health(target: str) -> None:
@@ -222,9 +235,11 @@ def test_clients_carry_on_when_the_daemon_closes_their_idle_connections(tmp_path
     tokens = list(range(layout.block_size_tokens * 2))
     blocks = [os.urandom(layout.bytes_per_block) for _ in range(2)]
     with daemon_in_thread(make_config(tmp_path, connection_idle_s=IDLE_CLOSE_S)) as running:
+        lane = lane_path(running.unix_target.removeprefix("unix:"))
         with Client(running.unix_target, control_plane="lane") as kv:  # a lane failure raises
             assert kv.lookup(layout, tokens).num_blocks == 0
-            time.sleep(IDLE_CLOSE_S * 2.5)  # at least one idle sweep closed the pooled connection
+            assert _lane_connections(lane) >= 1  # the client's, pooled
+            wait_until(lambda: _lane_connections(lane) == 0, "the daemon closed the idle lane connections")
             assert kv.put(layout, tokens, blocks).stored == 2
             assert kv.control_plane_in_use == "lane" and kv.data_plane_in_use == "local"
             assert kv.fetch(layout, tokens) == blocks
@@ -236,9 +251,15 @@ async def test_async_clients_carry_on_when_the_daemon_closes_their_idle_connecti
     daemon = Daemon(make_config(tmp_path, connection_idle_s=IDLE_CLOSE_S))
     await daemon.start()
     try:
+        lane = lane_path(daemon.bound[0].removeprefix("unix:"))
         async with AsyncClient(daemon.bound[0], control_plane="lane") as kv:
             assert (await kv.lookup(layout, tokens)).num_blocks == 0
-            await asyncio.sleep(IDLE_CLOSE_S * 2.5)
+            assert _lane_connections(lane) >= 1
+
+            async def closed() -> bool:
+                return _lane_connections(lane) == 0
+
+            await eventually(closed, "the daemon closed the idle lane connections")
             assert (await kv.put(layout, tokens, blocks)).stored == 2
             assert await kv.control_plane_in_use() == "lane" and await kv.data_plane_in_use() == "local"
             assert await kv.fetch(layout, tokens) == blocks

@@ -17,6 +17,7 @@ from kvstore.client.events import BlockTracker
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 from conftest import make_config
+from tests.polling import eventually
 
 
 async def test_watch_events_carry_the_tier_enum_next_to_the_names(tmp_path, layout):
@@ -28,7 +29,13 @@ async def test_watch_events_carry_the_tier_enum_next_to_the_names(tmp_path, layo
             admin = admin_pb2_grpc.AdminStub(ch)
             call = admin.WatchEvents(admin_pb2.WatchEventsRequest(), timeout=30)
             stream = call.__aiter__()
-            await asyncio.sleep(0.2)  # subscribed
+
+            async def subscribed() -> bool:
+                events = await admin.Info(admin_pb2.InfoRequest(section="events"))
+                return "event_subscribers:1" in events.text.splitlines()
+
+            # The put's STORED event reaches only a subscriber registered before it.
+            await eventually(subscribed, "the WatchEvents stream subscribed")
             put = await kv.put(layout, tokens, [os.urandom(layout.bytes_per_block) for _ in range(2)])
             stored = await asyncio.wait_for(anext(stream), 30)
             assert stored.kind == admin_pb2.EVENT_STORED

@@ -26,6 +26,7 @@ from kvstore.layout import KVLayout
 from kvstore.server.config import load_config
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+from tests.polling import eventually
 
 pytestmark = pytest.mark.asyncio
 
@@ -57,6 +58,13 @@ class Stubs:
 
     async def namespaces(self) -> int:
         return (await self.admin.Stats(admin_pb2.StatsRequest())).namespaces
+
+    async def host_used_at_least(self, nbytes: int) -> bool:
+        stats = await self.admin.Stats(admin_pb2.StatsRequest())
+        return next(t.used_bytes for t in stats.tiers if t.name == "host") >= nbytes
+
+    async def put_failures_above(self, count: int) -> bool:
+        return (await self.admin.Stats(admin_pb2.StatsRequest())).counters.put_failures > count
 
 
 @contextlib.asynccontextmanager
@@ -154,7 +162,8 @@ async def test_every_read_of_an_unknown_layout_is_a_miss(stubs: Stubs) -> None:
 
 
 async def refused_puts(s: Stubs, layout: KVLayout) -> list[grpc.StatusCode]:
-    """Puts of `layout` that the daemon refuses, each for another reason; their codes."""
+    """Puts of `layout` that the daemon refuses, each for another reason; their codes, once
+    the daemon has rolled back the last one (cancelled, so it answers nothing)."""
     block = layout.bytes_per_block
     ref = ns(layout)
 
@@ -185,15 +194,19 @@ async def refused_puts(s: Stubs, layout: KVLayout) -> list[grpc.StatusCode]:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await s.kv.LocalPut(kvstore_pb2.LocalPutRequest(header=head(toks, num_blocks=9).header))
     codes.append(info.value.code())
-    # A put cancelled before it half-closed.
+    # A put cancelled before it half-closed, once the daemon holds slots for its blocks
+    # (a put begun: there is something to roll back).
     call = s.kv.Put()
     await call.write(head(toks))
     await call.write(piece(0, block))
     await call.write(piece(1, block))
-    await asyncio.sleep(0.2)
+    await eventually(lambda: s.host_used_at_least(2 * block), "the put's blocks got slots")
+    failed = (await s.admin.Stats(admin_pb2.StatsRequest())).counters.put_failures
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
+    # The daemon counts a put that ended without publishing once it has rolled it back.
+    await eventually(lambda: s.put_failures_above(failed), "the cancelled put was rolled back")
     return codes
 
 
@@ -203,7 +216,6 @@ async def test_refused_puts_leave_no_namespace(tmp_path: Path) -> None:
     async with running(tmp_path) as s:
         codes = await refused_puts(s, big)
         assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.INVALID_ARGUMENT in codes
-        await asyncio.sleep(0.2)  # the cancelled put has been rolled back
         assert await s.namespaces() == 0
         listed = await s.admin.ListNamespaces(admin_pb2.ListNamespacesRequest())
         assert list(listed.namespaces) == []

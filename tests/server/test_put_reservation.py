@@ -25,6 +25,7 @@ from kvstore.layout import KVLayout
 from kvstore.server.config import load_config
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+from tests.polling import eventually
 
 pytestmark = pytest.mark.asyncio
 
@@ -101,7 +102,6 @@ async def test_a_header_naming_the_whole_tier_then_silence_holds_nothing(stubs: 
     whole = hashes(tier.capacity_bytes // BLOCK, 2)
     hog = stubs.kv.Put()
     await hog.write(header(whole))
-    await asyncio.sleep(0.3)  # the daemon has the header: a reserve-everything daemon would have evicted by now
     try:
         tier = await host(stubs)
         assert tier.evictions == 0 and tier.drops == 0
@@ -111,6 +111,21 @@ async def test_a_header_naming_the_whole_tier_then_silence_holds_nothing(stubs: 
         after = hashes(20, 3)
         assert (await put(stubs, after)).stored == 20
         assert await found(stubs, after) == 20
+        # Nothing the daemon exposes says it has read a header whose bytes have not come,
+        # so the checks above may have run before it did. Its answer to the end of the
+        # stream says it had: the put it began from that header ended short. To reserve
+        # the whole tier for the header, a daemon would have had to evict every block it
+        # held (the header names as many blocks as the tier has room for), and evictions
+        # are never undone: so the same checks, made after that answer, are conclusive.
+        await hog.done_writing()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(hog, WAIT_S)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"of the {len(whole)} blocks the header names" in (info.value.details() or "")
+        tier = await host(stubs)
+        assert tier.evictions == 0 and tier.drops == 0
+        assert tier.used_bytes == 30 * BLOCK
+        assert await found(stubs, before) == 10 and await found(stubs, after) == 20
     finally:
         hog.cancel()
 
@@ -123,7 +138,14 @@ async def test_slots_are_reserved_as_the_bytes_arrive_within_the_window(stubs: S
         await call.write(chunk(0, os.urandom(BLOCK // 2)))
         await call.write(chunk(0, os.urandom(BLOCK // 2)))
         await call.write(chunk(1, os.urandom(BLOCK)))
-        await asyncio.sleep(0.3)
+
+        async def slotted() -> bool:
+            return (await host(stubs)).used_bytes >= 2 * BLOCK
+
+        # The slots the chunks took are the daemon's sign that it has them (the first one
+        # reserves the window's worth). A daemon that had reserved the whole header at
+        # once shows them too, and fails the bound below.
+        await eventually(slotted, "the blocks that arrived got slots")
         used = (await host(stubs)).used_bytes
         # Two blocks arrived; at most the window (256 KiB) is held ahead of them.
         assert 2 * BLOCK <= used <= 2 * BLOCK + 256 * 1024
