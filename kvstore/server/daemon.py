@@ -46,7 +46,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from kvstore.core.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, parse_tier_policies
-from kvstore.core.store import MigrationConfig, Store, StoreLimits, StoreTier, WritePolicy
+from kvstore.core.store import Store, StoreTier
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.control_lane_wire import lane_path
 from kvstore.logs import rate_limited
@@ -254,25 +254,10 @@ class Daemon:
         unowned = stack.enter_context(contextlib.ExitStack())
         for st in tiers:
             unowned.callback(st.tier.close)
-        put_tier = cfg.put_tier if cfg.put_tier == "auto" or any(t.name == cfg.put_tier for t in tiers) else "auto"
         self.store = Store(
             tiers,
-            migration=MigrationConfig(
-                write_policy=WritePolicy(cfg.ssd_write_policy),
-                put_tier=put_tier,
-                promote_on_hit=cfg.promote_on_hit,
-                batch_blocks=cfg.migration_batch_blocks,
-            ),
-            limits=StoreLimits(
-                max_blocks_per_call=cfg.max_blocks_per_call,
-                max_namespaces=cfg.max_namespaces,
-                namespace_grace_s=cfg.namespace_grace_s,
-                max_leases=cfg.max_leases,
-                # Without a token file every caller is the one default tenant: max_leases is the cap.
-                max_leases_per_tenant=cfg.max_leases_per_tenant if self.tokens is not None else None,
-                max_lease_ms=cfg.max_lease_ms,
-                default_pin_ms=cfg.default_pin_ms,
-            ),
+            migration=cfg.migration([st.name for st in tiers]),
+            limits=cfg.store_limits(),
             executor=self._executor,
             make_copier=make_copier,
         )
