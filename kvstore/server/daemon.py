@@ -47,6 +47,7 @@ from grpc_health.v1._async import HealthServicer
 
 from kvstore.core.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, parse_tier_policies
 from kvstore.core.store import Store, StoreTier
+from kvstore.core.tier import SharedWindow
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.control_lane_wire import lane_path
 from kvstore.logs import rate_limited
@@ -82,8 +83,6 @@ from kvstore.server.data_lane.transfers import DataLaneTransfers
 from kvstore.tiers import (
     HBM,
     HOST,
-    HostTier,
-    SpacedHostTier,
     Tier,
     TierSettings,
     build_tiers,
@@ -279,7 +278,7 @@ class Daemon:
         await self._start_metrics(stack)
         # The host tier is not the first one when an HBM tier sits above it.
         host_tier = next(st.tier for st in store.tiers if st.name == HOST)
-        assert isinstance(host_tier, (HostTier, SpacedHostTier))
+        assert isinstance(host_tier, SharedWindow)
         server, servicer = self._services(store, host_tier, absent)
         await self._start_data_lane(stack)
         await self._start_grpc(stack, server)
@@ -326,7 +325,7 @@ class Daemon:
         if node is not None:
             await node.aclose()
 
-    def _services(self, store: Store, host_tier: HostTier | SpacedHostTier,
+    def _services(self, store: Store, host_tier: SharedWindow,
                   absent: list[tuple[str, str]]) -> tuple[grpc.aio.Server, KVStoreServicer]:
         """The gRPC server with every service on it (not bound yet), and the KVStore
         servicer, which the lanes serve too."""

@@ -22,9 +22,10 @@ exactly once, whatever fails:
 - a put that reuses a reservation it does not need (`reuse_reservation_id`) takes its
   slots as spares for the next reservation, or frees them if they do not fit.
 
-Whose memory a client maps. With auth off there is one tenant: every client maps the
-host tier's one segment, by path. With auth on the host tier keeps one segment per
-tenant (`SpacedHostTier`): `LocalSegment` hands the caller its own tenant's segment, as
+Whose memory a client maps: the host tier's, through its `SharedWindow` (the tier
+contract's, `kvstore.core.tier`). With auth off there is one tenant: every client maps
+the host tier's one segment, by path. With auth on the host tier keeps one segment per
+tenant (it has `spaces`): `LocalSegment` hands the caller its own tenant's segment, as
 a file descriptor over the control lane (`kvstore.server.control_lane.PASSED_FDS`; over gRPC it
 is refused, FAILED_PRECONDITION, and the SDK moves bytes through Put and Fetch), and
 every offset a client is given is one of its tenant's slots, in that segment: a put's
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.core.types import NamespaceInfo
 from kvstore.core.store import PutOutcome, Store
-from kvstore.core.tier import Slot
+from kvstore.core.tier import SharedSegment, SharedWindow, Slot
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put
@@ -49,7 +50,7 @@ from kvstore.server.control_lane import PASSED_FDS
 from kvstore.server.local_puts import LocalPuts
 from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
 from kvstore.shm import HEADER_BYTES
-from kvstore.tiers import HOST, HostTier, Segment, SpacedHostTier
+from kvstore.tiers import HOST
 from kvstore.v1 import kvstore_pb2
 
 if TYPE_CHECKING:
@@ -74,23 +75,23 @@ ANOTHER_SPACE = ("this namespace's blocks live in another tenant's shared-memory
 
 
 class LocalPlaneService:
-    def __init__(self, store: Store, resolver: RequestResolver, host: HostTier | SpacedHostTier | None,
+    def __init__(self, store: Store, resolver: RequestResolver, host: SharedWindow | None,
                  puts: LocalPuts) -> None:
         self.store = store
         self.resolver = resolver
         self._host = host
         # One segment per tenant (auth on): offsets are translated and checked.
-        self._spaced: SpacedHostTier | None = host if isinstance(host, SpacedHostTier) else None
+        self._spaced: SharedWindow | None = host if host is not None and host.spaces else None
         # The daemon's own table: its sweep and shutdown must see these puts.
         self.puts = puts
         # The pool this daemon is one of (kvstore.server.cluster); None on a single daemon.
         self.cluster: ClusterNode | None = None
 
-    def require_segment(self) -> Segment:
+    def require_segment(self) -> SharedSegment:
         """The segment the caller's blocks are in (its tenant's, with auth on)."""
         return self._require_host().segment_for(self._caller_space())
 
-    def _require_host(self) -> HostTier | SpacedHostTier:
+    def _require_host(self) -> SharedWindow:
         if self._host is None:
             raise FailedPrecondition(NO_SEGMENT)
         return self._host
