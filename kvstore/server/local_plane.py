@@ -48,7 +48,7 @@ from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put
 from kvstore.server.control_lane import PASSED_FDS
 from kvstore.server.local_puts import LocalPuts
-from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
+from kvstore.server.requests import Miss, RequestResolver, UnregisteredLayout, hash_fields, packed_reply
 from kvstore.shm import HEADER_BYTES
 from kvstore.tiers import HOST
 from kvstore.v1 import kvstore_pb2
@@ -327,13 +327,11 @@ class LocalPlaneService:
         """The leading blocks of the held prefix that sit in `tier`, by offset, under a lease."""
         resolver = self.resolver
         self.release_leases(request.release_lease_ids)
-        try:
-            ns_id = resolver.namespace(request.namespace)
-        except UnregisteredLayout as unknown:  # a miss: nothing is registered
-            resolver.check_keys(request.keys, unknown.layout)
-            return kvstore_pb2.LocalFetchResponse(block_bytes=unknown.layout.bytes_per_block,
-                                                  namespace_id=unknown.namespace_id,
-                                                  block_size_tokens=unknown.layout.block_size_tokens)
+        ns_id = resolver.known(request.namespace, request.keys)
+        if isinstance(ns_id, Miss):
+            return kvstore_pb2.LocalFetchResponse(block_bytes=ns_id.layout.bytes_per_block,
+                                                  namespace_id=ns_id.namespace_id,
+                                                  block_size_tokens=ns_id.layout.block_size_tokens)
         chain = resolver.chain(ns_id, request.keys)
         result, offsets, checksums = self.store.lease_prefix(
             ns_id, chain, request.lease_ms or DEFAULT_LOCAL_LEASE_MS, tier=tier

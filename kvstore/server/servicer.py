@@ -4,8 +4,9 @@ Primitives: `KVStoreServicer`, `tier_enum_table(names)`.
 
 Each method resolves what the request names through the `RequestResolver` (the server's
 one validation boundary: namespaces, keys, sessions, the caller's lease ids), calls one
-store verb, and builds the answer. A read of a layout the daemon holds nothing of
-(`UnregisteredLayout`) is answered as a miss without registering it; only a Put that
+store verb, and builds the answer. A read of a layout the daemon holds nothing of is
+answered as a miss without registering it (the resolver's `Miss`; a Lookup, which a pool
+may answer from other nodes, takes `UnregisteredLayout` itself); only a Put that
 publishes registers a namespace. The shared-memory and device planes are delegated to
 `LocalPlaneService` and `DevicePlane`, the data lane's transfers to `DataLaneTransfers`. The one piece of work beyond translation is the Fetch
 framer (`_frame`), which the store's fetch calls to cut a block into wire messages, so
@@ -65,7 +66,7 @@ from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.local_plane import LocalPlaneService
-from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
+from kvstore.server.requests import Miss, RequestResolver, UnregisteredLayout, hash_fields, packed_reply
 from kvstore.server.data_lane.transfers import DataLaneTransfers
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvstore.wire import Framed, RawChunk, chunk_prefix, encode_chunk
@@ -134,6 +135,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self.put_idle_timeout_s = put_idle_timeout_s
         # Bound once: the lookup path pays one attribute read for each, as before the split.
         self._namespace = resolver.namespace
+        self._known = resolver.known
         self._chain = resolver.chain
         self._hashes = resolver.hashes
         self._lease_out = resolver.tags.tag
@@ -153,9 +155,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 ns_id = self.resolver.namespace(request.namespace, register=True)
                 return await self._lookup(request, ns_id)
             if self.cluster is not None:  # another node's lookup: the pool's counters
-                self.cluster.peer_looked_up(self._miss(request.keys, unknown), 0)
+                self.cluster.peer_looked_up(self.resolver.check_keys(request.keys, unknown.layout), 0)
             else:
-                self.store.counters.count_unknown_lookup(self._miss(request.keys, unknown))
+                self.store.counters.count_unknown_lookup(self.resolver.check_keys(request.keys, unknown.layout))
             if request.HasField("hint"):
                 self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
             return kvstore_pb2.LookupResponse(namespace_id=unknown.namespace_id,
@@ -288,15 +290,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Fetch(
         self, request: kvstore_pb2.FetchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[kvstore_pb2.FetchResponse | bytes]:
-        try:
-            ns_id = self._namespace(request.namespace)
-        except UnregisteredLayout as unknown:
-            self._miss(request.keys, unknown)
+        ns_id = self._known(request.namespace, request.keys)
+        if isinstance(ns_id, Miss):
             lease_id = self._lease_in(request.lease_id)
             if lease_id:  # released when a fetch ends, whatever it found
                 self.store.unpin(lease_id)
             yield kvstore_pb2.FetchResponse(header=kvstore_pb2.FetchHeader(
-                block_bytes=unknown.layout.bytes_per_block, namespace_id=unknown.namespace_id))
+                block_bytes=ns_id.layout.bytes_per_block, namespace_id=ns_id.namespace_id))
             return
         hashes = self._hashes(ns_id, request.keys)
         cluster = self.cluster
@@ -344,18 +344,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return Framed(messages, payload)
 
     async def Delete(self, request: kvstore_pb2.DeleteRequest, context: Context) -> kvstore_pb2.DeleteResponse:
-        try:
-            ns_id = self._namespace(request.namespace)
-        except UnregisteredLayout as unknown:
-            self._miss(request.keys, unknown)
+        ns_id = self._known(request.namespace, request.keys)
+        if isinstance(ns_id, Miss):
             return kvstore_pb2.DeleteResponse()
         return kvstore_pb2.DeleteResponse(deleted=self.store.delete(ns_id, self._hashes(ns_id, request.keys)))
 
     async def Pin(self, request: kvstore_pb2.PinRequest, context: Context) -> kvstore_pb2.PinResponse:
-        try:
-            ns_id = self._namespace(request.namespace)
-        except UnregisteredLayout as unknown:
-            self._miss(request.keys, unknown)
+        ns_id = self._known(request.namespace, request.keys)
+        if isinstance(ns_id, Miss):
             return kvstore_pb2.PinResponse()
         r = self.store.pin(ns_id, self._hashes(ns_id, request.keys), request.ttl_ms)
         return kvstore_pb2.PinResponse(lease_id=self._lease_out(r.lease_id), pinned=r.pinned,
@@ -366,10 +362,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return kvstore_pb2.UnpinResponse(released=bool(lease_id) and self.store.unpin(lease_id))
 
     async def Hint(self, request: kvstore_pb2.HintRequest, context: Context) -> kvstore_pb2.HintResponse:
-        try:
-            ns_id = self._namespace(request.namespace)
-        except UnregisteredLayout as unknown:
-            self._miss(request.keys, unknown)
+        ns_id = self._known(request.namespace, request.keys)
+        if isinstance(ns_id, Miss):
             self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
             return kvstore_pb2.HintResponse()
         session = self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
@@ -388,12 +382,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         tier = TIER_NAMES.get(request.tier, "") if request.tier else ""
         if request.tier and not tier:
             raise InvalidArgument(unknown_tier_message(request.tier, [t.name for t in self.store.memory_tiers]))
-        try:
-            ns_id = self._namespace(request.namespace)
-        except UnregisteredLayout as unknown:
-            n = self._miss(request.keys, unknown)
-            return kvstore_pb2.PrefetchResponse(tier=TIER_BY_NAME[self.store.prefetch_target(tier)], requested=n,
-                                                missing=n)
+        ns_id = self._known(request.namespace, request.keys)
+        if isinstance(ns_id, Miss):
+            return kvstore_pb2.PrefetchResponse(tier=TIER_BY_NAME[self.store.prefetch_target(tier)],
+                                                requested=ns_id.blocks, missing=ns_id.blocks)
         hashes = self._hashes(ns_id, request.keys)
         r = await self.store.prefetch(ns_id, hashes, tier)
         return kvstore_pb2.PrefetchResponse(
@@ -402,19 +394,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         )
 
     async def Verify(self, request: kvstore_pb2.VerifyRequest, context: Context) -> kvstore_pb2.VerifyResponse:
-        try:
-            ns_id = self._namespace(request.namespace)
-        except UnregisteredLayout as unknown:
-            self._miss(request.keys, unknown)
+        ns_id = self._known(request.namespace, request.keys)
+        if isinstance(ns_id, Miss):
             return kvstore_pb2.VerifyResponse()
         verified, dropped = await self.store.verify(ns_id, self._hashes(ns_id, request.keys))
         return kvstore_pb2.VerifyResponse(verified=verified, dropped=dropped)
-
-    def _miss(self, keys: kvstore_pb2.BlockKeys, unknown: UnregisteredLayout) -> int:
-        """A read of a layout the daemon holds nothing of: its keys checked as any read's
-        (bad input is refused the same either way), and how many blocks it names; the
-        read answers a miss and registers nothing."""
-        return self.resolver.check_keys(keys, unknown.layout)
 
     # -------------------------------------------------------------- data planes
 

@@ -32,7 +32,7 @@ from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put, put_position
 from kvstore.server.data_lane.fetch import FetchTransfer
 from kvstore.server.data_lane.put import PutTransfer
-from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
+from kvstore.server.requests import Miss, RequestResolver, hash_fields, packed_reply
 from kvstore.server.data_lane.transfer import DataLaneCounters, DataLaneSettings, Transfer, TransferFailed
 from kvstore.tiers import HOST
 from kvstore.v1 import kvstore_pb2
@@ -131,15 +131,13 @@ class DataLaneTransfers:
         self._admit()
         resolver = self.resolver
         fetch = request.fetch
-        try:
-            ns_id = resolver.namespace(fetch.namespace)
-        except UnregisteredLayout as unknown:  # a layout nothing was put in: a miss, as for Fetch
-            resolver.check_keys(fetch.keys, unknown.layout)
+        ns_id = resolver.known(fetch.namespace, fetch.keys)
+        if isinstance(ns_id, Miss):  # a layout nothing was put in: a miss, as for Fetch
             lease_id = resolver.tags.untag(fetch.lease_id)
             if lease_id:  # released when a fetch ends, whatever it found
                 self.store.unpin(lease_id)
-            return kvstore_pb2.LaneFetchResponse(block_bytes=unknown.layout.bytes_per_block,
-                                                 namespace_id=unknown.namespace_id)
+            return kvstore_pb2.LaneFetchResponse(block_bytes=ns_id.layout.bytes_per_block,
+                                                 namespace_id=ns_id.namespace_id)
         if self.store.namespace(ns_id).layout.groups:
             raise FailedPrecondition(GROUPED_NOT_ON_LANE)
         hashes = resolver.hashes(ns_id, fetch.keys)
