@@ -3,6 +3,9 @@
 Primitives: `LocalPlaneService` (`segment()`, `put(request)`, `commit(request)`, `fetch(request)`,
 and `begin_put` / `lease_blocks` for a given tier, which the device plane shares).
 The open puts and reservations themselves are kept in `kvstore.server.local_puts`.
+In a pool, a committed put is forwarded through the daemon's node of the pool, and a
+fetch first waits for blocks a lookup is copying here (`PoolNode`,
+kvstore.server.pool_node); a daemon alone's node answers both at once.
 
 A co-located client moves block bytes by memcpy into and out of the host tier's segment;
 these calls carry only offsets. A fetch leases the leading blocks held in the tier and
@@ -38,23 +41,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from kvstore.core.types import NamespaceInfo
-from kvstore.core.store import PutOutcome, Store
+from kvstore.core.store import Store
 from kvstore.core.tier import SharedSegment, SharedWindow, Slot
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put
 from kvstore.server.control_lane import PASSED_FDS
 from kvstore.server.local_puts import LocalPuts
+from kvstore.server.pool_node import PoolNode
 from kvstore.server.requests import Miss, RequestResolver, UnregisteredLayout, hash_fields, packed_reply
 from kvstore.shm import HEADER_BYTES
 from kvstore.tiers import HOST
 from kvstore.v1 import kvstore_pb2
-
-if TYPE_CHECKING:
-    from kvstore.cluster.pool import ClusterNode
 
 # The tier the shared-memory plane serves from and puts into.
 LOCAL_TIER = HOST
@@ -76,7 +76,7 @@ ANOTHER_SPACE = ("this namespace's blocks live in another tenant's shared-memory
 
 class LocalPlaneService:
     def __init__(self, store: Store, resolver: RequestResolver, host: SharedWindow | None,
-                 puts: LocalPuts) -> None:
+                 puts: LocalPuts, node: PoolNode) -> None:
         self.store = store
         self.resolver = resolver
         self._host = host
@@ -84,8 +84,9 @@ class LocalPlaneService:
         self._spaced: SharedWindow | None = host if host is not None and host.spaces else None
         # The daemon's own table: its sweep and shutdown must see these puts.
         self.puts = puts
-        # The pool this daemon is one of (kvstore.server.cluster); None on a single daemon.
-        self.cluster: ClusterNode | None = None
+        # This daemon's node of the pool (kvstore.server.pool_node): a committed put is
+        # forwarded through it, and a fetch waits for the blocks its pulls are copying here.
+        self.node = node
 
     def require_segment(self) -> SharedSegment:
         """The segment the caller's blocks are in (its tenant's, with auth on)."""
@@ -137,22 +138,13 @@ class LocalPlaneService:
     async def fetch(self, request: kvstore_pb2.LocalFetchRequest) -> kvstore_pb2.LocalFetchResponse:
         if self._host is None:
             raise FailedPrecondition(NO_SEGMENT)
-        cluster = self.cluster
-        if cluster is not None and cluster.pulling:
+        node = self.node
+        if node.pulling:
             # Blocks a lookup is copying here from other nodes: served once they landed.
             with contextlib.suppress(UnregisteredLayout):  # nothing was put in it: a miss below
                 ns_id = self.resolver.namespace(request.namespace)
-                await cluster.settle_fetch(ns_id, self.resolver.chain(ns_id, request.keys))
+                await node.settle_fetch(ns_id, self.resolver.chain(ns_id, request.keys))
         return self.lease_blocks(request, LOCAL_TIER)
-
-    async def _forward(self, result: PutOutcome, header: kvstore_pb2.PutHeader, resp: kvstore_pb2.PutResponse,
-                       hashes: Sequence[bytes] | None = None, parent: bytes | None = None) -> None:
-        """A committed put's forwards to the owners of its units (in a pool)."""
-        cluster = self.cluster
-        assert cluster is not None
-        if hashes is None:
-            hashes, parent = self.resolver.put_keys(self.store.namespace(result.namespace_id), header)
-        await forward_put(cluster, result.namespace_id, hashes, parent, header, resp, current_identity().peer)
 
     def release_leases(self, lease_ids: Sequence[str]) -> None:
         if len(lease_ids) > MAX_PIGGYBACK_RELEASES:
@@ -262,8 +254,10 @@ class LocalPlaneService:
             stored=result.stored, existing=result.existing, namespace_id=result.namespace_id,
             **hash_fields(result.block_hashes, packed),
         )
-        if self.cluster is not None and header is not None:
-            await self._forward(result, header, resp)
+        if header is not None:
+            waiting = forward_put(self.node, self.resolver, result.namespace_id, header, resp)
+            if waiting is not None:
+                await waiting
         return resp
 
     async def _commit_reserved(self, request: kvstore_pb2.LocalCommitRequest) -> kvstore_pb2.PutResponse:
@@ -313,8 +307,9 @@ class LocalPlaneService:
         resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
                                        namespace_id=result.namespace_id,
                                        **hash_fields(result.block_hashes, packed_reply(header.keys)))
-        if self.cluster is not None:
-            await self._forward(result, header, resp, hashes, parent)
+        waiting = forward_put(self.node, resolver, result.namespace_id, header, resp, hashes, parent)
+        if waiting is not None:
+            await waiting
         if request.reserve_ahead:
             reservation = await self._reserve_ahead(block_bytes, request.reserve_ahead, spare)
             if reservation is not None:
