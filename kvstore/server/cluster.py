@@ -6,8 +6,9 @@ started, which the daemon hands to its services) and `join_cluster(...)` (once t
 listeners are bound), `put_position` / `put_tokens` / `forward_put` (a committed put's
 forwards, for the servicers), `ClusterCollector` (metrics), `info_section`,
 `status_proto`, `where_proto`, `drain_proto`, `watch_health` (the `kvstore.v1.Cluster`
-health status). What takes a node takes a `PoolNode` (kvstore.server.pool_node): a
-single daemon's `SoloNode` answers as a node alone (INFO's `cluster_enabled:0`).
+health status). What the services call (`forward_put`, `info_section`, `status_proto`,
+`where_proto`, `drain_proto`) takes a `PoolNode` (kvstore.server.pool_node), so a single
+daemon's `SoloNode` answers too, as a node alone (INFO's `cluster_enabled:0`).
 
 A single daemon (`cluster = false`, the default) never imports `kvstore.cluster` nor the
 etcd client: this module imports it only inside the functions that a pool's daemon alone
