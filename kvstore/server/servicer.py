@@ -8,9 +8,10 @@ store verb, and builds the answer. A read of a layout the daemon holds nothing o
 answered as a miss without registering it (the resolver's `Miss`; a Lookup, which a pool
 may answer from other nodes, takes `UnregisteredLayout` itself); only a Put that
 publishes registers a namespace. The shared-memory and device planes are delegated to
-`LocalPlaneService` and `DevicePlane`, the data lane's transfers to `DataLaneTransfers`. The one piece of work beyond translation is the Fetch
-framer (`_frame`), which the store's fetch calls to cut a block into wire messages, so
-that the checksum it verifies is taken over the bytes that are sent.
+`LocalPlaneService` and `DevicePlane`, the data lane's transfers to `DataLaneTransfers`.
+The one piece of work beyond translation is the Fetch framer (`_frame`), which the
+store's fetch calls to cut a block into wire messages, so that the checksum it verifies
+is taken over the bytes that are sent.
 
 A Put publishes only a complete stream of a call that is still alive. grpc ends the
 request iterator the same way when the client half-closes and when it cancels, runs
