@@ -3,9 +3,15 @@ how they move.
 
 Primitives: `TIER_BUILDERS` (tier kind -> builder, top tier first), `TIER_KINDS`, the
 kind names `HBM`, `HOST`, `SSD`, `TierSettings` (what the builders need, as plain
-values), `build_tiers(settings) -> (tiers, absent)`; and what the daemon uses from the
-modules: `HostTier`, `SpacedHostTier`, `Segment`, `make_copier`, `default_shm_dir`,
-`free_bytes`, `remove_stale_segments`.
+values), `build_tiers(settings) -> (tiers, absent)`, each a `Tier`; and what the daemon
+calls around a build: `make_copier` (the copiers the store moves blocks with), and for
+the host tier's segment directory `default_shm_dir`, `free_bytes`,
+`remove_stale_segments`.
+
+This registry is all the server imports from the data plane (tests/shared/test_layering.py):
+what it needs of a built tier is in the contract, `kvstore.core.tier` (the host tier's
+memory, for the shared-memory plane, is its `SharedWindow`). The implementations stay in
+their modules.
 
 A builder returns its tier, or the reason it is absent (not configured, or no CUDA
 device), which stats and INFO show. The HBM and SSD modules are imported only by their
@@ -20,10 +26,10 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from kvstore.core.tier import Slot, Tier
+from kvstore.core.tier import Tier
 from kvstore.tiers.copiers import make_copier
 from kvstore.tiers.host import HostTier, SpacedHostTier
-from kvstore.tiers.segment import Segment, default_shm_dir, free_bytes, remove_stale_segments
+from kvstore.tiers.segment import default_shm_dir, free_bytes, remove_stale_segments
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +113,7 @@ def build_tiers(settings: TierSettings,
 
 
 __all__ = [
-    "HBM", "HOST", "SSD", "TIER_BUILDERS", "TIER_KINDS", "HostTier", "Segment", "Slot", "SpacedHostTier", "Tier",
-    "TierBuilder",
-    "TierSettings", "build_hbm", "build_host", "build_ssd", "build_tiers", "default_shm_dir", "free_bytes",
-    "make_copier", "remove_stale_segments",
+    "HBM", "HOST", "SSD", "TIER_BUILDERS", "TIER_KINDS", "Tier", "TierBuilder", "TierSettings", "build_hbm",
+    "build_host", "build_ssd", "build_tiers", "default_shm_dir", "free_bytes", "make_copier",
+    "remove_stale_segments",
 ]

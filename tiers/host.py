@@ -1,7 +1,8 @@
 """The host tier: host memory holding blocks at aligned offsets, in shared-memory segments
 that co-located clients map, so they move bytes with one memcpy.
 
-Two forms, chosen by the daemon:
+Both forms are the `SharedWindow` of the tier contract (`kvstore.core.tier`): what the
+server's shared-memory plane uses of them. Two forms, chosen by the daemon:
 - `HostTier`: one slab in one named segment (0600), mapped by path by every client of
   the daemon's uid. For auth off, where there is one tenant. The kernel commits pages
   as blocks land (or all at once: `prefault`).
@@ -84,6 +85,10 @@ class HostTier(MappedSlabTier):
     def segment_for(self, space: int) -> Segment:
         """The segment holding space `space`'s blocks: here, the one segment."""
         return self.segment
+
+    def client_offsets(self, space: int, offsets: list[int]) -> list[int]:
+        """Slot offsets as offsets in the one segment: the same numbers."""
+        return offsets
 
     def prefault(self, stop: threading.Event | None = None) -> bool:
         """Fault the whole segment in now (see `MappedSegment.populate`)."""

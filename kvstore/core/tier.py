@@ -21,15 +21,22 @@ keeps each space's blocks in memory of its own: `allocate` and `allocate_many` t
 space, and tiers without spaces ignore it), `recover` (blocks that survived a restart),
 `region_keys` (what must go for a victim's room to come back), and `copier_from_host` /
 `copier_to_host` (a tier's own transfer handlers).
+
+`SharedWindow` is what the shared-memory data plane needs of the tier whose memory
+co-located clients map (the host tier): the segment a space's clients map, where a slot
+lies in it, and prefaulting. The server depends on it, not on the tier's class.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import threading
 
 
 class Slot(NamedTuple):
@@ -77,6 +84,39 @@ class RecoveredBlocks(Protocol):
     def checksum_failures(self) -> int: ...
 
     def __len__(self) -> int: ...
+
+
+class SharedSegment(Protocol):
+    """A shared-memory segment as a co-located client is told of it (the layout is
+    `kvstore.shm`'s): a named one by `path`, an anonymous one by its descriptor `fd`,
+    passed over the control lane ("" and -1 where it has none); `token` proves a mapping
+    is of this segment, `capacity` is the size of its data area in bytes."""
+
+    path: str
+    fd: int
+    token: bytes
+    capacity: int
+
+
+@runtime_checkable
+class SharedWindow(Protocol):
+    """A tier whose memory co-located clients map, to move block bytes with one memcpy.
+    A tier with `spaces` keeps each space's blocks in a segment of their own."""
+
+    spaces: bool
+
+    def segment_for(self, space: int) -> SharedSegment:
+        """The segment `space`'s clients map (a tier without spaces has one)."""
+        ...
+
+    def client_offsets(self, space: int, offsets: list[int]) -> list[int]:
+        """The offsets, in `space`'s segment, of the leading slot `offsets` that lie in it;
+        the run stops at the first that does not."""
+        ...
+
+    def prefault(self, stop: threading.Event | None = None) -> bool:
+        """Fault the memory in now, until done or `stop` is set; False where it was not."""
+        ...
 
 
 class Tier(ABC):

@@ -28,12 +28,12 @@ from kvstore.hashing import HASH_BYTES
 from kvstore.server.cluster import drain_proto, info_section, status_proto, where_proto
 from kvstore.server.events import EventBus, EventKind
 from kvstore.server.info import SECTIONS, render_info
+from kvstore.server.pool_node import NOT_IN_A_POOL, PoolNode
 from kvstore.server.requests import RequestResolver
 from kvstore.server.runtime import ConfigValue, RuntimeConfig
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 
 if TYPE_CHECKING:
-    from kvstore.cluster.pool import ClusterNode
     from kvstore.server.host_resources import GcPauses
 
 INFO_SECTIONS = (*SECTIONS, "events", "tenants", "cluster")
@@ -116,29 +116,32 @@ def stats_to_proto(status: StoreStatus, uptime_s: float, absent: Sequence[tuple[
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    """`absent_tiers`: (name, reason) of the tiers the daemon could not or was not told to
-    build; `calls_in_flight`: the calls each tenant has in flight now."""
+    """`node`: this daemon's node of the pool (kvstore.server.pool_node), whose id tags
+    block events; `resolver`: the requests' resolver (ClusterWhere names a chain as a
+    request does); `absent_tiers`: (name, reason) of the tiers the daemon could not or
+    was not told to build; `calls_in_flight`: the calls each tenant has in flight now;
+    `gc_pauses`: the garbage collector's pauses, for INFO's server section."""
 
     def __init__(
         self,
         store: Store,
         runtime: RuntimeConfig,
         bus: EventBus,
+        node: PoolNode,
+        resolver: RequestResolver,
         absent_tiers: Sequence[tuple[str, str]] = (),
         calls_in_flight: Callable[[], Mapping[str, int]] | None = None,
+        gc_pauses: Callable[[], GcPauses] | None = None,
     ) -> None:
         self.store = store
         self.runtime = runtime
         self.bus = bus
+        self.node = node
+        self.resolver = resolver
         self.absent_tiers = list(absent_tiers)
         self._calls_in_flight = calls_in_flight
+        self.gc_pauses = gc_pauses
         self.started = time.monotonic()
-        # Set by the daemon when it is one of a pool (kvstore.server.cluster).
-        self.cluster: ClusterNode | None = None
-        self.node_id = ""
-        self.resolver: RequestResolver | None = None
-        # Set by the daemon: the garbage collector's pauses, for INFO's server section.
-        self.gc_pauses: Callable[[], GcPauses] | None = None
 
     async def Stats(self, request: admin_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.StatsResponse:
         return stats_to_proto(self.store.stats(), time.monotonic() - self.started, self.absent_tiers)
@@ -152,14 +155,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         if section == "tenants":
             return admin_pb2.InfoResponse(text=self._tenants_section())
         if section == "cluster":
-            return admin_pb2.InfoResponse(text=info_section(self.cluster))
+            return admin_pb2.InfoResponse(text=info_section(self.node))
         # The config section shows the settings as they are now, after SetConfig or SIGHUP.
         text = render_info(
             self.store, time.monotonic() - self.started, self.runtime.as_dict(), self.absent_tiers, section,
             self.gc_pauses() if self.gc_pauses is not None else None)
         if not section:
             text = (text.rstrip("\n") + "\n\n" + self._events_section() + "\n" + self._tenants_section() + "\n"
-                    + info_section(self.cluster))
+                    + info_section(self.node))
         return admin_pb2.InfoResponse(text=text)
 
     def _events_section(self) -> str:
@@ -246,7 +249,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             async for e in sub:
                 yield admin_pb2.Event(
                     seq=e.seq, kind=EVENT_KIND[e.kind], namespace_id=e.namespace_id, block_hashes=e.block_hashes,
-                    tier=e.tier, from_tier=e.from_tier, dropped=e.dropped, node_id=self.node_id,
+                    tier=e.tier, from_tier=e.from_tier, dropped=e.dropped, node_id=self.node.node_id,
                     tier_enum=TIER_BY_NAME.get(e.tier, kvstore_pb2.TIER_UNSPECIFIED),
                     from_tier_enum=TIER_BY_NAME.get(e.from_tier, kvstore_pb2.TIER_UNSPECIFIED),
                 )
@@ -255,25 +258,21 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     # ---- the pool (docs/cluster.md)
 
-    def _cluster(self) -> ClusterNode:
-        if self.cluster is None:
-            raise FailedPrecondition("this daemon is not one of a pool (cluster is off); see docs/cluster.md")
-        return self.cluster
-
     async def ClusterStatus(self, request: admin_pb2.ClusterStatusRequest,
                             context: grpc.aio.ServicerContext) -> admin_pb2.ClusterStatusResponse:
-        return status_proto(self.cluster)
+        return status_proto(self.node)
 
     async def ClusterWhere(self, request: admin_pb2.ClusterWhereRequest,
                            context: grpc.aio.ServicerContext) -> admin_pb2.ClusterWhereResponse:
-        node = self._cluster()
-        assert self.resolver is not None
+        if self.node.status() is None:
+            # Said before the chain is resolved: a daemon alone answers this, whatever it names.
+            raise FailedPrecondition(NOT_IN_A_POOL)
         ns_id = self.resolver.namespace(request.namespace)
         chain = self.resolver.chain(ns_id, request.keys)
-        return where_proto(node, ns_id, chain)
+        return where_proto(self.node, ns_id, chain)
 
     async def ClusterDrain(self, request: admin_pb2.ClusterDrainRequest,
                            context: grpc.aio.ServicerContext) -> admin_pb2.ClusterDrainResponse:
         if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
             raise InvalidArgument(f"timeout_s must be a finite number >= 0, got {request.timeout_s}")
-        return await drain_proto(self._cluster(), request.timeout_s)
+        return await drain_proto(self.node, request.timeout_s)

@@ -1,14 +1,18 @@
 """The daemon's side of the pool (docs/cluster.md): a `ClusterNode` built from the config,
 and what the servicers, INFO, metrics, health and the Admin service need of it.
 
-Primitives: `resolve_cluster_node_id(config)`, `start_cluster(...)`, `put_position` /
-`put_tokens` / `forward_put` (a committed put's forwards, for the servicers),
-`ClusterCollector` (metrics), `info_section`, `status_proto`, `where_proto`,
-`drain_proto`, `watch_health` (the `kvstore.v1.Cluster` health status).
+Primitives: `resolve_cluster_node_id(config)`, `build_cluster(...)` (the node, not yet
+started, which the daemon hands to its services) and `join_cluster(...)` (once the
+listeners are bound), `put_position` / `put_tokens` / `forward_put` (a committed put's
+forwards, for the servicers), `ClusterCollector` (metrics), `info_section`,
+`status_proto`, `where_proto`, `drain_proto`, `watch_health` (the `kvstore.v1.Cluster`
+health status). What the services call (`forward_put`, `info_section`, `status_proto`,
+`where_proto`, `drain_proto`) takes a `PoolNode` (kvstore.server.pool_node), so a single
+daemon's `SoloNode` answers too, as a node alone (INFO's `cluster_enabled:0`).
 
 A single daemon (`cluster = false`, the default) never imports `kvstore.cluster` nor the
-etcd client: this module imports it only inside `start_cluster` and
-`resolve_cluster_node_id`, and names its types for the type checker alone.
+etcd client: this module imports it only inside the functions that a pool's daemon alone
+reaches, and names its types for the type checker alone.
 
 Health: the daemon's own services stay SERVING while etcd is away (it keeps serving on
 its last view); the `kvstore.v1.Cluster` service says NOT_SERVING while the view is not
@@ -23,7 +27,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from grpc_health.v1 import health_pb2
@@ -34,14 +39,17 @@ from kvstore import __version__
 from kvstore.addresses import dial_problem
 from kvstore.errors import ConfigError
 from kvstore.hashing import token_bytes
+from kvstore.server.auth import current_identity
 from kvstore.server.config import Config
 from kvstore.server.listen import parse_listen
+from kvstore.server.pool_node import PoolNode
+from kvstore.server.requests import RequestResolver
 from kvstore.v1 import admin_pb2, kvstore_pb2
 
 if TYPE_CHECKING:
     from grpc_health.v1._async import HealthServicer
 
-    from kvstore.cluster.pool import ClusterNode
+    from kvstore.cluster.pool import ClusterNode, ForwardTicket
     from kvstore.core.store import Store
 
 logger = logging.getLogger(__name__)
@@ -91,9 +99,11 @@ def _read_secret(path: str, what: str) -> bytes:
         raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
 
 
-async def start_cluster(config: Config, store: Store, node_id: str, bound: Sequence[str], *,
-                        executor: Any = None, auth_on: bool = False) -> ClusterNode:
-    """Build this daemon's `ClusterNode` and join the pool."""
+def build_cluster(config: Config, store: Store, node_id: str, *, executor: Any = None,
+                  auth_on: bool = False) -> ClusterNode:
+    """This daemon's `ClusterNode`, not started: the services get it before the listeners
+    are bound; `join_cluster` starts it after. Its settings are checked now, so a bad one
+    stops the daemon before it binds anything."""
     from kvstore.cluster.membership import EtcdSettings, Member, make_membership, parse_static_peers
     from kvstore.cluster.pool import ClusterNode, ClusterSettings
     from kvstore.cluster.data_lane_transport import DataLaneTransport
@@ -120,6 +130,9 @@ async def start_cluster(config: Config, store: Store, node_id: str, bound: Seque
         forward_queue_blocks=config.cluster_forward_queue, forward_timeout_s=config.cluster_forward_timeout_s,
         pulls=config.cluster_pulls, suspect_s=config.cluster_suspect_s)
     capacity = sum(st.tier.capacity_bytes for st in store.tiers)
+    # Where peers reach this node: its entry in a static list, else (etcd) the addresses it
+    # advertises, which `join_cluster` fills in once the listeners are bound.
+    addresses: tuple[str, ...] = ()
     if config.cluster_peers:
         mine = [m for m in parse_static_peers(config.cluster_peers) if m.node_id == node_id]
         addresses = mine[0].addresses if mine else ()
@@ -127,11 +140,8 @@ async def start_cluster(config: Config, store: Store, node_id: str, bound: Seque
             logger.warning("cluster: cluster_advertise (%s) is not used with a static peer list: the other nodes "
                            "reach this one at its entry in the list (%s)", ",".join(config.cluster_advertise),
                            ",".join(addresses))
-    else:
-        addresses = advertised(config, bound)
     me = Member(node_id=node_id, addresses=addresses,
-                zone=config.cluster_zone, capacity_bytes=capacity, version=__version__, started_at=time.time(),
-                placement=settings.rule)
+                zone=config.cluster_zone, capacity_bytes=capacity, version=__version__, placement=settings.rule)
     etcd = None
     if config.cluster_etcd:
         etcd = EtcdSettings(endpoints=tuple(config.cluster_etcd), prefix=config.cluster_prefix,
@@ -146,13 +156,21 @@ async def start_cluster(config: Config, store: Store, node_id: str, bound: Seque
     else:
         transport = GrpcPeerTransport(node_id, token=token, tls_ca=tls_ca, tls_cert=cert, tls_key=key,
                                       chunk_bytes=config.chunk_bytes)
-    node = ClusterNode(store, membership, transport, settings, executor=executor)
+    return ClusterNode(store, membership, transport, settings, executor=executor)
+
+
+async def join_cluster(node: ClusterNode, config: Config, bound: Sequence[str]) -> None:
+    """Join the pool: this node's record gets where peers reach it (the bound listeners,
+    with etcd) and when it started, then the node starts."""
+    membership = node.membership
+    me = membership.me
+    addresses = me.addresses if config.cluster_peers else advertised(config, bound)
+    await membership.update_me(replace(me, addresses=addresses, started_at=time.time()))
     await node.start()
     view = membership.view
-    logger.info("cluster: node %s joined through %s; %d members in view (%s)", node_id,
-                "etcd " + ",".join(config.cluster_etcd) if etcd else "a static list", len(view),
+    logger.info("cluster: node %s joined through %s; %d members in view (%s)", node.node_id,
+                "etcd " + ",".join(config.cluster_etcd) if config.cluster_etcd else "a static list", len(view),
                 ", ".join(sorted(view.members)))
-    return node
 
 
 # ------------------------------------------------------------------ puts
@@ -175,16 +193,31 @@ def put_tokens(header: kvstore_pb2.PutHeader) -> bytes:
     return tokens.packed_u32le or token_bytes(tokens.token_ids)
 
 
-async def forward_put(cluster: ClusterNode, namespace_id: bytes, hashes: Sequence[bytes], parent: bytes | None,
-                      header: kvstore_pb2.PutHeader, resp: kvstore_pb2.PutResponse, from_peer: str) -> None:
-    """After a put committed here: its forwards, and with `wait_for_owners` their commits."""
-    ticket = cluster.after_put(namespace_id, hashes, parent, put_position(header), tokens=put_tokens(header),
-                               wait=header.wait_for_owners, from_peer=from_peer)
+def forward_put(node: PoolNode, resolver: RequestResolver, namespace_id: bytes, header: kvstore_pb2.PutHeader,
+                resp: kvstore_pb2.PutResponse, hashes: Sequence[bytes] | None = None,
+                parent: bytes | None = None) -> Awaitable[None] | None:
+    """After a put committed here: its forwards to the owners of its units
+    (`resp.forwarded_blocks`), and with `wait_for_owners` what to await for their commits
+    (`resp.owner_committed_blocks`); None when there is nothing to await, so a put that
+    waits for no owner awaits nothing. `hashes` and `parent`: the put's keys, when the
+    caller has them (else they are worked out from the header). A node in no pool's view
+    (a daemon alone, or a node that left) forwards nothing: it costs a put one call."""
+    if node.left:
+        return None
+    if hashes is None:
+        hashes, parent = resolver.put_keys(resolver.store.namespace(namespace_id), header)
+    ticket = node.after_put(namespace_id, hashes, parent, put_position(header), tokens=put_tokens(header),
+                            wait=header.wait_for_owners, from_peer=current_identity().peer)
     if ticket is None:
-        return
+        return None
     resp.forwarded_blocks = ticket.blocks
     if header.wait_for_owners and ticket.blocks:
-        resp.owner_committed_blocks = await ticket.committed(cluster.settings.forward_timeout_s)
+        return _owners_committed(ticket, node.settings.forward_timeout_s, resp)
+    return None
+
+
+async def _owners_committed(ticket: ForwardTicket, timeout_s: float, resp: kvstore_pb2.PutResponse) -> None:
+    resp.owner_committed_blocks = await ticket.committed(timeout_s)
 
 
 # ------------------------------------------------------------------ health
@@ -309,12 +342,14 @@ class ClusterCollector(Collector):
 # ------------------------------------------------------------------ INFO and Admin
 
 
-def info_section(node: ClusterNode | None) -> str:
-    if node is None:
+def info_section(node: PoolNode) -> str:
+    st = node.status()
+    if st is None:  # a daemon alone
         return "# Cluster\ncluster_enabled:0\n"
     from kvstore.cluster.data_lane_transport import DataLaneTransport
+    from kvstore.cluster.pool import ClusterNode
 
-    st = node.status()
+    assert isinstance(node, ClusterNode)  # only a pool's node has a status
     ms = st.membership
     age = "" if ms.last_confirmed_age_s is None else f"{ms.last_confirmed_age_s:.1f}"
     lines = [
@@ -364,10 +399,10 @@ def info_section(node: ClusterNode | None) -> str:
     return "\n".join(lines)
 
 
-def status_proto(node: ClusterNode | None) -> admin_pb2.ClusterStatusResponse:
-    if node is None:
-        return admin_pb2.ClusterStatusResponse(enabled=False)
+def status_proto(node: PoolNode) -> admin_pb2.ClusterStatusResponse:
     st = node.status()
+    if st is None:  # a daemon alone
+        return admin_pb2.ClusterStatusResponse(enabled=False)
     ms = st.membership
     return admin_pb2.ClusterStatusResponse(
         enabled=True, node_id=st.node_id, backend=ms.backend, state=ms.state.value, etcd_reachable=ms.etcd_reachable,
@@ -383,17 +418,16 @@ def status_proto(node: ClusterNode | None) -> admin_pb2.ClusterStatusResponse:
     )
 
 
-def where_proto(node: ClusterNode, namespace_id: bytes, chain: bytes | list[bytes]) -> admin_pb2.ClusterWhereResponse:
+def where_proto(node: PoolNode, namespace_id: bytes, chain: bytes | list[bytes]) -> admin_pb2.ClusterWhereResponse:
     units = node.where(namespace_id, chain)
     return admin_pb2.ClusterWhereResponse(node_id=node.node_id, namespace_id=namespace_id, units=[
         admin_pb2.ClusterUnit(start=u.start, stop=u.stop, key=u.key, owners=list(u.owners),
                               lookup_targets=list(u.lookup_targets), held_here=u.held_here) for u in units])
 
 
-async def drain_proto(node: ClusterNode, timeout_s: float) -> admin_pb2.ClusterDrainResponse:
-    from kvstore.cluster.pool import DEFAULT_DRAIN_TIMEOUT_S
-
-    result = await node.drain(timeout_s or DEFAULT_DRAIN_TIMEOUT_S)
+async def drain_proto(node: PoolNode, timeout_s: float) -> admin_pb2.ClusterDrainResponse:
+    """A drain within `timeout_s` (0: the node's default)."""
+    result = await (node.drain(timeout_s) if timeout_s else node.drain())
     return admin_pb2.ClusterDrainResponse(units_pushed=result.units_pushed, blocks_pushed=result.blocks_pushed,
                                           units_failed=result.units_failed, left=result.left)
 

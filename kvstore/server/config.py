@@ -18,13 +18,14 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 from kvstore.addresses import DEFAULT_TCP_LISTEN, default_unix_socket
 from kvstore.core.policies import DEFAULT_POLICY
 from kvstore.core.policies.hints import DEFAULT_HINT_BUDGET_FRACTION
+from kvstore.core.types import MigrationConfig, StoreLimits, WritePolicy
 from kvstore.errors import ConfigError
 from kvstore.tiers import HBM, HOST
 from kvstore.units import human_bytes, parse_size
@@ -326,6 +327,30 @@ class Config:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def store_limits(self) -> StoreLimits:
+        """The store's limits. Without a token file every caller is the one default
+        tenant, so `max_leases` is the only lease cap."""
+        return StoreLimits(
+            max_blocks_per_call=self.max_blocks_per_call,
+            max_namespaces=self.max_namespaces,
+            namespace_grace_s=self.namespace_grace_s,
+            max_leases=self.max_leases,
+            max_leases_per_tenant=self.max_leases_per_tenant if self.auth_token_file else None,
+            max_lease_ms=self.max_lease_ms,
+            default_pin_ms=self.default_pin_ms,
+        )
+
+    def migration(self, tiers: Collection[str]) -> MigrationConfig:
+        """How the store moves blocks between `tiers` (the names of those built): a
+        `put_tier` that is not among them falls back to auto."""
+        put_tier = self.put_tier if self.put_tier == AUTO or self.put_tier in tiers else AUTO
+        return MigrationConfig(
+            write_policy=WritePolicy(self.ssd_write_policy),
+            put_tier=put_tier,
+            promote_on_hit=self.promote_on_hit,
+            batch_blocks=self.migration_batch_blocks,
+        )
 
 
 def _convert(field: Field, raw: Any, source: str) -> Any:

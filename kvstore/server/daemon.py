@@ -15,6 +15,11 @@ token file (or without TLS unless `insecure_remote`), a socket directory another
 owns or may write, a token file other users can read, or a capacity larger than the
 machine can give (`kvstore.server.listen`, `kvstore.server.host_resources`).
 
+Each service gets its parts when it is built, and nothing is written into it after: the
+pool's node is built (not started) before the services and handed to them, and a daemon
+alone hands them a `SoloNode` (kvstore.server.pool_node), which gives a node alone's
+answers.
+
 On SIGTERM/SIGINT: health turns NOT_SERVING, event streams end, new calls are refused
 (except commits of local puts whose bytes clients are copying), calls in flight and
 those puts get `grace_s` to finish, then the stack unwinds: background tasks, lanes, the
@@ -46,13 +51,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from kvstore.core.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, parse_tier_policies
-from kvstore.core.store import MigrationConfig, Store, StoreLimits, StoreTier, WritePolicy
+from kvstore.core.store import Store, StoreTier
+from kvstore.core.tier import SharedWindow
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.control_lane_wire import lane_path
 from kvstore.logs import rate_limited
 from kvstore.server.admin import AdminServicer
 from kvstore.server.auth import Authenticator, TokenTable, check_unix_tenant, parse_token_file
-from kvstore.server.cluster import ClusterCollector, health_watcher, resolve_cluster_node_id, start_cluster
+from kvstore.server.cluster import (
+    ClusterCollector,
+    build_cluster,
+    health_watcher,
+    join_cluster,
+    resolve_cluster_node_id,
+)
 from kvstore.server.config import Config
 from kvstore.server.connections import (
     ConnectionLimits,
@@ -73,6 +85,7 @@ from kvstore.server.local_plane import LocalPlaneService
 from kvstore.server.local_puts import LocalPuts
 from kvstore.server.metrics import Metrics, MetricsServer
 from kvstore.server.pipeline import Pipeline
+from kvstore.server.pool_node import PoolNode, SoloNode
 from kvstore.server.reflection import enable_reflection
 from kvstore.server.requests import RequestResolver
 from kvstore.server.runtime import RuntimeConfig
@@ -82,8 +95,6 @@ from kvstore.server.data_lane.transfers import DataLaneTransfers
 from kvstore.tiers import (
     HBM,
     HOST,
-    HostTier,
-    SpacedHostTier,
     Tier,
     TierSettings,
     build_tiers,
@@ -174,9 +185,10 @@ class Daemon:
         # The pool (cluster = true): its node id is resolved now, so a bad one stops the
         # daemon before it binds anything; the node joins once the listeners are up.
         self.node_id = resolve_cluster_node_id(config) if config.cluster else ""
+        # What the services are handed: the pool's node, built before them, or a daemon
+        # alone's (kvstore.server.pool_node); `cluster` is the pool's once it has joined.
+        self.node: PoolNode = SoloNode()
         self.cluster: ClusterNode | None = None
-        self._admin: AdminServicer | None = None
-        self._resolver: RequestResolver | None = None
         self._recovered_blocks = 0
         self._executor: ThreadPoolExecutor | None = None
         self._health: HealthServicer | None = None
@@ -254,25 +266,10 @@ class Daemon:
         unowned = stack.enter_context(contextlib.ExitStack())
         for st in tiers:
             unowned.callback(st.tier.close)
-        put_tier = cfg.put_tier if cfg.put_tier == "auto" or any(t.name == cfg.put_tier for t in tiers) else "auto"
         self.store = Store(
             tiers,
-            migration=MigrationConfig(
-                write_policy=WritePolicy(cfg.ssd_write_policy),
-                put_tier=put_tier,
-                promote_on_hit=cfg.promote_on_hit,
-                batch_blocks=cfg.migration_batch_blocks,
-            ),
-            limits=StoreLimits(
-                max_blocks_per_call=cfg.max_blocks_per_call,
-                max_namespaces=cfg.max_namespaces,
-                namespace_grace_s=cfg.namespace_grace_s,
-                max_leases=cfg.max_leases,
-                # Without a token file every caller is the one default tenant: max_leases is the cap.
-                max_leases_per_tenant=cfg.max_leases_per_tenant if self.tokens is not None else None,
-                max_lease_ms=cfg.max_lease_ms,
-                default_pin_ms=cfg.default_pin_ms,
-            ),
+            migration=cfg.migration([st.name for st in tiers]),
+            limits=cfg.store_limits(),
             executor=self._executor,
             make_copier=make_copier,
         )
@@ -291,20 +288,26 @@ class Daemon:
         self.runtime = RuntimeConfig(cfg, store, self.events)
         self._local_puts = LocalPuts(ttl_ms=round(cfg.put_idle_timeout_s * 1000))
         stack.callback(self._local_puts.abort_all)  # a put left open rolls back before the store closes
+        # The pool's node is built (not started) before the services that call it, and
+        # before anything listens: a bad cluster setting stops the daemon here.
+        cluster = build_cluster(cfg, store, self.node_id, executor=self._executor,
+                                auth_on=self.tokens is not None) if cfg.cluster else None
+        if cluster is not None:
+            self.node = cluster
         await self._start_metrics(stack)
         # The host tier is not the first one when an HBM tier sits above it.
         host_tier = next(st.tier for st in store.tiers if st.name == HOST)
-        assert isinstance(host_tier, (HostTier, SpacedHostTier))
+        assert isinstance(host_tier, SharedWindow)
         server, servicer = self._services(store, host_tier, absent)
         await self._start_data_lane(stack)
         await self._start_grpc(stack, server)
         if cfg.local_lane:
             stack.push_async_callback(self._close_lanes)
             await self._start_lanes(servicer)
-        if cfg.cluster:
+        if cluster is not None:
             stack.push_async_callback(self._close_peer_lanes)
             await self._start_peer_lanes(servicer)
-            await self._start_cluster(stack, store, servicer)
+            await self._start_cluster(stack, cluster)
         for name in ("", "kvstore.v1.KVStore", "kvstore.v1.Admin"):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.create_task(self._sweep_leases(), name="kvstore-lease-sweeper")
@@ -318,30 +321,22 @@ class Daemon:
             stack.push_async_callback(self._stop_prefault)
         self._log_started(tiers, host_capacity)
 
-    async def _start_cluster(self, stack: contextlib.AsyncExitStack, store: Store, servicer: KVStoreServicer) -> None:
-        """Join the pool, and hand the node to what serves it (see kvstore.server.cluster)."""
-        node = self.cluster = await start_cluster(self.config, store, self.node_id, self.bound,
-                                                  executor=self._executor, auth_on=self.tokens is not None)
-        stack.push_async_callback(self._close_cluster)
-        servicer.cluster = node
-        servicer.local.cluster = node
-        if self._transfers is not None:
-            self._transfers.cluster = node
-        assert self._admin is not None and self.runtime is not None
-        self._admin.cluster = node
-        self._admin.node_id = node.node_id
-        self._admin.resolver = self._resolver
+    async def _start_cluster(self, stack: contextlib.AsyncExitStack, node: ClusterNode) -> None:
+        """Join the pool (see kvstore.server.cluster): the services hold the node already."""
+        assert self.runtime is not None
+        await join_cluster(node, self.config, self.bound)
+        self.cluster = node
+        stack.push_async_callback(self._close_cluster, node)
         self.metrics.registry.register(ClusterCollector(lambda: self.cluster))
         self.runtime.register("cluster_lookup_timeout_ms", lambda ms: setattr(node, "lookup_timeout_s", ms / 1000.0))
         self.runtime.register("cluster_fetch_timeout_s", lambda s: setattr(node, "fetch_timeout_s", s))
         await stack.enter_async_context(health_watcher(node, self.health))
 
-    async def _close_cluster(self) -> None:
-        node, self.cluster = self.cluster, None
-        if node is not None:
-            await node.aclose()
+    async def _close_cluster(self, node: ClusterNode) -> None:
+        self.cluster = None
+        await node.aclose()
 
-    def _services(self, store: Store, host_tier: HostTier | SpacedHostTier,
+    def _services(self, store: Store, host_tier: SharedWindow,
                   absent: list[tuple[str, str]]) -> tuple[grpc.aio.Server, KVStoreServicer]:
         """The gRPC server with every service on it (not bound yet), and the KVStore
         servicer, which the lanes serve too."""
@@ -366,20 +361,20 @@ class Daemon:
             max_tokens_per_call=cfg.max_tokens_per_call, max_block_bytes=cfg.max_block_bytes,
             max_namespaces_per_tenant=cfg.max_namespaces_per_tenant if auth_on else None)
         self.runtime.register("max_tokens_per_call", lambda value: setattr(resolver, "max_tokens_per_call", value))
-        self._resolver = resolver
-        local = LocalPlaneService(store, resolver, host_tier, self._local_puts)
+        node = self.node
+        local = LocalPlaneService(store, resolver, host_tier, self._local_puts, node)
         transfers = DataLaneTransfers(store, resolver, DataLaneSettings(
             window_bytes=cfg.data_lane_window, max_connections_per_transfer=cfg.data_lane_connections,
             io_timeout_s=cfg.data_lane_io_timeout_s, max_block_bytes=cfg.max_block_bytes,
             put_window_bytes=cfg.max_put_reserve_bytes, put_idle_timeout_s=cfg.put_idle_timeout_s,
-        ), lambda: self.data_lane.endpoints() if self.data_lane is not None else [])
+        ), lambda: self.data_lane.endpoints() if self.data_lane is not None else [], node)
         self._transfers = transfers
-        servicer = KVStoreServicer(store, resolver, local, DevicePlane(store, local, self._local_plane_tenants),
+        servicer = KVStoreServicer(store, resolver, local, DevicePlane(store, local, self._local_plane_tenants), node,
                                    cfg.chunk_bytes, cfg.max_put_reserve_bytes, cfg.put_idle_timeout_s, transfers)
         add_kvstore_servicer(servicer, server)
-        self._admin = AdminServicer(store, self.runtime, self.events, absent, lambda: self.auth.in_flight)
-        self._admin.gc_pauses = self.gc_freezer.pauses
-        admin_pb2_grpc.add_AdminServicer_to_server(self._admin, server)
+        admin = AdminServicer(store, self.runtime, self.events, node, resolver, absent, lambda: self.auth.in_flight,
+                              self.gc_freezer.pauses)
+        admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         enable_reflection(
@@ -599,9 +594,8 @@ class Daemon:
         logger.info("shutting down: draining in-flight calls for up to %.1fs", grace)
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
-        if self.cluster is not None:
-            # Leave every view first: peers stop forwarding here while calls drain.
-            await self.cluster.leave()
+        # Leave every view first: peers stop forwarding here while calls drain.
+        await self.node.leave()
         # Event streams never end by themselves; end them so the drain is not held open.
         self.events.close()
         self._prefault_stop.set()

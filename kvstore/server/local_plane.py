@@ -3,6 +3,9 @@
 Primitives: `LocalPlaneService` (`segment()`, `put(request)`, `commit(request)`, `fetch(request)`,
 and `begin_put` / `lease_blocks` for a given tier, which the device plane shares).
 The open puts and reservations themselves are kept in `kvstore.server.local_puts`.
+In a pool, a committed put is forwarded through the daemon's node of the pool, and a
+fetch first waits for blocks a lookup is copying here (`PoolNode`,
+kvstore.server.pool_node); a daemon alone's node answers both at once.
 
 A co-located client moves block bytes by memcpy into and out of the host tier's segment;
 these calls carry only offsets. A fetch leases the leading blocks held in the tier and
@@ -22,9 +25,10 @@ exactly once, whatever fails:
 - a put that reuses a reservation it does not need (`reuse_reservation_id`) takes its
   slots as spares for the next reservation, or frees them if they do not fit.
 
-Whose memory a client maps. With auth off there is one tenant: every client maps the
-host tier's one segment, by path. With auth on the host tier keeps one segment per
-tenant (`SpacedHostTier`): `LocalSegment` hands the caller its own tenant's segment, as
+Whose memory a client maps: the host tier's, through its `SharedWindow` (the tier
+contract's, `kvstore.core.tier`). With auth off there is one tenant: every client maps
+the host tier's one segment, by path. With auth on the host tier keeps one segment per
+tenant (it has `spaces`): `LocalSegment` hands the caller its own tenant's segment, as
 a file descriptor over the control lane (`kvstore.server.control_lane.PASSED_FDS`; over gRPC it
 is refused, FAILED_PRECONDITION, and the SDK moves bytes through Put and Fetch), and
 every offset a client is given is one of its tenant's slots, in that segment: a put's
@@ -37,23 +41,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from kvstore.core.types import NamespaceInfo
-from kvstore.core.store import PutOutcome, Store
-from kvstore.core.tier import Slot
+from kvstore.core.store import Store
+from kvstore.core.tier import SharedSegment, SharedWindow, Slot
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put
 from kvstore.server.control_lane import PASSED_FDS
 from kvstore.server.local_puts import LocalPuts
-from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
+from kvstore.server.pool_node import PoolNode
+from kvstore.server.requests import Miss, RequestResolver, UnregisteredLayout, hash_fields, packed_reply
 from kvstore.shm import HEADER_BYTES
-from kvstore.tiers import HOST, HostTier, Segment, SpacedHostTier
+from kvstore.tiers import HOST
 from kvstore.v1 import kvstore_pb2
-
-if TYPE_CHECKING:
-    from kvstore.cluster.pool import ClusterNode
 
 # The tier the shared-memory plane serves from and puts into.
 LOCAL_TIER = HOST
@@ -74,23 +75,24 @@ ANOTHER_SPACE = ("this namespace's blocks live in another tenant's shared-memory
 
 
 class LocalPlaneService:
-    def __init__(self, store: Store, resolver: RequestResolver, host: HostTier | SpacedHostTier | None,
-                 puts: LocalPuts) -> None:
+    def __init__(self, store: Store, resolver: RequestResolver, host: SharedWindow | None,
+                 puts: LocalPuts, node: PoolNode) -> None:
         self.store = store
         self.resolver = resolver
         self._host = host
         # One segment per tenant (auth on): offsets are translated and checked.
-        self._spaced: SpacedHostTier | None = host if isinstance(host, SpacedHostTier) else None
+        self._spaced: SharedWindow | None = host if host is not None and host.spaces else None
         # The daemon's own table: its sweep and shutdown must see these puts.
         self.puts = puts
-        # The pool this daemon is one of (kvstore.server.cluster); None on a single daemon.
-        self.cluster: ClusterNode | None = None
+        # This daemon's node of the pool (kvstore.server.pool_node): a committed put is
+        # forwarded through it, and a fetch waits for the blocks its pulls are copying here.
+        self.node = node
 
-    def require_segment(self) -> Segment:
+    def require_segment(self) -> SharedSegment:
         """The segment the caller's blocks are in (its tenant's, with auth on)."""
         return self._require_host().segment_for(self._caller_space())
 
-    def _require_host(self) -> HostTier | SpacedHostTier:
+    def _require_host(self) -> SharedWindow:
         if self._host is None:
             raise FailedPrecondition(NO_SEGMENT)
         return self._host
@@ -136,22 +138,13 @@ class LocalPlaneService:
     async def fetch(self, request: kvstore_pb2.LocalFetchRequest) -> kvstore_pb2.LocalFetchResponse:
         if self._host is None:
             raise FailedPrecondition(NO_SEGMENT)
-        cluster = self.cluster
-        if cluster is not None and cluster.pulling:
+        node = self.node
+        if node.pulling:
             # Blocks a lookup is copying here from other nodes: served once they landed.
             with contextlib.suppress(UnregisteredLayout):  # nothing was put in it: a miss below
                 ns_id = self.resolver.namespace(request.namespace)
-                await cluster.settle_fetch(ns_id, self.resolver.chain(ns_id, request.keys))
+                await node.settle_fetch(ns_id, self.resolver.chain(ns_id, request.keys))
         return self.lease_blocks(request, LOCAL_TIER)
-
-    async def _forward(self, result: PutOutcome, header: kvstore_pb2.PutHeader, resp: kvstore_pb2.PutResponse,
-                       hashes: Sequence[bytes] | None = None, parent: bytes | None = None) -> None:
-        """A committed put's forwards to the owners of its units (in a pool)."""
-        cluster = self.cluster
-        assert cluster is not None
-        if hashes is None:
-            hashes, parent = self.resolver.put_keys(self.store.namespace(result.namespace_id), header)
-        await forward_put(cluster, result.namespace_id, hashes, parent, header, resp, current_identity().peer)
 
     def release_leases(self, lease_ids: Sequence[str]) -> None:
         if len(lease_ids) > MAX_PIGGYBACK_RELEASES:
@@ -261,8 +254,10 @@ class LocalPlaneService:
             stored=result.stored, existing=result.existing, namespace_id=result.namespace_id,
             **hash_fields(result.block_hashes, packed),
         )
-        if self.cluster is not None and header is not None:
-            await self._forward(result, header, resp)
+        if header is not None:
+            waiting = forward_put(self.node, self.resolver, result.namespace_id, header, resp)
+            if waiting is not None:
+                await waiting
         return resp
 
     async def _commit_reserved(self, request: kvstore_pb2.LocalCommitRequest) -> kvstore_pb2.PutResponse:
@@ -312,8 +307,9 @@ class LocalPlaneService:
         resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
                                        namespace_id=result.namespace_id,
                                        **hash_fields(result.block_hashes, packed_reply(header.keys)))
-        if self.cluster is not None:
-            await self._forward(result, header, resp, hashes, parent)
+        waiting = forward_put(self.node, resolver, result.namespace_id, header, resp, hashes, parent)
+        if waiting is not None:
+            await waiting
         if request.reserve_ahead:
             reservation = await self._reserve_ahead(block_bytes, request.reserve_ahead, spare)
             if reservation is not None:
@@ -326,13 +322,11 @@ class LocalPlaneService:
         """The leading blocks of the held prefix that sit in `tier`, by offset, under a lease."""
         resolver = self.resolver
         self.release_leases(request.release_lease_ids)
-        try:
-            ns_id = resolver.namespace(request.namespace)
-        except UnregisteredLayout as unknown:  # a miss: nothing is registered
-            resolver.check_keys(request.keys, unknown.layout)
-            return kvstore_pb2.LocalFetchResponse(block_bytes=unknown.layout.bytes_per_block,
-                                                  namespace_id=unknown.namespace_id,
-                                                  block_size_tokens=unknown.layout.block_size_tokens)
+        ns_id = resolver.known(request.namespace, request.keys)
+        if isinstance(ns_id, Miss):
+            return kvstore_pb2.LocalFetchResponse(block_bytes=ns_id.layout.bytes_per_block,
+                                                  namespace_id=ns_id.namespace_id,
+                                                  block_size_tokens=ns_id.layout.block_size_tokens)
         chain = resolver.chain(ns_id, request.keys)
         result, offsets, checksums = self.store.lease_prefix(
             ns_id, chain, request.lease_ms or DEFAULT_LOCAL_LEASE_MS, tier=tier

@@ -1,14 +1,16 @@
 """The server's request boundary: what a request names, resolved into what the store takes.
 
-Primitives: `RequestResolver` (`namespace(ref)` for reads, `put_namespace(ref)` for
-puts, `chain(ns_id, keys)`, `hashes(ns_id, keys)`, `check_keys(keys, layout)`,
-`put_keys(info, header)`, `session(...)`, `put_session(header)`, and the caller's lease
-ids through `tags`), `UnregisteredLayout` (a read of a layout the daemon holds nothing
-of), and the answer helpers `packed_reply(keys)` and `hash_fields(hashes, packed)`.
+Primitives: `RequestResolver` (`known(ref, keys)` and `namespace(ref)` for reads,
+`put_namespace(ref)` for puts, `chain(ns_id, keys)`, `hashes(ns_id, keys)`,
+`check_keys(keys, layout)`, `put_keys(info, header)`, `session(...)`, `put_session(header)`,
+and the caller's lease ids through `tags`), `Miss` and `UnregisteredLayout` (a read of a
+layout the daemon holds nothing of, as a value and as an error), and the answer helpers
+`packed_reply(keys)` and `hash_fields(hashes, packed)`.
 
 Only a put registers a namespace, and only when it publishes: a read of an unknown
-layout raises `UnregisteredLayout`, which each read answers as a miss (no block, no
-lease), so lookups of made-up layouts cannot fill `max_namespaces`.
+layout is a miss (no block, no lease), so lookups of made-up layouts cannot fill
+`max_namespaces`. `known` is that rule, written once: the read's keys are checked as any
+read's, and it answers a `Miss` that the read turns into its empty answer.
 
 This is the one place the servicers validate input, and it checks only what the store
 never sees or cannot check: a layout's size against `max_block_bytes` and the tenant's
@@ -22,6 +24,7 @@ here again. Every failure is a `kvstore.errors` exception.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvstore.convert import layout_from_proto
@@ -49,6 +52,16 @@ class UnregisteredLayout(NotFound):
                          "put blocks with this layout first")
         self.namespace_id = namespace_id
         self.layout = layout
+
+
+@dataclass(frozen=True, slots=True)
+class Miss:
+    """A read of a layout the daemon holds nothing of (`RequestResolver.known`): the
+    namespace id the layout would have, the layout, and how many blocks the read names."""
+
+    namespace_id: bytes
+    layout: KVLayout
+    blocks: int
 
 
 def packed_reply(keys: kvstore_pb2.BlockKeys) -> bool:
@@ -109,6 +122,22 @@ class RequestResolver:
             self._remember(who.tenant, who.salt, wire, ns_id)
             return ns_id
         return self._by_id(ref)
+
+    def known(self, ref: kvstore_pb2.Namespace, keys: kvstore_pb2.BlockKeys) -> bytes | Miss:
+        """The caller's namespace for a read, as `namespace` gives it; for a layout the
+        daemon holds nothing of, a `Miss`, with `keys` checked as a registered
+        namespace's would be (bad input is refused the same either way) and nothing
+        registered. Reads call it on every request: a layout seen before is answered
+        here, without the call `namespace` would add."""
+        if ref.WhichOneof("ref") == "layout":
+            who = current_identity()
+            found = self._layout_ids.get((who.tenant, who.salt, ref.layout.SerializeToString()))
+            if found is not None and self.store.has_namespace(found):
+                return found
+        try:
+            return self.namespace(ref)
+        except UnregisteredLayout as unknown:
+            return Miss(unknown.namespace_id, unknown.layout, self.check_keys(keys, unknown.layout))
 
     def put_namespace(self, ref: kvstore_pb2.Namespace) -> NamespaceInfo:
         """The namespace record a put works with: the registered one, or for a new layout

@@ -4,12 +4,14 @@ Primitives: `KVStoreServicer`, `tier_enum_table(names)`.
 
 Each method resolves what the request names through the `RequestResolver` (the server's
 one validation boundary: namespaces, keys, sessions, the caller's lease ids), calls one
-store verb, and builds the answer. A read of a layout the daemon holds nothing of
-(`UnregisteredLayout`) is answered as a miss without registering it; only a Put that
+store verb, and builds the answer. A read of a layout the daemon holds nothing of is
+answered as a miss without registering it (the resolver's `Miss`; a Lookup, which a pool
+may answer from other nodes, takes `UnregisteredLayout` itself); only a Put that
 publishes registers a namespace. The shared-memory and device planes are delegated to
-`LocalPlaneService` and `DevicePlane`, the data lane's transfers to `DataLaneTransfers`. The one piece of work beyond translation is the Fetch
-framer (`_frame`), which the store's fetch calls to cut a block into wire messages, so
-that the checksum it verifies is taken over the bytes that are sent.
+`LocalPlaneService` and `DevicePlane`, the data lane's transfers to `DataLaneTransfers`.
+The one piece of work beyond translation is the Fetch framer (`_frame`), which the
+store's fetch calls to cut a block into wire messages, so that the checksum it verifies
+is taken over the bytes that are sent.
 
 A Put publishes only a complete stream of a call that is still alive. grpc ends the
 request iterator the same way when the client half-closes and when it cancels, runs
@@ -34,11 +36,14 @@ The per-call steps (request id, drain gate, auth, metrics, error mapping) are no
 `kvstore.server.pipeline` runs them around every method, for gRPC and for the control
 lane alike. Failures are `kvstore.errors` exceptions, mapped to a status there.
 
-In a pool (`cluster`), a lookup whose chain goes on past the local prefix asks the other
-nodes (`ClusterNode.extend`), a committed put (Put, or LaneCommit) is forwarded to its
-units' owners (`forward_put`), and a fetch (Fetch, or LaneFetch) first waits for blocks a
-lookup is copying here; calls that
-other nodes make (`Identity.peer`) are answered from this node alone.
+The servicer is built with this daemon's node of the pool (`PoolNode`: a pool's
+`ClusterNode`, or a daemon alone's `SoloNode`, kvstore.server.pool_node). In a pool, a
+lookup whose chain goes on past the local prefix asks the other nodes (`extend`), a
+committed put (Put, or LaneCommit) is forwarded to its units' owners (`forward_put`), and
+a fetch (Fetch, or LaneFetch) first waits for blocks a lookup is copying here; calls that
+other nodes make (`Identity.peer`) are answered from this node alone. A daemon alone's
+node answers each of those steps at once, and a lookup, which a pool counts once the
+other nodes have answered, is counted by the store as it answers it (`_alone`).
 
 `context` may be None. The control lane (`kvstore.server.control_lane`) calls the unary methods
 itself, with the parsed request and no gRPC context, so no unary method reads or uses its
@@ -65,7 +70,8 @@ from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.local_plane import LocalPlaneService
-from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
+from kvstore.server.pool_node import PoolNode, SoloNode
+from kvstore.server.requests import Miss, RequestResolver, UnregisteredLayout, hash_fields, packed_reply
 from kvstore.server.data_lane.transfers import DataLaneTransfers
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvstore.wire import Framed, RawChunk, chunk_prefix, encode_chunk
@@ -80,7 +86,7 @@ DEFAULT_PUT_IDLE_TIMEOUT_S = 30.0
 BLOCKS_SENT_TRAILER = "kvstore-blocks-sent"
 
 if TYPE_CHECKING:
-    from kvstore.cluster.pool import ClusterNode, Extension
+    from kvstore.cluster.pool import Extension
 
 # A gRPC context, or None when the control lane calls (see the module docstring).
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any] | None"
@@ -120,13 +126,18 @@ def _still_alive(context: grpc.aio.ServicerContext) -> None:
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: Store, resolver: RequestResolver, local: LocalPlaneService, device: DevicePlane,
-                 chunk_bytes: int, put_window_bytes: int = DEFAULT_PUT_WINDOW_BYTES,
+                 node: PoolNode, chunk_bytes: int, put_window_bytes: int = DEFAULT_PUT_WINDOW_BYTES,
                  put_idle_timeout_s: float = DEFAULT_PUT_IDLE_TIMEOUT_S,
                  lane: DataLaneTransfers | None = None) -> None:
         self.store = store
         self.resolver = resolver
         self.local = local
         self.device = device
+        self.node = node
+        # A daemon alone: its store counts each lookup as it answers it, where a pool's
+        # node counts an engine's lookup once the other nodes have answered, and another
+        # node's among the pool's counters (`_lookup`).
+        self._alone = isinstance(node, SoloNode)
         self.lane = lane
         self.chunk_bytes = chunk_bytes
         # What one Put stream may reserve ahead of its bytes, and how long it may send nothing.
@@ -134,12 +145,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self.put_idle_timeout_s = put_idle_timeout_s
         # Bound once: the lookup path pays one attribute read for each, as before the split.
         self._namespace = resolver.namespace
+        self._known = resolver.known
         self._chain = resolver.chain
         self._hashes = resolver.hashes
         self._lease_out = resolver.tags.tag
         self._lease_in = resolver.tags.untag
-        # The pool this daemon is one of (kvstore.server.cluster); None on a single daemon.
-        self.cluster: ClusterNode | None = None
 
     # -------------------------------------------------------------- store verbs
 
@@ -147,15 +157,15 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         try:
             ns_id = self._namespace(request.namespace)
         except UnregisteredLayout as unknown:
-            if self.cluster is not None and not current_identity().peer:
+            if self._alone:
+                self.store.counters.count_unknown_lookup(self.resolver.check_keys(request.keys, unknown.layout))
+            elif current_identity().peer:  # another node's lookup: the pool's counters
+                self.node.peer_looked_up(self.resolver.check_keys(request.keys, unknown.layout), 0)
+            else:
                 # The pool may hold what this daemon never saw: the layout is filed here
                 # (forgotten after namespace_grace_s if nothing lands in it) and asked for.
                 ns_id = self.resolver.namespace(request.namespace, register=True)
                 return await self._lookup(request, ns_id)
-            if self.cluster is not None:  # another node's lookup: the pool's counters
-                self.cluster.peer_looked_up(self._miss(request.keys, unknown), 0)
-            else:
-                self.store.counters.count_unknown_lookup(self._miss(request.keys, unknown))
             if request.HasField("hint"):
                 self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
             return kvstore_pb2.LookupResponse(namespace_id=unknown.namespace_id,
@@ -167,23 +177,24 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         chain = self._chain(ns_id, keys)
         session = self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s) \
             if request.HasField("hint") else ""
-        cluster = self.cluster
+        alone = self._alone
         # A node of the pool counts its engines' lookups with what the pool answered
         # (below), and another node's lookup in the pool's counters, not as one of its own.
-        r = self.store.lookup(ns_id, chain, request.lease_ms, count=cluster is None)
+        r = self.store.lookup(ns_id, chain, request.lease_ms, count=alone)
         if session and r.num_blocks:
             self.store.hint(ns_id, r.block_hashes, session, request.hint.expect_reuse_within_s)
-        if cluster is not None:
+        if not alone:
+            node = self.node
             n_asked = len(chain) // HASH_BYTES if isinstance(chain, bytes) else len(chain)
             if current_identity().peer:
-                cluster.peer_looked_up(n_asked, r.num_blocks)
+                node.peer_looked_up(n_asked, r.num_blocks)
             else:
                 ext = None
                 try:
                     if r.num_blocks < n_asked:
                         # The rest of the chain may be on other nodes of the pool (a chain
                         # held here is answered without asking them).
-                        ext = await cluster.extend(ns_id, chain, r.num_blocks)
+                        ext = await node.extend(ns_id, chain, r.num_blocks)
                 finally:
                     self.store.counters.count_lookup(self.store.registry.get(ns_id), n_asked,
                                                      r.num_blocks + (ext.blocks if ext is not None else 0))
@@ -281,31 +292,28 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             self.store.hint(ns_id, hashes, session, header.hint.expect_reuse_within_s)
         resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing, namespace_id=ns_id,
                                        **hash_fields(result.block_hashes, packed_reply(header.keys)))
-        if self.cluster is not None:
-            await forward_put(self.cluster, ns_id, hashes, parent, header, resp, current_identity().peer)
+        waiting = forward_put(self.node, self.resolver, ns_id, header, resp, hashes, parent)
+        if waiting is not None:
+            await waiting
         return resp
 
     async def Fetch(
         self, request: kvstore_pb2.FetchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[kvstore_pb2.FetchResponse | bytes]:
-        try:
-            ns_id = self._namespace(request.namespace)
-        except UnregisteredLayout as unknown:
-            self._miss(request.keys, unknown)
+        ns_id = self._known(request.namespace, request.keys)
+        if isinstance(ns_id, Miss):
             lease_id = self._lease_in(request.lease_id)
             if lease_id:  # released when a fetch ends, whatever it found
                 self.store.unpin(lease_id)
             yield kvstore_pb2.FetchResponse(header=kvstore_pb2.FetchHeader(
-                block_bytes=unknown.layout.bytes_per_block, namespace_id=unknown.namespace_id))
+                block_bytes=ns_id.layout.bytes_per_block, namespace_id=ns_id.namespace_id))
             return
         hashes = self._hashes(ns_id, request.keys)
-        cluster = self.cluster
-        if cluster is not None:
-            peer = current_identity().peer
-            if peer:
-                cluster.peer_fetched(ns_id, hashes)
-            else:
-                await cluster.settle_fetch(ns_id, hashes)  # blocks a lookup is copying here
+        node = self.node
+        if current_identity().peer:
+            node.peer_fetched(ns_id, hashes)
+        elif node.pulling:
+            await node.settle_fetch(ns_id, hashes)  # blocks a lookup is copying here
         async with self.store.open_fetch(ns_id, hashes, self._lease_in(request.lease_id)) as stream:
             header = kvstore_pb2.FetchHeader(num_blocks=stream.num_blocks, block_bytes=stream.block_bytes,
                                              namespace_id=ns_id, prefix_blocks=stream.prefix_blocks)
@@ -344,18 +352,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return Framed(messages, payload)
 
     async def Delete(self, request: kvstore_pb2.DeleteRequest, context: Context) -> kvstore_pb2.DeleteResponse:
-        try:
-            ns_id = self._namespace(request.namespace)
-        except UnregisteredLayout as unknown:
-            self._miss(request.keys, unknown)
+        ns_id = self._known(request.namespace, request.keys)
+        if isinstance(ns_id, Miss):
             return kvstore_pb2.DeleteResponse()
         return kvstore_pb2.DeleteResponse(deleted=self.store.delete(ns_id, self._hashes(ns_id, request.keys)))
 
     async def Pin(self, request: kvstore_pb2.PinRequest, context: Context) -> kvstore_pb2.PinResponse:
-        try:
-            ns_id = self._namespace(request.namespace)
-        except UnregisteredLayout as unknown:
-            self._miss(request.keys, unknown)
+        ns_id = self._known(request.namespace, request.keys)
+        if isinstance(ns_id, Miss):
             return kvstore_pb2.PinResponse()
         r = self.store.pin(ns_id, self._hashes(ns_id, request.keys), request.ttl_ms)
         return kvstore_pb2.PinResponse(lease_id=self._lease_out(r.lease_id), pinned=r.pinned,
@@ -366,10 +370,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return kvstore_pb2.UnpinResponse(released=bool(lease_id) and self.store.unpin(lease_id))
 
     async def Hint(self, request: kvstore_pb2.HintRequest, context: Context) -> kvstore_pb2.HintResponse:
-        try:
-            ns_id = self._namespace(request.namespace)
-        except UnregisteredLayout as unknown:
-            self._miss(request.keys, unknown)
+        ns_id = self._known(request.namespace, request.keys)
+        if isinstance(ns_id, Miss):
             self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
             return kvstore_pb2.HintResponse()
         session = self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
@@ -388,12 +390,10 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         tier = TIER_NAMES.get(request.tier, "") if request.tier else ""
         if request.tier and not tier:
             raise InvalidArgument(unknown_tier_message(request.tier, [t.name for t in self.store.memory_tiers]))
-        try:
-            ns_id = self._namespace(request.namespace)
-        except UnregisteredLayout as unknown:
-            n = self._miss(request.keys, unknown)
-            return kvstore_pb2.PrefetchResponse(tier=TIER_BY_NAME[self.store.prefetch_target(tier)], requested=n,
-                                                missing=n)
+        ns_id = self._known(request.namespace, request.keys)
+        if isinstance(ns_id, Miss):
+            return kvstore_pb2.PrefetchResponse(tier=TIER_BY_NAME[self.store.prefetch_target(tier)],
+                                                requested=ns_id.blocks, missing=ns_id.blocks)
         hashes = self._hashes(ns_id, request.keys)
         r = await self.store.prefetch(ns_id, hashes, tier)
         return kvstore_pb2.PrefetchResponse(
@@ -402,19 +402,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         )
 
     async def Verify(self, request: kvstore_pb2.VerifyRequest, context: Context) -> kvstore_pb2.VerifyResponse:
-        try:
-            ns_id = self._namespace(request.namespace)
-        except UnregisteredLayout as unknown:
-            self._miss(request.keys, unknown)
+        ns_id = self._known(request.namespace, request.keys)
+        if isinstance(ns_id, Miss):
             return kvstore_pb2.VerifyResponse()
         verified, dropped = await self.store.verify(ns_id, self._hashes(ns_id, request.keys))
         return kvstore_pb2.VerifyResponse(verified=verified, dropped=dropped)
-
-    def _miss(self, keys: kvstore_pb2.BlockKeys, unknown: UnregisteredLayout) -> int:
-        """A read of a layout the daemon holds nothing of: its keys checked as any read's
-        (bad input is refused the same either way), and how many blocks it names; the
-        read answers a miss and registers nothing."""
-        return self.resolver.check_keys(keys, unknown.layout)
 
     # -------------------------------------------------------------- data planes
 

@@ -38,6 +38,23 @@ def test_precedence_defaults_file_env_flags(tmp_path):
     assert load_config({}, env={}).host_capacity == "auto"
 
 
+def test_the_config_gives_the_store_its_limits_and_migration(tmp_path):
+    from kvstore.core.types import WritePolicy
+
+    cfg = load_config({"max_blocks_per_call": 100, "max_leases": 500, "max_leases_per_tenant": 50,
+                       "ssd_write_policy": "back", "put_tier": "hbm", "migration_batch_blocks": 8}, env={})
+    limits = cfg.store_limits()
+    assert (limits.max_blocks_per_call, limits.max_leases) == (100, 500)
+    # Without a token file there is one tenant: the per-tenant cap is not applied.
+    assert limits.max_leases_per_tenant is None
+    tokens = tmp_path / "tokens.toml"
+    assert replace(cfg, auth_token_file=str(tokens)).store_limits().max_leases_per_tenant == 50
+    migration = cfg.migration(["hbm", "host"])
+    assert (migration.write_policy, migration.put_tier, migration.batch_blocks) == (WritePolicy.BACK, "hbm", 8)
+    # A put tier that was not built (no HBM here): puts land where there is room.
+    assert cfg.migration(["host"]).put_tier == "auto"
+
+
 def test_listen_list_from_env_and_section_table(tmp_path):
     path = tmp_path / "kv.toml"
     path.write_text('[kvstore]\nlisten = ["unix:/run/x.sock", "127.0.0.1:7000"]\n')

@@ -4,11 +4,12 @@ Each package may import only the packages below it: the shared root (`kvstore/*.
 the generated stubs in `kvstore/v1`) nothing of ours; `kvstore.core` the shared root but
 not the stubs, the wire codec or the lane framing; `tiers/` the shared root and the tier
 contract; `kvstore.cluster` the shared root, core and the SDK; `kvstore.server` the shared
-root, core, cluster and the tier registry (`kvstore.tiers` itself, not its modules); the
-SDK the shared root and the stubs. Nothing imports `kvstore.cli`. Imports inside
-functions count too: a lazy import is still an edge. torch and cupy are imported at
-module level only by `tiers/` and the SDK's tensor glue, which the rest of the SDK loads
-lazily: importing `kvstore` or `kvstore.client` never loads them.
+root, core, cluster and the tier registry (`kvstore.tiers` itself, not its modules, and of
+it only the registry's names: what the server needs of a built tier is in the contract,
+`kvstore.core.tier`); the SDK the shared root and the stubs. Nothing imports
+`kvstore.cli`. Imports inside functions count too: a lazy import is still an edge. torch
+and cupy are imported at module level only by `tiers/` and the SDK's tensor glue, which
+the rest of the SDK loads lazily: importing `kvstore` or `kvstore.client` never loads them.
 
 Also (docs/architecture.md, "Layout"): the SDK's private modules (`kvstore.client._*`)
 are the SDK's own, imported from nowhere else; each package imports only the third-party
@@ -43,6 +44,15 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "client": SHARED + ("kvstore.client",),
     "cli": ("",),  # anything
 }
+
+# What `kvstore.tiers` exports, and all the server may import from it: the registry (tier
+# kinds, settings, builders, and the `Tier` they build) and what the daemon calls around a
+# build. Never a tier's class.
+TIER_REGISTRY = frozenset({
+    "HBM", "HOST", "SSD", "TIER_BUILDERS", "TIER_KINDS", "Tier", "TierBuilder", "TierSettings", "build_hbm",
+    "build_host", "build_ssd", "build_tiers", "default_shm_dir", "free_bytes", "make_copier",
+    "remove_stale_segments",
+})
 
 # The SDK modules that are the tensor glue (loaded lazily by the rest of the SDK).
 TORCH_MODULES = {"kvstore.client.tensors", "kvstore.client._device", "kvstore.client.hf", "kvstore.client.vllm"}
@@ -128,6 +138,9 @@ def violations() -> set[tuple[str, str]]:
                 out.add((name, target))
             if not target.startswith("kvstore"):
                 continue
+            if (pkg == "server" and target not in mods and target.rsplit(".", 1)[0] == "kvstore.tiers"
+                    and target.rsplit(".", 1)[1] not in TIER_REGISTRY):
+                out.add((name, target))  # a name from the tier package that is not the registry's
             if target not in mods and target.rsplit(".", 1)[0] in mods:
                 target = target.rsplit(".", 1)[0]  # `from module import name`
             if target not in mods:
@@ -174,6 +187,13 @@ def test_the_cli_imports_lazily() -> None:
             found.append(f"  {name}:{line} -> {target}")
     assert not found, "the CLI imports these at module level (import them in the command that needs them):\n" + \
         "\n".join(found)
+
+
+def test_the_tier_package_exports_its_registry_only() -> None:
+    tree = ast.parse((ROOT / "tiers" / "__init__.py").read_text())
+    exported = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets))
+    assert set(exported) == TIER_REGISTRY
 
 
 def test_the_sdk_imports_without_torch_or_the_daemon() -> None:

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
@@ -32,13 +32,11 @@ from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put, put_position
 from kvstore.server.data_lane.fetch import FetchTransfer
 from kvstore.server.data_lane.put import PutTransfer
-from kvstore.server.requests import RequestResolver, UnregisteredLayout, hash_fields, packed_reply
+from kvstore.server.requests import Miss, RequestResolver, hash_fields, packed_reply
 from kvstore.server.data_lane.transfer import DataLaneCounters, DataLaneSettings, Transfer, TransferFailed
+from kvstore.server.pool_node import PoolNode
 from kvstore.tiers import HOST
 from kvstore.v1 import kvstore_pb2
-
-if TYPE_CHECKING:
-    from kvstore.cluster.pool import ClusterNode
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +51,7 @@ class DataLaneTransfers:
     """The open transfers of one daemon, and the control calls that open and end them."""
 
     def __init__(self, store: Store, resolver: RequestResolver, settings: DataLaneSettings,
-                 endpoints: Callable[[], list[kvstore_pb2.DataLaneEndpoint]]) -> None:
+                 endpoints: Callable[[], list[kvstore_pb2.DataLaneEndpoint]], node: PoolNode) -> None:
         self.store = store
         self.resolver = resolver
         self.settings = settings
@@ -61,8 +59,9 @@ class DataLaneTransfers:
         self._endpoints = endpoints
         # The peer lane's addresses (set by the daemon of a pool), offered with the lane's.
         self.peer_lane_endpoints: list[kvstore_pb2.DataLaneEndpoint] = []
-        # The pool this daemon is one of (kvstore.server.cluster); None on a single daemon.
-        self.cluster: ClusterNode | None = None
+        # This daemon's node of the pool (kvstore.server.pool_node): transfers meet it as
+        # Put and Fetch do.
+        self.node = node
         self._open: dict[bytes, Transfer] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timers: dict[bytes, asyncio.TimerHandle] = {}
@@ -131,25 +130,21 @@ class DataLaneTransfers:
         self._admit()
         resolver = self.resolver
         fetch = request.fetch
-        try:
-            ns_id = resolver.namespace(fetch.namespace)
-        except UnregisteredLayout as unknown:  # a layout nothing was put in: a miss, as for Fetch
-            resolver.check_keys(fetch.keys, unknown.layout)
+        ns_id = resolver.known(fetch.namespace, fetch.keys)
+        if isinstance(ns_id, Miss):  # a layout nothing was put in: a miss, as for Fetch
             lease_id = resolver.tags.untag(fetch.lease_id)
             if lease_id:  # released when a fetch ends, whatever it found
                 self.store.unpin(lease_id)
-            return kvstore_pb2.LaneFetchResponse(block_bytes=unknown.layout.bytes_per_block,
-                                                 namespace_id=unknown.namespace_id)
+            return kvstore_pb2.LaneFetchResponse(block_bytes=ns_id.layout.bytes_per_block,
+                                                 namespace_id=ns_id.namespace_id)
         if self.store.namespace(ns_id).layout.groups:
             raise FailedPrecondition(GROUPED_NOT_ON_LANE)
         hashes = resolver.hashes(ns_id, fetch.keys)
-        cluster = self.cluster
-        if cluster is not None:  # as for a gRPC Fetch
-            peer = current_identity().peer
-            if peer:
-                cluster.peer_fetched(ns_id, hashes)
-            else:
-                await cluster.settle_fetch(ns_id, hashes)  # blocks a lookup is copying here
+        node = self.node  # as for a gRPC Fetch
+        if current_identity().peer:
+            node.peer_fetched(ns_id, hashes)
+        elif node.pulling:
+            await node.settle_fetch(ns_id, hashes)  # blocks a lookup is copying here
         stream = self.store.open_fetch(ns_id, hashes, resolver.tags.untag(fetch.lease_id))
         assert isinstance(stream, FetchStream)  # grouped layouts were refused above
         resp = kvstore_pb2.LaneFetchResponse(num_blocks=stream.num_blocks, block_bytes=stream.block_bytes,
@@ -320,14 +315,14 @@ class DataLaneTransfers:
         resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
                                        namespace_id=result.namespace_id,
                                        **hash_fields(result.block_hashes, packed_reply(header.keys)))
-        if self.cluster is not None:  # as for a gRPC Put: forwarded to its units' owners
+        if transfer.runs:  # a peer's forward of several runs: the pool is told of all at once
             hashes, parent = self.resolver.put_keys(self.store.namespace(result.namespace_id), header)
-            if transfer.runs:  # a peer's forward of several runs: the pool is told of all at once
-                self.cluster.after_peer_put(result.namespace_id,
-                                            split_runs(hashes, parent, put_position(header), transfer.runs))
-            else:
-                await forward_put(self.cluster, result.namespace_id, hashes, parent, header, resp,
-                                  current_identity().peer)
+            self.node.after_peer_put(result.namespace_id,
+                                     split_runs(hashes, parent, put_position(header), transfer.runs))
+        else:  # as for a gRPC Put: forwarded to its units' owners
+            waiting = forward_put(self.node, self.resolver, result.namespace_id, header, resp)
+            if waiting is not None:
+                await waiting
         return resp
 
     async def _roll_back(self, transfer: PutTransfer) -> None:
