@@ -171,5 +171,15 @@ setup-engines: $(ENGINES_VENV)/.installed $(ENGINES_VENV)/.stubs
 test-engines: setup-engines
 	$(EPY) -m pytest tests/engines -v $(PYTEST_ARGS)
 
+# ruff over the repository, mypy over the packages (configured in pyproject.toml). mypy
+# reads a tree of links shaped as the installed package (kvstore.tiers is tiers/,
+# kvstore.client is client/), made under .lint/ each run.
+lint: setup
+	$(PY) -m ruff check .
+	@rm -rf .lint && mkdir -p .lint/kvstore
+	@for e in kvstore/*; do ln -s "$(CURDIR)/$$e" .lint/kvstore/; done
+	@ln -s "$(CURDIR)/tiers" .lint/kvstore/tiers && ln -s "$(CURDIR)/client" .lint/kvstore/client
+	cd .lint && $(CURDIR)/$(PY) -m mypy --config-file $(CURDIR)/pyproject.toml -p kvstore
+
 clean:
-	rm -rf $(VENV) $(ENGINES_VENV) $(PEERS_VENV) kvstore/v1/*_pb2.py kvstore/v1/*_pb2.pyi kvstore/v1/*_pb2_grpc.py .pytest_cache
+	rm -rf .lint $(VENV) $(ENGINES_VENV) $(PEERS_VENV) kvstore/v1/*_pb2.py kvstore/v1/*_pb2.pyi kvstore/v1/*_pb2_grpc.py .pytest_cache
