@@ -19,8 +19,8 @@ and fetched as one (see kvstore.groups for which parts a prefix needs):
 Importing this package does not import torch; tensors are handled lazily.
 """
 
-from kvstore.client.results import LookupResult, PinResult, PrefetchResult, PutResult
 from kvstore.client.aio import AsyncClient
+from kvstore.client.results import LookupResult, PinResult, PrefetchResult, PutResult
 from kvstore.client.sync import Client
 from kvstore.hashing import block_hashes
 from kvstore.layout import GroupKind, KVGroup, KVLayout

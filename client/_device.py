@@ -24,6 +24,8 @@ Leases. `copy_out` returns only after the stream synchronized, so the slots' lea
 (ended by the client's next call) never ends while a copy still reads them.
 
 Imports torch: loaded only when a CUDA tensor is passed to the SDK.
+
+Glossary of planes and lanes: docs/local-data-plane.md.
 """
 
 from __future__ import annotations

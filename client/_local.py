@@ -11,6 +11,8 @@ put time, stopping at the first mismatch. On a fetch the hash reads the copy, so
 is verified is exactly what the caller gets; on a put it reads the source as each piece
 is copied (see `_copy_hash`). The copy and the hash run without the GIL, so a large
 batch is shared between the calling thread and a helper.
+
+Glossary of planes and lanes: docs/local-data-plane.md.
 """
 
 from __future__ import annotations

@@ -31,26 +31,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, Generic, TypeVar, Union
+from typing import Any, Generic, TypeVar
 
 from kvstore.client._assembler import FetchAssembler
-from kvstore.client.security import Security
 from kvstore.client._buffers import all_cuda, any_cuda, host_blocks, out_buffers, upload_blocks, writable_view
 from kvstore.client._groups import GroupedFetchAssembler, grouped_fetch_request, prepare_grouped_put
 from kvstore.client._held import HeldSlots, check_reserve_ahead, keep_held, take_held
-from kvstore.client.control_lane import lane_socket, segment_over_lane
 from kvstore.client._local import LocalPlane
-from kvstore.client.data_lane import (
-    DEFAULT_CONNECTIONS,
-    DataLane,
-    DataLaneStats,
-    LaneCall,
-    LaneMove,
-    TransferPlan,
-    choose_endpoint,
-    fetch_transfer,
-    put_transfer,
-)
 from kvstore.client._options import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -71,6 +58,18 @@ from kvstore.client._requests import (
     response_keys,
     reuse_hint,
 )
+from kvstore.client.control_lane import lane_socket, segment_over_lane
+from kvstore.client.data_lane import (
+    DEFAULT_CONNECTIONS,
+    DataLane,
+    DataLaneStats,
+    LaneCall,
+    LaneMove,
+    TransferPlan,
+    choose_endpoint,
+    fetch_transfer,
+    put_transfer,
+)
 from kvstore.client.results import (
     LookupResult,
     PinResult,
@@ -82,6 +81,7 @@ from kvstore.client.results import (
     put_result,
     response_hashes,
 )
+from kvstore.client.security import Security
 from kvstore.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -150,7 +150,7 @@ class StreamPut:
         self.timeout_s = timeout_s
 
 
-Step = Union[Unary[Any], Blocking, StreamFetch, StreamPut]
+Step = Unary[Any] | Blocking | StreamFetch | StreamPut
 Plan = Generator[Step, Any, T]
 
 
@@ -671,7 +671,7 @@ def _on_lane(transfer: TransferPlan[T]) -> Plan[T]:
             del value  # maybe the very error on its way out: no cycle through this frame
             raise
         try:
-            if type(step) is LaneMove:
+            if isinstance(step, LaneMove):
                 value = yield Blocking(step.run, cancel=step.cancel)
             else:
                 value = yield Unary(step.name, step.request, step.timeout_s)

@@ -13,8 +13,8 @@ import json
 import os
 
 from kvstore.addresses import DEFAULT_TCP_LISTEN, default_unix_socket
-from kvstore.errors import InvalidArgument
 from kvstore.control_lane_wire import IDEMPOTENT
+from kvstore.errors import InvalidArgument
 from kvstore.v1 import kvstore_pb2
 
 DEFAULT_TIMEOUT_S = 30.0

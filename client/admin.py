@@ -14,10 +14,10 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from kvstore.client.security import Security, sync_channel
 from kvstore.client._assembler import FetchAssembler
 from kvstore.client._errors import fetch_cut_short, translate
 from kvstore.client._options import CHANNEL_OPTIONS, DEFAULT_CHUNK_BYTES, resolve_target
+from kvstore.client.security import Security, sync_channel
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 DEFAULT_ADMIN_TIMEOUT_S = 5.0

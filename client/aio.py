@@ -17,14 +17,14 @@ from typing import Any, TypeVar, cast
 import grpc
 
 from kvstore.client import _ops as ops
-from kvstore.client.security import aio_channel
 from kvstore.client._errors import fetch_cut_short, translate
-from kvstore.client.control_lane import AioControlLane
 from kvstore.client._local import LocalPlane
 from kvstore.client._ops import Blocking, ClientState, Plan, Step, StreamFetch, StreamPut, Unary
 from kvstore.client._options import CHANNEL_OPTIONS
 from kvstore.client._requests import put_requests
+from kvstore.client.control_lane import AioControlLane
 from kvstore.client.results import LookupResult, PinResult, PrefetchResult, PutResult
+from kvstore.client.security import aio_channel
 from kvstore.control_lane_wire import RESPONSE_TYPES, method_path
 from kvstore.layout import KVLayout
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2

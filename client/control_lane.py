@@ -25,6 +25,8 @@ File descriptors: with auth on, the daemon answers `LocalSegment` with the calle
 segment as a descriptor (SCM_RIGHTS) rather than a path. `segment_over_lane` asks for it
 on a blocking connection of its own (for both clients: asyncio streams cannot receive
 descriptors), made and closed for that one call.
+
+Glossary of planes and lanes: docs/local-data-plane.md.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvstore.client._errors import translate_status
+from kvstore.control_lane_wire import HEADER, HELLO, HELLO_ANSWER, IDEMPOTENT, MAGIC, METHOD_IDS, frame, lane_path
 from kvstore.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -49,7 +52,6 @@ from kvstore.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kvstore.control_lane_wire import HEADER, HELLO, HELLO_ANSWER, IDEMPOTENT, MAGIC, METHOD_IDS, frame, lane_path
 from kvstore.v1 import kvstore_pb2
 
 # The largest answer the SDK reads (as its gRPC channels cap messages).

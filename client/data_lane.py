@@ -46,7 +46,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -61,10 +61,10 @@ from kvstore.data_lane import (
     HELLO,
     MAX_ERROR_BYTES,
     PUSH,
+    TRAILER,
     VERSION,
     WELCOME,
     Frame,
-    TRAILER,
     Grant,
     LaneClosed,
     LaneSocket,
@@ -428,7 +428,6 @@ class DataLane:
         grant = Grant(max(self.window_bytes, block_bytes), n * block_bytes)
         self._bound_waits(lane, deadline)
         lane.send_frame(FETCH, transfer_id, value=grant.first)
-        counters = self._counters
         frame_bytes = HEADER_BYTES + block_bytes + TRAILER.size
         while True:
             if lane.buffered() >= frame_bytes:
@@ -624,7 +623,7 @@ class LaneMove:
         self.lane.abort(self.conns)
 
 
-TransferPlan = Generator[Union[LaneCall, LaneMove], Any, T]
+TransferPlan = Generator[LaneCall | LaneMove, Any, T]
 
 
 def lane_fetch_request(fetch: kvstore_pb2.FetchRequest, connections: int,
@@ -727,7 +726,7 @@ async def run_transfer(plan: TransferPlan[T], call: Callable[[str, Any, float], 
             del value  # maybe the very error on its way out: no cycle through this frame
             raise
         try:
-            if type(step) is LaneMove:
+            if isinstance(step, LaneMove):
                 value = await move_in_threads(step)
             elif step.cleanup:
                 value = await asyncio.shield(call(step.name, step.request, step.timeout_s))

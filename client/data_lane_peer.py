@@ -30,7 +30,6 @@ from typing import Any
 
 import grpc
 
-from kvstore.client.security import Security, aio_channel
 from kvstore.client._errors import translate
 from kvstore.client._options import CHANNEL_OPTIONS, DEFAULT_TIMEOUT_S
 from kvstore.client.data_lane import (
@@ -43,9 +42,10 @@ from kvstore.client.data_lane import (
     put_transfer,
     run_transfer,
 )
+from kvstore.client.security import Security, aio_channel
+from kvstore.control_lane_wire import RESPONSE_TYPES, method_path
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import HASH_BYTES
-from kvstore.control_lane_wire import RESPONSE_TYPES, method_path
 from kvstore.v1 import kvstore_pb2
 
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
+from kvstore.answers import PinResult, PrefetchResult
 from kvstore.convert import TIER_NAMES
 from kvstore.errors import Internal
 from kvstore.hashing import split_hashes
 from kvstore.native import native as _native
-from kvstore.answers import PinResult, PrefetchResult
 from kvstore.v1 import kvstore_pb2
 
 __all__ = ["LookupResult", "PinResult", "PrefetchResult", "PutResult"]

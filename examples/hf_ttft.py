@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from _setup import Daemon, build_random_llama  # noqa: E402
+
 from kvstore.client import Client  # noqa: E402
 from kvstore.client.hf import layout_for_model, restore_prefix, store_prefix  # noqa: E402
 

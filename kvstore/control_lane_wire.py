@@ -27,6 +27,8 @@ hello carries the pool's credential, and each request payload starts with an env
 the sending node's id and the tenant the call is made for (each a u8 length and that
 many UTF-8 bytes), what a gRPC call carries as metadata, followed by the serialized
 request.
+
+Glossary of planes and lanes: docs/local-data-plane.md.
 """
 
 from __future__ import annotations

@@ -29,11 +29,11 @@ async def within(aw: Awaitable[T], timeout_s: float | None) -> T:
     cancelling = task.cancelling() if task is not None else 0
     expired = False
 
-    def expire() -> None:
+    def expire() -> None:  # runs only while `fut` is bound: the timer is cancelled before the `del`s
         nonlocal expired
-        if not fut.done():
+        if not fut.done():  # noqa: F821 (ruff reads the `del fut` below as an unbinding)
             expired = True
-            fut.cancel()
+            fut.cancel()  # noqa: F821
 
     timer = loop.call_later(max(0.0, timeout_s), expire) if timeout_s is not None else None
     try:

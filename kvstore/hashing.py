@@ -26,7 +26,6 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import InvalidArgument
-
 from kvstore.native import XXH3
 from kvstore.native import native as _native
 

@@ -60,7 +60,6 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvstore.checksum import checksum
-from kvstore.client.security import Security
 from kvstore.client.data_lane import (
     DEFAULT_CONNECTIONS,
     DataLane,
@@ -74,6 +73,7 @@ from kvstore.client.data_lane import (
     put_transfer,
     run_transfer,
 )
+from kvstore.client.security import Security
 from kvstore.cluster.peer_lane import CONNECT_TIMEOUT_S, LANE_RETRY_S, PeerLane
 from kvstore.cluster.transport import (
     DEFAULT_CHUNK_BYTES,
@@ -85,11 +85,11 @@ from kvstore.cluster.transport import (
     lookup_count,
     lookup_request_bytes,
 )
+from kvstore.control_lane_wire import RESPONSE_TYPES, peer_envelope
 from kvstore.data_lane import LaneSocket
 from kvstore.eager import Started, start
 from kvstore.errors import KVStoreError
 from kvstore.hashing import HASH_BYTES
-from kvstore.control_lane_wire import RESPONSE_TYPES, peer_envelope
 from kvstore.v1 import kvstore_pb2
 from kvstore.wire import Framed
 
@@ -472,7 +472,7 @@ class DataLaneTransport:
                                       f"bytes for {n} of {len(sources[0])}")
 
         try:
-            grant, resp = await run_transfer(put_transfer(
+            done = await run_transfer(put_transfer(
                 lane, conns, header, sources, functools.partial(_left, deadline), check=fits,
                 runs=[kvstore_pb2.PutRun(offset=offset, parent_hash=run_parent or b"", position=run_position)
                       for offset, run_parent, run_position in runs]),
@@ -481,6 +481,8 @@ class DataLaneTransport:
             raise
         except Exception as exc:  # the move's (the control calls fail as PeerError)
             raise PeerError(node, f"put over the data lane: {_said(exc)}") from None
+        assert done is not None  # without `fall_back` a failed move raises
+        grant, resp = done
         sent = grant.needed.count(1)
         counters = self.counters
         counters.lane_blocks_out += sent

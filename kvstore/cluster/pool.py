@@ -680,7 +680,7 @@ class ClusterNode:
             every = [f for _, fs in batch for f in fs]
             if every and remaining > 0:
                 await asyncio.wait(every, timeout=remaining)
-            for unit, futures in batch:
+            for _unit, futures in batch:
                 got = [f.result() if f.done() else 0 for f in futures]
                 if futures and min(got) > 0:
                     pushed += 1

@@ -541,7 +541,7 @@ class RemoteLookup:
             r = self._mark(holder, namespace_id, packed, (rnd.starts + rnd.locs)[idx], (rnd.starts + best)[idx],
                            rnd.replica[idx], rnd.key_pos[idx])
             keys = split_hashes(_keys_at(packed, r.key_pos))
-            unit_keys = [keys[f : l + 1] for f, l in zip(r.firsts.tolist(), r.lasts.tolist())]
+            unit_keys = [keys[first : last + 1] for first, last in zip(r.firsts.tolist(), r.lasts.tolist())]
             self.puller.launch(r.holder, call, r.pull, PullSpec(namespace_id, packed, r.starts.tolist(),
                                                                 r.stops.tolist(), r.replica.tolist(), unit_keys,
                                                                 r.hashes))

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 
 from kvstore.control_lane_wire import RESPONSE_TYPES, method_path
+from kvstore.v1 import kvstore_pb2
 from kvstore.wire import (
     FETCH_METHOD,
     PUT_METHOD,
@@ -53,7 +54,6 @@ from kvstore.wire import (
     put_request_serializer,
     varint,
 )
-from kvstore.v1 import kvstore_pb2
 
 if TYPE_CHECKING:
     from kvstore.core.fetch import FetchStream

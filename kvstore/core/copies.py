@@ -35,11 +35,11 @@ import numpy as np
 
 from kvstore.core.index import BlockEntry, BlockIndex, BlockState
 from kvstore.core.namespaces import NamespaceRegistry
-from kvstore.core.types import BlockGroup, BlockInfo, NamespaceInfo, StoreCounters, StoreObserver
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
 from kvstore.core.tenancy import TenantLedger
 from kvstore.core.tier import RecoveredBlocks, Slot
+from kvstore.core.types import BlockGroup, BlockInfo, NamespaceInfo, StoreCounters, StoreObserver
 from kvstore.hashing import HASH_BYTES
 
 logger = logging.getLogger(__name__)

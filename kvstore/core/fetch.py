@@ -40,10 +40,10 @@ from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex, hold_readers, make_key, release_readers
 from kvstore.core.leases import Lease
 from kvstore.core.moves import TierMoves
-from kvstore.core.types import MigrationConfig, NamespaceInfo, PrefixLookup, StoreCounters
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
 from kvstore.core.tier import Slot
+from kvstore.core.types import MigrationConfig, NamespaceInfo, PrefixLookup, StoreCounters
 from kvstore.errors import DataLoss
 from kvstore.hashing import HASH_BYTES
 

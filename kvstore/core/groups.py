@@ -46,9 +46,9 @@ import numpy as np
 from kvstore.core.fetch import FetchPath, FetchStream, FramedBlock
 from kvstore.core.index import BlockIndex, make_key
 from kvstore.core.put import PutPath, PutTxn
-from kvstore.core.types import NamespaceInfo, PrefixLookup, PutOutcome, StoreCounters, StoreObserver
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
+from kvstore.core.types import NamespaceInfo, PrefixLookup, PutOutcome, StoreCounters, StoreObserver
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.groups import GroupNeed, Rule, full_bytes, needed, rule_of, stored_bytes, window_blocks
 from kvstore.hashing import HASH_BYTES

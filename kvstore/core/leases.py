@@ -23,8 +23,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstore.core.index import BlockEntry, hold_pins, hold_readers, release_pins, release_readers
-from kvstore.core.types import StoreLimits
 from kvstore.core.table import BlockTable
+from kvstore.core.types import StoreLimits
 from kvstore.errors import InvalidArgument, ResourceExhausted
 
 

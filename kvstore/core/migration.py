@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex
 from kvstore.core.moves import EVICT_BATCH, TierMoves
-from kvstore.core.types import MigrationConfig, MigrationStatus, StoreCounters, WritePolicy
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
+from kvstore.core.types import MigrationConfig, MigrationStatus, StoreCounters, WritePolicy
 from kvstore.deadlines import within
 from kvstore.errors import ResourceExhausted
 

@@ -41,17 +41,17 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import Executor
 
+from kvstore.answers import PrefetchResult
 from kvstore.checksum import checksum_batch
 from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex, make_key
 from kvstore.core.namespaces import NamespaceRegistry
-from kvstore.core.types import MigrationConfig, NamespaceInfo, RemovalResult, StoreCounters
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.tenancy import TenantLedger
 from kvstore.core.tier import BlockMeta, Copier, Slot
+from kvstore.core.types import MigrationConfig, NamespaceInfo, RemovalResult, StoreCounters
 from kvstore.errors import DataLoss, FailedPrecondition, ResourceExhausted
 from kvstore.hashing import HASH_BYTES
-from kvstore.answers import PrefetchResult
 
 logger = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.core.index import BlockIndex
-from kvstore.core.types import NamespaceInfo, StoreLimits
 from kvstore.core.tenancy import TenantLedger
+from kvstore.core.types import NamespaceInfo, StoreLimits
 from kvstore.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvstore.hashing import (
     HASH_BYTES,

@@ -52,13 +52,13 @@ from kvstore.checksum import checksum
 from kvstore.core.copies import CopyBook
 from kvstore.core.index import BlockEntry, BlockIndex, RunParents
 from kvstore.core.migration import Migrator
-from kvstore.core.namespaces import NamespaceRegistry
 from kvstore.core.moves import TierMoves
-from kvstore.core.types import NamespaceInfo, PutOutcome, StoreCounters
+from kvstore.core.namespaces import NamespaceRegistry
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
 from kvstore.core.tenancy import TenantLedger
 from kvstore.core.tier import Slot
+from kvstore.core.types import NamespaceInfo, PutOutcome, StoreCounters
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import DTYPE_BYTES

@@ -55,15 +55,19 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.answers import PinResult, PrefetchResult
 from kvstore.core.copies import CopyBook
 from kvstore.core.fetch import FetchPath, FetchStream
 from kvstore.core.groups import GroupBook, GroupedFetchStream, GroupedPutTxn
 from kvstore.core.index import BlockEntry, BlockIndex, make_key
 from kvstore.core.leases import Lease, LeaseTable
 from kvstore.core.migration import Migrator
-from kvstore.core.namespaces import NamespaceRegistry, check_hint
 from kvstore.core.moves import TierMoves
+from kvstore.core.namespaces import NamespaceRegistry, check_hint
 from kvstore.core.put import PutPath, PutTxn
+from kvstore.core.store_tier import PolicyDeferral, StoreTier, check_tiers
+from kvstore.core.tenancy import TenantLedger
+from kvstore.core.tier import BounceCopier, Copier, Slot, Tier
 from kvstore.core.types import (
     BlockGroup,
     BlockInfo,
@@ -82,13 +86,9 @@ from kvstore.core.types import (
     TierStatus,
     WritePolicy,
 )
-from kvstore.core.store_tier import PolicyDeferral, StoreTier, check_tiers
-from kvstore.core.tenancy import TenantLedger
-from kvstore.core.tier import BounceCopier, Copier, Slot, Tier
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import KVLayout
-from kvstore.answers import PinResult, PrefetchResult
 
 # The facade and the values its verbs take and return.
 __all__ = [

@@ -19,9 +19,9 @@ import numpy as np
 
 from kvstore.core.index import BlockEntry
 from kvstore.core.policies import EvictionPolicy
-from kvstore.core.types import TierCounters, TierStatus
 from kvstore.core.table import BlockTable
 from kvstore.core.tier import Tier
+from kvstore.core.types import TierCounters, TierStatus
 
 # Policy calls that may wait for the loop (see `StoreTier.defer_touch`).
 DEFERRED_MAX = 64

@@ -104,9 +104,9 @@ def build_cluster(config: Config, store: Store, node_id: str, *, executor: Any =
     """This daemon's `ClusterNode`, not started: the services get it before the listeners
     are bound; `join_cluster` starts it after. Its settings are checked now, so a bad one
     stops the daemon before it binds anything."""
+    from kvstore.cluster.data_lane_transport import DataLaneTransport
     from kvstore.cluster.membership import EtcdSettings, Member, make_membership, parse_static_peers
     from kvstore.cluster.pool import ClusterNode, ClusterSettings
-    from kvstore.cluster.data_lane_transport import DataLaneTransport
     from kvstore.cluster.transport import GrpcPeerTransport, PeerTransport
 
     token = ""

@@ -47,6 +47,8 @@ connections skip the uid check (the network has none): the hello's token is what
 them, accepted as a cluster credential (`Authenticator.identify_lane`), and every call
 names the node and tenant it is made for (`kvstore.control_lane_wire.split_envelope`), checked
 as gRPC checks those metadata entries (so only a pool's calls are admitted).
+
+Glossary of planes and lanes: docs/local-data-plane.md.
 """
 
 from __future__ import annotations
@@ -68,10 +70,6 @@ from typing import Any, NamedTuple
 import grpc
 from google.protobuf.message import DecodeError
 
-# The core's after-reply policy calls (see the module docstring): the one import of it.
-from kvstore.core.store_tier import PolicyDeferral
-from kvstore.eager import resume
-from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, ResourceExhausted
 from kvstore.control_lane_wire import (
     HEADER,
     HELLO,
@@ -83,6 +81,11 @@ from kvstore.control_lane_wire import (
     method_path,
     split_envelope,
 )
+
+# The core's after-reply policy calls (see the module docstring): the one import of it.
+from kvstore.core.store_tier import PolicyDeferral
+from kvstore.eager import resume
+from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, ResourceExhausted
 from kvstore.server.auth import MAX_TOKEN_CHARS
 from kvstore.server.pipeline import CallSteps, Pipeline
 

@@ -50,11 +50,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from kvstore.control_lane_wire import lane_path
 from kvstore.core.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, parse_tier_policies
 from kvstore.core.store import Store, StoreTier
 from kvstore.core.tier import SharedWindow
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.control_lane_wire import lane_path
 from kvstore.logs import rate_limited
 from kvstore.server.admin import AdminServicer
 from kvstore.server.auth import Authenticator, TokenTable, check_unix_tenant, parse_token_file
@@ -72,12 +72,20 @@ from kvstore.server.connections import (
     grpc_server_options,
     raise_open_file_limit,
 )
-from kvstore.server.data_lane.server import DataLaneServer, DataLaneCollector, check_lane_exposure, lane_addresses, server_tls
+from kvstore.server.control_lane import ControlLaneServer
+from kvstore.server.data_lane.server import (
+    DataLaneCollector,
+    DataLaneServer,
+    check_lane_exposure,
+    lane_addresses,
+    server_tls,
+)
+from kvstore.server.data_lane.transfer import DataLaneSettings
+from kvstore.server.data_lane.transfers import DataLaneTransfers
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.events import EventBus
 from kvstore.server.host_resources import GcFreezer, check_disk_capacity, resolve_host_capacity
 from kvstore.server.interceptors import PipelineInterceptor
-from kvstore.server.control_lane import ControlLaneServer
 from kvstore.server.lease_tags import LeaseTags
 from kvstore.server.lifecycle import DrainGate
 from kvstore.server.listen import bind, check_exposure, prepare_unix_path, tls_credentials
@@ -90,8 +98,6 @@ from kvstore.server.reflection import enable_reflection
 from kvstore.server.requests import RequestResolver
 from kvstore.server.runtime import RuntimeConfig
 from kvstore.server.servicer import KVStoreServicer
-from kvstore.server.data_lane.transfer import DataLaneSettings
-from kvstore.server.data_lane.transfers import DataLaneTransfers
 from kvstore.tiers import (
     HBM,
     HOST,

@@ -14,6 +14,8 @@ The slab holds every tenant's HBM blocks, and a CUDA IPC handle opens all of it.
 while more than one tenant may use the local planes (`local_plane = true` for two or
 more tenants of the token file), the device plane is refused, FAILED_PRECONDITION: the
 SDK then moves CUDA tensors through host memory. Per-tenant slabs are future work.
+
+Glossary of planes and lanes: docs/local-data-plane.md.
 """
 
 from __future__ import annotations

@@ -35,6 +35,8 @@ every offset a client is given is one of its tenant's slots, in that segment: a 
 slots and a reservation's come from the caller's space, a put into a namespace of
 another space (an admin naming it by id) is refused, and a fetch's leased run stops at
 the first block of another space (the client fetches the rest as bytes).
+
+Glossary of planes and lanes: docs/local-data-plane.md.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
-from kvstore.core.types import NamespaceInfo
 from kvstore.core.store import Store
 from kvstore.core.tier import SharedSegment, SharedWindow, Slot
+from kvstore.core.types import NamespaceInfo
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put

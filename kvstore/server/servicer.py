@@ -68,11 +68,11 @@ from kvstore.hashing import HASH_BYTES, split_hashes
 from kvstore.native import XXH3, native
 from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put
+from kvstore.server.data_lane.transfers import DataLaneTransfers
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.local_plane import LocalPlaneService
 from kvstore.server.pool_node import PoolNode, SoloNode
 from kvstore.server.requests import Miss, RequestResolver, UnregisteredLayout, hash_fields, packed_reply
-from kvstore.server.data_lane.transfers import DataLaneTransfers
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from kvstore.wire import Framed, RawChunk, chunk_prefix, encode_chunk
 

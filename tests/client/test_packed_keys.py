@@ -11,6 +11,7 @@ import os
 import grpc
 import pytest
 import xxhash
+from conftest import make_config
 
 from kvstore import errors
 from kvstore.client import AsyncClient
@@ -21,7 +22,6 @@ from kvstore.hashing import block_hashes, block_hashes_packed, namespace_id, spl
 from kvstore.layout import KVLayout
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
-from conftest import make_config
 
 N = 6
 

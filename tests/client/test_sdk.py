@@ -136,8 +136,9 @@ async def test_async_client_concurrent_puts_and_reads(daemon, layout):
 def test_blocks_larger_than_a_chunk_come_back_whole_over_grpc(tmp_path):
     from dataclasses import replace
 
-    from kvstore.client import KVLayout
     from conftest import daemon_in_thread, make_config
+
+    from kvstore.client import KVLayout
 
     cfg = replace(make_config(tmp_path), chunk_bytes=4096)  # a 64 KiB block is 16 messages
     layout = KVLayout(model="chunks", dtype="float16", num_layers=2, num_kv_heads=2, head_dim=64,

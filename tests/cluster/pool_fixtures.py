@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from conftest import make_config
+
 from kvstore.client.admin import AdminClient
 from kvstore.layout import KVLayout
 from kvstore.server.auth import new_token

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import SMALL_LAYOUT
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import SMALL_LAYOUT
 from kvstore.client import AsyncClient
 from kvstore.server.daemon import Daemon
 from tests.cluster.cluster_fixtures import EtcdServer, etcd  # noqa: F401

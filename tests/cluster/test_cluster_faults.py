@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from conftest import SMALL_LAYOUT
+
 from kvstore.client import Client
 from kvstore.client.admin import AdminClient
 from kvstore.cluster.placement import Placement
@@ -189,7 +189,7 @@ def test_kill_9_under_load_then_restart_with_its_node_id(netns_hosts: NetworkHos
             wait_members(node.target, set(IDS), 20)
         time.sleep(GRACE_S + 0.5)  # B alone answers for its units again
         with Client(c.target) as kv:
-            for tok, blocks in before.values():
+            for tok, _blocks in before.values():
                 # C's copies of B's units (pulled meanwhile) go: they must come from B again.
                 hashes = block_hashes(namespace_id(LAYOUT), tok, LAYOUT.block_size_tokens)
                 for unit in Placement(IDS).spans(hashes):

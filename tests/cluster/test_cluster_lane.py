@@ -18,18 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import SMALL_LAYOUT
+
 from kvstore.client import AsyncClient
-from kvstore.client.security import Security
 from kvstore.client.data_lane import DataLane, choose_endpoint
+from kvstore.client.security import Security
 from kvstore.convert import layout_to_proto
 from kvstore.errors import KVStoreError
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import kvstore_pb2
 from tests.cluster.pki import make_pki
-from tests.lane_proxy import LaneProxy
 from tests.cluster.pool_fixtures import Tokens, chain, free_port, info, pool, unix_target
+from tests.lane_proxy import LaneProxy
 
 LAYOUT = SMALL_LAYOUT
 BPB = LAYOUT.bytes_per_block

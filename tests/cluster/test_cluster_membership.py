@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-
 from conftest import make_config
+
 from kvstore.cluster.membership import (
     EtcdMembership,
     EtcdSettings,

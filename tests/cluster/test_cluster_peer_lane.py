@@ -15,14 +15,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from conftest import SMALL_LAYOUT
+
+import kvstore.cluster.peer_lane as peer_lane_module
 from kvstore.client import AsyncClient
 from kvstore.client.data_lane import LaneEndpoint
-import kvstore.cluster.peer_lane as peer_lane_module
 from kvstore.cluster.peer_lane import PeerLane
-from kvstore.convert import layout_to_proto
 from kvstore.control_lane_wire import HEADER, HELLO, MAGIC, METHOD_IDS, frame, peer_envelope
+from kvstore.convert import layout_to_proto
 from kvstore.server.auth import DEFAULT_TENANT
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc

@@ -17,8 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
 from conftest import SMALL_LAYOUT, make_config
+
 from kvstore.client import AsyncClient, GroupKind, KVGroup, KVLayout
 from kvstore.client.admin import AdminClient
 from kvstore.core.store import Store

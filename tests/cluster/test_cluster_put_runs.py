@@ -11,14 +11,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-
 from conftest import SMALL_LAYOUT
+
 from kvstore.client import AsyncClient
+from kvstore.control_lane_wire import peer_envelope
 from kvstore.convert import layout_to_proto
 from kvstore.core.index import make_key
 from kvstore.core.store import Store
 from kvstore.hashing import block_hashes
-from kvstore.control_lane_wire import peer_envelope
 from kvstore.layout import KVLayout
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from conftest import SMALL_LAYOUT
+
 from kvstore.client import AsyncClient
 from kvstore.convert import layout_to_proto
 from kvstore.errors import ConfigError
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
-from tests.cluster.pool_fixtures import Tokens, chain, pool, unix_target
+from tests.cluster.pool_fixtures import Tokens, chain, pool
 
 LAYOUT = SMALL_LAYOUT
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from conftest import SMALL_LAYOUT
+
 from kvstore.cluster.transport import PeerCall, chunk_framer, lookup_request_bytes
 from kvstore.convert import layout_to_proto
 from kvstore.v1 import kvstore_pb2
-from conftest import SMALL_LAYOUT
 
 
 def test_a_lookup_request_built_by_hand_is_the_message_protobuf_reads() -> None:

@@ -322,7 +322,7 @@ def test_batches_placed_compiled_or_in_numpy_are_all_found(compiled: bool, monke
     rng = random.Random(5)
     index = BlockIndex(BlockTable(16))
     model: dict[bytes, BlockEntry] = {}
-    for step in range(60):
+    for _step in range(60):
         ns = rng.choice([NS_A, NS_B])
         batch = [key(ns, i) for i in rng.sample(range(5000), 40)]
         batch = [k for k in dict.fromkeys(batch) if k not in model]

@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import daemon_in_thread, make_config
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
@@ -35,7 +36,6 @@ from kvstore.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvstore.hashing import HASH_BYTES, block_hashes
 from kvstore.layout import KVLayout
 from kvstore.tiers.host import HostTier
-from conftest import daemon_in_thread, make_config
 from tests.fakes import ManualClock
 
 LAYOUT = KVLayout(model="fuzz", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=64, block_size_tokens=4)

@@ -417,7 +417,7 @@ async def test_a_batch_eviction_drops_what_single_evictions_would(policy):
     assert batch.tenancy.usage(info_b.tenant) == single.tenancy.usage(info_s.tenant) == {"host": 7 * BLOCK}
     assert (info_b.blocks, info_b.bytes) == (info_s.blocks, info_s.bytes) == (7, 7 * BLOCK)
     assert st_b.tier.used_bytes == 12 * BLOCK and st_s.tier.used_bytes == 7 * BLOCK
-    for c, data_b, data_s in zip(chains, payloads[batch], payloads[single]):
+    for c, data_b, _data_s in zip(chains, payloads[batch], payloads[single]):
         held = batch.lookup(LAYOUT.namespace_id, c).num_blocks
         assert held == single.lookup(LAYOUT.namespace_id, c).num_blocks
         assert await fetch_all(batch, c[:held]) == data_b[:held]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import DaemonProcess
+
 from kvstore.client import Client
 
 PREFIX_TOKENS = 512

@@ -13,17 +13,15 @@ its logits by a few 1e-5 whoever made the cache.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import DaemonProcess
+from tinyhybrid import build_tiny_deepseek_v3, build_tiny_gemma3, build_tiny_qwen3_next
+
 from kvstore.client import Client
 from kvstore.groups import full_bytes, stored_bytes
 from kvstore.layout import GroupKind
-
-from tinyhybrid import build_tiny_deepseek_v3, build_tiny_gemma3, build_tiny_qwen3_next
 
 BLOCK = 16
 WINDOW = 48

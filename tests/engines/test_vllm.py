@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import DaemonProcess, EngineRun, run_engine, start_daemon
 
 BLOCK = 32

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import DaemonProcess, EngineRun, run_engine
-from kvstore.client.admin import AdminClient
-
 from tinyhybrid import build_tiny_deepseek_v3, build_tiny_gemma3
+
+from kvstore.client.admin import AdminClient
 
 BLOCK = 32  # vLLM's CPU backend rounds the block size up to 32
 WINDOW = 48

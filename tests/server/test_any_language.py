@@ -13,13 +13,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import SMALL_LAYOUT, make_config
 
 from kvstore.convert import layout_to_proto
 from kvstore.layout import KVLayout
 from kvstore.server.auth import new_token
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import admin_pb2, kvstore_pb2, kvstore_pb2_grpc
-from conftest import SMALL_LAYOUT, make_config
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

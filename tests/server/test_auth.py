@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import daemon_in_thread, make_config
 
 from kvstore.client import Client
 from kvstore.client.admin import AdminClient
@@ -26,7 +27,6 @@ from kvstore.server.auth import hash_token, new_token, parse_token_file
 from kvstore.server.config import load_config
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from conftest import daemon_in_thread, make_config
 
 
 def blocks_for(layout, n, seed=0):

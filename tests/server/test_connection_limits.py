@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import daemon_in_thread, make_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.client import AsyncClient, Client
@@ -24,7 +25,6 @@ from kvstore.control_lane_wire import HELLO, MAGIC, frame, lane_path
 from kvstore.server.daemon import Daemon
 from tests import procs
 from tests.polling import eventually, wait_until
-from conftest import daemon_in_thread, make_config
 
 FD_LIMIT = 128
 SILENT_EACH = 200  # on each plane, more than the daemon's whole descriptor limit

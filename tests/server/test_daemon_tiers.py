@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import make_config
 
 from kvstore.cli.main import main as cli_main
 from kvstore.client import AsyncClient, Client
@@ -17,8 +18,6 @@ from kvstore.server.config import Config
 from kvstore.server.daemon import Daemon
 from kvstore.tiers.cuda import cuda_available
 from kvstore.tiers.ssd import RECORD, SNAPSHOT_NAME
-
-from conftest import make_config
 
 # 2 * 2 * 4 * 2 * 128 * 2 = 8 KiB per block
 LAYOUT = KVLayout(model="test/ssd", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=128,

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from conftest import RunningDaemon, daemon_in_thread, make_config
 
 from kvstore.client import AsyncClient, Client
 from kvstore.data_lane import (
@@ -54,7 +55,6 @@ from kvstore.layout import KVLayout
 from kvstore.server.auth import hash_token, new_token
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from conftest import RunningDaemon, daemon_in_thread, make_config
 from tests.lane_proxy import LaneProxy
 
 # 32 KiB blocks: small enough for many of them in a 16 MiB host tier.
@@ -1099,8 +1099,8 @@ def test_small_blocks_received_whole_land_in_one_pass_and_a_bad_one_is_not_retur
     one pass (`LaneSocket.buffered_blocks`): each lands byte-exact in its destination
     and is checked there against the checksum it came with; one whose bytes do not match
     ends the result before it and is counted, and a block sent twice is refused."""
-    from kvstore.client.security import Security
     from kvstore.client.data_lane import DataLane, LaneEndpoint
+    from kvstore.client.security import Security
 
     transfer = b"t" * 16
     blocks = [bytes([i]) * 256 for i in range(40)]

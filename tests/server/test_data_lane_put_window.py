@@ -21,6 +21,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
+from conftest import RunningDaemon, daemon_in_thread, make_config
 
 from kvstore.client import Client
 from kvstore.convert import layout_to_proto
@@ -41,7 +42,6 @@ from kvstore.data_lane import (
 )
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from conftest import RunningDaemon, daemon_in_thread, make_config
 
 # 64 KiB blocks; a 1 MiB window is 16 of them; the host tier holds 64.
 LAYOUT = KVLayout(model="test/lane-window", dtype="float16", num_layers=4, num_kv_heads=4, head_dim=64,

@@ -11,12 +11,12 @@ import asyncio
 import os
 
 import grpc
+from conftest import make_config
 
 from kvstore.client import AsyncClient
 from kvstore.client.events import BlockTracker
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
-from conftest import make_config
 from tests.polling import eventually
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import make_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.server.daemon import Daemon
-from conftest import make_config
 
 pytestmark = pytest.mark.asyncio
 

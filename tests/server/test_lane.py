@@ -17,8 +17,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import daemon_in_thread, make_config
 
 from kvstore.client import AsyncClient, Client
+from kvstore.control_lane_wire import HEADER, HELLO_ANSWER, MAGIC, METHOD_IDS, frame, lane_path
 from kvstore.convert import layout_to_proto
 from kvstore.errors import (
     FailedPrecondition,
@@ -29,10 +31,8 @@ from kvstore.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kvstore.control_lane_wire import HEADER, HELLO_ANSWER, MAGIC, METHOD_IDS, frame, lane_path
 from kvstore.server.auth import new_token
 from kvstore.v1 import kvstore_pb2
-from conftest import daemon_in_thread, make_config
 
 
 def blocks_for(layout, n, seed=0):

@@ -8,13 +8,13 @@ from dataclasses import replace
 
 import grpc
 import pytest
+from conftest import daemon_in_thread, make_config
 
 from kvstore.client import Client
 from kvstore.convert import layout_to_proto
 from kvstore.layout import KVLayout
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from conftest import daemon_in_thread, make_config
 
 
 def _ns(layout: KVLayout) -> kvstore_pb2.Namespace:

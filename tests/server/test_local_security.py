@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
+from conftest import make_config
 
 from kvstore.addresses import default_unix_socket
 from kvstore.cli.main import main
@@ -30,7 +31,6 @@ from kvstore.client.admin import AdminClient
 from kvstore.errors import ConfigError, KVStoreError, PermissionDenied, Unauthenticated
 from kvstore.server.auth import entry_text, new_token
 from kvstore.server.daemon import Daemon
-from conftest import make_config
 
 OTHER_UID = 65534  # nobody: stands for any other local user
 

@@ -166,8 +166,9 @@ def test_tracker_follows_a_daemon_through_a_resync(daemon_thread, layout):
 
 
 async def test_demotion_to_ssd_is_a_moved_event(tmp_path, layout):
-    from kvstore.server.daemon import Daemon
     from conftest import make_config
+
+    from kvstore.server.daemon import Daemon
 
     d = Daemon(make_config(tmp_path, ssd_path=str(tmp_path / "ssd"), ssd_capacity=64 << 20, ssd_region_size=1 << 20))
     await d.start()

@@ -23,8 +23,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from kvstore.client import Client
-from kvstore.client._requests import namespace_ref
 from kvstore.client._local import LocalPlane
+from kvstore.client._requests import namespace_ref
 from kvstore.client.admin import AdminClient
 from kvstore.errors import Cancelled, ConfigError, KVStoreError, Unavailable
 from kvstore.server.config import Config

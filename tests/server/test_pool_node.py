@@ -60,7 +60,7 @@ async def test_a_daemon_alone_answers_as_a_node_alone() -> None:
     with pytest.raises(FailedPrecondition, match="not one of a pool"):
         await node.drain()
     with pytest.raises(FailedPrecondition) as raised:
-        node.settings
+        _ = node.settings
     assert str(raised.value) == NOT_IN_A_POOL
     await node.leave()
     await node.aclose()

@@ -17,16 +17,16 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import make_config
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
 from kvstore.client import AsyncClient
-from kvstore.convert import layout_to_proto
 from kvstore.control_lane_wire import HEADER, HELLO_ANSWER, MAGIC, METHOD_IDS, frame, lane_path
+from kvstore.convert import layout_to_proto
 from kvstore.server.auth import new_token
 from kvstore.server.daemon import Daemon
 from kvstore.v1 import admin_pb2, kvstore_pb2
-from conftest import make_config
 
 pytestmark = pytest.mark.asyncio
 

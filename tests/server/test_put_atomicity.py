@@ -145,7 +145,7 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2])))
 async def test_a_client_killed_after_its_last_chunk_leaves_nothing(stubs, layout):
     stub, admin, target = stubs
     tokens = list(range(BLOCKS * layout.block_size_tokens))
-    for attempt in range(2):
+    for _attempt in range(2):
         client = await asyncio.create_subprocess_exec(sys.executable, "-c", KILLED_CLIENT, target, str(BLOCKS),
                                                       stdout=asyncio.subprocess.PIPE)
         try:

@@ -164,8 +164,9 @@ async def test_put_range_beyond_tokens(seeded, layout):
 async def test_too_many_blocks_in_one_call(tmp_path, layout):
     from dataclasses import replace
 
-    from kvstore.server.daemon import Daemon
     from conftest import make_config
+
+    from kvstore.server.daemon import Daemon
 
     d = Daemon(replace(make_config(tmp_path), max_blocks_per_call=4))
     await d.start()

@@ -34,8 +34,8 @@ import grpc
 import pytest
 
 from kvstore.client import AsyncClient, Client
-from kvstore.convert import layout_to_proto
 from kvstore.control_lane_wire import HEADER, HELLO, MAGIC, METHOD_IDS, frame, lane_path
+from kvstore.convert import layout_to_proto
 from kvstore.layout import KVLayout
 from kvstore.server.auth import new_token
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc

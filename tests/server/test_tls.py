@@ -8,12 +8,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import daemon_in_thread, make_config
 
 from kvstore.client import Client
 from kvstore.client.admin import AdminClient
 from kvstore.errors import ConfigError, KVStoreError, Unauthenticated
 from kvstore.server.config import load_config
-from conftest import daemon_in_thread, make_config
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make certificates")
 

@@ -133,7 +133,7 @@ def violations() -> set[tuple[str, str]]:
     out = set()
     for name, path in mods.items():
         pkg = package_of(name)
-        for target, line, at_top in imports(name, path):
+        for target, _line, at_top in imports(name, path):
             if target.split(".")[0] in ("torch", "cupy") and at_top and pkg != "tiers" and name not in TORCH_MODULES:
                 out.add((name, target))
             if not target.startswith("kvstore"):

@@ -16,13 +16,13 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import make_config
 
 from kvstore.client import AsyncClient, Client
 from kvstore.errors import ConfigError
@@ -30,8 +30,6 @@ from kvstore.layout import KVLayout
 from kvstore.server.config import Config
 from kvstore.server.daemon import Daemon
 from tests import procs
-
-from conftest import make_config
 
 LAYOUT = KVLayout(model="test/ssd-durability", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=128,
                   block_size_tokens=4)  # 8 KiB blocks

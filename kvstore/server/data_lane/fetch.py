@@ -2,6 +2,8 @@
 hand-off queue, each joined connection's thread takes them as its credit allows and
 sends them from where they are (`ReadyBlock`). See `kvstore.server.data_lane.transfer` for how the
 loop and the threads meet.
+
+Glossary of planes and lanes: docs/local-data-plane.md.
 """
 
 from __future__ import annotations
@@ -9,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
-from typing import ClassVar, NamedTuple, cast
+from typing import ClassVar, NamedTuple
 
 import grpc
 
-from kvstore.core.fetch import FetchStream, ViewedBlock
+from kvstore.core.fetch import FetchStream
 from kvstore.data_lane import LaneSocket
 from kvstore.deadlines import within
 from kvstore.errors import DeadlineExceeded, error_for_status
@@ -70,8 +71,7 @@ class FetchTransfer(Transfer):
         left (or the transfer failed); the stream is closed once no thread sends from it."""
         # Closed explicitly: a generator left to the collector would keep views of tier
         # memory (which must be gone before the tier's segment is unmapped).
-        batches = cast(AsyncGenerator[list[ViewedBlock], None],
-                       self.stream.view_batches(self._batch_blocks()))  # an async generator
+        batches = self.stream.view_batches(self._batch_blocks())
         try:
             served = counted = 0
             try:

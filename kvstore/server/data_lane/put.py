@@ -2,6 +2,8 @@
 the blocks that landed, credit for reserved slots only, connection threads receiving
 each block into its slot. See `kvstore.server.data_lane.transfer` for how the loop and the
 threads meet, and `DataLaneTransfers.commit` for the publish.
+
+Glossary of planes and lanes: docs/local-data-plane.md.
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ an idle connection is closed after IDLE_TIMEOUT_S; a sender that exceeds its cre
 disconnected; a DATA payload is at most the daemon's `max_block_bytes`. A put's credit
 covers only the slots its window has reserved (`PutTransfer.take_credit`): a connection
 that used its credit up waits, on its thread, for the window to move on.
+
+Glossary of planes and lanes: docs/local-data-plane.md.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvstore.control_lane_wire import method_path
 from kvstore.data_lane import (
     CREDIT,
     DATA,
@@ -72,14 +75,13 @@ from kvstore.data_lane import (
     send_batch,
 )
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.control_lane_wire import method_path
 from kvstore.server.auth import ACTS_FOR_TENANTS, Authenticator, Identity
 from kvstore.server.config import Config
-from kvstore.server.listen import ListenAddress, is_loopback, parse_listen, prepare_unix_path
 from kvstore.server.data_lane.fetch import FetchTransfer
 from kvstore.server.data_lane.put import PutTransfer
 from kvstore.server.data_lane.transfer import DataLaneCounters
 from kvstore.server.data_lane.transfers import DataLaneTransfers
+from kvstore.server.listen import ListenAddress, is_loopback, parse_listen, prepare_unix_path
 from kvstore.v1 import kvstore_pb2
 
 logger = logging.getLogger(__name__)

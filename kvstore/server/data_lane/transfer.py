@@ -32,6 +32,8 @@ Ordering decisions that matter:
   the lane's END frame carries how many blocks the result has.
 - Every transfer has a deadline (the client's, capped): past it the transfer is closed
   and its blocks or slots released, whoever still holds a connection to it.
+
+Glossary of planes and lanes: docs/local-data-plane.md.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import ClassVar, NamedTuple
 import grpc
 
 from kvstore.data_lane import LaneSocket
+
 
 @dataclass(frozen=True, slots=True)
 class DataLaneSettings:

@@ -8,6 +8,8 @@ lane's connection threads `fetch_transfer` / `put_transfer`).
 The transfers themselves are `kvstore.server.data_lane.transfer` (what both kinds share, and how
 the loop and the connection threads meet), `kvstore.server.data_lane.fetch` and
 `kvstore.server.data_lane.put`.
+
+Glossary of planes and lanes: docs/local-data-plane.md.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put, put_position
 from kvstore.server.data_lane.fetch import FetchTransfer
 from kvstore.server.data_lane.put import PutTransfer
-from kvstore.server.requests import Miss, RequestResolver, hash_fields, packed_reply
 from kvstore.server.data_lane.transfer import DataLaneCounters, DataLaneSettings, Transfer, TransferFailed
 from kvstore.server.pool_node import PoolNode
+from kvstore.server.requests import Miss, RequestResolver, hash_fields, packed_reply
 from kvstore.tiers import HOST
 from kvstore.v1 import kvstore_pb2
 
