@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from kvstore.cli.common import EXIT_ERROR, EXIT_OK, add_client_options, emit, message_to_dict, open_admin, seconds
-from kvstore.cli.ops import hash_arg, namespace_arg, render_table, token_ids_arg
+from kvstore.cli.ops import confirm, hash_arg, namespace_arg, render_table, token_ids_arg
 
 
 def _members(args: argparse.Namespace) -> int:
@@ -70,11 +70,12 @@ def _where(args: argparse.Namespace) -> int:
 
 
 def _drain(args: argparse.Namespace) -> int:
-    if not args.yes and sys.stdin.isatty():
-        answer = input("drain this daemon: hand its units off and leave the pool? [y/N] ")
-        if answer.strip().lower() not in ("y", "yes"):
-            print("not drained")
-            return EXIT_ERROR
+    # As `kvstore flush` asks: whatever standard input is (a script's closed or empty
+    # input answers no), never drain without a yes.
+    if not args.yes and not confirm(f"Drain {args.target or 'the daemon'}: hand its units off and leave the pool?"):
+        print("kvstore cluster drain: not confirmed; nothing drained (pass --yes to skip the question)",
+              file=sys.stderr)
+        return EXIT_ERROR
     with open_admin(args) as admin:
         resp = admin.cluster_drain(args.drain_timeout)
     emit(args, message_to_dict(resp),
