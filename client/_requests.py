@@ -23,7 +23,7 @@ from kvstore.hashing import HASH_BYTES, token_bytes
 from kvstore.layout import KVLayout
 from kvstore.native import native as _native
 from kvstore.v1 import kvstore_pb2
-from kvstore.wire import encode_chunk
+from kvstore.wire import PUT_END, encode_chunk
 
 
 def reuse_hint(session_id: str | None, expect_reuse_within_s: float | None) -> kvstore_pb2.ReuseHint | None:
@@ -221,8 +221,12 @@ def put_header(
 
 def put_requests(prepared: PreparedPut, chunk_bytes: int) -> Iterator[kvstore_pb2.PutRequest | bytes]:
     """The messages of one Put stream, made lazily as gRPC sends them: a header, then
-    each block in chunks, encoded straight from the caller's buffer (see kvstore.wire)."""
+    each block in chunks, encoded straight from the caller's buffer (see kvstore.wire),
+    then the explicit end that alone commits it (`PutHeader.explicit_end`: a put this
+    client cancels before its last message is never stored, whatever its library sends)."""
+    prepared.header.explicit_end = True
     yield kvstore_pb2.PutRequest(header=prepared.header)
     for i, v in enumerate(prepared.views):
         for start in range(0, len(v), chunk_bytes):
             yield encode_chunk(i, v[start : start + chunk_bytes])
+    yield PUT_END

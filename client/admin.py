@@ -92,7 +92,7 @@ class AdminClient:
         header = kvstore_pb2.PutHeader(
             namespace=kvstore_pb2.Namespace(layout=layout),
             keys=kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=list(block_hashes))),
-            num_blocks=len(block_hashes), parent_hash=parent_hash,
+            num_blocks=len(block_hashes), parent_hash=parent_hash, explicit_end=True,
         )
 
         def messages() -> Iterator[kvstore_pb2.PutRequest]:
@@ -100,6 +100,7 @@ class AdminClient:
             for i, data in enumerate(blocks):
                 for start in range(0, len(data), chunk_bytes):
                     yield kvstore_pb2.PutRequest(chunk=kvstore_pb2.BlockChunk(block=i, data=data[start:start + chunk_bytes]))
+            yield kvstore_pb2.PutRequest(end=kvstore_pb2.PutEnd())
 
         try:
             return self._kv.Put(messages(), timeout=self.timeout_s)  # type: ignore[no-any-return]

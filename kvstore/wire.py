@@ -114,6 +114,10 @@ def decode_chunk(raw: bytes) -> RawChunk | None:
         return None
 
 
+# The last message of a Put stream whose header sets `explicit_end`: its commit.
+PUT_END = kvstore_pb2.PutRequest(end=kvstore_pb2.PutEnd()).SerializeToString()
+
+
 def put_request_serializer(msg: kvstore_pb2.PutRequest | bytes) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 

@@ -46,6 +46,7 @@ from kvstore.control_lane_wire import RESPONSE_TYPES, method_path
 from kvstore.v1 import kvstore_pb2
 from kvstore.wire import (
     FETCH_METHOD,
+    PUT_END,
     PUT_METHOD,
     Framed,
     RawChunk,
@@ -372,7 +373,8 @@ class GrpcPeerTransport:
         _, _, put = self._stubs(node)
         header = kvstore_pb2.PutHeader(namespace=kvstore_pb2.Namespace(layout=call.layout),
                                        keys=kvstore_pb2.BlockKeys(packed_hashes=hashes),
-                                       num_blocks=len(hashes) // 16, parent_hash=parent, position=position)
+                                       num_blocks=len(hashes) // 16, parent_hash=parent, position=position,
+                                       explicit_end=True)
 
         counters = self.counters
 
@@ -383,6 +385,7 @@ class GrpcPeerTransport:
                     yield message
                 counters.grpc_blocks_out += 1
                 counters.grpc_bytes_out += sum(len(p) for p in framed.payload)
+            yield PUT_END  # only this commits: a forward given up on midway stores nothing
 
         try:
             resp = await put(messages(), timeout=timeout_s, metadata=self._metadata(call))

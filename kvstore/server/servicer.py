@@ -13,12 +13,16 @@ The one piece of work beyond translation is the Fetch framer (`_frame`), which t
 store's fetch calls to cut a block into wire messages, so that the checksum it verifies
 is taken over the bytes that are sent.
 
-A Put publishes only a complete stream of a call that is still alive. grpc ends the
-request iterator the same way when the client half-closes and when it cancels, runs
+A Put publishes only a complete stream of a call that is still alive. A header with
+`explicit_end` makes the `PutEnd` message the only commit: a stream that ends without
+it stores nothing, whatever ended it. Without it the half-close commits, and grpc ends
+the request iterator the same way when the client half-closes and when it cancels, runs
 past its deadline or disappears; so after the last message the servicer sends the
 response headers (a round trip through grpc's core that fails, or is cancelled, on a
 dead call) and hands the commit a check of the call (`_still_alive`) that runs in the
-same synchronous step as the publish.
+same synchronous step as the publish. That check cannot catch a client library that
+sends END_STREAM and then resets the stream a moment later (the put looks half-closed
+until the reset arrives), which is why the SDK and the pool send `explicit_end`.
 
 A Fetch that cannot send every block its header promised ends with a status that says
 so: DATA_LOSS when a block failed verification and no other copy of it did (a bad host
@@ -267,19 +271,26 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                         msg = await anext(stream, None)
                         idle.reschedule(None)
                         if msg is None:
+                            if header.explicit_end:
+                                # Only PutEnd commits such a stream: its end without one is
+                                # a cancel (or a client that stopped), however grpc reports it.
+                                raise Cancelled("the Put stream ended without its PutEnd message "
+                                                "(PutHeader.explicit_end); nothing was stored")
+                            await _confirm_half_close(context)
                             break
                         if isinstance(msg, RawChunk):  # the fast path: a view into the received message
                             await txn.write(msg.block, msg.data)
                             continue
                         which = msg.WhichOneof("msg")
+                        if which == "end":
+                            break  # the client's explicit commit: its half-close is not waited for
                         if which == "header":
                             raise InvalidArgument("a second header in one Put stream: a stream carries one "
                                                   "header, then its blocks' chunks (one put per stream)")
                         if which != "chunk":
-                            raise InvalidArgument("a Put message with neither header nor chunk set: after the "
-                                                  "header, send only BlockChunk messages")
+                            raise InvalidArgument("a Put message with none of header, chunk or end set: after "
+                                                  "the header, send BlockChunk messages, then PutEnd")
                         await txn.write(msg.chunk.block, msg.chunk.data)
-                    await _confirm_half_close(context)
                     result = await txn.commit(check=functools.partial(_still_alive, context))
         except TimeoutError:
             if not idle.expired():
