@@ -172,7 +172,7 @@ async def test_the_end_message_commits_and_a_half_close_still_does_without_it(da
     raw = RawPut(host, int(port))
     try:
         async with grpc.aio.insecure_channel(daemon.tcp_target) as channel:
-            stub, admin = kvstore_pb2_grpc.KVStoreStub(channel), admin_pb2_grpc.AdminStub(channel)
+            stub = kvstore_pb2_grpc.KVStoreStub(channel)
             cases = [(True, True, BLOCKS), (False, False, BLOCKS), (True, False, 0)]  # (explicit_end, end, stored)
             for n, (explicit, end, want) in enumerate(cases):
                 tokens = [50_000 + n * 1000 + i for i in range(BLOCKS * layout.block_size_tokens)]
