@@ -76,7 +76,7 @@ from kvstore.data_lane import (
     status_of,
     unpack,
 )
-from kvstore.errors import DataLoss, KVStoreError, Unavailable, error_for_status
+from kvstore.errors import DataLoss, DeadlineExceeded, KVStoreError, ResourceExhausted, Unavailable, error_for_status
 from kvstore.v1 import kvstore_pb2
 
 logger = logging.getLogger(__name__)
@@ -305,6 +305,11 @@ class DataLane:
             if frame.kind != WELCOME:
                 raise ProtocolError(f"the data lane answered the hello with frame kind {frame.kind}")
             lane.set_timeout(self.io_timeout_s)
+        except (ResourceExhausted, DeadlineExceeded) as exc:
+            # A lane that is full, or too busy to answer a hello: not this call's failure;
+            # the caller moves its bytes through gRPC (docs/net.md).
+            lane.close()
+            raise Unavailable(f"the data lane at {ep.address} cannot take a connection now: {exc}") from None
         except BaseException:
             lane.close()
             raise

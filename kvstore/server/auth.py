@@ -384,7 +384,7 @@ class Authenticator:
             )
         return identity
 
-    def identify_lane(self, method: str, token: str | None, on_unix_socket: bool) -> Identity:
+    def identify_lane(self, method: str, token: str | None, on_unix_socket: bool, source: str = "") -> Identity:
         """Who opens a data lane connection (its hello names no tenant to act for): as
         `identify` would say for a call of `method`, except that a cluster credential
         (role peer) is accepted as itself. Such a connection carries the bytes of

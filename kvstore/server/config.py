@@ -209,7 +209,7 @@ FIELDS: tuple[Field, ...] = (
           "more than its reserved slots, max_put_reserve_bytes)", lo=1 << 20, hi=1 << 32, metavar="SIZE"),
     Field("data_lane_io_timeout_s", "float", 30.0, "seconds a data lane peer may make no progress on a frame "
           "before its connection is dropped", lo=0.1, hi=3600),
-    Field("data_lane_max_connections", "int", 256, "most data lane connections open at once", lo=1, hi=1 << 16),
+    Field("data_lane_max_connections", "int", 256, "most data lane connections past their hello open at once", lo=1, hi=1 << 16),
 )
 
 # Settings that were replaced, with what to use instead.

@@ -25,8 +25,19 @@ cluster credential (role peer, or admin) may also join transfers that node-to-no
 opened: those calls were authorized for the tenant they act for, and the transfer's id
 (16 random bytes, answered only to that call) is the claim to it.
 
-Bounded by construction: at most `max_connections` connections; a hello must arrive
-within HELLO_TIMEOUT_S; a frame, once begun, must make progress within the I/O timeout;
+Strangers cannot take the slots of authenticated connections: a connection holds one of
+the lane's `max_connections` slots only once its hello checked out. Before that it is
+pending, and pending connections have a budget of their own (`PENDING_PER_SOURCE` per
+source address, `PENDING_SHARE` of the cap in all): past it the oldest pending
+connection (of that source, else of all) is dropped to make room, and every pending
+connection is dropped `HELLO_TIMEOUT_S` after it was accepted, TLS handshake included. A
+flood of connections that never say hello thus delays nobody's hello by more than the
+time it takes to send one; a client refused at its hello because every slot is taken by
+authenticated connections is told RESOURCE_EXHAUSTED, and the SDK then moves the bytes
+through gRPC (`kvstore.client.data_lane`).
+
+Bounded by construction: at most `max_connections` authenticated connections, and the
+pending ones above; a frame, once begun, must make progress within the I/O timeout;
 an idle connection is closed after IDLE_TIMEOUT_S; a sender that exceeds its credit is
 disconnected; a DATA payload is at most the daemon's `max_block_bytes`. A put's credit
 covers only the slots its window has reserved (`PutTransfer.take_credit`): a connection
@@ -86,8 +97,16 @@ from kvstore.v1 import kvstore_pb2
 
 logger = logging.getLogger(__name__)
 
-HELLO_TIMEOUT_S = 5.0
+# From accept to a checked hello (the TLS handshake included): a connection that has not
+# said hello by then is dropped.
+HELLO_TIMEOUT_S = 3.0
 IDLE_TIMEOUT_S = 600.0
+# Connections not yet past their hello (see `DataLaneServer._take`): at most this many from
+# one source address, and at most `PENDING_SHARE` of the lane's connection cap in all
+# (at least `MIN_PENDING`); past either, the oldest such connection makes room.
+PENDING_PER_SOURCE = 32
+PENDING_SHARE = 0.5
+MIN_PENDING = 16
 # While a fetch waits for credit, how often it looks whether its transfer failed.
 CREDIT_POLL_S = 0.05
 # Connections taken per wake-up of a listener, and the pause after a failed accept (out of
@@ -170,6 +189,12 @@ class DataLaneServer:
         self._lock = threading.Lock()
         self._sockets: set[LaneSocket] = set()
         self._raw: set[socket.socket] = set()
+        # Accepted connections whose hello has not checked out yet (oldest first), each
+        # with its source address, and how many each source has; then the admitted count.
+        self._pending: dict[socket.socket, str] = {}
+        self._pending_by_source: dict[str, int] = {}
+        self._admitted = 0
+        self.max_pending = max(MIN_PENDING, int(max_connections * PENDING_SHARE))
         self._threads: set[threading.Thread] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -255,54 +280,83 @@ class DataLaneServer:
             self._loop.add_reader(listener.fileno(), self._accept, listener, on_unix)
 
     def _take(self, sock: socket.socket, on_unix: bool) -> None:
-        """Serve an accepted connection on a thread of its own, or refuse it at the cap."""
+        """Serve an accepted connection on a thread of its own, as a pending one: it
+        takes a slot only once its hello checked out (`_admit`). At the pending budget
+        the oldest pending connection of its source (else of all) is dropped for it."""
+        source = _source(sock, on_unix)
         with self._lock:
-            full = len(self._raw) >= self.max_connections
-            if not full:
-                self._raw.add(sock)
-        if full:
-            self.counters.add("connections_refused")
-            self._refuse(sock)
-            return
-        thread = threading.Thread(target=self._serve, args=(sock, on_unix), name="kvstore-datalane", daemon=True)
+            victim = None
+            if self._pending_by_source.get(source, 0) >= PENDING_PER_SOURCE:
+                victim = next(s for s, src in self._pending.items() if src == source)
+            elif len(self._pending) >= self.max_pending:
+                victim = next(iter(self._pending))
+            if victim is not None:
+                self._unpend(victim)
+            self._pending[sock] = source
+            self._pending_by_source[source] = self._pending_by_source.get(source, 0) + 1
+            self._raw.add(sock)
+        if victim is not None:
+            self.counters.add("connections_dropped")
+            _shut(victim)  # its thread's next read fails, and it ends
+        thread = threading.Thread(target=self._serve, args=(sock, on_unix, source), name="kvstore-datalane",
+                                  daemon=True)
         with self._lock:
             self._threads.add(thread)
         thread.start()
 
-    def _refuse(self, sock: socket.socket) -> None:
-        try:
-            sock.setblocking(True)
-            sock.settimeout(0.5)
-            lane = LaneSocket(sock, 0.5)
-            lane.send_error(bytes(16), grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"the data lane has {self.max_connections} connections, the most it allows; use "
-                            "Put and Fetch, or retry")
-        except (OSError, KVStoreError):
-            pass
-        finally:
-            sock.close()
+    def _unpend(self, sock: socket.socket) -> bool:
+        """Forget a pending connection (under the lock); whether it was pending."""
+        source = self._pending.pop(sock, None)
+        if source is None:
+            return False
+        left = self._pending_by_source[source] - 1
+        if left:
+            self._pending_by_source[source] = left
+        else:
+            del self._pending_by_source[source]
+        return True
+
+    def _admit(self, sock: socket.socket) -> bool:
+        """A pending connection said a valid hello: it takes a slot if one is free, and
+        False if not (or if it was dropped meanwhile)."""
+        with self._lock:
+            if not self._unpend(sock) or self._admitted >= self.max_connections:
+                return False
+            self._admitted += 1
+            return True
 
     # -------------------------------------------------------------- connections
 
-    def _serve(self, sock: socket.socket, on_unix: bool) -> None:
+    def _serve(self, sock: socket.socket, on_unix: bool, source: str) -> None:
         lane: LaneSocket | None = None
+        admitted = False
         self.counters.add("connections")
         self.counters.add("connections_total")
+        deadline = time.monotonic() + HELLO_TIMEOUT_S  # the handshake and the hello, together
         try:
             sock.setblocking(True)
             conn: socket.socket = sock
             if self.tls is not None and not on_unix:
                 sock.settimeout(HELLO_TIMEOUT_S)
                 conn = self.tls.wrap_socket(sock, server_side=True)
-            lane = LaneSocket(conn, HELLO_TIMEOUT_S)
+            lane = LaneSocket(conn, max(0.001, deadline - time.monotonic()))
             with self._lock:
                 if self.closing:
                     return
                 self._sockets.add(lane)
-            identity = self._hello(lane, on_unix)
-            if identity is not None:
-                lane.set_timeout(self.settings.io_timeout_s)
-                _Connection(self, lane, identity).run()
+            identity = self._hello(lane, on_unix, source, deadline)
+            if identity is None:
+                return
+            admitted = self._admit(sock)
+            if not admitted:
+                self.counters.add("connections_refused")
+                self._try_error(lane, bytes(16), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the data lane has {self.max_connections} connections, the most it allows; use "
+                                "Put and Fetch, or retry")
+                return
+            lane.send_frame(WELCOME, block=VERSION, value=self.settings.max_block_bytes)
+            lane.set_timeout(self.settings.io_timeout_s)
+            _Connection(self, lane, identity).run()
         except (LaneClosed, LaneTimeout, ssl.SSLError, OSError) as exc:
             logger.debug("data lane connection ended: %s", exc)
         except ProtocolError as exc:
@@ -317,32 +371,33 @@ class DataLaneServer:
                 if lane is not None:
                     self._sockets.discard(lane)
                 self._raw.discard(sock)
+                self._unpend(sock)
+                if admitted:
+                    self._admitted -= 1
                 self._threads.discard(threading.current_thread())
             if lane is not None:
                 lane.close()
             sock.close()
 
-    def _hello(self, lane: LaneSocket, on_unix: bool) -> Identity | None:
-        deadline = time.monotonic() + HELLO_TIMEOUT_S
+    def _hello(self, lane: LaneSocket, on_unix: bool, source: str, deadline: float) -> Identity | None:
+        """The identity a connection's hello proves, or None (refused: told why)."""
         frame = lane.read_frame(deadline)
         if frame.kind != HELLO:
             raise ProtocolError("the first frame on the data lane must be a hello")
         token = parse_hello(lane.read_payload(frame.length, MAX_HELLO_BYTES, deadline))
         try:
-            identity = self._identify(token, on_unix)
+            return self._identify(token, on_unix, source)
         except KVStoreError as exc:
             self._try_error(lane, bytes(16), exc.code, str(exc))
             return None
-        lane.send_frame(WELCOME, block=VERSION, value=self.settings.max_block_bytes)
-        return identity
 
-    def _identify(self, token: str, on_unix: bool) -> Identity:
+    def _identify(self, token: str, on_unix: bool, source: str) -> Identity:
         """The caller's identity, from the daemon's current token table (on the loop)."""
         loop = self._loop
         assert loop is not None
 
         async def identify() -> Identity:
-            return self.auth.identify_lane(AUTH_PATH, token or None, on_unix)
+            return self.auth.identify_lane(AUTH_PATH, token or None, on_unix, source)
 
         return asyncio.run_coroutine_threadsafe(identify(), loop).result(HELLO_TIMEOUT_S)
 
@@ -585,6 +640,24 @@ class _PutCredit:
         self.blocks = 0
 
 
+def _source(sock: socket.socket, on_unix: bool) -> str:
+    """The address a connection came from, as pending budgets and node-to-node checks
+    name it: the IP address of a TCP peer, "unix" on a Unix socket."""
+    if on_unix:
+        return "unix"
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:
+        return ""
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def _readable(lane: LaneSocket, timeout_s: float) -> bool:
     """Whether a frame can be read from `lane` within `timeout_s` (or it was closed:
     the read that follows says so)."""
@@ -613,7 +686,10 @@ class DataLaneCollector(Collector):
                              "transfers that failed, were aborted or expired (nothing of a failed put is stored)"),
         "connections_total": ("kvstore_datalane_connections", "data lane connections accepted"),
         "connections_refused": ("kvstore_datalane_refused_connections",
-                                "data lane connections refused (the connection limit)"),
+                                "data lane connections refused at their hello (every slot held by "
+                                "authenticated connections)"),
+        "connections_dropped": ("kvstore_datalane_dropped_connections",
+                                "data lane connections dropped before their hello to make room for newer ones"),
     }
 
     def __init__(self, counters: DataLaneCounters) -> None:

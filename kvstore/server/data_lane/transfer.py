@@ -70,6 +70,7 @@ class DataLaneCounters:
 
     FIELDS = ("bytes_in", "bytes_out", "blocks_in", "blocks_out", "blocks_rejected", "transfers_fetch",
               "transfers_put", "transfers_failed", "connections", "connections_total", "connections_refused",
+              "connections_dropped",
               "committed_bytes_in", "served_bytes_out", "put_reserved_bytes", "put_reserved_peak_bytes")
 
     def __init__(self) -> None:
