@@ -50,9 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     token = sub.add_parser("token", help="make bearer tokens for the daemon's token file")
     token_sub = token.add_subparsers(dest="token_command", metavar="ACTION", required=True)
     new = token_sub.add_parser("new", help="print a new random token once, and the entry to add to the token file")
-    new.add_argument("--tenant", required=True, help="tenant name (letters, digits, '-', '_', '.')")
+    new.add_argument("--tenant", help="tenant name (letters, digits, '-', '_', '.'); required but with --node")
     new.add_argument("--role", choices=("client", "admin", "peer"), default="client",
                      help="client (default), admin, or peer (a cluster credential for calls between daemons)")
+    new.add_argument("--node", metavar="NODE_ID", help="a pool node's own credential (role peer, entry "
+                     "node.NODE_ID unless --tenant): its cluster_token_file, listed in every node's token file")
     new.add_argument("--file", metavar="TOKEN_FILE", help="also append the entry to this token file (created "
                      "0600 if missing; the tenant must not be in it yet); then send the daemon SIGHUP")
     new.add_argument("--json", action="store_true", help="machine-readable output")

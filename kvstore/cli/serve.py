@@ -44,26 +44,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_token_new(args: argparse.Namespace) -> int:
     import os
 
-    from kvstore.server.auth import _valid_name, entry_text, new_token, parse_token_file
+    from kvstore.server.auth import _NODE_ID, _valid_name, entry_text, new_token, parse_token_file
 
+    node = getattr(args, "node", None) or ""
+    if node:
+        if not _NODE_ID.fullmatch(node):
+            print(f"kvstore token new: node id {node!r} must be 1-63 letters, digits, '.', '_' or '-', starting with "
+                  "a letter or digit", file=sys.stderr)
+            return EXIT_USAGE
+        args.role = "peer"
+        args.tenant = args.tenant or f"node.{node}"
+    if not args.tenant:
+        print("kvstore token new: name the tenant (--tenant NAME), or the pool node (--node NODE_ID)", file=sys.stderr)
+        return EXIT_USAGE
     if not _valid_name(args.tenant):
         print(f"kvstore token new: tenant name {args.tenant!r} must be 1-64 letters, digits, '-', '_' or '.'",
               file=sys.stderr)
         return EXIT_USAGE
     token, token_hash = new_token()
-    entry = entry_text(args.tenant, args.role, token_hash)
+    entry = entry_text(args.tenant, args.role, token_hash, node)
     if args.file:
         if os.path.exists(args.file):
             # The file must be one the daemon would accept, and the tenant new to it.
-            if args.tenant in parse_token_file(args.file).identities:
+            table = parse_token_file(args.file)
+            if node and any(i.node == node for i in table.identities.values()):
+                raise KVStoreError(f"node {node!r} already has a credential in {args.file}; add this hash to its "
+                                   f"entry's tokens list by hand: {token_hash}")
+            if args.tenant in table.identities:
                 raise KVStoreError(f"tenant {args.tenant!r} is already in {args.file}; add this hash to its "
                                    f"tokens list by hand: {token_hash}")
         fd = os.open(args.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         with os.fdopen(fd, "a") as fh:
             fh.write("\n" + entry)
     if args.json:
-        print(json.dumps({"tenant": args.tenant, "role": args.role, "token": token, "hash": token_hash,
-                          "entry": entry}, indent=2))
+        print(json.dumps({"tenant": args.tenant, "role": args.role, "node": node, "token": token,
+                          "hash": token_hash, "entry": entry}, indent=2))
         return EXIT_OK
     print(f"token (shown once; give it to the client, e.g. as KVSTORE_TOKEN):\n{token}\n")
     if args.file:

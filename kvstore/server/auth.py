@@ -25,14 +25,24 @@ entry a token nearly matched.
 Without a token file the daemon has one tenant, `default`, with the admin role and an
 empty salt: namespace ids are the public ones from docs/hashing.md, as before tenancy.
 
-Calls between the daemons of a pool (docs/cluster.md) carry the sending node's cluster
-credential (a token of role `peer`, or `admin`) and two metadata entries: `x-kvstore-peer`
-(the sender's node id) and `x-kvstore-tenant` (the tenant the call is made for). Such a
-call acts as that tenant of this daemon's own token file (its salt and quotas), only for
-the methods a pool uses (`PEER_METHODS`); the tenant entries are trusted only from a
-credential of those roles, so a client cannot act for another tenant, and a peer token
-alone reaches nothing. Without a token file every call is the default tenant's, and a
-call for any other tenant is refused.
+Calls between the daemons of a pool (docs/cluster.md) carry the sending node's
+credential (a token of role `peer`) and two metadata entries: `x-kvstore-peer` (the
+sender's node id) and `x-kvstore-tenant` (the tenant the call is made for). Each node has
+a credential of its own: its token file entry names the node (`node = "<node id>"`), so
+the credential proves which node sends, and a call whose `x-kvstore-peer` is another
+node's is refused. The sender must also be a member of this daemon's current view of
+the pool (`Authenticator.members`, set by the daemon of a pool: the etcd view, or the
+static list); a daemon in no pool takes no node-to-node call. Revoking one node is
+removing its entry (a reload) or its membership: no other node's credential changes. A
+`peer` entry that names no node is a credential shared by the pool (the form before
+per-node credentials): it is accepted as any current member, and the daemon warns.
+
+Such a call acts as that tenant of this daemon's own token file (its salt and quotas),
+only for the methods a pool uses (`PEER_METHODS`); the tenant entries are trusted only
+from a peer credential, so a client (or an admin) cannot act for another tenant, and a
+peer token alone reaches nothing. Without a token file there is no credential to check:
+every call is the default tenant's, a call for any other tenant is refused, and a call
+naming a node is still taken only from a member of the view.
 """
 
 from __future__ import annotations
@@ -42,10 +52,11 @@ import hashlib
 import hmac
 import logging
 import os
+import re
 import secrets
 import stat
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -58,7 +69,10 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("client", "admin", "peer")
 # Roles whose calls may act for a tenant named in the call (node-to-node calls).
-ACTS_FOR_TENANTS = ("peer", "admin")
+ACTS_FOR_TENANTS = ("peer",)
+# A node id, as kvstore.cluster.node_id validates it (not imported: a daemon alone never
+# loads the pool's package).
+_NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 PEER_HEADER = "x-kvstore-peer"
 TENANT_HEADER = "x-kvstore-tenant"
 # What one daemon of a pool asks of another: lookups, and block bytes over gRPC streams or
@@ -92,6 +106,7 @@ class Identity:
     quota: Mapping[str, int] = field(default_factory=dict)
     local_plane: bool = True
     peer: str = ""  # the node id of the pool's daemon that made this call for the tenant
+    node: str = ""  # role peer: the node this credential proves ("": a credential the pool shares)
 
     @property
     def is_admin(self) -> bool:
@@ -122,9 +137,11 @@ def new_token() -> tuple[str, str]:
     return token, hash_token(token)
 
 
-def entry_text(tenant: str, role: str, token_hash: str) -> str:
-    """The token-file lines that grant `token_hash` to `tenant` with `role`."""
-    return f'[[tenant]]\nname = "{tenant}"\nrole = "{role}"\ntokens = ["{token_hash}"]\n'
+def entry_text(tenant: str, role: str, token_hash: str, node: str = "") -> str:
+    """The token-file lines that grant `token_hash` to `tenant` with `role` (and, for a
+    node's credential, the node it proves)."""
+    node_line = f'node = "{node}"\n' if node else ""
+    return f'[[tenant]]\nname = "{tenant}"\nrole = "{role}"\n{node_line}tokens = ["{token_hash}"]\n'
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,11 +265,12 @@ def parse_token_file(path: str) -> TokenTable:
     entries: list[_StoredHash] = []
     identities: list[Identity] = []
     salts: dict[bytes, str] = {}
+    nodes: dict[str, str] = {}  # node id -> the tenant entry whose credential proves it
     for n, raw in enumerate(tenants):
         where = f"auth_token_file {path}, tenant #{n + 1}"
         if not isinstance(raw, dict):
             raise ConfigError(f"{where}: must be a table")
-        extra = sorted(set(raw) - {"name", "role", "tokens", "token", "quota", "local_plane", "salt"})
+        extra = sorted(set(raw) - {"name", "role", "tokens", "token", "quota", "local_plane", "salt", "node"})
         if extra:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(extra)}")
         name = raw.get("name")
@@ -291,7 +309,19 @@ def parse_token_file(path: str) -> TokenTable:
         local_plane = raw.get("local_plane", False)
         if not isinstance(local_plane, bool):
             raise ConfigError(f"{where}: local_plane must be true or false")
-        identity = Identity(name, role, salt, quota, local_plane)
+        node = raw.get("node", "")
+        if node:
+            if role != "peer":
+                raise ConfigError(f"{where}: node names the pool's node a peer credential proves; role {role!r} "
+                                  "proves none (use role = \"peer\")")
+            if not isinstance(node, str) or not _NODE_ID.fullmatch(node):
+                raise ConfigError(f"{where}: node must be a node id (1-63 of letters, digits, '.', '_', '-', "
+                                  f"starting with a letter or digit), got {node!r}")
+            if node in nodes:
+                raise ConfigError(f"{where}: node {node!r} already has the credential of tenant {nodes[node]!r}; "
+                                  "give each node one entry (several tokens in it allow rotation)")
+            nodes[node] = name
+        identity = Identity(name, role, salt, quota, local_plane, node=node)
         identities.append(identity)
         for text in hashes:
             s, d = _parse_hash(text, where)
@@ -349,6 +379,9 @@ class Authenticator:
         # they were made from (`_acting_for`); a pool has few of each.
         self._acting: dict[tuple[str, str], Identity] = {}
         self._acting_table: TokenTable | None = None
+        # Whether a node id is a member of this daemon's current view of the pool; None
+        # in a daemon alone (no node-to-node call is taken). Set by the pool's daemon.
+        self.members: Callable[[str], bool] | None = None
 
     def _authenticate(self, table: TokenTable, token: str | None, on_unix_socket: bool) -> Identity:
         if token is None:
@@ -394,8 +427,23 @@ class Authenticator:
         if self.table is not None:
             identity = self._authenticate(self.table, token, on_unix_socket)
             if identity.role == "peer":
+                if identity.node:
+                    self._check_member(identity.node, source)
                 return identity
         return self.identify(method, token, on_unix_socket)
+
+    def _check_member(self, node: str, source: str = "") -> None:
+        """Refuse a node-to-node call or lane connection from `node` unless it is a member
+        of this daemon's current view of the pool."""
+        members = self.members
+        if members is None:
+            raise PermissionDenied(f"node {node!r} called a daemon that is in no pool; it takes no node-to-node "
+                                   "calls")
+        if not members(node):
+            logger.debug("node-to-node call from %r (%s) refused: not a member", node, source or "?")
+            raise PermissionDenied(
+                f"node {node!r} is not a member of this daemon's view of the pool (unknown, removed, or not seen "
+                "yet); a node's credential works only while it is a member")
 
     def _acting_for(self, method: str, caller: Identity, peer: tuple[str, str] | None) -> Identity:
         """The tenant a node-to-node call acts for (see the module docstring)."""
@@ -405,14 +453,19 @@ class Authenticator:
                 "daemons, which name the tenant they act for; use a client token"
             )
         node, tenant = peer
-        if caller.role not in ACTS_FOR_TENANTS:
+        if self.table is not None and caller.role not in ACTS_FOR_TENANTS:
             raise PermissionDenied(
                 f"tenant {caller.tenant!r} (role {caller.role}) may not act for another tenant; node-to-node "
-                "calls need a cluster credential (role peer or admin)"
+                "calls need a node's credential (role peer)"
             )
+        if caller.node and caller.node != node:
+            raise PermissionDenied(
+                f"the credential of node {caller.node!r} was used for a call as node {node!r}; a node's "
+                "credential acts only as that node")
         if method not in PEER_METHODS:
             raise PermissionDenied(f"{method} is not a node-to-node call; a pool's daemons call only "
                                    "Lookup, Fetch, Put and the data lane's calls on each other")
+        self._check_member(node)
         table = self.table
         if table is None:
             acting = DEFAULT_IDENTITY if tenant in ("", DEFAULT_TENANT) else None

@@ -39,7 +39,7 @@ from kvstore import __version__
 from kvstore.addresses import dial_problem
 from kvstore.errors import ConfigError
 from kvstore.hashing import token_bytes
-from kvstore.server.auth import current_identity
+from kvstore.server.auth import TokenTable, current_identity
 from kvstore.server.config import Config
 from kvstore.server.listen import parse_listen
 from kvstore.server.pool_node import PoolNode
@@ -99,8 +99,41 @@ def _read_secret(path: str, what: str) -> bytes:
         raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
 
 
+def check_node_credential(path: str, token: str, node_id: str, tokens: TokenTable | None) -> None:
+    """Stop the daemon at start when its cluster credential cannot work: an empty file,
+    and with a token file, a token that file does not list (every node's token file lists
+    every node's credential), one that is not a peer credential, or another node's."""
+    if not token:
+        raise ConfigError(f"cluster_token_file {path} is empty; put this node's credential in it "
+                          f"(`kvstore token new --node {node_id}` prints one)")
+    if tokens is None:
+        return  # no token file here: nothing to check it against (and no other node checks it)
+    identity = tokens.authenticate(token)
+    if identity is None:
+        raise ConfigError(f"cluster_token_file {path} holds a token this daemon's token file does not list; every "
+                          "node's token file lists every node's credential (the same entries on each node)")
+    if identity.role != "peer":
+        raise ConfigError(f"cluster_token_file {path} holds a token of tenant {identity.tenant!r} (role "
+                          f"{identity.role}), not a node's credential (role peer); make one with `kvstore token new "
+                          f"--node {node_id}`")
+    if identity.node and identity.node != node_id:
+        raise ConfigError(f"cluster_token_file {path} holds the credential of node {identity.node!r}, and this "
+                          f"daemon is node {node_id!r}; give each node its own credential")
+    if not identity.node:
+        logger.warning("cluster: cluster_token_file %s holds a credential the pool shares (tenant %r names no node): "
+                       "whoever holds it may call as any member; give each node its own (`kvstore token new --node "
+                       "%s`, see SECURITY.md)", path, identity.tenant, node_id)
+
+
+def member_check(node: ClusterNode) -> Callable[[str], bool]:
+    """Whether a node id is a member of `node`'s current view of the pool (the etcd view,
+    or the static list), for `Authenticator.members`."""
+    membership = node.membership
+    return lambda node_id: node_id in membership.view
+
+
 def build_cluster(config: Config, store: Store, node_id: str, *, executor: Any = None,
-                  auth_on: bool = False) -> ClusterNode:
+                  auth_on: bool = False, tokens: TokenTable | None = None) -> ClusterNode:
     """This daemon's `ClusterNode`, not started: the services get it before the listeners
     are bound; `join_cluster` starts it after. Its settings are checked now, so a bad one
     stops the daemon before it binds anything."""
@@ -115,9 +148,11 @@ def build_cluster(config: Config, store: Store, node_id: str, *, executor: Any =
         if os.stat(config.cluster_token_file).st_mode & 0o077:
             raise ConfigError(f"cluster_token_file {config.cluster_token_file} is accessible to other users; "
                               f"run `chmod 600 {config.cluster_token_file}`")
-    elif auth_on:
+        check_node_credential(config.cluster_token_file, token, node_id, tokens)
+    elif auth_on or tokens is not None:
         raise ConfigError("with auth_token_file the pool's daemons authenticate each other: set cluster_token_file "
-                          "to a file holding a token of role peer (or admin) that every node's token file lists")
+                          f"to a file holding this node's credential (`kvstore token new --node {node_id} --file "
+                          "tokens.toml`, its entry in every node's token file)")
     tls_ca = _read_secret(config.cluster_tls_ca, "cluster_tls_ca") if config.cluster_tls_ca else None
     cert = key = None
     if tls_ca is not None and config.tls_cert:

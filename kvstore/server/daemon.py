@@ -63,6 +63,7 @@ from kvstore.server.cluster import (
     build_cluster,
     health_watcher,
     join_cluster,
+    member_check,
     resolve_cluster_node_id,
 )
 from kvstore.server.config import Config
@@ -297,9 +298,10 @@ class Daemon:
         # The pool's node is built (not started) before the services that call it, and
         # before anything listens: a bad cluster setting stops the daemon here.
         cluster = build_cluster(cfg, store, self.node_id, executor=self._executor,
-                                auth_on=self.tokens is not None) if cfg.cluster else None
+                                tokens=self.tokens) if cfg.cluster else None
         if cluster is not None:
             self.node = cluster
+            self.auth.members = member_check(cluster)  # node-to-node calls: current members only
         await self._start_metrics(stack)
         # The host tier is not the first one when an HBM tier sits above it.
         host_tier = next(st.tier for st in store.tiers if st.name == HOST)

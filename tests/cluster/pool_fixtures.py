@@ -116,32 +116,59 @@ def info(daemon: Daemon) -> dict[str, str]:
 
 class Tokens:
     """A token file: `ops` (admin, the Unix socket's tenant, local plane), client
-    tenants, and `pool` (role peer: the credential the daemons present to each other)."""
+    tenants, one credential per pool node (`node.n0`, ... with `node = "n0"`: what each
+    daemon presents to the others, in `node_file(node)`), and `pool`, a peer credential
+    that names no node (the shared form that came before per-node credentials, in
+    `peer_file`)."""
 
-    def __init__(self, path: Path, clients: Sequence[str] = ("alpha", "beta")) -> None:
+    def __init__(self, path: Path, clients: Sequence[str] = ("alpha", "beta"),
+                 nodes: Sequence[str] = tuple(f"n{i}" for i in range(6))) -> None:
         self.path = path
         self.tokens: dict[str, str] = {}
-        entries = []
+        self.entries: dict[str, str] = {}
         for name, role, extra in (("ops", "admin", "local_plane = true\n"), *((c, "client", "local_plane = true\n")
-                                                                             for c in clients), ("pool", "peer", "")):
+                                                                             for c in clients), ("pool", "peer", ""),
+                                  *((f"node.{n}", "peer", f'node = "{n}"\n') for n in nodes)):
             token, token_hash = new_token()
             self.tokens[name] = token
-            entries.append(f'[[tenant]]\nname = "{name}"\nrole = "{role}"\ntokens = ["{token_hash}"]\n{extra}')
-        path.write_text("\n".join(entries))
+            self.entries[name] = f'[[tenant]]\nname = "{name}"\nrole = "{role}"\ntokens = ["{token_hash}"]\n{extra}'
+        self.write()
+        self.peer_file = self._secret("peer.token", self.tokens["pool"])
+        self.node_files = {n: self._secret(f"{n}.token", self.tokens[f"node.{n}"]) for n in nodes}
+
+    def write(self, path: Path | None = None, without: Sequence[str] = ()) -> Path:
+        """The token file (at `path`, else this one's), leaving out the entries `without`."""
+        path = path or self.path
+        path.write_text("\n".join(e for name, e in self.entries.items() if name not in without))
         os.chmod(path, 0o600)
-        self.peer_file = path.with_name("peer.token")
-        self.peer_file.write_text(self.tokens["pool"] + "\n")
-        os.chmod(self.peer_file, 0o600)
+        return path
+
+    def _secret(self, name: str, token: str) -> Path:
+        path = self.path.with_name(name)
+        path.write_text(token + "\n")
+        os.chmod(path, 0o600)
+        return path
+
+    def node(self, node: str) -> str:
+        """Node `node`'s credential."""
+        return self.tokens[f"node.{node}"]
+
+    def node_file(self, node: str) -> Path:
+        return self.node_files[node]
+
+    def per_node(self, n: int, first: int = 0) -> list[dict[str, Any]]:
+        """`pool(per_node=...)` settings: each daemon presents its own credential."""
+        return [{"cluster_token_file": str(self.node_file(f"n{first + i}"))} for i in range(n)]
 
 
 def serve_args(sock: Path, tcp: str, node_id: str, etcd: str, prefix: str, tokens: Tokens, *extra: str) -> list[str]:
     """`kvstore serve` for one host of a netns pool (a non-loopback listener: token file,
-    plain TCP on the test's private bridge)."""
+    the node's own credential, plain TCP on the test's private bridge)."""
     return [sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"unix:{sock},{tcp}", "--grace-s", "1",
             "--log-level", "warning", "--metrics-listen", "off", "--host-capacity", "64MiB",
             "--auth-token-file", str(tokens.path), "--unix-socket-tenant", "ops", "--insecure-remote",
             "--cluster", "--cluster-etcd", etcd, "--cluster-prefix", prefix, "--cluster-lease-ttl-s", "2",
-            "--node-id", node_id, "--cluster-token-file", str(tokens.peer_file), *extra]
+            "--node-id", node_id, "--cluster-token-file", str(tokens.node_file(node_id)), *extra]
 
 
 def start_in_host(hosts: Any, i: int, args: list[str], sock: Path, log: Path) -> DaemonProc:

@@ -252,8 +252,7 @@ async def test_a_lane_cut_mid_transfer_is_a_miss_within_the_deadline(tmp_path: P
 
 async def test_tenants_stay_apart_on_the_lane(tmp_path: Path) -> None:
     tokens = Tokens(tmp_path / "tokens.toml")
-    auth = {"auth_token_file": str(tokens.path), "cluster_token_file": str(tokens.peer_file)}
-    async with pool(tmp_path, 2, **auth) as (a, b):
+    async with pool(tmp_path, 2, auth_token_file=str(tokens.path), per_node=tokens.per_node(2)) as (a, b):
         tok, blocks = chain(LAYOUT, 24, seed=37)
         async with AsyncClient(a.bound[1], token=tokens.tokens["alpha"]) as kv:
             put = await kv.put(LAYOUT, tok, blocks, wait_for_owners=True)
@@ -268,13 +267,14 @@ async def test_tenants_stay_apart_on_the_lane(tmp_path: Path) -> None:
             assert (miss.num_blocks, miss.remote_blocks) == (0, 0)
             assert await kv.fetch(LAYOUT, tok) == []
 
-        # On a's lane: a transfer a node-to-node call opened for alpha is carried by a
-        # connection of the pool's credential, never by another tenant's; and the pool's
-        # credential carries no client's transfer.
+        # On a's lane: a transfer a node-to-node call from n1 opened for alpha is carried
+        # by a connection of n1's credential, never by a client's (not even alpha's: it
+        # knows the transfer id here) nor by another node's; and a node's credential
+        # carries no client's transfer.
         from kvstore.cluster.transport import GrpcPeerTransport, PeerCall
 
         layout = layout_to_proto(LAYOUT)
-        peer = GrpcPeerTransport("n1", token=tokens.tokens["pool"])
+        peer = GrpcPeerTransport("n1", token=tokens.node("n1"))
         peer.update({"n0": [a.bound[1]]})
         call = PeerCall.of("alpha", layout)
         try:
@@ -302,17 +302,19 @@ async def test_tenants_stay_apart_on_the_lane(tmp_path: Path) -> None:
 
             grant = await open_fetch()
             assert grant.num_blocks == 24
-            with pytest.raises(KVStoreError, match="not open"):
-                await fetch_with(tokens.tokens["beta"], grant)
-            assert await fetch_with(tokens.tokens["pool"], await open_fetch()) == 24
+            for stranger in (tokens.tokens["beta"], tokens.tokens["alpha"], tokens.node("n0")):
+                with pytest.raises(KVStoreError, match="not open"):
+                    await fetch_with(stranger, grant)
+            assert await fetch_with(tokens.node("n1"), await open_fetch()) == 24
         finally:
             await peer.aclose()
         # A client's own transfer is its tenant's alone: the pool's credential is no client.
         async with AsyncClient(a.bound[1], token=tokens.tokens["alpha"], data_plane="lane") as kv:
             assert [bytes(g) for g in await kv.fetch(LAYOUT, tok)] == blocks
-        async with AsyncClient(a.bound[1], token=tokens.tokens["pool"], data_plane="lane") as kv:
-            with pytest.raises(KVStoreError):
-                await kv.fetch(LAYOUT, tok)
+        for node_token in (tokens.node("n1"), tokens.tokens["pool"]):
+            async with AsyncClient(a.bound[1], token=node_token, data_plane="lane") as kv:
+                with pytest.raises(KVStoreError):
+                    await kv.fetch(LAYOUT, tok)
 
 
 async def test_the_pools_tls_settings_are_the_lanes(tmp_path: Path) -> None:

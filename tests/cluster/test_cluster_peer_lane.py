@@ -125,7 +125,7 @@ async def test_lookups_between_nodes_go_on_the_peer_lane_and_hit(tmp_path: Path)
 
 async def test_the_peer_lane_checks_what_grpc_checks(tmp_path: Path) -> None:
     tokens = Tokens(tmp_path / "tokens.toml")
-    async with pool(tmp_path, 2, auth_token_file=str(tokens.path), cluster_token_file=str(tokens.peer_file)) as (a, b):
+    async with pool(tmp_path, 2, auth_token_file=str(tokens.path), per_node=tokens.per_node(2)) as (a, b):
         tok, blocks = chain(LAYOUT, 4, seed=62)
         async with AsyncClient(a.bound[1], token=tokens.tokens["alpha"]) as kv:
             await kv.put(LAYOUT, tok, blocks, wait_for_owners=True)
@@ -137,26 +137,29 @@ async def test_the_peer_lane_checks_what_grpc_checks(tmp_path: Path) -> None:
             assert code == grpc.StatusCode.UNAUTHENTICATED.value[0], token
             await lane.close()
 
-        lane, code = await RawPeerLane.open(a, tokens.tokens["pool"])
+        lane, code = await RawPeerLane.open(a, tokens.node("n1"))
         assert code == OK
         try:
             # The tenant each call names is the one it acts for, as over gRPC.
-            code, answer = await lane.call("Lookup", peer_envelope("n9", "alpha") + req)
+            code, answer = await lane.call("Lookup", peer_envelope("n1", "alpha") + req)
             assert code == OK and kvstore_pb2.LookupResponse.FromString(answer).num_blocks == 4
-            code, answer = await lane.call("Lookup", peer_envelope("n9", "beta") + req)
+            code, answer = await lane.call("Lookup", peer_envelope("n1", "beta") + req)
             assert code == OK and kvstore_pb2.LookupResponse.FromString(answer).num_blocks == 0
             refused = [
-                ("Lookup", peer_envelope("n9", "nobody") + req, grpc.StatusCode.PERMISSION_DENIED),  # not in the file
-                ("Delete", peer_envelope("n9", "alpha") + req, grpc.StatusCode.PERMISSION_DENIED),  # not a pool's call
+                ("Lookup", peer_envelope("n1", "nobody") + req, grpc.StatusCode.PERMISSION_DENIED),  # not in the file
+                ("Delete", peer_envelope("n1", "alpha") + req, grpc.StatusCode.PERMISSION_DENIED),  # not a pool's call
                 ("Lookup", b"", grpc.StatusCode.INVALID_ARGUMENT),  # no envelope
                 ("Lookup", b"\x40ab", grpc.StatusCode.INVALID_ARGUMENT),  # an envelope cut short
-                ("Lookup", peer_envelope("n9", "alpha") + b"\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT),
+                ("Lookup", peer_envelope("n1", "alpha") + b"\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT),
+                # n1's credential acts as n1 only: not as another member, nor as a node not in the pool.
+                ("Lookup", peer_envelope("n0", "alpha") + req, grpc.StatusCode.PERMISSION_DENIED),
+                ("Lookup", peer_envelope("n9", "alpha") + req, grpc.StatusCode.PERMISSION_DENIED),
             ]
             for method, payload, status in refused:
                 code, message = await lane.call(method, payload)
                 assert code == status.value[0], (method, payload[:8], message)
             # The connection serves on after every refusal.
-            code, answer = await lane.call("Lookup", peer_envelope("n9", "alpha") + req)
+            code, answer = await lane.call("Lookup", peer_envelope("n1", "alpha") + req)
             assert code == OK and kvstore_pb2.LookupResponse.FromString(answer).num_blocks == 4
         finally:
             await lane.close()
@@ -251,7 +254,7 @@ async def test_a_call_given_up_at_its_deadline_leaves_a_fresh_connection_for_the
     async with pool(tmp_path, 2) as (a, b):
         host, port = peer_lane_address(b)
         lane = PeerLane("b", LaneEndpoint("tcp", host, port), "", None)
-        payload = peer_envelope("a", DEFAULT_TENANT) + lookup_request(chain(LAYOUT, 4, seed=63)[0])
+        payload = peer_envelope("n0", DEFAULT_TENANT) + lookup_request(chain(LAYOUT, 4, seed=63)[0])
         try:
             assert kvstore_pb2.LookupResponse.FromString(await lane.call("Lookup", payload, 5.0)).num_blocks == 0
             (first,) = lane._idle

@@ -95,7 +95,7 @@ def lane_put(tokens: list[int], runs: list[kvstore_pb2.PutRun], position: int = 
 
 async def test_runs_are_for_the_pools_daemons_and_checked(tmp_path: Path) -> None:
     tokens = Tokens(tmp_path / "tokens.toml")
-    async with pool(tmp_path, 2, auth_token_file=str(tokens.path), cluster_token_file=str(tokens.peer_file)) as (a, _):
+    async with pool(tmp_path, 2, auth_token_file=str(tokens.path), per_node=tokens.per_node(2)) as (a, _):
         tok, _ = chain(LAYOUT, 12, seed=73)
         hashes = block_hashes(LAYOUT.namespace_id, tok, LAYOUT.block_size_tokens)
         good = [kvstore_pb2.PutRun(offset=3, parent_hash=hashes[5], position=6)]
@@ -105,7 +105,7 @@ async def test_runs_are_for_the_pools_daemons_and_checked(tmp_path: Path) -> Non
                 await kvstore_pb2_grpc.KVStoreStub(channel).LanePut(
                     lane_put(tok, good), metadata=(("authorization", f"Bearer {tokens.tokens['alpha']}"),))
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        lane, code = await RawPeerLane.open(a, tokens.tokens["pool"])
+        lane, code = await RawPeerLane.open(a, tokens.node("n1"))
         assert code == OK
         try:
             bad = [
@@ -117,17 +117,17 @@ async def test_runs_are_for_the_pools_daemons_and_checked(tmp_path: Path) -> Non
             ]
             for runs in bad:
                 code, message = await lane.call(
-                    "LanePut", peer_envelope("n9", "alpha") + lane_put(tok, runs).SerializeToString())
+                    "LanePut", peer_envelope("n1", "alpha") + lane_put(tok, runs).SerializeToString())
                 assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0], (runs, message)
             no_position = lane_put(tok, good)
             no_position.header.ClearField("position")
-            code, _ = await lane.call("LanePut", peer_envelope("n9", "alpha") + no_position.SerializeToString())
+            code, _ = await lane.call("LanePut", peer_envelope("n1", "alpha") + no_position.SerializeToString())
             assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
             # Good runs from a node are taken (and rolled back here: nothing is sent).
-            code, answer = await lane.call("LanePut", peer_envelope("n9", "alpha") + lane_put(tok, good)
+            code, answer = await lane.call("LanePut", peer_envelope("n1", "alpha") + lane_put(tok, good)
                                            .SerializeToString())
             assert code == OK and kvstore_pb2.LanePutResponse.FromString(answer).needed == b"\x01" * 6
-            code, _ = await lane.call("LaneCommit", peer_envelope("n9", "alpha") + kvstore_pb2.LaneCommitRequest(
+            code, _ = await lane.call("LaneCommit", peer_envelope("n1", "alpha") + kvstore_pb2.LaneCommitRequest(
                 transfer_id=kvstore_pb2.LanePutResponse.FromString(answer).transfer_id, abort=True)
                 .SerializeToString())
             assert code == OK

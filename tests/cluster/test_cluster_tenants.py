@@ -23,13 +23,14 @@ from tests.cluster.pool_fixtures import Tokens, chain, pool
 LAYOUT = SMALL_LAYOUT
 
 
-def auth(tokens: Tokens, **more: object) -> dict[str, object]:
-    return {"auth_token_file": str(tokens.path), "cluster_token_file": str(tokens.peer_file), **more}
+def auth(tokens: Tokens, n: int, **more: object) -> dict[str, object]:
+    """Every daemon of an `n`-node pool reads `tokens` and presents its own node's credential."""
+    return {"auth_token_file": str(tokens.path), "per_node": tokens.per_node(n), **more}
 
 
 async def test_a_tenant_hits_on_every_node_and_no_other_tenant_does(tmp_path: Path) -> None:
     tokens = Tokens(tmp_path / "tokens.toml")
-    async with pool(tmp_path, 3, **auth(tokens)) as (a, b, c):
+    async with pool(tmp_path, 3, **auth(tokens, 3)) as (a, b, c):
         tok, blocks = chain(LAYOUT, 24, seed=21)
         async with AsyncClient(a.bound[1], token=tokens.tokens["alpha"]) as kv:
             put = await kv.put(LAYOUT, tok, blocks, wait_for_owners=True)
@@ -55,7 +56,7 @@ async def test_a_tenant_hits_on_every_node_and_no_other_tenant_does(tmp_path: Pa
 
 async def test_only_a_peer_credential_may_act_for_a_tenant(tmp_path: Path) -> None:
     tokens = Tokens(tmp_path / "tokens.toml")
-    async with pool(tmp_path, 2, **auth(tokens)) as (a, b):
+    async with pool(tmp_path, 2, **auth(tokens, 2)) as (a, b):
         tok, blocks = chain(LAYOUT, 4, seed=22)
         async with AsyncClient(a.bound[1], token=tokens.tokens["alpha"]) as kv:
             await kv.put(LAYOUT, tok, blocks, wait_for_owners=True)
@@ -72,14 +73,16 @@ async def test_only_a_peer_credential_may_act_for_a_tenant(tmp_path: Path) -> No
                 return int((await stub.Lookup(req, metadata=md)).num_blocks)
 
         peer = ("x-kvstore-peer", "n1")
-        # A peer credential acting for alpha sees alpha's blocks.
-        assert await lookup(tokens.tokens["pool"], peer, ("x-kvstore-tenant", "alpha")) == 4
-        assert await lookup(tokens.tokens["pool"], peer, ("x-kvstore-tenant", "beta")) == 0
+        n1 = tokens.node("n1")
+        # Node n1's credential acting for alpha sees alpha's blocks.
+        assert await lookup(n1, peer, ("x-kvstore-tenant", "alpha")) == 4
+        assert await lookup(n1, peer, ("x-kvstore-tenant", "beta")) == 0
         refused = [
             (tokens.tokens["beta"], (peer, ("x-kvstore-tenant", "alpha")), "lookup"),  # a client acting for another
-            (tokens.tokens["pool"], (), "lookup"),  # a peer token alone
-            (tokens.tokens["pool"], (peer, ("x-kvstore-tenant", "nobody")), "lookup"),  # a tenant not in the file
-            (tokens.tokens["pool"], (peer, ("x-kvstore-tenant", "alpha")), "segment"),  # not a pool's call
+            (n1, (), "lookup"),  # a peer token alone
+            (n1, (peer, ("x-kvstore-tenant", "nobody")), "lookup"),  # a tenant not in the file
+            (n1, (peer, ("x-kvstore-tenant", "alpha")), "segment"),  # not a pool's call
+            (tokens.tokens["ops"], (peer, ("x-kvstore-tenant", "alpha")), "lookup"),  # an admin is no node
         ]
         for token, pairs, method in refused:
             with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -98,11 +101,12 @@ async def test_without_a_token_file_a_call_for_another_tenant_is_refused(tmp_pat
             req = kvstore_pb2.LookupRequest(namespace=kvstore_pb2.Namespace(layout=layout_to_proto(LAYOUT)),
                                             keys=kvstore_pb2.BlockKeys(packed_hashes=b"\x00" * 16))
             stub = kvstore_pb2_grpc.KVStoreStub(channel)
-            ok = await stub.Lookup(req, metadata=(("x-kvstore-peer", "n9"), ("x-kvstore-tenant", "default")))
+            ok = await stub.Lookup(req, metadata=(("x-kvstore-peer", "n0"), ("x-kvstore-tenant", "default")))
             assert ok.num_blocks == 0
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await stub.Lookup(req, metadata=(("x-kvstore-peer", "n9"), ("x-kvstore-tenant", "alpha")))
-            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            for node, tenant in (("n0", "alpha"), ("n9", "default")):  # another tenant; a node not in the pool
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Lookup(req, metadata=(("x-kvstore-peer", node), ("x-kvstore-tenant", tenant)))
+                assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
 async def test_a_pool_with_a_token_file_needs_a_cluster_credential(tmp_path: Path) -> None:
@@ -125,7 +129,11 @@ def test_token_new_makes_peer_credentials(tmp_path: Path, capsys: pytest.Capture
 
     path = tmp_path / "tokens.toml"
     assert main(["token", "new", "--tenant", "pool", "--role", "peer", "--file", str(path)]) == 0
+    assert main(["token", "new", "--node", "n1", "--file", str(path)]) == 0
     table = parse_token_file(str(path))
-    assert table.identities["pool"].role == "peer"
+    assert table.identities["pool"].role == "peer" and not table.identities["pool"].node
+    assert (table.identities["node.n1"].role, table.identities["node.n1"].node) == ("peer", "n1")
+    assert main(["token", "new", "--node", "n1", "--file", str(path)]) != 0  # one entry per node
+    assert main(["token", "new", "--node", "n 1", "--file", str(path)]) != 0
     capsys.readouterr()
     _ = Daemon  # the daemon reads such a file as any other

@@ -20,10 +20,12 @@ daemon's gRPC certificate and client CA) whenever the gRPC listeners do. A Unix 
 created 0600 in the daemon's 0700 socket directory. The first frame of a connection is a
 hello with the bearer token, checked by the daemon's `Authenticator` (on the loop) as a
 call of `DataLane` would be; a connection may then only join transfers its tenant
-opened, so tenant isolation holds on the lane as on gRPC. A connection of the pool's
-cluster credential (role peer, or admin) may also join transfers that node-to-node calls
-opened: those calls were authorized for the tenant they act for, and the transfer's id
-(16 random bytes, answered only to that call) is the claim to it.
+opened, so tenant isolation holds on the lane as on gRPC, and never one that a
+node-to-node call opened. A connection of a node's credential (role peer) may join only
+transfers that calls from that node opened (`Joiner`): those calls were authorized for
+the tenant they act for, and the transfer's id (16 random bytes, answered only to that
+call) is the claim to it. The hello of a node's credential is taken only from a member of
+the pool's current view.
 
 Strangers cannot take the slots of authenticated connections: a connection holds one of
 the lane's `max_connections` slots only once its hello checked out. Before that it is
@@ -91,7 +93,7 @@ from kvstore.server.config import Config
 from kvstore.server.data_lane.fetch import FetchTransfer
 from kvstore.server.data_lane.put import PutTransfer
 from kvstore.server.data_lane.transfer import DataLaneCounters
-from kvstore.server.data_lane.transfers import DataLaneTransfers
+from kvstore.server.data_lane.transfers import ANY_NODE, DataLaneTransfers, Joiner
 from kvstore.server.listen import ListenAddress, is_loopback, parse_listen, prepare_unix_path
 from kvstore.v1 import kvstore_pb2
 
@@ -456,9 +458,14 @@ class _Connection:
         self.server = server
         self.lane = lane
         self.tenant = identity.tenant
-        # A cluster credential's connection also carries transfers that node-to-node calls
-        # opened, for whichever tenant they act for (`DataLaneTransfers.fetch_transfer`).
-        self.peer = identity.role in ACTS_FOR_TENANTS
+        # Which transfers this connection may carry (`Joiner`): a client's, its tenant's;
+        # a node's credential, those that calls from that node opened.
+        if server.auth.table is None:
+            self.joiner = Joiner(identity.tenant, client=True, node=ANY_NODE)
+        elif identity.role in ACTS_FOR_TENANTS:
+            self.joiner = Joiner(identity.tenant, client=False, node=identity.node or ANY_NODE)
+        else:
+            self.joiner = Joiner(identity.tenant, client=True)
         self.transfers = server.transfers
         self.settings = server.settings
         # This connection's credit for each put transfer it joined.
@@ -489,7 +496,7 @@ class _Connection:
 
     def _send_fetch(self, frame: Frame) -> None:
         lane = self.lane
-        transfer = self.transfers.fetch_transfer(frame.transfer, self.tenant, self.peer)
+        transfer = self.transfers.fetch_transfer(frame.transfer, self.joiner)
         if transfer is None or not transfer.join(lane):
             failed = transfer.failed if transfer is not None else None
             if failed is not None:
@@ -556,7 +563,7 @@ class _Connection:
 
     def _join_put(self, frame: Frame) -> None:
         lane = self.lane
-        transfer = self.transfers.put_transfer(frame.transfer, self.tenant, self.peer)
+        transfer = self.transfers.put_transfer(frame.transfer, self.joiner)
         if transfer is None or not transfer.join(lane):
             self._tell_failed(frame.transfer, transfer)
             return
@@ -618,7 +625,7 @@ class _Connection:
         if transfer_id in self.told:
             return
         self.told.add(transfer_id)
-        failed = transfer.failed if transfer is not None else self.transfers.put_failure(transfer_id, self.tenant, self.peer)
+        failed = transfer.failed if transfer is not None else self.transfers.put_failure(transfer_id, self.joiner)
         if failed is None:
             self.lane.send_error(transfer_id, grpc.StatusCode.NOT_FOUND,
                                  "this data lane put is not open (committed, aborted, or expired)")

@@ -21,6 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -47,6 +48,29 @@ DEFAULT_TRANSFER_S = 30.0
 MAX_TRANSFER_S = 600.0
 # A grouped block is parts that only some prefix ends have: it moves as Put and Fetch do.
 GROUPED_NOT_ON_LANE = "a layout with KV groups moves as gRPC bytes (Put and Fetch), not on the data lane"
+
+
+@dataclass(frozen=True, slots=True)
+class Joiner:
+    """Which transfers a lane connection may carry, from the identity its hello proved.
+    A client's connection: only transfers its own tenant opened, never one a node-to-node
+    call opened. A node's credential: only transfers that calls from that node opened
+    (`node`), or, for a credential the pool shares, those of any node (`ANY_NODE`), never
+    a client's. Without a token file nothing tells the two apart: both (`client` and
+    `ANY_NODE`)."""
+
+    tenant: str
+    client: bool  # may join transfers clients of `tenant` opened
+    node: str = ""  # may join transfers node-to-node calls from this node opened (ANY_NODE: any)
+
+    def may_join(self, tenant: str, opened_by: str) -> bool:
+        """Whether a transfer of `tenant` opened by node `opened_by` ("": by a client) is this connection's."""
+        if opened_by:
+            return self.node == ANY_NODE or (bool(self.node) and self.node == opened_by)
+        return self.client and tenant == self.tenant
+
+
+ANY_NODE = "*"
 
 
 class DataLaneTransfers:
@@ -347,24 +371,23 @@ class DataLaneTransfers:
 
     # -------------------------------------------------------------- connection threads
 
-    def fetch_transfer(self, transfer_id: bytes, tenant: str, peer: bool = False) -> FetchTransfer | None:
-        """The open fetch `transfer_id` of `tenant` (another tenant's is not found); with
-        `peer` (a cluster credential's connection), also one a node-to-node call opened."""
+    def fetch_transfer(self, transfer_id: bytes, joiner: Joiner) -> FetchTransfer | None:
+        """The open fetch `transfer_id`, if the connection `joiner` may carry it (`Joiner.may_join`)."""
         transfer = self._open.get(transfer_id)
-        if isinstance(transfer, FetchTransfer) and (transfer.tenant == tenant or (peer and transfer.peer)):
+        if isinstance(transfer, FetchTransfer) and joiner.may_join(transfer.tenant, transfer.peer):
             return transfer
         return None
 
-    def put_failure(self, transfer_id: bytes, tenant: str, peer: bool = False) -> TransferFailed | None:
-        """Why `tenant`'s put `transfer_id` failed, if it did so lately (and was let go);
-        with `peer`, also one a node-to-node call opened."""
+    def put_failure(self, transfer_id: bytes, joiner: Joiner) -> TransferFailed | None:
+        """Why put `transfer_id` failed, if it did so lately (and was let go) and `joiner`
+        may carry it."""
         with self._failed_lock:
             failed = self._failed_puts.get(transfer_id)
-        return failed[2] if failed is not None and (failed[0] == tenant or (peer and failed[1])) else None
+        return failed[2] if failed is not None and joiner.may_join(failed[0], failed[1]) else None
 
-    def put_transfer(self, transfer_id: bytes, tenant: str, peer: bool = False) -> PutTransfer | None:
+    def put_transfer(self, transfer_id: bytes, joiner: Joiner) -> PutTransfer | None:
         transfer = self._open.get(transfer_id)
-        if isinstance(transfer, PutTransfer) and (transfer.tenant == tenant or (peer and transfer.peer)):
+        if isinstance(transfer, PutTransfer) and joiner.may_join(transfer.tenant, transfer.peer):
             return transfer
         return None
 
