@@ -49,6 +49,7 @@ import abc
 import asyncio
 import contextlib
 import enum
+import ipaddress
 import json
 import logging
 import random
@@ -163,6 +164,7 @@ class MembershipState(enum.Enum):
     UNREACHABLE = "unreachable"  # etcd lost: serving from the last view, reconnecting
     STATIC = "static"  # a fixed peer list
     STOPPED = "stopped"
+    CONFLICT = "conflict"  # another live process holds this node's id: serving alone, waiting for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,11 +184,16 @@ class MembershipStatus:
     session_failures_total: int = 0  # sessions lost to an error
     bad_records_total: int = 0  # member records that did not parse (skipped)
     last_error: str = ""
+    # Member records with no address a peer can dial (wildcards, multicast...): skipped.
+    unroutable_records_total: int = 0
+    # Another live process holds this node's id (see `EtcdMembership`): not joined.
+    node_id_conflict: str = ""
+    node_id_claims_total: int = 0  # other processes that tried to join as this node's id
 
     @property
     def degraded(self) -> bool:
         """True while the view is not backed by a live etcd session."""
-        return self.state in (MembershipState.STARTING, MembershipState.UNREACHABLE)
+        return self.state in (MembershipState.STARTING, MembershipState.UNREACHABLE, MembershipState.CONFLICT)
 
 
 # -- the interface -------------------------------------------------------------------
@@ -276,6 +283,24 @@ class Membership(abc.ABC):
 # -- static --------------------------------------------------------------------------
 
 
+def unroutable(address: str) -> str | None:
+    """Why a member's `address` cannot be dialed by a peer, in words; None if it can. A
+    wildcard, an unspecified, multicast or broadcast host is where nobody is reached."""
+    problem = dial_problem(address)
+    if problem is not None:
+        return problem
+    if address.startswith("unix:"):
+        return "a unix: address is reached only on its own host"
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None  # a host name: resolved by whoever dials it
+    if ip.is_unspecified or ip.is_multicast or ip == ipaddress.IPv4Address("255.255.255.255"):
+        return f"{host} is not the address of one host"
+    return None
+
+
 def parse_static_peers(entries: Iterable[str]) -> tuple[Member, ...]:
     """``node_id=address[,address...]`` entries as members; ConfigError on a bad one."""
     out: dict[str, Member] = {}
@@ -348,6 +373,8 @@ class EtcdSettings:
     backoff_initial_s: float = DEFAULT_BACKOFF_INITIAL_S
     backoff_max_s: float = DEFAULT_BACKOFF_MAX_S
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S  # how long `start` waits for a first view
+    # Take this node's id even from another live process that holds it (see EtcdMembership).
+    replace_node_id: bool = False
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -364,6 +391,15 @@ class EtcdSettings:
     @property
     def members_prefix(self) -> bytes:
         return (self.prefix.rstrip("/") + "/members/").encode()
+
+    @property
+    def claims_prefix(self) -> bytes:
+        """Where a daemon that found its node id taken says so, for the holder to hear."""
+        return (self.prefix.rstrip("/") + "/claims/").encode()
+
+    @property
+    def pool_prefix(self) -> bytes:
+        return (self.prefix.rstrip("/") + "/").encode()
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -391,6 +427,14 @@ class _Stopping(Exception):
     """aclose was called: end the session."""
 
 
+class _NodeIdTaken(Exception):
+    """Another live process holds this node's id; `holder` is its record."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(holder)
+        self.holder = holder
+
+
 def _load_aetcd() -> Any:
     try:
         import aetcd
@@ -406,6 +450,8 @@ class _Counters:
     sessions: int = 0
     failures: int = 0
     bad_records: int = 0
+    unroutable: int = 0
+    claims: int = 0
     last_error: str = ""
     endpoint: str = ""
 
@@ -447,6 +493,9 @@ class EtcdMembership(Membership):
         self._aetcd: Any = None
         self._stopping = asyncio.Event()
         self._session: _Session | None = None  # the live one, while registered
+        self._conflict = ""  # who holds this node's id, while another live process does
+        self._own_leases: set[int] = set()  # leases this process registered under (its earlier sessions)
+        self._claims_heard: set[int] = set()  # leases of other processes' claims on this id, logged once each
 
     @property
     def key(self) -> bytes:
@@ -460,7 +509,8 @@ class EtcdMembership(Membership):
             backend="etcd", state=self._state, node_id=self.node_id, members=len(v), revision=v.revision,
             etcd_reachable=v.etcd_reachable, registered=self._registered, last_confirmed_age_s=age,
             endpoint=c.endpoint, sessions_total=c.sessions, session_failures_total=c.failures,
-            bad_records_total=c.bad_records, last_error=c.last_error,
+            bad_records_total=c.bad_records, last_error=c.last_error, unroutable_records_total=c.unroutable,
+            node_id_conflict=self._conflict, node_id_claims_total=c.claims,
         )
 
     async def update_me(self, me: Member) -> None:
@@ -549,7 +599,9 @@ class EtcdMembership(Membership):
             async with asyncio.timeout(timeout * 3):
                 lease = await client.lease(s.lease_ttl_s)
                 session.lease_id = lease.id
-                await client.put(self._key, self._record(), lease=lease)
+                self._own_leases.add(lease.id)
+            await self._register(client, session)
+            async with asyncio.timeout(timeout * 3):
                 snap = await client.get_prefix(s.members_prefix)
             session.revision = snap.header.revision
             session.peers = {}
@@ -564,7 +616,9 @@ class EtcdMembership(Membership):
             logger.info("etcd membership: %s registered at %s:%d (lease %x, ttl %ds), %d members at revision %d",
                         self.node_id, host, port, session.lease_id, s.lease_ttl_s, len(self._view), session.revision)
             async with asyncio.timeout(timeout):
-                watch = await client.watch_prefix(s.members_prefix, start_revision=session.revision + 1)
+                # The pool's whole prefix: the member records, and the claims of processes
+                # that found this node's id taken (`_register`).
+                watch = await client.watch_prefix(s.pool_prefix, start_revision=session.revision + 1)
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._keep_alive(session))
                 tg.create_task(self._follow(session, watch))
@@ -572,6 +626,98 @@ class EtcdMembership(Membership):
         finally:
             self._session = None
             await self._end_session(session)
+
+    async def _register(self, client: Any, session: _Session) -> None:
+        """Write this node's record under the session's lease, unless another live process
+        holds the id: a copied SSD directory, a pasted --node-id. Placement and the pool's
+        credentials know a node by its id, so two processes under one would each get half
+        of the other's traffic. The key is taken when it is free or held under a lease of
+        this process (an earlier session's), or with `replace_node_id`; otherwise this
+        daemon says so (log, status, INFO, health), writes a claim the holder hears of and
+        logs too, serves as a node alone, and tries again every third of the lease TTL: the
+        holder's registration ends when it stops, or when its lease runs out (a previous
+        run of this daemon that crashed leaves one for up to the TTL)."""
+        s = self.settings
+        timeout = s.call_timeout_s
+        tx = client.transactions
+        claimed = False
+        keepalive = None
+        try:
+            while True:
+                async with asyncio.timeout(timeout * 3):
+                    held = await client.get(self._key)
+                    if held is None:
+                        ok, _ = await client.transaction(compare=[tx.create(self._key) == 0], success=[
+                            tx.put(self._key, self._record(), lease=session.lease_id)], failure=[])
+                    elif held.lease in self._own_leases or s.replace_node_id or held.lease == 0:
+                        ok, _ = await client.transaction(compare=[tx.mod(self._key) == held.mod_revision], success=[
+                            tx.put(self._key, self._record(), lease=session.lease_id)], failure=[])
+                    else:
+                        ok = False
+                if ok:
+                    if self._conflict:
+                        logger.warning("etcd membership: node id %s is free again; this daemon joins the pool",
+                                       self.node_id)
+                    self._conflict = ""
+                    if claimed:
+                        with contextlib.suppress(Exception):
+                            async with asyncio.timeout(timeout):
+                                await client.delete(s.claims_prefix + self.node_id.encode())
+                    return
+                if held is None:
+                    continue  # taken and gone again between the read and the write
+                holder = self._describe(held)
+                if not self._conflict:
+                    logger.error(
+                        "etcd membership: node id %s is registered by another live process (%s); this daemon does "
+                        "not take it and serves as a node alone until that registration ends (a previous run of "
+                        "this daemon that crashed keeps it up to cluster_lease_ttl_s = %d s). Give each daemon its "
+                        "own node id, or set cluster_replace_node_id to take it over", self.node_id, holder,
+                        s.lease_ttl_s)
+                self._conflict = f"node id {self.node_id} is held by another process ({holder})"
+                self._counters.last_error = self._conflict
+                self._state = MembershipState.CONFLICT
+                self._publish(View.of([self.me], 0, True, self._clock()))
+                if not claimed:
+                    async with asyncio.timeout(timeout):
+                        await client.put(s.claims_prefix + self.node_id.encode(), self._record(),
+                                         lease=session.lease_id)
+                    claimed = True
+                    keepalive = client.leasestub.LeaseKeepAlive(metadata=client.metadata)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.2, s.lease_ttl_s / 3)):
+                        await self._stopping.wait()
+                if self._stopping.is_set():
+                    raise _Stopping
+                assert keepalive is not None
+                async with asyncio.timeout(timeout):  # the claim lives as long as this wait
+                    await keepalive.write(self._aetcd.rpc.LeaseKeepAliveRequest(ID=session.lease_id))
+                    await keepalive.read()
+        finally:
+            if keepalive is not None:
+                keepalive.cancel()
+
+    @staticmethod
+    def _describe(held: Any) -> str:
+        """Who holds a member key, for a log line: its record's addresses and start time."""
+        try:
+            record = json.loads(bytes(held.value))
+            started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(record.get("started_at", 0.0))))
+            return f"addresses {','.join(record.get('addresses', [])) or '-'}, started {started}, lease {held.lease:x}"
+        except (ValueError, TypeError, AttributeError):
+            return f"lease {held.lease:x}"
+
+    def _heard_claim(self, session: _Session, kv: Any) -> None:
+        """Another process wrote a claim on this node's id: it found the id held by this
+        one. Logged once per claimant (its lease), counted, and said in the status."""
+        if kv.lease == session.lease_id or kv.lease in self._claims_heard:
+            return
+        self._claims_heard.add(kv.lease)
+        self._counters.claims += 1
+        who = self._describe(kv)
+        self._counters.last_error = f"another process tried to join as node id {self.node_id} ({who})"
+        logger.error("etcd membership: %s; it serves alone until this daemon leaves. Give each daemon its own node "
+                     "id", self._counters.last_error)
 
     async def _until_stopped(self) -> None:
         await self._stopping.wait()
@@ -617,6 +763,17 @@ class EtcdMembership(Membership):
         if node_id == self.node_id and kv.lease != session.lease_id:
             self._counters.last_error = f"another process registered node id {node_id!r} (lease {kv.lease:x})"
             logger.error("etcd membership: %s; give each daemon its own node id", self._counters.last_error)
+        if node_id != self.node_id:
+            dialable = tuple(a for a in member.addresses if unroutable(a) is None)
+            if not dialable:
+                self._counters.unroutable += 1
+                session.peers.pop(node_id, None)
+                logger.warning("etcd membership: skipped member %s: none of its addresses (%s) can be dialed by a "
+                               "peer (%s); it must advertise where it is reached (cluster_advertise)", node_id,
+                               ",".join(member.addresses) or "none",
+                               "; ".join(unroutable(a) or "" for a in member.addresses) or "no address")
+                return
+            member = replace(member, addresses=dialable)
         session.peers[node_id] = member
 
     def _publish_session(self, session: _Session) -> None:
@@ -640,8 +797,14 @@ class EtcdMembership(Membership):
 
     async def _follow(self, session: _Session, watch: Any) -> None:
         prefix = self.settings.members_prefix
+        my_claim = self.settings.claims_prefix + self.node_id.encode()
         async for event in watch:
             kv = event.kv
+            key = bytes(kv.key)
+            if not key.startswith(prefix):
+                if key == my_claim and event.kind == "PUT":
+                    self._heard_claim(session, kv)
+                continue
             session.revision = max(session.revision, kv.mod_revision)
             if event.kind == "PUT":
                 self._apply_put(session, kv)

@@ -180,7 +180,7 @@ def build_cluster(config: Config, store: Store, node_id: str, *, executor: Any =
     etcd = None
     if config.cluster_etcd:
         etcd = EtcdSettings(endpoints=tuple(config.cluster_etcd), prefix=config.cluster_prefix,
-                            lease_ttl_s=config.cluster_lease_ttl_s)
+                            lease_ttl_s=config.cluster_lease_ttl_s, replace_node_id=config.cluster_replace_node_id)
     membership = make_membership(me, etcd=etcd, static_peers=config.cluster_peers)
     assert membership is not None
     transport: PeerTransport
@@ -429,6 +429,8 @@ def info_section(node: PoolNode) -> str:
         f"cluster_grpc_blocks_in:{tc.grpc_blocks_in}", f"cluster_grpc_blocks_out:{tc.grpc_blocks_out}",
         f"cluster_lane_fallbacks:{tc.fallbacks}",
         f"cluster_peer_lane_calls:{tc.peer_lane_calls}", f"cluster_grpc_calls:{tc.grpc_calls}",
+        f"cluster_unroutable_records:{ms.unroutable_records_total}",
+        f"cluster_node_id_conflict:{ms.node_id_conflict}", f"cluster_node_id_claims:{ms.node_id_claims_total}",
         f"cluster_last_error:{ms.last_error}", "",
     ]
     return "\n".join(lines)

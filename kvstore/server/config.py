@@ -164,6 +164,8 @@ FIELDS: tuple[Field, ...] = (
           "daemon that dies leaves every view within it", lo=1, hi=300),
     Field("node_id", "str", "", "this daemon's id in the pool (placement hashes it); empty: the id kept in "
           "<ssd_path>/node-id, made on the first start", metavar="ID"),
+    Field("cluster_replace_node_id", "bool", False, "with etcd: take this node's id over even while another live "
+          "process holds it (default: serve alone until that registration ends, and say so)"),
     Field("cluster_advertise", "list", (), "host:port where the pool's other daemons reach this one; empty: its "
           "TCP listen addresses that are not a wildcard", metavar="HOST:PORT[,...]"),
     Field("cluster_zone", "str", "", "zone or rack label this member publishes", metavar="ZONE"),
@@ -185,8 +187,9 @@ FIELDS: tuple[Field, ...] = (
     Field("cluster_pulls", "int", 16, "copies of remote blocks into this node running at once", lo=1, hi=1024),
     Field("cluster_suspect_s", "float", 2.0, "seconds a node whose calls failed is skipped before it is tried "
           "again (doubling while it keeps failing, up to 30 s)", lo=0.01, hi=3600),
-    Field("cluster_token_file", "str", "", "file holding the bearer token this daemon presents to the others "
-          "(role peer or admin in their token files; see SECURITY.md)", metavar="FILE"),
+    Field("cluster_token_file", "str", "", "file holding this node's credential, which it presents to the others "
+          "(`kvstore token new --node ID`: role peer, node ID, in every node's token file; see SECURITY.md)",
+          metavar="FILE"),
     Field("cluster_tls_ca", "str", "", "PEM roots that sign the other daemons' certificates: node-to-node calls "
           "use TLS (tls_cert/tls_key, when set, are this node's client certificate)", metavar="FILE"),
     Field("cluster_data_lane", "bool", True, "move the pool's block bytes (pulls of remote blocks, forwards to "
@@ -302,6 +305,7 @@ class Config:
     cluster_prefix: str
     cluster_lease_ttl_s: int
     node_id: str
+    cluster_replace_node_id: bool
     cluster_advertise: tuple[str, ...]
     cluster_zone: str
     cluster_unit_blocks: int

@@ -303,7 +303,7 @@ class MemberProcess:
 def member_args(node_id: str, endpoint: str, prefix: str, status_file: Path, *, address: str = "",
                 ttl_s: int = 2) -> list[str]:
     return [sys.executable, str(MEMBER_SCRIPT), "--node-id", node_id, "--endpoint", endpoint, "--prefix", prefix,
-            "--status-file", str(status_file), "--address", address or f"{node_id}:0", "--lease-ttl-s", str(ttl_s)]
+            "--status-file", str(status_file), "--address", address or f"{node_id}:5000", "--lease-ttl-s", str(ttl_s)]
 
 
 @contextlib.contextmanager

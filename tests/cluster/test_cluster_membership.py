@@ -185,7 +185,7 @@ async def test_records_that_are_not_members_are_skipped_and_counted(etcd: EtcdSe
             await a.wait_for(has("a"), 5)
             assert a.status().bad_records_total == 2
             await c.put(f"{prefix}/members/other".encode(), b'{"node_id": "someone-else"}')
-            await c.put(f"{prefix}/members/ok".encode(), Member("ok").to_json())
+            await c.put(f"{prefix}/members/ok".encode(), Member("ok", addresses=("10.0.0.9:5000",)).to_json())
             await a.wait_for(has("a", "ok"), 5)
             assert a.status().bad_records_total == 3
 

@@ -11,8 +11,10 @@ would use them from another host: what they can do is what the node could.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -20,6 +22,7 @@ import pytest
 from conftest import SMALL_LAYOUT, make_config
 
 from kvstore.client import AsyncClient
+from kvstore.cluster.membership import EtcdMembership, EtcdSettings, Member, MembershipState
 from kvstore.convert import layout_to_proto
 from kvstore.data_lane import ERROR, HELLO, VERSION, WELCOME, LaneSocket, hello_payload
 from kvstore.errors import ConfigError
@@ -164,3 +167,116 @@ async def test_a_cluster_credential_that_cannot_work_stops_the_daemon_at_start(
                       auth_token_file=str(tokens.path), cluster_token_file=str(secret))
     with pytest.raises(ConfigError, match=message):
         await Daemon(cfg).start()
+
+
+def etcd_settings(etcd: EtcdServer, prefix: str, **kw: object) -> EtcdSettings:
+    return EtcdSettings(endpoints=(etcd.endpoint,), prefix=prefix, lease_ttl_s=2, call_timeout_s=1.0,
+                        backoff_initial_s=0.1, backoff_max_s=0.5, join_timeout_s=5.0, **kw)  # type: ignore[arg-type]
+
+
+async def until(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        await asyncio.sleep(0.05)
+
+
+async def test_two_processes_with_one_node_id_both_say_so_and_the_newcomer_does_not_take_it(
+        etcd: EtcdServer, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    prefix = f"/dup-{request.node.name[-16:]}-{time.monotonic_ns() % 10**9}"
+    caplog.set_level(logging.ERROR, logger="kvstore.cluster.membership")
+    first = EtcdMembership(Member("x", addresses=("10.0.0.1:5000",), started_at=time.time()),
+                           etcd_settings(etcd, prefix))
+    copy = EtcdMembership(Member("x", addresses=("10.0.0.2:5000",), started_at=time.time()),
+                          etcd_settings(etcd, prefix))
+    watcher = EtcdMembership(Member("w", addresses=("10.0.0.3:5000",)), etcd_settings(etcd, prefix))
+    try:
+        await first.start()
+        await watcher.start()
+        await watcher.wait_for(lambda v: v.node_ids == {"x", "w"}, 5)
+        await copy.start()
+        await until(lambda: copy.status().state is MembershipState.CONFLICT)
+        st = copy.status()
+        assert st.degraded and not st.registered and "10.0.0.1:5000" in st.node_id_conflict
+        assert set(copy.view.members) == {"x"} and copy.view.members["x"].addresses == ("10.0.0.2:5000",)
+        # The holder heard of it and says so too; the pool still sees the holder's record.
+        await until(lambda: first.status().node_id_claims_total == 1)
+        assert first.status().state is MembershipState.JOINED
+        assert watcher.view.members["x"].addresses == ("10.0.0.1:5000",)
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert any("registered by another live process" in m for m in errors), errors
+        assert any("tried to join as node id x" in m for m in errors), errors
+        # Once the holder leaves, the newcomer joins under the id.
+        await first.aclose()
+        await until(lambda: copy.status().state is MembershipState.JOINED)
+        await watcher.wait_for(lambda v: "x" in v and v.members["x"].addresses == ("10.0.0.2:5000",), 5)
+        assert copy.status().node_id_conflict == ""
+    finally:
+        for m in (copy, watcher, first):
+            await m.aclose()
+
+
+async def test_replace_node_id_takes_a_live_members_id_and_both_log_it(
+        etcd: EtcdServer, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    prefix = f"/dup2-{request.node.name[-16:]}-{time.monotonic_ns() % 10**9}"
+    caplog.set_level(logging.ERROR, logger="kvstore.cluster.membership")
+    first = EtcdMembership(Member("x", addresses=("10.0.0.1:5000",)), etcd_settings(etcd, prefix))
+    forced = EtcdMembership(Member("x", addresses=("10.0.0.2:5000",)), etcd_settings(etcd, prefix,
+                                                                                     replace_node_id=True))
+    try:
+        await first.start()
+        await forced.start()
+        assert forced.status().state is MembershipState.JOINED
+        await until(lambda: "another process registered node id" in first.status().last_error)
+    finally:
+        for m in (forced, first):
+            await m.aclose()
+
+
+async def test_a_daemon_whose_node_id_is_taken_says_so_in_health_and_info(
+        tmp_path: Path, etcd: EtcdServer, request: pytest.FixtureRequest) -> None:  # noqa: F811
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.cluster.pool_fixtures import info
+
+    prefix = f"/dup3-{request.node.name[-16:]}-{time.monotonic_ns() % 10**9}"
+    async with pool(tmp_path, 2, etcd=etcd.endpoint, prefix=prefix) as (a, b):
+        d = tmp_path / "copy"
+        d.mkdir()
+        cfg = make_config(d, listen=(f"unix:{d / 'kv.sock'}", "127.0.0.1:0"), cluster=True, node_id="n0",
+                          cluster_etcd=(etcd.endpoint,), cluster_prefix=prefix, cluster_lease_ttl_s=2)
+        copy = Daemon(cfg)
+        await copy.start()
+        try:
+            await until(lambda: info(copy).get("cluster_state") == "conflict")
+            assert "held by another process" in info(copy)["cluster_node_id_conflict"]
+            async with grpc.aio.insecure_channel(copy.bound[0]) as channel:
+                health = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="kvstore.v1.Cluster"))
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            await until(lambda: info(a).get("cluster_node_id_claims") == "1")
+            assert info(a)["cluster_state"] == "joined"
+            assert set(b.cluster.membership.view.members["n0"].addresses) == set(
+                a.cluster.membership.me.addresses)
+        finally:
+            await copy.stop(grace_s=0)
+
+
+async def test_member_records_no_peer_can_dial_are_skipped_and_counted(
+        etcd: EtcdServer, request: pytest.FixtureRequest) -> None:  # noqa: F811
+    import aetcd
+
+    prefix = f"/wild-{request.node.name[-16:]}-{time.monotonic_ns() % 10**9}"
+    me = EtcdMembership(Member("a", addresses=("10.0.0.1:5000",)), etcd_settings(etcd, prefix))
+    async with aetcd.Client(host="127.0.0.1", port=etcd.client_port) as c:
+        for node, addresses in (("wild", ("0.0.0.0:5000",)), ("multi", ("224.0.0.1:5000",)),
+                                ("none", ()), ("mixed", ("[::]:5000", "10.0.0.7:5000"))):
+            await c.put(f"{prefix}/members/{node}".encode(), Member(node, addresses=addresses).to_json())
+        try:
+            await me.start()
+            view = await me.wait_for(lambda v: v.etcd_reachable and "mixed" in v, 5)
+            assert set(view.members) == {"a", "mixed"}
+            assert view.members["mixed"].addresses == ("10.0.0.7:5000",)
+            assert me.status().unroutable_records_total == 3
+        finally:
+            await me.aclose()
