@@ -280,3 +280,72 @@ async def test_member_records_no_peer_can_dial_are_skipped_and_counted(
             assert me.status().unroutable_records_total == 3
         finally:
             await me.aclose()
+
+
+async def forward_as(daemon: Daemon, token: str, node: str, tenant: str, layout, toks: list[int],  # type: ignore[no-untyped-def]
+                     blocks: list[bytes]) -> int | grpc.StatusCode:
+    """What a node's forward looks like to its owner: a Put stream made with a node's
+    credential for `tenant`. Blocks stored, or the status it was refused with."""
+    md = (("authorization", f"Bearer {token}"), ("x-kvstore-peer", node), ("x-kvstore-tenant", tenant))
+    header = kvstore_pb2.PutHeader(namespace=kvstore_pb2.Namespace(layout=layout_to_proto(layout)),
+                                   keys=kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(token_ids=toks)),
+                                   position=0, explicit_end=True)
+
+    async def messages():  # type: ignore[no-untyped-def]
+        yield kvstore_pb2.PutRequest(header=header)
+        for i, b in enumerate(blocks):
+            yield kvstore_pb2.PutRequest(chunk=kvstore_pb2.BlockChunk(block=i, data=bytes(b)))
+        yield kvstore_pb2.PutRequest(end=kvstore_pb2.PutEnd())
+
+    async with grpc.aio.insecure_channel(daemon.bound[1]) as channel:
+        try:
+            resp = await kvstore_pb2_grpc.KVStoreStub(channel).Put(messages(), metadata=md, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        return int(resp.stored)
+
+
+async def test_forged_bytes_from_a_member_are_served_as_hits_unless_the_tenant_authenticates(
+        tmp_path: Path) -> None:
+    """A member is trusted for the bytes it holds and forwards (SECURITY.md): one that is
+    compromised (here, its credential used by the test) can plant bytes of its choosing
+    under a tenant's chain, checksummed, and they are served as hits on every node. This
+    test states that for a plain namespace. With end-to-end block authentication the same
+    forgery is a miss: the tenant's key never reaches a daemon, so no member can seal."""
+    from kvstore.client.block_auth import AsyncAuthenticatedClient, BlockKey
+
+    tokens = Tokens(tmp_path / "tokens.toml")
+    key = BlockKey.generate()
+    async with pool(tmp_path, 2, auth_token_file=str(tokens.path), per_node=tokens.per_node(2)) as (a, b):
+        tok, blocks = chain(LAYOUT, 6, seed=46)
+        forged = [bytes(x ^ 0xFF for x in blk) for blk in blocks]
+        n1 = tokens.node("n1")
+        async with AsyncClient(a.bound[1], token=tokens.tokens["alpha"]) as kv:
+            auth = AsyncAuthenticatedClient(kv, key)
+            sealed = auth.sealed_layout(LAYOUT)
+            # A stranger cannot forward: a client's token, another node's id, a node not in the pool.
+            assert await forward_as(a, tokens.tokens["beta"], "n1", "alpha", LAYOUT, tok, forged) == DENIED
+            assert await forward_as(a, n1, "n0", "alpha", LAYOUT, tok, forged) == DENIED
+            assert await forward_as(a, tokens.node("n5"), "n5", "alpha", LAYOUT, tok, forged) == DENIED
+            assert (await kv.lookup(LAYOUT, tok)).num_blocks == 0
+            # Member n1, with its own valid credential, forwards forged bytes for alpha.
+            assert await forward_as(a, n1, "n1", "alpha", LAYOUT, tok, forged) == 6
+            assert await forward_as(a, n1, "n1", "alpha", sealed, tok,
+                                    [f + bytes(32) for f in forged]) == 6
+            # Plain namespace: the forgery is served as a hit, and alpha's own put finds
+            # its blocks `existing` (documented in SECURITY.md; this is what the opt-in is for).
+            assert [bytes(g) for g in await kv.fetch(LAYOUT, tok)] == forged
+            assert (await kv.put(LAYOUT, tok, blocks)).existing == 6
+            # Authenticated: a miss, never the forged bytes.
+            assert (await auth.lookup(LAYOUT, tok)).num_blocks == 6
+            assert await auth.fetch(LAYOUT, tok) == []
+            assert auth.stats.rejected_blocks == 1
+        # And through the pool: alpha's sealed blocks put on b are verified on a.
+        tok2, blocks2 = chain(LAYOUT, 6, seed=47)
+        async with AsyncClient(b.bound[1], token=tokens.tokens["alpha"]) as kv:
+            put = await AsyncAuthenticatedClient(kv, key).put(LAYOUT, tok2, blocks2, wait_for_owners=True)
+            assert put.owner_committed_blocks == put.forwarded_blocks > 0
+        async with AsyncClient(a.bound[1], token=tokens.tokens["alpha"]) as kv:
+            auth = AsyncAuthenticatedClient(kv, key)
+            assert (await auth.lookup(LAYOUT, tok2)).num_blocks == 6
+            assert [bytes(g) for g in await auth.fetch(LAYOUT, tok2)] == blocks2

@@ -294,10 +294,14 @@ class DataLaneTransfers:
 
     async def commit(self, request: kvstore_pb2.LaneCommitRequest) -> kvstore_pb2.PutResponse:
         transfer = self._open.get(request.transfer_id)
-        tenant = current_identity().tenant
-        if (not isinstance(transfer, PutTransfer) or transfer.tenant != tenant or transfer.committing
-                or transfer.ending):
-            why = self.put_failure(request.transfer_id, tenant)
+        caller = current_identity()
+        tenant = caller.tenant
+        # Only whoever opened a put commits it: the tenant's client for a client's put,
+        # the same node for one a node-to-node call opened.
+        joiner = Joiner(tenant, client=not caller.peer, node=caller.peer)
+        if (not isinstance(transfer, PutTransfer) or not joiner.may_join(transfer.tenant, transfer.peer)
+                or transfer.committing or transfer.ending):
+            why = self.put_failure(request.transfer_id, joiner)
             if why is not None:
                 with self._failed_lock:
                     self._failed_puts.pop(request.transfer_id, None)

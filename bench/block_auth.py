@@ -1,0 +1,190 @@
+"""What end-to-end block authentication costs (kvstore.client.block_auth; SECURITY.md).
+
+One daemon (auth off, loopback), the same payloads put and fetched through the SDK with
+and without authentication, on the shared-memory plane (Unix socket) and on the data
+lane (TCP), for 256 KiB, 1 MiB and 4 MiB blocks in batches of 32. The two variants take
+turns round by round (plain, authenticated, plain, ...) so that load from elsewhere on
+the machine falls on both; each cell reports the median round's throughput, and the
+ratio authenticated / plain of the same run. Each put stores new blocks (fresh token
+ids); fetches read the same batch again (held in the host tier).
+
+For scale, the same run times the MACs alone on one block (keyed BLAKE3, the one used;
+HMAC-SHA256, keyed BLAKE2b and GMAC through AES-GCM), and memcpy.
+
+Writes JSON to bench/results/block_auth.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvstore.client import Client, KVLayout  # noqa: E402
+from kvstore.client.block_auth import AuthenticatedClient, BlockKey  # noqa: E402
+
+BATCH = 32
+GB = 1e9
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def layout_of(block_bytes: int) -> KVLayout:
+    # 2 (K/V) x 4 layers x 16 tokens x 8 heads x D dims x 2 bytes
+    return KVLayout(model="bench/block-auth", dtype="float16", num_layers=4, num_kv_heads=8,
+                    head_dim=block_bytes // (2 * 4 * 16 * 8 * 2), block_size_tokens=16)
+
+
+def start_daemon(tmp: Path, port: int) -> subprocess.Popen[bytes]:
+    sock = tmp / "kv.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"unix:{sock},127.0.0.1:{port}",
+                             "--host-capacity", "3GiB", "--metrics-listen", "off", "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp / "daemon.log", "wb"))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with Client(f"unix:{sock}", timeout_s=2) as kv:
+                kv.stats()
+            return proc
+        except Exception:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit(f"the daemon did not start; see {tmp / 'daemon.log'}")
+
+
+def mac_rates(block_bytes: int) -> dict[str, float]:
+    """GB/s of each MAC (and memcpy) over one block, on one thread (BLAKE3: as used)."""
+    import blake3
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    data = os.urandom(block_bytes)
+    key = os.urandom(32)
+    gcm, nonce = AESGCM(key), os.urandom(12)
+    buf = bytearray(block_bytes)
+    threads = blake3.blake3.AUTO if block_bytes >= (1 << 20) else 1
+    fns = {
+        "blake3_keyed": lambda: blake3.blake3(data, key=key, max_threads=threads).digest(),
+        "hmac_sha256": lambda: hmac.digest(key, data, "sha256"),
+        "blake2b_keyed": lambda: hashlib.blake2b(data, key=key, digest_size=32).digest(),
+        "gmac_aes_gcm": lambda: gcm.encrypt(nonce, b"", data),
+        "memcpy": lambda: buf.__setitem__(slice(None), data),
+    }
+    out = {}
+    for name, fn in fns.items():
+        n = max(5, (512 << 20) // block_bytes)
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out[name] = n * block_bytes / (time.perf_counter() - t0) / GB
+    return out
+
+
+def cell(plain: Client, auth: AuthenticatedClient, layout: KVLayout, rounds: int, round_s: float,
+         seed: int) -> dict[str, dict[str, float]]:
+    """Put and fetch GB/s, plain and authenticated, rounds taken in turn."""
+    bst = layout.block_size_tokens
+    rng = np.random.default_rng(seed)
+    payloads = [rng.integers(0, 256, layout.bytes_per_block, dtype=np.uint8).tobytes() for _ in range(BATCH)]
+    counter = [seed * 100_000_000]
+
+    def fresh() -> list[int]:
+        counter[0] += BATCH * bst
+        return list(range(counter[0], counter[0] + BATCH * bst))
+
+    fetch_tokens = fresh()
+    plain.put(layout, fetch_tokens, payloads)
+    auth.put(layout, fetch_tokens, payloads)
+    assert [bytes(b) for b in plain.fetch(layout, fetch_tokens)] == payloads
+    assert [bytes(b) for b in auth.fetch(layout, fetch_tokens)] == payloads
+    clients = {"plain": plain, "auth": auth}
+    rates: dict[str, dict[str, list[float]]] = {op: {v: [] for v in clients} for op in ("put", "fetch")}
+    for _ in range(rounds):
+        for op in ("put", "fetch"):
+            for variant, kv in clients.items():
+                moved = 0
+                t0 = time.perf_counter()
+                while time.perf_counter() - t0 < round_s:
+                    if op == "put":
+                        r = kv.put(layout, fresh(), payloads)
+                        assert r.stored == BATCH
+                    else:
+                        got = kv.fetch(layout, fetch_tokens)
+                        assert len(got) == BATCH
+                    moved += BATCH * layout.bytes_per_block
+                rates[op][variant].append(moved / (time.perf_counter() - t0) / GB)
+    out: dict[str, dict[str, float]] = {}
+    for op, by in rates.items():
+        p, a = statistics.median(by["plain"]), statistics.median(by["auth"])
+        out[op] = {"plain_gbps": p, "auth_gbps": a, "ratio": a / p}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="256KiB,1MiB,4MiB")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--round-s", type=float, default=0.4)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "block_auth.json"))
+    args = ap.parse_args()
+    sizes = [int(s[:-3]) << (10 if s.endswith("KiB") else 20) for s in args.sizes.split(",")]
+    key = BlockKey.generate()
+    results: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-auth-") as tmp:
+        port = free_port()
+        proc = start_daemon(Path(tmp), port)
+        try:
+            for size in sizes:
+                layout = layout_of(size)
+                macs = mac_rates(size)
+                for plane, target in (("shm", f"unix:{Path(tmp) / 'kv.sock'}"), ("lane", f"127.0.0.1:{port}")):
+                    mode = "local" if plane == "shm" else "lane"
+                    with Client(target, data_plane=mode, timeout_s=60) as kv:
+                        got = cell(kv, AuthenticatedClient(kv, key), layout, args.rounds, args.round_s,
+                                   seed=2 * sizes.index(size) + (2 if plane == "lane" else 1))
+                        assert kv.data_plane_in_use == mode
+                    for op, r in got.items():
+                        results.append({"plane": plane, "op": op, "block_bytes": size, "batch": BATCH, **r})
+                results.append({"macs_gbps": macs, "block_bytes": size})
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    info = {"machine": os.uname().machine, "cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    Path(args.out).write_text(json.dumps({"info": info, "results": results}, indent=2))
+    print(f"end-to-end block authentication (keyed BLAKE3, 32-byte tag), batch {BATCH}, median of "
+          f"{args.rounds} rounds taken in turn; {info['cpus']} CPUs")
+    print(f"{'plane':5} {'op':5} {'block':>7} {'plain GB/s':>10} {'auth GB/s':>9} {'auth/plain':>10}")
+    for r in results:
+        if "plane" in r:
+            print(f"{r['plane']:5} {r['op']:5} {int(r['block_bytes']) >> 10:>5}Ki {r['plain_gbps']:>10.2f} "
+                  f"{r['auth_gbps']:>9.2f} {r['ratio']:>9.2f}x")
+    print("one block, one thread (BLAKE3: its own threads from 1 MiB), GB/s:")
+    for r in results:
+        if "macs_gbps" in r:
+            macs = r["macs_gbps"]
+            assert isinstance(macs, dict)
+            print(f"  {int(r['block_bytes']) >> 10:>5}Ki  " + "  ".join(f"{k} {v:.2f}" for k, v in macs.items()))
+    print(f"JSON: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
