@@ -29,8 +29,13 @@ of the same block put twice cannot have, and a random 96-bit nonce stored with e
 block limits a key to about 2^32 blocks. A BLAKE3 tag is deterministic: no nonce to keep.
 
 Primitives: `BlockKey` (`generate`, `from_file`), `TAG_BYTES`, `SCHEME`, `sealed_layout`,
-`seal`, `opened`, `AuthStats`, `AuthenticatedClient` and `AsyncAuthenticatedClient`
-(`put`, `lookup`, `fetch` over a `Client` / `AsyncClient`).
+`seal`, `opened`, `AuthStats`, `SealingBatch`, `AuthenticatedClient` and
+`AsyncAuthenticatedClient` (`put`, `lookup`, `fetch`, `batch` over a `Client` /
+`AsyncClient`).
+
+A put copies each payload next to its tag (the daemons take a block as one buffer):
+a pass over the bytes that a plain put does not make. A caller that can write its
+payloads where they will be sealed (`batch`) saves that copy; the tag's own pass stays.
 """
 
 from __future__ import annotations
@@ -157,6 +162,25 @@ class AuthStats:
     rejected_blocks: int = 0
 
 
+class SealingBatch:
+    """The buffers a put of `n` blocks is sealed in, for a caller that can write its
+    blocks' bytes where they will be sealed (an engine copying KV out of the GPU, say):
+    write block i's payload into `payloads[i]`, then give the batch to `put` in place of
+    the blocks. The put then tags them in place, with no copy. A batch serves one put."""
+
+    def __init__(self, layout: KVLayout, arena: np.ndarray, n: int) -> None:
+        self.layout = layout
+        self.arena = arena
+        width = layout.bytes_per_block + TAG_BYTES
+        rows = memoryview(arena.reshape(-1).data).cast("B")
+        self.rows = [rows[i * width : (i + 1) * width] for i in range(n)]
+        self.payloads = [row[: layout.bytes_per_block] for row in self.rows]
+        self.used = False
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
 class _Sealer:
     """What the sync and asyncio wrappers share: the layouts, hashes and the checks.
 
@@ -216,30 +240,48 @@ class _Sealer:
             if len(self._arenas) < ARENAS_KEPT:
                 self._arenas.append(arena)
 
-    def seal_all(self, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any], first_block: int,
-                 block_hashes_: Sequence[bytes] | None) -> tuple[KVLayout, list[memoryview], np.ndarray]:
+    def batch(self, layout: KVLayout, n: int) -> SealingBatch:
+        self.layout(layout)  # (checks the layout)
+        return SealingBatch(layout, self._arena(n, layout.bytes_per_block + TAG_BYTES), n)
+
+    def seal_all(self, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any] | SealingBatch,
+                 first_block: int, block_hashes_: Sequence[bytes] | None
+                 ) -> tuple[KVLayout, list[memoryview], np.ndarray]:
         """(the sealed layout, each sealed block as a view of the arena, the arena)."""
         wire, ns = self.layout(layout)
         hashes = self.hashes(wire, ns, token_ids, block_hashes_, first_block, len(blocks))
         if len(hashes) < len(blocks):
             raise InvalidArgument(f"{len(blocks)} blocks, but the keys name {len(hashes)}")
         payload = layout.bytes_per_block
-        views = [_bytes_of(b) for b in blocks]
-        for v in views:
-            if len(v) != payload:
-                raise InvalidArgument(f"a block is {len(v)} bytes; the layout says {payload}")
-        arena = self._arena(len(views), payload + TAG_BYTES)
-        rows = memoryview(arena.reshape(-1).data).cast("B")
-        width = payload + TAG_BYTES
-        key, threads = self.key, 1 if len(views) > 1 else _blake3().blake3.AUTO
+        key, threads = self.key, 1 if len(blocks) > 1 else _blake3().blake3.AUTO
+        if isinstance(blocks, SealingBatch):
+            if blocks.layout != layout or blocks.used:
+                raise InvalidArgument("a SealingBatch serves one put, of the layout it was made for")
+            blocks.used = True
+            rows, arena = blocks.rows, blocks.arena
 
-        def seal_one(i: int) -> memoryview:
-            row = rows[i * width : (i + 1) * width]
-            row[:payload] = views[i]
-            row[payload:] = _tag(key, ns, hashes[i], row[:payload], threads)
-            return row
+            def tag_one(i: int) -> memoryview:  # the payload is in place already
+                row = rows[i]
+                row[payload:] = _tag(key, ns, hashes[i], row[:payload], threads)
+                return row
 
-        out = self._map(seal_one, len(views))
+            out = self._map(tag_one, len(rows))
+        else:
+            views = [_bytes_of(b) for b in blocks]
+            for v in views:
+                if len(v) != payload:
+                    raise InvalidArgument(f"a block is {len(v)} bytes; the layout says {payload}")
+            arena = self._arena(len(views), payload + TAG_BYTES)
+            flat = memoryview(arena.reshape(-1).data).cast("B")
+            width = payload + TAG_BYTES
+
+            def seal_one(i: int) -> memoryview:
+                row = flat[i * width : (i + 1) * width]
+                row[:payload] = views[i]
+                row[payload:] = _tag(key, ns, hashes[i], row[:payload], threads)
+                return row
+
+            out = self._map(seal_one, len(views))
         with self._lock:
             self.stats.sealed_blocks += len(out)
         return wire, out, arena
@@ -286,10 +328,14 @@ class AuthenticatedClient:
     def stats(self) -> AuthStats:
         return self._sealer.stats
 
+    def batch(self, layout: KVLayout, n: int) -> SealingBatch:
+        """Buffers to write `n` blocks' payloads into, sealed in place by `put` (no copy)."""
+        return self._sealer.batch(layout, n)
+
     def sealed_layout(self, layout: KVLayout) -> KVLayout:
         return self._sealer.layout(layout)[0]
 
-    def put(self, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any], *,
+    def put(self, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any] | SealingBatch, *,
             first_block: int = 0, block_hashes: Sequence[bytes] | None = None, **kw: Any) -> Any:
         wire, sealed, arena = self._sealer.seal_all(layout, token_ids, blocks, first_block, block_hashes)
         try:
@@ -321,11 +367,15 @@ class AsyncAuthenticatedClient:
     def stats(self) -> AuthStats:
         return self._sealer.stats
 
+    def batch(self, layout: KVLayout, n: int) -> SealingBatch:
+        """Buffers to write `n` blocks' payloads into, sealed in place by `put` (no copy)."""
+        return self._sealer.batch(layout, n)
+
     def sealed_layout(self, layout: KVLayout) -> KVLayout:
         return self._sealer.layout(layout)[0]
 
-    async def put(self, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any], *,
-                  first_block: int = 0, block_hashes: Sequence[bytes] | None = None, **kw: Any) -> Any:
+    async def put(self, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any] | SealingBatch,
+                  *, first_block: int = 0, block_hashes: Sequence[bytes] | None = None, **kw: Any) -> Any:
         import asyncio
 
         wire, sealed, arena = await asyncio.to_thread(self._sealer.seal_all, layout, token_ids, blocks, first_block,

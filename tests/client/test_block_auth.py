@@ -106,3 +106,17 @@ def test_keys_and_layouts_are_checked(tmp_path) -> None:
         BlockKey.from_file(str(path))
     path.chmod(0o600)
     assert len(BlockKey.from_file(str(path)).key) == 32
+
+
+def test_a_batch_written_in_place_is_sealed_without_a_copy_and_serves_one_put(daemon_thread) -> None:
+    key = BlockKey.generate()
+    toks, blocks = chain(N, seed=4)
+    with Client(daemon_thread.unix_target) as kv:
+        auth = AuthenticatedClient(kv, key)
+        batch = auth.batch(LAYOUT, N)
+        for dst, src in zip(batch.payloads, blocks):
+            dst[:] = src
+        assert auth.put(LAYOUT, toks, batch).stored == N
+        assert [bytes(g) for g in auth.fetch(LAYOUT, toks)] == blocks
+        with pytest.raises(InvalidArgument, match="one put"):
+            auth.put(LAYOUT, toks, batch)
