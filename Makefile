@@ -10,7 +10,7 @@ NATIVE_SOURCES := $(wildcard kvstore/_native/*.c kvstore/_native/*.h)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: all setup stubs run run-cluster test etcd test-gpu bench bench-deps bench-peers bench-tiers bench-scale bench-cluster bench-net soak fuzz lint clean
+.PHONY: all setup stubs run run-cluster test etcd test-gpu bench bench-deps bench-peers bench-tiers bench-scale bench-cluster bench-net bench-auth soak fuzz lint clean
 
 all: setup
 
@@ -97,6 +97,12 @@ $(PEERS_VENV)/.installed: bench/install-peers.sh
 # 0.3 s a cell). Results: bench/results/net.json and net.md.
 bench-net: setup
 	$(PY) bench/net.py $(if $(QUICK),--quick,) --peer-python $(PEERS_VENV)/bin/python
+
+# End-to-end block authentication (SECURITY.md): the SDK's puts and fetches with and
+# without it, on the shared-memory plane and the data lane, in turns in one run; the MACs
+# it was chosen among timed beside. About 2 minutes. Results: bench/results/block_auth.json.
+bench-auth: setup
+	$(PY) bench/block_auth.py
 
 # The tiers' benchmarks: SSD tier vs dd O_DIRECT on the same directory
 # (SSD_BENCH_DIR, default: under the current one), then the SSD codec's ratio on KV

@@ -164,6 +164,7 @@ def main() -> None:
     sizes = [int(s[:-3]) << (10 if s.endswith("KiB") else 20) for s in args.sizes.split(",")]
     key = BlockKey.generate()
     results: list[dict[str, object]] = []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-auth-") as tmp:
         port = free_port()
         proc = start_daemon(Path(tmp), port)
@@ -184,10 +185,14 @@ def main() -> None:
             proc.terminate()
             proc.wait(30)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    info = {"machine": os.uname().machine, "cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    # Load from elsewhere on the machine falls on both variants (they take turns), but a
+    # busy machine spreads the rounds: the load average says how busy it was.
+    info = {"machine": os.uname().machine, "cpus": os.cpu_count(), "python": sys.version.split()[0],
+            "loadavg_before": load_before[0], "loadavg_after": os.getloadavg()[0]}
     Path(args.out).write_text(json.dumps({"info": info, "results": results}, indent=2))
     print(f"end-to-end block authentication (keyed BLAKE3, 32-byte tag), batch {BATCH}, median of "
-          f"{args.rounds} rounds taken in turn; {info['cpus']} CPUs")
+          f"{args.rounds} rounds taken in turn; {info['cpus']} CPUs, load average {load_before[0]:.1f} before, "
+          f"{info['loadavg_after']:.1f} after")
     print(f"{'plane':5} {'op':11} {'block':>7} {'plain GB/s':>10} {'auth GB/s':>9} {'auth/plain':>10}")
     for r in results:
         if "plane" in r:

@@ -80,7 +80,11 @@ def cmd_token_new(args: argparse.Namespace) -> int:
         print(json.dumps({"tenant": args.tenant, "role": args.role, "node": node, "token": token,
                           "hash": token_hash, "entry": entry}, indent=2))
         return EXIT_OK
-    print(f"token (shown once; give it to the client, e.g. as KVSTORE_TOKEN):\n{token}\n")
+    if node:
+        print(f"token (shown once; node {node}'s credential: put it alone in a file of mode 0600 and give that "
+              f"file to node {node}'s daemon as cluster_token_file):\n{token}\n")
+    else:
+        print(f"token (shown once; give it to the client, e.g. as KVSTORE_TOKEN):\n{token}\n")
     if args.file:
         print(f"appended to {args.file}; send the daemon SIGHUP (systemctl reload kvstore) to use it:\n")
     else:
