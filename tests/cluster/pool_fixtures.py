@@ -4,12 +4,13 @@
   on a Unix socket and a loopback TCP port, joined by a static peer list or by etcd (the
   module's `etcd` fixture), and stops them at the end whatever happened.
 * Subprocesses inside network namespaces (`NetworkHosts`): `serve_args` builds the
-  `kvstore serve` command line of one host's daemon (token file with a peer credential,
+  `kvstore serve` command line of one host's daemon (token file, the node's credential,
   etcd on the switch), `start_in_host` starts it and waits until it answers on its Unix
   socket, which the test reaches from the root namespace (Unix sockets and /dev/shm do
   not depend on the network namespace: the test's clients are co-located engines).
-* `Tokens`: a token file with an admin tenant for the Unix socket, client tenants and the
-  pool's peer credential.
+* `Tokens`: a token file with an admin tenant for the Unix socket, client tenants, one
+  credential per node (`per_node` hands each daemon its own) and a shared one of the
+  form before per-node credentials.
 * `chain(layout, n, seed)`: token ids and block payloads that are distinct per seed, so
   a wrong block can never compare equal to the expected one.
 """

@@ -106,7 +106,7 @@ IDLE_TIMEOUT_S = 600.0
 # Connections not yet past their hello (see `DataLaneServer._take`): at most this many from
 # one source address, and at most `PENDING_SHARE` of the lane's connection cap in all
 # (at least `MIN_PENDING`); past either, the oldest such connection makes room.
-PENDING_PER_SOURCE = 32
+PENDING_PER_SOURCE = 64
 PENDING_SHARE = 0.5
 MIN_PENDING = 16
 # While a fetch waits for credit, how often it looks whether its transfer failed.
