@@ -7,33 +7,38 @@ under a tenant's chain, with checksums of those bytes, and every other node then
 them as hits. This module takes the daemons out of the trust for a tenant that opts in,
 with no change to any daemon:
 
-* **Sealed blocks.** Each block is stored as `payload || tag`, the tag a keyed BLAKE3 of
-  `DOMAIN || public namespace id || block hash || payload` under the tenant's 32-byte
-  key. The namespace id and the block hash bind the bytes to their place (their model,
-  layout and the whole token prefix before them); the key makes the tag unforgeable by
-  whoever lacks it. The daemons store and move the sealed block as any other.
-* **Its own namespace.** The layout the daemons see is the caller's with the tag's bytes
-  added to `block_bytes` and `+mac=blake3/<key id>` appended to `kv_layout`, both part of
-  the namespace fingerprint: authenticated and plain namespaces (and namespaces under two
-  keys) never share a block.
+* **Sealed blocks.** Each block is stored as `payload || nonce || tag`: the tag is
+  AES-256-GMAC (AES-GCM with the payload as associated data and nothing encrypted) under
+  a key of the block's own, `HMAC-SHA256(tenant key, DOMAIN || public namespace id ||
+  block hash)`, with a random 96-bit nonce. The namespace id and the block hash bind the
+  bytes to their place (their model, layout and the whole token prefix before them); the
+  tenant key, which never leaves its clients, makes the tag unforgeable.
+* **Its own namespace.** The layout the daemons see is the caller's with the trailer's
+  bytes added to `block_bytes` and `+mac=gmac/<key id>` appended to `kv_layout`, both part
+  of the namespace fingerprint: authenticated and plain namespaces (and namespaces under
+  two keys) never share a block.
 * **Checked on every fetch.** A fetch verifies each block's tag before it hands the
   payload back (a view, no copy); the first block that does not verify ends the result
   there, as a miss from that block on (counted in `AuthStats.rejected_blocks`). Wrong
   bytes never reach the caller.
 
-Why keyed BLAKE3: measured here (bench/block_auth.py) it ran at 4 to 7 GB/s on one core
-for 64 KiB to 8 MiB blocks, where HMAC-SHA256 ran at 0.6 to 1.6 GB/s and keyed BLAKE2b at
-0.55 to 0.73; GMAC (AES-GCM over the payload as associated data) ran faster still (6 to
-29 GB/s), but needs a nonce that never repeats under one key, which a deterministic tag
-of the same block put twice cannot have, and a random 96-bit nonce stored with each
-block limits a key to about 2^32 blocks. A BLAKE3 tag is deterministic: no nonce to keep.
+Why GMAC, and why this way. Measured here (bench/block_auth.py, one block, one thread)
+GMAC ran at 4 to 29 GB/s, keyed BLAKE3 at 2 to 7, HMAC-SHA256 at 0.3 to 1.6 and keyed
+BLAKE2b at 0.1 to 0.7: GMAC is AES and carry-less multiplication, both in hardware. A
+MAC pass is the whole cost of authentication on the shared-memory plane, whose own put
+is one copy, so its speed decides the ratio. GMAC fails badly when one key and one nonce
+tag two different messages (the hash key can then be solved for, and tags forged), and
+the same block is put more than once, with bytes that may differ (GPU kernels are not
+bit-exact run to run). So each block has its own key, and each sealing a random nonce
+stored with the tag: a nonce would have to repeat for one block's key, about 2^-96 per
+pair of puts of that block.
 
 Primitives: `BlockKey` (`generate`, `from_file`), `TAG_BYTES`, `SCHEME`, `sealed_layout`,
 `seal`, `opened`, `AuthStats`, `SealingBatch`, `AuthenticatedClient` and
 `AsyncAuthenticatedClient` (`put`, `lookup`, `fetch`, `batch` over a `Client` /
 `AsyncClient`).
 
-A put copies each payload next to its tag (the daemons take a block as one buffer):
+A put copies each payload next to its trailer (the daemons take a block as one buffer):
 a pass over the bytes that a plain put does not make. A caller that can write its
 payloads where they will be sealed (`batch`) saves that copy; the tag's own pass stays.
 """
@@ -56,25 +61,27 @@ from kvstore.errors import InvalidArgument
 from kvstore.hashing import HASH_BYTES, block_hashes, namespace_id
 from kvstore.layout import KVLayout
 
-SCHEME = "blake3"
-TAG_BYTES = 32
+SCHEME = "gmac"
+NONCE_BYTES = 12
+MAC_BYTES = 16
+TAG_BYTES = NONCE_BYTES + MAC_BYTES  # the trailer after each payload: nonce || GMAC tag
 KEY_BYTES = 32
 DOMAIN = b"kvstore.blockauth.v1\x00"
-# A batch is sealed and checked on this many threads, blocks split between them (BLAKE3
-# and the copies let go of the GIL); one block alone uses BLAKE3's own threads.
+# A batch is sealed and checked on this many threads, blocks split between them (AES-GCM
+# and the copies let go of the GIL).
 WORKERS = max(1, min(4, os.cpu_count() or 1))
 # Sealing buffers kept for the next put (per client): no page faults, no zero-filling.
 ARENAS_KEPT = 4
 _KEY_ID = re.compile(r"[A-Za-z0-9._-]{1,32}")
 
 
-def _blake3() -> Any:
+def _aesgcm() -> Any:
     try:
-        import blake3
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     except ImportError:
-        raise InvalidArgument("end-to-end block authentication needs the blake3 package: "
+        raise InvalidArgument("end-to-end block authentication needs the cryptography package: "
                               "pip install 'kvstore[blockauth]'") from None
-    return blake3
+    return AESGCM
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,11 +125,25 @@ def sealed_layout(layout: KVLayout, key: BlockKey) -> KVLayout:
                                block_bytes=layout.bytes_per_block + TAG_BYTES)
 
 
-def _tag(key: BlockKey, ns: bytes, block_hash: bytes, payload: memoryview, threads: int = 1) -> bytes:
-    b3 = _blake3()
-    h = b3.blake3(DOMAIN + ns + block_hash, key=key.key, max_threads=threads)
-    h.update(payload)
-    return bytes(h.digest())
+def _block_mac(key: BlockKey, ns: bytes, block_hash: bytes) -> Any:
+    """The GMAC of one block's place: AES-GCM under HMAC-SHA256(key, DOMAIN || ns || hash)."""
+    return _aesgcm()(hmac.digest(key.key, DOMAIN + ns + block_hash, "sha256"))
+
+
+def _tag(key: BlockKey, ns: bytes, block_hash: bytes, payload: memoryview) -> bytes:
+    """`nonce || tag` for `payload` at its place, with a fresh random nonce."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    return nonce + _block_mac(key, ns, block_hash).encrypt(nonce, b"", payload)
+
+
+def _verifies(key: BlockKey, ns: bytes, block_hash: bytes, payload: memoryview, trailer: memoryview) -> bool:
+    try:
+        _block_mac(key, ns, block_hash).decrypt(bytes(trailer[:NONCE_BYTES]), bytes(trailer[NONCE_BYTES:]), payload)
+    except Exception as exc:  # cryptography's InvalidTag (not imported: the package loads lazily)
+        if type(exc).__name__ != "InvalidTag":
+            raise
+        return False
+    return True
 
 
 def _bytes_of(block: Any) -> memoryview:
@@ -137,7 +158,7 @@ def seal(key: BlockKey, ns: bytes, block_hash: bytes, payload: Any) -> bytearray
     view = _bytes_of(payload)
     out = bytearray(len(view) + TAG_BYTES)
     out[: len(view)] = view
-    out[len(view):] = _tag(key, ns, block_hash, view, _blake3().blake3.AUTO)
+    out[len(view):] = _tag(key, ns, block_hash, view)
     return out
 
 
@@ -147,9 +168,7 @@ def opened(key: BlockKey, ns: bytes, block_hash: bytes, sealed: Any, payload_byt
     if len(view) != payload_bytes + TAG_BYTES:
         return None
     payload = view[:payload_bytes]
-    if not hmac.compare_digest(_tag(key, ns, block_hash, payload, _blake3().blake3.AUTO), view[payload_bytes:]):
-        return None
-    return payload
+    return payload if _verifies(key, ns, block_hash, payload, view[payload_bytes:]) else None
 
 
 @dataclasses.dataclass
@@ -253,7 +272,7 @@ class _Sealer:
         if len(hashes) < len(blocks):
             raise InvalidArgument(f"{len(blocks)} blocks, but the keys name {len(hashes)}")
         payload = layout.bytes_per_block
-        key, threads = self.key, 1 if len(blocks) > 1 else _blake3().blake3.AUTO
+        key = self.key
         if isinstance(blocks, SealingBatch):
             if blocks.layout != layout or blocks.used:
                 raise InvalidArgument("a SealingBatch serves one put, of the layout it was made for")
@@ -262,7 +281,7 @@ class _Sealer:
 
             def tag_one(i: int) -> memoryview:  # the payload is in place already
                 row = rows[i]
-                row[payload:] = _tag(key, ns, hashes[i], row[:payload], threads)
+                row[payload:] = _tag(key, ns, hashes[i], row[:payload])
                 return row
 
             out = self._map(tag_one, len(rows))
@@ -278,7 +297,7 @@ class _Sealer:
             def seal_one(i: int) -> memoryview:
                 row = flat[i * width : (i + 1) * width]
                 row[:payload] = views[i]
-                row[payload:] = _tag(key, ns, hashes[i], row[:payload], threads)
+                row[payload:] = _tag(key, ns, hashes[i], row[:payload])
                 return row
 
             out = self._map(seal_one, len(views))
@@ -292,15 +311,13 @@ class _Sealer:
         wire, ns = self.layout(layout)
         hashes = self.hashes(wire, ns, token_ids, block_hashes_, 0, len(got))
         payload, key = layout.bytes_per_block, self.key
-        threads = 1 if len(got) > 1 else _blake3().blake3.AUTO
 
         def open_one(i: int) -> memoryview | None:
             view = _bytes_of(got[i])
             if len(view) != payload + TAG_BYTES:
                 return None
             body = view[:payload]
-            ok = hmac.compare_digest(_tag(key, ns, hashes[i], body, threads), view[payload:])
-            return body if ok else None
+            return body if _verifies(key, ns, hashes[i], body, view[payload:]) else None
 
         checked = self._map(open_one, min(len(got), len(hashes)))
         out: list[memoryview] = []
@@ -357,7 +374,7 @@ class AuthenticatedClient:
 
 class AsyncAuthenticatedClient:
     """`AuthenticatedClient` over an `AsyncClient`. Sealing and checking run on the
-    caller's thread pool (`asyncio.to_thread`): BLAKE3 lets go of the GIL."""
+    caller's thread pool (`asyncio.to_thread`): AES-GCM lets go of the GIL."""
 
     def __init__(self, client: Any, key: BlockKey) -> None:
         self.client = client

@@ -312,7 +312,7 @@ async def test_forged_bytes_from_a_member_are_served_as_hits_unless_the_tenant_a
     under a tenant's chain, checksummed, and they are served as hits on every node. This
     test states that for a plain namespace. With end-to-end block authentication the same
     forgery is a miss: the tenant's key never reaches a daemon, so no member can seal."""
-    from kvstore.client.block_auth import AsyncAuthenticatedClient, BlockKey
+    from kvstore.client.block_auth import TAG_BYTES, AsyncAuthenticatedClient, BlockKey
 
     tokens = Tokens(tmp_path / "tokens.toml")
     key = BlockKey.generate()
@@ -331,7 +331,7 @@ async def test_forged_bytes_from_a_member_are_served_as_hits_unless_the_tenant_a
             # Member n1, with its own valid credential, forwards forged bytes for alpha.
             assert await forward_as(a, n1, "n1", "alpha", LAYOUT, tok, forged) == 6
             assert await forward_as(a, n1, "n1", "alpha", sealed, tok,
-                                    [f + bytes(32) for f in forged]) == 6
+                                    [f + bytes(TAG_BYTES) for f in forged]) == 6
             # Plain namespace: the forgery is served as a hit, and alpha's own put finds
             # its blocks `existing` (documented in SECURITY.md; this is what the opt-in is for).
             assert [bytes(g) for g in await kv.fetch(LAYOUT, tok)] == forged

@@ -65,7 +65,7 @@ THIRD_PARTY: dict[str, tuple[str, ...]] = {
     "tiers": ("numpy", "xxhash", "lz4", "torch", "cupy"),
     "cluster": BASE + ("aetcd",),
     "server": BASE + ("grpc_health", "grpc_reflection", "prometheus_client"),
-    "client": BASE + ("torch", "cupy", "transformers", "vllm", "blake3"),
+    "client": BASE + ("torch", "cupy", "transformers", "vllm", "cryptography"),
     "cli": BASE + ("grpc_health", "rich", "matplotlib"),
 }
 
