@@ -261,6 +261,11 @@ class ClusterNode:
         self._started: dict[str, float] = {}  # node id -> started_at of the record last seen
         self._present: set[str] = set()  # the members of the last view
         self._unplaced_rules: set[str] = set()
+        # Whether a member may own units here: with a token file, only a node this
+        # daemon holds a credential entry for (a revoked node is placed nowhere, even
+        # while it keeps its record in etcd). Set by the daemon; `refresh` after a change.
+        self.admits: Callable[[str], bool] = lambda node: True
+        self._unadmitted: set[str] = set()
         self._unsubscribe: Callable[[], None] | None = None
         self._first_view = True
         self._maintenance: asyncio.Task[None] | None = None
@@ -329,10 +334,21 @@ class ClusterNode:
             except Exception:  # task boundary: try again next round
                 logger.exception("cluster maintenance failed")
 
+    def refresh(self) -> None:
+        """Place again after `admits` changed (a reload of the token file)."""
+        self._unadmitted.clear()
+        self._on_view(self.membership.view)
+
     def _on_view(self, view: View) -> None:
         placed: set[str] = set()
         for node, member in view.members.items():
             if member.draining or (node == self.node_id and self.draining):
+                continue
+            if node != self.node_id and not self.admits(node):
+                if node not in self._unadmitted:
+                    self._unadmitted.add(node)
+                    logger.error("cluster: member %s has no credential in this daemon's token file: it owns no units "
+                                 "here, and nothing is forwarded to it or asked of it", node)
                 continue
             if member.placement and member.placement != self.rule:
                 if node not in self._unplaced_rules:

@@ -125,6 +125,20 @@ def check_node_credential(path: str, token: str, node_id: str, tokens: TokenTabl
                        "%s`, see SECURITY.md)", path, identity.tenant, node_id)
 
 
+def credential_check(tokens: Callable[[], TokenTable | None]) -> Callable[[str], bool]:
+    """Whether this daemon's current token file holds a credential for a node id (any
+    node, for a file with a credential the pool shares, or without a token file): for
+    `ClusterNode.admits`, so that a node whose entry was removed owns no units here."""
+    def admits(node_id: str) -> bool:
+        table = tokens()
+        if table is None:
+            return True
+        peers = [i for i in table.identities.values() if i.role == "peer"]
+        return any(not i.node or i.node == node_id for i in peers)
+
+    return admits
+
+
 def member_check(node: ClusterNode) -> Callable[[str], bool]:
     """Whether a node id is a member of `node`'s current view of the pool (the etcd view,
     or the static list), for `Authenticator.members`."""

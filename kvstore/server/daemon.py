@@ -61,6 +61,7 @@ from kvstore.server.auth import Authenticator, TokenTable, check_unix_tenant, pa
 from kvstore.server.cluster import (
     ClusterCollector,
     build_cluster,
+    credential_check,
     health_watcher,
     join_cluster,
     member_check,
@@ -302,6 +303,7 @@ class Daemon:
         if cluster is not None:
             self.node = cluster
             self.auth.members = member_check(cluster)  # node-to-node calls: current members only
+            cluster.admits = credential_check(lambda: self.tokens)  # units: nodes with a credential only
         await self._start_metrics(stack)
         # The host tier is not the first one when an HBM tier sits above it.
         host_tier = next(st.tier for st in store.tiers if st.name == HOST)
@@ -575,6 +577,8 @@ class Daemon:
         self.tokens = table
         self.auth.table = table
         self.store.tenancy.quotas = table.quotas()
+        if self.cluster is not None:
+            self.cluster.refresh()  # a node whose credential went owns no units any more
         logger.info("token file reloaded: %d tenants", len(table))
         return True
 

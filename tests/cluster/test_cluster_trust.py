@@ -114,13 +114,19 @@ async def test_a_node_credential_proves_one_node_and_only_while_it_is_a_member(t
         assert await peer_lookup(a, tokens.tokens["pool"], "n1", "alpha", tok) == 8
         assert await peer_lookup(a, tokens.tokens["pool"], "n9", "alpha", tok) == DENIED
 
-        # Revoke n2 on n0 and n1 (its entry out, a reload): its credential stops working
-        # there at once, and n0 and n1 still take each other's, unchanged.
+        # Revoke n2 on n0 and n1 (its entry out, and the shared one, a reload): its
+        # credential stops working there at once, and n0 and n1 still take each other's,
+        # unchanged.
         for d in (a, b):
-            tokens.write(Path(d.config.auth_token_file), without=["node.n2"])
+            tokens.write(Path(d.config.auth_token_file), without=["node.n2", "pool"])
             assert d.reload_tokens()
         assert await peer_lookup(a, tokens.node("n2"), "n2", "alpha", tok) == grpc.StatusCode.UNAUTHENTICATED
         assert await lane_hello(a, tokens.node("n2")) == ERROR
+        # Nor is it placed there any more, though it keeps its place in the view: nothing
+        # is forwarded to it or asked of it by the nodes that revoked it.
+        for d in (a, b):
+            placed = {m.member.node_id: m.placed for m in d.cluster.status().members}
+            assert placed == {"n0": True, "n1": True, "n2": False}, placed
         assert await peer_lookup(a, n1, "n1", "alpha", tok) == 8
         tok2, blocks2 = chain(LAYOUT, 8, seed=44)
         async with AsyncClient(b.bound[1], token=tokens.tokens["alpha"]) as kv:
