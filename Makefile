@@ -177,6 +177,36 @@ setup-engines: $(ENGINES_VENV)/.installed $(ENGINES_VENV)/.stubs
 test-engines: setup-engines
 	$(EPY) -m pytest tests/engines -v $(PYTEST_ARGS)
 
+# The SGLang HiCache backend (kvstore.client.sglang, docs/engines.md) against SGLang's
+# real host pools and storage factory, on the CPU, in a venv of its own:
+# scripts/install-sglang.sh installs SGLang's wheel without its GPU requirements, the
+# packages its storage layer imports (triton among them, about 1 GB) and a torchvision
+# stand-in, with torch held at the CPU build. Built once per machine (the stamp), then
+# the tests take well under a minute. CI runs it after test-engines.
+SGLANG_VENV ?= .venv-sglang
+SPY := $(SGLANG_VENV)/bin/python
+
+$(SGLANG_VENV)/.installed: pyproject.toml scripts/install-sglang.sh scripts/sglang/torchvision/__init__.py
+	VENV=$(SGLANG_VENV) PYTHON=$(PYTHON) bash scripts/install-sglang.sh
+
+$(SGLANG_VENV)/.stubs: $(SGLANG_VENV)/.installed $(PROTOS)
+	$(SPY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	@touch $@
+
+.PHONY: setup-sglang test-sglang bench-sglang
+setup-sglang: $(SGLANG_VENV)/.installed $(SGLANG_VENV)/.stubs
+
+test-sglang: setup-sglang
+	$(SPY) -m pytest tests/sglang -v $(PYTEST_ARGS)
+
+# batch_set_v1 / batch_get_v1 of 128-page batches through the backend, co-located (shared
+# memory) and over the data lane, next to a plain copy between two host pools and SGLang's
+# own `file` backend on the same disk (BENCH_DIR, default: under the current one).
+# Results: bench/results/sglang_backend.json and .md.
+BENCH_DIR ?=
+bench-sglang: setup-sglang
+	$(SPY) bench/sglang_backend.py $(if $(QUICK),--quick,) $(if $(BENCH_DIR),--dir $(BENCH_DIR),)
+
 # ruff over the repository, mypy over the packages (configured in pyproject.toml). mypy
 # reads a tree of links shaped as the installed package (kvstore.tiers is tiers/,
 # kvstore.client is client/), made under .lint/ each run.
@@ -188,4 +218,4 @@ lint: setup
 	cd .lint && $(CURDIR)/$(PY) -m mypy --config-file $(CURDIR)/pyproject.toml -p kvstore
 
 clean:
-	rm -rf .lint $(VENV) $(ENGINES_VENV) $(PEERS_VENV) kvstore/v1/*_pb2.py kvstore/v1/*_pb2.pyi kvstore/v1/*_pb2_grpc.py .pytest_cache
+	rm -rf .lint $(VENV) $(ENGINES_VENV) $(SGLANG_VENV) $(PEERS_VENV) kvstore/v1/*_pb2.py kvstore/v1/*_pb2.pyi kvstore/v1/*_pb2_grpc.py .pytest_cache

@@ -55,7 +55,8 @@ TIER_REGISTRY = frozenset({
 })
 
 # The SDK modules that are the tensor glue (loaded lazily by the rest of the SDK).
-TORCH_MODULES = {"kvstore.client.tensors", "kvstore.client._device", "kvstore.client.hf", "kvstore.client.vllm"}
+TORCH_MODULES = {"kvstore.client.tensors", "kvstore.client._device", "kvstore.client.hf", "kvstore.client.vllm",
+                 "kvstore.client.sglang", "kvstore.client._sglang_pages"}
 
 # package -> the third-party top-level packages it may import (anywhere in its modules).
 BASE = ("grpc", "google", "numpy", "xxhash")
@@ -65,7 +66,7 @@ THIRD_PARTY: dict[str, tuple[str, ...]] = {
     "tiers": ("numpy", "xxhash", "lz4", "torch", "cupy"),
     "cluster": BASE + ("aetcd",),
     "server": BASE + ("grpc_health", "grpc_reflection", "prometheus_client"),
-    "client": BASE + ("torch", "cupy", "transformers", "vllm", "cryptography"),
+    "client": BASE + ("torch", "cupy", "transformers", "vllm", "cryptography", "sglang"),
     "cli": BASE + ("grpc_health", "rich", "matplotlib"),
 }
 
