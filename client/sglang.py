@@ -243,7 +243,7 @@ class _Health:
                 self._down_since = now
         if first:
             logger.warning("kvstore daemon at %s failed during %s (%s); HiCache storage answers miss and skips "
-                           "writes; retrying every %.0f s", self.target, what, exc, self.retry_interval_s)
+                           "writes; retrying every %g s", self.target, what, exc, self.retry_interval_s)
         else:
             logger.debug("kvstore daemon at %s still failing during %s: %s", self.target, what, exc)
 
@@ -894,8 +894,12 @@ class HiCacheKVStore(HiCacheStorage):
         def flush(c: Client) -> bool:
             with AdminClient(self.target, timeout_s=self.config.timeout_s) as admin:
                 for layout in layouts:
+                    # The id the daemon files the namespace under (the tenant's, with auth on).
                     filed = c.lookup(layout, block_hashes=[], timeout_s=self.config.lookup_timeout_s).namespace_id
-                    admin.flush(filed or layout.namespace_id)
+                    try:
+                        admin.flush(filed or layout.namespace_id)
+                    except NotFound:
+                        pass  # a namespace nothing was ever stored in
             return True
 
         return self._call("clear", False, flush)
