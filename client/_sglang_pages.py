@@ -170,7 +170,7 @@ class PoolPages:
         """Each page's bytes as one contiguous buffer (a copy: for group parts and flat pools)."""
         pieces = self.pieces(host_indices, n_pages)
         if pieces is not None:
-            return [memoryview(np.concatenate([np.frombuffer(v, np.uint8) for v in page])) if len(page) > 1
+            return [np.concatenate([np.frombuffer(v, np.uint8) for v in page]).data if len(page) > 1
                     else page[0] for page in pieces]
         starts = page_starts(host_indices, n_pages, page_tokens)
         if starts is None or self.logical:

@@ -645,7 +645,8 @@ class HiCacheKVStore(HiCacheStorage):
         fam = self._kv
         indices = {name: host_indices for name in fam.names} if fam is not None else {}
         m = self._load("batch_get_v1", fam, keys, indices)
-        self._memo.loaded = (tuple(keys), _index_list(host_indices), m)
+        if fam is not None and fam.grouped:  # the v2 call for the same pages that SGLang makes next
+            self._memo.loaded = (tuple(keys), _index_list(host_indices), m)
         return [True] * m + [False] * (n - m)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -804,7 +805,7 @@ class HiCacheKVStore(HiCacheStorage):
         if self._kv is None:
             return []
         mine = [t for t in transfers if _name(t.name) in self._kv.names and _name(t.name) != _KV]
-        good = []
+        good: list[PoolTransfer] = []
         for t in mine:
             keys = list(t.keys or [])
             same = not good or (keys == list(good[0].keys or []) and

@@ -1,0 +1,343 @@
+"""The SGLang HiCache backend (kvstore.client.sglang) moving 128-page batches between SGLang's
+real host pool and a kvstore daemon, next to the limit and SGLang's own `file` backend,
+all in one run.
+
+Rows (GB/s of page bytes, medians over `--rounds`):
+
+- `copy limit`: the same pages copied between two host pools with plain memcpy
+  (`np.copyto` of each page's pieces), with one thread and with two (kvstore's shared-memory
+  client copies with two); the better of the two is the limit the ratios use;
+- `kvstore shm`: `batch_set_v1` / `batch_get_v1` through the backend, co-located (a Unix
+  socket target: the shared-memory plane);
+- `kvstore lane`: the same over the data lane (a TCP target on loopback);
+- `kvstore grpc`: the same with the block bytes in gRPC messages;
+- `sglang file`: SGLang's built-in `file` backend (`HiCacheFile`) on the same disk
+  (`--dir`), driven as SGLang drives it (no zero-copy interface: `get_data_page` then
+  `batch_set`; `batch_get` into flat pages, then `set_from_flat_data_page`). Its files
+  were just written, so reads come from the page cache: a ceiling for it, not its disk.
+
+Every set stores pages under new keys (a key already held is not copied again by either
+store); every get loads pages that are held. The host pool is SGLang's
+`MHATokenToKVPoolHost` in page_first layout, bf16, `--layers` layers, 8 KV heads of 128,
+64-token pages: one page is two pieces (K and V) of `layers` x 128 KiB each.
+
+Run it with the SGLang venv: `make bench-sglang` (QUICK=1: one round, one second a cell).
+Writes bench/results/sglang_backend.json and bench/results/sglang_backend.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # SGLang's layers warn about GPU-only quantizations on import
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+    from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheStorageConfig
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+from peers.common import free_port, measure  # noqa: E402
+
+from kvstore.client import Client  # noqa: E402
+from kvstore.errors import KVStoreError  # noqa: E402
+
+GB = 1e9
+PAGE_TOKENS = 64
+HEADS, HEAD_DIM = 8, 128
+BATCH = STORAGE_BATCH_SIZE
+
+
+def host_pool(layers: int, pages: int) -> Any:
+    """SGLang's MHA host pool, page_first, bf16, with room for `pages` pages."""
+    capacity = pages * PAGE_TOKENS // 2  # the host pool is twice the "device" capacity
+    k = tuple(torch.zeros(PAGE_TOKENS, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers))
+    v = tuple(torch.zeros(PAGE_TOKENS, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers))
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=torch.tensor([t.data_ptr() for t in k]),
+                          v_data_ptrs=torch.tensor([t.data_ptr() for t in v]), layout=KVBufferLayout.NHD),
+        page_size=PAGE_TOKENS, head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM, dtype=torch.bfloat16,
+        device=torch.device("cpu"))
+    pool = MHATokenToKVPoolHost(info, 2.0, 0, PAGE_TOKENS, "page_first", pin_memory=False, device="cpu",
+                                device_capacity_tokens=capacity, start_layer=0, end_layer=layers)
+    # Random bytes (a 64 MiB draw, repeated: drawing a GiB takes longer than the benchmark).
+    flat = pool.kv_buffer.view(-1).view(torch.uint8)
+    chunk = torch.randint(0, 256, (min(flat.numel(), 64 << 20),), dtype=torch.uint8)
+    for start in range(0, flat.numel(), chunk.numel()):
+        part = flat[start : start + chunk.numel()]
+        part.copy_(chunk[: part.numel()])
+    return pool
+
+
+class Keys:
+    """Fresh SGLang-shaped page keys (64 hex characters), a batch at a time."""
+
+    def __init__(self, tag: str) -> None:
+        self._tag = tag.encode()
+        self._count = itertools.count()
+
+    def batch(self, n: int = BATCH) -> list[str]:
+        return [hashlib.sha256(self._tag + next(self._count).to_bytes(8, "little")).hexdigest() for _ in range(n)]
+
+
+def storage_config(model: str, extra: dict[str, Any] | None) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                model_name=model, extra_config=extra)
+
+
+def kvstore_backend(target: str, plane: str, pool: Any) -> Any:
+    cfg = storage_config("bench/sglang", {"backend_name": "kvstore", "module_path": "kvstore.client.sglang",
+                                          "class_name": "HiCacheKVStore", "interface_v1": 1, "target": target,
+                                          "data_plane": plane, "timeout_s": 60})
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    backend.register_mem_pool_host(pool)
+    backend.on_host_pools_registered()
+    return backend
+
+
+def file_backend(directory: Path, pool: Any) -> Any:
+    backend = StorageBackendFactory.create_backend("file", storage_config("bench/sglang", {
+        "file_storage_path": str(directory)}), pool)
+    backend.register_mem_pool_host(pool)
+    return backend
+
+
+def gbps(page_bytes: int, times: list[float]) -> float:
+    return BATCH * page_bytes * len(times) / sum(times) / GB
+
+
+# ----------------------------------------------------------------------- cells
+
+
+def copy_cell(src: Any, dst: Any, seconds: float, threads: int) -> list[float]:
+    """Plain memcpy of 128 pages' pieces from one host pool into another."""
+    s_idx, d_idx = src.alloc(BATCH * PAGE_TOKENS), dst.alloc(BATCH * PAGE_TOKENS)
+    s_ptr, sizes = src.get_page_buffer_meta(s_idx)
+    d_ptr, _ = dst.get_page_buffer_meta(d_idx)
+    s_base, d_base = src.kv_buffer.data_ptr(), dst.kv_buffer.data_ptr()
+    s_arr = src.kv_buffer.view(-1).view(torch.uint8).numpy()
+    d_arr = dst.kv_buffer.view(-1).view(torch.uint8).numpy()
+    pairs = [(d_arr[d - d_base : d - d_base + n], s_arr[s - s_base : s - s_base + n])
+             for s, d, n in zip(s_ptr, d_ptr, sizes)]
+    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+
+    def run(part: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        for d, s in part:
+            np.copyto(d, s)
+
+    def call(_: int) -> None:
+        if pool is None:
+            run(pairs)
+        else:
+            list(pool.map(run, [pairs[i::threads] for i in range(threads)]))
+
+    try:
+        return measure(call, seconds)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        src.free(s_idx)
+        dst.free(d_idx)
+
+
+def kvstore_cells(writer: Any, reader: Any, w_pool: Any, r_pool: Any, keys: Keys,
+                  seconds: float) -> tuple[list[float], list[float]]:
+    """batch_set_v1 of fresh pages, then batch_get_v1 of held ones; per-call seconds of each."""
+    w_idx, r_idx = w_pool.alloc(BATCH * PAGE_TOKENS), r_pool.alloc(BATCH * PAGE_TOKENS)
+    failed: list[str] = []
+
+    def put(_: int) -> None:
+        if not all(writer.batch_set_v1(keys.batch(), w_idx)):
+            failed.append("set")
+
+    held = keys.batch()
+    if not all(writer.batch_set_v1(held, w_idx)):
+        raise RuntimeError("the first batch_set_v1 failed; is the daemon's host tier big enough?")
+
+    def get(_: int) -> None:
+        if not all(reader.batch_get_v1(held, r_idx)):
+            failed.append("get")
+
+    try:
+        sets = measure(put, seconds)
+        if not all(writer.batch_set_v1(held, w_idx)):  # held again, whatever the sets evicted
+            raise RuntimeError("storing the pages to load failed")
+        gets = measure(get, seconds)
+    finally:
+        w_pool.free(w_idx)
+        r_pool.free(r_idx)
+    if failed:
+        raise RuntimeError(f"{len(failed)} calls did not succeed ({failed[:3]}); the figures would not be real")
+    return sets, gets
+
+
+def file_cells(backend: Any, w_pool: Any, r_pool: Any, keys: Keys,
+               seconds: float) -> tuple[list[float], list[float]]:
+    """SGLang's `file` backend as its cache controller drives one without the zero-copy
+    interface (`CacheController._generic_page_set` / `_generic_page_get`)."""
+    w_idx, r_idx = w_pool.alloc(BATCH * PAGE_TOKENS), r_pool.alloc(BATCH * PAGE_TOKENS)
+    starts = [int(i) for i in w_idx[::PAGE_TOKENS]]
+    r_starts = [int(i) for i in r_idx[::PAGE_TOKENS]]
+
+    def put(_: int) -> None:
+        if not backend.batch_set(keys.batch(), [w_pool.get_data_page(s) for s in starts]):
+            raise RuntimeError("HiCacheFile.batch_set failed")
+
+    def clean(_: int) -> None:
+        backend.clear()  # untimed: the files of this call, so the disk does not fill up
+
+    held = keys.batch()
+
+    def get(_: int) -> None:
+        got = backend.batch_get(held, [r_pool.get_dummy_flat_data_page() for _ in held])
+        for s, data in zip(r_starts, got):
+            if data is None:
+                raise RuntimeError("HiCacheFile.batch_get missed a page it holds")
+            r_pool.set_from_flat_data_page(s, data)
+
+    try:
+        sets = measure(put, seconds, after=clean)
+        if not backend.batch_set(held, [w_pool.get_data_page(s) for s in starts]):
+            raise RuntimeError("HiCacheFile.batch_set failed")
+        gets = measure(get, seconds)
+        clean(0)
+    finally:
+        w_pool.free(w_idx)
+        r_pool.free(r_idx)
+    return sets, gets
+
+
+# ----------------------------------------------------------------------- the run
+
+
+def start_daemon(workdir: Path, host_capacity: str) -> tuple[subprocess.Popen[bytes], str, str]:
+    sock = workdir / "kv.sock"
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "server.py"), "--listen", f"unix:{sock},127.0.0.1:{port}", "--host-capacity",
+         host_capacity, "--log-level", "warning", "--metrics-listen", "off"], cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with Client(f"unix:{sock}", timeout_s=2) as kv:
+                kv.stats()
+            return proc, f"unix:{sock}", f"127.0.0.1:{port}"
+        except KVStoreError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("the daemon did not start") from None
+            time.sleep(0.1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one round, one second a cell")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=2.0, help="time per cell")
+    parser.add_argument("--layers", type=int, default=8, help="layers of the model's KV (a page is 2 x layers x 128 KiB)")
+    parser.add_argument("--dir", default="", help="directory for SGLang's file backend (default: under bench/results)")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "sglang_backend.json"))
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.seconds = 1, 1.0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    file_parent = Path(args.dir) if args.dir else out.parent
+    file_parent.mkdir(parents=True, exist_ok=True)
+
+    page_bytes = 2 * args.layers * PAGE_TOKENS * HEADS * HEAD_DIM * 2
+    batch_bytes = BATCH * page_bytes
+    samples: dict[tuple[str, str], list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-sglang-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="kvstore-bench-sglang-file-", dir=file_parent) as file_dir, \
+            host_memory_budget_scope(64 << 30):
+        proc, unix_target, tcp_target = start_daemon(Path(tmp), f"{4 * batch_bytes}B")
+        try:
+            w_pool, r_pool = host_pool(args.layers, 3 * BATCH), host_pool(args.layers, 3 * BATCH)
+            backends = {name: (kvstore_backend(target, plane, w_pool), kvstore_backend(target, plane, r_pool))
+                        for name, plane, target in (("shm", "local", unix_target), ("lane", "lane", tcp_target),
+                                                    ("grpc", "grpc", unix_target))}
+            file_be = file_backend(Path(file_dir), w_pool)
+            keys = Keys(f"{os.getpid()}-{time.time()}")
+            for r in range(args.rounds):
+                for threads in (1, 2):
+                    t = copy_cell(w_pool, r_pool, args.seconds, threads)
+                    samples.setdefault((f"copy limit ({threads} thread{'s' if threads > 1 else ''})", "copy"),
+                                       []).append(gbps(page_bytes, t))
+                for plane, (writer, reader) in backends.items():
+                    sets, gets = kvstore_cells(writer, reader, w_pool, r_pool, keys, args.seconds)
+                    samples.setdefault((f"kvstore {plane}", "set"), []).append(gbps(page_bytes, sets))
+                    samples.setdefault((f"kvstore {plane}", "get"), []).append(gbps(page_bytes, gets))
+                sets, gets = file_cells(file_be, w_pool, r_pool, keys, args.seconds)
+                samples.setdefault(("sglang file", "set"), []).append(gbps(page_bytes, sets))
+                samples.setdefault(("sglang file", "get"), []).append(gbps(page_bytes, gets))
+                print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+            planes = {plane: w.get_stats().data_plane for plane, (w, _) in backends.items()}
+            for w, rd in backends.values():
+                w.close()
+                rd.close()
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    limit = max(med[("copy limit (1 thread)", "copy")], med[("copy limit (2 threads)", "copy")])
+    rows = []
+    for (system, op), value in med.items():
+        file_same = med.get(("sglang file", op))
+        rows.append({"system": system, "op": op, "gbps": round(value, 3),
+                     "gbps_range": f"{min(samples[(system, op)]):.2f}-{max(samples[(system, op)]):.2f}",
+                     "x_copy_limit": round(value / limit, 3),
+                     "x_sglang_file": round(value / file_same, 2) if file_same and op != "copy" else None})
+    target = med[("kvstore shm", "get")] / limit
+    report = {
+        "benchmark": "sglang_backend", "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "setup": {"pages_per_batch": BATCH, "page_bytes": page_bytes, "batch_bytes": batch_bytes,
+                  "layers": args.layers, "page_tokens": PAGE_TOKENS, "heads": HEADS, "head_dim": HEAD_DIM,
+                  "dtype": "bfloat16", "layout": "page_first", "rounds": args.rounds, "seconds_per_cell": args.seconds,
+                  "planes_seen": planes, "file_dir": str(file_parent)},
+        "copy_limit_gbps": round(limit, 3),
+        "target": {"what": "co-located get >= 0.7x the copy limit", "ratio": round(target, 3), "met": target >= 0.7},
+        "results": rows,
+    }
+    out.write_text(json.dumps(report, indent=2))
+    lines = [f"# SGLang HiCache backend: {BATCH}-page batches of {page_bytes / (1 << 20):.0f} MiB pages "
+             f"({batch_bytes / (1 << 20):.0f} MiB a batch)", "",
+             f"{report['when']}, {os.cpu_count()} CPUs; medians of {args.rounds} round(s) of {args.seconds:g} s a "
+             f"cell; planes seen: {planes}.", "",
+             "| path | op | GB/s | (min-max) | x copy limit | x SGLang file |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        xf = f"{row['x_sglang_file']:.2f}" if row["x_sglang_file"] is not None else ""
+        lines.append(f"| {row['system']} | {row['op']} | {row['gbps']:.2f} | {row['gbps_range']} | "
+                     f"{row['x_copy_limit']:.2f} | {xf} |")
+    lines += ["", f"Copy limit (the better of the two copies): {limit:.2f} GB/s. Co-located get: {target:.2f}x it "
+              f"(target 0.7x: {'met' if target >= 0.7 else 'NOT met'})."]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
