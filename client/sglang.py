@@ -345,6 +345,8 @@ class HiCacheKVStore(HiCacheStorage):
     def _build(self) -> None:
         """Fix the namespaces once the pool set is known (a pool registered later gets a
         namespace of its own on first use)."""
+        if self._ready:
+            return
         with self._build_lock:
             if self._ready:
                 return
