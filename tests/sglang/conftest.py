@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import types
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -33,7 +34,11 @@ with warnings.catch_warnings():
         MLABufferInfo,
     )
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool, LogicalHostPool
+    from sglang.srt.mem_cache.memory_pool_host import (
+        DeepSeekV4PagedHostPool,
+        DeepSeekV4StateHostPool,
+        LogicalHostPool,
+    )
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -86,6 +91,17 @@ def v4_pool(name: str, *, page_size: int = 16, layers: int = 3, item_bytes: int 
     `item_bytes` per layer per page."""
     device = [torch.zeros(pages, item_bytes, dtype=torch.uint8) for _ in range(layers)]
     return DeepSeekV4PagedHostPool(name, device, item_bytes, pages, page_size, layout=layout, device="cpu",
+                                   pin_memory=False)
+
+
+def v4_state_pool(name: str, *, layers: int = 2, ring: int = 4, page_size: int = 8,
+                  pages: int = 40) -> DeepSeekV4StateHostPool:
+    """DeepSeek-V4's compression-state host pool: per layer, a ring of `ring` state slots a
+    page. The device state pools it mirrors are described by what the host pool reads of
+    them (`kv_score_buffer.kv_score`, `ring_size`)."""
+    device = [types.SimpleNamespace(kv_score_buffer=types.SimpleNamespace(
+        kv_score=torch.zeros(pages * ring, 2, 12, dtype=torch.float32)), ring_size=ring) for _ in range(layers)]
+    return DeepSeekV4StateHostPool(name, device, pages, page_size, layout="page_first", device="cpu",
                                    pin_memory=False)
 
 

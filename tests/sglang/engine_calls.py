@@ -41,6 +41,7 @@ class Trailing:
     name: PoolName
     pool: Any
     pages: int
+    indices_from: PoolName | None = None  # reuses that pool's slots (DeepSeek-V4's states use SWA's)
 
 
 @dataclass
@@ -65,10 +66,12 @@ def backup(backend: Any, keys: Sequence[str], kv_indices: torch.Tensor, page_siz
     keys = list(keys)
     transfers = [PoolTransfer(name=n, indices_from_pool=PoolName.KV, host_indices=kv_indices, keys=keys)
                  for n in kv_derived]
+    slots: dict[Any, torch.Tensor] = {}
     for t in trailing:
         n = min(t.pages, len(keys))
-        transfers.append(PoolTransfer(name=t.name, host_indices=t.pool.alloc(n * t.pool.page_size),
-                                      keys=keys[-n:], hit_policy=PoolHitPolicy.TRAILING_PAGES))
+        slots[t.name] = slots[t.indices_from] if t.indices_from else t.pool.alloc(n * t.pool.page_size)
+        transfers.append(PoolTransfer(name=t.name, host_indices=slots[t.name], keys=keys[-n:],
+                                      hit_policy=PoolHitPolicy.TRAILING_PAGES, indices_from_pool=t.indices_from))
     results: dict[Any, list[bool]] = {}
     if transfers:
         for extra_info, group in _trailing_chain_groups(None, keys, transfers):
@@ -108,10 +111,12 @@ def prefetch(backend: Any, keys: Sequence[str], kv_pool: Any, page_size: int, kv
     out = Loaded(hit, restorable, loaded, kv_indices)
     if trailing and loaded == hit and hit:
         transfers = []
+        slots: dict[Any, torch.Tensor] = {}
         for t in trailing:
             tail = keys[max(0, hit - t.pages) : hit]
-            transfers.append(PoolTransfer(name=t.name, host_indices=t.pool.alloc(len(tail) * t.pool.page_size),
-                                          keys=tail, hit_policy=PoolHitPolicy.TRAILING_PAGES))
+            slots[t.name] = slots[t.indices_from] if t.indices_from else t.pool.alloc(len(tail) * t.pool.page_size)
+            transfers.append(PoolTransfer(name=t.name, host_indices=slots[t.name], keys=tail,
+                                          hit_policy=PoolHitPolicy.TRAILING_PAGES, indices_from_pool=t.indices_from))
         got = backend.batch_get_v2(transfers)
         for t, tr in zip(trailing, transfers):
             out.trailing[t.name.value] = (got[t.name], tr.host_indices)

@@ -4,12 +4,15 @@ own, byte for byte; `batch_exists` counts the leading run."""
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import fill_random, make_backend, mha_pool, mla_pool, page_keys, pages, storage_config
 
 from kvstore.client.sglang import HiCacheKVStore
-from tests.procs import DaemonProc
+from tests.procs import DaemonProc, daemon_args, remove_segments, start
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct", "page_head"])
@@ -87,3 +90,35 @@ def test_deprecated_page_calls_round_trip(daemon: DaemonProc) -> None:
     assert single is not None  # random bits include NaNs: compare bytes, not values
     assert bytes(single.view(torch.uint8).numpy()) == pages(a_pool, a_idx, 2)[1]
     assert b.set(page_keys(1, seed=40)[0], a_pool.get_data_page(a_idx[0], flat=True)) is True
+
+
+def test_round_trip_over_the_data_lane(tmp_path: Path) -> None:
+    """A TCP target (another host, as far as the client knows): the pages travel on the
+    daemon's data lane, straight from and into the host pools' pages."""
+    sock = tmp_path / "kv.sock"
+    port = free_port()
+    args = daemon_args(sock, "--host-capacity", "64MiB")
+    args[args.index("--listen") + 1] = f"unix:{sock},127.0.0.1:{port}"
+    daemon = start(args, sock, tmp_path / "daemon.log")
+    try:
+        a_pool, b_pool = mha_pool(), mha_pool()
+        fill_random(a_pool, seed=5)
+        cfg = storage_config(target=f"127.0.0.1:{port}", model="test/lane", data_plane="lane")
+        a, b = make_backend(cfg, a_pool), make_backend(cfg, b_pool)
+        keys = page_keys(8, seed=5)
+        a_idx, b_idx = a_pool.alloc(8 * 16), b_pool.alloc(8 * 16)
+        assert a.batch_set_v1(keys, a_idx) == [True] * 8
+        assert b.batch_get_v1(keys, b_idx) == [True] * 8
+        assert pages(b_pool, b_idx, 8) == pages(a_pool, a_idx, 8)
+        assert a.get_stats().data_plane == "lane" and b.get_stats().data_plane == "lane"
+        a.close()
+        b.close()
+    finally:
+        daemon.stop()
+        remove_segments(daemon.pid)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

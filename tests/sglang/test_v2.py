@@ -19,6 +19,7 @@ from conftest import (
     pages,
     storage_config,
     v4_pool,
+    v4_state_pool,
 )
 from engine_calls import Trailing, backup, prefetch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
@@ -140,7 +141,8 @@ def test_mamba_state_at_the_prefix_end(daemon: DaemonProc) -> None:
 def test_deepseek_v4_pools(daemon: DaemonProc) -> None:
     """DeepSeek-V4: the KV anchor holds no bytes; compressed KV (ratios 4 and 128), the C4
     indexer and its scales ride on the KV pages as groups of one namespace; the SWA rows
-    are a trailing pool of their own (on V4 a row of `swa_page_size` tokens)."""
+    (on V4 a row of `swa_page_size` tokens) and the C4 compression state are trailing
+    pools, each with a namespace of its own."""
     def engine() -> tuple[object, dict[str, object]]:
         return logical_pool(), {
             "deepseek_v4_c4": v4_pool("deepseek_v4_c4", item_bytes=96),
@@ -148,6 +150,7 @@ def test_deepseek_v4_pools(daemon: DaemonProc) -> None:
             "deepseek_v4_c4_indexer_scale": v4_pool("deepseek_v4_c4_indexer_scale", item_bytes=8),
             "deepseek_v4_c128": v4_pool("deepseek_v4_c128", item_bytes=72),
             "swa": v4_pool("swa", item_bytes=128, page_size=8),
+            "deepseek_v4_c4_state": v4_state_pool("deepseek_v4_c4_state"),
         }
 
     (a_anchor, a_pools), (b_anchor, b_pools) = engine(), engine()
@@ -163,14 +166,20 @@ def test_deepseek_v4_pools(daemon: DaemonProc) -> None:
                PoolName.DEEPSEEK_V4_C128]
     keys = page_keys(4, seed=15)
     a_idx = a_anchor.alloc(4 * PS)
-    stored = backup(a, keys, a_idx, PS, kv_derived=derived, trailing=[Trailing(PoolName.SWA, a_pools["swa"], 2)])
-    assert all(stored.v2[n] == [True] * 4 for n in derived) and stored.v2[PoolName.SWA] == [True, True]
-    got = prefetch(b, keys, b_anchor, PS, kv_derived=derived, trailing=[Trailing(PoolName.SWA, b_pools["swa"], 2)])
+    def tails(pools: dict[str, object]) -> list[Trailing]:
+        return [Trailing(PoolName.SWA, pools["swa"], 2),
+                Trailing(PoolName.DEEPSEEK_V4_C4_STATE, pools["deepseek_v4_c4_state"], 2, indices_from=PoolName.SWA)]
+
+    stored = backup(a, keys, a_idx, PS, kv_derived=derived, trailing=tails(a_pools))
+    assert all(stored.v2[n] == [True] * 4 for n in derived)
+    assert stored.v2[PoolName.SWA] == stored.v2[PoolName.DEEPSEEK_V4_C4_STATE] == [True, True]
+    got = prefetch(b, keys, b_anchor, PS, kv_derived=derived, trailing=tails(b_pools))
     assert (got.kv_hit_pages, got.loaded_pages) == (4, 4)
     for name in ("deepseek_v4_c4", "deepseek_v4_c4_indexer", "deepseek_v4_c4_indexer_scale", "deepseek_v4_c128"):
         assert pages(b_pools[name], got.kv_indices, 4) == pages(a_pools[name], a_idx, 4), name
-    ok, swa_idx = got.trailing["swa"]
-    assert ok == [True, True] and pages(b_pools["swa"], swa_idx, 2) == pages(a_pools["swa"], stored.trailing["swa"], 2)
+    for name in ("swa", "deepseek_v4_c4_state"):
+        ok, idx = got.trailing[name]
+        assert ok == [True, True] and pages(b_pools[name], idx, 2) == pages(a_pools[name], stored.trailing[name], 2)
 
 
 def test_a_pool_transfer_that_disagrees_with_the_kv_namespace_is_a_miss(daemon: DaemonProc) -> None:
