@@ -134,6 +134,9 @@ class BackendConfig:
     target: str | None = None
     model_id: str | None = None
     revision: str = ""
+    # The KV cache's logical dtype as SGLang was told it (--kv-cache-dtype), for pools SGLang
+    # keeps as raw bytes (DeepSeek-V4's are uint8): two fp8 kinds then never share a page.
+    kv_cache_dtype: str = ""
     timeout_s: float = DEFAULT_TIMEOUT_S
     lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
     retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S
@@ -151,8 +154,9 @@ class BackendConfig:
         for key in ("target", "model_id"):
             if mine.get(key) is not None and (not isinstance(mine[key], str) or not mine[key]):
                 raise InvalidArgument(f"extra config {key!r} must be a non-empty string, got {mine[key]!r}")
-        if not isinstance(mine.get("revision", ""), str):
-            raise InvalidArgument(f"extra config 'revision' must be a string, got {mine['revision']!r}")
+        for key in ("revision", "kv_cache_dtype"):
+            if not isinstance(mine.get(key, ""), str):
+                raise InvalidArgument(f"extra config {key!r} must be a string, got {mine[key]!r}")
         for key in ("timeout_s", "lookup_timeout_s", "retry_interval_s"):
             if key in mine:
                 value = mine[key]
@@ -377,6 +381,8 @@ class HiCacheKVStore(HiCacheStorage):
         parts = [f"sglang.v1/{role}", f"pp={sc.pp_rank}/{sc.pp_size}", f"cp={sc.attn_cp_rank}/{sc.attn_cp_size}",
                  f"dcp={sc.dcp_rank}/{sc.dcp_size}/{sc.logical_page_size}",
                  "tp-replicated" if replicated else "tp-sharded"]
+        if self.config.kv_cache_dtype:
+            parts.append(f"kv_cache_dtype={self.config.kv_cache_dtype}")
         parts += [p.describe() for p in pools]
         text = ";".join(parts)
         if len(text) > MAX_NAME_CHARS:

@@ -24,6 +24,8 @@ PY="$VENV/bin/python"
 "$PY" -m pip install $PIP "torch==$TORCH_VERSION"
 echo "torch==$TORCH_VERSION" > "$VENV/constraints.txt"
 "$PY" -m pip install $PIP --no-deps "sglang==$SGLANG_VERSION"
+echo "install-sglang.sh: pip will list SGLang's GPU requirements as missing or conflicting; that is expected" \
+     "(the wheel is installed without them) and does not fail the install"
 # What `import sglang.srt.mem_cache.{hicache_storage,storage.backend_factory,memory_pool_host,
 # pool_host.*}` and `sglang.srt.observability.metrics_collector` need, found by importing them.
 "$PY" -m pip install $PIP -c "$VENV/constraints.txt" \

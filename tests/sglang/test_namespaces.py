@@ -47,6 +47,7 @@ def test_another_pool_geometry_never_hits(daemon: DaemonProc, other: dict[str, A
     {"model": "test/other-model"},
     {"tp_rank": 1, "tp_size": 2},
     {"revision": "v2"},
+    {"kv_cache_dtype": "fp8_e5m2"},
     {"interface_v1": False},  # SGLang's flat pages: another byte order than the zero-copy pieces
 ])
 def test_another_deployment_never_hits(daemon: DaemonProc, other: dict[str, Any]) -> None:
