@@ -2,8 +2,9 @@
 real host pool and a kvstore daemon, next to the limit and SGLang's own `file` backend,
 all in one run.
 
-Rows (GB/s of page bytes, medians over `--rounds`; each ratio is the median of the rounds'
-ratios, every round's cells measured back to back):
+Each round makes one call of every row below, back to back, in an order turned by one
+each round; a row's GB/s is the median over the rounds, a ratio the median of the
+rounds' ratios (so rows compared ran seconds apart, whatever else loads the machine):
 
 - `copy limit`: the same pages copied between two host pools with plain memcpy
   (`np.copyto` of each page's pieces), with one thread and with two (kvstore's shared-memory
@@ -22,7 +23,7 @@ store); every get loads pages that are held. The host pool is SGLang's
 `MHATokenToKVPoolHost` in page_first layout, bf16, `--layers` layers, 8 KV heads of 128,
 64-token pages: one page is two pieces (K and V) of `layers` x 128 KiB each.
 
-Run it with the SGLang venv: `make bench-sglang` (QUICK=1: one round, one second a cell).
+Run it with the SGLang venv: `make bench-sglang` (QUICK=1: 5 rounds instead of 25).
 Writes bench/results/sglang_backend.json and bench/results/sglang_backend.md.
 """
 
@@ -40,6 +41,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -59,7 +61,7 @@ with warnings.catch_warnings():
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-from peers.common import free_port, measure  # noqa: E402
+from peers.common import free_port  # noqa: E402
 
 from kvstore.client import Client  # noqa: E402
 from kvstore.errors import KVStoreError  # noqa: E402
@@ -132,7 +134,21 @@ def gbps(page_bytes: int, times: list[float]) -> float:
 # ----------------------------------------------------------------------- cells
 
 
-def copy_cell(src: Any, dst: Any, seconds: float, threads: int) -> list[float]:
+class Cell:
+    """One row of the table: `call()` does one timed batch (128 pages) and returns its
+    seconds; whatever must happen between calls (clean-up) is done inside, untimed."""
+
+    def __init__(self, system: str, op: str, call: Callable[[], float]) -> None:
+        self.system, self.op, self.call = system, op, call
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def copy_cell(src: Any, dst: Any, threads: int) -> Cell:
     """Plain memcpy of 128 pages' pieces from one host pool into another."""
     s_idx, d_idx = src.alloc(BATCH * PAGE_TOKENS), dst.alloc(BATCH * PAGE_TOKENS)
     s_ptr, sizes = src.get_page_buffer_meta(s_idx)
@@ -148,86 +164,65 @@ def copy_cell(src: Any, dst: Any, seconds: float, threads: int) -> list[float]:
         for d, s in part:
             np.copyto(d, s)
 
-    def call(_: int) -> None:
+    def call() -> float:
         if pool is None:
-            run(pairs)
-        else:
-            list(pool.map(run, [pairs[i::threads] for i in range(threads)]))
+            return timed(lambda: run(pairs))[0]
+        return timed(lambda: list(pool.map(run, [pairs[i::threads] for i in range(threads)])))[0]
 
-    try:
-        return measure(call, seconds)
-    finally:
-        if pool is not None:
-            pool.shutdown()
-        src.free(s_idx)
-        dst.free(d_idx)
+    return Cell(f"copy limit ({threads} thread{'s' if threads > 1 else ''})", "copy", call)
 
 
-def kvstore_cells(writer: Any, reader: Any, w_pool: Any, r_pool: Any, keys: Keys,
-                  seconds: float) -> tuple[list[float], list[float]]:
-    """batch_set_v1 of fresh pages, then batch_get_v1 of held ones; per-call seconds of each."""
+def kvstore_cells(plane: str, writer: Any, reader: Any, w_pool: Any, r_pool: Any, keys: Keys) -> list[Cell]:
+    """batch_set_v1 of pages under fresh keys; batch_get_v1 of pages the daemon holds."""
     w_idx, r_idx = w_pool.alloc(BATCH * PAGE_TOKENS), r_pool.alloc(BATCH * PAGE_TOKENS)
-    failed: list[str] = []
-
-    def put(_: int) -> None:
-        if not all(writer.batch_set_v1(keys.batch(), w_idx)):
-            failed.append("set")
-
     held = keys.batch()
     if not all(writer.batch_set_v1(held, w_idx)):
         raise RuntimeError("the first batch_set_v1 failed; is the daemon's host tier big enough?")
 
-    def get(_: int) -> None:
-        if not all(reader.batch_get_v1(held, r_idx)):
-            failed.append("get")
+    def put() -> float:
+        seconds, ok = timed(lambda: writer.batch_set_v1(keys.batch(), w_idx))
+        if not all(ok):
+            raise RuntimeError(f"kvstore {plane}: a batch_set_v1 failed; the figures would not be real")
+        return seconds
 
-    try:
-        sets = measure(put, seconds)
-        if not all(writer.batch_set_v1(held, w_idx)):  # held again, whatever the sets evicted
-            raise RuntimeError("storing the pages to load failed")
-        gets = measure(get, seconds)
-    finally:
-        w_pool.free(w_idx)
-        r_pool.free(r_idx)
-    if failed:
-        raise RuntimeError(f"{len(failed)} calls did not succeed ({failed[:3]}); the figures would not be real")
-    return sets, gets
+    def get() -> float:
+        seconds, ok = timed(lambda: reader.batch_get_v1(held, r_idx))
+        if not all(ok):
+            raise RuntimeError(f"kvstore {plane}: a batch_get_v1 missed pages it holds (evicted?)")
+        return seconds
+
+    return [Cell(f"kvstore {plane}", "set", put), Cell(f"kvstore {plane}", "get", get)]
 
 
-def file_cells(backend: Any, w_pool: Any, r_pool: Any, keys: Keys,
-               seconds: float) -> tuple[list[float], list[float]]:
+def file_cells(writer: Any, reader: Any, w_pool: Any, r_pool: Any, keys: Keys) -> list[Cell]:
     """SGLang's `file` backend as its cache controller drives one without the zero-copy
-    interface (`CacheController._generic_page_set` / `_generic_page_get`)."""
+    interface (`CacheController._generic_page_set` / `_generic_page_get`). Sets go to one
+    directory, emptied after each call (untimed); gets read a batch held in another."""
     w_idx, r_idx = w_pool.alloc(BATCH * PAGE_TOKENS), r_pool.alloc(BATCH * PAGE_TOKENS)
     starts = [int(i) for i in w_idx[::PAGE_TOKENS]]
     r_starts = [int(i) for i in r_idx[::PAGE_TOKENS]]
-
-    def put(_: int) -> None:
-        if not backend.batch_set(keys.batch(), [w_pool.get_data_page(s) for s in starts]):
-            raise RuntimeError("HiCacheFile.batch_set failed")
-
-    def clean(_: int) -> None:
-        backend.clear()  # untimed: the files of this call, so the disk does not fill up
-
     held = keys.batch()
+    if not reader.batch_set(held, [w_pool.get_data_page(s) for s in starts]):
+        raise RuntimeError("HiCacheFile.batch_set failed")
 
-    def get(_: int) -> None:
-        got = backend.batch_get(held, [r_pool.get_dummy_flat_data_page() for _ in held])
-        for s, data in zip(r_starts, got):
-            if data is None:
-                raise RuntimeError("HiCacheFile.batch_get missed a page it holds")
-            r_pool.set_from_flat_data_page(s, data)
-
-    try:
-        sets = measure(put, seconds, after=clean)
-        if not backend.batch_set(held, [w_pool.get_data_page(s) for s in starts]):
+    def put() -> float:
+        seconds, ok = timed(lambda: writer.batch_set(keys.batch(), [w_pool.get_data_page(s) for s in starts]))
+        writer.clear()  # the files of this call, so the disk does not fill up
+        if not ok:
             raise RuntimeError("HiCacheFile.batch_set failed")
-        gets = measure(get, seconds)
-        clean(0)
-    finally:
-        w_pool.free(w_idx)
-        r_pool.free(r_idx)
-    return sets, gets
+        return seconds
+
+    def get() -> float:
+        def load() -> None:
+            got = reader.batch_get(held, [r_pool.get_dummy_flat_data_page() for _ in held])
+            for s, data in zip(r_starts, got):
+                if data is None:
+                    raise RuntimeError("HiCacheFile.batch_get missed a page it holds")
+                r_pool.set_from_flat_data_page(s, data)
+
+        return timed(load)[0]
+
+    return [Cell("sglang file", "set", put), Cell("sglang file", "get", get)]
 
 
 # ----------------------------------------------------------------------- the run
@@ -254,15 +249,14 @@ def start_daemon(workdir: Path, host_capacity: str) -> tuple[subprocess.Popen[by
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one round, one second a cell")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=1.5, help="time per cell")
+    parser.add_argument("--quick", action="store_true", help="5 rounds")
+    parser.add_argument("--rounds", type=int, default=25, help="rounds of one call of every cell")
     parser.add_argument("--layers", type=int, default=8, help="layers of the model's KV (a page is 2 x layers x 128 KiB)")
     parser.add_argument("--dir", default="", help="directory for SGLang's file backend (default: under bench/results)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "sglang_backend.json"))
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.seconds = 1, 1.0
+        args.rounds = 5
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     file_parent = Path(args.dir) if args.dir else out.parent
@@ -274,28 +268,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-sglang-") as tmp, \
             tempfile.TemporaryDirectory(prefix="kvstore-bench-sglang-file-", dir=file_parent) as file_dir, \
             host_memory_budget_scope(64 << 30):
-        proc, unix_target, tcp_target = start_daemon(Path(tmp), f"{4 * batch_bytes}B")
+        proc, unix_target, tcp_target = start_daemon(Path(tmp), f"{10 * batch_bytes}B")
         try:
-            w_pool, r_pool = host_pool(args.layers, 3 * BATCH), host_pool(args.layers, 3 * BATCH)
+            w_pool, r_pool = host_pool(args.layers, 6 * BATCH), host_pool(args.layers, 6 * BATCH)
             backends = {name: (kvstore_backend(target, plane, w_pool), kvstore_backend(target, plane, r_pool))
                         for name, plane, target in (("shm", "local", unix_target), ("lane", "lane", tcp_target),
                                                     ("grpc", "grpc", unix_target))}
-            file_be = file_backend(Path(file_dir), w_pool)
+            (Path(file_dir) / "sets").mkdir()
+            (Path(file_dir) / "gets").mkdir()
             keys = Keys(f"{os.getpid()}-{time.time()}")
+            cells = [copy_cell(w_pool, r_pool, 1), copy_cell(w_pool, r_pool, 2)]
+            for name, (writer, reader) in backends.items():
+                cells += kvstore_cells(name, writer, reader, w_pool, r_pool, keys)
+            cells += file_cells(file_backend(Path(file_dir) / "sets", w_pool),
+                                file_backend(Path(file_dir) / "gets", r_pool), w_pool, r_pool, keys)
+            for cell in cells:  # warm-up: first calls map segments and fault pages in
+                cell.call()
+            # One call of every cell a round, the order turned by one each round: cells
+            # compared in one round ran within seconds of each other, whatever the load.
             for r in range(args.rounds):
-                for threads in (1, 2):  # next to the co-located cells that follow
-                    t = copy_cell(w_pool, r_pool, args.seconds, threads)
-                    samples.setdefault((f"copy limit ({threads} thread{'s' if threads > 1 else ''})", "copy"),
-                                       []).append(gbps(page_bytes, t))
-                for plane, (writer, reader) in backends.items():
-                    sets, gets = kvstore_cells(writer, reader, w_pool, r_pool, keys, args.seconds)
-                    samples.setdefault((f"kvstore {plane}", "set"), []).append(gbps(page_bytes, sets))
-                    samples.setdefault((f"kvstore {plane}", "get"), []).append(gbps(page_bytes, gets))
-                sets, gets = file_cells(file_be, w_pool, r_pool, keys, args.seconds)
-                samples.setdefault(("sglang file", "set"), []).append(gbps(page_bytes, sets))
-                samples.setdefault(("sglang file", "get"), []).append(gbps(page_bytes, gets))
-                print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
-            planes = {plane: w.get_stats().data_plane for plane, (w, _) in backends.items()}
+                shift = r % len(cells)
+                for cell in cells[shift:] + cells[:shift]:
+                    seconds = cell.call()
+                    samples.setdefault((cell.system, cell.op), []).append(batch_bytes / seconds / GB)
+                if (r + 1) % 5 == 0 or r + 1 == args.rounds:
+                    print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+            planes = {name: w.get_stats().data_plane for name, (w, _) in backends.items()}
             for w, rd in backends.values():
                 w.close()
                 rd.close()
@@ -327,7 +325,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "setup": {"pages_per_batch": BATCH, "page_bytes": page_bytes, "batch_bytes": batch_bytes,
                   "layers": args.layers, "page_tokens": PAGE_TOKENS, "heads": HEADS, "head_dim": HEAD_DIM,
-                  "dtype": "bfloat16", "layout": "page_first", "rounds": args.rounds, "seconds_per_cell": args.seconds,
+                  "dtype": "bfloat16", "layout": "page_first", "rounds": args.rounds,
                   "planes_seen": planes, "file_dir": str(file_parent)},
         "copy_limit_gbps": round(limit, 3),
         "target": {"what": "co-located get >= 0.7x the copy limit", "ratio": round(target, 3), "met": target >= 0.7},
@@ -336,8 +334,8 @@ def main() -> None:
     out.write_text(json.dumps(report, indent=2))
     lines = [f"# SGLang HiCache backend: {BATCH}-page batches of {page_bytes / (1 << 20):.0f} MiB pages "
              f"({batch_bytes / (1 << 20):.0f} MiB a batch)", "",
-             f"{report['when']}, {os.cpu_count()} CPUs; medians of {args.rounds} round(s) of {args.seconds:g} s a "
-             f"cell; planes seen: {planes}.", "",
+             f"{report['when']}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; medians "
+             f"of {args.rounds} rounds (one call of every cell a round); planes seen: {planes}.", "",
              "| path | op | GB/s | (min-max) | x copy limit (min-max) | x SGLang file |", "|---|---|---|---|---|---|"]
     for row in rows:
         xf = f"{row['x_sglang_file']:.2f}" if row["x_sglang_file"] is not None else ""
