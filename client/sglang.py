@@ -355,7 +355,7 @@ class HiCacheKVStore(HiCacheStorage):
             if self._ready:
                 return
             anchor = self._pools.get(_KV)
-            members = [p for p in ([anchor] if anchor is not None and not anchor.logical else [])]
+            members = [anchor] if anchor is not None and not anchor.logical else []
             members += [p for n, p in sorted(self._pools.items()) if n in KV_DERIVED and not p.logical]
             if members:
                 self._kv = self._family(members, "kv")
