@@ -19,10 +19,11 @@ and fetched as one (see kvstore.groups for which parts a prefix needs):
 Importing this package does not import torch; tensors are handled lazily.
 """
 
+from kvstore.client._requests import EngineNames
 from kvstore.client.aio import AsyncClient
 from kvstore.client.results import LookupResult, PinResult, PrefetchResult, PutResult
 from kvstore.client.sync import Client
 from kvstore.hashing import block_hashes
 from kvstore.layout import GroupKind, KVGroup, KVLayout
 
-__all__ = ["AsyncClient", "Client", "GroupKind", "KVGroup", "KVLayout", "LookupResult", "PinResult", "PrefetchResult", "PutResult", "block_hashes"]
+__all__ = ["AsyncClient", "Client", "EngineNames", "GroupKind", "KVGroup", "KVLayout", "LookupResult", "PinResult", "PrefetchResult", "PutResult", "block_hashes"]

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvstore.client._buffers import as_buffer
-from kvstore.client._requests import PreparedPut, block_keys, namespace_ref, put_header
+from kvstore.client._requests import EngineNames, PreparedPut, block_keys, namespace_ref, put_header
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.groups import part_order
 from kvstore.layout import KVLayout
@@ -28,7 +28,8 @@ from kvstore.wire import RawChunk
 
 def prepare_grouped_put(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
                         blocks: Sequence[Mapping[str, Any]], first_block: int,
-                        hint: kvstore_pb2.ReuseHint | None) -> PreparedPut:
+                        hint: kvstore_pb2.ReuseHint | None,
+                        engine_names: EngineNames | None = None) -> PreparedPut:
     """A grouped put's header and its parts in wire order, each size-checked."""
     n = len(blocks)
     views: list[memoryview] = []
@@ -48,7 +49,8 @@ def prepare_grouped_put(layout: KVLayout, token_ids: Sequence[int] | None, block
                                   f"{group.bytes_per_block} ({group.kind.value}, {group.dtype}, shape {group.shape})")
         views.append(view)
     # The header names the blocks; the sizes it checks are the layout's (one per block).
-    header = put_header(layout, token_ids, block_hashes, [layout.bytes_per_block] * n, first_block, hint)
+    header = put_header(layout, token_ids, block_hashes, [layout.bytes_per_block] * n, first_block, hint,
+                        engine_names)
     return PreparedPut(header, views)
 
 

@@ -47,6 +47,7 @@ from kvstore.client._options import (
     resolve_target,
 )
 from kvstore.client._requests import (
+    EngineNames,
     PreparedPut,
     block_keys,
     device_put_header,
@@ -574,27 +575,28 @@ def _recheck(layout: KVLayout, resp: kvstore_pb2.LocalFetchResponse, good: int, 
 
 def put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any], first_block: int,
         block_hashes: Sequence[bytes] | None, session_id: str | None, expect_reuse_within_s: float | None,
-        timeout_s: float, wait_for_owners: bool = False) -> Plan[PutResult]:
+        timeout_s: float, wait_for_owners: bool = False, engine_names: EngineNames | None = None) -> Plan[PutResult]:
     """Store `blocks`, all or nothing: device to device when they are CUDA tensors and the
     device plane opens; through shared memory (in one round trip when the daemon holds
     slots for this client, else two) when the plane is attached; else as gRPC bytes.
     `wait_for_owners`: in a pool, answer once the owners of the blocks' units committed them.
+    `engine_names`: the engine's names for the blocks, for the daemon's KV events.
     A layout with KV groups: each block a mapping of group name to part, as gRPC bytes."""
     hint = reuse_hint(session_id, expect_reuse_within_s)
     if layout.groups:
-        grouped = prepare_grouped_put(layout, token_ids, block_hashes, blocks, first_block, hint)
+        grouped = prepare_grouped_put(layout, token_ids, block_hashes, blocks, first_block, hint, engine_names)
         return put_result((yield StreamPut(grouped, timeout_s)))
     if all_cuda(blocks):
         device = yield from device_plane(c)
         if device is not None:
-            header = device_put_header(layout, token_ids, block_hashes, blocks, first_block, hint)
+            header = device_put_header(layout, token_ids, block_hashes, blocks, first_block, hint, engine_names)
             header.wait_for_owners = wait_for_owners
             begun = yield Unary("DevicePut", kvstore_pb2.LocalPutRequest(
                 header=header, release_lease_ids=c._take_releases()), timeout_s)
             sums = yield from _copy_in(Blocking(device.copy_in, begun.offsets, blocks, begun.block_bytes),
                                        kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout_s)
             return (yield _commit(begun.txn_id, sums, timeout_s))
-    prepared = prepare_put(layout, token_ids, block_hashes, host_blocks(blocks), first_block, hint)
+    prepared = prepare_put(layout, token_ids, block_hashes, host_blocks(blocks), first_block, hint, engine_names)
     if wait_for_owners:
         prepared.header.wait_for_owners = True
     plane = c._plane if c._plane_tried else (yield from local_plane(c))

@@ -25,6 +25,67 @@ from kvstore.native import native as _native
 from kvstore.v1 import kvstore_pb2
 from kvstore.wire import PUT_END, encode_chunk
 
+# vLLM's integer block hashes are the low 64 bits of its hash (maybe_convert_block_hash).
+ENGINE_INT_BITS = 64
+ENGINE_NAME_MAX_BYTES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class EngineNames:
+    """What the engine calls the blocks of a put: vLLM's block hashes. The daemon's KV
+    events in vLLM's format (docs/operations.md) carry them instead of kvstore's own
+    hashes, so a router keyed by the engine's hashes matches the blocks.
+
+    `hashes`: one per block of the put, all integers (unsigned 64-bit, as vLLM publishes
+    them by default) or all bytes (1..64 each). `parent`: the name of the block before the
+    first (None: the chain starts here, or it is not known). `lora_name`: the LoRA
+    adapter's name, as the engine's events give it. `token_ids`: for a put keyed by
+    `block_hashes`, the blocks' token ids (block_size_tokens each), which the events then
+    carry; a put keyed by token ids sends its tokens already."""
+
+    hashes: Sequence[int | bytes]
+    parent: int | bytes | None = None
+    lora_name: str | None = None
+    token_ids: Sequence[int] | None = None
+
+
+def _engine_name(value: Any, integers: bool, what: str) -> bytes:
+    if integers:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << ENGINE_INT_BITS:
+            raise InvalidArgument(f"{what} must be an integer in [0, 2**64) like the other names, got {value!r}")
+        return value.to_bytes(8, "big")
+    if not isinstance(value, (bytes, bytearray)) or not 1 <= len(value) <= ENGINE_NAME_MAX_BYTES:
+        raise InvalidArgument(f"{what} must be 1..{ENGINE_NAME_MAX_BYTES} bytes like the other names, got {value!r}")
+    return bytes(value)
+
+
+def engine_names_message(names: EngineNames, num_blocks: int, keyed_by_tokens: bool,
+                         block_size_tokens: int) -> kvstore_pb2.EngineNames:
+    """`names` as the put header's field, checked against the put's `num_blocks`."""
+    if not isinstance(names, EngineNames):
+        raise InvalidArgument(f"engine_names must be an EngineNames, got {type(names).__name__}")
+    hashes = list(names.hashes)
+    if len(hashes) != num_blocks:
+        raise InvalidArgument(f"engine_names has {len(hashes)} hashes for a put of {num_blocks} blocks; "
+                              "give one per block")
+    integers = bool(hashes) and isinstance(hashes[0], int) and not isinstance(hashes[0], bool)
+    msg = kvstore_pb2.EngineNames(names=[_engine_name(h, integers, f"engine_names.hashes[{i}]")
+                                         for i, h in enumerate(hashes)], integers=integers)
+    if names.parent is not None:
+        msg.parent = _engine_name(names.parent, integers, "engine_names.parent")
+    if names.lora_name:
+        msg.lora_name = names.lora_name
+    if names.token_ids is not None:
+        if keyed_by_tokens:
+            raise InvalidArgument("engine_names.token_ids is for a put keyed by block_hashes; this put sends its "
+                                  "token ids already")
+        packed = pack_tokens(names.token_ids)
+        if len(packed) != num_blocks * block_size_tokens * 4:
+            raise InvalidArgument(f"engine_names.token_ids has {len(packed) // 4} tokens; {num_blocks} blocks of "
+                                  f"{block_size_tokens} tokens need {num_blocks * block_size_tokens}")
+        msg.token_ids_packed = packed
+    return msg
+
 
 def reuse_hint(session_id: str | None, expect_reuse_within_s: float | None) -> kvstore_pb2.ReuseHint | None:
     """The hint message for a call, or None; both parts or neither."""
@@ -170,10 +231,11 @@ def prepare_put(
     blocks: Sequence[Any],
     first_block: int,
     hint: kvstore_pb2.ReuseHint | None = None,
+    engine_names: EngineNames | None = None,
 ) -> PreparedPut:
     """Convert and size-check every block before anything is sent."""
     views = [as_buffer(b) for b in blocks]
-    header = put_header(layout, token_ids, block_hashes, [len(v) for v in views], first_block, hint)
+    header = put_header(layout, token_ids, block_hashes, [len(v) for v in views], first_block, hint, engine_names)
     return PreparedPut(header, views)
 
 
@@ -184,10 +246,11 @@ def device_put_header(
     blocks: Sequence[Any],
     first_block: int,
     hint: kvstore_pb2.ReuseHint | None = None,
+    engine_names: EngineNames | None = None,
 ) -> kvstore_pb2.PutHeader:
     """The header of a put of CUDA tensors (the device plane), size-checked like `prepare_put`."""
     sizes = [b.numel() * b.element_size() for b in blocks]
-    return put_header(layout, token_ids, block_hashes, sizes, first_block, hint)
+    return put_header(layout, token_ids, block_hashes, sizes, first_block, hint, engine_names)
 
 
 def put_header(
@@ -197,6 +260,7 @@ def put_header(
     sizes: Sequence[int],
     first_block: int,
     hint: kvstore_pb2.ReuseHint | None,
+    engine_names: EngineNames | None = None,
 ) -> kvstore_pb2.PutHeader:
     """A put's header, once each block's size (`sizes`, in bytes) matches the layout."""
     expected = layout.bytes_per_block
@@ -216,7 +280,11 @@ def put_header(
         keys.tokens.first_block = first_block
     elif first_block:
         raise InvalidArgument("first_block applies to token_ids; with block_hashes send exactly the blocks' hashes")
-    return kvstore_pb2.PutHeader(namespace=namespace_ref(layout), keys=keys, num_blocks=len(sizes), hint=hint)
+    header = kvstore_pb2.PutHeader(namespace=namespace_ref(layout), keys=keys, num_blocks=len(sizes), hint=hint)
+    if engine_names is not None:
+        header.engine_names.CopyFrom(engine_names_message(engine_names, len(sizes), token_ids is not None,
+                                                          layout.block_size_tokens))
+    return header
 
 
 def put_requests(prepared: PreparedPut, chunk_bytes: int) -> Iterator[kvstore_pb2.PutRequest | bytes]:

@@ -16,7 +16,7 @@ from kvstore.client._errors import fetch_cut_short, translate
 from kvstore.client._local import LocalPlane
 from kvstore.client._ops import Blocking, ClientState, Plan, Step, StreamFetch, StreamPut, Unary
 from kvstore.client._options import CHANNEL_OPTIONS
-from kvstore.client._requests import put_requests
+from kvstore.client._requests import EngineNames, put_requests
 from kvstore.client.control_lane import SyncControlLane
 from kvstore.client.results import LookupResult, PinResult, PrefetchResult, PutResult
 from kvstore.client.security import sync_channel
@@ -147,14 +147,19 @@ class Client(ClientState):
     def put(self, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any], *,
             first_block: int = 0, block_hashes: Sequence[bytes] | None = None,
             session_id: str | None = None, expect_reuse_within_s: float | None = None,
-            timeout_s: float | None = None, wait_for_owners: bool = False) -> PutResult:
+            timeout_s: float | None = None, wait_for_owners: bool = False,
+            engine_names: EngineNames | None = None) -> PutResult:
         """Store `blocks` (all or nothing). With token_ids, block i is block first_block + i of the prefix.
 
         In a pool (docs/cluster.md), `wait_for_owners` answers only once the blocks sent to
         other daemons (the owners of their placement units) are committed there, or the
-        forward timed out: `PutResult.owner_committed_blocks` says how many made it."""
+        forward timed out: `PutResult.owner_committed_blocks` says how many made it.
+
+        `engine_names`: what the engine calls these blocks (vLLM's block hashes), which the
+        daemon's KV events in vLLM's format then carry (docs/operations.md)."""
         return self._run(ops.put(self, layout, token_ids, blocks, first_block, block_hashes, session_id,
-                                 expect_reuse_within_s, self._t(timeout_s), wait_for_owners))
+                                 expect_reuse_within_s, self._t(timeout_s), wait_for_owners,
+                                 engine_names))
 
     def fetch(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
               block_hashes: Sequence[bytes] | None = None, out: Sequence[Any] | None = None,
