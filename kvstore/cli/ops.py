@@ -20,6 +20,7 @@ from typing import Any
 from kvstore.cli.common import (
     EXIT_ERROR,
     EXIT_OK,
+    EXIT_USAGE,
     ClientCommand,
     add_client_options,
     emit,
@@ -427,15 +428,19 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
         from kvstore.server.listen import check_exposure
 
         # Addresses are checked the way the daemon checks them (loopback unless auth is set up),
-        # the data lane's too, and so is the token file.
+        # the data lane's and the KV event streams' too, and so is the token file.
         addresses, _ = check_exposure(cfg)
         check_lane_exposure(cfg, lane_addresses(cfg, addresses))
         if cfg.cluster:
             check_lane_exposure(cfg, lane_addresses(cfg, addresses, "peer_lane_listen"), "peer_lane_listen")
+        tenants = None
         if cfg.auth_token_file:
             from kvstore.server.auth import parse_token_file
 
-            parse_token_file(cfg.auth_token_file)
+            tenants = parse_token_file(cfg.auth_token_file).identities
+        from kvstore.server.kv_events import parse_streams
+
+        parse_streams(cfg, tenants)  # the KV event streams: endpoints, tenants, exposure
     except KVStoreError as exc:
         emit(args, {"file": args.file, "valid": False, "error": str(exc)}, f"{args.file}: invalid: {exc}")
         return EXIT_ERROR
@@ -453,8 +458,18 @@ EVENT_NAMES = {1: "stored", 2: "removed", 3: "moved", 4: "resync"}
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    """Prints one JSON object a line per event (the same with and without --json)."""
+    """Prints one JSON object a line per event (the same with and without --json): the
+    daemon's WatchEvents, or with `--format vllm` a KV event stream in vLLM's format
+    (kvstore.cli.kv_events)."""
     from kvstore.errors import DeadlineExceeded
+
+    if args.format == "vllm":
+        from kvstore.cli.kv_events import cmd_vllm_events
+
+        return cmd_vllm_events(args)
+    if args.endpoint or args.replay or args.from_seq is not None:
+        print("kvstore events: --endpoint, --replay and --from-seq read a stream in vLLM's format: add --format vllm")
+        return EXIT_USAGE
 
     seen = 0
     with open_admin(args) as admin:
@@ -602,11 +617,22 @@ def register(sub: Any, client_command: ClientCommand) -> None:
     top.add_argument("--interval", type=seconds, default=1.0, metavar="SECONDS", help="refresh period")
     top.add_argument("--iterations", type=int, default=0, metavar="N", help="stop after N refreshes (0: until q)")
 
-    events = client_command("events", "stream block events as JSON lines (stored/removed/moved/resync)", cmd_events)
+    events = client_command("events", "stream block events as JSON lines (stored/removed/moved/resync), or a KV "
+                            "event stream in vLLM's format (--format vllm)", cmd_events)
     events.add_argument("--namespace", type=namespace_arg, metavar="ID", help="only this namespace")
     events.add_argument("--snapshot", action="store_true", help="start with every block held now")
     events.add_argument("--count", type=int, default=0, help="stop after N events")
     events.add_argument("--duration", type=seconds, default=None, metavar="SECONDS", help="stop after this long")
+    events.add_argument("--format", choices=("json", "vllm"), default="json",
+                        help="json: the daemon's WatchEvents (default); vllm: read the ZMQ stream at --endpoint")
+    events.add_argument("--endpoint", action="append", metavar="tcp://HOST:PORT",
+                        help="--format vllm: a stream to read (the daemon's kv_events_endpoint, or a vLLM engine's); "
+                        "repeat for several daemons")
+    events.add_argument("--replay", action="append", metavar="tcp://HOST:PORT",
+                        help="--format vllm: the stream's replay endpoint, to fill gaps (one per --endpoint)")
+    events.add_argument("--topic", default="", help="--format vllm: the topic prefix to subscribe to (default: all)")
+    events.add_argument("--from-seq", type=int, default=None, metavar="N",
+                        help="--format vllm: first print every batch the replay endpoint holds from N (0: all)")
 
     export = client_command("export", "write a namespace's blocks to a file (to warm another node)", cmd_export)
     export.add_argument("namespace", type=namespace_arg, metavar="NAMESPACE_ID", help="namespace id in hex")

@@ -152,6 +152,26 @@ FIELDS: tuple[Field, ...] = (
           "is closed (clients reconnect on their next call)", lo=1, hi=86_400),
     Field("keepalive_s", "float", 60.0, "a gRPC connection with calls open that sent nothing for this many "
           "seconds is pinged, and closed when the ping goes unanswered (a client that vanished)", lo=1, hi=86_400),
+    # KV events in vLLM's format for KV-aware routers (kvstore.server.kv_events, docs/operations.md).
+    Field("kv_events_endpoint", "list", ("off",), "where the KV event stream in vLLM's format (ZMQ PUB, msgpack) "
+          "is published: off, tcp://HOST:PORT or ipc:///PATH; with a token file one TENANT=ENDPOINT per tenant "
+          "whose blocks are published (a stream shows its tenant's blocks only); non-loopback needs "
+          "kv_events_remote", metavar="off|[TENANT=]ENDPOINT[,...]"),
+    Field("kv_events_replay_endpoint", "list", ("off",), "ZMQ ROUTER endpoint where a subscriber that missed "
+          "batches asks for them again (same form as kv_events_endpoint, one per stream, always bound)",
+          metavar="off|[TENANT=]ENDPOINT[,...]"),
+    Field("kv_events_connect", "bool", False, "connect the stream's PUB socket to kv_events_endpoint (a "
+          "collector that binds, as llm-d's KV indexer in its centralized mode) instead of binding it"),
+    Field("kv_events_topic", "str", "", "the topic frame of every KV event message (llm-d reads "
+          "kv@POD@MODEL)", metavar="TOPIC"),
+    Field("kv_events_buffer_steps", "int", 10_000, "KV event batches kept for the replay endpoint", lo=1,
+          hi=1 << 20),
+    Field("kv_events_hwm", "int", 100_000, "ZMQ high-water mark of each KV event socket: messages queued for "
+          "one subscriber before it misses some (and asks the replay endpoint)", lo=1, hi=1 << 24),
+    Field("kv_events_max_queue_size", "int", 100_000, "KV event batches waiting for the publisher thread; "
+          "more are dropped, counted, and the stream resyncs", lo=1, hi=1 << 24),
+    Field("kv_events_remote", "bool", False, "allow a KV event endpoint beyond this host (the stream has no "
+          "authentication and carries block names and token ids)"),
     # The pool of daemons (docs/cluster.md). Off by default: a single daemon needs none of these.
     Field("cluster", "bool", False, "join a pool of daemons, so a prefix computed on one node is a hit on every "
           "node; needs cluster_etcd or cluster_peers (see docs/cluster.md)"),
@@ -299,6 +319,14 @@ class Config:
     handshake_timeout_s: float
     connection_idle_s: float
     keepalive_s: float
+    kv_events_endpoint: tuple[str, ...]
+    kv_events_replay_endpoint: tuple[str, ...]
+    kv_events_connect: bool
+    kv_events_topic: str
+    kv_events_buffer_steps: int
+    kv_events_hwm: int
+    kv_events_max_queue_size: int
+    kv_events_remote: bool
     cluster: bool
     cluster_etcd: tuple[str, ...]
     cluster_peers: tuple[str, ...]

@@ -88,6 +88,7 @@ from kvstore.server.device_plane import DevicePlane
 from kvstore.server.events import EventBus
 from kvstore.server.host_resources import GcFreezer, check_disk_capacity, resolve_host_capacity
 from kvstore.server.interceptors import PipelineInterceptor
+from kvstore.server.kv_events import KvEventsCollector, KvEventStreams, ObserverFanout, parse_streams
 from kvstore.server.lease_tags import LeaseTags
 from kvstore.server.lifecycle import DrainGate
 from kvstore.server.listen import bind, check_exposure, prepare_unix_path, tls_credentials
@@ -177,6 +178,9 @@ class Daemon:
             check_unix_tenant(self.tokens, config.unix_socket_tenant, config.auth_token_file)
         self.auth = Authenticator(self.tokens, config.max_calls_per_tenant, config.unix_socket_tenant)
         self.events = EventBus(config.events_queue)
+        # The KV event streams in vLLM's format (off by default), checked before anything binds.
+        self.kv_event_specs = parse_streams(config, self.tokens.identities if self.tokens is not None else None)
+        self.kv_events: KvEventStreams | None = None
         self._gate = DrainGate()
         self.store: Store | None = None
         self.metrics = Metrics(lambda: self.store, self.events)
@@ -291,6 +295,8 @@ class Daemon:
         self.metrics.count_gc(self.gc_freezer.pauses)
         stack.callback(self.gc_freezer.unwatch)
         store.observer = self.events
+        if self.kv_event_specs:
+            self._start_kv_events(stack, store)
         if self.tokens is not None:
             store.tenancy.quotas = self.tokens.quotas()
         self.runtime = RuntimeConfig(cfg, store, self.events)
@@ -330,6 +336,28 @@ class Daemon:
             )
             stack.push_async_callback(self._stop_prefault)
         self._log_started(tiers, host_capacity)
+
+    def _start_kv_events(self, stack: contextlib.AsyncExitStack, store: Store) -> None:
+        """Bind the KV event streams, then install them as an observer next to the event
+        bus and announce what recovery found, in one step (kvstore.server.kv_events)."""
+        cfg = self.config
+        for spec in self.kv_event_specs:
+            for endpoint in (spec.endpoint, spec.replay_endpoint):
+                if endpoint.startswith("ipc://") and not (cfg.kv_events_connect and endpoint == spec.endpoint):
+                    prepare_unix_path(endpoint[len("ipc://"):], cfg.unix_socket_shared_dir)
+        kv = KvEventStreams(store, self.kv_event_specs, topic=cfg.kv_events_topic,
+                            buffer_steps=cfg.kv_events_buffer_steps, hwm=cfg.kv_events_hwm,
+                            max_queue_size=cfg.kv_events_max_queue_size, connect=cfg.kv_events_connect,
+                            ownership=self.node_id or cfg.node_id, auth=self.tokens is not None)
+        kv.start()
+        stack.push_async_callback(kv.close)
+        self.kv_events = kv
+        store.observer = ObserverFanout([self.events, kv])
+        kv.announce_recovered()
+        self.metrics.registry.register(KvEventsCollector(kv))
+        for tenant, (endpoint, replay) in kv.bound.items():
+            logger.info("KV events (vLLM's format) of tenant %s on %s%s", tenant, endpoint,
+                        f", replay on {replay}" if replay else "")
 
     async def _start_cluster(self, stack: contextlib.AsyncExitStack, node: ClusterNode) -> None:
         """Join the pool (see kvstore.server.cluster): the services hold the node already."""
@@ -371,6 +399,8 @@ class Daemon:
             max_tokens_per_call=cfg.max_tokens_per_call, max_block_bytes=cfg.max_block_bytes,
             max_namespaces_per_tenant=cfg.max_namespaces_per_tenant if auth_on else None)
         self.runtime.register("max_tokens_per_call", lambda value: setattr(resolver, "max_tokens_per_call", value))
+        if self.kv_events is not None:
+            resolver.put_names = self.kv_events.offer_put
         node = self.node
         local = LocalPlaneService(store, resolver, host_tier, self._local_puts, node)
         transfers = DataLaneTransfers(store, resolver, DataLaneSettings(

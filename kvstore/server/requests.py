@@ -2,7 +2,8 @@
 
 Primitives: `RequestResolver` (`known(ref, keys)` and `namespace(ref)` for reads,
 `put_namespace(ref)` for puts, `chain(ns_id, keys)`, `hashes(ns_id, keys)`,
-`check_keys(keys, layout)`, `put_keys(info, header)`, `session(...)`, `put_session(header)`,
+`check_keys(keys, layout)`, `put_keys(info, header)` (the engine's names of a put's blocks
+checked by `check_engine_names`, and handed to `put_names`), `session(...)`, `put_session(header)`,
 and the caller's lease ids through `tags`), `Miss` and `UnregisteredLayout` (a read of a
 layout the daemon holds nothing of, as a value and as an error), and the answer helpers
 `packed_reply(keys)` and `hash_fields(hashes, packed)`.
@@ -23,7 +24,7 @@ here again. Every failure is a `kvstore.errors` exception.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,34 @@ class Miss:
     blocks: int
 
 
+# (namespace record, the put's hashes, its parent's hash, its blocks' packed token ids or
+# b"", the engine's names or None)
+PutNames = Callable[[NamespaceInfo, list[bytes], "bytes | None", bytes, "kvstore_pb2.EngineNames | None"], None]
+
+ENGINE_NAME_MAX_BYTES = 64
+
+
+def check_engine_names(names: kvstore_pb2.EngineNames, num_blocks: int, block_size_tokens: int,
+                       keyed_by_tokens: bool) -> None:
+    """A put's `engine_names`, checked against the put: one name per block, each the size
+    its form allows, tokens only for a put by hashes and then a whole number of blocks."""
+    if len(names.names) != num_blocks:
+        raise InvalidArgument(f"engine_names has {len(names.names)} names for a put of {num_blocks} blocks; "
+                              "send one per block")
+    for i, name in enumerate(names.names):
+        if names.integers and len(name) != 8 or not 1 <= len(name) <= ENGINE_NAME_MAX_BYTES:
+            raise InvalidArgument(f"engine_names.names[{i}] is {len(name)} bytes; names are 1..{ENGINE_NAME_MAX_BYTES} "
+                                  "bytes, exactly 8 with engine_names.integers")
+    if names.parent and (names.integers and len(names.parent) != 8 or len(names.parent) > ENGINE_NAME_MAX_BYTES):
+        raise InvalidArgument(f"engine_names.parent is {len(names.parent)} bytes; it has the form of the names")
+    if names.token_ids_packed:
+        if keyed_by_tokens:
+            raise InvalidArgument("engine_names.token_ids_packed is for a put by hashes; this put sends token ids")
+        if len(names.token_ids_packed) != num_blocks * block_size_tokens * 4:
+            raise InvalidArgument(f"engine_names.token_ids_packed is {len(names.token_ids_packed)} bytes; {num_blocks} "
+                                  f"blocks of {block_size_tokens} tokens take {num_blocks * block_size_tokens * 4}")
+
+
 def packed_reply(keys: kvstore_pb2.BlockKeys) -> bool:
     """Whether a request's answer carries its block hashes packed (`block_hashes_packed`)
     rather than in the repeated field older clients read (see BlockKeys.packed_reply)."""
@@ -90,6 +119,9 @@ class RequestResolver:
         self.max_tokens_per_call = max_tokens_per_call
         self.max_block_bytes = max_block_bytes
         self.max_namespaces_per_tenant = max_namespaces_per_tenant
+        # Told of each put's keys, tokens and engine names when a KV event stream is on
+        # (kvstore.server.kv_events.KvEventStreams.offer_put); None: nobody listens.
+        self.put_names: PutNames | None = None
         # (tenant, salt, layout message bytes) -> namespace id: an engine names its layout
         # in every call, and parsing, checking and hashing it each time cost more than a
         # short lookup itself. Only layouts that passed the checks below are kept.
@@ -246,14 +278,27 @@ class RequestResolver:
         return n
 
     def put_keys(self, info: NamespaceInfo, header: kvstore_pb2.PutHeader) -> tuple[list[bytes], bytes | None]:
-        """A put's block hashes and the hash of the block before them (None at a chain's start)."""
+        """A put's block hashes and the hash of the block before them (None at a chain's start).
+
+        The engine's names for the blocks (`header.engine_names`) are checked here too, and
+        handed with the put's tokens to `put_names` (the KV event streams) when it is set."""
+        hashes, parent, tokens = self._put_keys(info, header)
+        if header.HasField("engine_names"):
+            check_engine_names(header.engine_names, len(hashes), info.layout.block_size_tokens, bool(tokens))
+        if self.put_names is not None and (tokens or header.HasField("engine_names")):
+            self.put_names(info, hashes, parent, tokens, header.engine_names if header.HasField("engine_names")
+                           else None)
+        return hashes, parent
+
+    def _put_keys(self, info: NamespaceInfo, header: kvstore_pb2.PutHeader) -> tuple[list[bytes], bytes | None, bytes]:
+        """`put_keys`, and the put's blocks' token ids packed (empty for a put by hashes)."""
         keys = header.keys
         which = keys.WhichOneof("keys")
         if which == "hashes" or which == "packed_hashes":
             hashes = self._split(keys.packed_hashes) if which == "packed_hashes" else list(keys.hashes.hashes)
             if header.num_blocks and header.num_blocks != len(hashes):
                 raise InvalidArgument(f"num_blocks is {header.num_blocks} but {len(hashes)} hashes were sent")
-            return hashes, header.parent_hash or None
+            return hashes, header.parent_hash or None, b""
         if which == "tokens":
             tokens = keys.tokens
             packed = self._packed_tokens(tokens)
@@ -273,7 +318,8 @@ class RequestResolver:
             # by the per-call block limit: it names no blocks of this put.
             all_hashes = block_hashes_packed(info.chain_seed or info.namespace_id,
                                              memoryview(packed)[: (first + count) * bst * 4], bst)
-            return all_hashes[first : first + count], all_hashes[first - 1] if first else None
+            return (all_hashes[first : first + count], all_hashes[first - 1] if first else None,
+                    packed[first * bst * 4 : (first + count) * bst * 4])
         raise InvalidArgument("put header names no blocks: set keys.packed_hashes, keys.hashes or keys.tokens")
 
     def _split(self, packed: bytes) -> list[bytes]:

@@ -65,9 +65,9 @@ THIRD_PARTY: dict[str, tuple[str, ...]] = {
     "core": ("numpy", "xxhash"),
     "tiers": ("numpy", "xxhash", "lz4", "torch", "cupy"),
     "cluster": BASE + ("aetcd",),
-    "server": BASE + ("grpc_health", "grpc_reflection", "prometheus_client"),
+    "server": BASE + ("grpc_health", "grpc_reflection", "prometheus_client", "zmq", "msgpack"),
     "client": BASE + ("torch", "cupy", "transformers", "vllm", "cryptography", "sglang"),
-    "cli": BASE + ("grpc_health", "rich", "matplotlib"),
+    "cli": BASE + ("grpc_health", "rich", "matplotlib", "zmq", "msgpack"),
 }
 
 
