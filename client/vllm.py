@@ -41,6 +41,11 @@ in-block layout and TP rank/size, so differently configured engines never share 
 Requests whose KV depends on more than their token ids (multimodal inputs, prompt
 embeddings, a cache salt) are neither loaded nor stored.
 
+Each put carries vLLM's own block hashes for its blocks (`EngineNames`, as vLLM's KV events
+publish them: `maybe_convert_block_hash`), so the daemon's KV events in vLLM's format name
+the blocks as the engine's own events do and a KV-aware router matches both
+(docs/operations.md).
+
 When the daemon cannot be reached the connector logs one warning, answers "no hit",
 skips saves, and retries after `retry_interval_s`; it logs once more when the daemon is back.
 """
@@ -64,6 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvstore.client._requests import EngineNames
 from kvstore.client.results import LookupResult
 from kvstore.client.sync import Client
 from kvstore.errors import InvalidArgument, KVStoreError
@@ -338,6 +344,9 @@ class SaveSpec:
     first_block: int
     block_ids: list[int]
     group_block_ids: list[list[int]] = field(default_factory=list)
+    # vLLM's names of these blocks, and of the block before them, for the daemon's KV
+    # events (None when vLLM's hashes do not line up with the blocks).
+    engine_names: EngineNames | None = None
 
 
 @dataclass
@@ -376,6 +385,8 @@ class _RequestState:
     prompt: list[int]
     block_ids: list[list[int]]  # per vLLM KV cache group, by block position
     saved_blocks: int  # prompt blocks the daemon holds or a save was planned for
+    block_hashes: list[Any] = field(default_factory=list)  # vLLM's, per block (the request's own list)
+    lora_name: str | None = None
     loaded_tokens: int = 0
     stored_blocks: int = 0
     load_failed: bool = False
@@ -493,6 +504,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             prompt=list(request.prompt_token_ids or []) if self._cacheable(request) else [],
             block_ids=[],
             saved_blocks=hit.num_blocks if hit else 0,
+            block_hashes=getattr(request, "block_hashes", None) or [],
+            lora_name=request.lora_request.lora_name if getattr(request, "lora_request", None) else None,
         )
         self._requests[request.request_id] = state
         if num_external_tokens <= 0 or hit is None or match is None:
@@ -564,8 +577,22 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             first_block=state.saved_blocks,
             block_ids=per_group[0],
             group_block_ids=per_group,
+            engine_names=self._engine_names(state, state.saved_blocks, end),
         ))
         state.saved_blocks = end
+
+    def _engine_names(self, state: _RequestState, start: int, end: int) -> EngineNames | None:
+        """vLLM's names of blocks [start, end) of the request, as its KV events give them,
+        when its block hashes are one per block of this connector's size (vLLM hashes at
+        a smaller size when KV cache groups have different block sizes: then none)."""
+        hashes = state.block_hashes
+        if len(hashes) < end or len(hashes) > len(state.prompt) // self._block_size + 1:
+            return None
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        return EngineNames([maybe_convert_block_hash(h) for h in hashes[start:end]],
+                           parent=maybe_convert_block_hash(hashes[start - 1]) if start else None,
+                           lora_name=state.lora_name)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
@@ -730,7 +757,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             blocks: list[Any] = (self._gather_parts(spec, layout) if layout.groups
                                  else self._gather(spec.block_ids))
             try:
-                result = self._client.put(layout, spec.token_ids, blocks, first_block=spec.first_block)
+                result = self._client.put(layout, spec.token_ids, blocks, first_block=spec.first_block,
+                                          engine_names=spec.engine_names)
                 self._health.ok()
             except KVStoreError as exc:
                 self._health.failed("put", exc)

@@ -41,7 +41,7 @@ class Batch:
 @dataclass
 class StreamReader:
     endpoint: str
-    replay_endpoint: str
+    replay_endpoint: str  # "" for a stream read live only
     decode: Callable[[bytes], tuple[float, list[Any]]] = decode_msgpack
     topic: bytes = b""
     batches: list[Batch] = field(default_factory=list)
@@ -104,7 +104,7 @@ class StreamReader:
         """Read what is there now: the replay from after the last batch kept (all of it at
         first; unless not `replay_first`), then the live stream until it is quiet, filling
         gaps from the replay."""
-        if replay_first or self.last is None:
+        if self.replay_endpoint and (replay_first or self.last is None):
             start = 0 if self.last is None else self.last + 1
             for seq, _, payload in self.replay(start, timeout_s):
                 if self.last is None or seq > self.last:
@@ -115,7 +115,7 @@ class StreamReader:
             seq = int.from_bytes(seq_bytes, "big")
             if self.last is not None and seq <= self.last:
                 continue  # kept already, from the replay
-            if self.last is not None and seq > self.last + 1:
+            if self.last is not None and seq > self.last + 1 and self.replay_endpoint:
                 first = self.last + 1
                 for rseq, _, rpayload in self.replay(first, timeout_s):
                     if rseq < seq and rseq > self.last:

@@ -9,6 +9,9 @@ different connector settings do not share a process cleanly.
 SPEC: {"model": DIR, "dtype": "float32", "block_size": 32, "max_tokens": 16,
        "target": "unix:..." or null (no connector), "steps": [STEP, ...]}
 STEP: {"generate": [[token ids] or {"prompt_token_ids": [...], "cache_salt": "..."}, ...]} | {"reset_prefix_cache": true} | {"kill": PID}
+      | {"sleep": SECONDS}
+SPEC may also carry "kv_events": {"endpoint": ..., "replay_endpoint": ...}: vLLM's own KV
+event publisher (ZMQ) on those endpoints.
 OUT:  {"steps": [{"outputs": [{"token_ids", "num_cached_tokens", "kv_transfer_params"}]}, ...]}
 """
 
@@ -35,7 +38,13 @@ def make_llm(spec: dict[str, Any]) -> Any:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"target": spec["target"], "retry_interval_s": 60},
         )
+    kv_events_config = None
+    if spec.get("kv_events"):
+        from vllm.config import KVEventsConfig
+
+        kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", **spec["kv_events"])
     return LLM(
+        kv_events_config=kv_events_config,
         model=spec["model"],
         skip_tokenizer_init=True,
         dtype=spec.get("dtype", "float32"),
@@ -81,6 +90,9 @@ def main(spec_path: str, out_path: str) -> None:
             ]})
         elif "reset_prefix_cache" in step:
             llm.reset_prefix_cache()
+            steps.append({})
+        elif "sleep" in step:
+            time.sleep(step["sleep"])  # lets a subscriber connect before the engine publishes
             steps.append({})
         elif "kill" in step:
             # SIGKILL: the daemon vanishes mid-run without a goodbye, as in a crash.
