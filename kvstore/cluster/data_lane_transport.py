@@ -436,20 +436,23 @@ class DataLaneTransport:
 
     async def put(self, node: str, call: PeerCall, hashes: bytes, parent: bytes, position: int,
                   blocks: AsyncIterator[Framed], timeout_s: float,
-                  runs: Sequence[tuple[int, bytes | None, int]] = ()) -> tuple[int, int]:
+                  runs: Sequence[tuple[int, bytes | None, int]] = (),
+                  names: kvstore_pb2.EngineNames | None = None) -> tuple[int, int]:
         deadline = time.monotonic() + timeout_s
         state = await self._lane(node, call, timeout_s)
         if runs and (state is None or not state.put_runs):
             raise PeerError(node, "put: several runs in one put, and the node's data lane does not take them")
         if state is None:
             self.counters.fallbacks += 1
-            return await self.grpc.put(node, call, hashes, parent, position, self._chunked(blocks), _left(deadline))
+            return await self.grpc.put(node, call, hashes, parent, position, self._chunked(blocks), _left(deadline),
+                                       names=names)
         with self._using(state) as lane:
-            return await self._put(node, lane, call, hashes, parent, position, blocks, deadline, runs)
+            return await self._put(node, lane, call, hashes, parent, position, blocks, deadline, runs, names)
 
     async def _put(self, node: str, lane: DataLane, call: PeerCall, hashes: bytes, parent: bytes, position: int,
                    blocks: AsyncIterator[Framed], deadline: float,
-                   runs: Sequence[tuple[int, bytes | None, int]] = ()) -> tuple[int, int]:
+                   runs: Sequence[tuple[int, bytes | None, int]] = (),
+                   names: kvstore_pb2.EngineNames | None = None) -> tuple[int, int]:
         sources = await _collect(blocks)
         n = len(sources)
         if not n:
@@ -461,10 +464,13 @@ class DataLaneTransport:
                 raise PeerError(node, "put: the node's data lane cannot be reached for a put of several runs")
             self.counters.fallbacks += 1
             return await self.grpc.put(node, call, hashes[: n * HASH_BYTES], parent, position,
-                                       self._chunked(_each(sources)), _left(deadline))
+                                       self._chunked(_each(sources)), _left(deadline), names=_first(names, n))
         header = kvstore_pb2.PutHeader(namespace=kvstore_pb2.Namespace(layout=call.layout),
                                        keys=kvstore_pb2.BlockKeys(packed_hashes=hashes[: n * HASH_BYTES]),
                                        num_blocks=n, parent_hash=parent, position=position)
+        names = _first(names, n)
+        if names is not None:
+            header.engine_names.CopyFrom(names)
 
         def fits(grant: kvstore_pb2.LanePutResponse) -> None:
             if len(grant.needed) != n or grant.block_bytes != len(sources[0]):
@@ -515,6 +521,18 @@ class DataLaneTransport:
         # A failed transfer's exceptions may still hold, in cycles, views of tier memory
         # the lane's threads were given; the tiers unmap their segments next.
         gc.collect()
+
+
+def _first(names: kvstore_pb2.EngineNames | None, n: int) -> kvstore_pb2.EngineNames | None:
+    """The names of the first `n` blocks (a forward sends the prefix its owner still holds)."""
+    if names is None or len(names.names) == n:
+        return names
+    cut = kvstore_pb2.EngineNames(names=names.names[:n], integers=names.integers, lora_name=names.lora_name,
+                                  parents=names.parents[:n], parent=names.parent)
+    if names.token_ids_packed:
+        per_block = len(names.token_ids_packed) // len(names.names)
+        cut.token_ids_packed = names.token_ids_packed[: n * per_block]
+    return cut
 
 
 def _left(deadline: float) -> float:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.cluster.breaker import Breakers
@@ -29,6 +30,7 @@ from kvstore.cluster.transport import PeerCall, PeerError, PeerTransport
 from kvstore.core.fetch import FetchStream
 from kvstore.core.store import Store
 from kvstore.errors import KVStoreError
+from kvstore.v1 import kvstore_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,10 @@ class Forwarder:
         self.queue_blocks = queue_blocks
         self.timeout_s = timeout_s
         self.counters = ForwardCounters()
+        # The engine's names of the blocks a forward sends (the daemon's KV events,
+        # kvstore.server.kv_events), so the owner publishes them under the same names;
+        # None: forwards carry none.
+        self.names: Callable[[bytes, Sequence[bytes]], kvstore_pb2.EngineNames | None] | None = None
         self.queued_blocks = 0
         self._queue: deque[ForwardJob] = deque()
         self._wakeup = asyncio.Event()
@@ -152,9 +158,10 @@ class Forwarder:
                     return 0
                 hashes = b"".join(job.hashes[:k])
                 assert isinstance(stream, FetchStream)  # grouped layouts are not forwarded (`ClusterNode.after_put`)
+                names = self.names(job.namespace_id, job.hashes[:k]) if self.names is not None else None
                 stored, existing = await self.transport.put(
                     job.node, job.call, hashes, job.parent or b"", job.position, self.transport.outgoing(stream),
-                    self.timeout_s, [run for run in job.runs if run[0] < k])
+                    self.timeout_s, [run for run in job.runs if run[0] < k], names=names)
         except PeerError as exc:
             self.breakers.failure(job.node)
             c.failures += 1

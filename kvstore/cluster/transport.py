@@ -203,11 +203,13 @@ class PeerTransport(Protocol):
 
     async def put(self, node: str, call: PeerCall, hashes: bytes, parent: bytes, position: int,
                   blocks: AsyncIterator[Framed], timeout_s: float,
-                  runs: Sequence[tuple[int, bytes | None, int]] = ()) -> tuple[int, int]:
+                  runs: Sequence[tuple[int, bytes | None, int]] = (),
+                  names: kvstore_pb2.EngineNames | None = None) -> tuple[int, int]:
         """Store `blocks` (framed by `framer`) on `node` as the chain `hashes` after
         `parent` from `position`; (stored, existing). `runs`: `hashes` are several runs
         of one chain, these (offset, parent, position) starting the later ones; only
-        where `takes_runs(node)`."""
+        where `takes_runs(node)`. `names`: the engine's names of the blocks (one each),
+        for the node's KV events."""
 
     def takes_runs(self, node: str) -> bool:
         """Whether one `put` to `node` may carry several runs of a chain (`runs`)."""
@@ -367,7 +369,8 @@ class GrpcPeerTransport:
 
     async def put(self, node: str, call: PeerCall, hashes: bytes, parent: bytes, position: int,
                   blocks: AsyncIterator[Framed], timeout_s: float,
-                  runs: Sequence[tuple[int, bytes | None, int]] = ()) -> tuple[int, int]:
+                  runs: Sequence[tuple[int, bytes | None, int]] = (),
+                  names: kvstore_pb2.EngineNames | None = None) -> tuple[int, int]:
         if runs:
             raise ValueError("a gRPC Put carries one run of a chain (takes_runs is False)")
         _, _, put = self._stubs(node)
@@ -375,6 +378,8 @@ class GrpcPeerTransport:
                                        keys=kvstore_pb2.BlockKeys(packed_hashes=hashes),
                                        num_blocks=len(hashes) // 16, parent_hash=parent, position=position,
                                        explicit_end=True)
+        if names is not None:
+            header.engine_names.CopyFrom(names)
 
         counters = self.counters
 

@@ -310,6 +310,8 @@ class Daemon:
             self.node = cluster
             self.auth.members = member_check(cluster)  # node-to-node calls: current members only
             cluster.admits = credential_check(lambda: self.tokens)  # units: nodes with a credential only
+            if self.kv_events is not None:  # forwards carry the names, so owners publish the same ones
+                cluster.forwarder.names = self.kv_events.forward_names
         await self._start_metrics(stack)
         # The host tier is not the first one when an HBM tier sits above it.
         host_tier = next(st.tier for st in store.tiers if st.name == HOST)

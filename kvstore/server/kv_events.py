@@ -438,13 +438,48 @@ class KvEventStreams:
             names = [None] * len(hashes)
             # Blocks named by kvstore hashes: the parent by its engine name if it has one.
             first_parent = None if parent is None else (self.names.name_of(ns, parent) or parent)
+        parents: list[int | bytes | None] | None = None
+        if engine is not None and engine.parents:
+            parents = [_engine_value(p, engine.integers) if p else None for p in engine.parents]
         recs: list[Name] = []
         prev = first_parent
         for i, h in enumerate(hashes):
             name = names[i]
-            recs.append((name, prev, tokens[i * stride:(i + 1) * stride] if tokens else None, lora))
+            recs.append((name, prev if parents is None else parents[i],
+                         tokens[i * stride:(i + 1) * stride] if tokens else None, lora))
             prev = name if name is not None else h
         self.names.offer(ns, hashes, recs)
+
+    def forward_names(self, namespace_id: bytes, hashes: Sequence[bytes]) -> kvstore_pb2.EngineNames | None:
+        """The names of blocks held here, for a forward of them to another daemon of the
+        pool (`kvstore.cluster.forward.Forwarder.names`): that node then publishes them
+        under the same names. A block without a name goes under its kvstore hash; None
+        when the names cannot go in one message (integers and bytes mixed) or there are
+        none to give."""
+        recs = self.names.of(namespace_id, hashes)
+        if all(r is None for r in recs):
+            return None
+        names = [r[0] if r is not None and r[0] is not None else h for h, r in zip(hashes, recs)]
+        integers = all(isinstance(n, int) for n in names)
+        if not integers and any(isinstance(n, int) for n in names):
+            return None
+
+        def raw(value: int | bytes | None) -> bytes:
+            """A name as the message carries it; b"" for none, or for a parent of the
+            other form (a block named by the engine after one named by kvstore)."""
+            if value is None or isinstance(value, int) != integers:
+                return b""
+            return value.to_bytes(8, "big") if isinstance(value, int) else value
+
+        # Each block's parent spelled out: a forward may carry several runs of a chain.
+        msg = kvstore_pb2.EngineNames(names=[raw(n) for n in names], integers=integers,
+                                      parents=[raw(r[1] if r is not None else None) for r in recs])
+        if all(r is not None and r[2] for r in recs):
+            msg.token_ids_packed = b"".join(r[2] for r in recs if r is not None and r[2] is not None)
+        loras = {r[3] for r in recs if r is not None}
+        if len(loras) == 1 and None not in loras:
+            msg.lora_name = loras.pop() or ""
+        return msg
 
     # ---------------------------------------------------------------- the observer
 

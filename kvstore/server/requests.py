@@ -83,8 +83,12 @@ def check_engine_names(names: kvstore_pb2.EngineNames, num_blocks: int, block_si
         if names.integers and len(name) != 8 or not 1 <= len(name) <= ENGINE_NAME_MAX_BYTES:
             raise InvalidArgument(f"engine_names.names[{i}] is {len(name)} bytes; names are 1..{ENGINE_NAME_MAX_BYTES} "
                                   "bytes, exactly 8 with engine_names.integers")
-    if names.parent and (names.integers and len(names.parent) != 8 or len(names.parent) > ENGINE_NAME_MAX_BYTES):
-        raise InvalidArgument(f"engine_names.parent is {len(names.parent)} bytes; it has the form of the names")
+    for what, parent in (("parent", names.parent), *((f"parents[{i}]", p) for i, p in enumerate(names.parents))):
+        if parent and (names.integers and len(parent) != 8 or len(parent) > ENGINE_NAME_MAX_BYTES):
+            raise InvalidArgument(f"engine_names.{what} is {len(parent)} bytes; it has the form of the names")
+    if names.parents and len(names.parents) != num_blocks:
+        raise InvalidArgument(f"engine_names has {len(names.parents)} parents for a put of {num_blocks} blocks; "
+                              "send one per block, or none")
     if names.token_ids_packed:
         if keyed_by_tokens:
             raise InvalidArgument("engine_names.token_ids_packed is for a put by hashes; this put sends token ids")
