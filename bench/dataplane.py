@@ -39,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvstore.client import Client, KVLayout  # noqa: E402
+from kvstore.client import Client, EngineNames, KVLayout  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from peers.common import free_port, measure, row  # noqa: E402
@@ -83,10 +83,12 @@ class Services:
     `auth`, also a daemon with a token file of two tenants that may use the shared-memory
     plane (and an admin, to see it is up), on a Unix socket only."""
 
-    def __init__(self, workdir: Path, host_capacity: str, redis: bool = True, auth: bool = False) -> None:
+    def __init__(self, workdir: Path, host_capacity: str, redis: bool = True, auth: bool = False,
+                 daemon_args: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
         self.procs: list[subprocess.Popen[bytes]] = []
         self.tokens: dict[str, str] = {}
+        self.daemon_args = daemon_args  # more `kvstore serve` flags for the main daemon
         try:
             self._start(host_capacity, redis)
             if auth:
@@ -123,8 +125,8 @@ class Services:
         log = open(workdir / "daemon.log", "wb")
         self.procs.append(subprocess.Popen(
             [sys.executable, str(ROOT / "server.py"), "--listen", f"unix:{self.sock},127.0.0.1:{self.kv_port}",
-             "--host-capacity", host_capacity, "--log-level", "warning", "--metrics-listen", "off"],
-            stdout=log, stderr=subprocess.STDOUT))
+             "--host-capacity", host_capacity, "--log-level", "warning", "--metrics-listen", "off",
+             *self.daemon_args], stdout=log, stderr=subprocess.STDOUT))
         echo = subprocess.Popen([sys.executable, str(ROOT / "bench" / "echo_server.py")], stdout=subprocess.PIPE)
         self.procs.append(echo)
         assert echo.stdout is not None
@@ -205,7 +207,9 @@ def bench_memcpy(block_bytes: int, batch: int, seconds: float, pool: ThreadPoolE
 
 
 def bench_kvstore(system: str, target: str, plane: str, block_bytes: int, batch: int, seconds: float,
-                  reserve_ahead: int = 0, put_only: bool = False) -> list[Result]:
+                  reserve_ahead: int = 0, put_only: bool = False, engine_names: bool = False) -> list[Result]:
+    """`engine_names`: each put also names its blocks as an engine would (vLLM's 64-bit
+    block hashes, EngineNames), for the daemon's KV events."""
     layout = layout_for(block_bytes)
     assert layout.bytes_per_block == block_bytes
     src = [np.random.randint(0, 255, block_bytes, dtype=np.uint8) for _ in range(batch)]
@@ -215,7 +219,8 @@ def bench_kvstore(system: str, target: str, plane: str, block_bytes: int, batch:
         assert kv.warm_up() == plane, f"{system} wanted the {plane} plane"
 
         def put(_: int) -> None:
-            kv.put(layout, None, src, block_hashes=[os.urandom(16) for _ in range(batch)])
+            names = EngineNames([int.from_bytes(os.urandom(8), "big") for _ in range(batch)]) if engine_names else None
+            kv.put(layout, None, src, block_hashes=[os.urandom(16) for _ in range(batch)], engine_names=names)
 
         puts = measure(put, seconds)
         if put_only:

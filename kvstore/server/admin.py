@@ -28,6 +28,7 @@ from kvstore.hashing import HASH_BYTES
 from kvstore.server.cluster import drain_proto, info_section, status_proto, where_proto
 from kvstore.server.events import EventBus, EventKind
 from kvstore.server.info import SECTIONS, render_info
+from kvstore.server.kv_events import KvEventStreams
 from kvstore.server.pool_node import NOT_IN_A_POOL, PoolNode
 from kvstore.server.requests import RequestResolver
 from kvstore.server.runtime import ConfigValue, RuntimeConfig
@@ -132,6 +133,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         absent_tiers: Sequence[tuple[str, str]] = (),
         calls_in_flight: Callable[[], Mapping[str, int]] | None = None,
         gc_pauses: Callable[[], GcPauses] | None = None,
+        kv_events: KvEventStreams | None = None,
     ) -> None:
         self.store = store
         self.runtime = runtime
@@ -141,6 +143,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.absent_tiers = list(absent_tiers)
         self._calls_in_flight = calls_in_flight
         self.gc_pauses = gc_pauses
+        self.kv_events = kv_events
         self.started = time.monotonic()
 
     async def Stats(self, request: admin_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.StatsResponse:
@@ -167,10 +170,19 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     def _events_section(self) -> str:
         bus = self.bus
-        return "\n".join([
-            "# Events", f"event_subscribers:{bus.subscribers}", f"events_published:{bus.published}",
-            f"events_dropped:{bus.dropped}", f"events_queue:{bus.queue_size}", "",
-        ])
+        lines = ["# Events", f"event_subscribers:{bus.subscribers}", f"events_published:{bus.published}",
+                 f"events_dropped:{bus.dropped}", f"events_queue:{bus.queue_size}"]
+        kv = self.kv_events
+        lines.append(f"kv_events:{'on' if kv is not None else 'off'}")
+        if kv is not None:  # the streams in vLLM's format (kvstore.server.kv_events), by tenant
+            for st in kv.stats():
+                c = st.counters
+                lines += [f"kv_events_{st.tenant}_endpoint:{st.endpoint}",
+                          f"kv_events_{st.tenant}_replay_endpoint:{st.replay_endpoint or '-'}",
+                          f"kv_events_{st.tenant}_batches:{c.batches}", f"kv_events_{st.tenant}_published:{c.events}",
+                          f"kv_events_{st.tenant}_dropped:{c.dropped_events}", f"kv_events_{st.tenant}_replays:{c.replays}"]
+            lines += [f"kv_events_resyncs:{kv.resyncs}", f"kv_events_named_blocks:{len(kv.names)}"]
+        return "\n".join([*lines, ""])
 
     def _tenants_section(self) -> str:
         """One line per tenant: bytes held and quota per tier, namespaces, calls in flight."""

@@ -415,7 +415,7 @@ class Daemon:
                                    cfg.chunk_bytes, cfg.max_put_reserve_bytes, cfg.put_idle_timeout_s, transfers)
         add_kvstore_servicer(servicer, server)
         admin = AdminServicer(store, self.runtime, self.events, node, resolver, absent, lambda: self.auth.in_flight,
-                              self.gc_freezer.pauses)
+                              self.gc_freezer.pauses, self.kv_events)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

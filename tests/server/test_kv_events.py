@@ -409,6 +409,12 @@ def test_kvstore_events_format_vllm(tmp_path, capsys):
         assert main(["events", "--format", "vllm", "--endpoint", endpoint, "--replay", replay, "--replay", replay]) == 2
         assert main(["events", "--endpoint", endpoint, "--target", d.unix_target]) == 2
         assert "--format vllm" in capsys.readouterr().out
+        # INFO's events section names the stream and its figures.
+        assert main(["info", "events", "--target", d.unix_target]) == 0
+        section = capsys.readouterr().out
+        for line in ("kv_events:on", f"kv_events_default_endpoint:{endpoint}", "kv_events_default_batches:3",
+                     "kv_events_default_published:3", "kv_events_default_dropped:0", "kv_events_default_replays:1"):
+            assert line in section.splitlines(), (line, section)
 
 
 def test_a_batch_decodes_as_vllms_structs_encode(tmp_path, readers):
