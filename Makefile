@@ -10,7 +10,7 @@ NATIVE_SOURCES := $(wildcard kvstore/_native/*.c kvstore/_native/*.h)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: all setup stubs run run-cluster test etcd test-gpu bench bench-deps bench-peers bench-tiers bench-scale bench-cluster bench-net bench-auth soak fuzz lint clean
+.PHONY: all setup stubs run run-cluster test etcd test-gpu bench bench-deps bench-peers bench-tiers bench-scale bench-cluster bench-net bench-auth bench-kv-events soak fuzz lint clean
 
 all: setup
 
@@ -103,6 +103,13 @@ bench-net: setup
 # it was chosen among timed beside. About 2 minutes. Results: bench/results/block_auth.json.
 bench-auth: setup
 	$(PY) bench/block_auth.py
+
+# KV events in vLLM's format under load (docs/operations.md): the data plane benchmark's
+# kvstore cells with the stream off, and on with a subscriber attached, in alternating
+# rounds; both throughputs and the event rate the subscriber got. About 3 minutes
+# (QUICK=1: 1 MiB cells, one round). Results: bench/results/kv_events.json and .md.
+bench-kv-events: setup
+	$(PY) bench/kv_events.py $(if $(QUICK),--quick,)
 
 # The tiers' benchmarks: SSD tier vs dd O_DIRECT on the same directory
 # (SSD_BENCH_DIR, default: under the current one), then the SSD codec's ratio on KV

@@ -292,6 +292,32 @@ def test_each_tenant_sees_only_its_own_blocks(tmp_path, readers):
             assert set(stored_names(ev_a)) == {11, 12, 13}
 
 
+def test_after_a_restart_a_tenants_recovered_blocks_wait_for_its_requests(tmp_path, readers):
+    """With a token file, blocks recovered from SSD have no known tenant until a request of
+    their tenant names their layout: then they are published on that tenant's stream, and
+    on no other."""
+    toks = Tokens(tmp_path / "tokens.toml", ("alpha", "gamma"))
+    cfg = make_config(tmp_path, auth_token_file=str(toks.path), ssd_path=str(tmp_path / "ssd"),
+                      ssd_capacity=8 << 20, ssd_region_size=1 << 20,
+                      kv_events_endpoint=("alpha=tcp://127.0.0.1:0", "gamma=tcp://127.0.0.1:0"),
+                      kv_events_replay_endpoint=("alpha=tcp://127.0.0.1:0", "gamma=tcp://127.0.0.1:0"))
+    mine = tokens(3, 4)
+    with daemon_in_thread(cfg) as d, Client(d.unix_target, token=toks.tokens["alpha"]) as a:
+        a.put(LAYOUT, mine, blocks(3, 4))
+        wait_until(lambda: d.store.pending_ssd_writes == 0, "the put on SSD")
+    with daemon_in_thread(cfg) as d:
+        ra, rg = reader_for(d, "alpha"), reader_for(d, "gamma")
+        readers += [ra, rg]
+        assert ra.wait_for(lambda ev: len(ev) >= 1, "alpha's start") == [{"type": "AllBlocksCleared"}]
+        with Client(d.unix_target, token=toks.tokens["alpha"]) as a:
+            assert a.lookup(LAYOUT, mine).num_blocks == 3  # names the layout: the blocks are alpha's
+            ev = ra.wait_for(lambda ev: len(router_view(ev)) == 3, "alpha's recovered blocks")
+        assert router_view(ev) == {(h, "STORAGE") for h in hashes_of(mine)}
+        # Gamma's stream has said nothing but its start; alpha's announcement came after
+        # the lookup, so gamma's would have been published by then too.
+        assert rg.wait_for(lambda ev: len(ev) >= 1, "gamma's start") == [{"type": "AllBlocksCleared"}]
+
+
 def test_stream_settings_are_checked(tmp_path):
     def cfg(**kw: Any) -> Config:
         return replace(make_config(tmp_path), **kw)
