@@ -1,8 +1,9 @@
 """KV events in vLLM's format: what the daemon holds, for KV-aware routers that read vLLM's
 KV event stream (llm-d's KV indexer, Dynamo's router, Mooncake's conductor).
 
-The events are vLLM 0.32's (`vllm/distributed/kv_events.py`): a batch is the msgpack array
-`[ts, events]`, each event a msgpack map tagged `"type"`:
+The events are vLLM 0.32's (`vllm/distributed/kv_events.py`), byte for byte as vLLM's
+own encoder writes them: a batch is the msgpack array `[ts, events, data_parallel_rank]`
+(rank 0, as vLLM without data parallelism sends it), each event a map tagged `"type"`:
 
 - `BlockStored`: blocks became visible in a tier: `block_hashes` (a chain: each block's
   parent is the one before it), `parent_block_hash` (of the first), `token_ids` (the
@@ -33,6 +34,10 @@ What the fields say here:
   recovery found, named by kvstore hashes (engine names live in memory only).
 - Grouped layouts (kvstore.groups): each group's parts are events of their own, with the
   group's index, kind and window.
+- A pool: each node publishes its own blocks; a forward to a unit's owner carries the
+  names this node keeps (`forward_names`, the forwarder's hook), so the owner publishes
+  the block under the engine's name too. Copies pulled after a remote lookup arrive
+  without names and are published under their kvstore hashes.
 
 Tenants. Each stream is one tenant's (`kv_events_endpoint = TENANT=ENDPOINT,...` with a
 token file; without one the only tenant is `default`): a block is published only on its
@@ -49,8 +54,8 @@ of the tenant (a snapshot taken in one step, so nothing falls between it and the
 after it); until then its events are dropped (and counted), since the resync covers them.
 
 Primitives: `StreamSpec`, `parse_streams`, `check_kv_events_exposure`, `BlockNames`,
-`KvEventStreams` (the store observer: `start`, `offer_put`, `announce_recovered`, `close`,
-`stats`), `KvEventsCollector` (`kvstore_kv_events_*`), `ObserverFanout`, `encode_events`,
+`KvEventStreams` (the store observer: `start`, `offer_put`, `forward_names`,
+`announce_recovered`, `close`, `stats`), `KvEventsCollector` (`kvstore_kv_events_*`), `ObserverFanout`, `encode_events`,
 `MEDIUM`.
 """
 

@@ -259,7 +259,9 @@ class ZmqPublisher:
             s = self._streams[index]
             try:
                 maps = self.encode(events)
-                payload = packer.pack([ts, maps])
+                # [ts, events, data_parallel_rank]: vLLM's publisher fills in its rank (0
+                # without data parallelism), and some readers expect the third element.
+                payload = packer.pack([ts, maps, 0])
                 seq = s.seq.to_bytes(8, "big")
                 s.pub.send_multipart((self._topic, seq, payload), flags=zmq.NOBLOCK)
             except zmq.Again:

@@ -210,3 +210,29 @@ def test_the_connectors_blocks_carry_the_engines_own_hashes(tiny_model, prompts,
     # Every full prompt block the connector saved is in the daemon's events.
     saved = sorted(h for e in kept for h in e.block_hashes)
     assert len(saved) == expected == len(set(saved))
+
+
+def test_the_daemons_batches_are_byte_for_byte_what_vllm_encodes():
+    """A batch as the daemon's publisher packs it (`ZmqPublisher`: [ts, events, 0]) equals
+    vLLM's own msgspec encoding of the same events: field order, the fields left out,
+    integers and bytes alike."""
+    import msgpack
+
+    from kvstore.server.kv_events import encode_events
+
+    ours = [("S", [11, 12], None, b"".join(i.to_bytes(4, "little") for i in range(8)), 4, "CPU", None, 0,
+             "full_attention", None),
+            ("S", [b"\x01" * 16], 12, None, 4, "STORAGE", "adapter", 1, "sliding_window", 128),
+            ("R", [11], "CPU", 0), ("C",)]
+    payload = msgpack.Packer(use_bin_type=True).pack([1.5, encode_events(ours, "LOCAL", "node-a"), 0])
+    # data_parallel_rank 0: what vLLM's publisher sets before it sends a batch.
+    theirs = V.KVEventBatch(ts=1.5, data_parallel_rank=0, events=[
+        V.BlockStored(block_hashes=[11, 12], parent_block_hash=None, token_ids=list(range(8)), block_size=4,
+                      lora_id=None, medium="CPU", lora_name=None, group_idx=0, kv_cache_spec_kind="full_attention",
+                      locality="LOCAL", ownership="node-a"),
+        V.BlockStored(block_hashes=[b"\x01" * 16], parent_block_hash=12, token_ids=[], block_size=4, lora_id=None,
+                      medium="STORAGE", lora_name="adapter", group_idx=1, kv_cache_spec_kind="sliding_window",
+                      kv_cache_spec_sliding_window=128, locality="LOCAL", ownership="node-a"),
+        V.BlockRemoved(block_hashes=[11], medium="CPU", group_idx=0, locality="LOCAL", ownership="node-a"),
+        V.AllBlocksCleared()])
+    assert payload == msgspec.msgpack.Encoder().encode(theirs)

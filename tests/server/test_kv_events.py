@@ -445,7 +445,8 @@ def test_kvstore_events_format_vllm(tmp_path, capsys):
 
 def test_a_batch_decodes_as_vllms_structs_encode(tmp_path, readers):
     """The wire, byte for byte where it is fixed: the three frames, the 8-byte sequence, a
-    batch as [ts, events] and each event a map whose first key is its type."""
+    batch as [ts, events, data_parallel_rank] and each event a map whose first key is its
+    type."""
     with daemon_in_thread(kv_config(tmp_path, kv_events_topic="kv@pod-1@test/events")) as d, \
             Client(d.unix_target) as kv:
         endpoint, _ = d.daemon.kv_events.bound["default"]
@@ -461,7 +462,7 @@ def test_a_batch_decodes_as_vllms_structs_encode(tmp_path, readers):
             topic, seq, payload = sub.recv_multipart()
             assert topic == b"kv@pod-1@test/events" and len(seq) == 8
             batch = msgpack.unpackb(payload, raw=False)
-            assert len(batch) == 2 and isinstance(batch[0], float)
+            assert len(batch) == 3 and isinstance(batch[0], float) and batch[2] == 0  # [ts, events, dp rank]
             (event,) = batch[1]
             assert list(event)[:5] == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size"]
         finally:
