@@ -224,7 +224,8 @@ def bench_kvstore(system: str, target: str, plane: str, block_bytes: int, batch:
 
         puts = measure(put, seconds)
         if put_only:
-            return [result(system, "put", block_bytes, batch, puts, "two round trips per put (LocalPut, LocalCommit)")]
+            two_trips = "two round trips per put (LocalPut, LocalCommit)" if plane == "local" else ""
+            return [result(system, "put", block_bytes, batch, puts, note or two_trips)]
         hashes = [os.urandom(16) for _ in range(batch)]
         kv.put(layout, None, src, block_hashes=hashes)
 

@@ -1,18 +1,21 @@
-"""KV events in vLLM's format under load: the data plane benchmark's kvstore cells with the
-stream off, next to the same cells with the stream on and a subscriber attached, in
+"""KV events in vLLM's format under load: the data plane benchmark's kvstore put cells with
+the stream off, next to the same cells with the stream on and a subscriber attached, in
 alternating rounds, and the event rate the daemon sustained (what the subscriber got).
 
-Cells (bench/dataplane.py's `bench_kvstore`, batch 32, each put naming its blocks with
-64-bit engine names as vLLM's connector does): kvstore-shm (one round trip per put) and
-kvstore-grpc at 1 MiB blocks, and kvstore-shm at 16 KiB blocks (many small blocks: the
-most events per byte moved). Every put is one BlockStored event of 32 block names.
+Cells (bench/dataplane.py's `bench_kvstore`, puts only: fetches publish nothing; batch
+32, each put naming its blocks with 64-bit engine names as vLLM's connector does):
+kvstore-shm (one round trip per put) and kvstore-grpc at 1 MiB blocks, and kvstore-shm at
+16 KiB blocks (many small blocks: the most events per byte moved). Every put is one
+BlockStored event of 32 block names; what the puts evict from the host tier adds
+BlockRemoved events.
 
 The subscriber is a process of its own (`--subscribe`): a ZMQ SUB socket on the stream,
 every batch decoded (msgpack), sequence gaps filled from the replay endpoint and counted.
 Around each cell the benchmark reads its counts and the daemon's
 (`kvstore_kv_events_batches_total`); the event rate is the events the subscriber received
-over the seconds the cell's puts took (the puts' stores and the removals of what they
-evicted), and every batch the daemon published must have reached it.
+over the seconds the cell's puts took, and every batch the daemon published must have
+reached it. Next to the wall-clock figures, which a loaded machine moves, the daemon's CPU
+time per put (user + system, every thread, from /proc) says what the stream costs it.
 
     python bench/kv_events.py [--rounds 3] [--seconds 2] [--quick]
 
@@ -133,6 +136,13 @@ class Subscriber:
 # ------------------------------------------------------------------ the benchmark
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time a process has used (user + system, all its threads): what a cell cost the
+    daemon, which the machine's other load slows but does not add to."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def scrape(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
@@ -163,12 +173,18 @@ def run_mode(on: bool, seconds: float, sizes: set[int]) -> dict[str, Any]:
                 target = f"unix:{services.sock}" if plane == "local" else f"127.0.0.1:{services.kv_port}"
                 before = sub.counts() if sub is not None else None
                 published_before = scrape(metrics).get(BATCHES, 0.0)
+                daemon_pid = services.procs[0].pid
+                cpu_before = cpu_seconds(daemon_pid)
                 rows = bench_kvstore(system, target, plane, size, BATCH, seconds,
-                                     reserve_ahead=BATCH if plane == "local" else 0, engine_names=True)
+                                     reserve_ahead=BATCH if plane == "local" else 0, engine_names=True,
+                                     put_only=True)
+                cpu = cpu_seconds(daemon_pid) - cpu_before
                 put = next(r for r in rows if r.op == "put")
                 put_seconds = put.calls * BATCH / put.ops_per_s
                 cell: dict[str, Any] = {"system": system, "block_bytes": size,
-                                        "rows": [r.__dict__ for r in rows], "put_seconds": put_seconds}
+                                        "rows": [r.__dict__ for r in rows], "put_seconds": put_seconds,
+                                        # the timed puts and the warm-up one
+                                        "daemon_cpu_us_per_put": cpu / (put.calls + 1) * 1e6}
                 if sub is not None and before is not None:
                     # Stores of the puts, and the removals of what they evicted from the host tier.
                     published = int(scrape(metrics).get(BATCHES, 0.0) - published_before)
@@ -223,7 +239,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per cell and op: the median GB/s with the stream off and on, and the event rates."""
     out = []
     for system, _, size in CELLS:
-        for op in ("put", "fetch"):
+        for op in ("put",):
             def gbps(on: bool) -> list[float]:
                 return [row["gbps"] for run in runs if run["on"] == on for c in run["cells"]
                         if c["system"] == system and c["block_bytes"] == size for row in c["rows"] if row["op"] == op]
@@ -235,6 +251,13 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                      "gbps_off": statistics.median(off_v), "gbps_on": statistics.median(on_v),
                                      "gbps_off_all": off_v, "gbps_on_all": on_v}
             entry["ratio"] = entry["gbps_on"] / entry["gbps_off"]
+
+            def cpu(on: bool) -> list[float]:
+                return [c["daemon_cpu_us_per_put"] for run in runs if run["on"] == on for c in run["cells"]
+                        if c["system"] == system and c["block_bytes"] == size]
+
+            entry["cpu_us_off_all"], entry["cpu_us_on_all"] = cpu(False), cpu(True)
+            entry["cpu_us_off"], entry["cpu_us_on"] = statistics.median(cpu(False)), statistics.median(cpu(True))
             if op == "put":
                 cells = [c for run in runs if run["on"] for c in run["cells"]
                          if c["system"] == system and c["block_bytes"] == size]
@@ -250,14 +273,18 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def render(report: list[dict[str, Any]], rounds: int) -> str:
     lines = [f"# KV events (vLLM's format) under the data plane benchmark, {rounds} alternating rounds, medians",
              "", f"machine: {os.uname().nodename} {os.cpu_count()} cores; batch {BATCH}; every put names its blocks",
-             "", "| cell | op | GB/s, stream off | GB/s, stream on + subscriber | on/off | events/s | block names/s "
-             "| batches received / published |", "|---|---|---|---|---|---|---|---|"]
+             "", "| put cell | GB/s, stream off | GB/s, stream on + subscriber | on/off | daemon CPU us/put, off "
+             "| on | on/off | events/s | block names/s | batches received / published |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for e in report:
         size = f"{e['block_bytes'] // KIB} KiB" if e["block_bytes"] < MIB else f"{e['block_bytes'] // MIB} MiB"
-        extra = (f"{e['events_per_s']:,.0f} | {e['blocks_per_s']:,.0f} | {e['received_of_published'][0]} / "
-                 f"{e['received_of_published'][1]}") if e["op"] == "put" else "- | - | -"
-        lines.append(f"| {e['system']} {size} | {e['op']} | {e['gbps_off']:.2f} | {e['gbps_on']:.2f} | "
-                     f"{e['ratio']:.2f} | {extra} |")
+        lines.append(f"| {e['system']} {size} | {e['gbps_off']:.2f} | {e['gbps_on']:.2f} | {e['ratio']:.2f} | "
+                     f"{e['cpu_us_off']:,.0f} | {e['cpu_us_on']:,.0f} | {e['cpu_us_on'] / e['cpu_us_off']:.2f} | "
+                     f"{e['events_per_s']:,.0f} | {e['blocks_per_s']:,.0f} | {e['received_of_published'][0]} / "
+                     f"{e['received_of_published'][1]} |")
+    lines += ["", "GB/s and events/s are wall-clock figures (the machine's other load moves them); the daemon's CPU "
+              "time per put is what each put cost it, the stream's work included. Each put is one BlockStored of "
+              f"{BATCH} names; evictions from the host tier add BlockRemoved events."]
     return "\n".join(lines) + "\n"
 
 

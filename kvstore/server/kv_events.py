@@ -47,7 +47,8 @@ with a token file; they are published once a request of their tenant names the l
 
 Bounded. The observer hooks run on the event loop: they build small tuples and append
 them to the stream's batch; the batch is handed to the publisher thread
-(`kvstore.server.zmq_publisher`) once per loop iteration, where it is packed and sent.
+(`kvstore.server.zmq_publisher`) 5 ms after its first event (`FLUSH_AFTER_S`: one hand-off
+for many puts under load), where it is packed and sent.
 When the publisher's queue is full, the batch is dropped and counted, and the stream
 resyncs as soon as there is room: `AllBlocksCleared`, then `BlockStored` for every block
 of the tenant (a snapshot taken in one step, so nothing falls between it and the events
@@ -98,6 +99,10 @@ PENDING_NAMES = 1 << 18
 EVENT_BLOCKS = 1024
 SNAPSHOT_BATCH_EVENTS = 64
 RESYNC_RETRY_S = 0.05
+# Events are gathered this long before they go to the publishing thread as one batch: each
+# hand-off wakes the thread (and takes the interpreter lock from the loop), so under load
+# many puts share one; a router hears of a block this much later at most.
+FLUSH_AFTER_S = 0.005
 ADOPTION_CHECK_S = 1.0
 
 # One block's names: (engine name or None for its kvstore hash, the parent's name or None,
@@ -364,7 +369,7 @@ class KvEventStreams:
             [StreamEndpoints(s.endpoint, s.replay_endpoint, connect) for s in self.specs], topic,
             buffer_steps=buffer_steps, hwm=hwm, max_queue_size=max_queue_size,
             encode=lambda events: encode_events(events, "LOCAL", self.ownership))
-        self._flush_handle: asyncio.Handle | None = None
+        self._flush_handle: asyncio.TimerHandle | None = None
         self._retry: asyncio.TimerHandle | None = None
         self._unannounced: set[bytes] = set()
         self._adoption_task: asyncio.Task[None] | None = None
@@ -611,7 +616,7 @@ class KvEventStreams:
 
     def _schedule_flush(self) -> None:
         if self._flush_handle is None and not self._closed:
-            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+            self._flush_handle = asyncio.get_running_loop().call_later(FLUSH_AFTER_S, self._flush)
 
     def _flush(self) -> None:
         """Hand each stream's batch to the publisher (a long one, a snapshot's, in parts)."""

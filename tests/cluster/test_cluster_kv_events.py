@@ -7,6 +7,7 @@ finds: a prefix held by any node is a hit from every node. Checked against real 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,10 @@ from tests.kv_events_reader import StreamReader
 
 LAYOUT = SMALL_LAYOUT
 N = 24
+
+
+# The daemons run on the test's own loop: a reader waits in a thread (asyncio.to_thread),
+# or the daemons could not publish what it waits for.
 
 
 def reader(d: Daemon) -> StreamReader:
@@ -62,8 +67,9 @@ async def test_a_router_reading_every_node_knows_what_the_pool_holds(tmp_path: P
                 put = await kv.put(LAYOUT, tokens, blocks, wait_for_owners=True, engine_names=EngineNames(names))
             assert put.owner_committed_blocks == put.forwarded_blocks > 0
 
-            va = held(ra.wait_for(lambda ev: len(held(ev)) == N, "node a's blocks"))
-            vb = held(rb.wait_for(lambda ev: len(held(ev)) >= put.forwarded_blocks, "the forwards on node b"))
+            va = held(await asyncio.to_thread(ra.wait_for, lambda ev: len(held(ev)) == N, "node a's blocks"))
+            vb = held(await asyncio.to_thread(rb.wait_for, lambda ev: len(held(ev)) >= put.forwarded_blocks,
+                                              "the forwards on node b"))
             # Each node says it holds the blocks under the engine's names, with its own id.
             assert set(va) == set(names)
             assert set(vb) <= set(names) and len(vb) == put.forwarded_blocks
@@ -87,7 +93,7 @@ async def test_a_router_reading_every_node_knows_what_the_pool_holds(tmp_path: P
             # them for no node: it can miss a hit there, never promise a miss.)
             async with AsyncClient(unix_target(a)) as kv:
                 await kv.delete(LAYOUT, tokens)
-            va = held(ra.wait_for(lambda ev: not held(ev), "node a emptied"))
+            va = held(await asyncio.to_thread(ra.wait_for, lambda ev: not held(ev), "node a emptied"))
             vb = held(rb.events())
             expect = predicted(names, [va, vb])
             assert expect < N

@@ -15,6 +15,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -112,16 +113,22 @@ def test_vllms_decoders_read_every_event_a_daemon_publishes(tmp_path, readers):
 
             # A gap: the subscriber is away while two batches go by; the replay fills them.
             r.unsubscribe()
+            kept, last = len(r.batches), r.last
+            assert last is not None
             kv.put(LAYOUT, list(range(50, 50 + BS)), [bytes(1024)], engine_names=EngineNames([50]))
             kv.put(LAYOUT, list(range(60, 60 + BS)), [bytes(1024)], engine_names=EngineNames([60]))
+            deadline = time.monotonic() + 30
+            while not r.replay(last + 1):  # published (the daemon gathers a few ms of events per batch)
+                assert time.monotonic() < deadline, "the puts were never published"
+                time.sleep(0.01)
             r.subscribe()
             i = 0
-            while not any(b.via == "live" for b in r.batches[3:]):
+            while not any(b.via == "live" for b in r.batches[kept:]):
                 kv.put(LAYOUT, list(range(70 + i * BS, 70 + (i + 1) * BS)), [bytes(1024)],
                        engine_names=EngineNames([700 + i]))
                 i += 1
                 r.sync(replay_first=False)
-            assert r.gaps_filled and r.gaps_filled[0][0] == 3
+            assert r.gaps_filled and r.gaps_filled[0][0] == last + 1
 
             # Moves to SSD, then a delete and a flush.
             cli("evict", "--tier", "host", "--bytes", "1GiB", "--target", d.target)
