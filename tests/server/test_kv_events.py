@@ -27,8 +27,9 @@ import zmq
 from conftest import daemon_in_thread, make_config
 
 from kvstore.cli.main import main
-from kvstore.client import Client, EngineNames, KVLayout
+from kvstore.client import Client, EngineNames, GroupKind, KVGroup, KVLayout
 from kvstore.errors import ConfigError, InvalidArgument
+from kvstore.groups import needed
 from kvstore.hashing import block_hashes as chain_hashes
 from kvstore.server.auth import new_token
 from kvstore.server.config import Config, load_config
@@ -173,6 +174,33 @@ def test_a_gap_is_filled_from_the_replay_endpoint(tmp_path, readers):
         assert r.gaps_filled and r.gaps_filled[0][0] == 1  # the batches missed were asked for again
         assert r.contiguous()
         assert stored_names(r.events()) == [1000 + k for k in range(i)]
+
+
+def test_a_grouped_layout_publishes_each_groups_parts(tmp_path, readers):
+    """Full attention, a sliding window and a state: each group's parts are events of
+    their own (its index, kind and window), under the names the put gave the blocks."""
+    hybrid = KVLayout(model="test/events-hybrid", dtype="bfloat16", num_layers=3, num_kv_heads=1, head_dim=8,
+                      block_size_tokens=BS, groups=(
+                          KVGroup("full", GroupKind.FULL, "bfloat16", (2, 1, BS, 1, 8)),
+                          KVGroup("swa", GroupKind.SLIDING_WINDOW, "bfloat16", (2, 1, BS, 1, 8), window_tokens=9),
+                          KVGroup("ssm", GroupKind.STATE, "float32", (32,))))
+    n = 6
+    parts = [{g.name: os.urandom(g.bytes_per_block) for g in hybrid.groups} for _ in range(n)]
+    with daemon_in_thread(kv_config(tmp_path)) as d, Client(d.unix_target) as kv:
+        r = reader_for(d)
+        readers.append(r)
+        kv.put(hybrid, tokens(n, 9), parts, engine_names=EngineNames([900 + i for i in range(n)]))
+        stored = {}
+        for need in needed(hybrid, n):  # the parts the put keeps, per group
+            stored[need.group] = [900 + j for j in range(need.start, need.stop)]
+        ev = r.wait_for(lambda ev: sum(len(e["block_hashes"]) for e in of_type(ev, "BlockStored")) ==
+                        sum(map(len, stored.values())), "every part's event")
+        got: dict[int, list[int]] = {}
+        for e in of_type(ev, "BlockStored"):
+            got.setdefault(e["group_idx"], []).extend(e["block_hashes"])
+            assert e["kv_cache_spec_kind"] == ("full_attention", "sliding_window", "mamba")[e["group_idx"]]
+            assert e.get("kv_cache_spec_sliding_window") == (9 if e["group_idx"] == 1 else None)
+        assert got == {g: names for g, names in stored.items() if names}
 
 
 # ------------------------------------------------------------------ slow consumers
@@ -393,6 +421,33 @@ def test_an_ipc_stream_is_the_daemons_uid_only(tmp_path, readers):
         kv.put(LAYOUT, tokens(1, 1), blocks(1, 1), engine_names=EngineNames([b"vllm-name"]))
         assert stored_names(r.wait_for(lambda ev: stored_names(ev), "a store")) == [b"vllm-name"]
     assert not path.exists()
+
+
+def test_the_stream_connects_to_a_collector_that_binds(tmp_path):
+    """`kv_events_connect`: the daemon's PUB socket connects to a router's SUB socket that
+    binds (llm-d's indexer in its centralized mode), instead of the router connecting."""
+    ctx = zmq.Context()
+    collector = ctx.socket(zmq.SUB)
+    collector.setsockopt(zmq.SUBSCRIBE, b"")
+    collector.bind("tcp://127.0.0.1:0")
+    try:
+        endpoint = collector.getsockopt_string(zmq.LAST_ENDPOINT)
+        cfg = make_config(tmp_path, kv_events_endpoint=(endpoint,), kv_events_connect=True)
+        with daemon_in_thread(cfg) as d, Client(d.unix_target) as kv:
+            i = 0
+            seen: list[Any] = []
+            while not seen:  # puts until the connection has taken hold and one arrives
+                if collector.poll(50):
+                    _, _, payload = collector.recv_multipart()
+                    seen += [h for e in msgpack.unpackb(payload, raw=False)[1] for h in e.get("block_hashes", ())]
+                else:
+                    kv.put(LAYOUT, tokens(1, 70 + i), blocks(1, i), engine_names=EngineNames([700 + i]))
+                    i += 1
+                    assert i < 2000, "nothing reached the collector"
+            assert set(seen) <= {700 + k for k in range(i)}
+    finally:
+        collector.close(linger=0)
+        ctx.term()
 
 
 # ------------------------------------------------------------------ the names a put carries
