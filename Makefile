@@ -106,7 +106,7 @@ bench-auth: setup
 
 # KV events in vLLM's format under load (docs/operations.md): the data plane benchmark's
 # kvstore cells with the stream off, and on with a subscriber attached, in alternating
-# rounds; both throughputs and the event rate the subscriber got. About 3 minutes
+# rounds; both throughputs and the event rate the subscriber got. About 5 minutes
 # (QUICK=1: 1 MiB cells, one round). Results: bench/results/kv_events.json and .md.
 bench-kv-events: setup
 	$(PY) bench/kv_events.py $(if $(QUICK),--quick,)
