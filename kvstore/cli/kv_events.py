@@ -160,6 +160,7 @@ def cmd_vllm_events(args: argparse.Namespace) -> int:
             try:
                 sub.connect(endpoint)
             except zmq.ZMQError as exc:
+                sub.close(linger=0)  # an open socket would hold ctx.term() below for ever
                 print(f"kvstore events: cannot connect to {endpoint}: {exc.strerror}")
                 return EXIT_ERROR
             sub.setsockopt(zmq.SUBSCRIBE, args.topic.encode())

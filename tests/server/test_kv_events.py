@@ -509,6 +509,9 @@ def test_kvstore_events_format_vllm(tmp_path, capsys):
         assert main(["events", "--format", "vllm", "--endpoint", endpoint, "--replay", replay, "--replay", replay]) == 2
         assert main(["events", "--endpoint", endpoint, "--target", d.unix_target]) == 2
         assert "--format vllm" in capsys.readouterr().out
+        # An endpoint ZMQ cannot parse is an error that says so, and the command returns.
+        assert main(["events", "--format", "vllm", "--endpoint", "127.0.0.1:5557"]) == 1
+        assert "cannot connect to 127.0.0.1:5557" in capsys.readouterr().out
         # INFO's events section names the stream and its figures.
         assert main(["info", "events", "--target", d.unix_target]) == 0
         section = capsys.readouterr().out
