@@ -555,13 +555,16 @@ class Store:
         return await self.moves.verify([e for i in self.groups.part_ids(info) for h in hashes
                                         if (e := self.index.get(make_key(i, h))) is not None])
 
-    def hint(self, namespace_id: bytes, hashes: Sequence[bytes], session_id: str, expect_reuse_within_s: float) -> int:
+    def hint(self, namespace_id: bytes, hashes: Sequence[bytes], session_id: str, expect_reuse_within_s: float,
+             *, carried_by: str = "") -> int:
         """Tell each tier's policy that `session_id` will reuse the named blocks soon.
 
         Only blocks present are hinted; returns how many. Policies without hint support
         ignore it, so a hint never changes correctness, only what is evicted first.
+        `carried_by` ("lookup" or "put") counts the request the hint came with.
         """
         check_hint(session_id, expect_reuse_within_s)
+        self.count_hint(carried_by)
         info = self._enter(namespace_id, hashes)
         by_tier: dict[str, list[bytes]] = {}
         present = 0
@@ -578,9 +581,17 @@ class Store:
             self._by_name[name].policy.hint(keys, session_id, expect_reuse_within_s)
         return present
 
+    def count_hint(self, carried_by: str) -> None:
+        """Count a lookup or a put that carried a session hint (`StoreCounters.hinted_*`)."""
+        if carried_by == "lookup":
+            self.counters.hinted_lookups += 1
+        elif carried_by == "put":
+            self.counters.hinted_puts += 1
+
     def end_session(self, session_id: str) -> None:
         """Release the protection every tier holds for `session_id`."""
         check_hint(session_id, 1.0)
+        self.counters.sessions_ended += 1
         for st in self.tiers:
             st.policy.end_session(session_id)
 

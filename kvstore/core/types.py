@@ -100,6 +100,11 @@ class StoreCounters:
     group_parts_stored: int = 0
     group_bytes_skipped: int = 0
     group_parts_dropped: int = 0
+    # Session hints (docs/policies.md): lookups and puts that carried one, and sessions
+    # ended; what engines' per-request hints reach the store as.
+    hinted_lookups: int = 0
+    hinted_puts: int = 0
+    sessions_ended: int = 0
     # The store's tiers' counters, top first (tier id i + 1 is tiers[i]): where a lookup's
     # hits and misses per tier go. Not part of a snapshot.
     tiers: tuple[TierCounters, ...] = field(default=(), repr=False, compare=False)

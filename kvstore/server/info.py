@@ -77,7 +77,8 @@ def render_info(
         out += [f"fetches:{c.fetches}", f"blocks_fetched:{c.blocks_fetched}"]
         out += _bytes_line("bytes_out", c.bytes_out)
         out += [f"deletes:{c.deletes}", f"evictions:{c.evictions}", f"checksum_failures:{c.checksum_failures}",
-                f"leases_active:{status.leases_active}", ""]
+                f"leases_active:{status.leases_active}", f"hinted_lookups:{c.hinted_lookups}",
+                f"hinted_puts:{c.hinted_puts}", f"sessions_ended:{c.sessions_ended}", ""]
     if section in ("", "namespaces"):
         out.append("# Namespaces")
         out.append(f"namespaces:{status.namespaces}")

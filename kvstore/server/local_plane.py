@@ -250,7 +250,8 @@ class LocalPlaneService:
         if header is not None:
             session = self.resolver.put_session(header)
             if session:
-                self.store.hint(result.namespace_id, result.block_hashes, session, header.hint.expect_reuse_within_s)
+                self.store.hint(result.namespace_id, result.block_hashes, session, header.hint.expect_reuse_within_s,
+                                carried_by="put")
         packed = header is not None and packed_reply(header.keys)
         resp = kvstore_pb2.PutResponse(
             stored=result.stored, existing=result.existing, namespace_id=result.namespace_id,
@@ -305,7 +306,8 @@ class LocalPlaneService:
             store.free_slots(spare)
             raise
         if session:
-            store.hint(result.namespace_id, result.block_hashes, session, header.hint.expect_reuse_within_s)
+            store.hint(result.namespace_id, result.block_hashes, session, header.hint.expect_reuse_within_s,
+                       carried_by="put")
         resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
                                        namespace_id=result.namespace_id,
                                        **hash_fields(result.block_hashes, packed_reply(header.keys)))

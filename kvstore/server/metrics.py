@@ -52,6 +52,9 @@ OPTIONAL_STORE_COUNTERS = (
     ("group_parts_stored", "kvstore_group_parts_stored", "parts of grouped layouts' blocks stored"),
     ("group_bytes_skipped", "kvstore_group_skipped_bytes", "bytes of grouped layouts' puts the hit rules did not store"),
     ("group_parts_dropped", "kvstore_group_parts_dropped", "parts dropped with a sibling part of their block"),
+    ("hinted_lookups", "kvstore_hinted_lookups", "lookups that carried a session reuse hint"),
+    ("hinted_puts", "kvstore_hinted_puts", "puts that carried a session reuse hint"),
+    ("sessions_ended", "kvstore_sessions_ended", "EndSession calls"),
 )
 
 

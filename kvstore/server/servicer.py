@@ -172,6 +172,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 return await self._lookup(request, ns_id)
             if request.HasField("hint"):
                 self.resolver.session(request.hint.session_id, request.hint.expect_reuse_within_s)
+                self.store.count_hint("lookup")
             return kvstore_pb2.LookupResponse(namespace_id=unknown.namespace_id,
                                               block_size_tokens=unknown.layout.block_size_tokens)
         return await self._lookup(request, ns_id)
@@ -185,8 +186,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         # A node of the pool counts its engines' lookups with what the pool answered
         # (below), and another node's lookup in the pool's counters, not as one of its own.
         r = self.store.lookup(ns_id, chain, request.lease_ms, count=alone)
-        if session and r.num_blocks:
-            self.store.hint(ns_id, r.block_hashes, session, request.hint.expect_reuse_within_s)
+        if session:
+            if r.num_blocks:
+                self.store.hint(ns_id, r.block_hashes, session, request.hint.expect_reuse_within_s, carried_by="lookup")
+            else:
+                self.store.count_hint("lookup")
         if not alone:
             node = self.node
             n_asked = len(chain) // HASH_BYTES if isinstance(chain, bytes) else len(chain)
@@ -300,7 +304,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 "send its chunks without pauses, then half-close the stream"
             ) from None
         if session:
-            self.store.hint(ns_id, hashes, session, header.hint.expect_reuse_within_s)
+            self.store.hint(ns_id, hashes, session, header.hint.expect_reuse_within_s, carried_by="put")
         resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing, namespace_id=ns_id,
                                        **hash_fields(result.block_hashes, packed_reply(header.keys)))
         waiting = forward_put(self.node, self.resolver, ns_id, header, resp, hashes, parent)

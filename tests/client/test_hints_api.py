@@ -61,3 +61,22 @@ def test_bad_hints_are_invalid_and_store_nothing(daemon_thread, layout, kwargs, 
         with pytest.raises(InvalidArgument, match=match):
             kv.put(layout, tokens, [os.urandom(1024)], **kwargs)
         assert kv.lookup(layout, tokens).num_blocks == 0
+
+
+@pytest.mark.parametrize("target", ["unix_target", "tcp_target"])
+def test_stats_count_hinted_lookups_puts_and_ended_sessions(daemon_thread, layout, target):
+    """Over shared memory (unix) and gRPC bytes (tcp): each request that carried a hint
+    counts once, whether or not it found blocks; unhinted ones do not count."""
+    with Client(getattr(daemon_thread, target)) as kv:
+        before = kv.stats().counters
+        kv.lookup(layout, list(range(40, 48)), session_id="s", expect_reuse_within_s=30)  # a miss
+        kv.put(layout, list(range(8)), [os.urandom(1024) for _ in range(2)], session_id="s",
+               expect_reuse_within_s=30)
+        kv.put(layout, list(range(100, 108)), [os.urandom(1024) for _ in range(2)])
+        kv.lookup(layout, list(range(8)), session_id="s", expect_reuse_within_s=30)  # a hit
+        kv.lookup(layout, list(range(8)))
+        kv.end_session("s")
+        after = kv.stats().counters
+    assert after.hinted_lookups - before.hinted_lookups == 2
+    assert after.hinted_puts - before.hinted_puts == 1
+    assert after.sessions_ended - before.sessions_ended == 1
