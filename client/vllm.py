@@ -48,6 +48,25 @@ the blocks as the engine's own events do and a KV-aware router matches both
 
 When the daemon cannot be reached the connector logs one warning, answers "no hit",
 skips saves, and retries after `retry_interval_s`; it logs once more when the daemon is back.
+
+Per-request hints (`kvstore.client._request_hints`): a request's `kv_transfer_params`
+(or a `kv_hints` action `kvstore.reuse`) may name its session, when the session comes
+back and whether it ends; the scheduler's lookup and the workers' puts carry the hint,
+and the finished request ends the session. A bad value is refused with a message (in
+the log and in the finished request's `kvstore_hints_error`); the request goes on.
+
+Break-even (`kvstore.client._breakeven`): the workers time their fetches, puts and
+forward passes and report them with the step; the scheduler learns the plane's latency
+and bandwidth and the engine's prefill rate from them and loads a hit only when loading
+is expected to beat computing it (the tokens it leaves are reported in
+`kvstore_skipped_tokens` and computed by vLLM), never so much in one step that a request
+of the step would wait longer than its own recompute; a fetch past its deadline (about
+its recompute time) is a miss, recomputed.
+
+The counts a finished request reports are the workers' word: a request that stores or
+loads in its last step (a prefill-only request) finishes before that step's report
+reaches the scheduler, so the dict `request_finished` returned is completed in place
+when the report arrives, in the same scheduler update and before vLLM sends the output.
 """
 
 from __future__ import annotations
@@ -69,10 +88,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvstore.client._breakeven import BreakEven, LoadPlan
+from kvstore.client._request_hints import NO_HINTS, RequestHints, parse_request_hints
 from kvstore.client._requests import EngineNames
 from kvstore.client.results import LookupResult
 from kvstore.client.sync import Client
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import DeadlineExceeded, InvalidArgument, KVStoreError
 from kvstore.groups import Rule, needed, rule_of
 from kvstore.layout import GroupKind, KVGroup, KVLayout
 
@@ -116,6 +137,9 @@ class ConnectorConfig:
     timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
     lease_ms: int = DEFAULT_LEASE_MS
     retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S
+    # Load a hit only when loading it is expected to beat computing it (see the module
+    # docstring); False loads every hit, however slow the plane.
+    break_even: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -131,6 +155,11 @@ class ConnectorConfig:
                 if value is not None and not isinstance(value, str):
                     raise InvalidArgument(f"kv_connector_extra_config.{name} must be a string, got {value!r}")
                 values[name] = value or None
+                continue
+            if name == "break_even":
+                if not isinstance(value, bool):
+                    raise InvalidArgument(f"kv_connector_extra_config.{name} must be true or false, got {value!r}")
+                values[name] = value
                 continue
             kind = int if name == "lease_ms" else float
             try:
@@ -332,6 +361,8 @@ class LoadSpec:
     lease_id: str
     # Per vLLM KV cache group, its blocks for the same positions (a grouped layout).
     group_block_ids: list[list[int]] = field(default_factory=list)
+    # Past this the load is a miss (vLLM recomputes): about its recompute time.
+    deadline_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,12 +378,15 @@ class SaveSpec:
     # vLLM's names of these blocks, and of the block before them, for the daemon's KV
     # events (None when vLLM's hashes do not line up with the blocks).
     engine_names: EngineNames | None = None
+    hints: RequestHints = NO_HINTS
 
 
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # Tokens the step computes (all requests): what the forward pass the workers time did.
+    step_tokens: int = 0
 
 
 @dataclass
@@ -362,10 +396,19 @@ class KVStoreWorkerReport(KVConnectorWorkerMetadata):
     loaded_tokens: dict[str, int] = field(default_factory=dict)
     failed_loads: set[str] = field(default_factory=set)
     stored_blocks: dict[str, int] = field(default_factory=dict)
+    # Measurements for the break-even model: (bytes, seconds) of each fetch and put, and
+    # (tokens, seconds) of the step's forward pass.
+    fetches: list[tuple[int, float]] = field(default_factory=list)
+    puts: list[tuple[int, float]] = field(default_factory=list)
+    forward: tuple[int, float] | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVStoreWorkerReport):
             return self
+        self.fetches += other.fetches
+        self.puts += other.puts
+        if other.forward is not None and (self.forward is None or other.forward[1] > self.forward[1]):
+            self.forward = other.forward  # the slowest rank's pass is the step's
         # With tensor parallelism every rank reports; a request counts as loaded as far as
         # its least successful rank got.
         for req_id, n in other.loaded_tokens.items():
@@ -387,17 +430,33 @@ class _RequestState:
     saved_blocks: int  # prompt blocks the daemon holds or a save was planned for
     block_hashes: list[Any] = field(default_factory=list)  # vLLM's, per block (the request's own list)
     lora_name: str | None = None
+    hints: RequestHints = NO_HINTS
     loaded_tokens: int = 0
     stored_blocks: int = 0
     load_failed: bool = False
+    skipped_tokens: int = 0  # held, but computed: loading them would have been slower
+
+    def params(self) -> dict[str, Any]:
+        """What the finished request reports in its kv_transfer_params."""
+        out: dict[str, Any] = {
+            "kvstore_loaded_tokens": self.loaded_tokens,
+            "kvstore_load_failed": self.load_failed,
+            "kvstore_stored_blocks": self.stored_blocks,
+            "kvstore_skipped_tokens": self.skipped_tokens,
+        }
+        if self.hints.error:
+            out["kvstore_hints_error"] = self.hints.error
+        return out
 
 
 @dataclass
 class _Match:
-    """The latest lookup for a waiting request."""
+    """The latest lookup for a waiting request, and the break-even plan for its hit."""
 
     hit: LookupResult | None
     num_computed_tokens: int
+    plan: LoadPlan | None = None
+    skipped_tokens: int = 0
 
 
 # ------------------------------------------------------------------ connector
@@ -407,6 +466,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector for kvstore; see the module docstring for the protocol."""
 
     _cache_hit_source = CacheHitSource.HOST
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache: a save that a preemption drops is a later miss, never a wrong token.
+        return False
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -433,7 +497,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._matches: dict[str, _Match] = {}
         self._pending_loads: list[LoadSpec] = []
         self._requests: dict[str, _RequestState] = {}
+        self._hints: dict[str, RequestHints] = {}
+        self._breakeven = BreakEven(self._block_size)
+        # Requests finished in this scheduler update, with the kv_transfer_params they
+        # returned: the update's worker report (their last step's) completes them.
+        self._finished: dict[str, tuple[_RequestState, dict[str, Any]]] = {}
         # worker side
+        self._step_started = 0.0
+        self._step_load_s = 0.0
         self._kv_caches: list[torch.Tensor] = []
         # A grouped layout: each kvstore group's layers, as (vLLM group, paged tensor) in part order.
         self._group_caches: list[list[tuple[int, torch.Tensor]]] = []
@@ -477,23 +548,54 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ============================================================== scheduler side
 
+    def _request_hints(self, request: Any) -> RequestHints:
+        """The request's hints, parsed once; a refused one is logged once."""
+        hints = self._hints.get(request.request_id)
+        if hints is None:
+            hints = parse_request_hints(getattr(request, "kv_transfer_params", None),
+                                        getattr(request, "kv_hints", None))
+            if hints.error:
+                logger.warning("request %s: %s", request.request_id, hints.error)
+            self._hints[request.request_id] = hints
+        return hints
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = list(request.prompt_token_ids or [])
+        hints = self._request_hints(request)
         # The last prompt token is always computed: its logits start decoding.
         limit = (len(prompt) - 1) // self._block_size * self._block_size
         hit: LookupResult | None = None
+        layout = self._layout(self._lora_id(request))
         if limit > 0 and self._cacheable(request) and self._health.usable():
             try:
-                hit = self._client.lookup(self._layout(self._lora_id(request)), prompt[:limit],
+                started = time.perf_counter()
+                hit = self._client.lookup(layout, prompt[:limit],
                                           lease_ms=self._config.lease_ms if limit > num_computed_tokens else 0,
-                                          timeout_s=self._config.lookup_timeout_s)
+                                          timeout_s=self._config.lookup_timeout_s, **hints.hint_args())
+                self._breakeven.transfer.round_trip(time.perf_counter() - started)
                 self._health.ok()
             except KVStoreError as exc:
                 self._health.failed("lookup", exc)
-        self._matches[request.request_id] = _Match(hit, num_computed_tokens)
+        match = self._matches[request.request_id] = _Match(hit, num_computed_tokens)
         if hit is None:
             return 0, False
-        return max(0, hit.num_tokens - num_computed_tokens), False
+        offered = max(0, hit.num_tokens - num_computed_tokens) // self._block_size
+        if not self._config.break_even or offered == 0:
+            return offered * self._block_size, False
+        plan = match.plan = self._breakeven.plan(offered, layout.bytes_per_block)
+        if plan.blocks < offered:
+            match.skipped_tokens = (offered - plan.blocks) * self._block_size
+            logger.debug("request %s: computing %d held tokens (%s: load %.4f s, compute %.4f s)", request.request_id,
+                         match.skipped_tokens, plan.reason, plan.load_s or 0.0, plan.compute_s or 0.0)
+            if hit.lease_id and plan.blocks == 0:
+                self._unpin(hit.lease_id)
+        return plan.blocks * self._block_size, False
+
+    def _unpin(self, lease_id: str) -> None:
+        try:
+            self._client.unpin(lease_id, timeout_s=self._config.lookup_timeout_s)
+        except KVStoreError as exc:  # the lease expires on its own
+            logger.debug("unpin of a skipped hit failed: %s", exc)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         match = self._matches.pop(request.request_id, None)
@@ -506,6 +608,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             saved_blocks=hit.num_blocks if hit else 0,
             block_hashes=getattr(request, "block_hashes", None) or [],
             lora_name=request.lora_request.lora_name if getattr(request, "lora_request", None) else None,
+            hints=self._request_hints(request),
+            skipped_tokens=match.skipped_tokens if match else 0,
         )
         self._requests[request.request_id] = state
         if num_external_tokens <= 0 or hit is None or match is None:
@@ -520,12 +624,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             block_ids=per_group[0],
             lease_id=hit.lease_id,
             group_block_ids=per_group,
+            deadline_s=BreakEven.deadline_s(match.plan, self._config.timeout_s) if match.plan else None,
         ))
-        state.loaded_tokens = num_external_tokens  # confirmed or corrected by the worker's report
+        # kvstore_loaded_tokens is what the workers report they loaded, not this plan.
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVStoreConnectorMetadata(loads=self._pending_loads)
+        meta = KVStoreConnectorMetadata(loads=self._pending_loads,
+                                        step_tokens=scheduler_output.total_num_scheduled_tokens)
         self._pending_loads = []
+        self._breakeven.end_step()
+        # The requests finished in the last update had their last report then.
+        self._finished.clear()
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
@@ -538,7 +647,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if state is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            # vLLM 0.34 sends a resumed request again as a new one and dropped the field.
+            if req_id in getattr(cached, "resumed_req_ids", ()):
                 state.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
                 if not state.block_ids:
@@ -578,6 +688,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             block_ids=per_group[0],
             group_block_ids=per_group,
             engine_names=self._engine_names(state, state.saved_blocks, end),
+            hints=state.hints,
         ))
         state.saved_blocks = end
 
@@ -598,15 +709,35 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         report = connector_output.kv_connector_worker_meta
         if not isinstance(report, KVStoreWorkerReport):
             return
+        transfer, prefill = self._breakeven.transfer, self._breakeven.prefill
+        for n_bytes, seconds in report.fetches:
+            transfer.fetched(n_bytes, seconds)
+        for n_bytes, seconds in report.puts:
+            transfer.put(n_bytes, seconds)
+        if report.forward is not None:
+            prefill.step(*report.forward)
+        touched: set[str] = set()
         for req_id, n in report.loaded_tokens.items():
-            if (state := self._requests.get(req_id)) is not None:
+            if (state := self._state(req_id)) is not None:
                 state.loaded_tokens = n
+                touched.add(req_id)
         for req_id in report.failed_loads:
-            if (state := self._requests.get(req_id)) is not None:
+            if (state := self._state(req_id)) is not None:
                 state.load_failed = True
+                touched.add(req_id)
         for req_id, n in report.stored_blocks.items():
-            if (state := self._requests.get(req_id)) is not None:
+            if (state := self._state(req_id)) is not None:
                 state.stored_blocks += n
+                touched.add(req_id)
+        for req_id in touched & self._finished.keys():
+            state, params = self._finished[req_id]
+            params.update(state.params())  # the dict vLLM is about to send with the output
+
+    def _state(self, req_id: str) -> _RequestState | None:
+        state = self._requests.get(req_id)
+        if state is None and req_id in self._finished:
+            state = self._finished[req_id][0]
+        return state
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
@@ -615,14 +746,26 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._matches.pop(request.request_id, None)
+        hints = self._hints.pop(request.request_id, NO_HINTS)
         state = self._requests.pop(request.request_id, None)
+        if hints.end_session:
+            self._end_session(hints.session_id)
         if state is None:
-            return False, None
-        return False, {
-            "kvstore_loaded_tokens": state.loaded_tokens,
-            "kvstore_load_failed": state.load_failed,
-            "kvstore_stored_blocks": state.stored_blocks,
-        }
+            return False, ({"kvstore_hints_error": hints.error} if hints.error else None)
+        params = state.params()
+        self._finished[request.request_id] = (state, params)
+        return False, params
+
+    def _end_session(self, session_id: str) -> None:
+        """The request said its session is over: its blocks lose their protection. Its last
+        puts ran in its last step's wait_for_save, before vLLM finished it."""
+        if not self._health.usable():
+            return
+        try:
+            self._client.end_session(session_id, timeout_s=self._config.lookup_timeout_s)
+            self._health.ok()
+        except KVStoreError as exc:
+            self._health.failed("end_session", exc)
 
     # ============================================================== worker side
 
@@ -671,11 +814,20 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     len(layout.groups), ", ".join(f"{g.name}: {len(c)} layers" for g, c in
                                                   zip(layout.groups, self._group_caches)), layout.bytes_per_block)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # The step starts: its forward pass is the time from here to wait_for_save, less
+        # the loads (vLLM runs start_load_kv before the forward when a step has loads).
+        self._step_started = time.perf_counter()
+        self._step_load_s = 0.0
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
         for spec in meta.loads:
+            started = time.perf_counter()
             loaded = self._load(spec)
+            self._step_load_s += time.perf_counter() - started
             self._report.loaded_tokens[spec.req_id] = loaded * self._block_size
             if loaded < len(spec.block_ids):
                 # vLLM recomputes these blocks (and, for a prefix, everything after them).
@@ -687,15 +839,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._health.usable():
             return 0
         layout = self._layout(spec.lora_id)
+        blocks = self._fetch(spec, layout)
         if layout.groups:
-            return self._load_parts(spec, layout)
-        try:
-            blocks = self._client.fetch(layout, block_hashes=spec.block_hashes,
-                                        lease_id=spec.lease_id)
-            self._health.ok()
-        except KVStoreError as exc:
-            self._health.failed("fetch", exc)
-            return 0
+            return self._load_parts(spec, layout, blocks)
         n = min(len(blocks), len(spec.block_ids))
         if n == 0:
             return 0
@@ -711,15 +857,31 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             kv.index_copy_(0, ids, src.to(kv.device))
         return n
 
-    def _load_parts(self, spec: LoadSpec, layout: KVLayout) -> int:
-        """A grouped load: every part of the longest prefix every group serves, each written
-        through its group's block table. All or nothing: a prefix cut short loads none."""
+    def _fetch(self, spec: LoadSpec, layout: KVLayout) -> list[Any]:
+        """The planned blocks, timed for the break-even model; none past the deadline."""
+        started = time.perf_counter()
+        timeout_s = spec.deadline_s or self._config.timeout_s
         try:
-            blocks = self._client.fetch(layout, block_hashes=spec.block_hashes, lease_id=spec.lease_id)
+            blocks = self._client.fetch(layout, block_hashes=spec.block_hashes, lease_id=spec.lease_id,
+                                        timeout_s=timeout_s)
             self._health.ok()
+        except DeadlineExceeded as exc:
+            # Slower than computing them would have been: a miss, not a daemon failure.
+            # The time it took is a sample too (the plane is at most this fast).
+            self._report.fetches.append((len(spec.block_hashes) * layout.bytes_per_block,
+                                         time.perf_counter() - started))
+            logger.debug("request %s: fetch past its %.3f s deadline, recomputing: %s", spec.req_id, timeout_s, exc)
+            return []
         except KVStoreError as exc:
             self._health.failed("fetch", exc)
-            return 0
+            return []
+        if blocks:
+            self._report.fetches.append((len(blocks) * layout.bytes_per_block, time.perf_counter() - started))
+        return blocks
+
+    def _load_parts(self, spec: LoadSpec, layout: KVLayout, blocks: list[Any]) -> int:
+        """A grouped load: every part of the longest prefix every group serves, each written
+        through its group's block table. All or nothing: a prefix cut short loads none."""
         n = min(len(blocks), len(spec.block_ids))
         if n < len(blocks) or n == 0:
             return 0  # a prefix other than the one looked up: its window and state parts do not fit
@@ -750,19 +912,24 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
+        if meta.step_tokens and self._step_started:
+            forward_s = time.perf_counter() - self._step_started - self._step_load_s
+            self._report.forward = (meta.step_tokens, forward_s)
         for spec in meta.saves:
             if not self._health.usable():
                 return
             layout = self._layout(spec.lora_id)
             blocks: list[Any] = (self._gather_parts(spec, layout) if layout.groups
                                  else self._gather(spec.block_ids))
+            started = time.perf_counter()
             try:
                 result = self._client.put(layout, spec.token_ids, blocks, first_block=spec.first_block,
-                                          engine_names=spec.engine_names)
+                                          engine_names=spec.engine_names, **spec.hints.hint_args())
                 self._health.ok()
             except KVStoreError as exc:
                 self._health.failed("put", exc)
                 continue
+            self._report.puts.append((len(blocks) * layout.bytes_per_block, time.perf_counter() - started))
             self._report.stored_blocks[spec.req_id] = self._report.stored_blocks.get(spec.req_id, 0) + result.stored
 
     def _gather(self, block_ids: list[int]) -> list[torch.Tensor]:
@@ -799,7 +966,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         report = self._report
-        if not (report.loaded_tokens or report.failed_loads or report.stored_blocks):
+        if not (report.loaded_tokens or report.failed_loads or report.stored_blocks or report.fetches
+                or report.puts or report.forward):
             return None
         self._report = KVStoreWorkerReport()
         return report
