@@ -59,13 +59,15 @@ def build_random_gemma3(path: Path, *, layers: int = 8, hidden: int = 1024, wind
 class Daemon:
     """`server.py` as a child process; stopped when the `with` block ends."""
 
-    def __init__(self, directory: Path, capacity: str = "2GiB") -> None:
+    def __init__(self, directory: Path, capacity: str = "2GiB", cpus: set[int] | None = None) -> None:
         self.sock = directory / "kv.sock"
         self.target = f"unix:{self.sock}"
         self._log = open(directory / "daemon.log", "wb")  # noqa: SIM115 - closed in __exit__
+        # `cpus`: keep the daemon off the CPUs the engines are pinned to.
         self._proc = subprocess.Popen(
             [sys.executable, str(REPO / "server.py"), "--listen", self.target, "--host-capacity", capacity],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            stdout=self._log, stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
 
     def __enter__(self) -> Daemon:
         from kvstore.client import Client

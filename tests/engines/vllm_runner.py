@@ -7,12 +7,21 @@ different connector settings do not share a process cleanly.
     python vllm_runner.py SPEC.json OUT.json
 
 SPEC: {"model": DIR, "dtype": "float32", "block_size": 32, "max_tokens": 16,
-       "target": "unix:..." or null (no connector), "steps": [STEP, ...]}
-STEP: {"generate": [[token ids] or {"prompt_token_ids": [...], "cache_salt": "..."}, ...]} | {"reset_prefix_cache": true} | {"kill": PID}
-      | {"sleep": SECONDS}
-SPEC may also carry "kv_events": {"endpoint": ..., "replay_endpoint": ...}: vLLM's own KV
-event publisher (ZMQ) on those endpoints.
-OUT:  {"steps": [{"outputs": [{"token_ids", "num_cached_tokens", "kv_transfer_params"}]}, ...]}
+       "target": "unix:..." or null (no connector), "steps": [STEP, ...],
+       optional: "tokenizer": true (load the model's tokenizer; outputs carry "text"),
+       "kv_cache_memory_bytes", "max_model_len", "break_even" (the connector's key, default
+       false: tests that count loads must not depend on measured speeds),
+       "slow_plane_bytes_per_s": N (the seam below),
+       "kv_events": {"endpoint": ..., "replay_endpoint": ...} (vLLM's own KV event
+       publisher, ZMQ, on those endpoints)}
+STEP: {"generate": [PROMPT, ...]} | {"reset_prefix_cache": true} | {"kill": PID} | {"sleep": SECONDS}
+PROMPT: [token ids] or {"prompt_token_ids": [...], "cache_salt": "...", "max_tokens": n,
+        "kv_transfer_params": {...}}
+OUT:  {"steps": [{"outputs": [{"token_ids", "num_cached_tokens", "kv_transfer_params", "text"}]}, ...]}
+
+The slowed plane (a test seam): with "slow_plane_bytes_per_s", every put and fetch of the
+SDK's blocking client in this process takes at least its bytes over that rate (it runs
+at full speed, then sleeps the rest), as over a slow link.
 """
 
 from __future__ import annotations
@@ -36,7 +45,8 @@ def make_llm(spec: dict[str, Any]) -> Any:
             kv_connector_module_path="kvstore.client.vllm",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"target": spec["target"], "retry_interval_s": 60},
+            kv_connector_extra_config={"target": spec["target"], "retry_interval_s": 60,
+                                       "break_even": spec.get("break_even", False)},
         )
     kv_events_config = None
     if spec.get("kv_events"):
@@ -46,15 +56,32 @@ def make_llm(spec: dict[str, Any]) -> Any:
     return LLM(
         kv_events_config=kv_events_config,
         model=spec["model"],
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not spec.get("tokenizer", False),
         dtype=spec.get("dtype", "float32"),
         block_size=spec.get("block_size", 32),
-        kv_cache_memory_bytes=64 << 20,
-        max_model_len=2048,
+        kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 64 << 20),
+        max_model_len=spec.get("max_model_len", 2048),
         enforce_eager=True,
         enable_prefix_caching=True,
         kv_transfer_config=kv_transfer_config,
     )
+
+
+def slow_down_the_plane(bytes_per_s: float) -> None:
+    """Make the SDK's blocking puts and fetches take at least bytes / bytes_per_s."""
+    from kvstore.client.sync import Client
+
+    def slowed(method: Any, blocks_of: Any) -> Any:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            result = method(self, *args, **kwargs)
+            n_bytes = sum(len(memoryview(b).cast("B")) for b in blocks_of(args, kwargs, result))
+            time.sleep(max(0.0, n_bytes / bytes_per_s - (time.perf_counter() - started)))
+            return result
+        return run
+
+    Client.put = slowed(Client.put, lambda args, kwargs, result: args[2])  # type: ignore[method-assign]
+    Client.fetch = slowed(Client.fetch, lambda args, kwargs, result: result)  # type: ignore[method-assign]
 
 
 def wait_dead(pid: int, timeout_s: float = 30.0) -> None:
@@ -72,19 +99,28 @@ def main(spec_path: str, out_path: str) -> None:
 
     with open(spec_path) as f:
         spec = json.load(f)
+    if spec.get("slow_plane_bytes_per_s"):
+        slow_down_the_plane(spec["slow_plane_bytes_per_s"])
     llm = make_llm(spec)
-    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16), ignore_eos=True,
-                            detokenize=False)
+    detokenize = bool(spec.get("tokenizer", False))
+
+    def params_of(prompt: dict[str, Any]) -> SamplingParams:
+        extra = {"kv_transfer_params": prompt.pop("kv_transfer_params")} if "kv_transfer_params" in prompt else None
+        return SamplingParams(temperature=0.0, max_tokens=prompt.pop("max_tokens", spec.get("max_tokens", 16)),
+                              ignore_eos=True, detokenize=detokenize, extra_args=extra)
+
     steps: list[dict[str, Any]] = []
     for step in spec["steps"]:
         if "generate" in step:
-            prompts = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in step["generate"]]
+            prompts = [dict(p) if isinstance(p, dict) else {"prompt_token_ids": p} for p in step["generate"]]
+            params = [params_of(p) for p in prompts]
             outputs = llm.generate(prompts, params, use_tqdm=False)
             steps.append({"outputs": [
                 {
                     "token_ids": list(o.outputs[0].token_ids),
                     "num_cached_tokens": o.num_cached_tokens,
                     "kv_transfer_params": o.kv_transfer_params,
+                    "text": o.outputs[0].text if detokenize else None,
                 }
                 for o in outputs
             ]})
