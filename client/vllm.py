@@ -505,6 +505,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # worker side
         self._step_started = 0.0
         self._step_load_s = 0.0
+        # An engine's first forward pass pays one-time costs (allocations, kernel set-up):
+        # not a prefill rate.
+        self._first_forward = True
         self._kv_caches: list[torch.Tensor] = []
         # A grouped layout: each kvstore group's layers, as (vLLM group, paged tensor) in part order.
         self._group_caches: list[list[tuple[int, torch.Tensor]]] = []
@@ -914,7 +917,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, KVStoreConnectorMetadata)
         if meta.step_tokens and self._step_started:
             forward_s = time.perf_counter() - self._step_started - self._step_load_s
-            self._report.forward = (meta.step_tokens, forward_s)
+            if self._first_forward:
+                self._first_forward = False
+            else:
+                self._report.forward = (meta.step_tokens, forward_s)
         for spec in meta.saves:
             if not self._health.usable():
                 return

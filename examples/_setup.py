@@ -65,7 +65,8 @@ class Daemon:
         self._log = open(directory / "daemon.log", "wb")  # noqa: SIM115 - closed in __exit__
         # `cpus`: keep the daemon off the CPUs the engines are pinned to.
         self._proc = subprocess.Popen(
-            [sys.executable, str(REPO / "server.py"), "--listen", self.target, "--host-capacity", capacity],
+            [sys.executable, str(REPO / "server.py"), "--listen", self.target, "--host-capacity", capacity,
+             "--metrics-listen", "off"],
             stdout=self._log, stderr=subprocess.STDOUT,
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
 

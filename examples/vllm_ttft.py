@@ -60,11 +60,14 @@ def slow_down_the_plane(bytes_per_s: float) -> None:
     """Every put and fetch of the SDK's blocking client takes at least bytes / rate."""
     from kvstore.client.sync import Client
 
+    def nbytes(block: Any) -> int:  # a tensor (the connector's puts) or a buffer
+        return block.numel() * block.element_size() if hasattr(block, "numel") else len(memoryview(block).cast("B"))
+
     def slowed(method: Any, blocks_of: Any) -> Any:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             result = method(self, *args, **kwargs)
-            n_bytes = sum(len(memoryview(b).cast("B")) for b in blocks_of(args, result))
+            n_bytes = sum(nbytes(b) for b in blocks_of(args, result))
             time.sleep(max(0.0, n_bytes / bytes_per_s - (time.perf_counter() - started)))
             return result
         return run

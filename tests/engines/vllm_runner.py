@@ -71,11 +71,14 @@ def slow_down_the_plane(bytes_per_s: float) -> None:
     """Make the SDK's blocking puts and fetches take at least bytes / bytes_per_s."""
     from kvstore.client.sync import Client
 
+    def nbytes(block: Any) -> int:  # a tensor (the connector's puts) or a buffer
+        return block.numel() * block.element_size() if hasattr(block, "numel") else len(memoryview(block).cast("B"))
+
     def slowed(method: Any, blocks_of: Any) -> Any:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             result = method(self, *args, **kwargs)
-            n_bytes = sum(len(memoryview(b).cast("B")) for b in blocks_of(args, kwargs, result))
+            n_bytes = sum(nbytes(b) for b in blocks_of(args, kwargs, result))
             time.sleep(max(0.0, n_bytes / bytes_per_s - (time.perf_counter() - started)))
             return result
         return run
