@@ -196,7 +196,7 @@ $(SMOLLM2)/.complete: $(ENGINES_VENV)/.model-deps scripts/smollm2.py
 setup-engines: $(ENGINES_VENV)/.installed $(ENGINES_VENV)/.stubs $(SMOLLM2)/.complete
 
 test-engines: setup-engines
-	KVSTORE_SMOLLM2=$(SMOLLM2) $(EPY) -m pytest tests/engines -v $(PYTEST_ARGS)
+	SMOLLM2_MODEL_DIR=$(SMOLLM2) $(EPY) -m pytest tests/engines -v $(PYTEST_ARGS)
 
 # The SGLang HiCache backend (kvstore.client.sglang, docs/engines.md) against SGLang's
 # real host pools and storage factory, on the CPU, in a venv of its own:

@@ -252,6 +252,7 @@ class KVStoreTier(SecondaryTierManager):
                                "the tier emits none")
         # Scheduler-thread state.
         self._verdicts: dict[OffloadKey, _Verdict] = {}
+        self._req_keys: dict[str, set[OffloadKey]] = {}  # the keys each request asked about
         self._asking: dict[str, tuple[ReqContext, list[OffloadKey]]] = {}  # this step's lookups, by request
         self._storing: dict[OffloadKey, int] = {}  # keys on their way to the daemon: stores in flight
         self._store_keys: dict[int, list[OffloadKey]] = {}
@@ -294,11 +295,13 @@ class KVStoreTier(SecondaryTierManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         req_id = req_context.req_id
-        for key in [k for k, v in self._verdicts.items() if req_id in v.requests]:
-            verdict = self._verdicts[key]
+        for key in self._req_keys.pop(req_id, ()):
+            verdict = self._verdicts.get(key)
+            if verdict is None:
+                continue
             verdict.requests.discard(req_id)
             if not verdict.requests and verdict.present is not None:
-                del self._verdicts[key]
+                del self._verdicts[key]  # one still asked is dropped when its answer comes
         self._asking.pop(req_id, None)
         hints = self._hints(req_context)
         if hints.end_session:
@@ -319,6 +322,7 @@ class KVStoreTier(SecondaryTierManager):
             entry = self._asking.setdefault(req_context.req_id, (req_context, []))
             entry[1].append(key)
         verdict.requests.add(req_context.req_id)
+        self._req_keys.setdefault(req_context.req_id, set()).add(key)
         if verdict.present is None:
             return LookupResult.RETRY
         return LookupResult.HIT if verdict.present else LookupResult.MISS

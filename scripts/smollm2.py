@@ -5,8 +5,8 @@ transformers), and cached.
 
     python scripts/smollm2.py [DIR]        # prints the folder; converts only if missing
 
-DIR defaults to `$KVSTORE_MODEL_CACHE/smollm2-135m-instruct`, else
-`~/.cache/kvstore/models/smollm2-135m-instruct`. The folder holds the weights
+DIR defaults to `$SMOLLM2_MODEL_DIR`, else `~/.cache/kvstore/models/smollm2-135m-instruct`
+(the engine tests read the same variable; `make test-engines` sets it). The folder holds the weights
 (safetensors), the config, the tokenizer and the chat template, so vLLM and
 transformers load it by path without the network. A `.complete` file is written
 last: a folder without it (an interrupted conversion) is converted again.
@@ -28,9 +28,9 @@ FOLDER = "smollm2-135m-instruct"
 
 
 def default_dir() -> Path:
-    root = os.environ.get("KVSTORE_MODEL_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "kvstore" / "models"
-    return base / FOLDER
+    # Not a KVSTORE_ variable: the daemon refuses KVSTORE_ names that are not its settings.
+    named = os.environ.get("SMOLLM2_MODEL_DIR")
+    return Path(named) if named else Path.home() / ".cache" / "kvstore" / "models" / FOLDER
 
 
 def gguf_path() -> Path:
