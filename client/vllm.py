@@ -830,7 +830,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         for spec in meta.loads:
             started = time.perf_counter()
             loaded = self._load(spec)
-            self._step_load_s += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self._step_load_s += elapsed
+            if loaded:  # the whole load (the fetch and the copy into the paged cache) is the sample
+                self._report.fetches.append((loaded * self._layout(spec.lora_id).bytes_per_block, elapsed))
             self._report.loaded_tokens[spec.req_id] = loaded * self._block_size
             if loaded < len(spec.block_ids):
                 # vLLM recomputes these blocks (and, for a prefix, everything after them).
@@ -861,7 +864,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return n
 
     def _fetch(self, spec: LoadSpec, layout: KVLayout) -> list[Any]:
-        """The planned blocks, timed for the break-even model; none past the deadline."""
+        """The planned blocks; none past the deadline."""
         started = time.perf_counter()
         timeout_s = spec.deadline_s or self._config.timeout_s
         try:
@@ -878,8 +881,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         except KVStoreError as exc:
             self._health.failed("fetch", exc)
             return []
-        if blocks:
-            self._report.fetches.append((len(blocks) * layout.bytes_per_block, time.perf_counter() - started))
         return blocks
 
     def _load_parts(self, spec: LoadSpec, layout: KVLayout, blocks: list[Any]) -> int:

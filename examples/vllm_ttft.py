@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -143,7 +144,7 @@ def real_text_tokens(model: Path, n: int, offset: int = 0) -> list[int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    text = "\n\n".join((REPO / "docs" / name).read_text() for name in sorted(os.listdir(REPO / "docs")))
+    text = "\n\n".join(path.read_text() for path in sorted((REPO / "docs").glob("*.md")))
     ids = tok(text, add_special_tokens=False)["input_ids"]
     if offset + n > len(ids):
         raise SystemExit(f"the docs give {len(ids)} tokens; ask for fewer than {offset + n}")
@@ -170,13 +171,23 @@ def stored_counters(target: str) -> tuple[int, int]:
 
 
 def default_mode(args: argparse.Namespace, model: Path, real: bool, target: str, workdir: Path) -> dict[str, Any]:
-    prompt = prompts_for(model, real, args.prompt_tokens, 0, seed=0)
-    (plain,) = run_child({"model": str(model), "steps": [[prompt]]}, workdir, args.cpus)["times"]
-    cold, warm = run_child({"model": str(model), "target": target, "steps": [[prompt], [prompt]]},
-                           workdir, args.cpus)["times"]
+    # `--repeat` different prompts of the same length: each is computed once without
+    # kvstore, once on the daemon cold (a miss, then the store), once as a hit.
+    prompts = [prompts_for(model, real, args.prompt_tokens, i * args.prompt_tokens, seed=i)
+               for i in range(args.repeat)]
+    plain = run_child({"model": str(model), "steps": [[p] for p in prompts]}, workdir, args.cpus)["times"]
+    times = run_child({"model": str(model), "target": target, "steps": [[p] for p in prompts * 2]},
+                      workdir, args.cpus)["times"]
+    cold, warm = times[:args.repeat], times[args.repeat:]
     stored, skipped = stored_counters(target)
-    return {"mode": "default", "without_kvstore_s": plain, "miss_and_store_s": cold, "hit_s": warm,
-            "speedup": plain / warm, "stored_bytes": stored, "group_bytes_skipped": skipped}
+    return {"mode": "default", "without_kvstore_s": median(plain), "miss_and_store_s": median(cold),
+            "hit_s": median(warm), "speedup": median(plain) / median(warm), "runs": {"without": plain,
+            "miss_and_store": cold, "hit": warm}, "stored_bytes": stored // args.repeat,
+            "group_bytes_skipped": skipped // args.repeat}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
 
 
 def slow_plane_mode(args: argparse.Namespace, model: Path, real: bool, target: str, workdir: Path) -> dict[str, Any]:
@@ -217,7 +228,7 @@ def convoy_mode(args: argparse.Namespace, model: Path, real: bool, target: str, 
 def report(r: dict[str, Any], args: argparse.Namespace, version: str) -> None:
     head = f"vLLM {version} (CPU), model {args.model}, engines on CPUs {args.cpus}"
     if r["mode"] == "default":
-        print(f"{head}, {args.prompt_tokens}-token prompt, time to first token:")
+        print(f"{head}, {args.prompt_tokens}-token prompts, time to first token (median of {args.repeat}):")
         print(f"  without kvstore                 {r['without_kvstore_s']:7.2f} s")
         print(f"  with kvstore, miss (+ store)    {r['miss_and_store_s']:7.2f} s")
         print(f"  with kvstore, hit               {r['hit_s']:7.2f} s   ({r['speedup']:.1f}x faster than without)")
@@ -254,6 +265,8 @@ def main() -> None:
     parser.add_argument("--slow-plane", type=float, metavar="MBPS",
                         help="slow the engines' puts and fetches to MBPS and compare with recomputing")
     parser.add_argument("--convoy", type=int, metavar="N", help="N concurrent requests sharing the held prompt")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="default mode: this many prompts, each measured every way (medians are printed)")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
