@@ -505,9 +505,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # worker side
         self._step_started = 0.0
         self._step_load_s = 0.0
-        # An engine's first forward pass pays one-time costs (allocations, kernel set-up):
-        # not a prefill rate.
-        self._first_forward = True
+        # An engine's first forward pass, put and load pay one-time costs (allocations,
+        # kernel set-up, reservations): they are not samples of the engine's or the plane's speed.
+        self._first_forward = self._first_put = self._first_fetch = True
         self._kv_caches: list[torch.Tensor] = []
         # A grouped layout: each kvstore group's layers, as (vLLM group, paged tensor) in part order.
         self._group_caches: list[list[tuple[int, torch.Tensor]]] = []
@@ -777,6 +777,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
         names = sorted(kv_caches, key=lambda name: (extract_layer_index(name), name))
         self._kv_caches = [kv_caches[name] for name in names]
+        self._warm_up_plane()
         layout = self._layout("")
         if layout.groups:
             self._register_groups(kv_caches, layout, extract_layer_index)
@@ -790,6 +791,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 f"{layout.bytes_per_block} bytes per block; this attention backend's layout is not supported")
         logger.info("kvstore connector: %d layers, per-layer block %s %s, %d bytes per kvstore block",
                     len(names), tuple(self._kv_caches[0].shape[1:]), self._kv_caches[0].dtype, got)
+
+    def _warm_up_plane(self) -> None:
+        """Attach the data plane and map the daemon's segment now, at start-up, so the
+        first loads run (and are timed) at the plane's speed, not its set-up's."""
+        if not self._health.usable():
+            return
+        try:
+            plane = self._client.warm_up(timeout_s=self._config.timeout_s)
+            self._health.ok()
+            logger.info("kvstore connector: data plane %s ready", plane)
+        except KVStoreError as exc:
+            self._health.failed("warm_up", exc)
 
     def _register_groups(self, kv_caches: dict[str, torch.Tensor], layout: KVLayout, layer_index: Any) -> None:
         """Each kvstore group's layers, vLLM group by vLLM group, in layer order; each
@@ -832,7 +845,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             loaded = self._load(spec)
             elapsed = time.perf_counter() - started
             self._step_load_s += elapsed
-            if loaded:  # the whole load (the fetch and the copy into the paged cache) is the sample
+            if loaded and self._first_fetch:
+                self._first_fetch = False
+            elif loaded:  # the whole load (the fetch and the copy into the paged cache) is the sample
                 self._report.fetches.append((loaded * self._layout(spec.lora_id).bytes_per_block, elapsed))
             self._report.loaded_tokens[spec.req_id] = loaded * self._block_size
             if loaded < len(spec.block_ids):
@@ -936,7 +951,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             except KVStoreError as exc:
                 self._health.failed("put", exc)
                 continue
-            self._report.puts.append((len(blocks) * layout.bytes_per_block, time.perf_counter() - started))
+            if self._first_put:
+                self._first_put = False
+            else:
+                self._report.puts.append((len(blocks) * layout.bytes_per_block, time.perf_counter() - started))
             self._report.stored_blocks[spec.req_id] = self._report.stored_blocks.get(spec.req_id, 0) + result.stored
 
     def _gather(self, block_ids: list[int]) -> list[torch.Tensor]:

@@ -200,15 +200,16 @@ def test_a_plane_slower_than_prefill_is_not_loaded_from(smollm2, texts, daemon, 
     run = run_engine(workdir, "C-slow", {"model": str(smollm2), "target": daemon.target, **ENGINE,
                                          "break_even": True, "slow_plane_bytes_per_s": SLOW_PLANE_BYTES_PER_S,
                                          "steps": [
-        # The first forward pass is not a sample (one-time costs); its put measures the
-        # plane. A salted prompt (neither loaded nor stored) of 512 tokens is the prefill
-        # sample: long enough that a busy machine's hiccups do not decide it.
+        # The first forward pass and put are not samples (one-time costs); the second put
+        # measures the plane. A salted prompt (neither loaded nor stored) of 512 tokens is
+        # the prefill sample: long enough that a busy machine's hiccups do not decide it.
         {"generate": [{"prompt_token_ids": texts["W3"], "max_tokens": 1}]},
+        {"generate": [{"prompt_token_ids": texts["W4"], "max_tokens": 1}]},
         {"generate": [{"prompt_token_ids": texts["L"], "max_tokens": 1, "cache_salt": "warm-up"}]},
         {"generate": [{"prompt_token_ids": texts["P1"], "max_tokens": 8}]},
     ]})
     after = daemon.stats().counters
-    (p1,) = run.outputs(2)
+    (p1,) = run.outputs(3)
     assert p1["token_ids"] == reference.outputs(0)[0]["token_ids"]
     assert params(p1)["kvstore_loaded_tokens"] == 0
     assert params(p1)["kvstore_skipped_tokens"] == held(texts["P1"])
