@@ -68,6 +68,7 @@ def test_layout_describes_the_engine(tiny_model: Path):
     ({"timeout_s": 0}, "must be positive"),
     ({"lease_ms": "soon"}, "must be a number"),
     ({"target": 5}, "must be a string"),
+    ({"break_even": "yes"}, "break_even must be true or false"),
 ])
 def test_bad_extra_config_is_refused_with_a_reason(extra, message):
     from kvstore.client.vllm import ConnectorConfig
@@ -82,3 +83,5 @@ def test_extra_config_defaults_and_values():
     config = ConnectorConfig.from_extra({"target": "unix:/run/kv.sock", "timeout_s": "2.5", "lease_ms": 0})
     assert (config.target, config.timeout_s, config.lease_ms) == ("unix:/run/kv.sock", 2.5, 0)
     assert ConnectorConfig.from_extra(None) == ConnectorConfig()
+    assert ConnectorConfig.from_extra(None).break_even is True
+    assert ConnectorConfig.from_extra({"break_even": False}).break_even is False

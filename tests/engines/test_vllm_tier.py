@@ -75,7 +75,11 @@ class Engine:
 
     def __init__(self, target: str, **tier: Any) -> None:
         self.engine_id = f"kvstore-test-{uuid.uuid4().hex[:8]}"
-        self.manager = make_spec(target, self.engine_id, **tier).get_manager()
+        try:
+            self.manager = make_spec(target, self.engine_id, **tier).get_manager()
+        except BaseException:
+            self._remove_region()
+            raise
         self.tier = self.manager.secondary_tiers[0]
         assert isinstance(self.tier, KVStoreTier)
         view = self.manager.primary_tier.get_kv_memoryview()
@@ -127,6 +131,9 @@ class Engine:
 
     def close(self) -> None:
         self.manager.shutdown()
+        self._remove_region()
+
+    def _remove_region(self) -> None:
         leftover = Path(f"/dev/shm/vllm_offload_{self.engine_id}.mmap")
         if leftover.exists():
             leftover.unlink()
@@ -161,6 +168,20 @@ def keys(prefix: bytes, n: int, group: int = 0) -> list[bytes]:
 def payloads(n: int, seed: int) -> list[bytes]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, CHUNK_BYTES, dtype=np.uint8).tobytes() for _ in range(n)]
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"tagret": "unix:/x"}, "unknown keys \\['tagret'\\]"),
+    ({"timeout_s": 0}, "timeout_s must be positive"),
+    ({"lease_ms": "soon"}, "lease_ms must be a number"),
+    ({"locality": "MARS"}, "locality must be one of"),
+    ({"enable_kv_events": "yes"}, "enable_kv_events must be true or false"),
+])
+def test_a_bad_tier_entry_stops_the_engine_with_its_reason(daemon, entry, message):
+    from kvstore.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match=message):
+        Engine(daemon.target, **entry)
 
 
 def test_store_evict_from_the_primary_and_load_back_byte_exact(engine, daemon):
