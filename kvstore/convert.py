@@ -45,6 +45,7 @@ def layout_to_proto(layout: KVLayout) -> kvstore_pb2.Layout:
         groups=[kvstore_pb2.LayoutGroup(name=g.name, kind=g.kind.value, dtype=g.dtype, shape=g.shape,
                                         block_bytes=g.block_bytes, window_tokens=g.window_tokens)
                 for g in layout.groups],
+        kv_codec=layout.kv_codec,
     )
 
 
@@ -66,4 +67,5 @@ def layout_from_proto(msg: kvstore_pb2.Layout) -> KVLayout:
         block_bytes=msg.block_bytes,
         groups=tuple(KVGroup(name=g.name, kind=group_kind(g.kind), dtype=g.dtype, shape=tuple(g.shape),
                              block_bytes=g.block_bytes, window_tokens=g.window_tokens) for g in msg.groups),
+        kv_codec=msg.kv_codec,
     )

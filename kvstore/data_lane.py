@@ -12,20 +12,30 @@ Glossary of planes and lanes: docs/local-data-plane.md
 
 Frames, both ways: a 40-byte header
 
-    u8 kind | u8 flags (0) | u16 reserved (0) | u32 block | 16s transfer | u64 length | u64 value
+    u8 kind | u8 flags | u16 reserved (0) | u32 block | 16s transfer | u64 length | u64 value
 
 then `length` payload bytes (HELLO, DATA, ERROR), and for DATA an 8-byte trailer, the
-XXH3-64 (seed 0) of the payload, little-endian: a sender may hash each piece just before
-it sends it, and the receiver hashes each piece as it lands in its destination.
+XXH3-64 (seed 0) of the block's raw bytes, little-endian: a sender may hash each piece
+just before it sends it, and the receiver hashes each piece as it lands in its destination.
+
+Codecs (`kvstore.codecs`): a DATA frame's `flags` name the lossless codec its payload is
+in (0: raw), and then `value` is the element size its byte-plane shuffle used and
+`length` the encoded size; the block's raw size is the transfer's block size, and the
+trailer is still the checksum of the raw bytes, so a receiver decodes into the block's
+destination and hashes it there. A FETCH frame's `flags` ask the daemon for that codec;
+which codecs a daemon sends and takes, and the element size of the transfer's blocks,
+its LaneFetch / LanePut answer says (`codecs`, `itemsize`): a daemon that predates codecs
+answers none, and gets raw frames only. Credit always counts raw bytes (a block's
+`block_bytes`), whatever its frame carries.
 
 | kind | from | meaning |
 |---|---|---|
 | HELLO   | client | first frame: payload `MAGIC` + bearer token (UTF-8, may be empty); block = VERSION |
 | WELCOME | daemon | the hello passed; block = VERSION, value = largest DATA payload accepted |
-| FETCH   | client | join fetch transfer `transfer`; value = the credit granted, in bytes |
+| FETCH   | client | join fetch transfer `transfer`; value = the credit granted, in bytes; flags = the codec asked for |
 | PUSH    | client | join put transfer `transfer`; the daemon answers CREDIT |
 | CREDIT  | receiver | `value` more payload bytes may be sent for `transfer` (0, to a put's sender: no more on this connection) |
-| DATA    | sender | block `block` of `transfer`: `length` bytes, then the trailer |
+| DATA    | sender | block `block` of `transfer`: `length` bytes, then the trailer; flags = its codec, value = its element size |
 | END     | daemon | fetch `transfer` is complete on this connection; block = blocks in the result |
 | ERROR   | either | `transfer` (all zero: the connection) failed; block = gRPC status code, payload = message |
 
@@ -45,8 +55,9 @@ put). A CREDIT of 0 answers a sender that has none left when every block still t
 is covered by credit on the put's other connections: it stops there.
 
 Primitives: `Frame`, `pack`, `unpack`, `hello_payload`, `parse_hello`, `status_of`, `Grant`,
-`LaneSocket` (one blocking socket, plain or TLS: `send_frame`, `send_data`,
-`read_frame`, `recv_block`, `discard`, `read_payload`, timeouts), `checksum_of`.
+`LaneSocket` (one blocking socket, plain or TLS: `send_frame`, `send_data`, `send_blocks`
+(encoding them), `read_frame`, `recv_block`, `recv_encoded`, `discard`, `read_payload`,
+timeouts), `checksum_of`, `NOT_DECODED`.
 """
 
 from __future__ import annotations
@@ -62,6 +73,7 @@ from typing import NamedTuple
 import grpc
 import xxhash
 
+from kvstore.codecs import Codec, CodecError, decode, encode
 from kvstore.errors import DeadlineExceeded, InvalidArgument, Unavailable
 
 MAGIC = b"KVD1"
@@ -100,6 +112,9 @@ def send_batch(credit: int, block_bytes: int) -> int:
     return max(1, min(credit // block_bytes, SEND_BATCH_BYTES // block_bytes, SEND_BATCH_BLOCKS))
 
 _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+# What `recv_encoded` reports as the checksum of a payload that did not decode: never an
+# XXH3-64 (those are unsigned), so it never matches the trailer.
+NOT_DECODED = -1
 
 
 class Frame(NamedTuple):
@@ -108,15 +123,17 @@ class Frame(NamedTuple):
     transfer: bytes
     length: int
     value: int
+    flags: int = 0
 
 
-def pack(kind: int, transfer: bytes = NO_TRANSFER, block: int = 0, length: int = 0, value: int = 0) -> bytes:
-    return HEADER.pack(kind, 0, 0, block, transfer, length, value)
+def pack(kind: int, transfer: bytes = NO_TRANSFER, block: int = 0, length: int = 0, value: int = 0,
+         flags: int = 0) -> bytes:
+    return HEADER.pack(kind, flags, 0, block, transfer, length, value)
 
 
 def unpack(header: bytes | bytearray | memoryview) -> Frame:
-    kind, _flags, _reserved, block, transfer, length, value = HEADER.unpack(header)
-    return Frame(kind, block, transfer, length, value)
+    kind, flags, _reserved, block, transfer, length, value = HEADER.unpack(header)
+    return Frame(kind, block, transfer, length, value, flags)
 
 
 def hello_payload(token: str) -> bytes:
@@ -346,8 +363,8 @@ class LaneSocket:
         frame_bytes = HEADER_BYTES + block_bytes + TRAILER.size
         unpack_from, trailer = HEADER.unpack_from, TRAILER.unpack_from
         while end - start >= frame_bytes and len(out) < most:
-            kind, _flags, _reserved, block, tid, length, _value = unpack_from(buf, start)
-            if kind != DATA or tid != transfer or length != block_bytes or not 0 <= block < blocks:
+            kind, flags, _reserved, block, tid, length, _value = unpack_from(buf, start)
+            if kind != DATA or flags or tid != transfer or length != block_bytes or not 0 <= block < blocks:
                 break
             p = start + HEADER_BYTES
             out.append((block, buf[p : p + block_bytes], trailer(buf, p + block_bytes)[0]))
@@ -360,11 +377,29 @@ class LaneSocket:
         assert start <= self._rend
         self._rstart, self._rend = (start, self._rend) if start < self._rend else (0, 0)
 
+    def recv_encoded(self, dest: memoryview, length: int, codec: int, itemsize: int,
+                     deadline: float | None) -> tuple[int, int]:
+        """Receive an encoded DATA frame's `length`-byte payload, decode it straight into
+        `dest` (the block's raw bytes, all of it) and hash it there, then read the
+        trailer: (checksum of what was decoded, the sender's). A payload that does not
+        decode gives `NOT_DECODED`, which matches no checksum."""
+        if self._scratch is None or len(self._scratch) < length:
+            self._scratch = bytearray(max(length, RECV_PIECE_BYTES))
+        payload = memoryview(self._scratch)[:length]
+        self._recv_into(payload, deadline)
+        self._recv_into(memoryview(self._trailer), deadline)
+        want = TRAILER.unpack(self._trailer)[0]
+        try:
+            decode(codec, payload, itemsize, len(dest), dest)
+        except CodecError:
+            return NOT_DECODED, want
+        return checksum_of(dest), want
+
     def discard(self, nbytes: int, deadline: float | None) -> None:
         """Read and drop `nbytes` (a DATA frame nobody wants, with its trailer)."""
         if self._scratch is None:
             self._scratch = bytearray(RECV_PIECE_BYTES)
-        view = memoryview(self._scratch)
+        view = memoryview(self._scratch)[:RECV_PIECE_BYTES]
         while nbytes:
             k = min(nbytes, len(view))
             self._recv_into(view[:k], deadline)
@@ -401,16 +436,27 @@ class LaneSocket:
         """A DATA frame: the header, `data` itself (never copied here) and the trailer."""
         self._send([memoryview(pack(DATA, transfer, block, len(data))), data, memoryview(TRAILER.pack(checksum))])
 
-    def send_blocks(self, transfer: bytes, blocks: Sequence[tuple[int, memoryview, int]]) -> None:
+    def send_blocks(self, transfer: bytes, blocks: Sequence[tuple[int, memoryview, int]],
+                    codec: Codec = Codec.RAW, itemsize: int = 1) -> int:
         """DATA frames of (block, data, checksum) each, in one `sendmsg` where the socket
-        takes them (`send_data`'s frames laid end to end)."""
-        if len(blocks) == 1:
+        takes them (`send_data`'s frames laid end to end); the payload bytes sent. With a
+        codec, each block goes encoded where that makes it smaller, raw otherwise."""
+        if len(blocks) == 1 and codec is Codec.RAW:
             self.send_data(transfer, *blocks[0])
-            return
+            return len(blocks[0][1])
         buffers: list[memoryview] = []
+        sent = 0
         for block, data, checksum in blocks:
-            buffers += (memoryview(pack(DATA, transfer, block, len(data))), data, memoryview(TRAILER.pack(checksum)))
+            flags = value = 0
+            if codec is not Codec.RAW:
+                packed = encode(codec, data, itemsize)
+                if len(packed) < len(data):
+                    data, flags, value = memoryview(packed), int(codec), itemsize
+            sent += len(data)
+            buffers += (memoryview(pack(DATA, transfer, block, len(data), value, flags)), data,
+                        memoryview(TRAILER.pack(checksum)))
         self._send(buffers)
+        return sent
 
     def send_error(self, transfer: bytes, code: grpc.StatusCode, message: str) -> None:
         self.send_frame(ERROR, transfer, code.value[0], payload=message.encode("utf-8")[:MAX_ERROR_BYTES])

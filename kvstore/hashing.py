@@ -4,6 +4,8 @@ H is XXH3-128 with seed 0, and a digest is its 16-byte canonical (big-endian) fo
 
     namespace_id = H(b"kvstore.ns.v1\\0" || fields)          (field encoding in the doc)
                  = H(b"kvstore.ns.v2\\0" || fields || groups)  (a layout with KV groups)
+                 = H(b"kvstore.ns.q1\\0" || codec || stored size || its full-precision
+                     twin's bytes)                            (a lossy storage codec)
     h_0          = H(namespace_id || block 0)
     h_i          = H(h_{i-1} || block i)
     block i      = u32le(n_tokens) || u32le(token)*n_tokens || u32le(len(extra)) || extra
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 HASH_BYTES = 16
 NAMESPACE_DOMAIN = b"kvstore.ns.v1\x00"
 GROUPED_NAMESPACE_DOMAIN = b"kvstore.ns.v2\x00"
+QUANTIZED_NAMESPACE_DOMAIN = b"kvstore.ns.q1\x00"
 MAX_TOKEN_ID = (1 << 32) - 1
 
 _U32 = struct.Struct("<I")
@@ -51,7 +54,12 @@ def _str_field(value: str) -> bytes:
 
 def namespace_bytes(layout: KVLayout) -> bytes:
     """The exact bytes that `namespace_id` hashes (documented field by field). A layout
-    with KV groups is hashed under its own domain tag, the groups after the fields."""
+    with KV groups is hashed under its own domain tag, the groups after the fields; a
+    layout with a lossy storage codec under another, the codec and its stored block size
+    before the bytes its full-precision twin hashes."""
+    if layout.kv_codec:
+        return b"".join((QUANTIZED_NAMESPACE_DOMAIN, _str_field(layout.kv_codec), _U64.pack(layout.bytes_per_block),
+                         namespace_bytes(layout.without_codec())))
     if layout.groups:
         return b"".join((GROUPED_NAMESPACE_DOMAIN, _layout_fields(layout), _U32.pack(len(layout.groups)),
                          *(_group_fields(g) for g in layout.groups)))

@@ -14,13 +14,18 @@ its own kind, dtype, shape and bytes per block, and a hit rule (`kvstore.groups`
 fingerprint covers every group. A layout without groups is one full-attention tensor and
 keeps the fingerprint it always had; so does a layout whose only group is exactly that
 (one full-attention group in the layout's dtype and size): its groups normalize to none.
+
+A layout may ask for a lossy storage codec (`kv_codec`: "fp8-e4m3" or "kivi4", see
+`kvstore.quant` and docs/codecs.md): its blocks are then stored quantized everywhere,
+`bytes_per_block` is the quantized size (what every tier holds and every plane moves)
+and `dense_block_bytes` the engine's. The codec is part of the fingerprint.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvstore.errors import InvalidArgument
 
@@ -150,10 +155,12 @@ class KVLayout:
     tp_size: int = 1
     block_bytes: int = 0
     groups: tuple[KVGroup, ...] = ()
+    kv_codec: str = ""
     _resolved_block_bytes: int = field(init=False, repr=False, compare=False, default=0)
+    _stored_block_bytes: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
-        for name in ("model", "dtype", "revision", "lora_id", "kv_layout"):
+        for name in ("model", "dtype", "revision", "lora_id", "kv_layout", "kv_codec"):
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise InvalidArgument(f"layout.{name} must be a string, got {type(value).__name__}")
@@ -188,6 +195,19 @@ class KVLayout:
         if self.groups:
             resolved = self._check_groups(resolved)
         object.__setattr__(self, "_resolved_block_bytes", resolved)
+        stored = resolved
+        if self.kv_codec:
+            from kvstore.quant import check_layout, stored_block_bytes
+
+            check_layout(self)
+            derived = 2 * self.num_layers * self.block_size_tokens * self.num_kv_heads * self.head_dim * \
+                DTYPE_BYTES[self.dtype]
+            if resolved != derived:
+                raise InvalidArgument(f"layout.block_bytes is {self.block_bytes}; a layout with kv_codec "
+                                      f"{self.kv_codec!r} has blocks of its shape ({derived}): leave block_bytes 0")
+            stored = stored_block_bytes(self.kv_codec, self.num_layers, self.num_kv_heads, self.block_size_tokens,
+                                        self.head_dim)
+        object.__setattr__(self, "_stored_block_bytes", stored)
 
     def _check_groups(self, plain_bytes: int) -> int:
         """Validate the groups; the layout's bytes per block (every part of a block).
@@ -227,9 +247,24 @@ class KVLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        """Payload size of one block in bytes (explicit `block_bytes` or derived; with
-        groups, every group's part added up)."""
+        """Payload size of one stored block in bytes (explicit `block_bytes` or derived;
+        with groups, every group's part added up; with a `kv_codec`, the quantized size)."""
+        return self._stored_block_bytes
+
+    @property
+    def dense_block_bytes(self) -> int:
+        """The engine's size of one block (`bytes_per_block` unless there is a `kv_codec`)."""
         return self._resolved_block_bytes
+
+    @property
+    def stored_itemsize(self) -> int:
+        """Element size of the stored bytes (a lossless codec's byte-plane shuffle unit):
+        1 for a quantized layout and for dtypes of unknown size."""
+        return 1 if self.kv_codec else DTYPE_BYTES.get(self.dtype, 1)
+
+    def without_codec(self) -> KVLayout:
+        """The same layout in full precision (its engine's bytes)."""
+        return replace(self, kv_codec="")
 
     @property
     def namespace_id(self) -> bytes:

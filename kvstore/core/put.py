@@ -61,7 +61,6 @@ from kvstore.core.tier import Slot
 from kvstore.core.types import NamespaceInfo, PutOutcome, StoreCounters
 from kvstore.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.hashing import HASH_BYTES
-from kvstore.layout import DTYPE_BYTES
 from kvstore.native import XXH3, native
 
 
@@ -172,7 +171,7 @@ class PutTxn:
         self._tenant = info.tenant
         self._hashes = hashes
         self.block_bytes = info.layout.bytes_per_block
-        self._itemsize = DTYPE_BYTES.get(info.layout.dtype, 1)
+        self._itemsize = info.layout.stored_itemsize
         n = self._n = len(hashes)
         q = np.frombuffer(b"".join(hashes), "<u8")
         self._q0, self._q1 = q[0::2], q[1::2]

@@ -60,10 +60,13 @@ TORCH_MODULES = {"kvstore.client.tensors", "kvstore.client._device", "kvstore.cl
 
 # package -> the third-party top-level packages it may import (anywhere in its modules).
 BASE = ("grpc", "google", "numpy", "xxhash")
+# The lossless codecs (kvstore.codecs: lz4, zstandard) are shared: the data lane's
+# framing encodes with them on every side, and the SSD tier's records use them.
+CODECS = ("lz4", "zstandard")
 THIRD_PARTY: dict[str, tuple[str, ...]] = {
-    "shared": BASE,
+    "shared": BASE + CODECS,
     "core": ("numpy", "xxhash"),
-    "tiers": ("numpy", "xxhash", "lz4", "torch", "cupy"),
+    "tiers": ("numpy", "xxhash", "torch", "cupy") + CODECS,
     "cluster": BASE + ("aetcd",),
     "server": BASE + ("grpc_health", "grpc_reflection", "prometheus_client", "zmq", "msgpack"),
     "client": BASE + ("torch", "cupy", "transformers", "vllm", "cryptography", "sglang"),

@@ -65,6 +65,7 @@ import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvstore.codecs import Codec
 from kvstore.control_lane_wire import method_path
 from kvstore.data_lane import (
     CREDIT,
@@ -508,12 +509,12 @@ class _Connection:
         # Waits of this transfer end by its deadline (the loop also shuts the socket then).
         lane.set_timeout(max(0.001, min(self.settings.io_timeout_s, transfer.deadline - time.monotonic())))
         try:
-            self._send_blocks(transfer, frame.value)
+            self._send_blocks(transfer, frame.value, transfer_codec(frame.flags, transfer.codecs))
         finally:
             transfer.leave(lane)
             lane.set_timeout(self.settings.io_timeout_s)
 
-    def _send_blocks(self, transfer: FetchTransfer, credit: int) -> None:
+    def _send_blocks(self, transfer: FetchTransfer, credit: int, codec: Codec = Codec.RAW) -> None:
         lane = self.lane
         need = transfer.block_bytes
         while True:
@@ -552,10 +553,13 @@ class _Connection:
                 lane.send_frame(END, transfer.id, block=item)
                 return
             try:
-                lane.send_blocks(transfer.id, [(b.position, b.data, b.checksum) for b in item])
+                wire = lane.send_blocks(transfer.id, [(b.position, b.data, b.checksum) for b in item], codec,
+                                        transfer.itemsize)
             except BaseException as exc:
                 transfer.abandon(str(exc), len(item))
                 raise
+            if codec is not Codec.RAW:
+                self.server.counters.encoded("out", need * len(item), wire)
             transfer.sent(len(item))
             credit -= need * len(item)
 
@@ -597,18 +601,29 @@ class _Connection:
             raise ProtocolError("DATA for a put this connection did not join (send PUSH first)")
         left = credit.blocks * credit.block_bytes
         transfer = credit.transfer
-        if frame.length > left:
+        raw_len = frame.length
+        if frame.flags:  # an encoded block: its raw size is the put's block size
+            raw_len = credit.block_bytes
+            if frame.length > raw_len or transfer_codec(frame.flags, transfer.codecs) is Codec.RAW:
+                transfer.fail(grpc.StatusCode.INVALID_ARGUMENT, "a data lane sender used a codec the put did not offer")
+                raise ProtocolError(f"a DATA frame in codec {frame.flags} of {frame.length} bytes; this put takes "
+                                    f"codecs {transfer.codecs:#x} of at most {raw_len} bytes")
+        if raw_len > left:
             transfer.fail(grpc.StatusCode.INVALID_ARGUMENT, "a data lane sender exceeded its credit")
             raise ProtocolError(f"a {frame.length}-byte block with {left} bytes of credit left; a sender never "
                                 "sends more than it was granted")
-        dest = transfer.claim(frame.block, frame.length, lane)
+        dest = transfer.claim(frame.block, raw_len, lane)
         if dest is None:
             lane.discard(frame.length + TRAILER.size, None)
             self._tell_failed(frame.transfer, transfer)
             return
         credit.blocks -= 1
         try:
-            got, want = lane.recv_block(dest, transfer.deadline)
+            if frame.flags:
+                got, want = lane.recv_encoded(dest, frame.length, frame.flags, frame.value, transfer.deadline)
+                self.server.counters.encoded("in", raw_len, frame.length)
+            else:
+                got, want = lane.recv_block(dest, transfer.deadline)
         except BaseException as exc:
             transfer.broke(frame.block, exc, lane)
             raise
@@ -665,6 +680,15 @@ def _shut(sock: socket.socket) -> None:
         pass
 
 
+def transfer_codec(flags: int, offered: int) -> Codec:
+    """The codec a frame's `flags` name, if the transfer offered it (`offered`, a bitmask
+    of `kvstore.codecs.codec_mask`); raw otherwise."""
+    return Codec(flags) if flags and offered >> flags & 1 and flags in _CODEC_IDS else Codec.RAW
+
+
+_CODEC_IDS = frozenset(int(c) for c in Codec)
+
+
 def _readable(lane: LaneSocket, timeout_s: float) -> bool:
     """Whether a frame can be read from `lane` within `timeout_s` (or it was closed:
     the read that follows says so)."""
@@ -713,6 +737,12 @@ class DataLaneCollector(Collector):
         yield transfers
         yield GaugeMetricFamily("kvstore_datalane_open_connections", "data lane connections open now",
                                 value=get("connections"))
+        for kind, doc in (("raw", "raw bytes of the blocks that moved encoded by a lossless codec (docs/codecs.md)"),
+                          ("wire", "bytes those encoded blocks took on the data lane")):
+            family = CounterMetricFamily(f"kvstore_datalane_encoded_{kind}_bytes", doc, labels=["direction"])
+            family.add_metric(["out"], get(f"encoded_{kind}_bytes_out"))
+            family.add_metric(["in"], get(f"encoded_{kind}_bytes_in"))
+            yield family
         yield GaugeMetricFamily("kvstore_datalane_put_reserved_bytes",
                                 "host-tier slots reserved for lane puts ahead of their bytes (at most "
                                 "max_put_reserve_bytes per put)", value=get("put_reserved_bytes"))

@@ -62,6 +62,8 @@ class DataLaneSettings:
     # put_idle_timeout_s).
     put_window_bytes: int = 64 << 20
     put_idle_timeout_s: float = 30.0
+    # Frames may be encoded by a lossless codec the client asks for (`lane_codecs`).
+    codecs: bool = True
 
 
 class DataLaneCounters:
@@ -71,7 +73,8 @@ class DataLaneCounters:
     FIELDS = ("bytes_in", "bytes_out", "blocks_in", "blocks_out", "blocks_rejected", "transfers_fetch",
               "transfers_put", "transfers_failed", "connections", "connections_total", "connections_refused",
               "connections_dropped",
-              "committed_bytes_in", "served_bytes_out", "put_reserved_bytes", "put_reserved_peak_bytes")
+              "committed_bytes_in", "served_bytes_out", "put_reserved_bytes", "put_reserved_peak_bytes",
+              "encoded_raw_bytes_out", "encoded_wire_bytes_out", "encoded_raw_bytes_in", "encoded_wire_bytes_in")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -91,6 +94,13 @@ class DataLaneCounters:
             now = values["put_reserved_bytes"] = values["put_reserved_bytes"] + nbytes
             if now > values["put_reserved_peak_bytes"]:
                 values["put_reserved_peak_bytes"] = now
+
+    def encoded(self, direction: str, raw_bytes: int, wire_bytes: int) -> None:
+        """Blocks of `raw_bytes` went `direction` ("in", "out") in `wire_bytes` (encoded
+        frames; blocks a codec did not shrink went raw and count as such)."""
+        with self._lock:
+            self.values[f"encoded_raw_bytes_{direction}"] += raw_bytes
+            self.values[f"encoded_wire_bytes_{direction}"] += wire_bytes
 
     def landed(self, nbytes: int) -> None:
         """A lane put's block landed verified in its reserved slot."""
@@ -127,6 +137,10 @@ class Transfer:
         self.joined = 0
         # Sockets of the connections working on this transfer now (shut on close).
         self.sockets: set[LaneSocket] = set()
+        # The lossless codecs its frames may use (a `kvstore.codecs.codec_mask`; 0: raw
+        # only), and the element size of its blocks, for the byte-plane shuffle.
+        self.codecs = 0
+        self.itemsize = 1
 
     def wake(self, event: asyncio.Event) -> None:
         """Set a loop-side event from any thread."""

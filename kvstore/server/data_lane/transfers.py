@@ -27,10 +27,12 @@ from typing import Any
 import grpc
 
 from kvstore.core.fetch import FetchStream
+from kvstore.codecs import available, codec_mask
 from kvstore.core.store import Store
 from kvstore.data_lane import VERSION
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, ResourceExhausted, error_for_status
 from kvstore.hashing import HASH_BYTES
+from kvstore.layout import KVLayout
 from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put, put_position
 from kvstore.server.data_lane.fetch import FetchTransfer
@@ -183,12 +185,21 @@ class DataLaneTransfers:
                                  self._connections(request.connections), asyncio.get_running_loop(), stream,
                                  self.counters)
         transfer.peer = current_identity().peer
+        self._offer_codecs(transfer, self.store.namespace(ns_id).layout)
         self._register(transfer, loop_deadline)
         self.counters.add("transfers_fetch")
         self._spawn(self._run_fetch(transfer), "kvstore-lane-fetch")
         resp.transfer_id = transfer.id
+        resp.codecs, resp.itemsize = transfer.codecs, transfer.itemsize
         resp.expires_in_ms = int((deadline - time.monotonic()) * 1000)
         return resp
+
+    def _offer_codecs(self, transfer: Transfer, layout: KVLayout) -> None:
+        """The lossless codecs the transfer's frames may use: every one this daemon has
+        (which one, the client chooses: `kvstore.codec_chooser`), unless `lane_codecs` is off."""
+        if self.settings.codecs:
+            transfer.codecs = codec_mask(available())
+        transfer.itemsize = layout.stored_itemsize
 
     async def _run_fetch(self, transfer: FetchTransfer) -> None:
         try:
@@ -230,6 +241,7 @@ class DataLaneTransfers:
             raise
         transfer.peer = current_identity().peer
         transfer.runs = runs
+        self._offer_codecs(transfer, info.layout)
         self._register(transfer, loop_deadline)
         transfer.on_failed = lambda: self._put_failed(transfer)
         self._arm_idle(transfer, settings.put_idle_timeout_s)
@@ -238,7 +250,8 @@ class DataLaneTransfers:
         self.counters.add("transfers_put")
         return kvstore_pb2.LanePutResponse(transfer_id=transfer.id, needed=transfer.needed,
                                            block_bytes=transfer.block_bytes, namespace_id=info.namespace_id,
-                                           expires_in_ms=int((deadline - time.monotonic()) * 1000))
+                                           expires_in_ms=int((deadline - time.monotonic()) * 1000),
+                                           codecs=transfer.codecs, itemsize=transfer.itemsize)
 
     async def _run_reserver(self, transfer: PutTransfer) -> None:
         try:
