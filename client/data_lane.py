@@ -13,7 +13,11 @@ asyncio code; one transfer: `fetch_transfer`, `put_transfer`, their steps `LaneC
 `LaneMove`, `run_transfer`, `move_in_threads`.
 
 Bytes: one `sendmsg` per block from the caller's buffer, `recv_into` straight into the
-caller's destination, each block verified as it lands. Each connection of a transfer
+caller's destination, each block verified as it lands. Where the daemon offers lossless
+codecs (`LaneCodecs`, from its LaneFetch / LanePut answer), the lane's `CodecChooser`
+picks one per transfer (`codec="auto"`, docs/codecs.md) from what it measured of this
+link and of the codecs on this namespace's blocks; an encoded block is decoded straight
+into its destination and verified there. Each connection of a transfer
 runs in its own thread; one that broke or timed out is closed, the others go back to the
 pool. A block whose bytes do not match their checksum is dropped and counted
 (`stats().blocks_rejected`), never returned: the fetch's result ends before it.
@@ -51,6 +55,8 @@ from typing import Any, TypeVar
 import xxhash
 
 from kvstore.client.security import Security
+from kvstore.codec_chooser import CodecChooser
+from kvstore.codecs import Codec, codec_named, codecs_in
 from kvstore.data_lane import (
     CREDIT,
     DATA,
@@ -166,6 +172,33 @@ def client_tls(security: Security) -> ssl.SSLContext | None:
 
 
 @dataclass(frozen=True, slots=True)
+class LaneCodecs:
+    """What a transfer's LaneFetch / LanePut answer offers: the codecs the daemon sends or
+    takes (`kvstore.codecs.codec_mask`; 0: raw only, as from a daemon that predates
+    codecs), the element size of the blocks, and their namespace (the chooser's key)."""
+
+    mask: int
+    itemsize: int
+    namespace: bytes
+
+
+def lane_codecs(grant: kvstore_pb2.LaneFetchResponse | kvstore_pb2.LanePutResponse) -> LaneCodecs:
+    return LaneCodecs(grant.codecs, grant.itemsize or 1, grant.namespace_id)
+
+
+CODEC_MODES = ("auto", "raw", *(c.label for c in Codec if c is not Codec.RAW))
+
+
+def check_codec_mode(mode: str) -> str:
+    """`auto` (chosen per transfer), `raw`, or a codec's name; InvalidArgument otherwise."""
+    if mode not in CODEC_MODES:
+        from kvstore.errors import InvalidArgument
+
+        raise InvalidArgument(f"lane_codec must be one of {', '.join(CODEC_MODES)}, got {mode!r}")
+    return mode
+
+
+@dataclass(frozen=True, slots=True)
 class DataLaneStats:
     """What a client's data lane moved (this process, this client)."""
 
@@ -188,6 +221,7 @@ class _FetchState:
     def __init__(self, n: int, checksums: list[int] | None = None) -> None:
         self.lock = threading.Lock()
         self.status = bytearray(n)  # 0 waiting, 1 landed verified, 2 rejected, 3 arriving
+        self.wire = 0  # payload bytes received (encoded blocks count their encoded size)
         self.end: int | None = None
         self.checksums = checksums  # each block's sender checksum, once it landed
 
@@ -200,11 +234,12 @@ class _FetchState:
                     raise ProtocolError(f"the data lane sent block {i} twice")
                 self.status[i] = 3
 
-    def landed(self, blocks: Iterable[tuple[int, bool, int]]) -> int:
+    def landed(self, blocks: Iterable[tuple[int, bool, int]], wire: int = 0) -> int:
         """Mark claimed blocks (block, whether its bytes matched, the sender's checksum)
-        as landed or rejected; how many were rejected."""
+        as landed or rejected, after `wire` payload bytes; how many were rejected."""
         bad = 0
         with self.lock:
+            self.wire += wire
             for i, ok, want in blocks:
                 self.status[i] = 1 if ok else 2
                 if self.checksums is not None:
@@ -222,6 +257,8 @@ class _Push:
         for p in positions:
             self.todo.put(p)
         self.failed = False
+        self.lock = threading.Lock()
+        self.wire = 0  # payload bytes sent (encoded blocks count their encoded size)
 
     def next(self) -> int | None:
         if self.failed:
@@ -240,8 +277,13 @@ class DataLane:
 
     def __init__(self, endpoint: LaneEndpoint, security: Security, *, max_connections: int = DEFAULT_CONNECTIONS,
                  window_bytes: int = DEFAULT_WINDOW_BYTES, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 io_timeout_s: float = 30.0, tls: ssl.SSLContext | None = None) -> None:
+                 io_timeout_s: float = 30.0, tls: ssl.SSLContext | None = None, codec: str = "auto",
+                 chooser: CodecChooser | None = None, link: str = "") -> None:
         self.endpoint = endpoint
+        self.link = link or endpoint.address  # the chooser's name for this link
+        # Which lossless codec transfers use: chosen per transfer ("auto"), or fixed.
+        self.codec_mode = check_codec_mode(codec)
+        self.chooser = chooser if chooser is not None else CodecChooser()
         self.max_connections = max(1, max_connections)
         self.window_bytes = window_bytes
         self.connect_timeout_s = connect_timeout_s
@@ -406,17 +448,42 @@ class DataLane:
             self._counters.transfers += 1
         return errors
 
+    def _codec(self, offer: LaneCodecs | None) -> Codec:
+        """The codec of the next transfer with this offer (raw without one)."""
+        if offer is None or not offer.mask or self.codec_mode == "raw":
+            return Codec.RAW
+        offered = codecs_in(offer.mask)
+        if self.codec_mode != "auto":
+            fixed = codec_named(self.codec_mode)
+            return fixed if fixed in offered else Codec.RAW
+        return self.chooser.choose(self.link, offer.namespace, offered)
+
+    def _learn(self, offer: LaneCodecs | None, codec: Codec, raw_bytes: int, wire_bytes: int, seconds: float,
+               block: memoryview | None) -> None:
+        """What a transfer taught the chooser; now and then a block of it sampled with
+        every codec (what each does to this namespace's blocks, on this machine)."""
+        if offer is None or not offer.mask:
+            return
+        self.chooser.observed(self.link, offer.namespace, codec, raw_bytes, wire_bytes, seconds)
+        if block is not None and self.codec_mode == "auto" and self.chooser.wants_sample(offer.namespace):
+            self.chooser.sample(offer.namespace, offer.itemsize, block)
+
     def fetch_into(self, conns: Sequence[LaneSocket], transfer_id: bytes, block_bytes: int,
-                   dests: Sequence[memoryview], timeout_s: float, checksums: list[int] | None = None) -> int:
+                   dests: Sequence[memoryview], timeout_s: float, checksums: list[int] | None = None,
+                   codecs: LaneCodecs | None = None) -> int:
         """Receive fetch `transfer_id`'s blocks into `dests` (block i into dests[i], each
         `block_bytes`) on `conns`, which this call owns; how many leading blocks landed
         verified. A rejected block, or one that never came, ends the result before it.
         `checksums` (one entry per dest), when given, gets the checksum the sender sent
         with each block that landed, whether its bytes matched it or not (a daemon sends
-        the checksum it stored with the block, which its bytes matched before they left)."""
+        the checksum it stored with the block, which its bytes matched before they left).
+        `codecs`: what the daemon offered (LaneFetch's answer); the codec asked for is
+        chosen here."""
         state = _FetchState(len(dests), checksums)
+        codec = self._codec(codecs)
+        start = time.perf_counter()
         deadline = time.monotonic() + timeout_s
-        errors = self._run_all(conns, self._fetch_on, transfer_id, block_bytes, dests, state, deadline)
+        errors = self._run_all(conns, self._fetch_on, transfer_id, block_bytes, dests, state, deadline, codec)
         if state.end is None:
             raise next(e for e in errors if e is not None)
         good = 0
@@ -424,15 +491,18 @@ class DataLane:
             good += 1
         if good < state.end and state.status[good] == 0 and any(errors):
             raise next(e for e in errors if e is not None)  # a block went missing with its connection
+        if good == state.end:
+            self._learn(codecs, codec, good * block_bytes, state.wire, time.perf_counter() - start,
+                        dests[good // 2] if good else None)
         return good
 
     def _fetch_on(self, lane: LaneSocket, transfer_id: bytes, block_bytes: int, dests: Sequence[memoryview],
-                  state: _FetchState, deadline: float) -> None:
+                  state: _FetchState, deadline: float, codec: Codec = Codec.RAW) -> None:
         n = len(dests)
         # Any connection may carry every block: never more credit than the whole fetch.
         grant = Grant(max(self.window_bytes, block_bytes), n * block_bytes)
         self._bound_waits(lane, deadline)
-        lane.send_frame(FETCH, transfer_id, value=grant.first)
+        lane.send_frame(FETCH, transfer_id, value=grant.first, flags=int(codec))
         frame_bytes = HEADER_BYTES + block_bytes + TRAILER.size
         while True:
             if lane.buffered() >= frame_bytes:
@@ -450,13 +520,17 @@ class DataLane:
                 continue
             if frame.kind == DATA:
                 i = frame.block
-                if not 0 <= i < n or frame.length != block_bytes:
+                if not 0 <= i < n or not (0 < frame.length <= block_bytes if frame.flags
+                                          else frame.length == block_bytes):
                     raise ProtocolError(f"the data lane sent block {i} of {frame.length} bytes; the fetch has {n} "
                                         f"blocks of {block_bytes}")
                 state.claim((i,))
-                got, want = lane.recv_block(dests[i], deadline)
+                if frame.flags:  # encoded: decoded straight into the destination, hashed there
+                    got, want = lane.recv_encoded(dests[i], frame.length, frame.flags, frame.value, deadline)
+                else:
+                    got, want = lane.recv_block(dests[i], deadline)
                 ok = got == want
-                self._count_landed(1, state.landed(((i, ok, want),)), block_bytes)
+                self._count_landed(1, state.landed(((i, ok, want),), frame.length), block_bytes)
                 if not ok:
                     logger.warning("fetched block %d failed its checksum on arrival over the data lane; not returned",
                                    i)
@@ -485,7 +559,7 @@ class DataLane:
             dest[:] = payload
             landed.append((i, digest(dest) == want, want))
         lane.consume(len(batch), block_bytes)
-        bad = state.landed(landed)
+        bad = state.landed(landed, len(batch) * block_bytes)
         self._count_landed(len(batch), bad, block_bytes)
         if bad:
             logger.warning("%d fetched blocks failed their checksum on arrival over the data lane; not returned", bad)
@@ -498,22 +572,33 @@ class DataLane:
             counters.blocks_rejected += rejected
 
     def put_from(self, conns: Sequence[LaneSocket], transfer_id: bytes, block_bytes: int, needed: bytes,
-                 sources: Sequence[memoryview], timeout_s: float) -> None:
+                 sources: Sequence[memoryview], timeout_s: float, codecs: LaneCodecs | None = None) -> None:
         """Send put `transfer_id`'s needed blocks (needed[i] set: sources[i]) on `conns`,
         which this call owns; raises what the daemon reported meanwhile (e.g. a block that
         failed its checksum). The daemon may still be receiving the last of them when this
-        returns: LaneCommit waits until every one has landed verified."""
-        push = _Push([i for i, flag in enumerate(needed) if flag])
+        returns: LaneCommit waits until every one has landed verified. `codecs`: what
+        the daemon takes (LanePut's answer); the codec is chosen here."""
+        positions = [i for i, flag in enumerate(needed) if flag]
+        push = _Push(positions)
+        codec = self._codec(codecs)
+        if codec is not Codec.RAW and codecs is not None:
+            codec_args: tuple[Codec, int] = (codec, codecs.itemsize)
+        else:
+            codec_args = (Codec.RAW, 1)
+        start = time.perf_counter()
         deadline = time.monotonic() + timeout_s
-        errors = self._run_all(conns, self._push_on, transfer_id, block_bytes, sources, push, deadline)
+        errors = self._run_all(conns, self._push_on, transfer_id, block_bytes, sources, push, deadline, *codec_args)
         failures = [e for e in errors if e is not None]
+        if not failures:
+            self._learn(codecs, codec, len(positions) * block_bytes, push.wire, time.perf_counter() - start,
+                        sources[positions[len(positions) // 2]] if positions else None)
         if failures:
             # What the daemon said (a block that failed its checksum) over what it did to
             # the other connections meanwhile.
             raise min(failures, key=lambda e: (not isinstance(e, DataLoss), isinstance(e, (LaneClosed, LaneTimeout))))
 
     def _push_on(self, lane: LaneSocket, transfer_id: bytes, block_bytes: int, sources: Sequence[memoryview],
-                 push: _Push, deadline: float) -> None:
+                 push: _Push, deadline: float, codec: Codec = Codec.RAW, itemsize: int = 1) -> None:
         self._bound_waits(lane, deadline)
         lane.send_frame(PUSH, transfer_id)
         counters = self._counters
@@ -540,7 +625,10 @@ class DataLane:
                     batch.append(i)
                 if not batch:
                     return
-                lane.send_blocks(transfer_id, [(i, sources[i], checksum_of(sources[i])) for i in batch])
+                wire = lane.send_blocks(transfer_id, [(i, sources[i], checksum_of(sources[i])) for i in batch],
+                                        codec, itemsize)
+                with push.lock:
+                    push.wire += wire
                 credit -= block_bytes * len(batch)
                 with counters.lock:
                     counters.bytes_sent += block_bytes * len(batch)
@@ -660,7 +748,7 @@ def fetch_transfer(lane: DataLane, conns: list[LaneSocket], fetch: kvstore_pb2.F
         raise
     try:
         return int((yield LaneMove(lane, conns, lane.fetch_into, grant.transfer_id, grant.block_bytes, views,
-                                   left())))
+                                   left(), None, lane_codecs(grant))))
     except Exception as exc:
         if fall_back is not None and fall_back(exc):
             return None
@@ -699,7 +787,7 @@ def put_transfer(lane: DataLane, conns: list[LaneSocket], header: kvstore_pb2.Pu
                     lane.checkin(conns)
                     raise
             yield LaneMove(lane, conns, lane.put_from, grant.transfer_id, grant.block_bytes, grant.needed, sources,
-                           left())
+                           left(), lane_codecs(grant))
         except GeneratorExit:
             raise  # closed where it stood: nothing more may be yielded (the daemon rolls it back)
         except BaseException as exc:
@@ -874,6 +962,7 @@ def _alive(lane: LaneSocket) -> bool:
     return True
 
 
-__all__ = ["ABORT_TIMEOUT_S", "DataLane", "DataLaneStats", "LaneCall", "LaneClosed", "LaneEndpoint", "LaneMove",
+__all__ = ["ABORT_TIMEOUT_S", "CODEC_MODES", "DataLane", "DataLaneStats", "LaneCall", "LaneClosed", "LaneCodecs",
+           "LaneEndpoint", "LaneMove", "check_codec_mode", "lane_codecs",
            "LaneTimeout", "TransferPlan", "checkout_in_thread", "choose_endpoint", "client_tls", "fetch_transfer",
            "lane_fetch_request", "move_in_threads", "put_transfer", "run_transfer"]

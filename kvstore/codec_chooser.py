@@ -15,9 +15,10 @@ made per transfer, from two things measured on this machine while it runs:
 has been used on this key has its observed figure; one that has not has a model's:
 `max(ratio x the raw link time, (encode + decode) / cores)` (sender and receiver work on
 blocks while earlier ones are on the wire). A codec must beat raw by `MARGIN` to be
-picked, and an option is tried again (`PROBE_EVERY`) only while its estimate is within
-`PROBE_WITHIN` of the best: on a link where a codec is clearly slower it is never run,
-so the chooser costs a fast link nothing. Until a raw transfer of a key was measured,
+picked. An option is first tried only when its model says it wins; once used, it is run
+again now and then (every `PROBE_EVERY` transfers, the best other option) while its
+estimate is within `PROBE_WITHIN` of the best, to refresh its figure. On a link where a
+codec is clearly slower it is never run, so the chooser costs a fast link nothing. Until a raw transfer of a key was measured,
 raw is used; transfers under `LEARN_MIN_BYTES` use the current choice and teach nothing
 (their fixed costs would swamp the per-byte figures).
 
@@ -101,9 +102,10 @@ class CodecChooser:
     """Per (link, namespace): which codec the next transfer uses (see the module doc)."""
 
     def __init__(self, codecs: Sequence[Codec] | None = None, *, clock: Callable[[], float] = time.perf_counter,
-                 cores: int | None = None) -> None:
+                 cores: int | None = None, learn_min_bytes: int = LEARN_MIN_BYTES) -> None:
         self.codecs = tuple(codecs) if codecs is not None else available()
         self.clock = clock
+        self.learn_min_bytes = learn_min_bytes
         self.cores = max(1, cores or os.cpu_count() or 1)
         self._lock = threading.Lock()
         self._keys: dict[tuple[str, bytes], _Key] = {}
@@ -133,7 +135,9 @@ class CodecChooser:
             key.choice = best
             key.transfers += 1
             if key.transfers % PROBE_EVERY == 0:
-                others = sorted((c for c in estimates if c is not best), key=lambda c: estimates[c])
+                # Only options seen before are refreshed: one never used is tried only once
+                # the model expects it to win.
+                others = sorted((c for c in estimates if c is not best and c in key.spb), key=lambda c: estimates[c])
                 if others and estimates[others[0]] <= estimates[best] * PROBE_WITHIN:
                     return others[0]  # a probe: the choice stays what it was
             return best
@@ -167,7 +171,7 @@ class CodecChooser:
             key = self._keys.setdefault((link, namespace), _Key())
             key.raw_bytes[codec] = key.raw_bytes.get(codec, 0) + raw_bytes
             key.wire_bytes[codec] = key.wire_bytes.get(codec, 0) + wire_bytes
-            if raw_bytes < LEARN_MIN_BYTES or seconds <= 0:
+            if raw_bytes < self.learn_min_bytes or raw_bytes <= 0 or seconds <= 0:
                 return
             key.spb[codec] = _ewma(key.spb.get(codec), seconds / raw_bytes)
             if codec is not Codec.RAW and wire_bytes:

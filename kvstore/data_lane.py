@@ -429,8 +429,8 @@ class LaneSocket:
                     buffers.pop(0)
 
     def send_frame(self, kind: int, transfer: bytes = NO_TRANSFER, block: int = 0, value: int = 0,
-                   payload: bytes = b"") -> None:
-        self._send([memoryview(pack(kind, transfer, block, len(payload), value)), memoryview(payload)])
+                   payload: bytes = b"", flags: int = 0) -> None:
+        self._send([memoryview(pack(kind, transfer, block, len(payload), value, flags)), memoryview(payload)])
 
     def send_data(self, transfer: bytes, block: int, data: memoryview, checksum: int) -> None:
         """A DATA frame: the header, `data` itself (never copied here) and the trailer."""

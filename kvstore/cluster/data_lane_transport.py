@@ -65,9 +65,11 @@ from kvstore.client.data_lane import (
     DataLane,
     LaneEndpoint,
     LaneMove,
+    check_codec_mode,
     checkout_in_thread,
     choose_endpoint,
     client_tls,
+    lane_codecs,
     lane_fetch_request,
     move_in_threads,
     put_transfer,
@@ -85,6 +87,7 @@ from kvstore.cluster.transport import (
     lookup_count,
     lookup_request_bytes,
 )
+from kvstore.codec_chooser import CodecChooser
 from kvstore.control_lane_wire import RESPONSE_TYPES, peer_envelope
 from kvstore.data_lane import LaneSocket
 from kvstore.eager import Started, start
@@ -146,8 +149,12 @@ class DataLaneTransport:
     def __init__(self, node_id: str, *, token: str = "", tls_ca: bytes | None = None,
                  tls_cert: bytes | None = None, tls_key: bytes | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, connections: int = DEFAULT_CONNECTIONS,
-                 io_timeout_s: float = 30.0) -> None:
+                 io_timeout_s: float = 30.0, codec: str = "auto", chooser: CodecChooser | None = None) -> None:
         self.node_id = node_id
+        # The lossless codec of pulls and forwards: chosen per transfer, per peer and
+        # namespace, by `chooser` (shown in stats, INFO and metrics), or fixed.
+        self.codec = check_codec_mode(codec)
+        self.chooser = chooser if chooser is not None else CodecChooser()
         self.grpc = GrpcPeerTransport(node_id, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                                       chunk_bytes=chunk_bytes)
         self.framer: Callable[[int, memoryview], Framed] = lane_framer
@@ -304,7 +311,8 @@ class DataLaneTransport:
         try:
             return DataLane(endpoint, self._security, max_connections=min(offer.max_connections or 1,
                                                                           self._connections),
-                            io_timeout_s=self._io_timeout_s, tls=self._tls_for(endpoint))
+                            io_timeout_s=self._io_timeout_s, tls=self._tls_for(endpoint), codec=self.codec,
+                            chooser=self.chooser, link=f"node {node}")
         except KVStoreError as exc:  # its lane uses TLS and this node has no roots for it
             logger.warning("cluster: the data lane of node %s cannot be used (%s); block bytes go through gRPC",
                            node, exc)
@@ -398,7 +406,8 @@ class DataLaneTransport:
         sums = [NOT_LANDED] * n
         try:
             good = int(await move_in_threads(LaneMove(lane, conns, lane.fetch_into, grant.transfer_id,
-                                                      grant.block_bytes, targets, _left(deadline), sums)))
+                                                      grant.block_bytes, targets, _left(deadline), sums,
+                                                      lane_codecs(grant))))
         except Exception as exc:
             raise PeerError(node, f"fetch over the data lane: {_said(exc)}") from None
         good = min(good, room)

@@ -38,6 +38,8 @@ import numpy as np
 if TYPE_CHECKING:
     import threading
 
+    from kvstore.codec_chooser import Choice
+
 
 class Slot(NamedTuple):
     """Where a block's bytes live inside one tier. `size` is the accounted size.
@@ -263,6 +265,11 @@ class Tier(ABC):
     def describe(self) -> dict[str, str]:
         """Facts for `Info` and logs (backing, pinned, direct I/O...)."""
         return {}
+
+    def codec_choices(self) -> list[Choice]:
+        """What this tier's lossless codec chooser knows (a tier that encodes blocks on
+        their way in: the SSD tier), for stats, INFO and metrics; none by default."""
+        return []
 
 
 class Copier(ABC):

@@ -26,6 +26,7 @@ from kvstore.core.store import RemovalResult, Store, StoreStatus
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.hashing import HASH_BYTES
 from kvstore.server.cluster import drain_proto, info_section, status_proto, where_proto
+from kvstore.server.codecs import CodecView, codecs_to_proto, render_codecs_info
 from kvstore.server.events import EventBus, EventKind
 from kvstore.server.info import SECTIONS, render_info
 from kvstore.server.kv_events import KvEventStreams
@@ -37,7 +38,7 @@ from kvstore.v1 import admin_pb2, admin_pb2_grpc, kvstore_pb2
 if TYPE_CHECKING:
     from kvstore.server.host_resources import GcPauses
 
-INFO_SECTIONS = (*SECTIONS, "events", "tenants", "cluster")
+INFO_SECTIONS = (*SECTIONS, "events", "tenants", "cluster", "codecs")
 
 # Block references per ListBlocks message: 32 bytes each, far under the message cap.
 LIST_BLOCKS_BATCH = 8192
@@ -137,6 +138,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         calls_in_flight: Callable[[], Mapping[str, int]] | None = None,
         gc_pauses: Callable[[], GcPauses] | None = None,
         kv_events: KvEventStreams | None = None,
+        codecs: CodecView | None = None,
     ) -> None:
         self.store = store
         self.runtime = runtime
@@ -147,10 +149,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self._calls_in_flight = calls_in_flight
         self.gc_pauses = gc_pauses
         self.kv_events = kv_events
+        self.codecs = codecs if codecs is not None else CodecView(store)
         self.started = time.monotonic()
 
     async def Stats(self, request: admin_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.StatsResponse:
-        return stats_to_proto(self.store.stats(), time.monotonic() - self.started, self.absent_tiers)
+        resp = stats_to_proto(self.store.stats(), time.monotonic() - self.started, self.absent_tiers)
+        resp.codecs.extend(codecs_to_proto(self.codecs.choices()))
+        return resp
 
     async def Info(self, request: admin_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> admin_pb2.InfoResponse:
         section = request.section.strip().lower()
@@ -162,13 +167,15 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             return admin_pb2.InfoResponse(text=self._tenants_section())
         if section == "cluster":
             return admin_pb2.InfoResponse(text=info_section(self.node))
+        if section == "codecs":
+            return admin_pb2.InfoResponse(text=render_codecs_info(self.codecs.choices()))
         # The config section shows the settings as they are now, after SetConfig or SIGHUP.
         text = render_info(
             self.store, time.monotonic() - self.started, self.runtime.as_dict(), self.absent_tiers, section,
             self.gc_pauses() if self.gc_pauses is not None else None)
         if not section:
             text = (text.rstrip("\n") + "\n\n" + self._events_section() + "\n" + self._tenants_section() + "\n"
-                    + info_section(self.node))
+                    + info_section(self.node) + "\n" + render_codecs_info(self.codecs.choices()))
         return admin_pb2.InfoResponse(text=text)
 
     def _events_section(self) -> str:

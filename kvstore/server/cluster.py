@@ -37,6 +37,7 @@ from prometheus_client.registry import Collector
 
 from kvstore import __version__
 from kvstore.addresses import dial_problem
+from kvstore.codec_chooser import CodecChooser
 from kvstore.errors import ConfigError
 from kvstore.hashing import token_bytes
 from kvstore.server.auth import TokenTable, current_identity
@@ -147,7 +148,8 @@ def member_check(node: ClusterNode) -> Callable[[str], bool]:
 
 
 def build_cluster(config: Config, store: Store, node_id: str, *, executor: Any = None,
-                  auth_on: bool = False, tokens: TokenTable | None = None) -> ClusterNode:
+                  auth_on: bool = False, tokens: TokenTable | None = None,
+                  chooser: CodecChooser | None = None) -> ClusterNode:
     """This daemon's `ClusterNode`, not started: the services get it before the listeners
     are bound; `join_cluster` starts it after. Its settings are checked now, so a bad one
     stops the daemon before it binds anything."""
@@ -201,7 +203,8 @@ def build_cluster(config: Config, store: Store, node_id: str, *, executor: Any =
     if config.cluster_data_lane:
         transport = DataLaneTransport(node_id, token=token, tls_ca=tls_ca, tls_cert=cert, tls_key=key,
                                       chunk_bytes=config.chunk_bytes, connections=config.data_lane_connections,
-                                      io_timeout_s=config.data_lane_io_timeout_s)
+                                      io_timeout_s=config.data_lane_io_timeout_s,
+                                      codec=config.cluster_lane_codec, chooser=chooser)
     else:
         transport = GrpcPeerTransport(node_id, token=token, tls_ca=tls_ca, tls_cert=cert, tls_key=key,
                                       chunk_bytes=config.chunk_bytes)

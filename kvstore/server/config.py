@@ -78,7 +78,8 @@ FIELDS: tuple[Field, ...] = (
     Field("ssd_io", "str", "auto", "SSD file I/O: auto (O_DIRECT where supported), direct, buffered",
           choices=("auto", "direct", "buffered")),
     Field("ssd_io_threads", "int", 4, "threads doing SSD file I/O and codec work", lo=1, hi=64),
-    Field("ssd_compress", "bool", True, "byte-plane shuffle + lz4 on SSD records (kept only when it saves >= 5%)"),
+    Field("ssd_compress", "bool", True, "lossless codec on SSD records (byte-plane shuffle + lz4 or zstd), chosen per "
+          "namespace by measured write and codec speed, kept only when it saves >= 5% (docs/codecs.md)"),
     Field("put_tier", "str", "auto", "where puts land: auto (the highest memory tier with room), hbm, host",
           choices=(AUTO, HBM, HOST)),
     Field("promote_on_hit", "bool", True, "copy a block served from SSD into the top memory tier if it has headroom"),
@@ -215,6 +216,11 @@ FIELDS: tuple[Field, ...] = (
     Field("cluster_data_lane", "bool", True, "move the pool's block bytes (pulls of remote blocks, forwards to "
           "owners) on the peers' data lanes; false: in gRPC Fetch and Put streams (peers without a lane are "
           "used through gRPC either way)"),
+    Field("cluster_lane_codec", "str", "auto", "lossless codec of the pool's pulls and forwards on the data lane: "
+          "auto (chosen per transfer from the measured link and codec speeds, per peer and namespace), raw, or "
+          "one codec always (docs/codecs.md)", choices=("auto", "raw", "shuffle-lz4", "shuffle-zstd")),
+    Field("lane_codecs", "bool", True, "this daemon's data lane sends and takes blocks in the lossless codec a "
+          "client or peer asks for (false: raw frames only)"),
     Field("peer_lane_listen", "list", ("auto",), "where the pool's other daemons make their lookups and the "
           "data lane's control calls on this one, on the control lane's framing over TCP rather than gRPC (a "
           "pool only; see docs/cluster.md): auto (next to each TCP listener, same host, a port of the system's "
@@ -349,6 +355,8 @@ class Config:
     cluster_token_file: str
     cluster_tls_ca: str
     cluster_data_lane: bool
+    cluster_lane_codec: str
+    lane_codecs: bool
     peer_lane_listen: tuple[str, ...]
     data_lane_listen: tuple[str, ...]
     data_lane_advertise: tuple[str, ...]

@@ -50,6 +50,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from kvstore.codec_chooser import CodecChooser
 from kvstore.control_lane_wire import lane_path
 from kvstore.core.policies import DEFAULT_POLICY, EvictionPolicy, make_policy, parse_tier_policies
 from kvstore.core.store import Store, StoreTier
@@ -67,6 +68,7 @@ from kvstore.server.cluster import (
     member_check,
     resolve_cluster_node_id,
 )
+from kvstore.server.codecs import CodecCollector, CodecView
 from kvstore.server.config import Config
 from kvstore.server.connections import (
     ConnectionLimits,
@@ -200,6 +202,8 @@ class Daemon:
         # What the services are handed: the pool's node, built before them, or a daemon
         # alone's (kvstore.server.pool_node); `cluster` is the pool's once it has joined.
         self.node: PoolNode = SoloNode()
+        # The pool's lossless codec chooser (pulls and forwards; docs/codecs.md).
+        self.codecs = CodecChooser()
         self.cluster: ClusterNode | None = None
         self._recovered_blocks = 0
         self._executor: ThreadPoolExecutor | None = None
@@ -305,7 +309,7 @@ class Daemon:
         # The pool's node is built (not started) before the services that call it, and
         # before anything listens: a bad cluster setting stops the daemon here.
         cluster = build_cluster(cfg, store, self.node_id, executor=self._executor,
-                                tokens=self.tokens) if cfg.cluster else None
+                                tokens=self.tokens, chooser=self.codecs) if cfg.cluster else None
         if cluster is not None:
             self.node = cluster
             self.auth.members = member_check(cluster)  # node-to-node calls: current members only
@@ -409,13 +413,16 @@ class Daemon:
             window_bytes=cfg.data_lane_window, max_connections_per_transfer=cfg.data_lane_connections,
             io_timeout_s=cfg.data_lane_io_timeout_s, max_block_bytes=cfg.max_block_bytes,
             put_window_bytes=cfg.max_put_reserve_bytes, put_idle_timeout_s=cfg.put_idle_timeout_s,
+            codecs=cfg.lane_codecs,
         ), lambda: self.data_lane.endpoints() if self.data_lane is not None else [], node)
         self._transfers = transfers
         servicer = KVStoreServicer(store, resolver, local, DevicePlane(store, local, self._local_plane_tenants), node,
                                    cfg.chunk_bytes, cfg.max_put_reserve_bytes, cfg.put_idle_timeout_s, transfers)
         add_kvstore_servicer(servicer, server)
+        codecs = CodecView(store, self.codecs if self.config.cluster else None)
+        self.metrics.registry.register(CodecCollector(codecs.choices))
         admin = AdminServicer(store, self.runtime, self.events, node, resolver, absent, lambda: self.auth.in_flight,
-                              self.gc_freezer.pauses, self.kv_events)
+                              self.gc_freezer.pauses, self.kv_events, codecs)
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

@@ -1019,9 +1019,9 @@ def _sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = LaneSocket.send_blocks
 
-    def counting(self, transfer, blocks):  # type: ignore[no-untyped-def]
+    def counting(self, transfer, blocks, *codec):  # type: ignore[no-untyped-def]
         calls.append(len(blocks))
-        return real(self, transfer, blocks)
+        return real(self, transfer, blocks, *codec)
 
     monkeypatch.setattr(LaneSocket, "send_blocks", counting)
     return calls

@@ -79,15 +79,13 @@ from kvstore.tiers.ssd.records import FLAG_HAS_PARENT, MAGIC, RECORD
 from kvstore.tiers.ssd.recovery import RecoveredBlock, RecoveryReport
 from kvstore.tiers.ssd.snapshot import SNAPSHOT_MAGIC, SNAPSHOT_NAME, SNAPSHOT_VERSION
 from kvstore.tiers.ssd.tier import (
-    CODEC_GIVE_UP_AFTER,
-    CODEC_PROBE_EVERY,
     DEFAULT_REGION_SIZE,
     INLINE_CODEC_BYTES,
     SsdTier,
 )
 
 __all__ = [
-    "BUFFERED_ALIGNMENT", "CODEC_GIVE_UP_AFTER", "CODEC_PROBE_EVERY", "DEFAULT_REGION_SIZE", "DIRECT_ALIGNMENT",
+    "BUFFERED_ALIGNMENT", "DEFAULT_REGION_SIZE", "DIRECT_ALIGNMENT",
     "FD_HEADROOM", "FLAG_HAS_PARENT", "FORMAT_VERSION", "GEOMETRY_NAME", "INLINE_CODEC_BYTES", "LOCK_NAME", "MAGIC",
     "MIN_REGIONS", "RECORD", "SNAPSHOT_MAGIC", "SNAPSHOT_NAME", "SNAPSHOT_VERSION", "Geometry", "IoMode",
     "RecoveredBlock", "RecoveryReport", "SsdTier", "lock_directory", "plan_geometry", "probe_direct_io",

@@ -7,8 +7,14 @@ small blocks, reserves offsets and keeps the tables; encoding large blocks and a
 work run in the tier's own bounded thread pool.
 
 Primitives: `put_block`, `get_block`, `free`, `recover`, `region_keys`, `close`,
-`describe`, and the accounting the store plans with (`accounted_size`, `fits`,
-`has_room`, `dead_bytes`, `occupied_bytes`).
+`describe`, `codec_choices`, and the accounting the store plans with (`accounted_size`,
+`fits`, `has_room`, `dead_bytes`, `occupied_bytes`).
+
+Which lossless codec a record is written with is chosen per namespace by a
+`CodecChooser` (link "ssd"): from the measured time of this tier's writes (encode and
+write, per raw byte) and the codecs' measured ratio and speed on that namespace's blocks,
+the option expected to be fastest; a block the chosen codec shrinks by less than 5% is
+written raw. Reads decode whatever a record says (docs/codecs.md).
 """
 
 from __future__ import annotations
@@ -16,14 +22,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from kvstore.codec_chooser import LINK_SSD, Choice, CodecChooser
+from kvstore.codecs import available, codec_named
 from kvstore.core.tier import BlockMeta, Slot, Tier
 from kvstore.errors import ConfigError, DataLoss
-from kvstore.tiers.codec import Codec, Encoded, encode
+from kvstore.tiers.codec import Codec, Encoded, encode_with
 from kvstore.tiers.ssd.directory import lock_directory, plan_geometry, reserve_open_files, write_geometry
 from kvstore.tiers.ssd.io import IoMode, RegionFiles
 from kvstore.tiers.ssd.records import RECORD, Parsed, align
@@ -37,11 +46,6 @@ logger = logging.getLogger("kvstore.tiers.ssd")
 DEFAULT_REGION_SIZE = 64 << 20
 # Encoding blocks smaller than this inline costs less than the thread hand-off.
 INLINE_CODEC_BYTES = 64 * 1024
-# After this many blocks of a namespace in a row did not compress, only every
-# CODEC_PROBE_EVERY-th block of it is tried: fp16 KV never pays, and trying costs as much
-# CPU as the write itself. One success resets the count.
-CODEC_GIVE_UP_AFTER = 8
-CODEC_PROBE_EVERY = 16
 
 
 class SsdTier(Tier):
@@ -57,7 +61,7 @@ class SsdTier(Tier):
         region_size: int = DEFAULT_REGION_SIZE,
         io_mode: str = "auto",
         io_threads: int = 4,
-        compress: bool = True,
+        compress: bool | str = True,
     ) -> None:
         try:
             os.makedirs(path, mode=0o700, exist_ok=True)
@@ -103,7 +107,10 @@ class SsdTier(Tier):
         self.bytes_read = 0
         self.compressed_blocks = 0
         self.codec_attempts = 0
-        self._codec_misses: dict[bytes, int] = {}  # namespace id -> blocks in a row not compressed
+        # True: chosen per namespace (every block write is one observation: a record is
+        # one block, so no minimum size); False: raw; a codec's name: always tried.
+        self.chooser = CodecChooser(available(), learn_min_bytes=0) if compress is True else None
+        self.fixed_codec = codec_named(compress) if isinstance(compress, str) else Codec.RAW
         logger.info("ssd tier at %s: %d regions of %d bytes, %s I/O", path, regions, region_size, self.io_mode)
 
     # ------------------------------------------------------------- accounting
@@ -143,28 +150,34 @@ class SsdTier(Tier):
             raise DataLoss("the ssd tier is closed")
         loop = asyncio.get_running_loop()
         ns = meta.key[:16]
-        misses = self._codec_misses.get(ns, 0)
-        if not self.compress or (misses >= CODEC_GIVE_UP_AFTER and misses % CODEC_PROBE_EVERY):
+        chooser = self.chooser
+        codec = self.fixed_codec
+        if chooser is not None:
+            codec = chooser.choose(LINK_SSD, ns, chooser.codecs)
+            if chooser.wants_sample(ns):  # what each codec does to this namespace's blocks
+                await loop.run_in_executor(self._executor, chooser.sample, ns, meta.itemsize, data)
+        started = time.perf_counter()
+        if codec is Codec.RAW:
             enc = Encoded(Codec.RAW, data, len(data))
-            if self.compress:
-                self._codec_misses[ns] = misses + 1
         else:
             self.codec_attempts += 1
             if len(data) > INLINE_CODEC_BYTES:
-                enc = await loop.run_in_executor(self._executor, encode, data, meta.itemsize)
+                enc = await loop.run_in_executor(self._executor, encode_with, codec, data, meta.itemsize)
             else:
-                enc = encode(data, meta.itemsize)
-            self._codec_misses[ns] = 0 if enc.codec != Codec.RAW else misses + 1
+                enc = encode_with(codec, data, meta.itemsize)
+        encode_s = time.perf_counter() - started
         slot = self.allocate(RECORD.size + len(enc.payload))
         if slot is None:
             return None
         seq = self._next_seq
         self._next_seq += 1
         try:
-            await loop.run_in_executor(self._executor, self._write_record, slot, seq, meta, enc)
+            write_s = await loop.run_in_executor(self._executor, self._timed_write, slot, seq, meta, enc)
         except BaseException:
             self.free(slot)
             raise
+        if chooser is not None:
+            chooser.observed(LINK_SSD, ns, codec, enc.raw_len, len(enc.payload), encode_s + write_s)
         # Only now is the record known to the tier: a crash before this point leaves a
         # record that the store never indexed.
         self._log.add(slot, Parsed(slot.offset, slot.size, seq, int(enc.codec), meta.itemsize, meta.key, meta.parent,
@@ -173,6 +186,15 @@ class SsdTier(Tier):
             self.compressed_blocks += 1
         self.bytes_written += slot.size
         return slot
+
+    def _timed_write(self, slot: Slot, seq: int, meta: BlockMeta, enc: Encoded) -> float:
+        """(on an I/O thread) Write a record; the seconds it took."""
+        started = time.perf_counter()
+        self._write_record(slot, seq, meta, enc)
+        return time.perf_counter() - started
+
+    def codec_choices(self) -> list[Choice]:
+        return self.chooser.snapshot() if self.chooser is not None else []
 
     async def get_block(self, slot: Slot, nbytes: int) -> bytes:
         if self._closed:

@@ -26,8 +26,8 @@ from typing import Any
 
 import grpc
 
-from kvstore.core.fetch import FetchStream
 from kvstore.codecs import available, codec_mask
+from kvstore.core.fetch import FetchStream
 from kvstore.core.store import Store
 from kvstore.data_lane import VERSION
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, ResourceExhausted, error_for_status
