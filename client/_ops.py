@@ -46,6 +46,7 @@ from kvstore.client._options import (
     may_be_local,
     resolve_target,
 )
+from kvstore.client._quantized import dequantize_blocks, quantize_blocks
 from kvstore.client._requests import (
     EngineNames,
     PreparedPut,
@@ -67,6 +68,7 @@ from kvstore.client.data_lane import (
     LaneCall,
     LaneMove,
     TransferPlan,
+    check_codec_mode,
     choose_endpoint,
     fetch_transfer,
     put_transfer,
@@ -83,6 +85,7 @@ from kvstore.client.results import (
     response_hashes,
 )
 from kvstore.client.security import Security
+from kvstore.codec_chooser import Choice, CodecChooser
 from kvstore.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -162,7 +165,7 @@ class ClientState:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, data_plane: str = "auto", token: str | None = None,
                  token_file: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, reserve_ahead: int = 0, control_plane: str = "auto",
-                 data_lane_connections: int = DEFAULT_CONNECTIONS) -> None:
+                 data_lane_connections: int = DEFAULT_CONNECTIONS, lane_codec: str = "auto") -> None:
         """Connect to a kvstore daemon (lazily: nothing is sent before the first call).
 
         `target` is `unix:PATH`, a socket path, or `HOST:PORT`; None reads `KVSTORE_TARGET`
@@ -178,7 +181,10 @@ class ClientState:
         memory, `lane` on the data lane; `grpc` uses neither. All give byte-identical
         results. `data_plane_in_use` tells which one is active. A transfer on the data
         lane uses up to `data_lane_connections` sockets at once (fewer if the daemon
-        allows fewer).
+        allows fewer). `lane_codec`: the lossless codec of those transfers, `auto`
+        (chosen per transfer from what this client measured of the link and of the codecs
+        on each namespace's blocks: docs/codecs.md; `codec_stats` shows it), `raw`, or one
+        codec always (`shuffle-lz4`, `shuffle-zstd`), where the daemon offers it.
 
         `reserve_ahead` (shared-memory plane only): after each put, the daemon holds up to
         this many empty slots for this client's next put of the same block size, which then
@@ -204,6 +210,8 @@ class ClientState:
         if not 1 <= data_lane_connections <= 64:
             raise InvalidArgument(f"data_lane_connections must be in [1, 64], got {data_lane_connections}")
         self.data_lane_connections = data_lane_connections
+        self.lane_codec = check_codec_mode(lane_codec)
+        self.codecs = CodecChooser()
         self.security = Security.resolve(token, token_file, tls_ca, tls_cert, tls_key)
         self._plane: LocalPlane | None = None
         self._plane_tried = data_plane in ("grpc", "lane") or (data_plane == "auto" and not may_be_local(self.target))
@@ -240,6 +248,13 @@ class ClientState:
     def _take_releases(self) -> list[str]:
         taken, self._releases = self._releases, []
         return taken
+
+    @property
+    def codec_stats(self) -> list[Choice]:
+        """What this client's codec chooser knows, per link and namespace: the codec its
+        next data lane transfer uses, the measured link rate, each codec's ratio and
+        speed on the namespace's blocks, the bytes moved with each (docs/codecs.md)."""
+        return self.codecs.snapshot()
 
     @property
     def data_lane_stats(self) -> DataLaneStats | None:
@@ -330,7 +345,8 @@ def data_lane(c: ClientState) -> Plan[DataLane | None]:
             if endpoint is None:
                 raise FailedPrecondition("the daemon offers no data lane for this target (data_lane_listen)")
             c._datalane = DataLane(endpoint, c.security, max_connections=min(offer.max_connections or 1,
-                                                                         c.data_lane_connections))
+                                                                         c.data_lane_connections),
+                                   codec=c.lane_codec, chooser=c.codecs)
         except KVStoreError as exc:
             if forced:
                 raise FailedPrecondition(f"cannot use the data lane: {exc}") from None
@@ -431,10 +447,16 @@ def verify(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequ
 
 
 def fetch(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
-          out: Sequence[Any] | None, lease_id: str, timeout_s: float) -> Plan[list[Any]]:
+          out: Sequence[Any] | None, lease_id: str, timeout_s: float, quantized: bool = False) -> Plan[list[Any]]:
     """Verified blocks of the longest held prefix, into `out` if given: through shared
     memory when the plane is attached, else as gRPC bytes. A layout with KV groups:
-    each block as a dict of its parts, as gRPC bytes (`kvstore.client._groups`)."""
+    each block as a dict of its parts, as gRPC bytes (`kvstore.client._groups`). A
+    quantized layout: dequantized into the engine's dtype, unless `quantized`."""
+    if layout.kv_codec and not quantized:
+        if out is not None:
+            token_ids, block_hashes = _cut(layout, token_ids, block_hashes, len(out))
+        stored = yield from fetch(c, layout, token_ids, block_hashes, None, lease_id, timeout_s, True)
+        return list((yield Blocking(dequantize_blocks, layout, stored, out)))
     if layout.groups:
         return (yield from _fetch_parts(layout, token_ids, block_hashes, out, lease_id, timeout_s))
     keys = fetch_keys(layout, token_ids, block_hashes, out)
@@ -462,6 +484,14 @@ def fetch(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, blo
                                        dsts[n:] if out is not None else None, "", timeout_s)
         return dsts[:n] + rest
     return dsts[:n]
+
+
+def _cut(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
+         blocks: int) -> tuple[Sequence[int] | None, Sequence[bytes] | None]:
+    """The keys of at most `blocks` blocks (a fetch into that many buffers)."""
+    if token_ids is not None:
+        return token_ids[: blocks * layout.block_size_tokens], block_hashes
+    return token_ids, (list(block_hashes)[:blocks] if block_hashes is not None else None)
 
 
 def _fetch_parts(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
@@ -575,13 +605,18 @@ def _recheck(layout: KVLayout, resp: kvstore_pb2.LocalFetchResponse, good: int, 
 
 def put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any], first_block: int,
         block_hashes: Sequence[bytes] | None, session_id: str | None, expect_reuse_within_s: float | None,
-        timeout_s: float, wait_for_owners: bool = False, engine_names: EngineNames | None = None) -> Plan[PutResult]:
+        timeout_s: float, wait_for_owners: bool = False, engine_names: EngineNames | None = None,
+        quantized: bool = False) -> Plan[PutResult]:
     """Store `blocks`, all or nothing: device to device when they are CUDA tensors and the
     device plane opens; through shared memory (in one round trip when the daemon holds
     slots for this client, else two) when the plane is attached; else as gRPC bytes.
     `wait_for_owners`: in a pool, answer once the owners of the blocks' units committed them.
     `engine_names`: the engine's names for the blocks, for the daemon's KV events.
-    A layout with KV groups: each block a mapping of group name to part, as gRPC bytes."""
+    A layout with KV groups: each block a mapping of group name to part, as gRPC bytes.
+    A quantized layout: the blocks are quantized here first, unless `quantized` (they are
+    already)."""
+    if layout.kv_codec and not quantized:
+        blocks = yield Blocking(quantize_blocks, layout, blocks)
     hint = reuse_hint(session_id, expect_reuse_within_s)
     if layout.groups:
         grouped = prepare_grouped_put(layout, token_ids, block_hashes, blocks, first_block, hint, engine_names)

@@ -148,7 +148,7 @@ class Client(ClientState):
             first_block: int = 0, block_hashes: Sequence[bytes] | None = None,
             session_id: str | None = None, expect_reuse_within_s: float | None = None,
             timeout_s: float | None = None, wait_for_owners: bool = False,
-            engine_names: EngineNames | None = None) -> PutResult:
+            engine_names: EngineNames | None = None, quantized: bool = False) -> PutResult:
         """Store `blocks` (all or nothing). With token_ids, block i is block first_block + i of the prefix.
 
         In a pool (docs/cluster.md), `wait_for_owners` answers only once the blocks sent to
@@ -156,20 +156,25 @@ class Client(ClientState):
         forward timed out: `PutResult.owner_committed_blocks` says how many made it.
 
         `engine_names`: what the engine calls these blocks (vLLM's block hashes), which the
-        daemon's KV events in vLLM's format then carry (docs/operations.md)."""
+        daemon's KV events in vLLM's format then carry (docs/operations.md). A quantized
+        layout (`kv_codec`, docs/codecs.md) quantizes the blocks first; `quantized=True` says
+        they are quantized already."""
         return self._run(ops.put(self, layout, token_ids, blocks, first_block, block_hashes, session_id,
                                  expect_reuse_within_s, self._t(timeout_s), wait_for_owners,
-                                 engine_names))
+                                 engine_names, quantized))
 
     def fetch(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
               block_hashes: Sequence[bytes] | None = None, out: Sequence[Any] | None = None,
-              lease_id: str = "", timeout_s: float | None = None) -> list[Any]:
+              lease_id: str = "", timeout_s: float | None = None, quantized: bool = False) -> list[Any]:
         """Verified blocks of the longest held prefix, in order; fills `out` buffers if given.
 
         Without `out`, blocks come back as `bytes` over gRPC and as `bytearray` over shared
-        memory and the data lane (equal content either way).
+        memory and the data lane (equal content either way). A quantized layout's blocks
+        come back dequantized into the layout's dtype (`out`: buffers of its
+        `dense_block_bytes`), or as stored with `quantized=True`.
         """
-        return self._run(ops.fetch(self, layout, token_ids, block_hashes, out, lease_id, self._t(timeout_s)))
+        return self._run(ops.fetch(self, layout, token_ids, block_hashes, out, lease_id, self._t(timeout_s),
+                                     quantized))
 
     def delete(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
                block_hashes: Sequence[bytes] | None = None, timeout_s: float | None = None) -> int:

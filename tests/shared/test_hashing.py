@@ -395,3 +395,56 @@ def test_a_layout_refuses_duplicate_group_names_and_a_block_bytes_that_disagrees
     with pytest.raises(InvalidArgument, match="block_bytes"):
         KVLayout(model="m", dtype="float16", num_layers=2, num_kv_heads=2, head_dim=8, block_size_tokens=4,
                  block_bytes=999, groups=(g, KVGroup("s", "state", "float32", (4,))))
+
+
+# ---------------------------------------------------------------------- quantized namespaces
+
+def _quantized(name: str) -> KVLayout:
+    l1 = LAYOUTS["L1"]
+    codec = {"Q1": "fp8-e4m3", "Q2": "kivi4"}[name]
+    return KVLayout(model=l1.model, dtype=l1.dtype, num_layers=l1.num_layers, num_kv_heads=l1.num_kv_heads,
+                    head_dim=l1.head_dim, block_size_tokens=l1.block_size_tokens, kv_codec=codec)
+
+
+def reference_quantized_id(layout: KVLayout, codec: str) -> bytes:
+    """Written from docs/hashing.md: the codec, the stored size (from the doc's table),
+    then the full-precision twin's bytes."""
+    L, H, B, D = layout.num_layers, layout.num_kv_heads, layout.block_size_tokens, layout.head_dim
+    G = 32 if D % 32 == 0 else D
+    stored = 2 * L * H * B * D + 4 * 2 * L * H if codec == "fp8-e4m3" else \
+        L * H * B * D + 2 * 2 * L * H * D + 2 * 2 * L * H * B * (D // G)
+    twin = namespace_bytes(LAYOUTS["L1"])
+    raw = codec.encode()
+    data = b"kvstore.ns.q1\x00" + struct.pack("<I", len(raw)) + raw + struct.pack("<Q", stored) + twin
+    return xxhash.xxh3_128(data).digest()
+
+
+def test_quantized_namespace_vectors_from_doc(hashing_path):
+    rows = _doc_table("quantized")
+    assert [r[0] for r in rows] == ["Q1", "Q2"]
+    for name, stored, ns_hex, hashes_cell in rows:
+        layout = _quantized(name)
+        assert layout.bytes_per_block == int(stored)
+        assert layout.dense_block_bytes == LAYOUTS["L1"].bytes_per_block
+        assert layout.namespace_id.hex() == _hexes(ns_hex)[0]
+        assert reference_quantized_id(layout, layout.kv_codec) == layout.namespace_id
+        got = block_hashes(layout.namespace_id, list(range(40)), 16)
+        assert [h.hex() for h in got] == _hexes(hashes_cell)
+
+
+def test_each_codec_is_its_own_namespace():
+    ids = {_quantized(n).namespace_id for n in ("Q1", "Q2")} | {LAYOUTS["L1"].namespace_id}
+    assert len(ids) == 3
+    assert _quantized("Q1").without_codec() == LAYOUTS["L1"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"kv_codec": "int3"}, "not one of"),
+    ({"kv_codec": "fp8-e4m3", "dtype": "float8_e4m3fn"}, "quantizes"),
+    ({"kv_codec": "kivi4", "kv_layout": "L,[block];vllm-cuda"}, "axes"),
+    ({"kv_codec": "fp8-e4m3", "block_bytes": 4096}, "leave block_bytes 0"),
+])
+def test_quantized_layouts_that_cannot_be_are_refused(kwargs, match):
+    base = dict(model="m", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=64, block_size_tokens=16)
+    with pytest.raises(InvalidArgument, match=match):
+        KVLayout(**{**base, **kwargs})
