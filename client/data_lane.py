@@ -448,23 +448,24 @@ class DataLane:
             self._counters.transfers += 1
         return errors
 
-    def _codec(self, offer: LaneCodecs | None) -> Codec:
-        """The codec of the next transfer with this offer (raw without one)."""
+    def _codec(self, offer: LaneCodecs | None, direction: str) -> Codec:
+        """The codec of the next transfer with this offer (raw without one), `direction`
+        "fetch" or "put": each way of a link is learned on its own (links may differ)."""
         if offer is None or not offer.mask or self.codec_mode == "raw":
             return Codec.RAW
         offered = codecs_in(offer.mask)
         if self.codec_mode != "auto":
             fixed = codec_named(self.codec_mode)
             return fixed if fixed in offered else Codec.RAW
-        return self.chooser.choose(self.link, offer.namespace, offered)
+        return self.chooser.choose(f"{self.link} {direction}", offer.namespace, offered)
 
-    def _learn(self, offer: LaneCodecs | None, codec: Codec, raw_bytes: int, wire_bytes: int, seconds: float,
-               block: memoryview | None) -> None:
+    def _learn(self, offer: LaneCodecs | None, direction: str, codec: Codec, raw_bytes: int, wire_bytes: int,
+               seconds: float, block: memoryview | None) -> None:
         """What a transfer taught the chooser; now and then a block of it sampled with
         every codec (what each does to this namespace's blocks, on this machine)."""
         if offer is None or not offer.mask:
             return
-        self.chooser.observed(self.link, offer.namespace, codec, raw_bytes, wire_bytes, seconds)
+        self.chooser.observed(f"{self.link} {direction}", offer.namespace, codec, raw_bytes, wire_bytes, seconds)
         if block is not None and self.codec_mode == "auto" and self.chooser.wants_sample(offer.namespace):
             self.chooser.sample(offer.namespace, offer.itemsize, block)
 
@@ -480,7 +481,7 @@ class DataLane:
         `codecs`: what the daemon offered (LaneFetch's answer); the codec asked for is
         chosen here."""
         state = _FetchState(len(dests), checksums)
-        codec = self._codec(codecs)
+        codec = self._codec(codecs, "fetch")
         start = time.perf_counter()
         deadline = time.monotonic() + timeout_s
         errors = self._run_all(conns, self._fetch_on, transfer_id, block_bytes, dests, state, deadline, codec)
@@ -492,7 +493,7 @@ class DataLane:
         if good < state.end and state.status[good] == 0 and any(errors):
             raise next(e for e in errors if e is not None)  # a block went missing with its connection
         if good == state.end:
-            self._learn(codecs, codec, good * block_bytes, state.wire, time.perf_counter() - start,
+            self._learn(codecs, "fetch", codec, good * block_bytes, state.wire, time.perf_counter() - start,
                         dests[good // 2] if good else None)
         return good
 
@@ -580,7 +581,7 @@ class DataLane:
         the daemon takes (LanePut's answer); the codec is chosen here."""
         positions = [i for i, flag in enumerate(needed) if flag]
         push = _Push(positions)
-        codec = self._codec(codecs)
+        codec = self._codec(codecs, "put")
         if codec is not Codec.RAW and codecs is not None:
             codec_args: tuple[Codec, int] = (codec, codecs.itemsize)
         else:
@@ -590,7 +591,7 @@ class DataLane:
         errors = self._run_all(conns, self._push_on, transfer_id, block_bytes, sources, push, deadline, *codec_args)
         failures = [e for e in errors if e is not None]
         if not failures:
-            self._learn(codecs, codec, len(positions) * block_bytes, push.wire, time.perf_counter() - start,
+            self._learn(codecs, "put", codec, len(positions) * block_bytes, push.wire, time.perf_counter() - start,
                         sources[positions[len(positions) // 2]] if positions else None)
         if failures:
             # What the daemon said (a block that failed its checksum) over what it did to

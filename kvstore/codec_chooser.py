@@ -13,8 +13,11 @@ made per transfer, from two things measured on this machine while it runs:
 
 `choose` picks the option whose expected seconds per raw byte is lowest. An option that
 has been used on this key has its observed figure; one that has not has a model's:
-`max(ratio x the raw link time, (encode + decode) / cores)` (sender and receiver work on
-blocks while earlier ones are on the wire). A codec must beat raw by `MARGIN` to be
+`max(ratio x the raw link time, encode + decode time)`: the codec's work overlaps the
+wire (blocks are encoded and decoded while earlier ones cross it), but not itself (it is
+counted as if one core did both ends' work, as it nearly does when both ends share a
+machine, and the transfer's own copies compete for the cores): so a codec is first tried
+only where it should win even then. A codec must beat raw by `MARGIN` to be
 picked. An option is first tried only when its model says it wins; once used, it is run
 again now and then (every `PROBE_EVERY` transfers, the best other option) while its
 estimate is within `PROBE_WITHIN` of the best, to refresh its figure. On a link where a
@@ -31,7 +34,6 @@ Primitives: `CodecChooser` (`choose`, `observed`, `sample`, `wants_sample`, `sna
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -102,11 +104,10 @@ class CodecChooser:
     """Per (link, namespace): which codec the next transfer uses (see the module doc)."""
 
     def __init__(self, codecs: Sequence[Codec] | None = None, *, clock: Callable[[], float] = time.perf_counter,
-                 cores: int | None = None, learn_min_bytes: int = LEARN_MIN_BYTES) -> None:
+                 learn_min_bytes: int = LEARN_MIN_BYTES) -> None:
         self.codecs = tuple(codecs) if codecs is not None else available()
         self.clock = clock
         self.learn_min_bytes = learn_min_bytes
-        self.cores = max(1, cores or os.cpu_count() or 1)
         self._lock = threading.Lock()
         self._keys: dict[tuple[str, bytes], _Key] = {}
         self._figures: dict[tuple[bytes, Codec], _CodecFigures] = {}
@@ -158,7 +159,7 @@ class CodecChooser:
             fig = self._figures.get((namespace, c))
             if raw is None or fig is None or fig.ratio is None or fig.encode_spb is None or fig.decode_spb is None:
                 continue
-            out[c] = max(fig.ratio * raw, (fig.encode_spb + fig.decode_spb) / self.cores)
+            out[c] = max(fig.ratio * raw, fig.encode_spb + fig.decode_spb)
         return out
 
     # -------------------------------------------------------------- learning

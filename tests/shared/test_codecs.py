@@ -86,12 +86,12 @@ def test_codec_names_and_masks() -> None:
 # ---------------------------------------------------------------------- the chooser
 
 
-def chooser_with(data: bytes, encode_gbps: float, decode_gbps: float, cores: int = 1) -> CodecChooser:
+def chooser_with(data: bytes, encode_gbps: float, decode_gbps: float) -> CodecChooser:
     """A chooser that sampled zstd on NS with `data` (its real ratio) at these speeds
     (a fake clock: each encode and decode takes what the speed says)."""
     n = len(data)
     ticks = iter([0.0, n * 1e-9 / encode_gbps, n * 1e-9 / encode_gbps + n * 1e-9 / decode_gbps] * 1000)
-    chooser = CodecChooser([Codec.RAW, Codec.SHUFFLE_ZSTD], clock=lambda: next(ticks), cores=cores)
+    chooser = CodecChooser([Codec.RAW, Codec.SHUFFLE_ZSTD], clock=lambda: next(ticks))
     chooser.sample(NS, 2, data)
     return chooser
 
