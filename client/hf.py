@@ -99,12 +99,17 @@ def layout_for_model(
     revision: str = "",
     lora_id: str = "",
     dtype: torch.dtype | None = None,
+    kv_codec: str = "",
 ) -> KVLayout:
     """The `KVLayout` of a transformers causal LM's cache.
 
     `model_id` defaults to the config's `_name_or_path`; give the hub id (and `revision`)
     explicitly when the model was loaded from a local path, so that copies of the same
     weights share blocks and different weights never do.
+
+    `kv_codec` (off by default): store the cache quantized, `"fp8-e4m3"` or `"kivi4"`
+    (docs/codecs.md: what each costs in accuracy on a real model). A restore then gives
+    the dequantized cache in the model's dtype. Models with KV groups cannot use it.
     """
     config = model.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -150,6 +155,7 @@ def layout_for_model(
         block_size_tokens=block_size_tokens,
         kv_layout=kv_layout,
         groups=groups,
+        kv_codec=kv_codec,
     )
 
 

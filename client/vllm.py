@@ -140,6 +140,8 @@ class ConnectorConfig:
     # Load a hit only when loading it is expected to beat computing it (see the module
     # docstring); False loads every hit, however slow the plane.
     break_even: bool = True
+    # A lossy storage codec (docs/codecs.md): "fp8-e4m3" or "kivi4"; off (None) by default.
+    kv_codec: str | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -151,7 +153,7 @@ class ConnectorConfig:
                                   f"the kvstore connector takes {sorted(known)}")
         values: dict[str, Any] = {}
         for name, value in extra.items():
-            if name in ("target", "model_id"):
+            if name in ("target", "model_id", "kv_codec"):
                 if value is not None and not isinstance(value, str):
                     raise InvalidArgument(f"kv_connector_extra_config.{name} must be a string, got {value!r}")
                 values[name] = value or None
@@ -202,7 +204,8 @@ def _in_block_layout(vllm_config: VllmConfig, dtype: torch.dtype) -> str:
 
 
 def layout_from_vllm_config(vllm_config: VllmConfig, *, tp_rank: int = 0, lora_id: str = "",
-                            model_id: str | None = None, kv_cache_config: KVCacheConfig | None = None) -> KVLayout:
+                            model_id: str | None = None, kv_cache_config: KVCacheConfig | None = None,
+                            kv_codec: str = "") -> KVLayout:
     """The kvstore namespace of one vLLM engine's KV cache (one TP rank, one LoRA). With
     the `kv_cache_config`, a model whose cache is not one group of full-attention layers
     gets a layout with kvstore groups (`kv_groups_of`)."""
@@ -231,6 +234,7 @@ def layout_from_vllm_config(vllm_config: VllmConfig, *, tp_rank: int = 0, lora_i
         tp_rank=tp_rank,
         tp_size=parallel_config.tensor_parallel_size,
         groups=kv_groups_of(kv_cache_config, dtype, cache_config.block_size)[0] if kv_cache_config is not None else (),
+        kv_codec=kv_codec,
     )
 
 
@@ -532,7 +536,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if layout is None:
             layout = self._layouts[lora_id] = layout_from_vllm_config(
                 self._vllm_config, tp_rank=self._tp_rank, lora_id=lora_id, model_id=self._config.model_id,
-                kv_cache_config=self._kv_cache_config)
+                kv_cache_config=self._kv_cache_config, kv_codec=self._config.kv_codec or "")
         return layout
 
     @staticmethod
@@ -784,11 +788,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return
         per_layer = {kv[0].numel() * kv.element_size() for kv in self._kv_caches}
         got = sum(kv[0].numel() * kv.element_size() for kv in self._kv_caches)
-        if len(self._kv_caches) != layout.num_layers or len(per_layer) != 1 or got != layout.bytes_per_block:
+        if len(self._kv_caches) != layout.num_layers or len(per_layer) != 1 or got != layout.dense_block_bytes:
             raise InvalidArgument(
                 f"vLLM's KV cache has {len(self._kv_caches)} layers of {sorted(per_layer)} bytes per block "
                 f"({got} in all) but the kvstore namespace expects {layout.num_layers} layers and "
-                f"{layout.bytes_per_block} bytes per block; this attention backend's layout is not supported")
+                f"{layout.dense_block_bytes} bytes per block; this attention backend's layout is not supported")
         logger.info("kvstore connector: %d layers, per-layer block %s %s, %d bytes per kvstore block",
                     len(names), tuple(self._kv_caches[0].shape[1:]), self._kv_caches[0].dtype, got)
 
