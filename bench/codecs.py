@@ -339,7 +339,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp, daemon_in_thread(make_config(Path(tmp), host_capacity=512 << 20)) \
             as running, Client(running.unix_target) as kv:
-        prompts = acc.prompts(tokenizer, 2 if args.quick else 6, 512)
+        prompts = acc.prompts(tokenizer, 2 if args.quick else 4, 512)
         result["accuracy"] = [r.row() for r in acc.measure(model, kv, prompts, ["", "fp8-e4m3", "kivi4"])]
     print("accuracy:", json.dumps(result["accuracy"]), flush=True)
     del model

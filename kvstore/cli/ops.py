@@ -231,7 +231,8 @@ def namespace_rows(namespaces: Sequence[dict[str, Any]], *, detail: bool = False
     rows = []
     for ns in sorted(namespaces, key=lambda n: -n["used_bytes"]):
         lay = ns["layout"]
-        row = [ns["namespace_id"], lay["model"] + (f"@{lay['revision']}" if lay["revision"] else ""), lay["dtype"]]
+        dtype = lay["dtype"] + (f"/{lay['kv_codec']}" if lay.get("kv_codec") else "")  # stored quantized
+        row = [ns["namespace_id"], lay["model"] + (f"@{lay['revision']}" if lay["revision"] else ""), dtype]
         if detail:
             row.insert(1, ns.get("tenant") or ABSENT)
             row += [
@@ -275,15 +276,36 @@ def format_stats(stats: dict[str, Any], namespaces: Sequence[dict[str, Any]] | N
     extra = [f"{key.replace('_', ' ')} {value}" for key, value in c.items() if key not in named]
     if extra:
         parts.append("  ".join(extra))
+    if stats.get("codecs"):
+        parts.append("")
+        parts.append(render_table("Codecs", CODEC_COLUMNS, codec_rows(stats["codecs"])))
     if namespaces is not None:
         parts.append("")
         parts.append(render_table("Namespaces", NS_COLUMNS, namespace_rows(namespaces)))
     return "\n".join(parts)
 
 
+CODEC_COLUMNS = ("PATH", "LINK", "NAMESPACE", "CHOICE", "LINK GB/S", "RATIOS", "MOVED")
+
+
+def codec_rows(codecs: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """One row per (path, link, namespace) of the daemon's lossless codec choosers."""
+    rows = []
+    for c in codecs:
+        figures = c.get("codecs", [])
+        ratios = " ".join(f"{f['codec']} {f['ratio']:.2f}" for f in figures if f.get("ratio") and f["codec"] != "raw")
+        moved = " ".join(f"{f['codec']} {human_bytes(int(f.get('raw_bytes', 0)))}" for f in figures
+                         if int(f.get("raw_bytes", 0)))
+        rows.append([c["path"], c["link"], c["namespace_id"], c["choice"], f"{c.get('link_gbps', 0):g}",
+                     ratios or ABSENT, moved or ABSENT])
+    return rows
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     with open_admin(args) as admin:
         stats = message_to_record(admin.stats())
+        for c in stats.get("codecs", []):  # namespace ids in hex, as operators type them
+            c["namespace_id"] = c["namespace_id"].hex() if isinstance(c["namespace_id"], bytes) else c["namespace_id"]
         namespaces = [message_to_record(n) for n in admin.list_namespaces()] if args.by_namespace else None
     if namespaces is not None:
         stats["by_namespace"] = namespaces

@@ -85,3 +85,21 @@ def test_extra_config_defaults_and_values():
     assert ConnectorConfig.from_extra(None) == ConnectorConfig()
     assert ConnectorConfig.from_extra(None).break_even is True
     assert ConnectorConfig.from_extra({"break_even": False}).break_even is False
+
+
+def test_a_kv_codec_is_its_own_namespace_on_the_cpu_backend(tiny_model: Path):
+    """`kv_connector_extra_config.kv_codec` (docs/codecs.md): the CPU backend's in-block
+    layout names its axes, so the layout can be quantized, under another namespace, with
+    the engine's block size as its dense size."""
+    from kvstore.client.vllm import ConnectorConfig, layout_from_vllm_config
+
+    assert ConnectorConfig.from_extra({"kv_codec": "fp8-e4m3"}).kv_codec == "fp8-e4m3"
+    base = engine_config(tiny_model)
+    plain = layout_from_vllm_config(base)
+    fp8 = layout_from_vllm_config(base, kv_codec="fp8-e4m3")
+    kivi = layout_from_vllm_config(base, kv_codec="kivi4")
+    assert len({plain.namespace_id, fp8.namespace_id, kivi.namespace_id}) == 3
+    assert fp8.dense_block_bytes == plain.bytes_per_block
+    assert kivi.bytes_per_block < fp8.bytes_per_block < plain.bytes_per_block
+    with pytest.raises(InvalidArgument, match="kv_codec"):
+        layout_from_vllm_config(base, kv_codec="int3")
