@@ -182,6 +182,8 @@ class BlockQuantizer:
         self.dense_bytes = 2 * self.L * self.H * self.B * self.D * self.itemsize
         self.stored_bytes = stored_block_bytes(self.codec, self.L, self.H, self.B, self.D)
         self.group = _value_group(self.D)
+        # Blocks per numpy step: about 4 MiB of float32 temporaries at a time.
+        self.batch = max(1, (4 << 20) // (2 * self.L * self.H * self.B * self.D * 4))
 
     # -------------------------------------------------------------- layout of the stored form
 
@@ -221,12 +223,14 @@ class BlockQuantizer:
         return x.transpose(0, *(1 + a for a in self.to_canonical))
 
     def quantize(self, blocks: Sequence[Any]) -> list[bytes]:
-        """Each block (bytes, a buffer or a numpy array of the engine's bytes) quantized."""
-        if not len(blocks):
-            return []
-        x = self._canonical(blocks)
-        stored = self._quantize_fp8(x) if self.codec == FP8 else self._quantize_kivi(x)
-        return [row.tobytes() for row in stored]
+        """Each block (bytes, a buffer or a numpy array of the engine's bytes) quantized,
+        a few blocks at a time (the temporaries of a step stay in cache)."""
+        out: list[bytes] = []
+        for start in range(0, len(blocks), self.batch):
+            x = self._canonical(blocks[start : start + self.batch])
+            stored = self._quantize_fp8(x) if self.codec == FP8 else self._quantize_kivi(x)
+            out += [row.tobytes() for row in stored]
+        return out
 
     def _quantize_fp8(self, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         n = x.shape[0]
@@ -274,6 +278,13 @@ class BlockQuantizer:
                    out: Sequence[memoryview] | None = None) -> list[bytes] | None:
         """The engine's bytes of each quantized block: returned, or written into `out`
         (one writable buffer of the engine's block size each; then None)."""
+        if len(stored) > self.batch:
+            got: list[bytes] = []
+            for start in range(0, len(stored), self.batch):
+                part = self.dequantize(stored[start : start + self.batch],
+                                       None if out is None else out[start : start + self.batch])
+                got += part or []
+            return got if out is None else None
         if not len(stored):
             return [] if out is None else None
         raws = [np.frombuffer(s, dtype=np.uint8, count=self.stored_bytes) for s in stored]
