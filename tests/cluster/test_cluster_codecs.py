@@ -40,7 +40,10 @@ async def test_quantized_blocks_keep_their_codec_through_forwards_and_pulls(tmp_
         a, b, _ = daemons
         async with AsyncClient(unix_target(a)) as kv:
             put = await kv.put(FP8, tokens, data, wait_for_owners=True)
-            assert put.owner_committed_blocks == put.forwarded_blocks > 0
+            # (the forwarder's counters say, on a failure, whether a forward failed, was
+            # dropped, or was still on its way when the put's wait ended)
+            assert put.owner_committed_blocks == put.forwarded_blocks > 0, (
+                put.owner_committed_blocks, put.forwarded_blocks, a.node.forwarder.counters)
         async with AsyncClient(b.bound[1], data_plane="grpc") as kv:
             hit = await kv.lookup(FP8, tokens)
             assert hit.num_blocks == 40 and hit.remote_blocks > 0
