@@ -9,7 +9,9 @@ other parts given are ignored, so an engine may hand every part it has). A group
 fetch answers, for each block of the longest prefix every group serves, a dict of the
 parts that prefix needs. A fetch cut short (a part failed verification or was evicted
 meanwhile) answers no block at all: the parts it got belong to a prefix end it did not
-reach. Shared memory and the device plane are not used for grouped layouts.
+reach. The parts move on every plane a plain layout's blocks do (gRPC bytes, shared
+memory, the data lane): in wire order, each of its group's size (`part_sizes`), and
+`parts_result` puts what landed back into one dict per block.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvstore.client._buffers import as_buffer
+from kvstore.client._buffers import as_buffer, is_cuda
 from kvstore.client._requests import EngineNames, PreparedPut, block_keys, namespace_ref, put_header
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.groups import part_order
+from kvstore.groups import part_count, part_order
 from kvstore.layout import KVLayout
 from kvstore.v1 import kvstore_pb2
 from kvstore.wire import RawChunk
@@ -99,3 +101,27 @@ def grouped_fetch_request(layout: KVLayout, token_ids: Sequence[int] | None, blo
                           lease_id: str) -> kvstore_pb2.FetchRequest:
     return kvstore_pb2.FetchRequest(namespace=namespace_ref(layout), keys=block_keys(token_ids, block_hashes),
                                     lease_id=lease_id)
+
+
+def part_sizes(layout: KVLayout, n_blocks: int) -> list[int]:
+    """The size of each part of a prefix of `n_blocks`, in wire order."""
+    return [layout.groups[g].bytes_per_block for g, _ in part_order(layout, n_blocks)]
+
+
+def parts_result(layout: KVLayout, n_blocks: int, parts: list[Any]) -> list[dict[str, Any]]:
+    """One dict of parts per block of a prefix of `n_blocks`, from its parts in wire order
+    (all of them: a prefix is served whole or not at all)."""
+    if len(parts) != part_count(layout, n_blocks):
+        return []
+    out: list[dict[str, Any]] = [{} for _ in range(n_blocks)]
+    for (g, j), data in zip(part_order(layout, n_blocks), parts):
+        out[j][layout.groups[g].name] = data
+    return out
+
+
+def host_blocks_of_parts(blocks: Sequence[Any]) -> Sequence[Any]:
+    """`blocks` with parts that are CUDA tensors copied to host memory; else as given."""
+    if not any(isinstance(b, Mapping) and any(is_cuda(p) for p in b.values()) for b in blocks):
+        return blocks
+    return [{k: (p.detach().cpu() if is_cuda(p) else p) for k, p in b.items()} if isinstance(b, Mapping) else b
+            for b in blocks]

@@ -140,8 +140,9 @@ class LocalPlane:
 
     def copy_out(self, offsets: Sequence[int], checksums: Sequence[int], block_bytes: int,
                  dsts: Sequence[memoryview]) -> int:
-        """Copy slots into `dsts` and verify; returns how many leading blocks verified."""
-        pairs = [(_as_array(d), self._slot(off, block_bytes)) for off, d in zip(offsets, dsts)]
+        """Copy slots into `dsts` and verify; returns how many leading blocks verified.
+        `block_bytes` 0: each slot is as long as its destination (a grouped layout's parts)."""
+        pairs = [(_as_array(d), self._slot(off, block_bytes or len(d))) for off, d in zip(offsets, dsts)]
         for i, (got, want) in enumerate(zip(self._run(pairs), checksums)):
             if got != want:
                 logger.warning("block %d failed verification after a shared-memory copy; not returned", i)

@@ -35,7 +35,14 @@ from typing import Any, Generic, TypeVar
 
 from kvstore.client._assembler import FetchAssembler
 from kvstore.client._buffers import all_cuda, any_cuda, host_blocks, out_buffers, upload_blocks, writable_view
-from kvstore.client._groups import GroupedFetchAssembler, grouped_fetch_request, prepare_grouped_put
+from kvstore.client._groups import (
+    GroupedFetchAssembler,
+    grouped_fetch_request,
+    host_blocks_of_parts,
+    part_sizes,
+    parts_result,
+    prepare_grouped_put,
+)
 from kvstore.client._held import HeldSlots, check_reserve_ahead, keep_held, take_held
 from kvstore.client._local import LocalPlane
 from kvstore.client._options import (
@@ -71,6 +78,8 @@ from kvstore.client.data_lane import (
     check_codec_mode,
     choose_endpoint,
     fetch_transfer,
+    grouped_fetch_transfer,
+    grouped_put_transfer,
     put_transfer,
 )
 from kvstore.client.results import (
@@ -450,15 +459,15 @@ def fetch(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, blo
           out: Sequence[Any] | None, lease_id: str, timeout_s: float, quantized: bool = False) -> Plan[list[Any]]:
     """Verified blocks of the longest held prefix, into `out` if given: through shared
     memory when the plane is attached, else as gRPC bytes. A layout with KV groups:
-    each block as a dict of its parts, as gRPC bytes (`kvstore.client._groups`). A
-    quantized layout: dequantized into the engine's dtype, unless `quantized`."""
+    each block as a dict of its parts (`_fetch_parts`). A quantized layout: dequantized
+    into the engine's dtype, unless `quantized`."""
     if layout.kv_codec and not quantized:
         if out is not None:
             token_ids, block_hashes = _cut(layout, token_ids, block_hashes, len(out))
         stored = yield from fetch(c, layout, token_ids, block_hashes, None, lease_id, timeout_s, True)
         return list((yield Blocking(dequantize_blocks, layout, stored, out)))
     if layout.groups:
-        return (yield from _fetch_parts(layout, token_ids, block_hashes, out, lease_id, timeout_s))
+        return (yield from _fetch_parts(c, layout, token_ids, block_hashes, out, lease_id, timeout_s))
     keys = fetch_keys(layout, token_ids, block_hashes, out)
     if out is not None and any_cuda(out):
         return (yield from _fetch_to_cuda(c, layout, token_ids, block_hashes, keys, out, lease_id, timeout_s))
@@ -494,13 +503,70 @@ def _cut(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequen
     return token_ids, (list(block_hashes)[:blocks] if block_hashes is not None else None)
 
 
-def _fetch_parts(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
-                 out: Sequence[Any] | None, lease_id: str, timeout_s: float) -> Plan[list[Any]]:
+def _fetch_parts(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None,
+                 block_hashes: Sequence[bytes] | None, out: Sequence[Any] | None, lease_id: str,
+                 timeout_s: float) -> Plan[list[Any]]:
+    """A grouped fetch: the parts of the longest prefix every group serves, on the plane a
+    plain fetch would take (shared memory, else the data lane, else gRPC bytes), all of
+    them or none: a part that fails verification makes the whole fetch a miss."""
     if out is not None:
         raise InvalidArgument("a layout with KV groups fetches each block as a dict of its parts; leave out `out`")
+    request = grouped_fetch_request(layout, token_ids, block_hashes, lease_id)
+    plane = c._plane if c._plane_tried else (yield from local_plane(c))
+    if plane is not None:
+        resp = yield Unary("LocalFetch", _slots_request(c, layout, request.keys, lease_id), timeout_s)
+        m = resp.num_blocks
+        sizes = part_sizes(layout, m)
+        if m and len(resp.offsets) == len(sizes):
+            dsts = [bytearray(n) for n in sizes]
+            try:
+                good = yield Blocking(plane.copy_out, resp.offsets, resp.checksums, 0, [memoryview(d) for d in dsts])
+            finally:
+                _lease_taken(c, resp)
+            if good < len(sizes):
+                yield _recheck(layout, resp, 0, m, timeout_s)  # the daemon drops the bad part's block whole
+                return []
+            return parts_result(layout, m, dsts)
+        _lease_taken(c, resp)
+        if not m:
+            return []
+        # A part outside host memory: the prefix as a stream (the lookup's lease ended above).
+        request = grouped_fetch_request(layout, token_ids, block_hashes, "")
+    else:
+        lane = None if c._datalane_tried and c._datalane is None else (yield from data_lane(c))
+        if lane is not None:
+            got = yield from _fetch_parts_lane(c, lane, layout, request, timeout_s)
+            if got is not None:
+                return got
+            request = grouped_fetch_request(layout, token_ids, block_hashes, "")
     assembler = GroupedFetchAssembler(layout)
-    yield StreamFetch(grouped_fetch_request(layout, token_ids, block_hashes, lease_id), assembler, timeout_s)
+    yield StreamFetch(request, assembler, timeout_s)
     return assembler.result()
+
+
+def _fetch_parts_lane(c: ClientState, lane: DataLane, layout: KVLayout, request: kvstore_pb2.FetchRequest,
+                      timeout_s: float) -> Plan[list[Any] | None]:
+    """A grouped fetch on the data lane (`kvstore.client.data_lane.grouped_fetch_transfer`):
+    each group's parts land in buffers of that group's size, verified; None when the lane
+    failed and the fetch goes through gRPC (in `auto`)."""
+    try:
+        conns = yield Blocking(lane.checkout, lane.connections_for(_blocks_named(request.keys, layout)), timeout_s)
+    except Unavailable as exc:
+        if not _set_aside(c, lane, exc):
+            raise
+        return None
+    bufs: list[bytearray] = []
+
+    def views(grant: kvstore_pb2.LaneFetchResponse) -> list[memoryview]:
+        bufs.extend(bytearray(n) for n in part_sizes(layout, grant.prefix_blocks))
+        return [memoryview(b) for b in bufs]
+
+    got = yield from _on_lane(grouped_fetch_transfer(lane, conns, request, views, lambda: timeout_s,
+                                                     fall_back=functools.partial(_set_aside, c, lane)))
+    if got is None:
+        return None
+    m, landed = got
+    return parts_result(layout, m, bufs) if landed == len(bufs) else []
 
 
 def _fetch_to_cuda(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None,
@@ -612,15 +678,15 @@ def put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, block
     slots for this client, else two) when the plane is attached; else as gRPC bytes.
     `wait_for_owners`: in a pool, answer once the owners of the blocks' units committed them.
     `engine_names`: the engine's names for the blocks, for the daemon's KV events.
-    A layout with KV groups: each block a mapping of group name to part, as gRPC bytes.
+    A layout with KV groups: each block a mapping of group name to part (`_put_parts`).
     A quantized layout: the blocks are quantized here first, unless `quantized` (they are
     already)."""
     if layout.kv_codec and not quantized:
         blocks = yield Blocking(quantize_blocks, layout, blocks)
     hint = reuse_hint(session_id, expect_reuse_within_s)
     if layout.groups:
-        grouped = prepare_grouped_put(layout, token_ids, block_hashes, blocks, first_block, hint, engine_names)
-        return put_result((yield StreamPut(grouped, timeout_s)))
+        return (yield from _put_parts(c, layout, token_ids, blocks, first_block, block_hashes, hint, timeout_s,
+                                      wait_for_owners, engine_names))
     if all_cuda(blocks):
         device = yield from device_plane(c)
         if device is not None:
@@ -662,6 +728,49 @@ def put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, block
     sums = yield from _copy_in(Blocking(plane.copy_in, begun.offsets, prepared.views),
                                kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout_s)
     return (yield _commit(begun.txn_id, sums, timeout_s))
+
+
+def _put_parts(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any],
+               first_block: int, block_hashes: Sequence[bytes] | None, hint: kvstore_pb2.ReuseHint | None,
+               timeout_s: float, wait_for_owners: bool, engine_names: EngineNames | None = None) -> Plan[PutResult]:
+    """A grouped put: the parts its hit rules keep, in wire order, on the plane a plain
+    put would take (shared memory in two round trips, else the data lane, else gRPC
+    bytes), published all together or not at all."""
+    prepared = prepare_grouped_put(layout, token_ids, block_hashes, host_blocks_of_parts(blocks), first_block, hint,
+                                   engine_names)
+    if wait_for_owners:
+        prepared.header.wait_for_owners = True
+    plane = c._plane if c._plane_tried else (yield from local_plane(c))
+    if plane is None:
+        lane = None if c._datalane_tried and c._datalane is None else (yield from data_lane(c))
+        if lane is not None:
+            return (yield from _put_parts_lane(c, lane, prepared, timeout_s))
+        return put_result((yield StreamPut(prepared, timeout_s)))
+    begun = yield Unary("LocalPut", kvstore_pb2.LocalPutRequest(
+        header=prepared.header, release_lease_ids=c._take_releases()), timeout_s)
+    if len(begun.offsets) != len(prepared.views):
+        yield Unary("LocalCommit", kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout_s)
+        raise KVStoreError(f"the daemon answered {len(begun.offsets)} slots for a put of {len(prepared.views)} parts")
+    sums = yield from _copy_in(Blocking(plane.copy_in, begun.offsets, prepared.views),
+                               kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout_s)
+    return (yield _commit(begun.txn_id, sums, timeout_s))
+
+
+def _put_parts_lane(c: ClientState, lane: DataLane, prepared: PreparedPut, timeout_s: float) -> Plan[PutResult]:
+    """A grouped put on the data lane (`kvstore.client.data_lane.grouped_put_transfer`):
+    each group's parts as a transfer of their own, one LaneCommit publishing them all; in
+    `auto`, a lane that failed is set aside and the put goes through gRPC."""
+    try:
+        conns = yield Blocking(lane.checkout, lane.connections_for(len(prepared.views)), timeout_s)
+    except Unavailable as exc:
+        if not _set_aside(c, lane, exc):
+            raise
+        return put_result((yield StreamPut(prepared, timeout_s)))
+    done = yield from _on_lane(grouped_put_transfer(lane, conns, prepared.header, prepared.views, lambda: timeout_s,
+                                                    fall_back=functools.partial(_set_aside, c, lane)))
+    if done is None:
+        return put_result((yield StreamPut(prepared, timeout_s)))
+    return put_result(done)
 
 
 def put_lane(c: ClientState, lane: DataLane, prepared: PreparedPut, timeout_s: float) -> Plan[PutResult]:

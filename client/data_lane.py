@@ -9,8 +9,10 @@ lane addresses to use), `client_tls(security)`; `DataLane`: `checkout(n, timeout
 `checkin(conns)`, `fetch_into(conns, transfer_id, block_bytes, dests, timeout_s)` -> how
 many leading blocks landed verified, `put_from(conns, transfer_id, block_bytes, needed,
 sources, timeout_s)`, `stats()`, all blocking and thread-safe; `checkout_in_thread` for
-asyncio code; one transfer: `fetch_transfer`, `put_transfer`, their steps `LaneCall` and
-`LaneMove`, `run_transfer`, `move_in_threads`.
+asyncio code; one transfer: `fetch_transfer`, `put_transfer` (and for a layout with KV
+groups `grouped_fetch_transfer`, `grouped_put_transfer`: a transfer per group, each of
+one part size, run one after another by `fetch_groups` / `put_groups`), their steps
+`LaneCall` and `LaneMove`, `run_transfer`, `move_in_threads`.
 
 Bytes: one `sendmsg` per block from the caller's buffer, `recv_into` straight into the
 caller's destination, each block verified as it lands. Where the daemon offers lossless
@@ -497,6 +499,40 @@ class DataLane:
                         dests[good // 2] if good else None)
         return good
 
+    def fetch_groups(self, conns: list[LaneSocket], groups: Sequence[kvstore_pb2.LaneGroupTransfer],
+                     dests: Sequence[memoryview], timeout_s: float) -> int:
+        """A grouped fetch's transfers, one group's after another (`fetch_into` each, its
+        parts into the next of `dests`, in wire order): how many leading parts landed
+        verified. Stops at the first group that came short. `conns` is updated in place
+        with the connections the current transfer runs on (so a cancel shuts those)."""
+        deadline = time.monotonic() + timeout_s
+        landed = 0
+        for k, group in enumerate(groups):
+            if k:
+                conns[:] = self.checkout(len(conns), deadline - time.monotonic())
+            got = self.fetch_into(conns, group.transfer_id, group.block_bytes,
+                                  dests[landed : landed + group.num_blocks], deadline - time.monotonic())
+            landed += got
+            if got < group.num_blocks:
+                break
+        return landed
+
+    def put_groups(self, conns: list[LaneSocket], groups: Sequence[kvstore_pb2.LaneGroupTransfer],
+                   sources: Sequence[memoryview], timeout_s: float) -> None:
+        """A grouped put's transfers, one group's after another (`put_from` each, its parts
+        from the next of `sources`, in wire order). `conns` as for `fetch_groups`."""
+        deadline = time.monotonic() + timeout_s
+        start = 0
+        for k, group in enumerate(groups):
+            if k:
+                conns[:] = self.checkout(len(conns), deadline - time.monotonic())
+            if any(group.needed):
+                self.put_from(conns, group.transfer_id, group.block_bytes, group.needed,
+                              sources[start : start + group.num_blocks], deadline - time.monotonic())
+            else:
+                self.checkin(conns)
+            start += group.num_blocks
+
     def _fetch_on(self, lane: LaneSocket, transfer_id: bytes, block_bytes: int, dests: Sequence[memoryview],
                   state: _FetchState, deadline: float, codec: Codec = Codec.RAW) -> None:
         n = len(dests)
@@ -803,6 +839,72 @@ def put_transfer(lane: DataLane, conns: list[LaneSocket], header: kvstore_pb2.Pu
     timeout_s = left()
     committed = yield LaneCall("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id), timeout_s)
     return grant, committed
+
+
+def grouped_fetch_transfer(lane: DataLane, conns: list[LaneSocket], fetch: kvstore_pb2.FetchRequest,
+                           dests: Callable[[kvstore_pb2.LaneFetchResponse], Sequence[memoryview]],
+                           left: Callable[[], float], *,
+                           fall_back: Callable[[Exception], bool] | None = None) -> TransferPlan[tuple[int, int] | None]:
+    """`fetch_transfer` of a layout with KV groups: LaneFetch answers one transfer per
+    group (`LaneFetchResponse.groups`), `dests(its answer)` one buffer per part in wire
+    order, each of its group's size, and the groups' parts land there one group after
+    another, verified: (blocks of the prefix, leading parts that landed). Fewer parts
+    than planned is a miss of the whole prefix for the caller."""
+    try:
+        timeout_s = left()
+        grant = yield LaneCall("LaneFetch", lane_fetch_request(fetch, len(conns), timeout_s), timeout_s)
+        if not grant.num_blocks:
+            lane.checkin(conns)
+            return 0, 0
+        if sum(g.num_blocks for g in grant.groups) != grant.num_blocks:
+            raise KVStoreError(f"the daemon planned {grant.num_blocks} parts in transfers of "
+                               f"{sum(g.num_blocks for g in grant.groups)}")
+        views = dests(grant)
+    except BaseException:
+        lane.checkin(conns)
+        raise
+    try:
+        landed = yield LaneMove(lane, conns, lane.fetch_groups, grant.groups, views, left())
+    except Exception as exc:
+        if fall_back is not None and fall_back(exc):
+            return None
+        raise
+    return grant.prefix_blocks, int(landed)
+
+
+def grouped_put_transfer(lane: DataLane, conns: list[LaneSocket], header: kvstore_pb2.PutHeader,
+                         sources: Sequence[memoryview], left: Callable[[], float], *,
+                         fall_back: Callable[[Exception], bool] | None = None,
+                         ) -> TransferPlan[kvstore_pb2.PutResponse | None]:
+    """`put_transfer` of a layout with KV groups: `sources` are the put's parts in wire
+    order (`kvstore.groups.part_order`); LanePut answers one transfer per group
+    (`LanePutResponse.groups`), the parts go on the lane one group after another, and
+    one LaneCommit publishes them all, or nothing."""
+    try:
+        timeout_s = left()
+        grant = yield LaneCall("LanePut", kvstore_pb2.LanePutRequest(
+            header=header, connections=len(conns), timeout_ms=_ms(timeout_s)), timeout_s)
+        if sum(g.num_blocks for g in grant.groups) != len(sources):
+            raise KVStoreError(f"the daemon opened transfers of {sum(g.num_blocks for g in grant.groups)} parts "
+                               f"for a put of {len(sources)}")
+    except BaseException:
+        lane.checkin(conns)
+        raise
+    try:
+        yield LaneMove(lane, conns, lane.put_groups, grant.groups, sources, left())
+    except GeneratorExit:
+        raise
+    except BaseException as exc:
+        try:
+            yield LaneCall("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id, abort=True),
+                           min(ABORT_TIMEOUT_S, left()), cleanup=True)
+        except Exception:  # noqa: BLE001 - it rolls back by itself at its deadline
+            pass
+        if fall_back is not None and isinstance(exc, Exception) and fall_back(exc):
+            return None
+        raise
+    timeout_s = left()
+    return (yield LaneCall("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id), timeout_s))
 
 
 async def run_transfer(plan: TransferPlan[T], call: Callable[[str, Any, float], Awaitable[Any]]) -> T:

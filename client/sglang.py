@@ -33,8 +33,8 @@ Pools and namespaces (docs/engines.md has the table):
 - the KV pool and the pools that share its page indices and keys for every page
   (sparse-attention indexers, draft KV, DeepSeek-V4's compressed KV, indexers, scales
   and rope): one namespace with one KV group per pool, so a page's parts are stored,
-  found, evicted and fetched together; grouped namespaces travel as gRPC bytes today
-  (each part gathered into one buffer, then gRPC's own copies);
+  found, evicted and fetched together; each part gathered into one buffer on set and
+  scattered from one on get, moved on the plane the SDK picks as for the KV pool alone;
 - every other pool (sliding-window KV, Mamba state, DeepSeek-V4's compression states,
   a pool under BLOCK_GROUPS): a plain namespace of its own, whose hit policy the backend
   applies on presence (SGLang stores these pools' trailing pages in calls of their own,

@@ -154,6 +154,22 @@ class FetchPath:
         self.counters.fetches += 1
         return FetchStream(self, entries, info.layout.bytes_per_block, lease_id, rows)
 
+    def lease_rows(self, rows: I64, ttl_ms: int, tier: str, tenant: str) -> tuple[str, list[int], list[int]] | None:
+        """A bytes-holding lease on every row of `rows` when each of them sits in `tier`,
+        with their offsets there and their checksums; None (nothing leased) when any
+        does not. Counted as bytes sent to a co-located reader. What a grouped prefix's
+        parts take on the shared-memory plane: all of them, or none (`GroupBook.lease_prefix`)."""
+        index, c = self.index, self.counters
+        tid = self._tier_ids[tier]
+        if not len(rows) or bool((index.top_ids(rows) != tid).any()):
+            return None
+        lease_id = self.lease(rows, ttl_ms, True, tenant).lease_id
+        nbytes = int(index.nbytes_of(rows).sum())
+        c.bytes_out += nbytes
+        c.local_bytes_out += nbytes
+        self._by_name[tier].defer_touch(rows[::-1])
+        return lease_id, index.offsets_in(rows, tid), index.checksums_of(rows)
+
     def lease_prefix(self, info: NamespaceInfo, packed: bytes, ttl_ms: int,
                      tier: str) -> tuple[PrefixLookup, list[int], list[int]]:
         """The READY prefix of a packed chain in `info`'s namespace, and a bytes-holding

@@ -30,7 +30,7 @@ siblings with it: the block is a miss from then on, never a partial hit. A fetch
 ends early (a part that failed verification or was deleted meanwhile) is a miss of the
 whole fetch for the client: the parts it got belong to a prefix end it did not reach.
 
-Primitives: `GroupBook` (`probe`, `lookup`, `begin_put`, `open_fetch`, `delete`,
+Primitives: `GroupBook` (`probe`, `lookup`, `lease_prefix`, `begin_put`, `open_fetch`, `delete`,
 `part_ids`, `adopted`, `blocks_removed`), `GroupedPutTxn`, `GroupedFetchStream`.
 """
 
@@ -48,6 +48,7 @@ from kvstore.core.index import BlockIndex, make_key
 from kvstore.core.put import PutPath, PutTxn
 from kvstore.core.store_tier import StoreTier
 from kvstore.core.table import I64
+from kvstore.core.tier import Slot
 from kvstore.core.types import NamespaceInfo, PrefixLookup, PutOutcome, StoreCounters, StoreObserver
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.groups import GroupNeed, Rule, full_bytes, needed, rule_of, stored_bytes, window_blocks
@@ -165,6 +166,31 @@ class GroupBook:
             hashes_packed=packed[: m * HASH_BYTES],
             lease_id=lease_id,
         )
+
+    def lease_prefix(self, info: NamespaceInfo, packed: bytes, ttl_ms: int,
+                     tier: str) -> tuple[PrefixLookup, list[int], list[int]]:
+        """`Store.lease_prefix` of a grouped namespace: the longest prefix every group
+        serves and, when every part it needs sits in `tier`, a bytes-holding lease on
+        them all with their offsets and checksums, group-major (`part_order`). When any
+        part sits elsewhere, no offset: the reader fetches the prefix as a stream (which
+        reads lower tiers verified), since a grouped block is served whole or not at all."""
+        m, rows = self.probe(info, packed)
+        all_rows = np.concatenate(rows) if rows else _NO_ROWS
+        tops = np.zeros(m, np.uint8)
+        for need, group_rows in zip(needed(info.layout, m), rows):
+            if len(group_rows):
+                np.maximum(tops[need.start : need.stop], self._index.top_ids(group_rows),
+                           out=tops[need.start : need.stop])
+        leased = self._fetches.lease_rows(all_rows, ttl_ms, tier, info.tenant) if m else None
+        lease_id, offsets, checksums = leased if leased is not None else ("", [], [])
+        c = self._counters
+        c.fetches += 1
+        if leased is not None:
+            c.blocks_fetched += m
+        result = PrefixLookup(namespace_id=info.namespace_id, num_blocks=m,
+                              block_size_tokens=info.layout.block_size_tokens, tier_ids=tops.tobytes(),
+                              tier_names=self._tier_names, hashes_packed=packed[: m * HASH_BYTES], lease_id=lease_id)
+        return result, offsets, checksums
 
     # ----------------------------------------------------------------- put, fetch
 
@@ -303,6 +329,22 @@ class GroupedPutTxn:
             self.abort()
             raise
 
+    @property
+    def groups(self) -> list[PutTxn]:
+        """The groups' transactions, in wire order (those of a group with no part to store
+        left out): what a plane that moves each group's parts as a run of its own fills."""
+        return list(self._subs)
+
+    def slots(self) -> list[Slot | None]:
+        """Where each part's bytes must land, in wire order; None for parts already present."""
+        return [slot for sub in self._subs for slot in sub.slots()]
+
+    def mark_written(self) -> None:
+        """Every part was written into its slot by a co-located client (the
+        shared-memory or device plane); `commit` then takes the client's checksums."""
+        for sub in self._subs:
+            sub.mark_written()
+
     async def write(self, part: int, data: bytes | memoryview) -> None:
         """Append `data` to part `part` (a wire block of this put, group-major)."""
         starts = self._starts
@@ -395,6 +437,12 @@ class GroupedFetchStream:
 
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
         self.close()
+
+    @property
+    def groups(self) -> list[FetchStream]:
+        """The groups' streams, in wire order: what a plane that moves each group's parts
+        as a run of its own sends. Closing this stream closes them and ends the lease."""
+        return list(self._streams)
 
     @property
     def checksums(self) -> list[int]:

@@ -536,12 +536,12 @@ class Store:
         or expires, even if the blocks are deleted meanwhile. Counted as a fetch of the
         leased blocks, like `open_fetch`; blocks past the run are fetched separately.
         Like `lookup`, one probe of the chain and array steps over its rows: no object
-        or Python step per block beyond the lease's hold on each.
+        or Python step per block beyond the lease's hold on each. A grouped namespace's
+        parts are leased all or none (`GroupBook.lease_prefix`).
         """
         info = self._enter(namespace_id)
         if info.groups:
-            raise FailedPrecondition("a layout with KV groups is fetched as gRPC bytes (Fetch), not through "
-                                     "shared memory")
+            return self.groups.lease_prefix(info, self._packed_chain(hashes), ttl_ms, tier)
         return self.fetches.lease_prefix(info, self._packed_chain(hashes), ttl_ms, tier)
 
     async def verify(self, namespace_id: bytes, hashes: Sequence[bytes]) -> tuple[int, int]:

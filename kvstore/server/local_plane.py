@@ -8,7 +8,12 @@ fetch first waits for blocks a lookup is copying here (`PoolNode`,
 kvstore.server.pool_node); a daemon alone's node answers both at once.
 
 A co-located client moves block bytes by memcpy into and out of the host tier's segment;
-these calls carry only offsets. A fetch leases the leading blocks held in the tier and
+these calls carry only offsets. A layout with KV groups moves its parts the same way, one
+slot per part in wire order (group-major, `kvstore.groups.part_order`), each of its
+group's size: LocalPut answers an offset per part, LocalCommit takes a checksum per part
+and publishes them all or none, and LocalFetch leases every part of the longest prefix
+every group serves, or none when any of them is not in host memory (the client then
+fetches the prefix as a stream). A fetch leases the leading blocks held in the tier and
 answers their offsets and checksums; the lease ends on the side of a later call
 (`release_lease_ids`) or by expiry. A put takes two round trips (LocalPut reserves
 PENDING slots, the client copies, LocalCommit publishes) or, in steady state, one:
@@ -169,7 +174,11 @@ class LocalPlaneService:
         resolver.put_session(request.header)  # checked now; applied at commit
         if tier == LOCAL_TIER and self._in_another_space(info):
             raise FailedPrecondition(ANOTHER_SPACE)
-        txn = store.begin_put(info, hashes, parent, tier=tier)
+        # A grouped layout's slots are its parts', group-major, of each group's size;
+        # reservations hold slots of one size, so its puts take two round trips.
+        grouped = bool(info.layout.groups)
+        txn = (store.begin_stream_put(info, hashes, parent, tier=tier) if grouped
+               else store.begin_put(info, hashes, parent, tier=tier))
         await txn.reserve()
         try:
             offsets = (self._client_offsets(txn.slots(), self._caller_space()) if tier == LOCAL_TIER
@@ -195,7 +204,7 @@ class LocalPlaneService:
                     spare = old.slots
                 else:
                     store.free_slots(old.slots)
-        if request.reserve_ahead and tier == LOCAL_TIER:
+        if request.reserve_ahead and tier == LOCAL_TIER and not grouped:
             reservation = await self._reserve_ahead(txn.block_bytes, request.reserve_ahead, spare)
             if reservation is not None:
                 resp.reservation.CopyFrom(reservation)
@@ -279,6 +288,9 @@ class LocalPlaneService:
             hashes, parent = resolver.put_keys(info, header)
             session = resolver.put_session(header)
             block_bytes = info.layout.bytes_per_block
+            if info.layout.groups:
+                raise InvalidArgument("a layout with KV groups is put with LocalPut (its parts differ in size; a "
+                                      "reservation's slots are of one size)")
             if block_bytes != res.block_bytes:
                 raise InvalidArgument(f"the reservation holds {res.block_bytes}-byte slots; this namespace's "
                                       f"blocks are {block_bytes} bytes; put them with LocalPut")
@@ -338,7 +350,10 @@ class LocalPlaneService:
         if self._spaced is not None and tier == LOCAL_TIER and offsets:
             # Only the caller's own segment is mapped on its side: the run stops at a block
             # of another space (the lease still covers the rest until it ends).
-            offsets = self._spaced.client_offsets(self._caller_space(), offsets)
+            mine = self._spaced.client_offsets(self._caller_space(), offsets)
+            # A grouped prefix's parts go all or none (the client then fetches it as a stream).
+            grouped = bool(self.store.namespace(ns_id).layout.groups)
+            offsets = [] if grouped and len(mine) != len(offsets) else mine
             checksums = checksums[: len(offsets)]
         return kvstore_pb2.LocalFetchResponse(
             num_blocks=result.num_blocks,

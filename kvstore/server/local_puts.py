@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.core.store import PutTxn
+from kvstore.core.store import GroupedPutTxn, PutTxn
 from kvstore.core.tier import Slot
 from kvstore.errors import FailedPrecondition, ResourceExhausted
 from kvstore.v1 import kvstore_pb2
@@ -29,7 +29,7 @@ DEFAULT_PUT_TTL_MS = 30_000
 
 @dataclass(slots=True, eq=False)
 class OpenPut:
-    txn: PutTxn
+    txn: PutTxn | GroupedPutTxn  # a grouped layout's: its parts, group-major
     header: kvstore_pb2.PutHeader | None  # what applies at commit (hints)
     expires_at: float
     tenant: str = ""  # only the tenant that began a put may commit or abort it
@@ -97,7 +97,7 @@ class LocalPuts:
             )
         return res
 
-    def begin(self, txn: PutTxn, header: kvstore_pb2.PutHeader | None = None, tenant: str = "") -> str:
+    def begin(self, txn: PutTxn | GroupedPutTxn, header: kvstore_pb2.PutHeader | None = None, tenant: str = "") -> str:
         self.expire()
         if len(self._pending) >= self.max_pending:
             txn.abort()

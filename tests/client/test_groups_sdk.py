@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 
-import grpc
 import pytest
 
 from kvstore.cli.main import main
@@ -16,7 +15,7 @@ from kvstore.client import AsyncClient, Client, GroupKind, KVGroup, KVLayout
 from kvstore.convert import layout_from_proto, layout_to_proto
 from kvstore.errors import InvalidArgument
 from kvstore.groups import needed
-from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvstore.v1 import kvstore_pb2
 
 BST = 4
 HYBRID = KVLayout(
@@ -74,29 +73,6 @@ def test_put_lookup_and_fetch_of_parts(daemon_thread, layout):
         stats = kv.stats().counters
     assert stats.group_parts_stored == 6 + 2 + 1
     assert stats.group_bytes_skipped == (4 + 5) * 128  # 4 window parts and 5 states not kept, 128 bytes each
-
-
-def test_a_grouped_layout_moves_as_grpc_bytes_even_when_the_lane_is_asked_for(daemon_thread):
-    """The data lane moves whole blocks; parts go as Put and Fetch do, with the same
-    results, and the lane's own calls refuse a grouped layout with the reason."""
-    tokens = list(range(BST * 5))
-    blocks = blocks_for(HYBRID, 5)
-    with Client(daemon_thread.tcp_target, data_plane="lane") as kv:
-        assert kv.data_plane_in_use == "lane"
-        assert kv.put(HYBRID, tokens, blocks).stored == 5
-        assert kv.fetch(HYBRID, tokens) == expected(HYBRID, blocks, 5)
-    namespace = kvstore_pb2.Namespace(layout=layout_to_proto(HYBRID))
-    keys = kvstore_pb2.BlockKeys(tokens=kvstore_pb2.TokenIds(token_ids=tokens))
-    with grpc.insecure_channel(daemon_thread.tcp_target) as channel:
-        stub = kvstore_pb2_grpc.KVStoreStub(channel)
-        for call in (lambda: stub.LanePut(kvstore_pb2.LanePutRequest(header=kvstore_pb2.PutHeader(
-                         namespace=namespace, keys=keys))),
-                     lambda: stub.LaneFetch(kvstore_pb2.LaneFetchRequest(fetch=kvstore_pb2.FetchRequest(
-                         namespace=namespace, keys=keys)))):
-            with pytest.raises(grpc.RpcError) as err:
-                call()
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "KV groups" in err.value.details()
 
 
 def test_a_put_missing_a_part_it_needs_sends_nothing(daemon_thread):

@@ -72,6 +72,9 @@ class PutTransfer(Transfer):
         self.recv_timeout_s = recv_timeout_s  # what a connection of this put waits for bytes
         self.active_at = time.monotonic()  # last sign of life from the client (or work of the daemon's)
         self.idle_timer: asyncio.TimerHandle | None = None
+        # A grouped put's transfers (this one among them), sent one after another: the
+        # put is idle only when all of them are.
+        self.group: list[PutTransfer] = []
         # Called on the loop when the transfer fails (set by `DataLaneTransfers`).
         self.on_failed: Callable[[], None] | None = None
         self._released = False

@@ -1,6 +1,8 @@
 """Data lane transfers: the puts and fetches whose bytes move on the lane
 (`kvstore.server.data_lane.server`), opened by control calls (`DataLane`, `LaneFetch`,
-`LanePut`, `LaneCommit`) that the servicer delegates here.
+`LanePut`, `LaneCommit`) that the servicer delegates here. A layout with KV groups moves
+each group's parts (one size each) as a transfer of its own: a fetch's are pumped one
+after another, a put's are published together by one LaneCommit (`GroupedPut`).
 
 Primitives: `DataLaneTransfers` (`offer`, `open_fetch`, `open_put`, `commit`, and for the
 lane's connection threads `fetch_transfer` / `put_transfer`).
@@ -15,6 +17,7 @@ Glossary of planes and lanes: docs/local-data-plane.md.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import threading
@@ -28,7 +31,9 @@ import grpc
 
 from kvstore.codecs import available, codec_mask
 from kvstore.core.fetch import FetchStream
+from kvstore.core.groups import GroupedFetchStream, GroupedPutTxn
 from kvstore.core.store import Store
+from kvstore.core.types import NamespaceInfo
 from kvstore.data_lane import VERSION
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, ResourceExhausted, error_for_status
 from kvstore.hashing import HASH_BYTES
@@ -48,8 +53,20 @@ logger = logging.getLogger(__name__)
 # A transfer that names no deadline (timeout_ms 0), and the longest one may name.
 DEFAULT_TRANSFER_S = 30.0
 MAX_TRANSFER_S = 600.0
-# A grouped block is parts that only some prefix ends have: it moves as Put and Fetch do.
-GROUPED_NOT_ON_LANE = "a layout with KV groups moves as gRPC bytes (Put and Fetch), not on the data lane"
+
+
+@dataclass(eq=False, slots=True)
+class GroupedPut:
+    """A put of a layout with KV groups on the lane: one `PutTransfer` per group (parts of
+    one size each), published together by one LaneCommit naming `id`."""
+
+    id: bytes
+    txn: GroupedPutTxn
+    transfers: list[PutTransfer]
+    header: kvstore_pb2.PutHeader
+    tenant: str
+    peer: str
+    timer: asyncio.TimerHandle | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +114,8 @@ class DataLaneTransfers:
         # Why recent puts failed, for their LaneCommit and senders that come late (they
         # are rolled back at once). Connection threads read it: under its own lock.
         self._failed_puts: OrderedDict[bytes, tuple[str, str, TransferFailed]] = OrderedDict()
+        # Open puts of layouts with KV groups, by the id their LaneCommit names.
+        self._grouped_puts: dict[bytes, GroupedPut] = {}
         self._failed_lock = threading.Lock()
         host = next((st.tier for st in store.tiers if st.name == HOST), None)
         self._host = host
@@ -165,8 +184,6 @@ class DataLaneTransfers:
                 self.store.unpin(lease_id)
             return kvstore_pb2.LaneFetchResponse(block_bytes=ns_id.layout.bytes_per_block,
                                                  namespace_id=ns_id.namespace_id)
-        if self.store.namespace(ns_id).layout.groups:
-            raise FailedPrecondition(GROUPED_NOT_ON_LANE)
         hashes = resolver.hashes(ns_id, fetch.keys)
         node = self.node  # as for a gRPC Fetch
         if current_identity().peer:
@@ -174,7 +191,8 @@ class DataLaneTransfers:
         elif node.pulling:
             await node.settle_fetch(ns_id, hashes)  # blocks a lookup is copying here
         stream = self.store.open_fetch(ns_id, hashes, resolver.tags.untag(fetch.lease_id))
-        assert isinstance(stream, FetchStream)  # grouped layouts were refused above
+        if isinstance(stream, GroupedFetchStream):
+            return self._open_grouped_fetch(request, ns_id, stream)
         resp = kvstore_pb2.LaneFetchResponse(num_blocks=stream.num_blocks, block_bytes=stream.block_bytes,
                                              namespace_id=ns_id)
         if not stream.num_blocks:
@@ -200,6 +218,50 @@ class DataLaneTransfers:
         if self.settings.codecs:
             transfer.codecs = codec_mask(available())
         transfer.itemsize = layout.stored_itemsize
+    def _open_grouped_fetch(self, request: kvstore_pb2.LaneFetchRequest, ns_id: bytes,
+                            grouped: GroupedFetchStream) -> kvstore_pb2.LaneFetchResponse:
+        """A grouped prefix's parts on the lane: a `FetchTransfer` per group (parts of one
+        size each), pumped one after another as the client takes them in turn."""
+        resp = kvstore_pb2.LaneFetchResponse(num_blocks=grouped.num_blocks, block_bytes=grouped.block_bytes,
+                                             namespace_id=ns_id, prefix_blocks=grouped.prefix_blocks)
+        if not grouped.num_blocks:
+            grouped.close()
+            return resp
+        deadline, loop_deadline = self._deadline(request.timeout_ms)
+        caller = current_identity()
+        transfers = []
+        for stream in grouped.groups:
+            transfer = FetchTransfer(secrets.token_bytes(16), caller.tenant, deadline,
+                                     self._connections(request.connections), asyncio.get_running_loop(), stream,
+                                     self.counters)
+            transfer.peer = caller.peer
+            self._register(transfer, loop_deadline)
+            transfers.append(transfer)
+            resp.groups.add(transfer_id=transfer.id, num_blocks=stream.num_blocks, block_bytes=stream.block_bytes)
+        self.counters.add("transfers_fetch")
+        self._spawn(self._run_grouped_fetch(grouped, transfers), "kvstore-lane-fetch")
+        resp.transfer_id = transfers[0].id
+        resp.expires_in_ms = int((deadline - time.monotonic()) * 1000)
+        return resp
+
+    async def _run_grouped_fetch(self, grouped: GroupedFetchStream, transfers: list[FetchTransfer]) -> None:
+        """Pump the groups' transfers in turn; once one fails or ends early (a part that
+        failed verification: its block is dropped whole), the prefix is a miss, and the
+        later groups' transfers are failed at once, so their parts are let go now."""
+        try:
+            for k, transfer in enumerate(transfers):
+                await self._run_fetch(transfer)
+                if transfer.failed is not None or transfer.stream.ended_early:
+                    for later in transfers[k + 1 :]:
+                        later.fail(grpc.StatusCode.NOT_FOUND, "an earlier group's parts ended early: the grouped "
+                                   "prefix is a miss")
+                        later.stream.close()
+                        self._forget(later)
+                    return
+        finally:
+            for transfer in transfers:
+                self._forget(transfer)
+            grouped.close()  # every group's stream, and the lookup's lease
 
     async def _run_fetch(self, transfer: FetchTransfer) -> None:
         try:
@@ -219,9 +281,9 @@ class DataLaneTransfers:
         resolver, store, settings = self.resolver, self.store, self.settings
         header = request.header
         info = resolver.put_namespace(header.namespace)  # filed when the put publishes
-        if info.layout.groups:
-            raise FailedPrecondition(GROUPED_NOT_ON_LANE)
         hashes, parent = resolver.put_keys(info, header)
+        if info.layout.groups:
+            return await self._open_grouped_put(request, info, hashes, parent)
         runs = put_runs(request, len(hashes), put_position(header))
         resolver.put_session(header)  # checked now; applied at commit
         # Slots are reserved a window at a time as the blocks land, as for a Put stream.
@@ -253,6 +315,109 @@ class DataLaneTransfers:
                                            expires_in_ms=int((deadline - time.monotonic()) * 1000),
                                            codecs=transfer.codecs, itemsize=transfer.itemsize)
 
+    async def _open_grouped_put(self, request: kvstore_pb2.LanePutRequest, info: NamespaceInfo,
+                                hashes: list[bytes], parent: bytes | None) -> kvstore_pb2.LanePutResponse:
+        """A grouped put on the lane: the parts its hit rules keep, a `PutTransfer` per
+        group over that group's transaction (slots reserved a window at a time, each part
+        verified as it lands), all published by one LaneCommit (`_commit_grouped`)."""
+        if request.runs:
+            raise InvalidArgument("a put of a layout with KV groups is one run of its chain")
+        header, settings, caller = request.header, self.settings, current_identity()
+        assert self._host is not None
+        self.resolver.put_session(header)  # checked now; applied at commit
+        txn = self.store.begin_stream_put(info, hashes, parent, tier=HOST, window_bytes=settings.put_window_bytes)
+        assert isinstance(txn, GroupedPutTxn)
+        await txn.reserve()
+        try:
+            deadline, loop_deadline = self._deadline(request.timeout_ms)
+            transfers = []
+            for sub in txn.groups:
+                transfer = PutTransfer(secrets.token_bytes(16), caller.tenant, deadline,
+                                       self._connections(request.connections), asyncio.get_running_loop(), sub,
+                                       header, len(sub.slots()), self._host, self.counters,
+                                       settings.put_idle_timeout_s,
+                                       min(settings.io_timeout_s, settings.put_idle_timeout_s))
+                await transfer.reserve_ahead()
+                transfers.append(transfer)
+        except BaseException:
+            txn.abort()
+            raise
+        put = GroupedPut(secrets.token_bytes(16), txn, transfers, header, caller.tenant, caller.peer)
+        resp = kvstore_pb2.LanePutResponse(transfer_id=put.id, block_bytes=txn.block_bytes,
+                                           namespace_id=info.namespace_id,
+                                           expires_in_ms=int((deadline - time.monotonic()) * 1000))
+        for transfer in transfers:
+            transfer.peer = caller.peer
+            transfer.group = transfers
+            self._register(transfer, loop_deadline)
+            transfer.on_failed = functools.partial(self._put_failed, transfer)
+            self._arm_idle(transfer, settings.put_idle_timeout_s)
+            if transfer.reserved < len(transfer.order):
+                self._spawn(self._run_reserver(transfer), "kvstore-lane-reserve")
+            resp.groups.add(transfer_id=transfer.id, num_blocks=len(transfer.needed), block_bytes=transfer.block_bytes,
+                            needed=transfer.needed)
+        self._grouped_puts[put.id] = put
+        put.timer = asyncio.get_running_loop().call_at(loop_deadline, self._expire_grouped, put.id)
+        self.counters.add("transfers_put")
+        return resp
+
+    def _expire_grouped(self, put_id: bytes) -> None:
+        put = self._grouped_puts.pop(put_id, None)
+        if put is not None:  # its transfers expire by themselves; the parts they filled go with the put
+            put.txn.abort()
+
+    async def _commit_grouped(self, put: GroupedPut, request: kvstore_pb2.LaneCommitRequest) -> kvstore_pb2.PutResponse:
+        """LaneCommit of a grouped put: every group's parts landed verified, then one
+        publish of them all (`GroupedPutTxn.commit`); any failure rolls back every part."""
+        del self._grouped_puts[put.id]
+        if put.timer is not None:
+            put.timer.cancel()
+        transfers = put.transfers
+        if request.abort:
+            for transfer in transfers:
+                self._end(transfer)
+                transfer.fail(grpc.StatusCode.ABORTED, "the client aborted the put")
+            put.txn.abort()
+            return kvstore_pb2.PutResponse()
+        for transfer in transfers:
+            transfer.committing = True
+            timer = self._timers.pop(transfer.id, None)
+            if timer is not None:
+                timer.cancel()
+        try:
+            try:
+                for transfer in transfers:
+                    await transfer.wait_landed(transfer.deadline - time.monotonic())
+                    await transfer.close()
+            finally:
+                for transfer in transfers:
+                    self._forget(transfer)
+            sums: list[int] = []
+            for transfer in transfers:
+                transfer.txn.mark_written()
+                sums += transfer.sums
+            result = await put.txn.commit(sums)
+        except BaseException as exc:
+            if isinstance(exc, KVStoreError):
+                self.counters.add("transfers_failed")
+            for transfer in transfers:
+                transfer.fail(grpc.StatusCode.ABORTED, "the put failed")
+                self._end(transfer)
+            put.txn.abort()
+            raise
+        self.counters.add("committed_bytes_in", sum(t.block_bytes * sum(t.needed) for t in transfers))
+        header = put.header
+        session = self.resolver.put_session(header)
+        if session:
+            self.store.hint(result.namespace_id, result.block_hashes, session, header.hint.expect_reuse_within_s)
+        resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
+                                       namespace_id=result.namespace_id,
+                                       **hash_fields(result.block_hashes, packed_reply(header.keys)))
+        waiting = forward_put(self.node, self.resolver, result.namespace_id, header, resp)
+        if waiting is not None:
+            await waiting
+        return resp
+
     async def _run_reserver(self, transfer: PutTransfer) -> None:
         try:
             await transfer.keep_reserving()
@@ -278,6 +443,8 @@ class DataLaneTransfers:
             if transfer.writers or transfer.reserving:
                 transfer.active_at = now
             quiet_s = now - transfer.active_at
+        if transfer.group:  # a grouped put's groups are sent one after another: quiet is all of them quiet
+            quiet_s = min(now - t.active_at for t in transfer.group)
         if quiet_s < idle_s:
             self._arm_idle(transfer, idle_s - quiet_s)
             return
@@ -312,6 +479,9 @@ class DataLaneTransfers:
         # Only whoever opened a put commits it: the tenant's client for a client's put,
         # the same node for one a node-to-node call opened.
         joiner = Joiner(tenant, client=not caller.peer, node=caller.peer)
+        grouped = self._grouped_puts.get(request.transfer_id)
+        if grouped is not None and joiner.may_join(grouped.tenant, grouped.peer):
+            return await self._commit_grouped(grouped, request)
         if (not isinstance(transfer, PutTransfer) or not joiner.may_join(transfer.tenant, transfer.peer)
                 or transfer.committing or transfer.ending):
             why = self.put_failure(request.transfer_id, joiner)
@@ -430,6 +600,11 @@ class DataLaneTransfers:
             timer.cancel()
         self._timers.clear()
         self._open.clear()
+        for put in self._grouped_puts.values():
+            if put.timer is not None:
+                put.timer.cancel()
+            put.txn.abort()
+        self._grouped_puts.clear()
 
 
 def put_runs(request: kvstore_pb2.LanePutRequest, blocks: int,
