@@ -58,6 +58,10 @@ def device_bytes(tensor: torch.Tensor, index: int, block_bytes: int) -> torch.Te
     return flat
 
 
+def _sizes(block_bytes: int | Sequence[int], n: int) -> list[int]:
+    return [block_bytes] * n if isinstance(block_bytes, int) else list(block_bytes)
+
+
 def _ordinal_for(uuid: str) -> int:
     for i in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(i).uuid) == uuid:
@@ -115,46 +119,52 @@ class DevicePlane:
             if t.device != self.device:
                 raise InvalidArgument(f"block {i} is on {t.device}; the daemon's HBM tier is on {self.device}")
 
-    def _to_host_and_hash(self, stream: torch.cuda.Stream, sources: Sequence[torch.Tensor],
-                          block_bytes: int) -> list[int]:
+    def _to_host_and_hash(self, stream: torch.cuda.Stream, sources: Sequence[torch.Tensor]) -> list[int]:
         """Queue a device->host copy of each source after the copies already queued on
         `stream`, wait for the stream, and hash each host copy."""
         if not sources:
             return []
-        host = self._host_buffer(block_bytes * len(sources))
+        ends = [0]
+        for src in sources:
+            ends.append(ends[-1] + src.numel())
+        host = self._host_buffer(ends[-1])
         with torch.cuda.stream(stream):
             for i, src in enumerate(sources):
-                host[i * block_bytes : (i + 1) * block_bytes].copy_(src, non_blocking=True)
+                host[ends[i] : ends[i + 1]].copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
         done.synchronize()
         view = host.numpy()
-        return [xxhash.xxh3_64_intdigest(view[i * block_bytes : (i + 1) * block_bytes].data)
-                for i in range(len(sources))]
+        return [xxhash.xxh3_64_intdigest(view[ends[i] : ends[i + 1]].data) for i in range(len(sources))]
 
-    def copy_out(self, offsets: Sequence[int], checksums: Sequence[int], block_bytes: int,
+    def copy_out(self, offsets: Sequence[int], checksums: Sequence[int], block_bytes: int | Sequence[int],
                  dsts: Sequence[torch.Tensor]) -> int:
         """Copy slots into `dsts` (CUDA tensors) on the current stream, then verify the
-        destinations; returns how many leading blocks verified."""
-        flats = [device_bytes(d, i, block_bytes) for i, d in enumerate(dsts)]
+        destinations; returns how many leading blocks verified. `block_bytes`: one size
+        for all, or one per block (a grouped layout's parts, each its group's size)."""
+        sizes = _sizes(block_bytes, len(dsts))
+        flats = [device_bytes(d, i, sizes[i]) for i, d in enumerate(dsts)]
         self._check_device(flats)
-        slots = [self._slot(off, block_bytes) for off in offsets]
+        slots = [self._slot(off, sizes[i]) for i, off in enumerate(offsets)]
         stream = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(stream):
             for dst, slot in zip(flats, slots):
                 dst.copy_(slot, non_blocking=True)
-        for i, (got, want) in enumerate(zip(self._to_host_and_hash(stream, flats, block_bytes), checksums)):
+        for i, (got, want) in enumerate(zip(self._to_host_and_hash(stream, flats), checksums)):
             if got != want:
                 logger.warning("block %d failed verification after a device-to-device copy; not returned", i)
                 return i
         return len(offsets)
 
-    def copy_in(self, offsets: Sequence[int], blocks: Sequence[torch.Tensor], block_bytes: int) -> list[int]:
+    def copy_in(self, offsets: Sequence[int], blocks: Sequence[torch.Tensor],
+                block_bytes: int | Sequence[int]) -> list[int]:
         """Copy each block into its slot (offset -1: already stored, skipped) on the
-        current stream; returns the XXH3-64 of each block copied (0 for skipped)."""
-        flats = [device_bytes(b, i, block_bytes) for i, b in enumerate(blocks)]
+        current stream; returns the XXH3-64 of each block copied (0 for skipped).
+        `block_bytes` as for `copy_out`."""
+        sizes = _sizes(block_bytes, len(blocks))
+        flats = [device_bytes(b, i, sizes[i]) for i, b in enumerate(blocks)]
         self._check_device(flats)
-        todo = [(i, self._slot(off, block_bytes)) for i, off in enumerate(offsets) if off >= 0]
+        todo = [(i, self._slot(off, sizes[i])) for i, off in enumerate(offsets) if off >= 0]
         stream = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(stream):
             for i, slot in todo:
@@ -163,6 +173,6 @@ class DevicePlane:
         # (see the module docstring). The stream is synchronized before it returns, so the
         # commit that makes the blocks visible follows the device copies.
         sums = [0] * len(offsets)
-        for (i, _), csum in zip(todo, self._to_host_and_hash(stream, [flats[i] for i, _ in todo], block_bytes)):
+        for (i, _), csum in zip(todo, self._to_host_and_hash(stream, [flats[i] for i, _ in todo])):
             sums[i] = csum
         return sums

@@ -3,11 +3,13 @@ rule needs (`kvstore.groups`), and they travel as the wire blocks of one Put or 
 group-major. Sans-I/O plans, driven like every other verb (`kvstore.client._ops`).
 
 A grouped put takes, for each block, a mapping from group name to that group's part
-(bytes, a buffer, or a CPU tensor); it needs exactly the parts `kvstore.groups.needed`
+(bytes, a buffer, a CPU tensor, or a CUDA tensor: all CUDA, they go device to device
+when the device plane opens); it needs exactly the parts `kvstore.groups.needed`
 names for a put of that many blocks (a window's last blocks, the state at the end;
 other parts given are ignored, so an engine may hand every part it has). A grouped
 fetch answers, for each block of the longest prefix every group serves, a dict of the
-parts that prefix needs. A fetch cut short (a part failed verification or was evicted
+parts that prefix needs (or, given `out`, one mapping per block of group name to a
+buffer or CUDA tensor, filled with the parts the prefix needs). A fetch cut short (a part failed verification or was evicted
 meanwhile) answers no block at all: the parts it got belong to a prefix end it did not
 reach. The parts move on every plane a plain layout's blocks do (gRPC bytes, shared
 memory, the data lane): in wire order, each of its group's size (`part_sizes`), and
@@ -28,6 +30,33 @@ from kvstore.v1 import kvstore_pb2
 from kvstore.wire import RawChunk
 
 
+def wire_parts(layout: KVLayout, blocks: Sequence[Mapping[str, Any]], what: str = "block") -> list[Any]:
+    """The parts a put (or fetch into `out`) of these blocks takes, in wire order, as
+    given (bytes-like, arrays, tensors); a block that lacks one is refused."""
+    n = len(blocks)
+    parts = []
+    for g, j in part_order(layout, n):
+        group = layout.groups[g]
+        block = blocks[j]
+        if not isinstance(block, Mapping):
+            raise InvalidArgument(f"{what} {j} of a layout with KV groups must map group names to parts, "
+                                  f"got {type(block).__name__}")
+        part = block.get(group.name)
+        if part is None:
+            raise InvalidArgument(f"{what} {j} lacks its part of group {group.name!r}: a prefix of {n} blocks needs "
+                                  "it (kvstore.groups.needed says which parts a put needs)")
+        parts.append(part)
+    return parts
+
+
+def grouped_header(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None, n: int,
+                   first_block: int, hint: kvstore_pb2.ReuseHint | None,
+                   engine_names: EngineNames | None = None) -> kvstore_pb2.PutHeader:
+    """A grouped put's header: it names the blocks; the sizes it checks are the layout's."""
+    return put_header(layout, token_ids, block_hashes, [layout.bytes_per_block] * n, first_block, hint,
+                      engine_names)
+
+
 def prepare_grouped_put(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
                         blocks: Sequence[Mapping[str, Any]], first_block: int,
                         hint: kvstore_pb2.ReuseHint | None,
@@ -35,25 +64,14 @@ def prepare_grouped_put(layout: KVLayout, token_ids: Sequence[int] | None, block
     """A grouped put's header and its parts in wire order, each size-checked."""
     n = len(blocks)
     views: list[memoryview] = []
-    for g, j in part_order(layout, n):
+    for (g, j), part in zip(part_order(layout, n), wire_parts(layout, blocks)):
         group = layout.groups[g]
-        block = blocks[j]
-        if not isinstance(block, Mapping):
-            raise InvalidArgument(f"block {j} of a layout with KV groups must map group names to parts, "
-                                  f"got {type(block).__name__}")
-        part = block.get(group.name)
-        if part is None:
-            raise InvalidArgument(f"block {j} lacks its part of group {group.name!r}: a put of {n} blocks needs it "
-                                  "(kvstore.groups.needed says which parts a put needs)")
         view = as_buffer(part)
         if len(view) != group.bytes_per_block:
             raise InvalidArgument(f"block {j}'s part of group {group.name!r} is {len(view)} bytes; the layout says "
                                   f"{group.bytes_per_block} ({group.kind.value}, {group.dtype}, shape {group.shape})")
         views.append(view)
-    # The header names the blocks; the sizes it checks are the layout's (one per block).
-    header = put_header(layout, token_ids, block_hashes, [layout.bytes_per_block] * n, first_block, hint,
-                        engine_names)
-    return PreparedPut(header, views)
+    return PreparedPut(grouped_header(layout, token_ids, block_hashes, n, first_block, hint, engine_names), views)
 
 
 class GroupedFetchAssembler:

@@ -30,18 +30,28 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from kvstore.client._assembler import FetchAssembler
-from kvstore.client._buffers import all_cuda, any_cuda, host_blocks, out_buffers, upload_blocks, writable_view
+from kvstore.client._buffers import (
+    all_cuda,
+    any_cuda,
+    host_blocks,
+    is_cuda,
+    out_buffers,
+    upload_blocks,
+    writable_view,
+)
 from kvstore.client._groups import (
     GroupedFetchAssembler,
     grouped_fetch_request,
+    grouped_header,
     host_blocks_of_parts,
     part_sizes,
     parts_result,
     prepare_grouped_put,
+    wire_parts,
 )
 from kvstore.client._held import HeldSlots, check_reserve_ahead, keep_held, take_held
 from kvstore.client._local import LocalPlane
@@ -508,9 +518,11 @@ def _fetch_parts(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | No
                  timeout_s: float) -> Plan[list[Any]]:
     """A grouped fetch: the parts of the longest prefix every group serves, on the plane a
     plain fetch would take (shared memory, else the data lane, else gRPC bytes), all of
-    them or none: a part that fails verification makes the whole fetch a miss."""
+    them or none: a part that fails verification makes the whole fetch a miss. `out`:
+    one mapping per block (group name to a buffer or CUDA tensor) filled in place,
+    device to device when every one is a CUDA tensor and the device plane opens."""
     if out is not None:
-        raise InvalidArgument("a layout with KV groups fetches each block as a dict of its parts; leave out `out`")
+        return (yield from _fetch_parts_into(c, layout, token_ids, block_hashes, out, lease_id, timeout_s))
     request = grouped_fetch_request(layout, token_ids, block_hashes, lease_id)
     plane = c._plane if c._plane_tried else (yield from local_plane(c))
     if plane is not None:
@@ -542,6 +554,46 @@ def _fetch_parts(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | No
     assembler = GroupedFetchAssembler(layout)
     yield StreamFetch(request, assembler, timeout_s)
     return assembler.result()
+
+
+def _fetch_parts_into(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None,
+                      block_hashes: Sequence[bytes] | None, out: Sequence[Any], lease_id: str,
+                      timeout_s: float) -> Plan[list[Any]]:
+    named = len(block_hashes) if block_hashes is not None else len(token_ids or ()) // layout.block_size_tokens
+    if len(out) < named:
+        raise InvalidArgument(f"out has {len(out)} mappings of parts for a fetch of {named} blocks; give one per block")
+    if all(isinstance(o, Mapping) and o and all_cuda(list(o.values())) for o in out[:named]):
+        device = yield from device_plane(c)
+        if device is not None:
+            keys = grouped_fetch_request(layout, token_ids, block_hashes, lease_id).keys
+            resp = yield Unary("DeviceFetch", _slots_request(c, layout, keys, lease_id), timeout_s)
+            m = resp.num_blocks
+            sizes = part_sizes(layout, m)
+            if not m or len(resp.offsets) == len(sizes):
+                dsts = wire_parts(layout, out[:m], "out") if m else []
+                try:
+                    good = (yield Blocking(device.copy_out, resp.offsets, resp.checksums, sizes, dsts)) if m else 0
+                finally:
+                    _lease_taken(c, resp)
+                if good < len(sizes):
+                    yield _recheck(layout, resp, 0, m, timeout_s)
+                    return []
+                return list(out[:m])
+            _lease_taken(c, resp)  # a part outside the HBM tier: through host memory below
+            lease_id = ""
+    got = yield from _fetch_parts(c, layout, token_ids, block_hashes, None, lease_id, timeout_s)
+    for j, block in enumerate(got):
+        dst = out[j]
+        if not isinstance(dst, Mapping):
+            raise InvalidArgument(f"out[{j}] must map group names to buffers, got {type(dst).__name__}")
+        for name, data in block.items():
+            if name not in dst:
+                raise InvalidArgument(f"out[{j}] lacks a buffer for group {name!r}, which the prefix needs")
+            if is_cuda(dst[name]):
+                upload_blocks([data], [dst[name]])
+            else:
+                writable_view(dst[name], j, len(data))[:] = data
+    return list(out[: len(got)])
 
 
 def _fetch_parts_lane(c: ClientState, lane: DataLane, layout: KVLayout, request: kvstore_pb2.FetchRequest,
@@ -736,6 +788,18 @@ def _put_parts(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None
     """A grouped put: the parts its hit rules keep, in wire order, on the plane a plain
     put would take (shared memory in two round trips, else the data lane, else gRPC
     bytes), published all together or not at all."""
+    parts = wire_parts(layout, blocks)
+    if parts and all_cuda(parts):
+        device = yield from device_plane(c)
+        if device is not None:
+            header = grouped_header(layout, token_ids, block_hashes, len(blocks), first_block, hint,
+                                    engine_names)
+            header.wait_for_owners = wait_for_owners
+            begun = yield Unary("DevicePut", kvstore_pb2.LocalPutRequest(
+                header=header, release_lease_ids=c._take_releases()), timeout_s)
+            sums = yield from _copy_in(Blocking(device.copy_in, begun.offsets, parts, part_sizes(layout, len(blocks))),
+                                       kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout_s)
+            return (yield _commit(begun.txn_id, sums, timeout_s))
     prepared = prepare_grouped_put(layout, token_ids, block_hashes, host_blocks_of_parts(blocks), first_block, hint,
                                    engine_names)
     if wait_for_owners:

@@ -168,3 +168,24 @@ def test_raw_lane_calls_take_a_grouped_layout_one_transfer_per_group(daemon_thre
         put = stub.LanePut(kvstore_pb2.LanePutRequest(header=kvstore_pb2.PutHeader(namespace=namespace, keys=keys)))
         assert [g.needed for g in put.groups] == [bytes(len(need)) for need in needed(HYBRID, 4)]  # all stored
         assert stub.LaneCommit(kvstore_pb2.LaneCommitRequest(transfer_id=put.transfer_id)).existing == 4
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_grouped_fetch_fills_the_callers_buffers(daemon_thread, plane):
+    import numpy as np
+
+    n = 4
+    tokens = list(range(9000, 9000 + BST * n))
+    blocks = blocks_for(HYBRID, n)
+    out = [{g.name: np.zeros(g.bytes_per_block, np.uint8) for g in HYBRID.groups} for _ in range(n)]
+    with Client(target(daemon_thread, plane), data_plane=plane) as kv:
+        kv.put(HYBRID, tokens, blocks)
+        got = kv.fetch(HYBRID, tokens, out=out)
+        assert len(got) == n and got[0] is out[0]
+        want = expected(HYBRID, blocks, n)
+        for j in range(n):
+            for g in HYBRID.groups:  # the parts the prefix needs are filled, the others untouched
+                data = out[j][g.name].tobytes()
+                assert data == want[j].get(g.name, bytes(g.bytes_per_block))
+        with pytest.raises(Exception, match="one per block"):
+            kv.fetch(HYBRID, tokens, out=out[:2])

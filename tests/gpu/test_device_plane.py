@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from kvstore.client import Client
-from kvstore.layout import KVLayout
+from kvstore.layout import GroupKind, KVGroup, KVLayout
 from kvstore.tiers.cuda import cuda_available
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 
@@ -237,3 +237,79 @@ def test_a_leased_device_slot_is_not_reused_after_its_block_is_deleted(hbm_daemo
             stub.LocalCommit(kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout=5)
         assert not new_offsets & set(leased.offsets)
         assert stub.Unpin(kvstore_pb2.UnpinRequest(lease_id=leased.lease_id), timeout=5).released
+
+
+# --------------------------------------------------------------- KV groups
+
+GROUPED = KVLayout(model="test/device-groups", dtype="bfloat16", num_layers=3, num_kv_heads=4, head_dim=64,
+                   block_size_tokens=16, groups=(
+                       KVGroup("full", GroupKind.FULL, "bfloat16", (2, 1, 16, 4, 64)),
+                       KVGroup("swa", GroupKind.SLIDING_WINDOW, "bfloat16", (2, 2, 16, 4, 64), window_tokens=33),
+                       KVGroup("ssm", GroupKind.STATE, "float32", (1000,)),
+                   ))
+
+
+def _grouped_blocks(n: int):  # type: ignore[no-untyped-def]
+    import torch
+
+    return [{g.name: torch.randint(0, 255, (g.bytes_per_block,), dtype=torch.uint8, device="cuda:0")
+             for g in GROUPED.groups} for _ in range(n)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
+def test_grouped_parts_go_device_to_device_and_match_every_other_plane(hbm_daemon: str) -> None:
+    import torch
+
+    from kvstore.groups import part_order
+
+    n = 6
+    blocks = _grouped_blocks(n)
+    hashes = [os.urandom(16) for _ in range(n)]
+    out = [{g.name: torch.zeros(g.bytes_per_block, dtype=torch.uint8, device="cuda:0") for g in GROUPED.groups}
+           for _ in range(n)]
+    with Client(hbm_daemon) as kv:
+        assert kv.put(GROUPED, None, blocks, block_hashes=hashes).stored == n
+        assert kv.device_plane_in_use
+        assert set(kv.lookup(GROUPED, block_hashes=hashes).tiers) == {"hbm"}
+        assert kv.fetch(GROUPED, block_hashes=hashes, out=out) == out
+        for g, j in part_order(GROUPED, n):
+            name = GROUPED.groups[g].name
+            assert torch.equal(out[j][name], blocks[j][name])
+    want = [{GROUPED.groups[g].name: blocks[j][GROUPED.groups[g].name].cpu().numpy().tobytes()}
+            for g, j in part_order(GROUPED, n)]
+    for plane in ("grpc", "local"):
+        with Client(hbm_daemon, data_plane=plane) as other:
+            got = other.fetch(GROUPED, block_hashes=hashes)
+            flat = [{GROUPED.groups[g].name: bytes(got[j][GROUPED.groups[g].name])} for g, j in part_order(GROUPED, n)]
+            assert flat == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
+def test_a_corrupted_grouped_part_on_the_device_is_a_miss(hbm_daemon: str) -> None:
+    import torch
+
+    from kvstore.client._device import DevicePlane
+    from kvstore.convert import layout_to_proto
+
+    n = 4
+    blocks = _grouped_blocks(n)
+    hashes = [os.urandom(16) for _ in range(n)]
+    out = [{g.name: torch.zeros(g.bytes_per_block, dtype=torch.uint8, device="cuda:0") for g in GROUPED.groups}
+           for _ in range(n)]
+    ch, stub = _stub(hbm_daemon)
+    with ch, Client(hbm_daemon) as kv:
+        kv.put(GROUPED, None, blocks, block_hashes=hashes)
+        token = stub.LocalSegment(kvstore_pb2.LocalSegmentRequest(), timeout=5).token
+        plane = DevicePlane.attach(stub.DeviceSegment(kvstore_pb2.DeviceSegmentRequest(), timeout=5), token)
+        keys = kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=hashes))
+        ns = kvstore_pb2.Namespace(layout=layout_to_proto(GROUPED))
+        leased = stub.DeviceFetch(kvstore_pb2.LocalFetchRequest(namespace=ns, keys=keys), timeout=5)
+        off = leased.offsets[1]  # the second part of the full group: block 1's
+        plane.slab[off : off + 8].bitwise_not_()
+        torch.cuda.synchronize()
+        stub.Unpin(kvstore_pb2.UnpinRequest(lease_id=leased.lease_id), timeout=5)
+        assert kv.fetch(GROUPED, block_hashes=hashes, out=out) == []
+        assert kv.lookup(GROUPED, block_hashes=hashes).num_blocks == 0  # block 1 dropped whole
+        plane.close()
