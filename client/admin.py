@@ -86,6 +86,46 @@ class AdminClient:
                 raise translate(exc) from None
         return assembler.result()
 
+    def fetch_parts(self, namespace_id: bytes, group: str, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """Verified parts of KV group `group` of the leading run of `block_hashes` that
+        hold one (a grouped namespace's: `FetchRequest.group`)."""
+        req = kvstore_pb2.FetchRequest(
+            namespace=kvstore_pb2.Namespace(id=namespace_id),
+            keys=kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=list(block_hashes))), group=group,
+        )
+        assembler = FetchAssembler(None)
+        try:
+            for msg in self._kv.Fetch(req, timeout=self.timeout_s):
+                assembler.feed(msg)
+        except grpc.RpcError as exc:
+            if not fetch_cut_short(exc):
+                raise translate(exc) from None
+        return [bytes(b) for b in assembler.result()]
+
+    def put_parts(self, layout: kvstore_pb2.Layout, block_hashes: Sequence[bytes], parent_hash: bytes,
+                  spans: Sequence[tuple[int, int, int]], parts: Sequence[bytes],
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> kvstore_pb2.PutResponse:
+        """Store a chain of a grouped layout's blocks with exactly the parts named: `spans`
+        ((group, start, stop) per group, in order), `parts` group-major (`PutHeader.group_spans`)."""
+        header = kvstore_pb2.PutHeader(
+            namespace=kvstore_pb2.Namespace(layout=layout),
+            keys=kvstore_pb2.BlockKeys(hashes=kvstore_pb2.BlockHashes(hashes=list(block_hashes))),
+            num_blocks=len(block_hashes), parent_hash=parent_hash, explicit_end=True,
+            group_spans=[kvstore_pb2.GroupSpan(group=g, start=a, stop=b) for g, a, b in spans],
+        )
+
+        def messages() -> Iterator[kvstore_pb2.PutRequest]:
+            yield kvstore_pb2.PutRequest(header=header)
+            for i, data in enumerate(parts):
+                for start in range(0, len(data), chunk_bytes):
+                    yield kvstore_pb2.PutRequest(chunk=kvstore_pb2.BlockChunk(block=i, data=data[start:start + chunk_bytes]))
+            yield kvstore_pb2.PutRequest(end=kvstore_pb2.PutEnd())
+
+        try:
+            return self._kv.Put(messages(), timeout=self.timeout_s)  # type: ignore[no-any-return]
+        except grpc.RpcError as exc:
+            raise translate(exc) from None
+
     def put_chain(self, layout: kvstore_pb2.Layout, block_hashes: Sequence[bytes], parent_hash: bytes,
                   blocks: Sequence[bytes], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> kvstore_pb2.PutResponse:
         """Store a chain of blocks (block i's parent is block i-1; the first's is `parent_hash`)."""

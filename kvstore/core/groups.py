@@ -30,8 +30,9 @@ siblings with it: the block is a miss from then on, never a partial hit. A fetch
 ends early (a part that failed verification or was deleted meanwhile) is a miss of the
 whole fetch for the client: the parts it got belong to a prefix end it did not reach.
 
-Primitives: `GroupBook` (`probe`, `lookup`, `lease_prefix`, `begin_put`, `open_fetch`, `delete`,
-`part_ids`, `adopted`, `blocks_removed`), `GroupedPutTxn`, `GroupedFetchStream`.
+Primitives: `GroupBook` (`probe`, `lookup`, `lease_prefix`, `begin_put`, `open_fetch`,
+`open_group_fetch`, `part_masks`, `delete`, `part_ids`, `adopted`, `blocks_removed`),
+`GroupedPutTxn`, `GroupedFetchStream`, `check_spans`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from kvstore.core.table import I64
 from kvstore.core.tier import Slot
 from kvstore.core.types import NamespaceInfo, PrefixLookup, PutOutcome, StoreCounters, StoreObserver
 from kvstore.errors import FailedPrecondition, InvalidArgument
-from kvstore.groups import GroupNeed, Rule, full_bytes, needed, rule_of, stored_bytes, window_blocks
+from kvstore.groups import GroupNeed, Rule, full_bytes, needed, rule_of, window_blocks
 from kvstore.hashing import HASH_BYTES
 
 logger = logging.getLogger(__name__)
@@ -195,9 +196,29 @@ class GroupBook:
     # ----------------------------------------------------------------- put, fetch
 
     def begin_put(self, info: NamespaceInfo, hashes: Sequence[bytes], parent_hash: bytes | None,
-                  tier: str | None, window_bytes: int | None) -> GroupedPutTxn:
+                  tier: str | None, window_bytes: int | None,
+                  spans: Sequence[tuple[int, int, int]] = ()) -> GroupedPutTxn:
+        """A put of parts, group-major: those the hit rules keep for a put of `hashes`, or
+        with `spans` ((group, start, stop) per group, in group order: an import's) those
+        named, where a group whose rule needs every block must span them all."""
+        needs = check_spans(info, len(hashes), spans) if spans else None
         self.activate()
-        return GroupedPutTxn(self, info, list(hashes), parent_hash, tier, window_bytes)
+        return GroupedPutTxn(self, info, list(hashes), parent_hash, tier, window_bytes, needs)
+
+    def open_group_fetch(self, info: NamespaceInfo, group: str, hashes: Sequence[bytes],
+                         lease_id: str) -> FetchStream:
+        """Group `group`'s parts of the leading run of `hashes` that hold one, as plain
+        blocks of the group's size, verified as any fetch (what an export reads)."""
+        names = [g.name for g in info.layout.groups]
+        if group not in names:
+            raise InvalidArgument(f"the layout has no KV group {group!r}; its groups: {', '.join(names)}")
+        return self._fetches.open(info.groups[names.index(group)], hashes, lease_id)
+
+    def part_masks(self, info: NamespaceInfo, hashes: Sequence[bytes]) -> list[int]:
+        """For each block, a mask of the groups that hold a part of it (bit g: group g)."""
+        ids = self.part_ids(info)
+        index = self._index
+        return [sum(1 << g for g, i in enumerate(ids) if make_key(i, h) in index) for h in hashes]
 
     def open_fetch(self, info: NamespaceInfo, hashes: Sequence[bytes], lease_id: str) -> GroupedFetchStream:
         """Plan a fetch of the longest prefix of `hashes` every group serves: its parts,
@@ -291,14 +312,14 @@ class GroupedPutTxn:
     (`kvstore.groups.part_order`): `write(part, data)` takes part `part`'s bytes."""
 
     def __init__(self, book: GroupBook, info: NamespaceInfo, hashes: list[bytes], parent_hash: bytes | None,
-                 tier: str | None, window_bytes: int | None) -> None:
+                 tier: str | None, window_bytes: int | None, needs: list[GroupNeed] | None = None) -> None:
         self._book = book
         self._info = info
         self._hashes = hashes
         n = len(hashes)
         layout = info.layout
         self.block_bytes = layout.bytes_per_block
-        self._needs: list[GroupNeed] = [need for need in needed(layout, n) if len(need)]
+        self._needs: list[GroupNeed] = [need for need in (needed(layout, n) if needs is None else needs) if len(need)]
         puts = book._puts
         self._subs: list[PutTxn] = []
         for need in self._needs:
@@ -309,7 +330,7 @@ class GroupedPutTxn:
         self._starts = np.cumsum([0] + [len(need) for need in self._needs]).tolist()
         self.num_parts = self._starts[-1]
         self._sub = 0
-        self._stored_bytes = stored_bytes(layout, n)
+        self._stored_bytes = sum(len(need) * layout.groups[need.group].bytes_per_block for need in self._needs)
         self._skipped_bytes = full_bytes(layout, n) - self._stored_bytes
         self._done = False
 
@@ -480,6 +501,25 @@ class GroupedFetchStream:
                 self.ended_early = stream.ended_early
                 self.verification_failed = stream.verification_failed
                 return
+
+
+def check_spans(info: NamespaceInfo, n: int, spans: Sequence[tuple[int, int, int]]) -> list[GroupNeed]:
+    """The parts a put of `n` blocks names (`PutHeader.group_spans`), checked: one span per
+    group in group order, inside the put, every block for a group whose rule needs it."""
+    layout = info.layout
+    if [g for g, _, _ in spans] != list(range(len(layout.groups))):
+        raise InvalidArgument(f"group_spans must name each of the layout's {len(layout.groups)} groups once, in "
+                              f"order; got groups {[g for g, _, _ in spans]}")
+    out = []
+    for g, start, stop in spans:
+        group = layout.groups[g]
+        if not 0 <= start <= stop <= n:
+            raise InvalidArgument(f"group {group.name!r} spans blocks [{start}, {stop}) of a put of {n}")
+        if rule_of(group) is Rule.EVERY and (start, stop) != (0, n):
+            raise InvalidArgument(f"group {group.name!r} ({group.kind.value}) has a part in every block: its span "
+                                  f"must be [0, {n}), got [{start}, {stop})")
+        out.append(GroupNeed(g, start, stop))
+    return out
 
 
 def _shifted(frame: Callable[[int, memoryview], F], base: int, position: int, data: memoryview) -> F:

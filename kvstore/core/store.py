@@ -429,14 +429,17 @@ class Store:
 
     def begin_stream_put(
         self, namespace: bytes | NamespaceInfo, hashes: Sequence[bytes], parent_hash: bytes | None = None,
-        tier: str | None = None, window_bytes: int | None = None,
+        tier: str | None = None, window_bytes: int | None = None, spans: Sequence[tuple[int, int, int]] = (),
     ) -> PutTxn | GroupedPutTxn:
         """`begin_put` of a put whose bytes arrive as a stream of wire blocks (the Put
         RPC): a block each, or for a grouped namespace its parts, group-major
-        (`GroupedPutTxn`, published all together)."""
+        (`GroupedPutTxn`, published all together; `spans`: the parts named, not the hit
+        rules', `GroupBook.begin_put`)."""
         info = self._put_namespace(namespace, hashes)
         if info.groups:
-            return self.groups.begin_put(info, hashes, parent_hash, tier, window_bytes)
+            return self.groups.begin_put(info, hashes, parent_hash, tier, window_bytes, spans)
+        if spans:
+            raise InvalidArgument("group_spans is for a layout with KV groups; this one has none")
         return self.puts.begin(info, hashes, parent_hash, tier, window_bytes)
 
     def _put_namespace(self, namespace: bytes | NamespaceInfo, hashes: Sequence[bytes]) -> NamespaceInfo:
@@ -468,11 +471,16 @@ class Store:
     # ----------------------------------------------------------------- fetch, prefetch
 
     def open_fetch(self, namespace_id: bytes, hashes: Sequence[bytes],
-                   lease_id: str = "") -> FetchStream | GroupedFetchStream:
+                   lease_id: str = "", group: str = "") -> FetchStream | GroupedFetchStream:
         """Plan a fetch of the longest present prefix of `hashes`; use as `async with`
         (`FetchPath.open`). `lease_id`, if given, is released when the stream closes.
-        A grouped namespace's fetch streams the parts of its longest hit (`GroupBook`)."""
+        A grouped namespace's fetch streams the parts of its longest hit (`GroupBook`),
+        or with `group` that group's parts of the leading run that holds one."""
         info = self._enter(namespace_id, hashes)
+        if group:
+            if not info.groups:
+                raise InvalidArgument("FetchRequest.group is for a layout with KV groups; this one has none")
+            return self.groups.open_group_fetch(info, group, hashes, lease_id)
         if info.groups:
             return self.groups.open_fetch(info, hashes, lease_id)
         return self.fetches.open(info, hashes, lease_id)
@@ -659,6 +667,10 @@ class Store:
         (depth-first from each root), so the list replays as chained puts. A grouped
         namespace lists each block once, whichever of its parts it holds."""
         return self.index.chains(set(self.groups.part_ids(self._enter(namespace_id))))
+
+    def part_masks(self, namespace_id: bytes, hashes: Sequence[bytes]) -> list[int]:
+        """A grouped namespace's blocks: per block, the groups that hold a part (bit g)."""
+        return self.groups.part_masks(self._enter(namespace_id), hashes)
 
     def block_groups(self) -> list[BlockGroup]:
         """Every READY block, grouped by namespace and the tier it is served from (a

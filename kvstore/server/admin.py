@@ -231,10 +231,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.ListBlocksRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[admin_pb2.ListBlocksResponse]:
         refs = self.store.namespace_blocks(request.namespace_id)
+        grouped = bool(self.store.namespace(request.namespace_id).groups)
         for start in range(0, len(refs), LIST_BLOCKS_BATCH):
             batch = refs[start : start + LIST_BLOCKS_BATCH]
+            masks = (self.store.part_masks(request.namespace_id, [r.block_hash for r in batch]) if grouped
+                     else [0] * len(batch))
             yield admin_pb2.ListBlocksResponse(
-                blocks=[admin_pb2.BlockRef(hash=r.block_hash, parent_hash=r.parent_hash) for r in batch]
+                blocks=[admin_pb2.BlockRef(hash=r.block_hash, parent_hash=r.parent_hash, parts=mask)
+                        for r, mask in zip(batch, masks)]
             )
 
     async def Evict(self, request: admin_pb2.EvictRequest, context: grpc.aio.ServicerContext) -> admin_pb2.RemovalResponse:

@@ -169,6 +169,8 @@ class LocalPlaneService:
         resolver, store = self.resolver, self.store
         self.release_leases(request.release_lease_ids)
         info = resolver.put_namespace(request.header.namespace)
+        if request.header.group_spans:
+            raise InvalidArgument("group_spans (an import's parts) go with Put, not the shared-memory or device plane")
         ns_id = info.namespace_id
         hashes, parent = resolver.put_keys(info, request.header)
         resolver.put_session(request.header)  # checked now; applied at commit

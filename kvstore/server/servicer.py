@@ -269,7 +269,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 ns_id = info.namespace_id
                 hashes, parent = self.resolver.put_keys(info, header)
                 session = self.resolver.put_session(header)
-                async with self.store.begin_stream_put(info, hashes, parent, window_bytes=self.put_window_bytes) as txn:
+                spans = [(sp.group, sp.start, sp.stop) for sp in header.group_spans]
+                async with self.store.begin_stream_put(info, hashes, parent, window_bytes=self.put_window_bytes,
+                                                       spans=spans) as txn:
                     while True:
                         idle.reschedule(loop.time() + idle_s)
                         msg = await anext(stream, None)
@@ -329,7 +331,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             node.peer_fetched(ns_id, hashes)
         elif node.pulling:
             await node.settle_fetch(ns_id, hashes)  # blocks a lookup is copying here
-        async with self.store.open_fetch(ns_id, hashes, self._lease_in(request.lease_id)) as stream:
+        async with self.store.open_fetch(ns_id, hashes, self._lease_in(request.lease_id), request.group) as stream:
             header = kvstore_pb2.FetchHeader(num_blocks=stream.num_blocks, block_bytes=stream.block_bytes,
                                              namespace_id=ns_id, prefix_blocks=stream.prefix_blocks)
             if request.with_checksums:

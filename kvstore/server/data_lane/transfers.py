@@ -184,6 +184,8 @@ class DataLaneTransfers:
                 self.store.unpin(lease_id)
             return kvstore_pb2.LaneFetchResponse(block_bytes=ns_id.layout.bytes_per_block,
                                                  namespace_id=ns_id.namespace_id)
+        if fetch.group:
+            raise InvalidArgument("FetchRequest.group (an export's read) goes with Fetch, not the data lane")
         hashes = resolver.hashes(ns_id, fetch.keys)
         node = self.node  # as for a gRPC Fetch
         if current_identity().peer:
@@ -281,6 +283,8 @@ class DataLaneTransfers:
         resolver, store, settings = self.resolver, self.store, self.settings
         header = request.header
         info = resolver.put_namespace(header.namespace)  # filed when the put publishes
+        if header.group_spans:
+            raise InvalidArgument("group_spans (an import's parts) go with Put, not the data lane")
         hashes, parent = resolver.put_keys(info, header)
         if info.layout.groups:
             return await self._open_grouped_put(request, info, hashes, parent)
