@@ -10,7 +10,7 @@ NATIVE_SOURCES := $(wildcard kvstore/_native/*.c kvstore/_native/*.h)
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: all setup stubs run run-cluster test etcd test-gpu bench bench-deps bench-peers bench-tiers bench-scale bench-cluster bench-net bench-auth bench-kv-events bench-codecs soak fuzz lint clean
+.PHONY: all setup stubs run run-cluster test etcd test-gpu bench bench-deps bench-peers bench-tiers bench-scale bench-cluster bench-net bench-auth bench-kv-events bench-codecs bench-groups soak fuzz lint clean
 
 all: setup
 
@@ -87,6 +87,14 @@ bench-peers: setup bench-deps $(PEERS_VENV)/.installed
 
 $(PEERS_VENV)/.installed: bench/install-peers.sh
 	VENV=$(PEERS_VENV) PYTHON=$(PYTHON) bash bench/install-peers.sh
+
+# KV groups on each plane (docs/engines.md): put and fetch GB/s of a Gemma-3-like and a
+# DeepSeek-V4-like grouped layout next to a plain layout of the same bytes per block, on
+# gRPC, shared memory and the data lane, ROUNDS rounds (default 3), the grouped/plain
+# ratio of each round and their median. About 3 minutes. Results: bench/results/groups.json
+# and groups.md.
+bench-groups: setup
+	$(PY) bench/groups.py --rounds $(ROUNDS)
 
 # Bytes between two hosts (docs/net.md): two network namespaces joined by a veth pair (and
 # loopback, and the pair shaped to 10 Gbit/s by tc tbf), 1 MiB and 4 MiB blocks in batches
