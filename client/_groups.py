@@ -75,14 +75,19 @@ def prepare_grouped_put(layout: KVLayout, token_ids: Sequence[int] | None, block
 
 
 class GroupedFetchAssembler:
-    """Collects a grouped Fetch stream into one dict of parts per block of the prefix."""
+    """Collects a grouped Fetch stream into one dict of parts per block of the prefix.
+    Each chunk is copied to its place in its part's buffer as it arrives (the header
+    names the prefix, so every part's size is known): one copy per byte, and no message
+    kept past its chunk."""
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self.num_parts = -1
         self.prefix_blocks = 0
-        self._parts: list[list[memoryview]] = []
+        self._bufs: list[bytearray] | None = None
         self._index = -1
+        self._offset = 0
+        self._done = 0  # parts received whole
 
     def feed(self, msg: kvstore_pb2.FetchResponse | RawChunk) -> None:
         if isinstance(msg, RawChunk):
@@ -90,29 +95,50 @@ class GroupedFetchAssembler:
         elif msg.WhichOneof("msg") == "header":
             self.num_parts = msg.header.num_blocks
             self.prefix_blocks = msg.header.prefix_blocks
+            sizes = part_sizes(self.layout, self.prefix_blocks)
+            # A header that is not a prefix this layout has: nothing of it is usable.
+            self._bufs = [bytearray(n) for n in sizes] if len(sizes) == self.num_parts else None
             return
         else:
             part, data = msg.chunk.block, memoryview(msg.chunk.data)
+        bufs = self._bufs
+        if bufs is None:
+            return
         if part != self._index:
             if part != self._index + 1:
                 raise KVStoreError(f"fetched part {part} after part {self._index}: parts out of order")
-            self._parts.append([])
+            if part >= len(bufs):
+                raise KVStoreError(f"fetched part {part}; the prefix has {len(bufs)}")
+            self._close_part()
             self._index = part
-        self._parts[part].append(data)
+        buf = bufs[part]
+        end = self._offset + len(data)
+        if end > len(buf):
+            g, j = part_order(self.layout, self.prefix_blocks)[part]
+            raise KVStoreError(f"fetched part of group {self.layout.groups[g].name!r} for block {j} has at least "
+                               f"{end} bytes, expected {len(buf)}")
+        buf[self._offset : end] = data
+        self._offset = end
 
-    def result(self) -> list[dict[str, bytes]]:
-        order = part_order(self.layout, self.prefix_blocks)
-        if self.num_parts != len(order) or len(self._parts) != len(order):
-            return []  # cut short (or not a prefix this layout has): nothing of it is usable
-        out: list[dict[str, bytes]] = [{} for _ in range(self.prefix_blocks)]
-        for (g, j), pieces in zip(order, self._parts):
-            group = self.layout.groups[g]
-            data = bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
-            if len(data) != group.bytes_per_block:
-                raise KVStoreError(f"fetched part of group {group.name!r} for block {j} has {len(data)} bytes, "
-                                   f"expected {group.bytes_per_block}")
-            out[j][group.name] = data
-        return out
+    def _close_part(self) -> None:
+        if self._index < 0 or self._bufs is None:
+            return
+        buf = self._bufs[self._index]
+        if self._offset != len(buf):
+            g, j = part_order(self.layout, self.prefix_blocks)[self._index]
+            raise KVStoreError(f"fetched part of group {self.layout.groups[g].name!r} for block {j} has "
+                               f"{self._offset} bytes, expected {len(buf)}")
+        self._offset = 0
+        self._done += 1
+
+    def result(self) -> list[dict[str, Any]]:
+        if self._bufs is None:
+            return []
+        if self._offset:
+            self._close_part()
+        if self._done != len(self._bufs):
+            return []  # cut short: nothing of it is usable
+        return parts_result(self.layout, self.prefix_blocks, self._bufs)
 
 
 def grouped_fetch_request(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,

@@ -189,3 +189,78 @@ def test_a_grouped_fetch_fills_the_callers_buffers(daemon_thread, plane):
                 assert data == want[j].get(g.name, bytes(g.bytes_per_block))
         with pytest.raises(Exception, match="one per block"):
             kv.fetch(HYBRID, tokens, out=out[:2])
+
+
+@pytest.mark.parametrize("plane", ["local", "lane"])
+async def test_the_asyncio_client_misses_a_corrupted_part(daemon_thread, plane):
+    n = 4
+    tokens = list(range(8000, 8000 + BST * n))
+    blocks = blocks_for(HYBRID, n)
+    async with AsyncClient(target(daemon_thread, plane), data_plane=plane) as kv:
+        await kv.put(HYBRID, tokens, blocks)
+        channel, stub = _raw(daemon_thread)  # blocking calls: the daemon runs on a loop of its own
+        with channel:
+            flip_part(stub, tokens, 0)  # block 0's full-attention part
+        assert await kv.fetch(HYBRID, tokens) == []
+        assert (await kv.lookup(HYBRID, tokens)).num_blocks == 0
+
+
+def test_parts_in_a_lower_tier_reach_a_shared_memory_client_whole(tmp_path):
+    from dataclasses import replace
+
+    from kvstore.client.admin import AdminClient
+    from tests.conftest import daemon_in_thread, make_config
+
+    cfg = replace(make_config(tmp_path), ssd_path=str(tmp_path / "ssd"), ssd_capacity=8 << 20,
+                  ssd_region_size=512 << 10)
+    n = 5
+    tokens = list(range(BST * n))
+    blocks = blocks_for(HYBRID, n)
+    with daemon_in_thread(cfg) as running:
+        with Client(running.unix_target, data_plane="local") as kv:
+            kv.put(HYBRID, tokens, blocks)
+        with AdminClient(running.unix_target) as admin:
+            admin.evict("host", 1 << 30)  # every part moves down to the SSD
+        with Client(running.unix_target, data_plane="local") as kv:
+            assert set(kv.lookup(HYBRID, tokens).tiers) == {"ssd"}
+            assert as_bytes(kv.fetch(HYBRID, tokens)) == expected(HYBRID, blocks, n)
+
+
+def _proxied(tmp_path, direction):
+    from tests.conftest import daemon_in_thread, make_config
+    from tests.lane_proxy import LaneProxy
+    from tests.server.test_data_lane import lane_address
+
+    proxy = LaneProxy("flip", direction)
+    cfg = make_config(tmp_path, data_lane_listen=("127.0.0.1:0",), data_lane_advertise=(proxy.address,))
+    return proxy, cfg, daemon_in_thread, lane_address
+
+
+def test_a_part_flipped_on_the_lane_is_never_returned_nor_stored(tmp_path):
+    from kvstore.errors import DataLoss
+
+    n = 5
+    tokens = list(range(BST * n))
+    blocks = blocks_for(HYBRID, n)
+    for direction in ("to_client", "to_daemon"):
+        proxy, cfg, daemon_in_thread, lane_address = _proxied(tmp_path / direction, direction)
+        try:
+            with daemon_in_thread(cfg) as running:
+                proxy.upstream = lane_address(running)
+                with Client(running.tcp_target, data_plane="lane") as kv:
+                    if direction == "to_client":
+                        kv.put(HYBRID, tokens, blocks)  # the proxy flips only what goes to the client
+                        assert kv.fetch(HYBRID, tokens) == []  # a miss, never a part that did not verify
+                        assert kv.data_lane_stats.blocks_rejected == 1
+                        # The daemon's parts were never wrong: the next fetch has them all.
+                        assert as_bytes(kv.fetch(HYBRID, tokens)) == expected(HYBRID, blocks, n)
+                    else:
+                        with pytest.raises(DataLoss, match="checksum"):
+                            kv.put(HYBRID, tokens, blocks)
+                        assert kv.lookup(HYBRID, tokens).num_blocks == 0
+                        assert running.store.counters.group_parts_stored == 0  # no part of it published
+                        assert kv.put(HYBRID, tokens, blocks).stored == n
+                        assert as_bytes(kv.fetch(HYBRID, tokens)) == expected(HYBRID, blocks, n)
+                    assert proxy.hits == 1
+        finally:
+            proxy.close()
