@@ -413,7 +413,8 @@ class DataLaneTransfers:
         header = put.header
         session = self.resolver.put_session(header)
         if session:
-            self.store.hint(result.namespace_id, result.block_hashes, session, header.hint.expect_reuse_within_s)
+            self.store.hint(result.namespace_id, result.block_hashes, session, header.hint.expect_reuse_within_s,
+                            carried_by="put")
         resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
                                        namespace_id=result.namespace_id,
                                        **hash_fields(result.block_hashes, packed_reply(header.keys)))
