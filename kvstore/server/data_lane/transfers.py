@@ -30,7 +30,6 @@ from typing import Any
 import grpc
 
 from kvstore.codecs import available, codec_mask
-from kvstore.core.fetch import FetchStream
 from kvstore.core.groups import GroupedFetchStream, GroupedPutTxn
 from kvstore.core.store import Store
 from kvstore.core.types import NamespaceInfo
