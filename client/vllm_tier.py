@@ -53,6 +53,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -62,10 +63,12 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
+    get_offload_block_hash,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvstore.client._request_hints import NO_HINTS, RequestHints, parse_request_hints
+from kvstore.client._requests import EngineNames
 from kvstore.client.sync import Client
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.hashing import HASH_BYTES
@@ -128,6 +131,13 @@ def offload_spec_layout(offloading_spec: OffloadingSpec, chunk_bytes: int, *, mo
 def block_key(offload_key: bytes) -> bytes:
     """kvstore's 16-byte key for a vLLM `OffloadKey` (block hash + group index)."""
     return hashlib.blake2b(offload_key, digest_size=HASH_BYTES).digest()
+
+
+def engine_names(offload_keys: Iterable[OffloadKey]) -> EngineNames:
+    """vLLM's names for the blocks of a store: each key's block hash, in the form vLLM's own
+    offloading events publish it (`maybe_convert_block_hash`), so the daemon's KV events
+    name the blocks as the engine's would and a router keyed by vLLM's hashes matches them."""
+    return EngineNames([maybe_convert_block_hash(BlockHash(get_offload_block_hash(k))) for k in offload_keys])
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,7 +445,8 @@ class KVStoreTier(SecondaryTierManager):
                 try:
                     self._store_client.put(
                         self.layout, None, [self._row(job.chunk_ids[i]) for i in todo],
-                        block_hashes=[block_key(keys[i]) for i in todo], **self._hints(job.req_context).hint_args())
+                        block_hashes=[block_key(keys[i]) for i in todo],
+                        engine_names=engine_names(keys[i] for i in todo), **self._hints(job.req_context).hint_args())
                     self._health.ok()
                 except KVStoreError as exc:
                     self._health.failed("put", exc)

@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 from conftest import DaemonProcess, start_daemon
 
+from tests.kv_events_reader import StreamReader, decode_msgpack
+
 # Importing vLLM trips deprecations inside torch and vLLM themselves; they are not this
 # project's to fix, and warnings are errors here otherwise.
 with warnings.catch_warnings():
@@ -41,6 +43,9 @@ with warnings.catch_warnings():
         OffloadingParallelConfig,
     )
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.kv_offload.base import get_offload_block_hash
 
     from kvstore.client.vllm_tier import KVStoreTier, block_key
 
@@ -303,3 +308,27 @@ def test_hints_reach_the_store_and_a_bad_one_is_refused(engine, daemon, caplog):
             break
         threading.Event().wait(0.01)
     assert daemon.stats().counters.sessions_ended == 1
+
+
+def test_the_daemons_kv_events_name_stored_chunks_by_vllms_block_hashes(tmp_path):
+    """A router keyed by vLLM's block hashes matches what the tier stored: the daemon's
+    BlockStored events carry each chunk's block hash as vLLM's own offloading events
+    publish it, not kvstore's key for the chunk."""
+    run = tmp_path / "daemon" / "run"
+    d = start_daemon(tmp_path / "daemon", "--kv-events-endpoint", f"ipc://{run}/events.sock",
+                     "--kv-events-replay-endpoint", f"ipc://{run}/replay.sock")
+    reader = StreamReader(f"ipc://{run}/events.sock", f"ipc://{run}/replay.sock", decode_msgpack)
+    e = Engine(d.target)
+    try:
+        ks = keys(b"n", 3)
+        e.store(e.request("r1"), ks, payloads(3, seed=5))
+        e.settle()
+        ev = reader.wait_for(lambda ev: any(x["type"] == "BlockStored" for x in ev), "the tier's store")
+        names = [h for x in ev if x["type"] == "BlockStored" for h in x["block_hashes"]]
+        vllms = [maybe_convert_block_hash(get_offload_block_hash(k)) for k in ks]
+        assert names == vllms
+        assert not set(names) & {block_key(k) for k in ks}  # not kvstore's own keys
+    finally:
+        e.close()
+        reader.close()
+        d.stop()
