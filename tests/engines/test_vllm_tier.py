@@ -34,7 +34,14 @@ from tests.kv_events_reader import StreamReader, decode_msgpack
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     warnings.simplefilter("ignore", FutureWarning)
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.kv_offload.base import (
+        LookupResult,
+        ReqContext,
+        ScheduleEndContext,
+        get_offload_block_hash,
+        make_offload_key,
+    )
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -43,9 +50,6 @@ with warnings.catch_warnings():
         OffloadingParallelConfig,
     )
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-    from vllm.v1.kv_offload.base import get_offload_block_hash
 
     from kvstore.client.vllm_tier import KVStoreTier, block_key
 
