@@ -8,8 +8,10 @@ A few workers take jobs in order: each reads its blocks out of the local store (
 verified fetch, framed by the transport into the messages it sends) and puts them on the
 owner. The queue is bounded in blocks: a job that does not fit is dropped and counted,
 and so is one for a node that is suspect, since the pool is a cache and the engine must
-never wait for it. A job whose blocks were evicted meanwhile sends what is left of its
-prefix.
+never wait for it. A suspect owner whose cool-down is over is not skipped: the first
+forward to it is its probe (`Breakers.attempt`), so a restarted owner that only ever
+receives forwards from this node is trusted again once one of them lands. A job whose
+blocks were evicted meanwhile sends what is left of its prefix.
 
 A put that asked to wait for its owners (`PutHeader.wait_for_owners`) holds a future per
 job, settled with the blocks the owner committed (0 when dropped or failed).
@@ -98,9 +100,10 @@ class Forwarder:
 
     def submit(self, job: ForwardJob) -> bool:
         """Queue `job`; False (dropped, counted, its future settled with 0) when the queue
-        is full, the owner is suspect, or the forwarder is closed. Never waits."""
+        is full, the owner is suspect (and not due for a probe), or the forwarder is
+        closed. Never waits."""
         n = len(job.hashes)
-        if self._closed or self.queued_blocks + n > self.queue_blocks or self.breakers.suspect(job.node):
+        if self._closed or self.queued_blocks + n > self.queue_blocks or not self.breakers.ready(job.node):
             self.counters.dropped_blocks += n
             _settle(job, 0)
             return False
@@ -148,30 +151,32 @@ class Forwarder:
 
     async def _send_one(self, job: ForwardJob) -> int:
         c = self.counters.node(job.node)
-        if not self.breakers.allow(job.node):
+        attempt = self.breakers.attempt(job.node)
+        if attempt is None:  # suspect, or another call is its probe
             self.counters.dropped_blocks += len(job.hashes)
             return 0
-        try:
-            async with self.store.open_fetch(job.namespace_id, job.hashes) as stream:
-                k = stream.num_blocks
-                if k == 0:
-                    return 0
-                hashes = b"".join(job.hashes[:k])
-                assert isinstance(stream, FetchStream)  # grouped layouts are not forwarded (`ClusterNode.after_put`)
-                names = self.names(job.namespace_id, job.hashes[:k]) if self.names is not None else None
-                stored, existing = await self.transport.put(
-                    job.node, job.call, hashes, job.parent or b"", job.position, self.transport.outgoing(stream),
-                    self.timeout_s, [run for run in job.runs if run[0] < k], names=names)
-        except PeerError as exc:
-            self.breakers.failure(job.node)
-            c.failures += 1
-            self.counters.failed_blocks += len(job.hashes)
-            logger.debug("forward of %d blocks to %s failed: %s", len(job.hashes), job.node, exc)
-            return 0
-        except KVStoreError as exc:  # the namespace went away here: nothing to send
-            logger.debug("forward to %s not sent: %s", job.node, exc)
-            return 0
-        self.breakers.success(job.node)
+        with attempt:  # released (a probe given back) where no call was made or it ended without a verdict
+            try:
+                async with self.store.open_fetch(job.namespace_id, job.hashes) as stream:
+                    k = stream.num_blocks
+                    if k == 0:
+                        return 0
+                    hashes = b"".join(job.hashes[:k])
+                    assert isinstance(stream, FetchStream)  # grouped layouts are not forwarded (`ClusterNode.after_put`)
+                    names = self.names(job.namespace_id, job.hashes[:k]) if self.names is not None else None
+                    stored, existing = await self.transport.put(
+                        job.node, job.call, hashes, job.parent or b"", job.position, self.transport.outgoing(stream),
+                        self.timeout_s, [run for run in job.runs if run[0] < k], names=names)
+            except PeerError as exc:
+                attempt.failure()
+                c.failures += 1
+                self.counters.failed_blocks += len(job.hashes)
+                logger.debug("forward of %d blocks to %s failed: %s", len(job.hashes), job.node, exc)
+                return 0
+            except KVStoreError as exc:  # the namespace went away here: nothing to send
+                logger.debug("forward to %s not sent: %s", job.node, exc)
+                return 0
+            attempt.success()
         c.jobs += 1
         c.blocks += stored + existing
         self.counters.forwarded_blocks += stored + existing

@@ -23,7 +23,7 @@ owner too, so the traffic rebuilds what moved.
 
 Membership changes (`_on_view`) feed the placement (members with another placement rule,
 or draining, are never owners), the transport (addresses) and the breakers (a member that
-rejoined is tried at once). `drain` hands off before a planned removal, `leave` leaves.
+rejoined, or restarted, starts trusted: `Breakers.forget`). `drain` hands off before a planned removal, `leave` leaves.
 
 Primitives: `ClusterSettings`, `placement_rule`, `PackedChain`, `ForwardTicket`,
 `UnitPlace`, `MemberState`, `ClusterStatus`, `DrainResult`, `ClusterNode`.

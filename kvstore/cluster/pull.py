@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.checksum import checksum_batch
-from kvstore.cluster.breaker import Breakers
+from kvstore.cluster.breaker import Attempt, Breakers
 from kvstore.cluster.transport import PeerCall, PeerError, PeerTransport
 from kvstore.core.put import PutTxn
 from kvstore.core.store import Store
@@ -406,23 +406,28 @@ class Puller:
 
     async def _run_pull(self, node: str, call: PeerCall, runs: list[PullRun]) -> None:
         sink = _PullSink(self, node, runs)
+        attempt: Attempt | None = None
         try:
             async with self._running:
-                if not self.breakers.allow(node):
+                # Claimed once a slot is free, right before the call: a pull queued behind
+                # others holds no probe meanwhile.
+                attempt = self.breakers.attempt(node)
+                if attempt is None:
                     raise PeerError(node, "suspect")
                 self.counters.pulls += 1
                 hashes = b"".join(h for run in runs for h in run.hashes)
                 await self.transport.fetch(node, call, hashes, sink, self.timeout_s)
                 await sink.finish()
-            self.breakers.success(node)
+            attempt.success()
         except PeerError as exc:
             self.counters.failures += 1
-            if str(exc).endswith("suspect"):
+            if attempt is None:
                 pass
             elif "checksum" in str(exc) or "blocks where" in str(exc):
+                # It answered (with blocks this node refused): no verdict on whether it is up.
                 logger.warning("pull from %s refused: %s", node, exc)
             else:
-                self.breakers.failure(node)
+                attempt.failure()
                 logger.debug("pull from %s failed: %s", node, exc)
         except (KVStoreError, OSError) as exc:  # no room, a quota, a namespace gone: a miss
             self.counters.failures += 1
@@ -433,6 +438,8 @@ class Puller:
             self.counters.failures += 1
             logger.exception("pull from %s failed", node)
         finally:
+            if attempt is not None:
+                attempt.release()  # no verdict above (cancelled, refused, a local failure): a probe goes back
             sink.abort()
 
     async def wait(self, namespace_id: bytes, block_hash: bytes, timeout_s: float) -> bool:

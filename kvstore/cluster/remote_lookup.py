@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from kvstore.cluster.breaker import Breakers
+from kvstore.cluster.breaker import Attempt, Breakers
 from kvstore.cluster.placement import Placement
 from kvstore.cluster.pull import Puller, PullSpec
 from kvstore.cluster.put_plan import unit_bounds
@@ -269,10 +269,10 @@ class RemoteLookup:
             # way), which `_round_from_held` counts as held.
             here = self.store.present(namespace_id, packed[held * HASH_BYTES : (held + 1) * HASH_BYTES])
             return _ENDS_HERE if here[0] == Store.ABSENT else None
-        allow = self.breakers.allow
+        ready = self.breakers.ready
         asks: dict[str, np.ndarray[Any, Any]] = {}
         for k, name in enumerate(names):
-            if k != me and allow(name):
+            if k != me and ready(name):
                 idx = np.flatnonzero(owner == k)
                 if len(idx):
                     asks[name] = idx
@@ -338,7 +338,7 @@ class RemoteLookup:
             return self._round_by_owner(starts[lacking], stops[lacking], locs[lacking], key_pos, end, *routed)
         owners, ranked = self.placement.route_many(split_hashes(joined))
         me = self.node_id
-        allow = self.breakers.allow
+        ready = self.breakers.ready
         askable: dict[str, bool] = {}
         # Few distinct target lists occur (one per owner, and per previous owner): each is
         # filtered (this node, suspect peers) once.
@@ -349,7 +349,7 @@ class RemoteLookup:
             if f is None:
                 for node in t:
                     if node != me and node not in askable:
-                        askable[node] = allow(node)
+                        askable[node] = ready(node)
                 f = filtered[t] = tuple(node for node in t if node != me and askable[node])
             targets.append(f)
         cut = len(targets)
@@ -385,8 +385,8 @@ class RemoteLookup:
         """`_round_from_held`'s round from each unit's owner under each member set still
         counted (`Placement.owner_indices`), in whole-array steps."""
         me = self.node_id
-        allow = self.breakers.allow
-        askable = np.array([n != me and allow(n) for n in names] + [False], bool)  # [-1]: no owner
+        ready = self.breakers.ready
+        askable = np.array([n != me and ready(n) for n in names] + [False], bool)  # [-1]: no owner
         owner = sets[0]
         every = sets[0][None, :] if len(sets) == 1 else np.stack(sets)
         some = askable[every].any(axis=0)
@@ -414,11 +414,31 @@ class RemoteLookup:
     async def _ask(self, namespace_id: bytes, packed: bytes, rnd: _Round,
                    meanwhile: Callable[[], T] | None = None) -> tuple[dict[str, np.ndarray[Any, Any]], T | None]:
         """One parallel round of lookups under the deadline: per node, what it holds of each
-        unit asked of it (0 where not asked), and what `meanwhile` made while they travel."""
+        unit asked of it (0 where not asked), and what `meanwhile` made while they travel.
+
+        Each call claims its node's breaker (`Breakers.attempt`) as it is made, and ends
+        the claim with its verdict; a claim left without one (this lookup cancelled) is
+        released, so a half-open probe is never kept by a call that did not finish. The
+        round was planned with `Breakers.ready`, which claims nothing."""
         self.counters.remote_lookups += 1
         call = self._call_of(namespace_id)
         deadline_s = self.timeout_s
-        requests = {node: gather_ranges(packed, rnd.starts, rnd.stops, idx) for node, idx in rnd.asks.items()}
+        attempts: dict[str, Attempt] = {}
+        for node in rnd.asks:
+            attempt = self.breakers.attempt(node)
+            if attempt is not None:  # (no await since the round was planned: always, in practice)
+                attempts[node] = attempt
+        try:
+            return await self._calls(namespace_id, packed, rnd, call, deadline_s, attempts, meanwhile)
+        finally:
+            for attempt in attempts.values():
+                attempt.release()  # a no-op once the call's verdict is in
+
+    async def _calls(self, namespace_id: bytes, packed: bytes, rnd: _Round, call: PeerCall, deadline_s: float,
+                     attempts: dict[str, Attempt],
+                     meanwhile: Callable[[], T] | None) -> tuple[dict[str, np.ndarray[Any, Any]], T | None]:
+        """`_ask`'s calls, one per node of `attempts`, and their verdicts."""
+        requests = {node: gather_ranges(packed, rnd.starts, rnd.stops, rnd.asks[node]) for node in attempts}
         results: dict[str, int | BaseException] = {}
         # Each call is started here, by hand (`kvstore.eager`): its request leaves now, on
         # a pooled connection, rather than in a task's first step a loop turn later. With
@@ -440,7 +460,7 @@ class RemoteLookup:
                 results[node] = await started
             except (TimeoutError, PeerError) as exc:
                 results[node] = exc
-        else:
+        elif calls:
             tasks = {node: asyncio.ensure_future(started) for node, started in calls.items()}
             for task in tasks.values():
                 task.add_done_callback(_retrieve)
@@ -451,7 +471,7 @@ class RemoteLookup:
                 if task in late:
                     results[node] = TimeoutError()
                 elif task.cancelled():
-                    results[node] = asyncio.CancelledError()
+                    continue  # no verdict: its claim is released
                 else:
                     failure = task.exception()
                     results[node] = failure if failure is not None else task.result()
@@ -466,9 +486,9 @@ class RemoteLookup:
                 else:
                     st.lookup_errors += 1
                     logger.debug("cluster lookup on %s failed: %r", node, result)
-                self.breakers.failure(node)
+                attempts[node].failure()
                 continue
-            self.breakers.success(node)
+            attempts[node].success()
             # The node answered a prefix of the units' blocks laid end to end: per unit.
             out[node] = spread_prefix(result, sizes, rnd.asks[node])
         return out, local

@@ -37,6 +37,9 @@ IDS = ("n0", "n1", "n2")
 # finds the restarted node's channel ready to connect again.
 SUSPECT_S = 2.5
 CHAIN_BLOCKS = 8
+# No grace period after the pool forms: a round asks each unit's owner alone, never a
+# previous owner (which n1 could be of a unit n2 owns now).
+SETTINGS = {"cluster_suspect_s": SUSPECT_S, "cluster_lookup_timeout_ms": 1000.0, "cluster_grace_s": 0.0}
 
 
 def _owners(tokens: list[int]) -> list[str]:
@@ -81,7 +84,7 @@ async def _due(daemon: Daemon, node: str) -> None:
 
 
 async def test_lookups_that_ask_a_restarted_peer_nothing_leave_its_probe_to_a_call(tmp_path: Path) -> None:
-    async with pool(tmp_path, 3, cluster_suspect_s=SUSPECT_S, cluster_lookup_timeout_ms=1000.0) as daemons:
+    async with pool(tmp_path, 3, **SETTINGS) as daemons:
         a = daemons[0]
         # Chains looked up on n0: some whose first unit n1 owns (a lookup asks n1), and
         # some n1 owns no unit of (a round asks n2 alone). Nobody holds any: every
@@ -107,7 +110,7 @@ async def test_lookups_that_ask_a_restarted_peer_nothing_leave_its_probe_to_a_ca
 
 
 async def test_a_forward_to_a_suspect_owner_probes_it_once_its_cool_down_is_over(tmp_path: Path) -> None:
-    async with pool(tmp_path, 3, cluster_suspect_s=SUSPECT_S, cluster_lookup_timeout_ms=1000.0) as daemons:
+    async with pool(tmp_path, 3, **SETTINGS) as daemons:
         a = daemons[0]
         # Puts on n0 of chains with units n1 owns: forwarded to n1.
         to_n1 = _chains("n1", "n0")
