@@ -78,10 +78,21 @@ def _drain(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     with open_admin(args) as admin:
         resp = admin.cluster_drain(args.drain_timeout)
-    emit(args, message_to_dict(resp),
-         f"pushed {resp.units_pushed} units ({resp.blocks_pushed} blocks) to their next owners, "
-         f"{resp.units_failed} not; {'left the pool' if resp.left else 'still in the pool'}")
-    return EXIT_OK if resp.left else EXIT_ERROR
+    emit(args, message_to_dict(resp), _drained(resp))
+    return EXIT_OK if resp.left and not resp.units_failed else EXIT_ERROR
+
+
+def _drained(resp: Any) -> str:
+    """What a drain did, and what becomes of the units it could not hand off."""
+    text = (f"pushed {resp.units_pushed} units ({resp.blocks_pushed} blocks) to their next owners, "
+            f"{resp.units_failed} not" + (f", {resp.units_gone} no longer held" if resp.units_gone else "")
+            + f"; {'left the pool' if resp.left else 'still in the pool'}")
+    if resp.units_failed:
+        text += (f"\n{resp.units_failed} units could not be handed off (no next owner reachable, or out of time: "
+                 "--drain-timeout): their blocks stay on this daemon, served to its own clients; the other "
+                 "nodes find them here only while they still ask it as a previous owner (cluster_grace_s, "
+                 "while this daemon runs), and miss them after that until an engine computes them again")
+    return text
 
 
 def register(sub: Any) -> None:

@@ -193,8 +193,9 @@ class ClusterStatus:
 class DrainResult:
     units_pushed: int
     blocks_pushed: int
-    units_failed: int
+    units_failed: int  # not handed off: their blocks stay here, out of the pool's placement
     left: bool
+    units_gone: int = 0  # no longer held here when the drain came to them: nothing to hand off
 
 
 # A unit this node owns, as far as it holds it from its first block on: (namespace id,
@@ -677,12 +678,15 @@ class ClusterNode:
         await self.membership.update_me(replace(self.membership.me, draining=True))
         self._on_view(self.membership.view)
         units = sorted(self._owned.values(), key=lambda u: -self.hot.count(u[1]))
-        pushed = failed = blocks = 0
+        pushed = failed = blocks = gone = 0
         me = self.node_id
         for first in range(0, len(units), DRAIN_BATCH_UNITS):
             batch: list[tuple[_OwnedUnit, list[asyncio.Future[int]]]] = []
             for unit in units[first : first + DRAIN_BATCH_UNITS]:
                 ns, key, position, packed, parent = unit
+                if not self._holds_start(ns, packed):
+                    gone += 1  # evicted or deleted since it was put: nothing is lost by not sending it
+                    continue
                 owners = [n for n in self.placement.owners(key) if n != me]
                 futures: list[asyncio.Future[int]] = []
                 for node in owners:
@@ -707,6 +711,14 @@ class ClusterNode:
                 failed += max(0, len(units) - first - DRAIN_BATCH_UNITS)
                 break
         await self.leave()
-        logger.info("cluster: drained %d units (%d blocks) to their next owners, %d not; left the pool",
-                    pushed, blocks, failed)
-        return DrainResult(pushed, blocks, failed, True)
+        log = logger.warning if failed else logger.info
+        log("cluster: drained %d units (%d blocks) to their next owners, %d not (their blocks stay on this node, "
+            "out of the pool's placement), %d no longer held; left the pool", pushed, blocks, failed, gone)
+        return DrainResult(pushed, blocks, failed, True, gone)
+
+    def _holds_start(self, namespace_id: bytes, packed: bytes) -> bool:
+        """Whether the first block of a remembered unit is still held here."""
+        try:
+            return self.store.present(namespace_id, packed[:HASH_BYTES]) != _ABSENT
+        except KVStoreError:  # its namespace is gone
+            return False

@@ -483,7 +483,8 @@ async def drain_proto(node: PoolNode, timeout_s: float) -> admin_pb2.ClusterDrai
     """A drain within `timeout_s` (0: the node's default)."""
     result = await (node.drain(timeout_s) if timeout_s else node.drain())
     return admin_pb2.ClusterDrainResponse(units_pushed=result.units_pushed, blocks_pushed=result.blocks_pushed,
-                                          units_failed=result.units_failed, left=result.left)
+                                          units_failed=result.units_failed, left=result.left,
+                                          units_gone=result.units_gone)
 
 
 @contextlib.asynccontextmanager
