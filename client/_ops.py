@@ -319,7 +319,14 @@ def local_plane(c: ClientState) -> Plan[LocalPlane | None]:
     except (KVStoreError, OSError, ValueError) as exc:
         if c.data_plane == "local":
             raise FailedPrecondition(f"cannot use the shared-memory data plane: {exc}") from None
-        logger.info("shared-memory data plane unavailable (%s); block bytes go through gRPC", exc)
+        if isinstance(exc, PermissionDenied):
+            # A co-located engine whose tenant lacks the grant: a setting to fix, not a
+            # property of the host, so said where an operator looks.
+            logger.warning("shared-memory data plane refused (%s); block bytes go through gRPC. Grant it with "
+                           "`local_plane = true` in this tenant's token-file entry (kvstore token new "
+                           "--local-plane)", exc)
+        else:
+            logger.info("shared-memory data plane unavailable (%s); block bytes go through gRPC", exc)
     return c._plane
 
 

@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     health = client_command("health", "is the daemon serving? (exit 0 if so)", cmd_health)
     health.add_argument("--service", default="", help="service name to check (default: the whole server)")
     info = client_command("info", "Redis-INFO-style report", cmd_info)
-    info.add_argument("section", nargs="?", help="server, tiers, stats, namespaces, config, events or tenants")
+    info.add_argument("section", nargs="?", help="server, tiers, stats, namespaces, config, events, tenants or "
+                      "cluster (a node of a pool)")
     register_operator_commands(sub, client_command)
     register_cluster_commands(sub)
 
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "node.NODE_ID unless --tenant): its cluster_token_file, listed in every node's token file")
     new.add_argument("--file", metavar="TOKEN_FILE", help="also append the entry to this token file (created "
                      "0600 if missing; the tenant must not be in it yet); then send the daemon SIGHUP")
+    new.add_argument("--local-plane", action="store_true", help="the tenant's engines on the daemon's host may map "
+                     "its shared-memory segment (local_plane = true); without it their block bytes go through gRPC")
+    new.add_argument("--quota", action="append", metavar="TIER=SIZE", help="bytes the tenant may hold in a tier, "
+                     "e.g. host=8GiB,ssd=200GiB (repeatable)")
     new.add_argument("--json", action="store_true", help="machine-readable output")
     new.set_defaults(func=cmd_token_new)
 

@@ -61,8 +61,11 @@ def cmd_token_new(args: argparse.Namespace) -> int:
         print(f"kvstore token new: tenant name {args.tenant!r} must be 1-64 letters, digits, '-', '_' or '.'",
               file=sys.stderr)
         return EXIT_USAGE
+    grants = _grants(args)
+    if grants is None:
+        return EXIT_USAGE
     token, token_hash = new_token()
-    entry = entry_text(args.tenant, args.role, token_hash, node)
+    entry = entry_text(args.tenant, args.role, token_hash, node) + grants
     if args.file:
         if os.path.exists(args.file):
             # The file must be one the daemon would accept, and the tenant new to it.
@@ -78,7 +81,7 @@ def cmd_token_new(args: argparse.Namespace) -> int:
             fh.write("\n" + entry)
     if args.json:
         print(json.dumps({"tenant": args.tenant, "role": args.role, "node": node, "token": token,
-                          "hash": token_hash, "entry": entry}, indent=2))
+                          "hash": token_hash, "local_plane": bool(args.local_plane), "entry": entry}, indent=2))
         return EXIT_OK
     if node:
         print(f"token (shown once; node {node}'s credential: put it alone in a file of mode 0600 and give that "
@@ -91,4 +94,40 @@ def cmd_token_new(args: argparse.Namespace) -> int:
         print("add to the token file (an existing tenant: append the hash to its tokens list), then send the "
               "daemon SIGHUP:\n")
     print(entry, end="")
+    if args.role != "peer" and not args.local_plane:
+        print("\n(no local_plane: this tenant's engines on the daemon's host move block bytes through gRPC or the "
+              "data lane, not shared memory; give it --local-plane, or add `local_plane = true` to the entry)")
     return EXIT_OK
+
+
+def _grants(args: argparse.Namespace) -> str | None:
+    """The entry's lines for `--local-plane` and `--quota`; None (after saying why) when a
+    quota is malformed."""
+    from kvstore.server.auth import QUOTA_TIERS
+    from kvstore.units import parse_size
+
+    lines = ""
+    if args.local_plane:
+        if args.role == "peer":
+            print("kvstore token new: --local-plane is for client and admin tenants (a peer credential maps "
+                  "no memory)", file=sys.stderr)
+            return None
+        lines += "local_plane = true\n"
+    quota: dict[str, str] = {}
+    for item in args.quota or ():
+        for part in filter(None, (p.strip() for p in item.split(","))):
+            tier, sep, size = part.partition("=")
+            tier, size = tier.strip(), size.strip()
+            if not sep or tier not in QUOTA_TIERS:
+                print(f"kvstore token new: --quota {part!r}: write TIER=SIZE with TIER one of "
+                      f"{', '.join(QUOTA_TIERS)}, e.g. host=8GiB", file=sys.stderr)
+                return None
+            try:
+                parse_size(size)
+            except (KVStoreError, ValueError) as exc:
+                print(f"kvstore token new: --quota {part!r}: {exc}", file=sys.stderr)
+                return None
+            quota[tier] = size
+    if quota:
+        lines += "quota = { " + ", ".join(f'{tier} = "{size}"' for tier, size in quota.items()) + " }\n"
+    return lines
