@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import xxhash
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import RESTARTED_PREFIX, DaemonRestarted, InvalidArgument
 from kvstore.v1 import kvstore_pb2
 
 logger = logging.getLogger(__name__)
@@ -70,14 +70,15 @@ def _ordinal_for(uuid: str) -> int:
 
 
 class DevicePlane:
-    def __init__(self, slab: torch.Tensor, capacity_bytes: int) -> None:
+    def __init__(self, slab: torch.Tensor, capacity_bytes: int, boot_id: int = 0) -> None:
         self.slab = slab
+        self.boot_id = boot_id  # the start of the daemon whose slab this is (0: not told)
         self.device = slab.device
         self.capacity_bytes = capacity_bytes
         self._staging: torch.Tensor | None = None
 
     @classmethod
-    def attach(cls, resp: kvstore_pb2.DeviceSegmentResponse, host_token: bytes) -> DevicePlane:
+    def attach(cls, resp: kvstore_pb2.DeviceSegmentResponse, host_token: bytes, boot_id: int = 0) -> DevicePlane:
         """Open the daemon's slab; raises ValueError when this process cannot."""
         if resp.token != host_token:
             raise ValueError("the device segment's token differs from the host segment's: another daemon")
@@ -98,13 +99,17 @@ class DevicePlane:
         slab.set_(storage)  # type: ignore[call-overload]
         if slab.numel() < resp.capacity_bytes:
             raise ValueError(f"the opened slab holds {slab.numel()} bytes, the daemon says {resp.capacity_bytes}")
-        return cls(slab, resp.capacity_bytes)
+        return cls(slab, resp.capacity_bytes, boot_id)
 
     def close(self) -> None:
+        # Dropped, not freed: a copy still running on another thread holds its own
+        # reference to the slab's storage, which torch closes once the last one goes.
         self._staging = None
-        del self.slab
+        self.slab = torch.empty(0, dtype=torch.uint8)
 
     def _slot(self, offset: int, nbytes: int) -> torch.Tensor:
+        if not self.slab.is_cuda:
+            raise DaemonRestarted(f"{RESTARTED_PREFIX}: this client let go of the old start's HBM slab; attach again")
         if offset < 0 or offset + nbytes > self.capacity_bytes:
             raise ValueError(f"slot [{offset}, +{nbytes}) lies outside the daemon's HBM slab")
         return self.slab[offset : offset + nbytes]

@@ -26,6 +26,7 @@ class HeldSlots:
     reservation_id: str
     offsets: list[int]
     usable_until: float  # monotonic; half the reservation's lifetime, so it never expires mid-copy
+    boot_id: int = 0  # the start of the daemon that holds it (its slots are in that start's segment)
 
 
 def check_reserve_ahead(count: int) -> int:
@@ -34,20 +35,23 @@ def check_reserve_ahead(count: int) -> int:
     return count
 
 
-def keep_held(held: dict[int, HeldSlots], reservation: kvstore_pb2.SlotReservation) -> None:
-    """Remember a reservation the daemon returned (replacing any for that block size)."""
+def keep_held(held: dict[int, HeldSlots], reservation: kvstore_pb2.SlotReservation, boot_id: int = 0) -> None:
+    """Remember a reservation the daemon (start `boot_id`) returned (replacing any for
+    that block size)."""
     if reservation.reservation_id:
         held[reservation.block_bytes] = HeldSlots(
             reservation.reservation_id, list(reservation.offsets),
-            time.monotonic() + reservation.expires_in_ms / 2000.0)
+            time.monotonic() + reservation.expires_in_ms / 2000.0, boot_id)
 
 
-def take_held(held: dict[int, HeldSlots], block_bytes: int, num_blocks: int) -> tuple[HeldSlots | None, str]:
+def take_held(held: dict[int, HeldSlots], block_bytes: int, num_blocks: int,
+              boot_id: int = 0) -> tuple[HeldSlots | None, str]:
     """(the reservation to put `num_blocks` blocks in one round trip, if one fits; else
     the id of the one that does not, for the two-trip put to hand back). A reservation
-    serves one put either way."""
+    serves one put either way; one of another start of the daemon than `boot_id` went
+    with that start, and is dropped."""
     slots = held.pop(block_bytes, None)
-    if slots is None:
+    if slots is None or slots.boot_id != boot_id:
         return None, ""
     if len(slots.offsets) < num_blocks or time.monotonic() >= slots.usable_until:
         return None, slots.reservation_id

@@ -12,18 +12,26 @@ is verified is exactly what the caller gets; on a put it reads the source as eac
 is copied (see `_copy_hash`). The copy and the hash run without the GIL, so a large
 batch is shared between the calling thread and a helper.
 
+A plane belongs to one start of the daemon (`boot_id`, from the `LocalSegment` answer):
+the SDK sends it with each call that names this plane's slots, and attaches anew once
+the daemon has restarted (`kvstore.client._ops`). The old mapping is then `retire`d: it
+is unmapped once the copies running in it (other threads' calls) have finished, never
+under them.
+
 Glossary of planes and lanes: docs/local-data-plane.md.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import xxhash
 
+from kvstore.errors import RESTARTED_PREFIX, DaemonRestarted
 from kvstore.native import XXH3, native
 from kvstore.shm import AttachedSegment
 from kvstore.v1 import kvstore_pb2
@@ -62,11 +70,15 @@ def _as_array(buf: memoryview) -> np.ndarray:
 
 
 class LocalPlane:
-    def __init__(self, segment: AttachedSegment, token: bytes = b"") -> None:
+    def __init__(self, segment: AttachedSegment, token: bytes = b"", boot_id: int = 0) -> None:
         self.segment = segment
         self.token = token  # the daemon's segment token (the device plane checks it too)
+        self.boot_id = boot_id  # the start of the daemon this segment is of (0: not told)
         self._data = np.frombuffer(segment.data, dtype=np.uint8)
         self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._users = 0  # copies running in the mapping now
+        self._retired = False
 
     @classmethod
     def attach(cls, resp: kvstore_pb2.LocalSegmentResponse, fd: int | None = None) -> LocalPlane:
@@ -76,25 +88,64 @@ class LocalPlane:
             raise ValueError("the daemon named no segment and passed none")
         segment = AttachedSegment(resp.path, resp.token, fd)
         segment.populate_in_background()
-        return cls(segment, resp.token)
+        return cls(segment, resp.token, resp.boot_id)
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         """Wait until this process's mapping of the segment is faulted in."""
         return self.segment.wait_populated(timeout_s)
 
     def close(self) -> None:
-        if not hasattr(self, "_data"):
-            return  # closed already
+        """Unmap now (the client's close: no call of it runs any more)."""
+        with self._lock:
+            self._retired = True
+        self._unmap()
+
+    def retire(self) -> None:
+        """Unmap once the copies running in the mapping have finished (now, if none does);
+        a copy that starts after this still runs, in the old mapping, and the call it is
+        part of is refused by the daemon (it names the old start)."""
+        with self._lock:
+            self._retired = True
+            idle = not self._users
+        if idle:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        with self._lock:
+            if not hasattr(self, "_data"):
+                return  # unmapped already
+            del self._data
         if self._pool is not None:
             # Helpers run only inside `_run`, which waits for them: nothing left runs long.
             self._pool.shutdown(wait=True, cancel_futures=True)
-        del self._data
-        self.segment.close()
+        try:
+            self.segment.close()
+        except BufferError:  # a view of the mapping is still referenced somewhere: it stays mapped
+            logger.warning("a shared-memory mapping is still in use; left mapped")
 
-    def _slot(self, offset: int, nbytes: int) -> np.ndarray:
-        if offset < 0 or offset + nbytes > len(self._data):
+    def _acquire(self) -> np.ndarray:
+        """The mapping, held mapped for one copy until `_release`."""
+        with self._lock:
+            data = getattr(self, "_data", None)
+            if data is None:
+                raise DaemonRestarted(f"{RESTARTED_PREFIX}: this client let go of its mapping of the old start's "
+                                      "segment; attach again")
+            self._users += 1
+            return data
+
+    def _release(self) -> None:
+        """One copy is done with the mapping (the caller dropped its views of it first)."""
+        with self._lock:
+            self._users -= 1
+            last = self._retired and not self._users
+        if last:
+            self._unmap()
+
+    @staticmethod
+    def _slot(data: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
+        if offset < 0 or offset + nbytes > len(data):
             raise ValueError(f"slot [{offset}, +{nbytes}) lies outside the daemon's segment")
-        return self._data[offset : offset + nbytes]
+        return data[offset : offset + nbytes]
 
     def _run(self, pairs: list[tuple[np.ndarray, np.ndarray]], of_source: bool = False) -> list[int]:
         """`_copy_hash` of each (dst, src) pair, in order. A large batch is shared between
@@ -132,18 +183,33 @@ class LocalPlane:
     def copy_in(self, offsets: Sequence[int], blocks: Sequence[memoryview]) -> list[int]:
         """Copy each block into its slot (offset -1: already stored, skipped); checksums of all."""
         todo = [(i, off) for i, off in enumerate(offsets) if off >= 0]
-        pairs = [(self._slot(off, len(blocks[i])), _as_array(blocks[i])) for i, off in todo]
         sums = [0] * len(offsets)
-        for (i, _), csum in zip(todo, self._run(pairs, of_source=True)):
-            sums[i] = csum
+        data = self._acquire()
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        try:
+            pairs = [(self._slot(data, off, len(blocks[i])), _as_array(blocks[i])) for i, off in todo]
+            for (i, _), csum in zip(todo, self._run(pairs, of_source=True)):
+                sums[i] = csum
+        finally:
+            del data  # no view of the mapping outlives the copy (it may be unmapped now)
+            pairs.clear()
+            self._release()
         return sums
 
     def copy_out(self, offsets: Sequence[int], checksums: Sequence[int], block_bytes: int,
                  dsts: Sequence[memoryview]) -> int:
         """Copy slots into `dsts` and verify; returns how many leading blocks verified.
         `block_bytes` 0: each slot is as long as its destination (a grouped layout's parts)."""
-        pairs = [(_as_array(d), self._slot(off, block_bytes or len(d))) for off, d in zip(offsets, dsts)]
-        for i, (got, want) in enumerate(zip(self._run(pairs), checksums)):
+        data = self._acquire()
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        try:
+            pairs = [(_as_array(d), self._slot(data, off, block_bytes or len(d))) for off, d in zip(offsets, dsts)]
+            sums = self._run(pairs)
+        finally:
+            del data  # no view of the mapping outlives the copy (it may be unmapped now)
+            pairs.clear()
+            self._release()
+        for i, (got, want) in enumerate(zip(sums, checksums)):
             if got != want:
                 logger.warning("block %d failed verification after a shared-memory copy; not returned", i)
                 return i

@@ -24,12 +24,26 @@ A step that fails is thrown into the plan where it yielded it, so a plan's own
 `ClientState` is what a client keeps between calls (its options, the attached data
 planes, held slots, leases to end) and what plans read and update; `Client` and
 `AsyncClient` add only their I/O: the channel and its stubs, the lane, the driver.
+
+Across a daemon restart. Whatever a client attached to belongs to one start of the
+daemon (its boot id: `kvstore.server.generation`), which every plane tells (the
+`LocalSegment`, `DeviceSegment` and `DataLane` answers, the control lane's hello, the
+data lane's WELCOME). The calls that name what a start handed out (slots of its
+segment, a reservation, a lease, a transfer) carry the boot id of the attachment they
+use, and a daemon started since refuses them (`DaemonRestarted`) before it hands out or
+publishes anything. A new boot id, learned from a refusal or from a plane (`learn`),
+makes the client let go of what it held of the old start: the planes are retired
+(a mapping is unmapped once the copies in it have finished), held slots and leases to
+end are dropped, and the next call attaches anew. `put` and `fetch` are then run once
+more (`_again`): a put is idempotent (a block stored already is not stored again), a
+fetch a read. An engine that keeps its client across a restart so sees at most a miss.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -106,6 +120,8 @@ from kvstore.client.results import (
 from kvstore.client.security import Security
 from kvstore.codec_chooser import Choice, CodecChooser
 from kvstore.errors import (
+    RESTARTED_PREFIX,
+    DaemonRestarted,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -233,12 +249,15 @@ class ClientState:
         self.codecs = CodecChooser()
         self.security = Security.resolve(token, token_file, tls_ca, tls_cert, tls_key)
         self._plane: LocalPlane | None = None
-        self._plane_tried = data_plane in ("grpc", "lane") or (data_plane == "auto" and not may_be_local(self.target))
+        # (Whether a plane is never tried, kept to try it again after a restart.)
+        self._plane_never = data_plane in ("grpc", "lane") or (data_plane == "auto" and not may_be_local(self.target))
+        self._plane_tried = self._plane_never
         # The data lane: offered by the daemon (a DataLane call), tried when shared memory
         # is not in use; in `auto`, only for TCP targets (a Unix socket's client is local).
         self._datalane: DataLane | None = None
-        self._datalane_tried = data_plane in ("grpc", "local") or (data_plane == "auto"
+        self._datalane_never = data_plane in ("grpc", "local") or (data_plane == "auto"
                                                                    and self.target.startswith("unix:"))
+        self._datalane_tried = self._datalane_never
         # The device (CUDA IPC) plane: opened on the first put or fetch of CUDA tensors.
         self._device: Any = None
         self._device_tried = False
@@ -246,8 +265,15 @@ class ClientState:
         # put then takes one round trip instead of two.
         self._reserved: dict[int, HeldSlots] = {}
         # Leases of finished shared-memory fetches, ended by the next local call instead
-        # of an Unpin each (they also expire on their own).
-        self._releases: list[str] = []
+        # of an Unpin each (they also expire on their own): (lease id, boot id of the
+        # daemon's start that granted it).
+        self._releases: list[tuple[str, int]] = []
+        # The start of the daemon this client's attachments belong to (its boot id; 0
+        # until a plane tells it), and how many times it changed (`learn`). See the
+        # module docstring.
+        self._generation = 0
+        self._epoch = 0
+        self._learning = threading.Lock()
         # The local control lane (a Unix socket next to the daemon's gRPC one).
         self._open(lane_socket(self.target) if self.control_plane != "grpc" else None)
 
@@ -264,9 +290,11 @@ class ClientState:
     def _t(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else timeout_s
 
-    def _take_releases(self) -> list[str]:
+    def _take_releases(self, boot_id: int) -> list[str]:
+        """The leases to end with a call to the daemon's start `boot_id` (those of other
+        starts went with them)."""
         taken, self._releases = self._releases, []
-        return taken
+        return [lease_id for lease_id, granted_by in taken if granted_by == boot_id]
 
     @property
     def codec_stats(self) -> list[Choice]:
@@ -308,6 +336,7 @@ def local_plane(c: ClientState) -> Plan[LocalPlane | None]:
     if c._plane_tried:
         return c._plane
     c._plane_tried = True
+    epoch = c._epoch
     try:
         lane = lane_socket(c.target) if c.control_plane != "grpc" else None
         got = None
@@ -315,7 +344,18 @@ def local_plane(c: ClientState) -> Plan[LocalPlane | None]:
             got = yield Blocking(segment_over_lane, lane, c.security.token, c.timeout_s)
         if got is None:
             got = (yield Unary("LocalSegment", kvstore_pb2.LocalSegmentRequest(), c.timeout_s)), None
-        c._plane = LocalPlane.attach(*got)
+        learn(c, got[0].boot_id, epoch)
+        plane = LocalPlane.attach(*got)
+        if plane.boot_id != c._generation and c._generation:
+            # Another thread learned another start while this one attached: this segment
+            # may be the old start's. Not kept; the next call attaches again.
+            plane.close()
+            c._plane_tried = c._plane_never
+            raise DaemonRestarted(f"{RESTARTED_PREFIX} while this client attached (now {c._generation:016x})")
+        c._plane = plane
+    except DaemonRestarted:
+        c._plane_tried = c._plane_never
+        raise
     except (KVStoreError, OSError, ValueError) as exc:
         if c.data_plane == "local":
             raise FailedPrecondition(f"cannot use the shared-memory data plane: {exc}") from None
@@ -344,7 +384,11 @@ def device_plane(c: ClientState) -> Plan[Any]:
 
     try:
         resp = yield Unary("DeviceSegment", kvstore_pb2.DeviceSegmentRequest(), c.timeout_s)
-        c._device = DevicePlane.attach(resp, plane.token)
+        if resp.boot_id != plane.boot_id:
+            # Another start than the host segment's: the daemon restarted in between.
+            c._device_tried = False
+            raise DaemonRestarted(f"{RESTARTED_PREFIX} while this client attached (now {resp.boot_id:016x})")
+        c._device = DevicePlane.attach(resp, plane.token, resp.boot_id)
     except (KVStoreError, ValueError) as exc:
         logger.info("device data plane unavailable (%s); CUDA blocks go through host memory", exc)
     return c._device
@@ -355,6 +399,7 @@ def data_lane(c: ClientState) -> Plan[DataLane | None]:
     offers none (or predates it), or, in `auto`, while it cannot be reached."""
     if not c._datalane_tried:
         forced = c.data_plane == "lane"
+        epoch = c._epoch
         try:
             offer = yield Unary("DataLane", kvstore_pb2.DataLaneRequest(), c.timeout_s)
         except (Unauthenticated, PermissionDenied, Unavailable, DeadlineExceeded):
@@ -370,9 +415,12 @@ def data_lane(c: ClientState) -> Plan[DataLane | None]:
             endpoint = choose_endpoint(offer, c.target)
             if endpoint is None:
                 raise FailedPrecondition("the daemon offers no data lane for this target (data_lane_listen)")
+            learn(c, offer.boot_id, epoch)
+            if offer.boot_id and c._generation and offer.boot_id != c._generation:
+                raise DaemonRestarted(f"{RESTARTED_PREFIX} while this client attached (now {c._generation:016x})")
             c._datalane = DataLane(endpoint, c.security, max_connections=min(offer.max_connections or 1,
                                                                          c.data_lane_connections),
-                                   codec=c.lane_codec, chooser=c.codecs)
+                                   codec=c.lane_codec, chooser=c.codecs, boot_id=offer.boot_id)
         except KVStoreError as exc:
             if forced:
                 raise FailedPrecondition(f"cannot use the data lane: {exc}") from None
@@ -405,18 +453,79 @@ def release_all(c: ClientState) -> Plan[None]:
     """Hand back what the daemon holds for this client (held slots, leases of finished
     fetches) on close; whatever cannot be handed back expires by itself."""
     timeout = min(1.0, c.timeout_s)
-    for held in c._reserved.values():
+    for held in list(c._reserved.values()):
         try:
-            yield Unary("LocalCommit", kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id, abort=True),
-                        timeout)
+            yield Unary("LocalCommit", kvstore_pb2.LocalCommitRequest(
+                reservation_id=held.reservation_id, abort=True, boot_id=held.boot_id), timeout)
         except KVStoreError:
             pass
     c._reserved.clear()
-    for lease_id in c._take_releases():
+    releases, c._releases = c._releases, []
+    for lease_id, boot_id in releases:
         try:
-            yield Unary("Unpin", kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout)
+            yield Unary("Unpin", kvstore_pb2.UnpinRequest(lease_id=lease_id, boot_id=boot_id), timeout)
         except KVStoreError:
             pass
+
+
+# ------------------------------------------------------------------ daemon restarts
+
+
+def learn(c: ClientState, boot_id: int, epoch: int) -> None:
+    """An answer to a call sent at `epoch` (`c._epoch` then) told the daemon's boot id
+    (0: it told none). A new one means the daemon restarted since this client attached:
+    what the client holds of the old start is let go, and the next call attaches anew
+    (module docstring). An answer to a call sent before the client last learned a start
+    may be the old start's, read late (another thread's): it teaches nothing."""
+    if not boot_id or boot_id == c._generation:
+        return
+    with c._learning:
+        if epoch != c._epoch or boot_id == c._generation:
+            return
+        if c._generation:
+            logger.warning("the kvstore daemon at %s restarted (generation %016x, now %016x): attaching to it again",
+                           c.target, c._generation, boot_id)
+        c._generation = boot_id
+        c._epoch += 1
+        _let_go(c, boot_id)
+
+
+def _let_go(c: ClientState, boot_id: int) -> None:
+    """Retire every attachment of another start than `boot_id`: a mapping is unmapped
+    once the copies running in it finish (another thread's call may be in one; the
+    daemon refuses what it then sends), the lanes are closed; held slots and leases of
+    those starts are dropped (they went with them)."""
+    plane = c._plane
+    if plane is not None and plane.boot_id != boot_id:
+        c._plane, c._plane_tried = None, c._plane_never
+        plane.retire()
+    device = c._device
+    if device is not None and device.boot_id != boot_id:
+        c._device = None
+        device.close()
+    if c._device is None:
+        c._device_tried = False
+    lane = c._datalane
+    if lane is not None and lane.boot_id != boot_id:
+        c._datalane, c._datalane_tried = None, c._datalane_never
+        lane.close()
+    c._reserved = {size: held for size, held in c._reserved.items() if held.boot_id == boot_id}
+    c._releases = [(lease_id, b) for lease_id, b in c._releases if b == boot_id]
+
+
+def _again(c: ClientState, make: Callable[[], Plan[T]]) -> Plan[T]:
+    """Run the plan `make()` makes; once more if the daemon refused it as a call of
+    another start of its (`DaemonRestarted`), after letting go of what the client held
+    of other starts than the current one. Only for idempotent verbs (a put, a fetch)."""
+    epoch = c._epoch
+    try:
+        return (yield from make())
+    except DaemonRestarted as exc:
+        logger.info("%s; attaching again and calling once more", exc)
+        learn(c, exc.boot_id, epoch)
+        with c._learning:
+            _let_go(c, c._generation)  # (also what the refused plan attached of a start read late)
+    return (yield from make())
 
 
 # ------------------------------------------------------------------ one-call verbs
@@ -443,8 +552,14 @@ def pin(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequenc
     return Unary("Pin", req, timeout_s, pin_result)
 
 
-def unpin(lease_id: str, timeout_s: float) -> Unary[bool]:
-    return Unary("Unpin", kvstore_pb2.UnpinRequest(lease_id=lease_id), timeout_s, lambda resp: resp.released)
+def unpin(c: ClientState, lease_id: str, timeout_s: float) -> Plan[bool]:
+    epoch = c._epoch
+    try:
+        resp = yield Unary("Unpin", kvstore_pb2.UnpinRequest(lease_id=lease_id, boot_id=c._generation), timeout_s)
+    except DaemonRestarted as exc:
+        learn(c, exc.boot_id, epoch)
+        return False  # the lease was an earlier start's, and went with it: nothing to release
+    return bool(resp.released)
 
 
 def hint(layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
@@ -477,12 +592,17 @@ def fetch(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, blo
     """Verified blocks of the longest held prefix, into `out` if given: through shared
     memory when the plane is attached, else as gRPC bytes. A layout with KV groups:
     each block as a dict of its parts (`_fetch_parts`). A quantized layout: dequantized
-    into the engine's dtype, unless `quantized`."""
+    into the engine's dtype, unless `quantized`. Once more after a daemon restart (`_again`)."""
     if layout.kv_codec and not quantized:
         if out is not None:
             token_ids, block_hashes = _cut(layout, token_ids, block_hashes, len(out))
         stored = yield from fetch(c, layout, token_ids, block_hashes, None, lease_id, timeout_s, True)
         return list((yield Blocking(dequantize_blocks, layout, stored, out)))
+    return (yield from _again(c, lambda: _fetch(c, layout, token_ids, block_hashes, out, lease_id, timeout_s)))
+
+
+def _fetch(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
+           out: Sequence[Any] | None, lease_id: str, timeout_s: float) -> Plan[list[Any]]:
     if layout.groups:
         return (yield from _fetch_parts(c, layout, token_ids, block_hashes, out, lease_id, timeout_s))
     keys = fetch_keys(layout, token_ids, block_hashes, out)
@@ -493,15 +613,15 @@ def fetch(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, blo
         lane = None if c._datalane_tried and c._datalane is None else (yield from data_lane(c))
         if lane is not None:
             return (yield from fetch_lane(c, lane, layout, keys, out, lease_id, timeout_s))
-        return (yield from fetch_stream(layout, keys, out, lease_id, timeout_s))
-    resp = yield Unary("LocalFetch", _slots_request(c, layout, keys, lease_id), timeout_s)
+        return (yield from fetch_stream(layout, keys, out, lease_id, timeout_s, c._generation))
+    resp = yield Unary("LocalFetch", _slots_request(c, layout, keys, lease_id, plane.boot_id), timeout_s)
     n = len(resp.offsets)
     dsts = out_buffers(out, resp.num_blocks, resp.block_bytes)
     try:
         views = [writable_view(d, i, resp.block_bytes) for i, d in enumerate(dsts[:n])]
         good = yield Blocking(plane.copy_out, resp.offsets, resp.checksums, resp.block_bytes, views)
     finally:
-        _lease_taken(c, resp)
+        _lease_taken(c, resp, plane.boot_id)
     if good < n:
         yield _recheck(layout, resp, good, n, timeout_s)
         return dsts[:good]
@@ -531,9 +651,11 @@ def _fetch_parts(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | No
     if out is not None:
         return (yield from _fetch_parts_into(c, layout, token_ids, block_hashes, out, lease_id, timeout_s))
     request = grouped_fetch_request(layout, token_ids, block_hashes, lease_id)
+    if lease_id:
+        request.boot_id = c._generation  # the start the lease is of (0: not told yet, not checked)
     plane = c._plane if c._plane_tried else (yield from local_plane(c))
     if plane is not None:
-        resp = yield Unary("LocalFetch", _slots_request(c, layout, request.keys, lease_id), timeout_s)
+        resp = yield Unary("LocalFetch", _slots_request(c, layout, request.keys, lease_id, plane.boot_id), timeout_s)
         m = resp.num_blocks
         sizes = part_sizes(layout, m)
         if m and len(resp.offsets) == len(sizes):
@@ -541,12 +663,12 @@ def _fetch_parts(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | No
             try:
                 good = yield Blocking(plane.copy_out, resp.offsets, resp.checksums, 0, [memoryview(d) for d in dsts])
             finally:
-                _lease_taken(c, resp)
+                _lease_taken(c, resp, plane.boot_id)
             if good < len(sizes):
                 yield _recheck(layout, resp, 0, m, timeout_s)  # the daemon drops the bad part's block whole
                 return []
             return parts_result(layout, m, dsts)
-        _lease_taken(c, resp)
+        _lease_taken(c, resp, plane.boot_id)
         if not m:
             return []
         # A part outside host memory: the prefix as a stream (the lookup's lease ended above).
@@ -573,7 +695,7 @@ def _fetch_parts_into(c: ClientState, layout: KVLayout, token_ids: Sequence[int]
         device = yield from device_plane(c)
         if device is not None:
             keys = grouped_fetch_request(layout, token_ids, block_hashes, lease_id).keys
-            resp = yield Unary("DeviceFetch", _slots_request(c, layout, keys, lease_id), timeout_s)
+            resp = yield Unary("DeviceFetch", _slots_request(c, layout, keys, lease_id, device.boot_id), timeout_s)
             m = resp.num_blocks
             sizes = part_sizes(layout, m)
             if not m or len(resp.offsets) == len(sizes):
@@ -581,12 +703,12 @@ def _fetch_parts_into(c: ClientState, layout: KVLayout, token_ids: Sequence[int]
                 try:
                     good = (yield Blocking(device.copy_out, resp.offsets, resp.checksums, sizes, dsts)) if m else 0
                 finally:
-                    _lease_taken(c, resp)
+                    _lease_taken(c, resp, device.boot_id)
                 if good < len(sizes):
                     yield _recheck(layout, resp, 0, m, timeout_s)
                     return []
                 return list(out[:m])
-            _lease_taken(c, resp)  # a part outside the HBM tier: through host memory below
+            _lease_taken(c, resp, device.boot_id)  # a part outside the HBM tier: through host memory below
             lease_id = ""
     got = yield from _fetch_parts(c, layout, token_ids, block_hashes, None, lease_id, timeout_s)
     for j, block in enumerate(got):
@@ -611,6 +733,7 @@ def _fetch_parts_lane(c: ClientState, lane: DataLane, layout: KVLayout, request:
     try:
         conns = yield Blocking(lane.checkout, lane.connections_for(_blocks_named(request.keys, layout)), timeout_s)
     except Unavailable as exc:
+        yield from _offered_again(c, lane)
         if not _set_aside(c, lane, exc):
             raise
         return None
@@ -636,32 +759,34 @@ def _fetch_to_cuda(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | 
     device = (yield from device_plane(c)) if all_cuda(out) else None
     if device is None:
         staged = [bytearray(layout.bytes_per_block) for _ in out]
-        got = yield from fetch(c, layout, token_ids, block_hashes, staged, lease_id, timeout_s)
+        got = yield from _fetch(c, layout, token_ids, block_hashes, staged, lease_id, timeout_s)
         upload_blocks(got, out)
         return list(out[: len(got)])
-    resp = yield Unary("DeviceFetch", _slots_request(c, layout, keys, lease_id), timeout_s)
+    resp = yield Unary("DeviceFetch", _slots_request(c, layout, keys, lease_id, device.boot_id), timeout_s)
     n = len(resp.offsets)
     dsts = list(out[: resp.num_blocks])
     try:
         good = yield Blocking(device.copy_out, resp.offsets, resp.checksums, resp.block_bytes, dsts[:n])
     finally:
-        _lease_taken(c, resp)
+        _lease_taken(c, resp, device.boot_id)
     if good < n:
         yield _recheck(layout, resp, good, n, timeout_s)
         return dsts[:good]
     if resp.num_blocks > n:
         # The rest sits in host memory or on SSD: fetch it as host bytes, then upload.
-        rest = yield from fetch(c, layout, None, response_hashes(resp)[n:], None, "", timeout_s)
+        rest = yield from _fetch(c, layout, None, response_hashes(resp)[n:], None, "", timeout_s)
         upload_blocks(rest, dsts[n:])
         return dsts[: n + len(rest)]
     return dsts[:n]
 
 
 def fetch_stream(layout: KVLayout, keys: kvstore_pb2.BlockKeys, out: Sequence[Any] | None, lease_id: str,
-                 timeout_s: float) -> Plan[list[Any]]:
-    """A fetch as gRPC bytes (the Fetch stream), assembled into blocks or into `out`."""
+                 timeout_s: float, boot_id: int = 0) -> Plan[list[Any]]:
+    """A fetch as gRPC bytes (the Fetch stream), assembled into blocks or into `out`;
+    `boot_id`: the daemon's start `lease_id` is of."""
     assembler = FetchAssembler(out)
-    request = kvstore_pb2.FetchRequest(namespace=namespace_ref(layout), keys=keys, lease_id=lease_id)
+    request = kvstore_pb2.FetchRequest(namespace=namespace_ref(layout), keys=keys, lease_id=lease_id,
+                                       boot_id=boot_id if lease_id else 0)
     yield StreamFetch(request, assembler, timeout_s)
     return assembler.result()
 
@@ -677,9 +802,10 @@ def fetch_lane(c: ClientState, lane: DataLane, layout: KVLayout, keys: kvstore_p
     try:
         conns = yield Blocking(lane.checkout, lane.connections_for(_blocks_named(keys, layout)), timeout_s)
     except Unavailable as exc:
+        yield from _offered_again(c, lane)
         if not _set_aside(c, lane, exc):
             raise
-        return (yield from fetch_stream(layout, keys, out, lease_id, timeout_s))
+        return (yield from fetch_stream(layout, keys, out, lease_id, timeout_s, c._generation))
     dsts: list[Any] = []
 
     def views(grant: kvstore_pb2.LaneFetchResponse) -> list[memoryview]:
@@ -704,18 +830,20 @@ def _blocks_named(keys: kvstore_pb2.BlockKeys, layout: KVLayout) -> int:
     return tokens // max(1, layout.block_size_tokens)
 
 
-def _slots_request(c: ClientState, layout: KVLayout, keys: kvstore_pb2.BlockKeys,
-                   lease_id: str) -> kvstore_pb2.LocalFetchRequest:
-    """A LocalFetch / DeviceFetch: the lookup lease (if any) ends here, as do the leases of
-    this client's earlier fetches; the call takes its own lease on the slots."""
-    return kvstore_pb2.LocalFetchRequest(namespace=namespace_ref(layout), keys=keys,
-                                         release_lease_ids=c._take_releases() + ([lease_id] if lease_id else []))
+def _slots_request(c: ClientState, layout: KVLayout, keys: kvstore_pb2.BlockKeys, lease_id: str,
+                   boot_id: int) -> kvstore_pb2.LocalFetchRequest:
+    """A LocalFetch / DeviceFetch to the daemon's start `boot_id` (the plane's): the
+    lookup lease (if any) ends here, as do the leases of this client's earlier fetches;
+    the call takes its own lease on the slots."""
+    return kvstore_pb2.LocalFetchRequest(
+        namespace=namespace_ref(layout), keys=keys, boot_id=boot_id,
+        release_lease_ids=c._take_releases(boot_id) + ([lease_id] if lease_id else []))
 
 
-def _lease_taken(c: ClientState, resp: kvstore_pb2.LocalFetchResponse) -> None:
+def _lease_taken(c: ClientState, resp: kvstore_pb2.LocalFetchResponse, boot_id: int) -> None:
     """The slots' lease ends with this client's next call (or by itself), not with an Unpin."""
     if resp.lease_id:
-        c._releases.append(resp.lease_id)
+        c._releases.append((resp.lease_id, boot_id))
 
 
 def _recheck(layout: KVLayout, resp: kvstore_pb2.LocalFetchResponse, good: int, n: int,
@@ -739,9 +867,17 @@ def put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, block
     `engine_names`: the engine's names for the blocks, for the daemon's KV events.
     A layout with KV groups: each block a mapping of group name to part (`_put_parts`).
     A quantized layout: the blocks are quantized here first, unless `quantized` (they are
-    already)."""
+    already). Once more after a daemon restart (`_again`: a re-put of a stored block is a
+    no-op)."""
     if layout.kv_codec and not quantized:
         blocks = yield Blocking(quantize_blocks, layout, blocks)
+    return (yield from _again(c, lambda: _put(c, layout, token_ids, blocks, first_block, block_hashes, session_id,
+                                              expect_reuse_within_s, timeout_s, wait_for_owners, engine_names)))
+
+
+def _put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any], first_block: int,
+         block_hashes: Sequence[bytes] | None, session_id: str | None, expect_reuse_within_s: float | None,
+         timeout_s: float, wait_for_owners: bool, engine_names: EngineNames | None) -> Plan[PutResult]:
     hint = reuse_hint(session_id, expect_reuse_within_s)
     if layout.groups:
         return (yield from _put_parts(c, layout, token_ids, blocks, first_block, block_hashes, hint, timeout_s,
@@ -751,11 +887,13 @@ def put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, block
         if device is not None:
             header = device_put_header(layout, token_ids, block_hashes, blocks, first_block, hint, engine_names)
             header.wait_for_owners = wait_for_owners
+            boot_id = device.boot_id
             begun = yield Unary("DevicePut", kvstore_pb2.LocalPutRequest(
-                header=header, release_lease_ids=c._take_releases()), timeout_s)
+                header=header, release_lease_ids=c._take_releases(boot_id), boot_id=boot_id), timeout_s)
             sums = yield from _copy_in(Blocking(device.copy_in, begun.offsets, blocks, begun.block_bytes),
-                                       kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout_s)
-            return (yield _commit(begun.txn_id, sums, timeout_s))
+                                       kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True, boot_id=boot_id),
+                                       timeout_s)
+            return (yield _commit(begun.txn_id, sums, timeout_s, boot_id))
     prepared = prepare_put(layout, token_ids, block_hashes, host_blocks(blocks), first_block, hint, engine_names)
     if wait_for_owners:
         prepared.header.wait_for_owners = True
@@ -766,27 +904,32 @@ def put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, block
             return (yield from put_lane(c, lane, prepared, timeout_s))
         return put_result((yield StreamPut(prepared, timeout_s)))
     n = len(prepared.views)
-    held, unfit = take_held(c._reserved, layout.bytes_per_block, n)
+    boot_id = plane.boot_id  # every call below names this start's slots
+    held, unfit = take_held(c._reserved, layout.bytes_per_block, n, boot_id)
     if held is not None:
         sums = yield from _copy_in(Blocking(plane.copy_in, held.offsets[:n], prepared.views),
-                                   kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id, abort=True),
-                                   timeout_s)
+                                   kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id, abort=True,
+                                                                  boot_id=boot_id), timeout_s)
         try:
             resp = yield Unary("LocalCommit", kvstore_pb2.LocalCommitRequest(
                 header=prepared.header, reservation_id=held.reservation_id, checksums=sums,
-                reserve_ahead=min(n, c.reserve_ahead), release_lease_ids=c._take_releases()), timeout_s)
+                reserve_ahead=min(n, c.reserve_ahead), release_lease_ids=c._take_releases(boot_id),
+                boot_id=boot_id), timeout_s)
+        except DaemonRestarted:
+            raise  # not a lost reservation: the plane itself is the old start's (`_again`)
         except FailedPrecondition as exc:
             logger.info("slot reservation gone (%s); putting in two round trips", exc)
         else:
-            keep_held(c._reserved, resp.reservation)
+            keep_held(c._reserved, resp.reservation, boot_id)
             return put_result(resp)
     begun = yield Unary("LocalPut", kvstore_pb2.LocalPutRequest(
-        header=prepared.header, release_lease_ids=c._take_releases(), reserve_ahead=min(n, c.reserve_ahead),
-        reuse_reservation_id=unfit), timeout_s)
-    keep_held(c._reserved, begun.reservation)
+        header=prepared.header, release_lease_ids=c._take_releases(boot_id), reserve_ahead=min(n, c.reserve_ahead),
+        reuse_reservation_id=unfit, boot_id=boot_id), timeout_s)
+    keep_held(c._reserved, begun.reservation, boot_id)
     sums = yield from _copy_in(Blocking(plane.copy_in, begun.offsets, prepared.views),
-                               kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout_s)
-    return (yield _commit(begun.txn_id, sums, timeout_s))
+                               kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True, boot_id=boot_id),
+                               timeout_s)
+    return (yield _commit(begun.txn_id, sums, timeout_s, boot_id))
 
 
 def _put_parts(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, blocks: Sequence[Any],
@@ -802,11 +945,13 @@ def _put_parts(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None
             header = grouped_header(layout, token_ids, block_hashes, len(blocks), first_block, hint,
                                     engine_names)
             header.wait_for_owners = wait_for_owners
+            boot_id = device.boot_id
             begun = yield Unary("DevicePut", kvstore_pb2.LocalPutRequest(
-                header=header, release_lease_ids=c._take_releases()), timeout_s)
+                header=header, release_lease_ids=c._take_releases(boot_id), boot_id=boot_id), timeout_s)
             sums = yield from _copy_in(Blocking(device.copy_in, begun.offsets, parts, part_sizes(layout, len(blocks))),
-                                       kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout_s)
-            return (yield _commit(begun.txn_id, sums, timeout_s))
+                                       kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True, boot_id=boot_id),
+                                       timeout_s)
+            return (yield _commit(begun.txn_id, sums, timeout_s, boot_id))
     prepared = prepare_grouped_put(layout, token_ids, block_hashes, host_blocks_of_parts(blocks), first_block, hint,
                                    engine_names)
     if wait_for_owners:
@@ -817,14 +962,15 @@ def _put_parts(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None
         if lane is not None:
             return (yield from _put_parts_lane(c, lane, prepared, timeout_s))
         return put_result((yield StreamPut(prepared, timeout_s)))
+    boot_id = plane.boot_id  # every call below names this start's slots
     begun = yield Unary("LocalPut", kvstore_pb2.LocalPutRequest(
-        header=prepared.header, release_lease_ids=c._take_releases()), timeout_s)
+        header=prepared.header, release_lease_ids=c._take_releases(boot_id), boot_id=boot_id), timeout_s)
+    abort = kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True, boot_id=boot_id)
     if len(begun.offsets) != len(prepared.views):
-        yield Unary("LocalCommit", kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout_s)
+        yield Unary("LocalCommit", abort, timeout_s)
         raise KVStoreError(f"the daemon answered {len(begun.offsets)} slots for a put of {len(prepared.views)} parts")
-    sums = yield from _copy_in(Blocking(plane.copy_in, begun.offsets, prepared.views),
-                               kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True), timeout_s)
-    return (yield _commit(begun.txn_id, sums, timeout_s))
+    sums = yield from _copy_in(Blocking(plane.copy_in, begun.offsets, prepared.views), abort, timeout_s)
+    return (yield _commit(begun.txn_id, sums, timeout_s, boot_id))
 
 
 def _put_parts_lane(c: ClientState, lane: DataLane, prepared: PreparedPut, timeout_s: float) -> Plan[PutResult]:
@@ -834,6 +980,7 @@ def _put_parts_lane(c: ClientState, lane: DataLane, prepared: PreparedPut, timeo
     try:
         conns = yield Blocking(lane.checkout, lane.connections_for(len(prepared.views)), timeout_s)
     except Unavailable as exc:
+        yield from _offered_again(c, lane)
         if not _set_aside(c, lane, exc):
             raise
         return put_result((yield StreamPut(prepared, timeout_s)))
@@ -854,6 +1001,7 @@ def put_lane(c: ClientState, lane: DataLane, prepared: PreparedPut, timeout_s: f
     try:
         conns = yield Blocking(lane.checkout, lane.connections_for(len(prepared.views)), timeout_s)
     except Unavailable as exc:
+        yield from _offered_again(c, lane)
         if not _set_aside(c, lane, exc):
             raise
         return put_result((yield StreamPut(prepared, timeout_s)))
@@ -862,6 +1010,23 @@ def put_lane(c: ClientState, lane: DataLane, prepared: PreparedPut, timeout_s: f
     if done is None:
         return put_result((yield StreamPut(prepared, timeout_s)))
     return put_result(done[1])
+
+
+def _offered_again(c: ClientState, lane: DataLane) -> Plan[None]:
+    """A data lane that cannot be reached may be the lane of a daemon that restarted (on
+    another port): its offer, asked for again, says so by another boot id, and then the
+    lane is asked for anew (`DaemonRestarted`, `_again`). Else nothing changes."""
+    if not lane.boot_id:
+        return
+    epoch = c._epoch
+    try:
+        offer = yield Unary("DataLane", kvstore_pb2.DataLaneRequest(), c.timeout_s)
+    except KVStoreError:
+        return  # the daemon itself cannot be reached: the lane's error stands
+    if offer.boot_id and offer.boot_id != lane.boot_id:
+        learn(c, offer.boot_id, epoch)
+        raise DaemonRestarted(f"{RESTARTED_PREFIX} since its data lane was offered (generation {lane.boot_id:016x}, "
+                              f"now {offer.boot_id:016x})")
 
 
 def _set_aside(c: ClientState, lane: DataLane, error: Exception) -> bool:
@@ -912,6 +1077,7 @@ def _copy_in(copy: Blocking, abort: kvstore_pb2.LocalCommitRequest, timeout_s: f
         raise
 
 
-def _commit(txn_id: str, sums: list[int], timeout_s: float) -> Unary[PutResult]:
-    """Publish a begun put whose blocks landed with these checksums."""
-    return Unary("LocalCommit", kvstore_pb2.LocalCommitRequest(txn_id=txn_id, checksums=sums), timeout_s, put_result)
+def _commit(txn_id: str, sums: list[int], timeout_s: float, boot_id: int) -> Unary[PutResult]:
+    """Publish a begun put (of the daemon's start `boot_id`) whose blocks landed with these checksums."""
+    return Unary("LocalCommit", kvstore_pb2.LocalCommitRequest(txn_id=txn_id, checksums=sums, boot_id=boot_id),
+                 timeout_s, put_result)

@@ -149,8 +149,14 @@ class AsyncClient(ClientState):
         payload = request.SerializeToString()
         lane = self._lane
         if lane is not None:
-            answer = await lane.call(name, payload, timeout)
-            if answer is not None:
+            epoch = self._epoch
+            told = await lane.call_told(name, payload, timeout)
+            if told is not None:
+                answer, boot_id = told
+                if boot_id != self._generation:
+                    # Another start of the daemon answered on the lane (it restarted): what
+                    # this client holds of the old one goes before the next call uses it.
+                    ops.learn(self, boot_id, epoch)
                 return RESPONSE_TYPES[name].FromString(answer)
         stub = self._raw.get(name)
         if stub is None:
@@ -228,7 +234,7 @@ class AsyncClient(ClientState):
         await self._run(ops.end_session(session_id, self._t(timeout_s)))
 
     async def unpin(self, lease_id: str, *, timeout_s: float | None = None) -> bool:
-        return await self._run(ops.unpin(lease_id, self._t(timeout_s)))
+        return await self._run(ops.unpin(self, lease_id, self._t(timeout_s)))
 
     async def prefetch(self, layout: KVLayout, token_ids: Sequence[int] | None = None, *,
                        block_hashes: Sequence[bytes] | None = None, tier: str = "",

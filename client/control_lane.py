@@ -21,6 +21,15 @@ cannot have reached the daemon (nothing was sent), or that is safe to repeat
 after it was sent and is not safe to repeat raises `Unavailable`: it may or may not
 have run.
 
+The daemon's generation: the hello asks for the daemon's boot id
+(`control_lane_wire.MAGIC_GENERATION`; a daemon that predates it refuses that hello, and
+the first hello is said again on a new connection). Each connection keeps what its hello
+answered, and `call_told` returns it with the answer: the start of the daemon that
+answered that very call (a lane-wide "last hello" could be a connection to the old
+start whose hello is read after a new one's). A lane that reconnected after a restart so
+tells the client it talks to another start before any call is refused
+(`kvstore.client._ops`).
+
 File descriptors: with auth on, the daemon answers `LocalSegment` with the caller's
 segment as a descriptor (SCM_RIGHTS) rather than a path. `segment_over_lane` asks for it
 on a blocking connection of its own (for both clients: asyncio streams cannot receive
@@ -43,10 +52,22 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvstore.client._errors import translate_status
-from kvstore.control_lane_wire import HEADER, HELLO, HELLO_ANSWER, IDEMPOTENT, MAGIC, METHOD_IDS, frame, lane_path
+from kvstore.control_lane_wire import (
+    HEADER,
+    HELLO,
+    HELLO_ANSWER,
+    HELLO_ANSWER_GENERATION,
+    IDEMPOTENT,
+    MAGIC,
+    MAGIC_GENERATION,
+    METHOD_IDS,
+    frame,
+    lane_path,
+)
 from kvstore.errors import (
     DeadlineExceeded,
     FailedPrecondition,
+    InvalidArgument,
     KVStoreError,
     ResourceExhausted,
     Unauthenticated,
@@ -122,13 +143,17 @@ C = TypeVar("C", bound=_Conn)
 class ControlLane(Generic[C]):
     """The lane client's pool and policy; `SyncControlLane` and `AioControlLane` add the I/O."""
 
-    def __init__(self, path: str, token: str, required: bool) -> None:
+    def __init__(self, path: str, token: str, required: bool, generations: bool = True) -> None:
         self.path = path
         self.required = required  # control_plane="lane": no gRPC fallback
         self.up = False
         self.retry_at = 0.0  # monotonic; while down, gRPC until then
         self.max_request = 0  # the daemon's limit, from its hello answer
-        self._hello = frame(HELLO, MAGIC + token.encode("utf-8"))
+        self.boot_id = 0  # the boot id the latest hello told (0: none); for one call's, see `call_told`
+        first = frame(HELLO, MAGIC + token.encode("utf-8"))
+        self._hello = frame(HELLO, MAGIC_GENERATION + token.encode("utf-8")) if generations else first
+        # The hellos to say, in turn, where the one before was refused as unknown.
+        self._hellos = (self._hello, first) if generations else (first,)
         self._idle: list[C] = []
 
     def _unusable(self, exc: LaneUnavailable) -> None:
@@ -139,16 +164,30 @@ class ControlLane(Generic[C]):
         self.up = False
         self.retry_at = time.monotonic() + LANE_RETRY_S
 
-    def _handshake(self, code: int, payload: bytes) -> None:
-        """Take the daemon's request-size limit from its hello answer; raise its refusal."""
+    def _handshake(self, code: int, payload: bytes) -> int:
+        """Take the daemon's request-size limit from its hello answer, and return the boot
+        id it tells (0: none); raise its refusal."""
+        boot_id = 0
         if code != 0:
             raise status_error(code, payload)
-        if len(payload) != HELLO_ANSWER.size:
+        if len(payload) == HELLO_ANSWER_GENERATION.size:
+            magic, max_request, boot_id = HELLO_ANSWER_GENERATION.unpack(payload)
+            if magic != MAGIC_GENERATION:
+                raise LaneUnavailable("the lane answered with another protocol")
+            self.boot_id = int(boot_id)
+        elif len(payload) == HELLO_ANSWER.size:
+            magic, max_request = HELLO_ANSWER.unpack(payload)
+            if magic != MAGIC:
+                raise LaneUnavailable("the lane answered with another protocol")
+        else:
             raise LaneUnavailable("the lane's hello answer is malformed")
-        magic, max_request = HELLO_ANSWER.unpack(payload)
-        if magic != MAGIC:
-            raise LaneUnavailable("the lane answered with another protocol")
         self.max_request = int(max_request)
+        return int(boot_id)
+
+    def _say_again(self, exc: BaseException, hello: bytes) -> bool:
+        """Whether a refused `hello` is worth saying the next hello for, on a new
+        connection: a daemon that predates it refuses it as a bad magic."""
+        return hello is not self._hellos[-1] and isinstance(exc, InvalidArgument) and "bad magic" in str(exc)
 
     def _refused(self, exc: BaseException) -> BaseException:
         """What a failed handshake raises: `LaneUnavailable` (use gRPC), except for a
@@ -210,7 +249,7 @@ class ControlLane(Generic[C]):
 
 
 class _SyncConn:
-    __slots__ = ("sock", "buf", "timeout")
+    __slots__ = ("sock", "buf", "timeout", "boot_id")
 
     def __init__(self, path: str, timeout: float) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -224,6 +263,7 @@ class _SyncConn:
         self.sock = sock
         self.timeout = timeout
         self.buf = bytearray(1 << 16)
+        self.boot_id = 0  # what its hello told
 
     def close(self) -> None:
         self.sock.close()
@@ -341,16 +381,20 @@ class SyncControlLane(ControlLane[_SyncConn]):
     """Lane calls from blocking code."""
 
     def _connect(self, timeout: float) -> _SyncConn:
-        try:
-            conn = _SyncConn(self.path, timeout)
-        except OSError as exc:
-            raise LaneUnavailable(f"cannot connect to {self.path}: {exc.strerror or exc}") from None
-        try:
-            self._handshake(*conn.roundtrip(self._hello, timeout))
-        except BaseException as exc:
-            conn.close()
-            raise self._refused(exc) from None
-        return conn
+        for hello in self._hellos:
+            try:
+                conn = _SyncConn(self.path, timeout)
+            except OSError as exc:
+                raise LaneUnavailable(f"cannot connect to {self.path}: {exc.strerror or exc}") from None
+            try:
+                conn.boot_id = self._handshake(*conn.roundtrip(hello, timeout))
+            except BaseException as exc:
+                conn.close()
+                if self._say_again(exc, hello):
+                    continue
+                raise self._refused(exc) from None
+            return conn
+        raise AssertionError("unreachable: the last hello's refusal raises")
 
     def in_use(self, timeout: float) -> bool:
         """Whether unary calls go over the lane; makes a connection now if one is due."""
@@ -365,6 +409,11 @@ class SyncControlLane(ControlLane[_SyncConn]):
     def call(self, name: str, payload: bytes, timeout: float) -> bytes | None:
         """The serialized answer to a serialized request of method `name`; None when the
         lane cannot be used now (the call goes to gRPC)."""
+        told = self.call_told(name, payload, timeout)
+        return None if told is None else told[0]
+
+    def call_told(self, name: str, payload: bytes, timeout: float) -> tuple[bytes, int] | None:
+        """`call`'s answer, with the boot id of the daemon that answered it (0: not told)."""
         if not self.up and time.monotonic() < self.retry_at:
             return None
         conn = self._take()
@@ -380,7 +429,8 @@ class SyncControlLane(ControlLane[_SyncConn]):
                     conn = None
                     self._check_resend(name, exc, attempt, timeout)
                     continue
-                return self._answer(conn, code, answer)
+                boot_id = conn.boot_id
+                return self._answer(conn, code, answer), boot_id
         except LaneUnavailable as exc:
             self._unusable(exc)
             return None
@@ -391,11 +441,12 @@ class SyncControlLane(ControlLane[_SyncConn]):
 
 
 class _AioConn:
-    __slots__ = ("reader", "writer")
+    __slots__ = ("reader", "writer", "boot_id")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
+        self.boot_id = 0  # what its hello told
 
     def close(self) -> None:
         self.writer.close()
@@ -422,22 +473,27 @@ class AioControlLane(ControlLane[_AioConn]):
     """Lane calls from asyncio code."""
 
     async def _connect(self, timeout: float) -> _AioConn:
-        try:
-            async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_unix_connection(self.path, limit=1 << 16)
-        except (OSError, TimeoutError) as exc:
-            raise LaneUnavailable(f"cannot connect to {self.path}: {getattr(exc, 'strerror', None) or exc}") from None
-        conn = _AioConn(reader, writer)
-        try:
-            sock = writer.get_extra_info("socket")
-            if sock is not None:
-                _trusted_peer(sock)
-            async with asyncio.timeout(timeout):
-                self._handshake(*await conn.roundtrip(self._hello))
-        except BaseException as exc:
-            conn.close()
-            raise self._refused(exc) from None
-        return conn
+        for hello in self._hellos:
+            try:
+                async with asyncio.timeout(timeout):
+                    reader, writer = await asyncio.open_unix_connection(self.path, limit=1 << 16)
+            except (OSError, TimeoutError) as exc:
+                raise LaneUnavailable(f"cannot connect to {self.path}: {getattr(exc, 'strerror', None) or exc}") \
+                    from None
+            conn = _AioConn(reader, writer)
+            try:
+                sock = writer.get_extra_info("socket")
+                if sock is not None:
+                    _trusted_peer(sock)
+                async with asyncio.timeout(timeout):
+                    conn.boot_id = self._handshake(*await conn.roundtrip(hello))
+            except BaseException as exc:
+                conn.close()
+                if self._say_again(exc, hello):
+                    continue
+                raise self._refused(exc) from None
+            return conn
+        raise AssertionError("unreachable: the last hello's refusal raises")
 
     async def in_use(self, timeout: float) -> bool:
         """Whether unary calls go over the lane; makes a connection now if one is due."""
@@ -451,6 +507,11 @@ class AioControlLane(ControlLane[_AioConn]):
 
     async def call(self, name: str, payload: bytes, timeout: float) -> bytes | None:
         """As `SyncControlLane.call`, awaited."""
+        told = await self.call_told(name, payload, timeout)
+        return None if told is None else told[0]
+
+    async def call_told(self, name: str, payload: bytes, timeout: float) -> tuple[bytes, int] | None:
+        """As `SyncControlLane.call_told`, awaited."""
         if not self.up and time.monotonic() < self.retry_at:
             return None
         conn = self._take()
@@ -467,7 +528,8 @@ class AioControlLane(ControlLane[_AioConn]):
                     conn = None
                     self._check_resend(name, exc, attempt, timeout)
                     continue
-                return self._answer(conn, code, answer)
+                boot_id = conn.boot_id
+                return self._answer(conn, code, answer), boot_id
         except LaneUnavailable as exc:
             self._unusable(exc)
             return None

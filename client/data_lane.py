@@ -78,13 +78,23 @@ from kvstore.data_lane import (
     LaneSocket,
     LaneTimeout,
     ProtocolError,
+    boot_id_of,
     checksum_of,
     hello_payload,
     send_batch,
     status_of,
     unpack,
 )
-from kvstore.errors import DataLoss, DeadlineExceeded, KVStoreError, ResourceExhausted, Unavailable, error_for_status
+from kvstore.errors import (
+    RESTARTED_PREFIX,
+    DaemonRestarted,
+    DataLoss,
+    DeadlineExceeded,
+    KVStoreError,
+    ResourceExhausted,
+    Unavailable,
+    error_for_status,
+)
 from kvstore.v1 import kvstore_pb2
 
 logger = logging.getLogger(__name__)
@@ -280,12 +290,17 @@ class DataLane:
     def __init__(self, endpoint: LaneEndpoint, security: Security, *, max_connections: int = DEFAULT_CONNECTIONS,
                  window_bytes: int = DEFAULT_WINDOW_BYTES, connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  io_timeout_s: float = 30.0, tls: ssl.SSLContext | None = None, codec: str = "auto",
-                 chooser: CodecChooser | None = None, link: str = "") -> None:
+                 chooser: CodecChooser | None = None, link: str = "", boot_id: int = 0) -> None:
         self.endpoint = endpoint
         self.link = link or endpoint.address  # the chooser's name for this link
         # Which lossless codec transfers use: chosen per transfer ("auto"), or fixed.
         self.codec_mode = check_codec_mode(codec)
         self.chooser = chooser if chooser is not None else CodecChooser()
+        # The start of the daemon that offered this lane (its DataLane answer; 0: not
+        # told). Sent with the transfers' calls; a connection whose WELCOME tells another
+        # one is to a daemon that restarted since: `DaemonRestarted`, and the SDK asks
+        # for the lane anew.
+        self.boot_id = boot_id
         self.max_connections = max(1, max_connections)
         self.window_bytes = window_bytes
         self.connect_timeout_s = connect_timeout_s
@@ -348,6 +363,10 @@ class DataLane:
                 raise _error_of(lane, frame.block, frame.length)
             if frame.kind != WELCOME:
                 raise ProtocolError(f"the data lane answered the hello with frame kind {frame.kind}")
+            told = boot_id_of(frame)
+            if self.boot_id and told and told != self.boot_id:
+                raise DaemonRestarted(f"{RESTARTED_PREFIX} since its data lane was offered (generation "
+                                      f"{self.boot_id:016x}, now {told:016x}): ask for the lane again")
             lane.set_timeout(self.io_timeout_s)
         except (ResourceExhausted, DeadlineExceeded) as exc:
             # A lane that is full, or too busy to answer a hello: not this call's failure;
@@ -376,6 +395,10 @@ class DataLane:
         while len(got) < count:
             try:
                 got.append(self._connect(deadline - time.monotonic()))
+            except DaemonRestarted:
+                for conn in got:
+                    conn.close()  # the old start's connections are dead anyway
+                raise
             except KVStoreError as exc:
                 error = exc
                 break
@@ -763,6 +786,16 @@ def lane_fetch_request(fetch: kvstore_pb2.FetchRequest, connections: int,
     return kvstore_pb2.LaneFetchRequest(fetch=fetch, connections=connections, timeout_ms=_ms(timeout_s))
 
 
+def _of_start(fetch: kvstore_pb2.FetchRequest, lane: DataLane) -> kvstore_pb2.FetchRequest:
+    """`fetch`, naming the start of the daemon `lane` belongs to (its transfer is that start's)."""
+    if lane.boot_id and not fetch.boot_id:
+        named = kvstore_pb2.FetchRequest()
+        named.CopyFrom(fetch)  # (every field: a grouped export's `group` too)
+        named.boot_id = lane.boot_id
+        return named
+    return fetch
+
+
 def fetch_transfer(lane: DataLane, conns: list[LaneSocket], fetch: kvstore_pb2.FetchRequest,
                    dests: Callable[[kvstore_pb2.LaneFetchResponse], Sequence[memoryview]],
                    left: Callable[[], float], *,
@@ -775,7 +808,8 @@ def fetch_transfer(lane: DataLane, conns: list[LaneSocket], fetch: kvstore_pb2.F
     caller fetches another way)."""
     try:
         timeout_s = left()
-        grant = yield LaneCall("LaneFetch", lane_fetch_request(fetch, len(conns), timeout_s), timeout_s)
+        grant = yield LaneCall("LaneFetch", lane_fetch_request(_of_start(fetch, lane), len(conns), timeout_s),
+                               timeout_s)
         if not grant.num_blocks:
             lane.checkin(conns)
             return 0
@@ -809,7 +843,8 @@ def put_transfer(lane: DataLane, conns: list[LaneSocket], header: kvstore_pb2.Pu
     try:
         timeout_s = left()
         grant = yield LaneCall("LanePut", kvstore_pb2.LanePutRequest(
-            header=header, connections=len(conns), timeout_ms=_ms(timeout_s), runs=runs), timeout_s)
+            header=header, connections=len(conns), timeout_ms=_ms(timeout_s), runs=runs, boot_id=lane.boot_id),
+            timeout_s)
     except BaseException:
         lane.checkin(conns)
         raise
@@ -829,7 +864,8 @@ def put_transfer(lane: DataLane, conns: list[LaneSocket], header: kvstore_pb2.Pu
             raise  # closed where it stood: nothing more may be yielded (the daemon rolls it back)
         except BaseException as exc:
             try:
-                yield LaneCall("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id, abort=True),
+                yield LaneCall("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id, abort=True,
+                                                                           boot_id=lane.boot_id),
                                min(ABORT_TIMEOUT_S, left()), cleanup=True)
             except Exception:  # noqa: BLE001 - it rolls back by itself at its deadline
                 pass
@@ -837,7 +873,8 @@ def put_transfer(lane: DataLane, conns: list[LaneSocket], header: kvstore_pb2.Pu
                 return None
             raise
     timeout_s = left()
-    committed = yield LaneCall("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id), timeout_s)
+    committed = yield LaneCall("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id,
+                                                                         boot_id=lane.boot_id), timeout_s)
     return grant, committed
 
 
@@ -852,7 +889,8 @@ def grouped_fetch_transfer(lane: DataLane, conns: list[LaneSocket], fetch: kvsto
     than planned is a miss of the whole prefix for the caller."""
     try:
         timeout_s = left()
-        grant = yield LaneCall("LaneFetch", lane_fetch_request(fetch, len(conns), timeout_s), timeout_s)
+        grant = yield LaneCall("LaneFetch", lane_fetch_request(_of_start(fetch, lane), len(conns), timeout_s),
+                               timeout_s)
         if not grant.num_blocks:
             lane.checkin(conns)
             return 0, 0
@@ -883,7 +921,7 @@ def grouped_put_transfer(lane: DataLane, conns: list[LaneSocket], header: kvstor
     try:
         timeout_s = left()
         grant = yield LaneCall("LanePut", kvstore_pb2.LanePutRequest(
-            header=header, connections=len(conns), timeout_ms=_ms(timeout_s)), timeout_s)
+            header=header, connections=len(conns), timeout_ms=_ms(timeout_s), boot_id=lane.boot_id), timeout_s)
         if sum(g.num_blocks for g in grant.groups) != len(sources):
             raise KVStoreError(f"the daemon opened transfers of {sum(g.num_blocks for g in grant.groups)} parts "
                                f"for a put of {len(sources)}")
@@ -896,7 +934,8 @@ def grouped_put_transfer(lane: DataLane, conns: list[LaneSocket], header: kvstor
         raise
     except BaseException as exc:
         try:
-            yield LaneCall("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id, abort=True),
+            yield LaneCall("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id, abort=True,
+                                                                       boot_id=lane.boot_id),
                            min(ABORT_TIMEOUT_S, left()), cleanup=True)
         except Exception:  # noqa: BLE001 - it rolls back by itself at its deadline
             pass
@@ -904,7 +943,8 @@ def grouped_put_transfer(lane: DataLane, conns: list[LaneSocket], header: kvstor
             return None
         raise
     timeout_s = left()
-    return (yield LaneCall("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id), timeout_s))
+    return (yield LaneCall("LaneCommit", kvstore_pb2.LaneCommitRequest(transfer_id=grant.transfer_id,
+                                                                       boot_id=lane.boot_id), timeout_s))
 
 
 async def run_transfer(plan: TransferPlan[T], call: Callable[[str, Any, float], Awaitable[Any]]) -> T:

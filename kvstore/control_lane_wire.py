@@ -15,7 +15,11 @@ Frames, both ways: a 5-byte header `u32le payload length | u8 kind`, then the pa
 - The first frame on a connection is `HELLO` (kind 0): `MAGIC` then the client's bearer
   token (UTF-8; empty when it has none). The answer's payload is `MAGIC` and
   `u32le` the largest request frame the daemon accepts; or an error status, after
-  which the daemon closes the connection.
+  which the daemon closes the connection. A hello that starts with `MAGIC_GENERATION`
+  instead is answered `MAGIC_GENERATION`, the same `u32le`, and `u64le` the daemon's
+  boot id (this start of it: `kvstore.server.generation`). The SDK says that hello, and
+  the first one again where a daemon that predates it refuses it (bad magic); the
+  daemons of a pool say the first.
 
 Calls on one connection are answered in order, one at a time; clients that want calls
 in flight together open more connections.
@@ -39,8 +43,10 @@ from kvstore.v1 import kvstore_pb2
 
 SUFFIX = ".lane"
 MAGIC = b"KVL1"
+MAGIC_GENERATION = b"KVL2"  # a hello that asks for the daemon's boot id too
 HEADER = struct.Struct("<IB")
 HELLO_ANSWER = struct.Struct("<4sI")
+HELLO_ANSWER_GENERATION = struct.Struct("<4sIQ")
 HELLO = 0
 # The hello frame is the magic and a token: tokens are at most 256 characters.
 MAX_HELLO_BYTES = 4096

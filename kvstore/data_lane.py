@@ -31,7 +31,7 @@ answers none, and gets raw frames only. Credit always counts raw bytes (a block'
 | kind | from | meaning |
 |---|---|---|
 | HELLO   | client | first frame: payload `MAGIC` + bearer token (UTF-8, may be empty); block = VERSION |
-| WELCOME | daemon | the hello passed; block = VERSION, value = largest DATA payload accepted |
+| WELCOME | daemon | the hello passed; block = VERSION, value = largest DATA payload accepted, transfer = the daemon's boot id (u64le, then zeros; all zero: not told) |
 | FETCH   | client | join fetch transfer `transfer`; value = the credit granted, in bytes; flags = the codec asked for |
 | PUSH    | client | join put transfer `transfer`; the daemon answers CREDIT |
 | CREDIT  | receiver | `value` more payload bytes may be sent for `transfer` (0, to a put's sender: no more on this connection) |
@@ -54,10 +54,10 @@ put's sender takes its needed blocks in order, each only once it holds credit fo
 put). A CREDIT of 0 answers a sender that has none left when every block still to come
 is covered by credit on the put's other connections: it stops there.
 
-Primitives: `Frame`, `pack`, `unpack`, `hello_payload`, `parse_hello`, `status_of`, `Grant`,
-`LaneSocket` (one blocking socket, plain or TLS: `send_frame`, `send_data`, `send_blocks`
-(encoding them), `read_frame`, `recv_block`, `recv_encoded`, `discard`, `read_payload`,
-timeouts), `checksum_of`, `NOT_DECODED`.
+Primitives: `Frame`, `pack`, `unpack`, `hello_payload`, `parse_hello`, `boot_id_field`,
+`boot_id_of`, `status_of`, `Grant`, `LaneSocket` (one blocking socket, plain or TLS:
+`send_frame`, `send_data`, `send_blocks` (encoding them), `read_frame`, `recv_block`,
+`recv_encoded`, `discard`, `read_payload`, timeouts), `checksum_of`, `NOT_DECODED`.
 """
 
 from __future__ import annotations
@@ -134,6 +134,19 @@ def pack(kind: int, transfer: bytes = NO_TRANSFER, block: int = 0, length: int =
 def unpack(header: bytes | bytearray | memoryview) -> Frame:
     kind, flags, _reserved, block, transfer, length, value = HEADER.unpack(header)
     return Frame(kind, block, transfer, length, value, flags)
+
+
+_BOOT_ID = struct.Struct("<Q8x")
+
+
+def boot_id_field(boot_id: int) -> bytes:
+    """A WELCOME's transfer field: the daemon's boot id (kvstore.server.generation)."""
+    return _BOOT_ID.pack(boot_id)
+
+
+def boot_id_of(welcome: Frame) -> int:
+    """The boot id a WELCOME carries (0 from a daemon that does not tell it)."""
+    return int(_BOOT_ID.unpack(welcome.transfer)[0])
 
 
 def hello_payload(token: str) -> bytes:

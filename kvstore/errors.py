@@ -7,6 +7,7 @@ A miss is never an exception: lookups and fetches return what they have.
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 import grpc
@@ -34,6 +35,29 @@ class FailedPrecondition(KVStoreError):
     """The request is well formed but conflicts with the store's state."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class DaemonRestarted(FailedPrecondition):
+    """The call named something of a daemon that has restarted since the client attached
+    (a segment's slots, a reservation, a lease, a data lane transfer): it is gone with
+    that daemon. The client must attach anew (new segment, new lanes) before calling
+    again; the SDK does so by itself and calls once more where that is safe.
+
+    FAILED_PRECONDITION, not UNAVAILABLE: the daemon is up, and the same call sent again
+    as it is would meet the same refusal (UNAVAILABLE tells a client to resend as is;
+    for a shared-memory put that would mean copying into the old daemon's memory). The
+    message starts with `RESTARTED_PREFIX`, which is how the client tells this refusal
+    from the other FAILED_PRECONDITIONs, over gRPC and the lanes alike; it names the
+    daemon's current generation (`boot_id`) as `now <16 hex digits>`."""
+
+    @property
+    def boot_id(self) -> int:
+        """The daemon's current boot id, as the refusal names it (0: it names none)."""
+        found = re.search(r"now ([0-9a-f]{16})", str(self))
+        return int(found.group(1), 16) if found else 0
+
+
+RESTARTED_PREFIX = "the daemon restarted"
 
 
 class ResourceExhausted(KVStoreError):
@@ -111,4 +135,6 @@ _BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
 def error_for_status(code: grpc.StatusCode, details: str) -> KVStoreError:
     """The exception a client raises for a failed call with this status."""
     cls = _BY_CODE.get(code, KVStoreError)
+    if cls is FailedPrecondition and details.startswith(RESTARTED_PREFIX):
+        cls = DaemonRestarted
     return cls(details or code.name)

@@ -91,7 +91,7 @@ from kvstore.codec_chooser import CodecChooser
 from kvstore.control_lane_wire import RESPONSE_TYPES, peer_envelope
 from kvstore.data_lane import LaneSocket
 from kvstore.eager import Started, start
-from kvstore.errors import KVStoreError
+from kvstore.errors import DaemonRestarted, KVStoreError
 from kvstore.hashing import HASH_BYTES
 from kvstore.v1 import kvstore_pb2
 from kvstore.wire import Framed
@@ -312,7 +312,7 @@ class DataLaneTransport:
             return DataLane(endpoint, self._security, max_connections=min(offer.max_connections or 1,
                                                                           self._connections),
                             io_timeout_s=self._io_timeout_s, tls=self._tls_for(endpoint), codec=self.codec,
-                            chooser=self.chooser, link=f"node {node}")
+                            chooser=self.chooser, link=f"node {node}", boot_id=offer.boot_id)
         except KVStoreError as exc:  # its lane uses TLS and this node has no roots for it
             logger.warning("cluster: the data lane of node %s cannot be used (%s); block bytes go through gRPC",
                            node, exc)
@@ -331,6 +331,12 @@ class DataLaneTransport:
         try:
             # Cancelled, the thread goes on; `aclose` waits for it (`_orphans`).
             return await checkout_in_thread(lane, lane.connections_for(blocks), timeout_s, self._orphans)
+        except DaemonRestarted as exc:
+            # The peer restarted since it offered this lane (a static pool has no record to
+            # say so): gRPC for this call, and its lanes asked for anew by the next one.
+            logger.info("cluster: node %s restarted (%s); its lanes are asked for again", node, exc)
+            self._drop(node)
+            return None
         except KVStoreError as exc:
             logger.info("cluster: the data lane of node %s is not available (%s); block bytes go through gRPC "
                         "for %.0f s", node, exc, LANE_RETRY_S)

@@ -121,7 +121,9 @@ class PeerLane(ControlLane[_PeerConn]):
     deadline (`warm`)."""
 
     def __init__(self, node: str, endpoint: LaneEndpoint, token: str, tls: ssl.SSLContext | None) -> None:
-        super().__init__(f"{endpoint.host}:{endpoint.port}", token, required=False)
+        # The first hello (no boot id asked): a pool learns of a peer's restart from its
+        # member record, and old and new daemons of a pool speak it alike.
+        super().__init__(f"{endpoint.host}:{endpoint.port}", token, required=False, generations=False)
         self.node = node
         self.endpoint = endpoint
         self.tls = tls

@@ -74,7 +74,9 @@ from kvstore.control_lane_wire import (
     HEADER,
     HELLO,
     HELLO_ANSWER,
+    HELLO_ANSWER_GENERATION,
     MAGIC,
+    MAGIC_GENERATION,
     MAX_HELLO_BYTES,
     METHOD_IDS,
     REQUEST_TYPES,
@@ -154,8 +156,10 @@ class ControlLaneServer:
 
     def __init__(self, servicer: Any, pipeline: Pipeline, max_frame_bytes: int,
                  max_connections: int = MAX_CONNECTIONS, deferral: PolicyDeferral | None = None,
-                 hello_timeout_s: float = HELLO_TIMEOUT_S, idle_s: float = IDLE_S) -> None:
+                 hello_timeout_s: float = HELLO_TIMEOUT_S, idle_s: float = IDLE_S, boot_id: int = 0) -> None:
         self.auth = pipeline.auth
+        # This start of the daemon, told to a client whose hello asks for it (MAGIC_GENERATION).
+        self.boot_id = boot_id
         # The store's deferred policy calls (a lookup's touch), applied here once each
         # answer is written, rather than in a turn of the event loop of their own.
         self.deferral = deferral if deferral is not None else PolicyDeferral()
@@ -355,7 +359,7 @@ class ControlLaneServer:
     def hello(self, payload: bytes) -> tuple[KVStoreError | None, str | None]:
         """A hello frame's payload: (the refusal to answer, or None; the client's token,
         None if it sent none)."""
-        if payload[: len(MAGIC)] != MAGIC:
+        if payload[: len(MAGIC)] not in (MAGIC, MAGIC_GENERATION):
             return InvalidArgument("not a kvstore control lane hello (bad magic)"), None
         try:
             text = payload[len(MAGIC):].decode("utf-8")
@@ -576,7 +580,10 @@ class _Connection(asyncio.BufferedProtocol):
             if self._hello_timer is not None:
                 self._hello_timer.cancel()
                 self._hello_timer = None
-            self.write(0, HELLO_ANSWER.pack(MAGIC, server.max_frame_bytes))
+            if payload[: len(MAGIC_GENERATION)] == MAGIC_GENERATION:
+                self.write(0, HELLO_ANSWER_GENERATION.pack(MAGIC_GENERATION, server.max_frame_bytes, server.boot_id))
+            else:
+                self.write(0, HELLO_ANSWER.pack(MAGIC, server.max_frame_bytes))
         if self.task is not None or self.write_paused:
             # Waiting: keep at most one more whole frame buffered.
             if self.end - self.start > server.max_frame_bytes + 2 * size:

@@ -88,6 +88,7 @@ from kvstore.server.data_lane.transfer import DataLaneSettings
 from kvstore.server.data_lane.transfers import DataLaneTransfers
 from kvstore.server.device_plane import DevicePlane
 from kvstore.server.events import EventBus
+from kvstore.server.generation import Generation
 from kvstore.server.host_resources import GcFreezer, check_disk_capacity, resolve_host_capacity
 from kvstore.server.interceptors import PipelineInterceptor
 from kvstore.server.kv_events import KvEventsCollector, KvEventStreams, ObserverFanout, parse_streams
@@ -196,6 +197,9 @@ class Daemon:
         self.metrics_address = ""  # HOST:PORT once the endpoint is up; empty when off
         self.connection_limits: ConnectionLimits | None = None  # fitted to the open-file limit at start
         self.gc_freezer = GcFreezer()
+        # This start of the daemon (kvstore.server.generation): every plane hands it out,
+        # and calls naming what an earlier start handed out are refused.
+        self.generation = Generation()
         # The pool (cluster = true): its node id is resolved now, so a bad one stops the
         # daemon before it binds anything; the node joins once the listeners are up.
         self.node_id = resolve_cluster_node_id(config) if config.cluster else ""
@@ -414,10 +418,12 @@ class Daemon:
             io_timeout_s=cfg.data_lane_io_timeout_s, max_block_bytes=cfg.max_block_bytes,
             put_window_bytes=cfg.max_put_reserve_bytes, put_idle_timeout_s=cfg.put_idle_timeout_s,
             codecs=cfg.lane_codecs,
+            boot_id=self.generation.boot_id,
         ), lambda: self.data_lane.endpoints() if self.data_lane is not None else [], node)
         self._transfers = transfers
         servicer = KVStoreServicer(store, resolver, local, DevicePlane(store, local, self._local_plane_tenants), node,
-                                   cfg.chunk_bytes, cfg.max_put_reserve_bytes, cfg.put_idle_timeout_s, transfers)
+                                   cfg.chunk_bytes, cfg.max_put_reserve_bytes, cfg.put_idle_timeout_s, transfers,
+                                   self.generation)
         add_kvstore_servicer(servicer, server)
         codecs = CodecView(store, self.codecs if self.config.cluster else None)
         self.metrics.registry.register(CodecCollector(codecs.choices))
@@ -523,7 +529,7 @@ class Daemon:
         assert limits is not None
         return ControlLaneServer(servicer, self.pipeline, self.config.max_message_bytes, limits.max_connections,
                           deferral=servicer.store.deferral, hello_timeout_s=limits.handshake_timeout_s,
-                          idle_s=limits.idle_s)
+                          idle_s=limits.idle_s, boot_id=self.generation.boot_id)
 
     async def _start_peer_lanes(self, servicer: KVStoreServicer) -> None:
         """The peer lane (kvstore.server.control_lane, docs/cluster.md) on each of its addresses,

@@ -9,6 +9,11 @@ answered as a miss without registering it (the resolver's `Miss`; a Lookup, whic
 may answer from other nodes, takes `UnregisteredLayout` itself); only a Put that
 publishes registers a namespace. The shared-memory and device planes are delegated to
 `LocalPlaneService` and `DevicePlane`, the data lane's transfers to `DataLaneTransfers`.
+Here, once for every plane: this start's boot id goes out with the planes' answers
+(LocalSegment, DeviceSegment, DataLane), and each call that names something of a start
+(slots, a reservation, a lease, a transfer) is checked against it first
+(`kvstore.server.generation`): a client of an earlier start is refused before anything
+is handed out or published.
 The one piece of work beyond translation is the Fetch framer (`_frame`), which the
 store's fetch calls to cut a block into wire messages, so that the checksum it verifies
 is taken over the bytes that are sent.
@@ -74,6 +79,7 @@ from kvstore.server.auth import current_identity
 from kvstore.server.cluster import forward_put
 from kvstore.server.data_lane.transfers import DataLaneTransfers
 from kvstore.server.device_plane import DevicePlane
+from kvstore.server.generation import Generation
 from kvstore.server.local_plane import LocalPlaneService
 from kvstore.server.pool_node import PoolNode, SoloNode
 from kvstore.server.requests import Miss, RequestResolver, UnregisteredLayout, hash_fields, packed_reply
@@ -132,8 +138,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: Store, resolver: RequestResolver, local: LocalPlaneService, device: DevicePlane,
                  node: PoolNode, chunk_bytes: int, put_window_bytes: int = DEFAULT_PUT_WINDOW_BYTES,
                  put_idle_timeout_s: float = DEFAULT_PUT_IDLE_TIMEOUT_S,
-                 lane: DataLaneTransfers | None = None) -> None:
+                 lane: DataLaneTransfers | None = None, generation: Generation | None = None) -> None:
         self.store = store
+        # This start of the daemon: handed out with the planes' answers, checked on every
+        # call that names a segment's slots, a reservation, a lease or a transfer.
+        self.generation = generation if generation is not None else Generation()
+        self._check = self.generation.check
         self.resolver = resolver
         self.local = local
         self.device = device
@@ -317,6 +327,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Fetch(
         self, request: kvstore_pb2.FetchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[kvstore_pb2.FetchResponse | bytes]:
+        self._check(request.boot_id)
         ns_id = self._known(request.namespace, request.keys)
         if isinstance(ns_id, Miss):
             lease_id = self._lease_in(request.lease_id)
@@ -383,6 +394,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                                        expires_in_ms=r.expires_in_ms)
 
     async def Unpin(self, request: kvstore_pb2.UnpinRequest, context: Context) -> kvstore_pb2.UnpinResponse:
+        self._check(request.boot_id)
         lease_id = self._lease_in(request.lease_id)
         return kvstore_pb2.UnpinResponse(released=bool(lease_id) and self.store.unpin(lease_id))
 
@@ -429,40 +441,54 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     async def LocalSegment(self, request: kvstore_pb2.LocalSegmentRequest,
                            context: Context) -> kvstore_pb2.LocalSegmentResponse:
-        return self.local.segment()
+        resp = self.local.segment()
+        resp.boot_id = self.generation.boot_id
+        return resp
 
     async def LocalPut(self, request: kvstore_pb2.LocalPutRequest, context: Context) -> kvstore_pb2.LocalPutResponse:
+        self._check(request.boot_id)
         return await self.local.put(request)
 
     async def LocalCommit(self, request: kvstore_pb2.LocalCommitRequest, context: Context) -> kvstore_pb2.PutResponse:
+        self._check(request.boot_id)
         return await self.local.commit(request)
 
     async def LocalFetch(self, request: kvstore_pb2.LocalFetchRequest,
                          context: Context) -> kvstore_pb2.LocalFetchResponse:
+        self._check(request.boot_id)
         return await self.local.fetch(request)
 
     async def DeviceSegment(self, request: kvstore_pb2.DeviceSegmentRequest,
                             context: Context) -> kvstore_pb2.DeviceSegmentResponse:
-        return self.device.segment()
+        resp = self.device.segment()
+        resp.boot_id = self.generation.boot_id
+        return resp
 
     async def DeviceFetch(self, request: kvstore_pb2.LocalFetchRequest,
                           context: Context) -> kvstore_pb2.LocalFetchResponse:
+        self._check(request.boot_id)
         return await self.device.fetch(request)
 
     async def DevicePut(self, request: kvstore_pb2.LocalPutRequest, context: Context) -> kvstore_pb2.LocalPutResponse:
+        self._check(request.boot_id)
         return await self.device.put(request)
 
     async def DataLane(self, request: kvstore_pb2.DataLaneRequest, context: Context) -> kvstore_pb2.DataLaneResponse:
-        return self.lane.offer() if self.lane is not None else kvstore_pb2.DataLaneResponse()
+        resp = self.lane.offer() if self.lane is not None else kvstore_pb2.DataLaneResponse()
+        resp.boot_id = self.generation.boot_id
+        return resp
 
     async def LaneFetch(self, request: kvstore_pb2.LaneFetchRequest,
                         context: Context) -> kvstore_pb2.LaneFetchResponse:
+        self._check(request.fetch.boot_id)
         return await self._lane().open_fetch(request)
 
     async def LanePut(self, request: kvstore_pb2.LanePutRequest, context: Context) -> kvstore_pb2.LanePutResponse:
+        self._check(request.boot_id)
         return await self._lane().open_put(request)
 
     async def LaneCommit(self, request: kvstore_pb2.LaneCommitRequest, context: Context) -> kvstore_pb2.PutResponse:
+        self._check(request.boot_id)
         # In a pool, the transfers forward a committed lane put and make a lane fetch wait
         # for pulls, as Put and Fetch do (kvstore.server.data_lane.transfers).
         return await self._lane().commit(request)

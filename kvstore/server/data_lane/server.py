@@ -85,6 +85,7 @@ from kvstore.data_lane import (
     LaneSocket,
     LaneTimeout,
     ProtocolError,
+    boot_id_field,
     parse_hello,
     send_batch,
 )
@@ -357,7 +358,8 @@ class DataLaneServer:
                                 f"the data lane has {self.max_connections} connections, the most it allows; use "
                                 "Put and Fetch, or retry")
                 return
-            lane.send_frame(WELCOME, block=VERSION, value=self.settings.max_block_bytes)
+            lane.send_frame(WELCOME, transfer=boot_id_field(self.settings.boot_id), block=VERSION,
+                            value=self.settings.max_block_bytes)
             lane.set_timeout(self.settings.io_timeout_s)
             _Connection(self, lane, identity).run()
         except (LaneClosed, LaneTimeout, ssl.SSLError, OSError) as exc:

@@ -64,6 +64,8 @@ class DataLaneSettings:
     put_idle_timeout_s: float = 30.0
     # Frames may be encoded by a lossless codec the client asks for (`lane_codecs`).
     codecs: bool = True
+    # This start of the daemon (kvstore.server.generation), told to each connection in its WELCOME.
+    boot_id: int = 0
 
 
 class DataLaneCounters:
