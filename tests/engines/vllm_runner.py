@@ -15,9 +15,11 @@ SPEC: {"model": DIR, "dtype": "float32", "block_size": 32, "max_tokens": 16,
        "kv_events": {"endpoint": ..., "replay_endpoint": ...} (vLLM's own KV event
        publisher, ZMQ, on those endpoints)}
 STEP: {"generate": [PROMPT, ...]} | {"reset_prefix_cache": true} | {"kill": PID} | {"sleep": SECONDS}
+      | {"restart": {"pid": PID, "how": "kill-9" | "term", "argv": [...], "target": "unix:...", "log": PATH}}
 PROMPT: [token ids] or {"prompt_token_ids": [...], "cache_salt": "...", "max_tokens": n,
         "kv_transfer_params": {...}}
 OUT:  {"steps": [{"outputs": [{"token_ids", "num_cached_tokens", "kv_transfer_params", "text"}]}, ...]}
+      (a restart step: {"pid": the new daemon's pid})
 
 The slowed plane (a test seam): with "slow_plane_bytes_per_s", every put and fetch of the
 SDK's blocking client in this process takes at least its bytes over that rate (it runs
@@ -97,6 +99,32 @@ def wait_dead(pid: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def restart(pid: int, how: str, argv: list[str], target: str, log: str) -> int:
+    """Stop daemon `pid` (SIGKILL or SIGTERM), start `argv` and wait until it answers on
+    `target`; the new daemon's pid."""
+    import glob
+    import subprocess
+
+    from kvstore.client import Client
+    from kvstore.errors import KVStoreError
+
+    os.kill(pid, signal.SIGKILL if how == "kill-9" else signal.SIGTERM)
+    wait_dead(pid)
+    for seg in glob.glob(f"/dev/shm/kvstore-{pid}-*"):  # what a SIGKILLed daemon could not unlink
+        os.unlink(seg)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with Client(target, timeout_s=2) as kv:
+                kv.stats()
+            return proc.pid
+        except KVStoreError:
+            time.sleep(0.1)
+    raise RuntimeError(f"the restarted daemon did not answer on {target}")
+
+
 def main(spec_path: str, out_path: str) -> None:
     from vllm import SamplingParams
 
@@ -138,6 +166,10 @@ def main(spec_path: str, out_path: str) -> None:
             os.kill(step["kill"], signal.SIGKILL)
             wait_dead(step["kill"])
             steps.append({})
+        elif "restart" in step:
+            # The daemon stops (a crash, or a clean stop) and a new one starts on its
+            # socket while this engine, and its connector's client, run on.
+            steps.append({"pid": restart(**step["restart"])})
     with open(out_path, "w") as f:
         json.dump({"steps": steps}, f)
 
