@@ -393,12 +393,14 @@ class ClusterNode:
         c.peer_lookup_blocks += asked
         c.peer_hit_blocks += held
 
-    async def extend(self, namespace_id: bytes, chain: bytes | Sequence[bytes], held: int) -> Extension | None:
+    async def extend(self, namespace_id: bytes, chain: bytes | Sequence[bytes], held: int,
+                     lease_id: str = "") -> Extension | None:
         """The rest of a lookup's answer past its local prefix of `held` blocks, from the
-        other nodes (`RemoteLookup.extend`); None when nothing past it is found."""
+        other nodes (`RemoteLookup.extend`); None when nothing past it is found. The blocks
+        its pulls land are held under `lease_id` (the lookup's store lease), if any."""
         if self.left or self.store.namespace(namespace_id).groups:
             return None  # a grouped layout's parts stay on the node that computed them
-        return await self.remote_lookup.extend(namespace_id, chain, held)
+        return await self.remote_lookup.extend(namespace_id, chain, held, lease_id)
 
     def _call(self, namespace_id: bytes) -> PeerCall:
         call = self._calls.get(namespace_id)

@@ -99,12 +99,15 @@ class PullSpec:
 class _Pull:
     """One fetch from one node: its runs, and a future settled once it is over."""
 
-    __slots__ = ("runs", "spec", "done")
+    __slots__ = ("runs", "spec", "done", "lease_ids")
 
     def __init__(self, runs: list[PullRun] | None = None, spec: PullSpec | None = None) -> None:
         self.runs = runs
         self.spec = spec
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # The store leases of the lookups that promised its blocks: what it lands is held
+        # under each of them too, until the fetch that follows ends it.
+        self.lease_ids: list[str] = []
 
 
 @dataclass(slots=True)
@@ -120,10 +123,11 @@ class PullCounters:
 class _PullSink:
     """Writes one fetch's blocks into the local puts of its runs, in order."""
 
-    def __init__(self, puller: Puller, node: str, runs: Sequence[PullRun]) -> None:
+    def __init__(self, puller: Puller, node: str, runs: Sequence[PullRun], lease_ids: Sequence[str] = ()) -> None:
         self._puller = puller
         self._node = node
         self._runs = list(runs)
+        self._lease_ids = lease_ids  # (the pull's own list: a lookup may add to it while it runs)
         self._avail = 0
         self._sums: list[int] = []
         self._run = -1  # the run being received
@@ -194,6 +198,8 @@ class _PullSink:
             raise
         if run.replica:
             puller.counters.replica_blocks += puller.store.mark_replicas(run.namespace_id, run.hashes[: self._n])
+        for lease_id in self._lease_ids:
+            puller.store.lease_more(lease_id, txn.stored_rows()[1])
         puller.counters.pulled_blocks += result.stored
         self._resolve(run, self._n)
         if puller.pulled is not None:
@@ -273,8 +279,12 @@ class _PullSink:
             result = await txn.commit(checksums[:total])
             self._lane_txn = None
             published = self._runs[:done]
+            positions, rows = txn.stored_rows()
+            for lease_id in self._lease_ids:
+                # Held for the fetch that follows the lookup (replicas are the first victims
+                # of their tier: a small one would otherwise evict them before it reads them).
+                puller.store.lease_more(lease_id, rows)
             if any(run.replica for run in published):
-                positions, rows = txn.stored_rows()
                 replica = np.repeat([run.replica for run in published], [len(run.hashes) for run in published])
                 puller.counters.replica_blocks += puller.store.mark_replica_rows(rows[replica[positions]])
             puller.counters.pulled_blocks += result.stored
@@ -344,10 +354,13 @@ class Puller:
             self.pending_blocks += len(by_hash) - before
         self._launch(node, call, pull)
 
-    def mark(self, namespace_id: bytes, hashes: Sequence[bytes]) -> _Pull:
+    def mark(self, namespace_id: bytes, hashes: Sequence[bytes], lease_id: str = "") -> _Pull:
         """A pull about to copy `hashes` (of one namespace): they are pending from now,
-        until it is `launch`ed and done (a fetch waits for them meanwhile)."""
+        until it is `launch`ed and done (a fetch waits for them meanwhile). With `lease_id`
+        (the store lease of the lookup that started it) what it lands is held under it."""
         pull = _Pull()
+        if lease_id:
+            pull.lease_ids.append(lease_id)
         by_hash = self.pending.get(namespace_id)
         if by_hash is None:
             by_hash = self.pending[namespace_id] = {}
@@ -399,13 +412,13 @@ class Puller:
             if pull.runs is None:
                 assert pull.spec is not None
                 pull.runs = pull.spec.runs()
-            await self._run_pull(node, call, pull.runs)
+            await self._run_pull(node, call, pull.runs, pull.lease_ids)
         finally:
             if not pull.done.done():
                 pull.done.set_result(None)
 
-    async def _run_pull(self, node: str, call: PeerCall, runs: list[PullRun]) -> None:
-        sink = _PullSink(self, node, runs)
+    async def _run_pull(self, node: str, call: PeerCall, runs: list[PullRun], lease_ids: Sequence[str] = ()) -> None:
+        sink = _PullSink(self, node, runs, lease_ids)
         attempt: Attempt | None = None
         try:
             async with self._running:
@@ -441,6 +454,16 @@ class Puller:
             if attempt is not None:
                 attempt.release()  # no verdict above (cancelled, refused, a local failure): a probe goes back
             sink.abort()
+
+    def hold_for(self, lease_id: str, namespace_id: bytes, hashes: Sequence[bytes]) -> None:
+        """Blocks of another lookup's pulls, promised by this one too: what those pulls
+        land is held under `lease_id` as well."""
+        by_hash = self.pending.get(namespace_id)
+        if not by_hash:
+            return
+        for pull in {id(p): p for p in (by_hash.get(h) for h in hashes) if p is not None}.values():
+            if lease_id not in pull.lease_ids:
+                pull.lease_ids.append(lease_id)
 
     async def wait(self, namespace_id: bytes, block_hash: bytes, timeout_s: float) -> bool:
         """Wait (at most `timeout_s`) for the run copying a block; whether it was pending

@@ -226,9 +226,11 @@ class RemoteLookup:
             st = self.peers[node] = PeerStats()
         return st
 
-    async def extend(self, namespace_id: bytes, chain: bytes | Sequence[bytes], held: int) -> Extension | None:
+    async def extend(self, namespace_id: bytes, chain: bytes | Sequence[bytes], held: int,
+                     lease_id: str = "") -> Extension | None:
         """The rest of a lookup's answer past its local prefix of `held` blocks, from one
-        round to the other nodes; None when nothing past it is found."""
+        round to the other nodes; None when nothing past it is found. `lease_id`: the
+        store lease the lookup took, which holds what its pulls land too."""
         packed = chain if isinstance(chain, bytes) else b"".join(chain)
         if held * HASH_BYTES >= len(packed):
             return None
@@ -236,7 +238,7 @@ class RemoteLookup:
         if ahead is _ENDS_HERE:
             return None
         if isinstance(ahead, _Round):
-            return await self._extend_ahead(namespace_id, packed, held, ahead)
+            return await self._extend_ahead(namespace_id, packed, held, ahead, lease_id)
         present = self.store.present(namespace_id, packed[held * HASH_BYTES :])
         rnd = self._round_from_held(namespace_id, packed, held, present)
         got = None
@@ -245,7 +247,7 @@ class RemoteLookup:
                 got, _ = await self._ask(namespace_id, packed, rnd)
             else:
                 self.counters.no_room_for_pulls += 1
-        return self._combine(namespace_id, packed, held, present, rnd, got)
+        return self._combine(namespace_id, packed, held, present, rnd, got, lease_id)
 
     def _round_ahead(self, namespace_id: bytes, packed: bytes, held: int) -> _Round | object | None:
         """A round of every unit past the prefix, each asked of its owner, before what is
@@ -280,7 +282,8 @@ class RemoteLookup:
             return None  # its owner is suspect: `_round_from_held` ends the chain where it must
         return _Round(starts, stops, _EMPTY, unit_starts, owner, names, owner != me, asks, len(packed) // HASH_BYTES)
 
-    async def _extend_ahead(self, namespace_id: bytes, packed: bytes, held: int, rnd: _Round) -> Extension | None:
+    async def _extend_ahead(self, namespace_id: bytes, packed: bytes, held: int, rnd: _Round,
+                            lease_id: str) -> Extension | None:
         """`extend` with its round sent first (`_round_ahead`), reading what is held here
         while the answers travel."""
 
@@ -291,7 +294,7 @@ class RemoteLookup:
         got, local = await self._ask(namespace_id, packed, rnd, held_here)
         assert local is not None
         present, rnd.locs = local
-        return self._combine(namespace_id, packed, held, present, rnd, got)
+        return self._combine(namespace_id, packed, held, present, rnd, got, lease_id)
 
     def _unit_cut(self, packed: bytes, held: int) -> tuple[np.ndarray[Any, Any], ...]:
         """The units from position `held` on (the first from `held`, inside its unit), cut as
@@ -494,7 +497,7 @@ class RemoteLookup:
         return out, local
 
     def _combine(self, namespace_id: bytes, packed: bytes, held: int, present: bytes, rnd: _Round,
-                 got: dict[str, np.ndarray[Any, Any]] | None) -> Extension | None:
+                 got: dict[str, np.ndarray[Any, Any]] | None, lease_id: str = "") -> Extension | None:
         """The answer past the local prefix from the round and the nodes' answers; schedules
         the pulls of what was found elsewhere."""
         reach = rnd.end
@@ -523,6 +526,15 @@ class RemoteLookup:
         past = present[: reach - held]
         tiers = past.translate(self._tier_values)
         remote = tiers.count(kvstore_pb2.TIER_REMOTE)
+        if lease_id:
+            # The answer's blocks past the local prefix are held for the fetch that follows
+            # as the prefix is: those here now (replicas, the first victims of their tier),
+            # and those other lookups' pulls are copying here (this one's, as they land).
+            # (Read now, not from `present`: a pull may have landed while the round was out.)
+            span = packed[held * HASH_BYTES : reach * HASH_BYTES]
+            self.store.lease_held(lease_id, namespace_id, span)
+            if remote and self.puller.pending.get(namespace_id):
+                self.puller.hold_for(lease_id, namespace_id, split_hashes(span))
         self.store.counters.count_past_prefix(past)
         self.counters.local_past_prefix_blocks += len(tiers) - remote
         self.counters.remote_hit_blocks += remote
@@ -531,11 +543,12 @@ class RemoteLookup:
             # waits for them) and started once the answer is written: by a callback
             # scheduled now, which runs before the event loop reads the next request.
             asyncio.get_running_loop().call_soon(self._start_pulls, namespace_id, packed, rnd, holders, pick, best,
-                                                 best_found, cut)
+                                                 best_found, cut, lease_id)
         return Extension(len(tiers), tiers, remote)
 
     def _mark(self, holder: str, namespace_id: bytes, packed: bytes, starts: np.ndarray[Any, Any],
-              stops: np.ndarray[Any, Any], replica: np.ndarray[Any, Any], key_pos: np.ndarray[Any, Any]) -> _Ranges:
+              stops: np.ndarray[Any, Any], replica: np.ndarray[Any, Any], key_pos: np.ndarray[Any, Any],
+              lease_id: str = "") -> _Ranges:
         """One pull from `holder` of these ranges (one per unit, consecutive ones of a kind
         merged into a run), its blocks marked pending."""
         joins = (starts[1:] == stops[:-1]) & (replica[1:] == replica[:-1])
@@ -543,12 +556,12 @@ class RemoteLookup:
         lasts = np.concatenate([firsts[1:] - 1, [len(starts) - 1]]).astype(np.int64)
         run_starts, run_stops = starts[firsts], stops[lasts]
         hashes = split_hashes(gather_ranges(packed, run_starts, run_stops))
-        return _Ranges(holder, self.puller.mark(namespace_id, hashes), run_starts, run_stops, replica[firsts], hashes,
+        return _Ranges(holder, self.puller.mark(namespace_id, hashes, lease_id), run_starts, run_stops, replica[firsts], hashes,
                        key_pos, firsts, lasts)
 
     def _start_pulls(self, namespace_id: bytes, packed: bytes, rnd: _Round, holders: list[str],
                      pick: np.ndarray[Any, Any] | None, best: np.ndarray[Any, Any], best_found: np.ndarray[Any, Any],
-                     cut: int) -> None:
+                     cut: int, lease_id: str = "") -> None:
         """Mark and start a lookup's pulls: from each holder picked (`pick`, None with one),
         the units of the first `cut` it holds more of than this node."""
         copied = np.flatnonzero(best_found[:cut] > rnd.locs[:cut])
@@ -559,7 +572,7 @@ class RemoteLookup:
                 continue
             self._peer(holder).hit_blocks += int((best - rnd.locs)[idx].sum())
             r = self._mark(holder, namespace_id, packed, (rnd.starts + rnd.locs)[idx], (rnd.starts + best)[idx],
-                           rnd.replica[idx], rnd.key_pos[idx])
+                           rnd.replica[idx], rnd.key_pos[idx], lease_id)
             keys = split_hashes(_keys_at(packed, r.key_pos))
             unit_keys = [keys[first : last + 1] for first, last in zip(r.firsts.tolist(), r.lasts.tolist())]
             self.puller.launch(r.holder, call, r.pull, PullSpec(namespace_id, packed, r.starts.tolist(),

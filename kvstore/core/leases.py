@@ -100,6 +100,19 @@ class LeaseTable:
         ttl_ms = min(ttl_ms, limits.max_lease_ms)
         return self.acquire(table, rows, now + ttl_ms / 1000.0, holds_bytes, tenant)
 
+    def extend(self, lease_id: str, rows: npt.NDArray[np.int64]) -> bool:
+        """Hold `rows` (current, indexed rows of the lease's table) under a lease still
+        held, until it ends; False when it has ended already."""
+        lease = self._leases.get(lease_id)
+        if lease is None or not len(rows):
+            return lease is not None
+        rows = np.array(rows, np.int64)
+        hold_pins(lease.table, rows)
+        if lease.holds_bytes:
+            hold_readers(lease.table, rows)
+        lease.rows = np.concatenate([lease.rows, rows])
+        return True
+
     def release(self, lease_id: str) -> Lease | None:
         lease = self._leases.pop(lease_id, None)
         if lease is None:

@@ -603,6 +603,23 @@ class Store:
         for st in self.tiers:
             st.policy.end_session(session_id)
 
+    def open_lease(self, namespace_id: bytes, ttl_ms: int) -> str:
+        """A lease on no block yet, counted against the namespace's tenant: a pool's lookup
+        whose answer lies on other nodes takes it, and the blocks copied here for it are
+        added as they land (`lease_more`)."""
+        info = self._enter(namespace_id)
+        return self._acquire_lease(np.empty(0, np.int64), ttl_ms, tenant=info.tenant).lease_id
+
+    def lease_more(self, lease_id: str, rows: np.ndarray[Any, Any]) -> bool:
+        """Pin `rows` (blocks just published) under a lease still held, until it ends;
+        False when it has ended already (the fetch it was for came and went)."""
+        return self._leases.extend(lease_id, rows)
+
+    def lease_held(self, lease_id: str, namespace_id: bytes, packed: bytes) -> bool:
+        """`lease_more` for those of the named blocks (N x 16-byte hashes) held here now."""
+        rows = self.index.find_packed(namespace_id, packed)
+        return self._leases.extend(lease_id, rows[rows >= 0])
+
     def unpin(self, lease_id: str) -> bool:
         return self._leases.release(lease_id) is not None
 

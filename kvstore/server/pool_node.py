@@ -53,9 +53,11 @@ class PoolNode(Protocol):
         """The pool's settings (a forward's wait for its owners reads them)."""
         ...
 
-    async def extend(self, namespace_id: bytes, chain: bytes | Sequence[bytes], held: int) -> Extension | None:
+    async def extend(self, namespace_id: bytes, chain: bytes | Sequence[bytes], held: int,
+                     lease_id: str = "") -> Extension | None:
         """The rest of a lookup's answer past its local prefix of `held` blocks; None when
-        nothing past it is found."""
+        nothing past it is found. What the pool copies here for it is held under the
+        lookup's store lease `lease_id`, if any."""
         ...
 
     def peer_looked_up(self, asked: int, held: int) -> None:
@@ -111,7 +113,8 @@ class SoloNode:
         # Never read: nothing is forwarded from a daemon alone, so nothing waits for owners.
         raise FailedPrecondition(NOT_IN_A_POOL)
 
-    async def extend(self, namespace_id: bytes, chain: bytes | Sequence[bytes], held: int) -> Extension | None:
+    async def extend(self, namespace_id: bytes, chain: bytes | Sequence[bytes], held: int,
+                     lease_id: str = "") -> Extension | None:
         return None
 
     def peer_looked_up(self, asked: int, held: int) -> None:

@@ -72,7 +72,7 @@ import grpc
 
 from kvstore.convert import TIER_BY_NAME, TIER_NAMES, unknown_tier_message
 from kvstore.core.store import PrefixLookup, Store
-from kvstore.errors import Cancelled, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument
+from kvstore.errors import Cancelled, DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.hashing import HASH_BYTES, split_hashes
 from kvstore.native import XXH3, native
 from kvstore.server.auth import current_identity
@@ -208,16 +208,24 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                 node.peer_looked_up(n_asked, r.num_blocks)
             else:
                 ext = None
+                lease_id = r.lease_id
                 try:
                     if r.num_blocks < n_asked:
+                        if request.lease_ms and not lease_id:
+                            # Nothing here to lease: one for what the pool copies here for
+                            # this answer (its pulls add their blocks), so the fetch finds them.
+                            lease_id = self._open_lease(ns_id, request.lease_ms)
                         # The rest of the chain may be on other nodes of the pool (a chain
                         # held here is answered without asking them).
-                        ext = await node.extend(ns_id, chain, r.num_blocks)
+                        ext = await node.extend(ns_id, chain, r.num_blocks, lease_id)
                 finally:
                     self.store.counters.count_lookup(self.store.registry.get(ns_id), n_asked,
                                                      r.num_blocks + (ext.blocks if ext is not None else 0))
+                    if lease_id != r.lease_id and (ext is None or not ext.remote):
+                        self.store.unpin(lease_id)  # nothing comes: not kept for nothing
+                        lease_id = r.lease_id
                 if ext is not None:
-                    return self._extended(request, keys, r, ext, chain)
+                    return self._extended(request, keys, r, ext, chain, lease_id)
         resp = kvstore_pb2.LookupResponse(
             num_blocks=r.num_blocks,
             num_tokens=r.num_tokens,
@@ -239,13 +247,22 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             resp.block_hashes_packed = r.hashes_packed
         return resp
 
+    def _open_lease(self, ns_id: bytes, lease_ms: int) -> str:
+        """An empty store lease for a lookup answered from other nodes ("" when the
+        tenant's leases are at their cap: the answer then comes without one)."""
+        try:
+            return self.store.open_lease(ns_id, lease_ms)
+        except ResourceExhausted:
+            return ""
+
     def _extended(self, request: kvstore_pb2.LookupRequest, keys: kvstore_pb2.BlockKeys, r: PrefixLookup,
-                  ext: Extension, chain: bytes | list[bytes]) -> kvstore_pb2.LookupResponse:
-        """A lookup's answer with the blocks the pool adds past the local prefix."""
+                  ext: Extension, chain: bytes | list[bytes], lease_id: str) -> kvstore_pb2.LookupResponse:
+        """A lookup's answer with the blocks the pool adds past the local prefix, under
+        `lease_id` (the local prefix's lease, which also holds what the pulls land)."""
         n = r.num_blocks + ext.blocks
         resp = kvstore_pb2.LookupResponse(
             num_blocks=n, num_tokens=n * r.block_size_tokens, namespace_id=r.namespace_id,
-            lease_id=self._lease_out(r.lease_id), block_size_tokens=r.block_size_tokens, remote_blocks=ext.remote)
+            lease_id=self._lease_out(lease_id), block_size_tokens=r.block_size_tokens, remote_blocks=ext.remote)
         omit = request.omit_hashes and keys.WhichOneof("keys") != "tokens"
         tiers = r.tier_ids.translate(tier_enum_table(r.tier_names)) + ext.tiers
         packed = chain[: n * HASH_BYTES] if isinstance(chain, bytes) else b"".join(chain[:n])
