@@ -62,6 +62,9 @@ class Security:
             raise InvalidArgument("a client certificate needs both tls_cert and tls_key")
         if tls_cert and not tls_ca:
             raise InvalidArgument("a client certificate (mTLS) needs tls_ca, the roots that sign the daemon's cert")
+        if token and "[[tenant]]" in token:
+            raise InvalidArgument("the token file given is a daemon's token file (TOML, with hashes of tokens); a "
+                                  "client's token file holds one plain token: the one `kvstore token new` printed")
         if token and any(c in token for c in "\r\n"):
             raise InvalidArgument("the token contains a line break; check the token file")
         return cls(

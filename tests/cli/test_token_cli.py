@@ -56,3 +56,13 @@ def test_token_new_refuses_a_malformed_grant(tmp_path: Path, capsys: pytest.Capt
     assert not os.path.exists(path)  # nothing written
     assert main(["token", "new", "--tenant", "t"]) == 0
     assert "no local_plane" in capsys.readouterr().out
+
+
+def test_a_daemon_token_file_given_as_a_client_token_file_is_named(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore.errors import InvalidArgument
+
+    path = tmp_path / "tokens.toml"
+    _new(capsys, path, "--tenant", "engine")
+    with pytest.raises(InvalidArgument, match="daemon's token file"):
+        Client("unix:/nonexistent.sock", token_file=str(path))
