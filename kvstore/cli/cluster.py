@@ -88,8 +88,8 @@ def _drained(resp: Any) -> str:
             f"{resp.units_failed} not" + (f", {resp.units_gone} no longer held" if resp.units_gone else "")
             + f"; {'left the pool' if resp.left else 'still in the pool'}")
     if resp.units_failed:
-        text += (f"\n{resp.units_failed} units could not be handed off (no next owner reachable, or out of time: "
-                 "--drain-timeout): their blocks stay on this daemon, served to its own clients; the other "
+        text += (f"\n{resp.units_failed} units could not be handed off (no next owner reachable or willing, or out "
+                 "of time: --drain-timeout): their blocks stay on this daemon, served to its own clients; the other "
                  "nodes find them here only while they still ask it as a previous owner (cluster_grace_s, "
                  "while this daemon runs), and miss them after that until an engine computes them again")
     return text
