@@ -67,7 +67,7 @@ from kvstore.client._groups import (
     prepare_grouped_put,
     wire_parts,
 )
-from kvstore.client._held import HeldSlots, check_reserve_ahead, keep_held, take_held
+from kvstore.client._held import HeldReservations, check_reserve_ahead
 from kvstore.client._local import LocalPlane
 from kvstore.client._options import (
     DEFAULT_CHUNK_BYTES,
@@ -261,9 +261,9 @@ class ClientState:
         # The device (CUDA IPC) plane: opened on the first put or fetch of CUDA tensors.
         self._device: Any = None
         self._device_tried = False
-        # Empty slots the daemon holds for this client's next put, by block size: that
-        # put then takes one round trip instead of two.
-        self._reserved: dict[int, HeldSlots] = {}
+        # Empty slots the daemon holds for this client's next puts, by block size: such a
+        # put takes one round trip instead of two.
+        self._reserved = HeldReservations()
         # Leases of finished shared-memory fetches, ended by the next local call instead
         # of an Unpin each (they also expire on their own): (lease id, boot id of the
         # daemon's start that granted it).
@@ -453,13 +453,12 @@ def release_all(c: ClientState) -> Plan[None]:
     """Hand back what the daemon holds for this client (held slots, leases of finished
     fetches) on close; whatever cannot be handed back expires by itself."""
     timeout = min(1.0, c.timeout_s)
-    for held in list(c._reserved.values()):
+    for held in c._reserved.take_all():
         try:
             yield Unary("LocalCommit", kvstore_pb2.LocalCommitRequest(
                 reservation_id=held.reservation_id, abort=True, boot_id=held.boot_id), timeout)
         except KVStoreError:
             pass
-    c._reserved.clear()
     releases, c._releases = c._releases, []
     for lease_id, boot_id in releases:
         try:
@@ -509,7 +508,7 @@ def _let_go(c: ClientState, boot_id: int) -> None:
     if lane is not None and lane.boot_id != boot_id:
         c._datalane, c._datalane_tried = None, c._datalane_never
         lane.close()
-    c._reserved = {size: held for size, held in c._reserved.items() if held.boot_id == boot_id}
+    c._reserved.keep_only(boot_id)
     c._releases = [(lease_id, b) for lease_id, b in c._releases if b == boot_id]
 
 
@@ -905,7 +904,8 @@ def _put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, bloc
         return put_result((yield StreamPut(prepared, timeout_s)))
     n = len(prepared.views)
     boot_id = plane.boot_id  # every call below names this start's slots
-    held, unfit = take_held(c._reserved, layout.bytes_per_block, n, boot_id)
+    held, unfit = c._reserved.take(layout.bytes_per_block, n, boot_id)
+    ahead = min(n, c.reserve_ahead) if c._reserved.room(layout.bytes_per_block) else 0
     if held is not None:
         sums = yield from _copy_in(Blocking(plane.copy_in, held.offsets[:n], prepared.views),
                                    kvstore_pb2.LocalCommitRequest(reservation_id=held.reservation_id, abort=True,
@@ -913,19 +913,18 @@ def _put(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None, bloc
         try:
             resp = yield Unary("LocalCommit", kvstore_pb2.LocalCommitRequest(
                 header=prepared.header, reservation_id=held.reservation_id, checksums=sums,
-                reserve_ahead=min(n, c.reserve_ahead), release_lease_ids=c._take_releases(boot_id),
-                boot_id=boot_id), timeout_s)
+                reserve_ahead=ahead, release_lease_ids=c._take_releases(boot_id), boot_id=boot_id), timeout_s)
         except DaemonRestarted:
             raise  # not a lost reservation: the plane itself is the old start's (`_again`)
         except FailedPrecondition as exc:
             logger.info("slot reservation gone (%s); putting in two round trips", exc)
         else:
-            keep_held(c._reserved, resp.reservation, boot_id)
+            yield from _keep_held(c, resp.reservation, boot_id, timeout_s)
             return put_result(resp)
     begun = yield Unary("LocalPut", kvstore_pb2.LocalPutRequest(
-        header=prepared.header, release_lease_ids=c._take_releases(boot_id), reserve_ahead=min(n, c.reserve_ahead),
+        header=prepared.header, release_lease_ids=c._take_releases(boot_id), reserve_ahead=ahead,
         reuse_reservation_id=unfit, boot_id=boot_id), timeout_s)
-    keep_held(c._reserved, begun.reservation, boot_id)
+    yield from _keep_held(c, begun.reservation, boot_id, timeout_s)
     sums = yield from _copy_in(Blocking(plane.copy_in, begun.offsets, prepared.views),
                                kvstore_pb2.LocalCommitRequest(txn_id=begun.txn_id, abort=True, boot_id=boot_id),
                                timeout_s)
@@ -989,6 +988,19 @@ def _put_parts_lane(c: ClientState, lane: DataLane, prepared: PreparedPut, timeo
     if done is None:
         return put_result((yield StreamPut(prepared, timeout_s)))
     return put_result(done)
+
+
+def _keep_held(c: ClientState, reservation: kvstore_pb2.SlotReservation, boot_id: int,
+               timeout_s: float) -> Plan[None]:
+    """Hold the reservation an answer handed out for a later put; hand it back at once
+    when the client holds as many as it may (kvstore.client._held)."""
+    extra = c._reserved.keep(reservation, boot_id)
+    if extra is not None:
+        try:
+            yield Unary("LocalCommit", kvstore_pb2.LocalCommitRequest(reservation_id=extra.reservation_id,
+                                                                      abort=True, boot_id=boot_id), timeout_s)
+        except KVStoreError:
+            pass  # its slots come back when it expires (put_idle_timeout_s); the put itself is done
 
 
 def put_lane(c: ClientState, lane: DataLane, prepared: PreparedPut, timeout_s: float) -> Plan[PutResult]:

@@ -5,6 +5,7 @@ reservation comes back (used, aborted, refused), and that the SDK's puts stay ex
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import grpc
@@ -131,6 +132,36 @@ async def test_async_client_puts_in_one_trip_too(daemon, layout):
             assert (await kv.put(layout, tokens, blocks)).stored == 2
         for tokens, blocks in puts:
             assert [bytes(b) for b in await kv.fetch(layout, tokens)] == blocks
+
+
+async def test_puts_running_at_once_each_keep_their_reservation_and_none_is_left_behind(daemon, layout):
+    """Sixteen puts of one client at once (all sent before any is answered: one event
+    loop) each get a reservation back. The client keeps MAX_HELD of them for its next
+    puts and hands the others back at once; closing it hands back the rest: the host
+    tier then holds exactly the blocks stored. (A client that kept one reservation per
+    block size, each answer replacing the last, left the others' slots taken until they
+    expired, put_idle_timeout_s later: with threads or tasks re-putting a few chains,
+    the host tier filled with reservations nobody would use.)"""
+    from kvstore.client._held import MAX_HELD
+
+    ahead = 2
+    puts = [(list(range(i * 100, i * 100 + 8)), _blocks(layout, 2)) for i in range(17)]
+    async with AsyncClient(daemon.unix_target, data_plane="local", reserve_ahead=ahead) as kv:
+        assert (await kv.put(layout, *puts[0])).stored == 2  # attached, one reservation held
+        done = await asyncio.gather(*(kv.put(layout, tokens, blocks) for tokens, blocks in puts[1:]))
+        assert [d.stored for d in done] == [2] * 16
+        stored = 17 * 2
+        host = next(t for t in (await kv.stats()).tiers if t.name == "host")
+        assert host.used_bytes == (stored + MAX_HELD * ahead) * layout.bytes_per_block
+        # Held ones serve the next puts (re-puts of stored chains here), and come back.
+        for tokens, blocks in puts:
+            assert (await kv.put(layout, tokens, blocks)).existing == 2
+            assert [bytes(b) for b in await kv.fetch(layout, tokens)] == blocks
+        host = next(t for t in (await kv.stats()).tiers if t.name == "host")
+        assert host.used_bytes <= (stored + MAX_HELD * ahead) * layout.bytes_per_block
+    async with AsyncClient(daemon.unix_target, data_plane="grpc") as kv:
+        host = next(t for t in (await kv.stats()).tiers if t.name == "host")
+    assert host.used_bytes == stored * layout.bytes_per_block
 
 
 # ------------------------------------------------------------------ with tenants
