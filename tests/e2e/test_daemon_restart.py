@@ -42,9 +42,10 @@ from tests import procs
 pytestmark = pytest.mark.e2e
 
 LAYOUT = KVLayout(model="test/restart", dtype="float16", num_layers=2, num_kv_heads=2, head_dim=64,
-                  block_size_tokens=4)  # 2 KiB blocks
+                  block_size_tokens=4)  # 4 KiB blocks
 HOW = ("kill-9", "clean")
-PUTS_AFTER = 25  # puts of 4 blocks each thread makes after the restart (400 KiB in all: nothing is evicted)
+PUTS_AFTER = 25  # new puts of 4 blocks each thread makes after the restart (1.6 MiB in all)
+CYCLE = 8  # until then each thread puts the same few chains again (0.5 MiB in all): nothing is evicted
 
 
 def chain(n: int, salt: int) -> tuple[list[int], list[bytes]]:
@@ -104,6 +105,10 @@ def started() -> Iterator[list[Daemon]]:
 def checksum_failures(kv: Client) -> int:
     stats = kv.stats()
     return sum(t.checksum_failures for t in stats.tiers)
+
+
+def evictions(kv: Client) -> int:
+    return int(kv.stats().counters.evictions)
 
 
 def read_by_another(target: str, chains: list[tuple[list[int], list[bytes]]], **options: object) -> None:
@@ -236,7 +241,8 @@ def test_a_client_shared_by_threads_across_a_kill_9(tmp_path: Path, started: lis
     restarted: its mapping of the old segment is let go only once the copies running in
     it are done (no thread copies into unmapped memory), calls fail only while no daemon
     is there (UNAVAILABLE), and every put acknowledged by the new daemon is exact for
-    another client."""
+    another client. The daemon evicts nothing (until the threads know of the restart
+    they put the same few chains again), so a block missing at the end was lost."""
     daemon = Daemon(tmp_path)
     started.append(daemon)
     restarted = threading.Event()
@@ -247,11 +253,14 @@ def test_a_client_shared_by_threads_across_a_kill_9(tmp_path: Path, started: lis
     def work(kv: Client, seed: int) -> None:
         n = 0
         since = 0  # puts begun after the restart: bounded, so none is evicted before it is read
+        cycled: dict[int, list[bytes]] = {}  # each chain's bytes: put again, the same
         while since < PUTS_AFTER:
             since += restarted.is_set()
-            n += 1
+            # Until the restart, a cycle of a few chains: the time the daemon takes to come
+            # back varies, and the bytes put meanwhile must not fill its host tier.
+            n = CYCLE + since if since else (n + 1) % CYCLE
             tokens = [(seed << 28) + (n << 4) + i for i in range(4 * LAYOUT.block_size_tokens)]
-            blocks = [os.urandom(LAYOUT.bytes_per_block) for _ in range(4)]
+            blocks = cycled.setdefault(n, [os.urandom(LAYOUT.bytes_per_block) for _ in range(4)])
             after = restarted.is_set()  # read first: a put begun before the restart may land on either daemon
             try:
                 put = kv.put(LAYOUT, tokens, blocks)
@@ -281,6 +290,8 @@ def test_a_client_shared_by_threads_across_a_kill_9(tmp_path: Path, started: lis
         assert kv.data_plane_in_use == "local"
     assert unexpected == []
     assert len(acked) >= 2 * PUTS_AFTER  # most of the threads' puts since the restart
+    with Client(daemon.target) as kv:
+        assert evictions(kv) == 0  # (else the check below could fail on what was evicted)
     read_by_another(daemon.target, acked)
     with Client(daemon.target) as kv:
         assert checksum_failures(kv) == 0
