@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.client import Client
+from kvstore.client import Client, GroupKind, KVGroup
 from kvstore.control_lane_wire import (
     HEADER,
     HELLO,
@@ -234,6 +234,44 @@ def test_the_data_lane(tmp_path: Path, started: list[Daemon], how: str, lane_por
         across_a_restart(kv, daemon, how, "lane")
         stats = kv.data_lane_stats
         assert stats is not None and stats.blocks_rejected == 0
+
+
+GROUPED = KVLayout(
+    model="test/restart-groups", dtype="bfloat16", num_layers=3, num_kv_heads=1, head_dim=8, block_size_tokens=4,
+    groups=(
+        KVGroup("full", GroupKind.FULL, "bfloat16", (2, 1, 4, 1, 8)),
+        KVGroup("swa", GroupKind.SLIDING_WINDOW, "bfloat16", (2, 1, 4, 1, 8), window_tokens=9),
+        KVGroup("ssm", GroupKind.STATE, "float32", (32,)),
+    ),
+)
+
+
+@pytest.mark.parametrize("plane", ["local", "lane"])
+def test_a_layout_with_kv_groups(tmp_path: Path, started: list[Daemon], plane: str) -> None:
+    """A grouped layout's parts across a kill -9, on shared memory and on the data lane:
+    the put after the restart is stored on the new daemon (another client reads the same
+    parts), what the old one held is a miss."""
+    grpc_port = free_port()
+    daemon = Daemon(tmp_path, listen=f"127.0.0.1:{grpc_port}")
+    started.append(daemon)
+
+    def parts(n: int) -> list[dict[str, bytes]]:
+        return [{g.name: os.urandom(g.bytes_per_block) for g in GROUPED.groups} for _ in range(n)]
+
+    target = daemon.target if plane == "local" else f"127.0.0.1:{grpc_port}"
+    before, after = list(range(24)), list(range(1000, 1024))
+    with Client(target, data_plane=plane) as kv:
+        assert kv.put(GROUPED, before, parts(6)).stored == 6
+        assert kv.fetch(GROUPED, before)
+        daemon.restart("kill-9")
+        assert kv.put(GROUPED, after, parts(6)).stored == 6
+        got = kv.fetch(GROUPED, after)
+        assert len(got) == 6
+        assert kv.fetch(GROUPED, before) == []
+        assert kv.data_plane_in_use == plane
+    with Client(daemon.target, data_plane="grpc") as other:
+        assert other.fetch(GROUPED, after) == got
+        assert checksum_failures(other) == 0
 
 
 def test_a_client_shared_by_threads_across_a_kill_9(tmp_path: Path, started: list[Daemon]) -> None:
