@@ -959,7 +959,7 @@ def _put_parts(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None
     if plane is None:
         lane = None if c._datalane_tried and c._datalane is None else (yield from data_lane(c))
         if lane is not None:
-            return (yield from _put_parts_lane(c, lane, prepared, timeout_s))
+            return (yield from put_lane(c, lane, prepared, timeout_s, grouped=True))
         return put_result((yield StreamPut(prepared, timeout_s)))
     boot_id = plane.boot_id  # every call below names this start's slots
     begun = yield Unary("LocalPut", kvstore_pb2.LocalPutRequest(
@@ -970,24 +970,6 @@ def _put_parts(c: ClientState, layout: KVLayout, token_ids: Sequence[int] | None
         raise KVStoreError(f"the daemon answered {len(begun.offsets)} slots for a put of {len(prepared.views)} parts")
     sums = yield from _copy_in(Blocking(plane.copy_in, begun.offsets, prepared.views), abort, timeout_s)
     return (yield _commit(begun.txn_id, sums, timeout_s, boot_id))
-
-
-def _put_parts_lane(c: ClientState, lane: DataLane, prepared: PreparedPut, timeout_s: float) -> Plan[PutResult]:
-    """A grouped put on the data lane (`kvstore.client.data_lane.grouped_put_transfer`):
-    each group's parts as a transfer of their own, one LaneCommit publishing them all; in
-    `auto`, a lane that failed is set aside and the put goes through gRPC."""
-    try:
-        conns = yield Blocking(lane.checkout, lane.connections_for(len(prepared.views)), timeout_s)
-    except Unavailable as exc:
-        yield from _offered_again(c, lane)
-        if not _set_aside(c, lane, exc):
-            raise
-        return put_result((yield StreamPut(prepared, timeout_s)))
-    done = yield from _on_lane(grouped_put_transfer(lane, conns, prepared.header, prepared.views, lambda: timeout_s,
-                                                    fall_back=functools.partial(_set_aside, c, lane)))
-    if done is None:
-        return put_result((yield StreamPut(prepared, timeout_s)))
-    return put_result(done)
 
 
 def _keep_held(c: ClientState, reservation: kvstore_pb2.SlotReservation, boot_id: int,
@@ -1003,13 +985,15 @@ def _keep_held(c: ClientState, reservation: kvstore_pb2.SlotReservation, boot_id
             pass  # its slots come back when it expires (put_idle_timeout_s); the put itself is done
 
 
-def put_lane(c: ClientState, lane: DataLane, prepared: PreparedPut, timeout_s: float) -> Plan[PutResult]:
+def put_lane(c: ClientState, lane: DataLane, prepared: PreparedPut, timeout_s: float,
+             grouped: bool = False) -> Plan[PutResult]:
     """A put on the data lane (`kvstore.client.data_lane.put_transfer`): connections
     first, then LanePut opens it (its slots are reserved a window at a time) and says
     which blocks the daemon needs, those go on the lane as its credit allows (each
     verified as it lands), and LaneCommit publishes, all or nothing. A failure aborts the
     transfer; in `auto`, a lane that broke is set aside for a while and the put goes
-    through gRPC instead."""
+    through gRPC instead. `grouped`: a layout with KV groups, each group's parts a
+    transfer of their own under one LaneCommit (`grouped_put_transfer`)."""
     try:
         conns = yield Blocking(lane.checkout, lane.connections_for(len(prepared.views)), timeout_s)
     except Unavailable as exc:
@@ -1017,11 +1001,17 @@ def put_lane(c: ClientState, lane: DataLane, prepared: PreparedPut, timeout_s: f
         if not _set_aside(c, lane, exc):
             raise
         return put_result((yield StreamPut(prepared, timeout_s)))
-    done = yield from _on_lane(put_transfer(lane, conns, prepared.header, prepared.views, lambda: timeout_s,
-                                            fall_back=functools.partial(_set_aside, c, lane)))
+    fall_back = functools.partial(_set_aside, c, lane)
+    if grouped:
+        done = yield from _on_lane(grouped_put_transfer(lane, conns, prepared.header, prepared.views,
+                                                        lambda: timeout_s, fall_back=fall_back))
+    else:
+        plain = yield from _on_lane(put_transfer(lane, conns, prepared.header, prepared.views, lambda: timeout_s,
+                                                 fall_back=fall_back))
+        done = None if plain is None else plain[1]
     if done is None:
         return put_result((yield StreamPut(prepared, timeout_s)))
-    return put_result(done[1])
+    return put_result(done)
 
 
 def _offered_again(c: ClientState, lane: DataLane) -> Plan[None]:

@@ -32,7 +32,7 @@ import grpc
 from kvstore.codecs import available, codec_mask
 from kvstore.core.groups import GroupedFetchStream, GroupedPutTxn
 from kvstore.core.store import Store
-from kvstore.core.types import NamespaceInfo
+from kvstore.core.types import NamespaceInfo, PutOutcome
 from kvstore.data_lane import VERSION
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, ResourceExhausted, error_for_status
 from kvstore.hashing import HASH_BYTES
@@ -410,17 +410,21 @@ class DataLaneTransfers:
             raise
         self.counters.add("committed_bytes_in", sum(t.block_bytes * sum(t.needed) for t in transfers))
         header = put.header
-        session = self.resolver.put_session(header)
-        if session:
-            self.store.hint(result.namespace_id, result.block_hashes, session, header.hint.expect_reuse_within_s,
-                            carried_by="put")
-        resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
-                                       namespace_id=result.namespace_id,
-                                       **hash_fields(result.block_hashes, packed_reply(header.keys)))
+        resp = self._committed(header, result)
         waiting = forward_put(self.node, self.resolver, result.namespace_id, header, resp)
         if waiting is not None:
             await waiting
         return resp
+
+    def _committed(self, header: kvstore_pb2.PutHeader, result: PutOutcome) -> kvstore_pb2.PutResponse:
+        """A committed lane put, plain or grouped: its session hint applied, its answer."""
+        session = self.resolver.put_session(header)
+        if session:
+            self.store.hint(result.namespace_id, result.block_hashes, session, header.hint.expect_reuse_within_s,
+                            carried_by="put")
+        return kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
+                                       namespace_id=result.namespace_id,
+                                       **hash_fields(result.block_hashes, packed_reply(header.keys)))
 
     async def _run_reserver(self, transfer: PutTransfer) -> None:
         try:
@@ -526,13 +530,7 @@ class DataLaneTransfers:
             raise
         self.counters.add("committed_bytes_in", result.stored * transfer.block_bytes)
         header = transfer.header
-        session = self.resolver.put_session(header)
-        if session:
-            self.store.hint(result.namespace_id, result.block_hashes, session, header.hint.expect_reuse_within_s,
-                            carried_by="put")
-        resp = kvstore_pb2.PutResponse(stored=result.stored, existing=result.existing,
-                                       namespace_id=result.namespace_id,
-                                       **hash_fields(result.block_hashes, packed_reply(header.keys)))
+        resp = self._committed(header, result)
         if transfer.runs:  # a peer's forward of several runs: the pool is told of all at once
             hashes, parent = self.resolver.put_keys(self.store.namespace(result.namespace_id), header)
             self.node.after_peer_put(result.namespace_id,
